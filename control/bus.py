@@ -1,0 +1,592 @@
+"""The event bus: every Redis command fd sends, behind names that say what they mean.
+
+:class:`Bus` is a thin, stateless wrapper over one ``redis.asyncio`` client; :class:`StreamMux`
+is the one stateful reader, multiplexing many per-request streams for an API replica.
+
+Rules every reader here follows (DESIGN.md §3, §6):
+
+- Nothing that arrives on a stream can crash a reader. An entry that does not decode, or that
+  decodes to an event that does not belong on that stream, is logged, copied to ``P:dead``
+  with a ``reason``, acked where a consumer group applies, counted, and skipped.
+- Blocking reads are never cancelled (fakeredis loses the reply of a cancelled blocking read);
+  callers pass a short ``block_ms`` and loop on a stop flag.
+- Stream keys and entry ids come back as ``bytes``; every last-id map is keyed by ``bytes``.
+- Trimming is approximate (``MAXLEN ~``), which is about twice as fast as exact trimming.
+  Per-request streams are never trimmed (the story must stay whole); they expire instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from typing import Any, Iterable, Mapping, Sequence
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from control.events import (
+    CONTROL_TYPES,
+    REQ_STREAM_TYPES,
+    Abort,
+    AbortAll,
+    Accepted,
+    BadEvent,
+    Drain,
+    Event,
+    Final,
+    Request,
+    decode,
+)
+from control.keys import GROUP_ENGINES, Keys, valid_request_id
+
+log = logging.getLogger("control.bus")
+
+#: Dead letters keep at most this much of each original field: enough to see what went
+#: wrong, without letting an oversize junk entry be copied whole into P:dead.
+DEAD_FIELD_KEEP_BYTES = 64 * 1024
+_DEAD_RESERVED = (b"reason", b"stream", b"entry_id")
+DEAD_SEEN_MAX = 4096
+
+Entry = tuple[bytes, Event]
+
+
+def _b(x: bytes | str) -> bytes:
+    return x if isinstance(x, bytes) else x.encode()
+
+
+def entry_id_key(entry_id: bytes | str) -> tuple[int, int]:
+    """Stream entry ids as sortable numbers (``b"12-3"`` -> ``(12, 3)``; ``"12"`` -> ``(12, 0)``)."""
+    ms, _, seq = _b(entry_id).partition(b"-")
+    return int(ms), int(seq or 0)
+
+
+def _normal_id(entry_id: bytes | str) -> bytes:
+    try:
+        ms, seq = entry_id_key(entry_id)
+    except ValueError:
+        raise ValueError(f"not a stream entry id: {entry_id!r}") from None
+    return b"%d-%d" % (ms, seq)
+
+
+def check_event(stream: str | bytes, ev: Event, allowed: tuple[type, ...],
+                request_id: str | None = None) -> Event:
+    """Reject an event that decoded fine but has no business on this stream."""
+    if not isinstance(ev, allowed):
+        raise BadEvent(f"event type {ev.TYPE!r} does not belong on {_b(stream).decode()}", "type")
+    if request_id is not None and getattr(ev, "request_id", request_id) != request_id:
+        raise BadEvent(f"event for {ev.request_id!r} on the stream of {request_id!r}", "request_id")
+    return ev
+
+
+class Bus:
+    """Typed access to fd's streams and keys for one Redis client and one key prefix."""
+
+    def __init__(self, redis, keys: Keys, *, req_ttl_s: int = 3600, dead_maxlen: int = 10_000,
+                 requests_maxlen: int = 100_000, control_maxlen: int = 10_000,
+                 journal_maxlen: int = 10_000):
+        self.redis = redis
+        self.keys = keys
+        self.req_ttl_s = req_ttl_s
+        self.dead_maxlen = dead_maxlen
+        self.requests_maxlen = requests_maxlen
+        self.control_maxlen = control_maxlen
+        self.journal_maxlen = journal_maxlen
+        self.dead_letters = 0
+        self._dead_seen: OrderedDict[tuple[bytes, bytes], None] = OrderedDict()
+        self._journal_head = f"{keys.prefix}:journal:"
+
+    # ------------------------------------------------------------------ publishing
+
+    def maxlen(self, stream: str) -> int | None:
+        """The approximate length cap of a stream family; ``None`` (never trim) for the rest."""
+        if stream == self.keys.requests:
+            return self.requests_maxlen
+        if stream == self.keys.control:
+            return self.control_maxlen
+        if stream == self.keys.dead:
+            return self.dead_maxlen
+        if stream.startswith(self._journal_head):
+            return self.journal_maxlen
+        return None
+
+    def _xadd(self, client, stream: str, fields: Mapping) -> Any:
+        cap = self.maxlen(stream)
+        return client.xadd(stream, fields, maxlen=cap, approximate=True) if cap else client.xadd(stream, fields)
+
+    async def publish(self, stream: str, event: Event) -> bytes:
+        return await self._xadd(self.redis, stream, event.encode())
+
+    async def publish_many(self, items: Sequence[tuple[str, Event]], expire: Sequence[str] = (),
+                           ack: Sequence[bytes] = ()) -> list[bytes]:
+        """All of ``items`` (then an EXPIRE of each key in ``expire``, then an XACK of each
+        ``P:requests`` entry in ``ack``) in one round trip, in order. Acks come last so a request
+        is acknowledged only once its final is written."""
+        if not items and not expire and not ack:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for stream, event in items:
+            self._xadd(pipe, stream, event.encode())
+        for key in expire:
+            pipe.expire(key, self.req_ttl_s)
+        if ack:
+            pipe.xack(self.keys.requests, GROUP_ENGINES, *ack)
+        results = await pipe.execute()
+        return results[: len(items)]
+
+    async def submit(self, request: Request, accepted: Accepted) -> None:
+        """Accept a request: its story starts (``accepted``) before any engine can claim it.
+
+        The request stream also gets the TTL now, so the story of a request no engine ever
+        finishes does not stay in Redis forever; the final event renews it.
+        """
+        rid = request.request_id
+        await self.publish_many(
+            [(self.keys.req(rid), accepted), (self.keys.requests, request)],
+            expire=[self.keys.req(rid)],
+        )
+
+    # ------------------------------------------------------------------ dead letters
+
+    async def dead_letter(self, source_stream: str | bytes, entry_id: bytes | str | None,
+                          fields: Mapping, reason: str) -> None:
+        """Copy a rejected entry to ``P:dead`` with why, and count it."""
+        stream = _b(source_stream)
+        eid = _b(entry_id) if entry_id is not None else b""
+        if eid:
+            # Readers without a cursor of their own (read_req) see a bad entry again on every
+            # re-read; one dead letter per entry is enough.
+            if (stream, eid) in self._dead_seen:
+                return
+            self._dead_seen[(stream, eid)] = None
+            if len(self._dead_seen) > DEAD_SEEN_MAX:
+                self._dead_seen.popitem(last=False)
+        log.warning("dead letter: %s %s: %s", stream.decode(errors="replace"),
+                    eid.decode(errors="replace") or "-", reason)
+        out: dict[bytes, bytes] = {b"reason": _b(reason), b"stream": stream, b"entry_id": eid}
+        truncated = []
+        for k, v in (fields or {}).items():
+            name = _b(k) if isinstance(k, (bytes, str)) else str(k).encode()
+            value = v if isinstance(v, bytes) else str(v).encode()
+            if name in _DEAD_RESERVED or name.startswith(b"orig."):
+                name = b"orig." + name
+            if len(value) > DEAD_FIELD_KEEP_BYTES:
+                value = value[:DEAD_FIELD_KEEP_BYTES]
+                truncated.append(name)
+            out[name] = value
+        if truncated:
+            out[b"truncated"] = b",".join(truncated)
+        self.dead_letters += 1
+        await self.redis.xadd(self.keys.dead, out, maxlen=self.dead_maxlen, approximate=True)
+
+    async def _decode_or_dead(self, stream: str | bytes, entry_id: bytes, fields: Mapping | None,
+                              allowed: tuple[type, ...], request_id: str | None = None) -> Event | None:
+        if fields is None:  # an entry trimmed or deleted while pending
+            await self.dead_letter(stream, entry_id, {}, "entry deleted from the stream while pending")
+            return None
+        try:
+            return check_event(stream, decode(fields, entry_id), allowed, request_id)
+        except BadEvent as e:
+            await self.dead_letter(stream, entry_id, fields, str(e))
+            return None
+
+    # ------------------------------------------------------------------ requests (group)
+
+    async def ensure_group(self) -> None:
+        try:
+            await self.redis.xgroup_create(self.keys.requests, GROUP_ENGINES, id="0", mkstream=True)
+        except ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    async def claim_requests(self, consumer: str, count: int, block_ms: int | None) -> list[tuple[bytes, Request]]:
+        """Up to ``count`` new requests for ``consumer``; ``block_ms=None`` does not block."""
+        try:
+            resp = await self.redis.xreadgroup(GROUP_ENGINES, consumer, {self.keys.requests: ">"},
+                                               count=count, block=block_ms)
+        except ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            # The group vanished (FLUSHALL, a deleted stream): recreate it and read again.
+            await self.ensure_group()
+            resp = await self.redis.xreadgroup(GROUP_ENGINES, consumer, {self.keys.requests: ">"},
+                                               count=count, block=block_ms)
+        out: list[tuple[bytes, Request]] = []
+        for _stream, entries in resp or ():
+            out += await self._requests_or_dead(entries)
+        return out
+
+    async def _requests_or_dead(self, entries: Iterable) -> list[tuple[bytes, Request]]:
+        out = []
+        for entry_id, fields in entries:
+            ev = await self._decode_or_dead(self.keys.requests, entry_id, fields, (Request,))
+            if ev is None:
+                await self.ack_request(entry_id)
+            else:
+                out.append((entry_id, ev))
+        return out
+
+    async def ack_request(self, entry_id: bytes) -> None:
+        await self.redis.xack(self.keys.requests, GROUP_ENGINES, entry_id)
+
+    async def autoclaim(self, consumer: str, min_idle_ms: int, count: int = 100) -> list[tuple[bytes, Request]]:
+        """Take over requests another consumer read but did not ack for ``min_idle_ms``."""
+        out: list[tuple[bytes, Request]] = []
+        cursor = b"0-0"
+        while len(out) < count:
+            resp = await self.redis.xautoclaim(self.keys.requests, GROUP_ENGINES, consumer,
+                                               min_idle_ms, start_id=cursor, count=count - len(out))
+            cursor, entries = resp[0], resp[1]
+            # Redis >= 7 drops ids of entries trimmed while pending from the PEL and lists them.
+            for gone in (resp[2] if len(resp) > 2 else ()):
+                await self.dead_letter(self.keys.requests, gone, {},
+                                       "request trimmed from the stream while pending")
+            out += await self._requests_or_dead(entries)
+            if _b(cursor) == b"0-0":
+                break
+        return out
+
+    # ------------------------------------------------------------------ control (broadcast)
+
+    async def control_cursor(self) -> bytes:
+        last = await self.redis.xrevrange(self.keys.control, count=1)
+        return last[0][0] if last else b"0-0"
+
+    async def read_control(self, cursor: bytes | str, block_ms: int | None,
+                           count: int = 1000) -> tuple[bytes, list[tuple[bytes, Abort | AbortAll | Drain]]]:
+        """Control events after ``cursor``, and the cursor to read from next."""
+        cursor = _b(cursor)
+        resp = await self.redis.xread({self.keys.control: cursor}, count=count, block=block_ms)
+        out = []
+        for _stream, entries in resp or ():
+            for entry_id, fields in entries:
+                cursor = entry_id
+                ev = await self._decode_or_dead(self.keys.control, entry_id, fields, CONTROL_TYPES)
+                if ev is not None:
+                    out.append((entry_id, ev))
+        return cursor, out
+
+    # ------------------------------------------------------------------ one request
+
+    async def read_req(self, request_id: str, after: bytes | str = b"0",
+                       block_ms: int | None = None) -> list[tuple[bytes, Event]]:
+        """The request's events after ``after`` (exclusive), in order."""
+        key = self.keys.req(request_id)
+        after = _b(after)
+        deadline = None if not block_ms else time.monotonic() + block_ms / 1000
+        while True:
+            resp = await self.redis.xread({key: after}, block=block_ms)
+            out = []
+            for _stream, entries in resp or ():
+                for entry_id, fields in entries:
+                    after = entry_id
+                    ev = await self._decode_or_dead(key, entry_id, fields, REQ_STREAM_TYPES, request_id)
+                    if ev is not None:
+                        out.append((entry_id, ev))
+            if out or not resp or deadline is None:
+                return out
+            # Only junk arrived. A blocking caller would come straight back with the same
+            # ``after`` and get the same junk at once: wait on past it here instead.
+            block_ms = int((deadline - time.monotonic()) * 1000)
+            if block_ms <= 0:
+                return []
+
+    async def try_own(self, request_id: str, owner: str, ttl_s: int) -> tuple[bool, str | None]:
+        """First writer wins the request (an engine's claim, or the abort path's tombstone)."""
+        key = self.keys.owner(request_id)
+        if await self.redis.set(key, owner, nx=True, ex=ttl_s):
+            return True, owner
+        current = await self.redis.get(key)
+        return False, current.decode() if current is not None else None
+
+    async def owner(self, request_id: str) -> str | None:
+        v = await self.redis.get(self.keys.owner(request_id))
+        return v.decode() if v is not None else None
+
+    async def expire_request(self, request_id: str) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.expire(self.keys.req(request_id), self.req_ttl_s)
+        pipe.expire(self.keys.owner(request_id), self.req_ttl_s)
+        await pipe.execute()
+
+    # ------------------------------------------------------------------ engines
+
+    async def heartbeat(self, engine_id: str, fields: Mapping[str, str | int | float], ttl_s: int) -> None:
+        key = self.keys.engine(engine_id)
+        pipe = self.redis.pipeline(transaction=False)
+        if fields:
+            pipe.hset(key, mapping=dict(fields))
+        pipe.expire(key, ttl_s)
+        await pipe.execute()
+
+    async def engines(self) -> dict[str, dict[str, str]]:
+        """Every engine with a live heartbeat, by id."""
+        keys = [k async for k in self.redis.scan_iter(match=self.keys.engine_pattern(), count=1000)]
+        if not keys:
+            return {}
+        pipe = self.redis.pipeline(transaction=False)
+        for k in keys:
+            pipe.hgetall(k)
+        head = len(self.keys.engine(""))
+        out = {}
+        for k, h in zip(keys, await pipe.execute()):
+            if h:  # expired between SCAN and HGETALL
+                out[_b(k)[head:].decode()] = {_b(a).decode(errors="replace"): _b(b).decode(errors="replace")
+                                              for a, b in h.items()}
+        return out
+
+
+# ====================================================================== StreamMux
+
+
+class MuxStopped(RuntimeError):
+    """The multiplexer stopped before this subscription saw its ``final``."""
+
+
+_END = object()
+
+
+class Subscription:
+    """One reader's view of one request's stream: ``(entry_id, event)`` in order, ending after
+    ``final``. Iterate it with ``async for``; :meth:`close` to stop early."""
+
+    def __init__(self, mux: "StreamMux", request_id: str, key: bytes, after: bytes):
+        self.request_id = request_id
+        self.key = key
+        self.last_id = after
+        self._last = entry_id_key(after)
+        self._mux = mux
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._ended = False  # nothing more will be queued
+        self._closed = False  # the consumer saw the end
+
+    def __aiter__(self) -> "Subscription":
+        return self
+
+    async def __anext__(self) -> tuple[bytes, Event]:
+        if self._closed:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if item is _END:
+            self._closed = True
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self._closed = True
+            raise item
+        return item
+
+    async def close(self) -> None:
+        if not self._ended:
+            self._mux._unsubscribe(self)
+            self._end(_END)
+
+    # -- called by the mux
+    def _offer(self, entry_id: bytes, idk: tuple[int, int], ev: Event) -> None:
+        if self._ended or idk <= self._last:
+            return
+        self._last = idk
+        self.last_id = entry_id
+        self._queue.put_nowait((entry_id, ev))
+        if isinstance(ev, Final):
+            self._end(_END)
+
+    def _end(self, item) -> None:
+        if not self._ended:
+            self._ended = True
+            self._queue.put_nowait(item)
+
+
+class _Shard:
+    """Up to ``shard_size`` request streams read by one blocking XREAD loop, plus a doorbell."""
+
+    def __init__(self, mux: "StreamMux", index: int):
+        self.mux = mux
+        self.wake_key = _b(mux.keys.wake(f"{mux.reader_id}.{index}"))
+        self.subs: dict[bytes, list[Subscription]] = {}
+        self.blocked = False  # inside a blocking XREAD whose key list is already sent
+        self.rang = False  # a wake-up is already on its way for this blocking read
+        self.task: asyncio.Task | None = None
+        self.wake_last = b"0-0"
+
+    def add(self, sub: Subscription) -> bool:
+        """Add; True when the reader is blocked on a key list without it and must be woken."""
+        self.subs.setdefault(sub.key, []).append(sub)
+        if self.blocked and not self.rang:
+            self.rang = True
+            return True
+        return False
+
+    def remove(self, sub: Subscription) -> None:
+        subs = self.subs.get(sub.key)
+        if subs and sub in subs:
+            subs.remove(sub)
+            if not subs:
+                del self.subs[sub.key]
+
+    async def run(self) -> None:
+        mux, redis = self.mux, self.mux.redis
+        backoff = 0.05
+        first = True
+        while not mux._stopping:
+            try:
+                if first:  # only doorbells rung from now on matter
+                    last = await redis.xrevrange(self.wake_key, count=1)
+                    self.wake_last = last[0][0] if last else b"0-0"
+                    first = False
+                streams = {self.wake_key: self.wake_last}
+                for key, subs in self.subs.items():
+                    streams[key] = min(subs, key=lambda s: s._last).last_id
+                self.blocked, self.rang = True, False
+                try:
+                    resp = await redis.xread(streams, count=mux.count, block=mux.block_ms)
+                finally:
+                    self.blocked = False
+                mux.wakeups += 1
+                for key, entries in resp or ():
+                    if key == self.wake_key:
+                        self.wake_last = entries[-1][0]
+                    else:
+                        await self._dispatch(key, entries)
+                backoff = 0.05
+            except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+                log.warning("stream mux %s: %s; retrying in %.2fs", mux.reader_id, e, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+            except Exception:  # a bug: keep the other subscriptions alive
+                log.exception("stream mux %s: reader failed; retrying", mux.reader_id)
+                await asyncio.sleep(0.1)
+
+    async def _dispatch(self, key: bytes, entries: list) -> None:
+        subs = self.subs.get(key)
+        if not subs:
+            return  # unsubscribed while the read was in flight
+        rid = subs[0].request_id
+        for entry_id, fields in entries:
+            ev = await self.mux._bus._decode_or_dead(key, entry_id, fields, REQ_STREAM_TYPES, rid)
+            idk = entry_id_key(entry_id)
+            for sub in list(subs):
+                if ev is None:  # skipped, but never read again
+                    if idk > sub._last:
+                        sub._last, sub.last_id = idk, entry_id
+                    continue
+                sub._offer(entry_id, idk, ev)
+                self.mux.events += 1
+            if isinstance(ev, Final):
+                self.subs.pop(key, None)
+                self.mux._where.pop(key, None)
+                return
+
+
+class StreamMux:
+    """One per API replica: a multiplexed reader of many ``P:req:<id>`` streams.
+
+    Each shard (at most ``shard_size`` keys, DESIGN §6: one XREAD over 1,000 keys costs ~2 ms
+    of client time per wake-up) runs one blocking XREAD loop on its own pooled connection. A
+    subscription added while its shard is blocked rings the shard's doorbell stream
+    (``keys.wake("<reader_id>.<shard>")``) so the read returns at once; blocking reads are
+    never cancelled, :meth:`stop` sets a flag and waits at most ``block_ms``.
+    """
+
+    WAKE_MAXLEN = 16
+
+    def __init__(self, redis, keys: Keys, reader_id: str, *, shard_size: int = 256,
+                 block_ms: int = 1000, count: int = 1000):
+        self.redis = redis
+        self.keys = keys
+        self.reader_id = reader_id
+        self.shard_size = shard_size
+        self.block_ms = block_ms
+        self.count = count
+        self._bus = Bus(redis, keys)
+        self._shards: list[_Shard] = []
+        self._where: dict[bytes, _Shard] = {}
+        self._started = False
+        self._stopping = False
+        self.wakeups = 0  # XREAD returns, all shards: the bench's fan-in figure
+        self.events = 0  # events delivered to subscriptions
+
+    @property
+    def dead_letters(self) -> int:
+        return self._bus.dead_letters
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        self._started, self._stopping = True, False
+        for shard in self._shards:
+            self._launch(shard)
+
+    def _launch(self, shard: _Shard) -> None:
+        shard.task = asyncio.get_running_loop().create_task(
+            shard.run(), name=f"stream-mux:{self.reader_id}:{shard.wake_key.decode()}")
+
+    async def stop(self) -> None:
+        """Stop reading; open subscriptions raise :class:`MuxStopped`."""
+        if not self._started:
+            return
+        self._stopping = True
+        for shard in self._shards:  # blocked readers return now, not after BLOCK
+            if shard.blocked and not shard.rang:
+                shard.rang = True
+                await self._ring(shard)
+        tasks = [s.task for s in self._shards if s.task is not None]
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for shard in self._shards:
+            shard.task = None
+            for subs in shard.subs.values():
+                for sub in subs:
+                    sub._end(MuxStopped(f"stream mux {self.reader_id} stopped"))
+            shard.subs.clear()
+        self._where.clear()
+        if self._shards:
+            try:
+                await self.redis.delete(*[s.wake_key for s in self._shards])
+            except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+                log.warning("stream mux %s: could not delete doorbells: %s", self.reader_id, e)
+        self._shards.clear()
+        self._started = False
+
+    async def subscribe(self, request_id: str, after: bytes | str = b"0") -> Subscription:
+        """Events of ``request_id`` after entry ``after`` (exclusive; ``0`` = from the start)."""
+        if not self._started or self._stopping:
+            raise MuxStopped(f"stream mux {self.reader_id} is not running")
+        if not valid_request_id(request_id):
+            raise ValueError(f"invalid request id {request_id!r}")
+        key = _b(self.keys.req(request_id))
+        sub = Subscription(self, request_id, key, _normal_id(after))
+        shard = self._where.get(key) or self._pick_shard()
+        self._where[key] = shard
+        if shard.add(sub):
+            await self._ring(shard)
+        return sub
+
+    async def _ring(self, shard: _Shard) -> None:
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.xadd(shard.wake_key, {b"w": b"1"}, maxlen=self.WAKE_MAXLEN, approximate=True)
+            pipe.expire(shard.wake_key, 86400)  # a crashed replica leaves no doorbell behind
+            await pipe.execute()
+        except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+            # The reader still returns after its BLOCK timeout: late, not lost.
+            shard.rang = False
+            log.warning("stream mux %s: doorbell failed: %s", self.reader_id, e)
+
+    def _pick_shard(self) -> _Shard:
+        live = [s for s in self._shards if len(s.subs) < self.shard_size]
+        if live:
+            return min(live, key=lambda s: len(s.subs))
+        shard = _Shard(self, len(self._shards))
+        self._shards.append(shard)
+        if self._started:
+            self._launch(shard)
+        return shard
+
+    def _unsubscribe(self, sub: Subscription) -> None:
+        shard = self._where.get(sub.key)
+        if shard is None:
+            return
+        shard.remove(sub)
+        if sub.key not in shard.subs:
+            self._where.pop(sub.key, None)

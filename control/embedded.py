@@ -1,0 +1,75 @@
+"""The embedded control plane for ``fd serve``: a fakeredis server that also listens on TCP.
+
+One :class:`fakeredis.FakeServer` holds the data. Two doors lead to it:
+
+- a TCP listener (fakeredis' ``TcpFakeServer``, a thread per connection), so an operator can
+  ``redis-cli -p <port> XADD fd:control '*' type abort request_id r1`` into a running
+  ``fd serve`` exactly as into a real Redis;
+- :meth:`EmbeddedRedis.client`, an in-process ``FakeAsyncRedis`` bound to the same server
+  object. It skips the socket, the RESP round trip and the per-connection thread, and its
+  blocking reads are woken by fakeredis' change callbacks instead of the TCP handler's 10 ms
+  poll; see ``bench/bus.py`` for the measured difference. Writes through either door are seen
+  by readers on the other (fakeredis wakes async waiters across threads).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import redis.asyncio as aioredis
+from fakeredis import FakeAsyncRedis, TcpFakeServer
+
+
+class EmbeddedRedis:
+    """In-process fakeredis server that also listens on ``host:port`` so redis-cli works."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0):
+        self.host = host
+        self._requested_port = port
+        self.port = port
+        self._tcp: TcpFakeServer | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}"
+
+    @property
+    def fake_server(self):
+        if self._tcp is None:
+            raise RuntimeError("EmbeddedRedis is not started")
+        return self._tcp.fake_server
+
+    def start(self) -> None:
+        if self._tcp is not None:
+            return
+        # Redis 7 semantics: what the bus is tested against on a real server too.
+        self._tcp = TcpFakeServer((self.host, self._requested_port), server_version=(7, 0))
+        self.port = self._tcp.server_address[1]
+        self._thread = threading.Thread(
+            target=self._tcp.serve_forever, kwargs={"poll_interval": 0.1},
+            name=f"embedded-redis:{self.port}", daemon=True,
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop listening and close every TCP connection (their handlers poll a shutdown flag)."""
+        tcp, self._tcp = self._tcp, None
+        if tcp is None:
+            return
+        tcp.shutdown()
+        tcp.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    def client(self) -> aioredis.Redis:
+        """A client for code in this process, on the same data the TCP port serves."""
+        return FakeAsyncRedis(server=self.fake_server, decode_responses=False, protocol=2)
+
+    def __enter__(self) -> "EmbeddedRedis":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

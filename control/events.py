@@ -1,0 +1,504 @@
+"""The event catalogue: every event fd writes or reads, and its flat-field encoding.
+
+An event on a stream is a flat map of string fields, so that an operator can type one with
+``redis-cli XADD``. Each event type here is a frozen dataclass; its fields encode as:
+
+- ``str`` as is; ``int``/``float`` as decimal text; ``bool`` as ``1``/``0``;
+- ``tuple[int, ...]`` / ``tuple[str, ...]`` as comma-separated text (``1,2,3``);
+- ``dict`` / :class:`RequestData` as one JSON field (orjson).
+
+Every event also carries ``type``, ``v`` (schema version) and ``ts`` (ms since the epoch).
+Events a person types may omit ``v`` and ``ts``: ``v`` defaults to the current version and
+``ts`` to the millisecond part of the stream entry id. Anything that does not decode raises
+:class:`BadEvent` naming the field, and the reader dead-letters it (see ``control.bus``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Mapping, Union
+
+import orjson
+
+from control.keys import ENGINE_ID_RE, valid_request_id
+
+SCHEMA_VERSION = 1
+MAX_FIELD_BYTES = 1 << 20  # one field; a 1 MiB prompt is already far past any context
+MAX_IDS_PER_ABORT = 10_000
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+ABORT_SOURCES = ("http", "disconnect", "cli", "redis", "timeout", "engine")
+
+
+class BadEvent(ValueError):
+    """An event that cannot be decoded. ``field`` names the culprit for the dead letter."""
+
+    def __init__(self, reason: str, field: str | None = None):
+        super().__init__(reason if field is None else f"{field}: {reason}")
+        self.reason = reason
+        self.field = field
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+# --------------------------------------------------------------------------- payload types
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """What the client asked of sampling; vLLM's names where vLLM has one."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0 or self.top_k == 1
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["stop"] = list(self.stop)
+        d["stop_token_ids"] = list(self.stop_token_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "SamplingParams":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise BadEvent(f"unknown sampling parameter(s) {sorted(unknown)}", "data")
+        kw = dict(d)
+        if "stop" in kw:
+            kw["stop"] = tuple(kw["stop"] or ())
+        if "stop_token_ids" in kw:
+            kw["stop_token_ids"] = tuple(int(t) for t in (kw["stop_token_ids"] or ()))
+        p = cls(**kw)
+        if not isinstance(p.max_tokens, int) or p.max_tokens < 1:
+            raise BadEvent("sampling.max_tokens must be an integer >= 1", "data")
+        if p.temperature < 0 or not (0 < p.top_p <= 1):
+            raise BadEvent("sampling.temperature must be >= 0 and top_p in (0, 1]", "data")
+        return p
+
+
+@dataclass(frozen=True, slots=True)
+class RequestData:
+    """The ``data`` JSON of a ``request`` event: everything an engine needs to run it."""
+
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams = SamplingParams()
+    arrival_ts: int = 0
+    model: str = ""
+    api: str = ""  # the API replica that accepted it; informational
+    background: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "prompt_token_ids": list(self.prompt_token_ids),
+            "sampling": self.sampling.to_dict(),
+            "arrival_ts": self.arrival_ts,
+            "model": self.model,
+            "api": self.api,
+            "background": self.background,
+        }
+
+    @classmethod
+    def from_json(cls, d: Any) -> "RequestData":
+        if not isinstance(d, dict):
+            raise BadEvent("must be a JSON object", "data")
+        ids = d.get("prompt_token_ids")
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
+            raise BadEvent("prompt_token_ids must be a non-empty list of token ids", "data")
+        sampling = d.get("sampling") or {}
+        if not isinstance(sampling, dict):
+            raise BadEvent("sampling must be a JSON object", "data")
+        try:
+            sp = SamplingParams.from_dict(sampling)
+        except TypeError as e:
+            raise BadEvent(f"bad sampling parameters: {e}", "data") from None
+        return cls(
+            prompt_token_ids=tuple(ids),
+            sampling=sp,
+            arrival_ts=int(d.get("arrival_ts") or 0),
+            model=str(d.get("model") or ""),
+            api=str(d.get("api") or ""),
+            background=bool(d.get("background", False)),
+        )
+
+
+# --------------------------------------------------------------------------- events
+
+_REGISTRY: dict[str, type["Event"]] = {}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Event:
+    """Base of all events. ``TYPE`` is the wire ``type``; ``ts`` is ms since the epoch."""
+
+    TYPE: ClassVar[str] = ""
+    v: int = SCHEMA_VERSION
+    ts: int = 0
+
+    def encode(self) -> dict[str, str]:
+        """Flat string fields, as ``redis-cli XADD`` would have written them."""
+        out = {"type": self.TYPE}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            out[f.name] = _encode_value(value)
+        if not self.ts:
+            out["ts"] = str(now_ms())
+        return out
+
+
+# control stream -------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Abort(Event):
+    """Abort one or more requests. Typed by hand as ``type abort request_id <id>``; on the wire
+    a single id is written as ``request_id`` and several as ``request_ids=a,b,c``."""
+
+    TYPE: ClassVar[str] = "abort"
+    request_ids: tuple[str, ...]
+    source: str = "redis"
+    reason: str | None = None
+    abort_id: str | None = None
+
+    def encode(self) -> dict[str, str]:
+        out = Event.encode(self)
+        if len(self.request_ids) == 1:
+            del out["request_ids"]
+            out["request_id"] = self.request_ids[0]
+        return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AbortAll(Event):
+    TYPE: ClassVar[str] = "abort_all"
+    engine: str | None = None
+    source: str = "redis"
+    reason: str | None = None
+    abort_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Drain(Event):
+    TYPE: ClassVar[str] = "drain"
+    engine: str
+
+
+# requests stream --------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Request(Event):
+    TYPE: ClassVar[str] = "request"
+    request_id: str
+    data: RequestData
+
+
+# per-request stream P:req:<id> -------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Accepted(Event):
+    TYPE: ClassVar[str] = "accepted"
+    request_id: str
+    api: str = ""
+    prompt_tokens: int = 0
+    endpoint: str = ""  # "chat" or "completion": how any replica should render a replay
+    model: str = ""
+    created: int = 0  # seconds, OpenAI's `created`, so every replica renders the same chunks
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Claimed(Event):
+    TYPE: ClassVar[str] = "claimed"
+    request_id: str
+    engine: str
+    attempt: int = 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Tokens(Event):
+    """Tokens of one engine step for one request (coalesced), with their text delta."""
+
+    TYPE: ClassVar[str] = "tokens"
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str = ""
+    step: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AbortRequested(Event):
+    """Stage 1 of an abort: the engine stopped scheduling the request."""
+
+    TYPE: ClassVar[str] = "abort_requested"
+    request_id: str
+    source: str = "redis"
+    engine: str = ""
+    step: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Drained(Event):
+    """Stage 2: no step in flight can still write the request's KV blocks."""
+
+    TYPE: ClassVar[str] = "drained"
+    request_id: str
+    engine: str = ""
+    step: int = 0
+    discarded_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BlocksReleased(Event):
+    """Stage 3: the request's KV blocks are back in the pool."""
+
+    TYPE: ClassVar[str] = "blocks_released"
+    request_id: str
+    count: int
+    engine: str = ""
+    step: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Preempted(Event):
+    """The engine took the request's blocks back to make room; it will recompute them."""
+
+    TYPE: ClassVar[str] = "preempted"
+    request_id: str
+    count: int = 0
+    engine: str = ""
+    step: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Final(Event):
+    """The one last event of a request. ``usage`` is OpenAI's usage object."""
+
+    TYPE: ClassVar[str] = "final"
+    request_id: str
+    finish_reason: str
+    usage: dict = field(default_factory=dict)
+    engine: str = ""
+    step: int = 0
+    error: str | None = None
+    stop_reason: str | None = None  # the stop string or token that ended it, like vLLM
+
+
+REQ_STREAM_TYPES = (Accepted, Claimed, Tokens, Preempted, AbortRequested, Drained, BlocksReleased,
+                    Final)
+CONTROL_TYPES = (Abort, AbortAll, Drain)
+
+for _cls in (*CONTROL_TYPES, Request, *REQ_STREAM_TYPES):
+    _REGISTRY[_cls.TYPE] = _cls
+
+AnyEvent = Union[Abort, AbortAll, Drain, Request, Accepted, Claimed, Tokens, Preempted, AbortRequested,
+                 Drained, BlocksReleased, Final]
+
+
+# --------------------------------------------------------------------------- codec
+
+
+def _encode_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, (int, float, str)):
+        return str(value)
+    if isinstance(value, tuple):
+        return ",".join(str(x) for x in value)
+    if isinstance(value, RequestData):
+        return orjson.dumps(value.to_json()).decode()
+    if isinstance(value, dict):
+        return orjson.dumps(value).decode()
+    raise TypeError(f"cannot encode {type(value).__name__}")
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = typing.get_type_hints(cls, globalns=globals())
+        _HINTS[cls] = hints
+    return hints
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _decode_value(name: str, raw: str, tp: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _decode_value(name, raw, args[0])
+    if tp is str:
+        return raw
+    if tp is bool:
+        if raw.lower() in ("1", "true", "yes"):
+            return True
+        if raw.lower() in ("0", "false", "no", ""):
+            return False
+        raise BadEvent(f"expected a boolean, got {raw!r}", name)
+    if tp is int:
+        try:
+            return int(raw)
+        except ValueError:
+            raise BadEvent(f"expected an integer, got {raw[:40]!r}", name) from None
+    if tp is float:
+        try:
+            return float(raw)
+        except ValueError:
+            raise BadEvent(f"expected a number, got {raw[:40]!r}", name) from None
+    if origin is tuple:
+        (item_tp, _) = typing.get_args(tp)
+        parts = [p.strip() for p in raw.split(",") if p.strip()] if raw else []
+        if item_tp is int:
+            try:
+                return tuple(int(p) for p in parts)
+            except ValueError:
+                raise BadEvent(f"expected comma-separated integers, got {raw[:40]!r}", name) from None
+        return tuple(parts)
+    if tp is dict or origin is dict or tp is RequestData:
+        try:
+            obj = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            raise BadEvent("not valid JSON", name) from None
+        if tp is RequestData:
+            return RequestData.from_json(obj)
+        if not isinstance(obj, dict):
+            raise BadEvent("must be a JSON object", name)
+        return obj
+    raise TypeError(f"no decoder for {tp}")  # a bug in this module, not bad input
+
+
+def _text(x: Any, name: str) -> str:
+    if isinstance(x, str):
+        s = x
+    else:
+        try:
+            s = bytes(x).decode("utf-8")
+        except UnicodeDecodeError:
+            raise BadEvent("not valid UTF-8", name) from None
+    if len(s) > MAX_FIELD_BYTES:
+        raise BadEvent(f"field longer than {MAX_FIELD_BYTES} bytes", name)
+    return s
+
+
+def ts_of_entry_id(entry_id: str | bytes | None) -> int:
+    if entry_id is None:
+        return 0
+    if isinstance(entry_id, bytes):
+        entry_id = entry_id.decode()
+    try:
+        return int(entry_id.split("-", 1)[0])
+    except ValueError:
+        return 0
+
+
+def decode(fields: Mapping[Any, Any], entry_id: str | bytes | None = None) -> AnyEvent:
+    """Decode a stream entry (keys/values as bytes or str) into its event.
+
+    Raises :class:`BadEvent` for anything a reader must dead-letter.
+    """
+    f: dict[str, str] = {}
+    for k, v in fields.items():
+        key = _text(k, "<field name>")
+        f[key] = _text(v, key)
+    type_ = f.get("type")
+    if not type_:
+        raise BadEvent("missing", "type")
+    cls = _REGISTRY.get(type_)
+    if cls is None:
+        raise BadEvent(f"unknown event type {type_[:40]!r}", "type")
+    if cls is Abort and "request_ids" not in f:
+        if "request_id" not in f:
+            raise BadEvent("missing (or request_ids)", "request_id")
+        f["request_ids"] = f.pop("request_id")
+    hints = _field_types(cls)
+    kw: dict[str, Any] = {}
+    for fl in dataclasses.fields(cls):
+        raw = f.get(fl.name)
+        if raw is None:
+            if fl.default is dataclasses.MISSING and fl.default_factory is dataclasses.MISSING:
+                raise BadEvent("missing", fl.name)
+            continue
+        kw[fl.name] = _decode_value(fl.name, raw, hints[fl.name])
+    if not kw.get("ts"):
+        kw["ts"] = ts_of_entry_id(entry_id)
+    if kw.get("v", SCHEMA_VERSION) > SCHEMA_VERSION:
+        raise BadEvent(f"schema version {kw['v']} is newer than this node's {SCHEMA_VERSION}", "v")
+    ev = cls(**kw)
+    _validate(ev)
+    return ev  # type: ignore[return-value]
+
+
+def _validate(ev: Event) -> None:
+    rid = getattr(ev, "request_id", None)
+    if rid is not None and not valid_request_id(rid):
+        raise BadEvent(f"invalid request id {rid[:40]!r} (letters, digits, '_.:@-', 1-128)", "request_id")
+    if isinstance(ev, Abort):
+        if not ev.request_ids:
+            raise BadEvent("no request ids", "request_ids")
+        if len(ev.request_ids) > MAX_IDS_PER_ABORT:
+            raise BadEvent(f"more than {MAX_IDS_PER_ABORT} ids in one abort", "request_ids")
+        for r in ev.request_ids:
+            if not valid_request_id(r):
+                raise BadEvent(f"invalid request id {r[:40]!r}", "request_ids")
+    for name in ("engine",):
+        e = getattr(ev, name, None)
+        if e and not ENGINE_ID_RE.match(e):
+            raise BadEvent(f"invalid engine id {e[:40]!r}", name)
+    if isinstance(ev, Final) and ev.finish_reason not in FINISH_REASONS:
+        raise BadEvent(f"must be one of {FINISH_REASONS}", "finish_reason")
+
+
+def encode(ev: Event) -> dict[str, str]:
+    return ev.encode()
+
+
+# engine journal P:journal:<engine> ---------------------------------------------------
+# Written by engine.journal, read by ``fd replay``: what the pure scheduler consumed, and a
+# digest of what it decided, so a run can be re-executed and checked off the cluster.
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JournalStart(Event):
+    """Opens a journal segment: the scheduler config a replay builds its fresh scheduler from.
+    An engine restarted under the same id writes another one; replay starts over there."""
+
+    TYPE: ClassVar[str] = "journal_start"
+    engine: str = ""
+    config: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JournalStep(Event):
+    """The scheduler calls of one engine step, in order (``data["calls"]``). ``seq`` counts
+    entries from 0 after the JournalStart, so a trimmed or gappy journal is detected."""
+
+    TYPE: ClassVar[str] = "step"
+    engine: str = ""
+    step: int = 0
+    seq: int = 0
+    data: dict = field(default_factory=dict)
+
+
+JOURNAL_TYPES = (JournalStart, JournalStep)
+
+for _cls in JOURNAL_TYPES:
+    _REGISTRY[_cls.TYPE] = _cls

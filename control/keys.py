@@ -1,0 +1,80 @@
+"""Every Redis key fd uses, in one place.
+
+Keys that belong to one request carry the id in a hash tag (``{id}``) so that a request's
+stream and its owner key land in the same Redis Cluster slot: the claim-vs-abort arbitration
+and the final-event EXPIRE can then be pipelined together.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+#: Request ids become parts of key names, so they are restricted to a charset that cannot
+#: open a hash tag or a glob and to a length that keeps keys small.
+REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}$")
+ENGINE_ID_RE = re.compile(r"^[A-Za-z0-9_.:@-]{1,64}$")
+PREFIX_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+
+GROUP_ENGINES = "engines"
+
+
+def valid_request_id(request_id: str) -> bool:
+    return bool(REQUEST_ID_RE.match(request_id))
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    prefix: str = "fd"
+
+    def __post_init__(self) -> None:
+        if not PREFIX_RE.match(self.prefix):
+            raise ValueError(f"invalid key prefix {self.prefix!r}: use letters, digits, '_.:-'")
+
+    @property
+    def requests(self) -> str:
+        """Stream of new requests; consumed by engines through group ``engines``."""
+        return f"{self.prefix}:requests"
+
+    @property
+    def control(self) -> str:
+        """Broadcast stream: abort, abort_all, drain. Every engine reads it with its own cursor."""
+        return f"{self.prefix}:control"
+
+    @property
+    def dead(self) -> str:
+        """Dead letters: events that could not be decoded, with the reason."""
+        return f"{self.prefix}:dead"
+
+    def req(self, request_id: str) -> str:
+        """A request's whole story, in order: accepted ... final."""
+        return f"{self.prefix}:req:{{{request_id}}}"
+
+    def owner(self, request_id: str) -> str:
+        """Which engine owns a request, or the abort tombstone; SET NX decides the race."""
+        return f"{self.prefix}:owner:{{{request_id}}}"
+
+    def journal(self, engine_id: str) -> str:
+        return f"{self.prefix}:journal:{engine_id}"
+
+    def engine(self, engine_id: str) -> str:
+        """Heartbeat hash of one engine, with an EXPIRE a few heartbeats long."""
+        return f"{self.prefix}:engine:{engine_id}"
+
+    def engine_pattern(self) -> str:
+        return f"{self.prefix}:engine:*"
+
+    def wake(self, reader_id: str) -> str:
+        """Per-reader doorbell stream: XADDed when a reader gains a key to watch, so a blocked
+        multiplexed XREAD wakes up at once instead of after its BLOCK timeout (we never cancel
+        a blocking read; see DESIGN.md §6)."""
+        return f"{self.prefix}:wake:{reader_id}"
+
+    def request_id_of(self, req_key: str | bytes) -> str:
+        """Inverse of :meth:`req`."""
+        if isinstance(req_key, bytes):
+            req_key = req_key.decode()
+        head = f"{self.prefix}:req:{{"
+        if not (req_key.startswith(head) and req_key.endswith("}")):
+            raise ValueError(f"not a request stream key: {req_key!r}")
+        return req_key[len(head) : -1]

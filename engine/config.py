@@ -1,0 +1,39 @@
+"""Knobs of the sans-IO scheduler, validated once so the scheduler can trust them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    num_blocks: int  # KV blocks the runner allocated; the only memory the scheduler reasons about
+    block_size: int = 16  # tokens per KV block
+    max_num_seqs: int = 64  # requests holding a running slot (and so at most this many per step)
+    max_num_batched_tokens: int = 2048  # tokens fed to the model in one step
+    max_model_len: int = 2048  # prompt + generated tokens of one request
+    eos_token_ids: tuple[int, ...] = ()
+    # Split a prompt that does not fit the step's token budget across steps. Off, a prompt must
+    # fit one step whole, so the budget has to cover max_model_len (checked below).
+    enable_chunked_prefill: bool = True
+    # Cap on one request's prefill chunk per step (vLLM's long_prefill_token_threshold) so a
+    # long prompt cannot take the whole budget from others arriving with it; 0 turns it off.
+    # Only with chunked prefill: otherwise a prompt runs whole.
+    long_prefill_threshold: int = 0
+    # can_admit() keeps at most this many claimed-but-not-started requests: anything beyond
+    # would sit here instead of in Redis, where another engine could have taken it.
+    max_num_waiting: int = 16
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+        for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
+                     "max_model_len", "max_num_waiting"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"SchedulerConfig.{name} must be an integer >= 1, got {value!r}")
+        if self.long_prefill_threshold < 0:
+            raise ValueError("SchedulerConfig.long_prefill_threshold must be >= 0")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "without chunked prefill max_num_batched_tokens must be >= max_model_len, "
+                "or a long prompt (or a preempted request's recompute) could never be scheduled")

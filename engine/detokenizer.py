@@ -1,0 +1,61 @@
+"""Token ids to streamed text, one step at a time.
+
+Two kinds of text must be held back between steps: the bytes of a character split across
+tokens (a byte-level BPE splits emoji and CJK freely), and a tail that could be the beginning
+of a stop string: once emitted, text cannot be taken back when the rest of the stop string
+arrives. The held-back text is released as soon as it is decided, or by :meth:`flush` when the
+request ends for another reason.
+"""
+
+from __future__ import annotations
+
+import codecs
+from typing import Iterable
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), include_stop_str_in_output: bool = False):
+        self._tok = tokenizer
+        self._is_special = getattr(tokenizer, "is_special", lambda _id: False)
+        # "replace" only for bytes that can never become valid; incomplete tails wait
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._stop = tuple(s for s in stop if s)
+        self._include = include_stop_str_in_output
+        self._held = ""
+        self.stop_str: str | None = None  # set once a stop string matched; later pushes are ignored
+
+    def push(self, token_ids: Iterable[int]) -> tuple[str, str | None]:
+        """The new text of ``token_ids`` that is safe to emit, and the stop string if one
+        matched (the text is then what precedes it, plus it if include_stop_str_in_output)."""
+        if self.stop_str is not None:
+            return "", None
+        data = b"".join(self._tok.id_to_bytes(t) for t in token_ids if not self._is_special(t))
+        text = self._held + self._utf8.decode(data)
+        if not self._stop:
+            self._held = ""
+            return text, None
+        hit = None
+        for s in self._stop:  # the earliest match wins; at equal starts the longest
+            i = text.find(s)
+            if i >= 0 and (hit is None or i < hit[0] or (i == hit[0] and len(s) > len(hit[1]))):
+                hit = (i, s)
+        if hit is not None:
+            i, s = hit
+            self.stop_str, self._held = s, ""
+            return text[:i] + (s if self._include else ""), s
+        hold = 0
+        for s in self._stop:
+            for k in range(min(len(s) - 1, len(text)), hold, -1):
+                if text.endswith(s[:k]):
+                    hold = k
+                    break
+        self._held = text[len(text) - hold:] if hold else ""
+        return text[:len(text) - hold], None
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character ends as U+FFFD, as decode does)."""
+        if self.stop_str is not None:
+            return ""
+        text = self._held + self._utf8.decode(b"", final=True)
+        self._held = ""
+        return text

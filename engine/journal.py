@@ -1,0 +1,272 @@
+"""The engine journal: every state-changing scheduler call, in order, with a digest of its result.
+
+The scheduler is pure and deterministic, so its calls are the whole story of a run: feed the
+same calls to a fresh :class:`~engine.scheduler.Scheduler` and it must decide the same batches
+and emit the same events. :class:`JournalRecorder` wraps the scheduler with the same API and
+writes down, per call, its inputs and a compact digest of its outputs; the node drains them
+once per step into one ``P:journal:<engine>`` entry (:class:`control.events.JournalStep`)
+published in the step's one pipelined round trip. ``fd replay`` (:mod:`engine.replay`)
+re-executes the calls and compares digests.
+
+Format of one call (JSON, in ``JournalStep.data["calls"]``)::
+
+    {"op": "add", "rid": ..., "data": RequestData.to_json(), "ev": [...], "free": n}
+    {"op": "abort", "rid": ..., "source": ..., "ev": [...], "free": n}
+    {"op": "abort_all", "source": ..., "ev": [...], "free": n}
+    {"op": "schedule", "out": [step, num_batched_tokens, [seq...]], "ev": [...], "free": n}
+    {"op": "update", "step": out.step, "rstep": result.step, "sampled": {...}, "stopped": {...},
+     "ev": [...], "free": n}
+
+A call that raised has ``"raised": "<ExceptionType>"`` instead of ``ev``/``out``. ``free`` is
+the free block count after the call: with the block tables in the batch digests it lets the
+journal alone prove (or disprove) that no block leaked, without re-executing anything.
+
+Digests are lists of JSON scalars (no tuples), so a digest read back from JSON compares equal
+to one computed afresh. A scheduled seq is ``[rid, start_pos, n_tokens, sample, base, new]``:
+its block table is the first ``base`` blocks of the table last recorded for ``rid`` plus the
+``new`` ones, so a decode step costs a few ints per request, not its whole table.
+
+What is not recorded: read-only queries (``can_admit``, ``knows``...), and the events
+``schedule()`` holds for the next call: the recorder takes them right after ``schedule()`` (so
+they are digested with the call that decided them) and returns them at the front of the next
+list any call returns, which is the scheduler's own contract.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from control.events import (AbortRequested, BlocksReleased, Drained, Event, Final, JournalStart,
+                            JournalStep, Preempted, RequestData, Tokens)
+from engine.config import SchedulerConfig
+from engine.outputs import RunnerOutput, SchedulerOutput
+from engine.scheduler import Scheduler
+
+
+def config_to_json(cfg: SchedulerConfig) -> dict[str, Any]:
+    d = dataclasses.asdict(cfg)
+    d["eos_token_ids"] = list(cfg.eos_token_ids)
+    return d
+
+
+def config_from_json(d: dict[str, Any]) -> SchedulerConfig:
+    known = {f.name for f in dataclasses.fields(SchedulerConfig)}
+    return SchedulerConfig(**{k: (tuple(v) if k == "eos_token_ids" else v)
+                              for k, v in d.items() if k in known})
+
+
+# --------------------------------------------------------------------------- digests
+
+
+def _tokens(e: Tokens) -> list:
+    return ["tokens", e.request_id, list(e.token_ids), e.step]
+
+
+def _preempted(e: Preempted) -> list:
+    return ["preempted", e.request_id, e.count, e.step]
+
+
+def _abort_requested(e: AbortRequested) -> list:
+    return ["abort_requested", e.request_id, e.source, e.step]
+
+
+def _drained(e: Drained) -> list:
+    return ["drained", e.request_id, e.discarded_tokens, e.step]
+
+
+def _blocks_released(e: BlocksReleased) -> list:
+    return ["blocks_released", e.request_id, e.count, e.step]
+
+
+def _final(e: Final) -> list:
+    return ["final", e.request_id, e.finish_reason, e.usage.get("completion_tokens", 0),
+            e.stop_reason, e.error]
+
+
+_EVENT_DIGESTS = {Tokens: _tokens, Preempted: _preempted, AbortRequested: _abort_requested,
+                  Drained: _drained, BlocksReleased: _blocks_released, Final: _final}
+
+
+def digest_event(e: Event) -> list:
+    f = _EVENT_DIGESTS.get(type(e))
+    if f is None:  # an event type this module does not know yet: still compared, by value
+        return [e.TYPE, getattr(e, "request_id", ""), repr(e)]
+    return f(e)
+
+
+class Digester:
+    """Turns call results into digests. Stateful only for the block-table deltas, so the
+    recorder and a replay each keep one and, fed the same history, produce equal digests."""
+
+    def __init__(self) -> None:
+        self.tables: dict[str, tuple[int, ...]] = {}  # rid -> block table last recorded
+
+    def events(self, evs: list[Event]) -> list[list]:
+        out = []
+        tables = self.tables
+        for e in evs:
+            d = digest_event(e)
+            out.append(d)
+            if type(e) is Preempted or type(e) is BlocksReleased:
+                tables.pop(e.request_id, None)
+        return out
+
+    def batch(self, out: SchedulerOutput) -> list:
+        tables = self.tables
+        seqs = []
+        for s in out.seqs:
+            table = s.block_table
+            prev = tables.get(s.request_id)
+            if prev is not None and len(prev) <= len(table) and table[:len(prev)] == prev:
+                base = len(prev)
+            else:
+                base = 0
+            tables[s.request_id] = table
+            seqs.append([s.request_id, s.start_pos, len(s.token_ids), s.sample, base,
+                         list(table[base:])])
+        return [out.step, out.num_batched_tokens, seqs]
+
+
+# --------------------------------------------------------------------------- recorder
+
+
+class JournalRecorder:
+    """A :class:`Scheduler` that writes down what it is told and what it decides.
+
+    Same API as the scheduler, so the node swaps one for the other; ``drain()`` once per step
+    hands back the step's :class:`JournalStep` (the node stamps ``ts`` when it publishes).
+    """
+
+    def __init__(self, scheduler: Scheduler, engine_id: str = ""):
+        self.scheduler = scheduler
+        self.engine_id = engine_id
+        self._calls: list[dict[str, Any]] = []
+        self._held: list[Event] = []  # schedule()'s events, owed to the next call's caller
+        self._digest = Digester()
+        self._seq = 0
+
+    # ------------------------------------------------------------------ journal
+
+    def start_record(self) -> JournalStart:
+        """The segment header; publish it before the first step's entry."""
+        return JournalStart(engine=self.engine_id, config=config_to_json(self.scheduler.config))
+
+    def drain(self) -> JournalStep | None:
+        """The calls recorded since the last drain as one entry, or None if there were none."""
+        if not self._calls:
+            return None
+        calls, self._calls = self._calls, []
+        ev = JournalStep(engine=self.engine_id, step=self.scheduler.step, seq=self._seq,
+                         data={"calls": calls})
+        self._seq += 1
+        return ev
+
+    # ------------------------------------------------------------------ read-only queries
+
+    @property
+    def config(self) -> SchedulerConfig:
+        return self.scheduler.config
+
+    @property
+    def step(self) -> int:
+        return self.scheduler.step
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.scheduler.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.scheduler.num_total_blocks
+
+    def knows(self, request_id: str) -> bool:
+        return self.scheduler.knows(request_id)
+
+    def in_flight(self, request_id: str) -> bool:
+        return self.scheduler.in_flight(request_id)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def can_admit(self) -> int:
+        return self.scheduler.can_admit()
+
+    def snapshot(self) -> dict[str, Any]:
+        return self.scheduler.snapshot()
+
+    # ------------------------------------------------------------------ recorded calls
+
+    def _record(self, call: dict[str, Any], fn, *args) -> list[Event]:
+        try:
+            evs = fn(*args)
+        except Exception as e:
+            call["raised"] = type(e).__name__
+            call["free"] = self.scheduler.num_free_blocks
+            self._calls.append(call)
+            raise
+        call["ev"] = self._digest.events(evs)
+        call["free"] = self.scheduler.num_free_blocks
+        self._calls.append(call)
+        if self._held:
+            evs[:0] = self._held
+            self._held = []
+        return evs
+
+    def add(self, request_id: str, data: RequestData) -> list[Event]:
+        return self._record({"op": "add", "rid": request_id, "data": data.to_json()},
+                            self.scheduler.add, request_id, data)
+
+    def abort(self, request_id: str, source: str) -> list[Event]:
+        return self._record({"op": "abort", "rid": request_id, "source": source},
+                            self.scheduler.abort, request_id, source)
+
+    def abort_all(self, source: str) -> list[Event]:
+        return self._record({"op": "abort_all", "source": source},
+                            self.scheduler.abort_all, source)
+
+    def schedule(self) -> SchedulerOutput:
+        call: dict[str, Any] = {"op": "schedule"}
+        s = self.scheduler
+        try:
+            out = s.schedule()
+        except Exception as e:
+            call["raised"] = type(e).__name__
+            call["free"] = s.num_free_blocks
+            self._calls.append(call)
+            raise
+        held = s.take_events()
+        # events before the batch: a victim preempted and re-admitted in this very step must
+        # have its old table forgotten before its new one is recorded
+        call["ev"] = self._digest.events(held)
+        call["out"] = self._digest.batch(out)
+        call["free"] = s.num_free_blocks
+        self._calls.append(call)
+        self._held.extend(held)
+        return out
+
+    def take_events(self) -> list[Event]:
+        # Not recorded: the scheduler's own queue is always empty here (schedule() above
+        # took it), so this only hands over what the recorder holds.
+        evs = self._held + self.scheduler.take_events()
+        self._held = []
+        return evs
+
+    def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[Event]:
+        call = {"op": "update", "step": out.step, "rstep": result.step,
+                "sampled": {k: int(v) for k, v in result.sampled.items()},
+                "stopped": dict(result.stopped)}
+        return self._record(call, self.scheduler.update, out, result)
+
+
+def journaled(scheduler: Scheduler, engine_id: str = "", enabled: bool = True):
+    """The scheduler the node should drive: recorded, or bare when the journal is off."""
+    return JournalRecorder(scheduler, engine_id) if enabled else scheduler

@@ -1,0 +1,87 @@
+"""Offline, in-process generation: the scheduler and the runner with no Redis and no HTTP.
+
+It is the reference the served path is compared against (greedy output through the API must
+equal this) and the in-process baseline of ``bench/api.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from control.events import Final, RequestData, SamplingParams, Tokens
+from engine.config import SchedulerConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.scheduler import Scheduler
+
+
+@dataclass
+class Generation:
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    # wall time (perf_counter) of each Tokens event, for latency baselines
+    token_times: list[float] = field(default_factory=list)
+
+
+class LLM:
+    def __init__(self, runner, tokenizer, *, block_size: int = 16, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 2048):
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.cfg = SchedulerConfig(
+            num_blocks=runner.num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_model_len=runner.max_model_len,
+            eos_token_ids=tuple(runner.eos_token_ids))
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams],
+                 clock=None) -> list[Generation]:
+        import time
+
+        clock = clock or time.perf_counter
+        sched = Scheduler(self.cfg)
+        sps = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        gens: dict[str, Generation] = {}
+        detoks: dict[str, IncrementalDetokenizer] = {}
+        for i, (ids, sp) in enumerate(zip(prompts, sps)):
+            rid = f"r{i}"
+            gens[rid] = Generation(rid)
+            detoks[rid] = IncrementalDetokenizer(self.tokenizer, stop=sp.stop,
+                                                 include_stop_str_in_output=sp.include_stop_str_in_output)
+            for ev in sched.add(rid, RequestData(prompt_token_ids=tuple(ids), sampling=sp)):
+                self._fold(gens, detoks, ev, clock)
+        while sched.has_work():
+            out = sched.schedule()
+            held = sched.take_events()
+            for ev in held:
+                self._fold(gens, detoks, ev, clock)
+            if out.empty:
+                if not held:
+                    raise RuntimeError("scheduler has work but scheduled nothing")
+                continue
+            res = self.runner.execute(out)
+            stopped = {}
+            deltas = {}
+            for rid, tok in res.sampled.items():
+                delta, stop = detoks[rid].push((tok,))
+                deltas[rid] = delta
+                if stop is not None:
+                    stopped[rid] = stop
+            if stopped:
+                res = replace(res, stopped={**res.stopped, **stopped})
+            for ev in sched.update(out, res):
+                if isinstance(ev, Tokens):
+                    ev = replace(ev, text=deltas.get(ev.request_id, ""))
+                self._fold(gens, detoks, ev, clock)
+        return [gens[f"r{i}"] for i in range(len(prompts))]
+
+    @staticmethod
+    def _fold(gens, detoks, ev, clock) -> None:
+        g = gens[ev.request_id]
+        if isinstance(ev, Tokens):
+            g.token_ids.extend(ev.token_ids)
+            g.text += ev.text
+            g.token_times.append(clock())
+        elif isinstance(ev, Final):
+            g.text += detoks[ev.request_id].flush()
+            g.finish_reason = ev.finish_reason

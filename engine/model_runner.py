@@ -1,0 +1,174 @@
+"""Runs the scheduler's steps on the model: batch building, the forward, sampling.
+
+The scheduler hands over a :class:`SchedulerOutput` (which tokens of which requests, at which
+positions, in which KV blocks); the runner flattens it into one mixed batch (prefill chunks and
+decode tokens together), runs the model once, and samples one token for each sequence that
+asked for one. Sequences are split into at most two attention groups, single-token ones
+(decode) and chunks, so a long prefill does not pad every decode row to its length.
+
+``execute`` runs on the engine node's worker thread; it touches no asyncio state, and Paddle
+kernels run without the GIL, so the event loop keeps serving while a step computes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Sequence
+
+import numpy as np
+import paddle
+
+from engine.model.llama import MASKED, AttnGroup, ForwardBatch, Llama, key_blocks, pad_rows
+from engine.model.loader import load_model
+from engine.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
+from engine.sampler import Sampler
+
+DEFAULT_KV_CACHE_BYTES = {"cpu": 256 << 20, "gpu": 4 << 30}
+
+
+def _eos_token_ids(model_dir: str) -> tuple[int, ...]:
+    ids: list[int] = []
+    for name in ("config.json", "generation_config.json"):
+        path = os.path.join(model_dir, name)
+        if not os.path.exists(path):
+            continue
+        with open(path, encoding="utf-8") as f:
+            v = json.load(f).get("eos_token_id")
+        for i in v if isinstance(v, list) else [v]:
+            if isinstance(i, int) and i not in ids:
+                ids.append(i)
+    return tuple(ids)
+
+
+class ModelRunner:
+    def __init__(self, model_dir: str, *, device: str = "cpu", num_blocks: int | None = None,
+                 block_size: int = 16, kv_cache_bytes: int | None = None, seed: int = 0,
+                 progress: bool = False):
+        paddle.set_device(device)
+        self.device = device
+        self.model: Llama = load_model(model_dir, device, progress=progress)
+        self.block_size = block_size
+        if num_blocks is None:
+            budget = kv_cache_bytes or DEFAULT_KV_CACHE_BYTES["cpu" if device == "cpu" else "gpu"]
+            num_blocks = max(1, budget // self.model.kv_bytes_per_block(block_size))
+        self.num_blocks = int(num_blocks)
+        self.model.allocate_kv_cache(self.num_blocks, block_size)
+        self.eos_token_ids = _eos_token_ids(model_dir)
+        self.max_model_len = self.model.cfg.max_position_embeddings
+        self.vocab_size = self.model.cfg.vocab_size
+        self.sampler = Sampler(seed)
+
+    # ------------------------------------------------------------------ step
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        if not out.seqs:
+            return RunnerOutput(step=out.step, sampled={})
+        batch, sampled = self.prepare(out.seqs)
+        logits = self.model.forward(batch)
+        if not sampled:
+            return RunnerOutput(step=out.step, sampled={})
+        n = len(sampled)
+        if all(s.sampling.greedy for s in sampled):
+            tokens = paddle.argmax(logits, axis=-1).numpy()[:n].tolist()
+        else:
+            tokens = self.sampler.sample(logits.numpy()[:n], [s.sampling for s in sampled],
+                                         [s.num_generated for s in sampled])
+        return RunnerOutput(step=out.step, sampled={s.request_id: t for s, t in zip(sampled, tokens)})
+
+    def logits(self, out: SchedulerOutput) -> np.ndarray:
+        """The logits [num sampled seqs, vocab] of a step (tests and debugging)."""
+        batch, sampled = self.prepare(out.seqs)
+        return self.model.forward(batch).numpy()[:len(sampled)]
+
+    def warmup(self) -> None:
+        """One prefill and one decode through scratch blocks, so first requests do not pay for
+        kernel selection and allocator growth. Writes only block 0, which no live request owns
+        yet."""
+        from control.events import SamplingParams
+
+        sp = SamplingParams(temperature=0.0)
+        n = min(self.block_size, self.max_model_len - 1)
+        for start, toks in ((0, tuple(range(n))), (n - 1, (0,))):
+            seq = ScheduledSeq("warmup", toks, start, (0,), True, sp, 0)
+            self.execute(SchedulerOutput(step=-1, seqs=(seq,)))
+
+    # ------------------------------------------------------------------ batch
+
+    def prepare(self, seqs: Sequence[ScheduledSeq]) -> tuple[ForwardBatch, list[ScheduledSeq]]:
+        """The flattened batch of a step, and the seqs to sample for (in logits-row order)."""
+        bs = self.block_size
+        trash = self.model.trash_slot
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        starts: list[int] = []  # first row of each seq
+        for s in seqs:
+            starts.append(len(ids))
+            ids.extend(s.token_ids)
+            bt = s.block_table
+            if len(s.token_ids) == 1:
+                p = s.start_pos
+                pos.append(p)
+                slots.append(bt[p // bs] * bs + p % bs)
+            else:
+                p = np.arange(s.start_pos, s.start_pos + len(s.token_ids))
+                pos.extend(p.tolist())
+                slots.extend((np.asarray(bt)[p // bs] * bs + p % bs).tolist())
+        t = len(ids)
+        tp = pad_rows(t)
+        pad = tp - t
+        ids.extend([0] * pad)
+        pos.extend([0] * pad)
+        slots.extend([trash] * pad)
+
+        single = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
+        chunks = [i for i, s in enumerate(seqs) if len(s.token_ids) > 1]
+        out_index = np.zeros(tp, dtype=np.int64)
+        groups: list[AttnGroup] = []
+        offset = 0  # rows of the concatenated group outputs so far
+        identity = True
+        for members in (single, chunks):
+            if not members:
+                continue
+            qlens = [len(seqs[i].token_ids) for i in members]
+            S, qmax = len(members), max(qlens)
+            ctx = [seqs[i].start_pos + q for i, q in zip(members, qlens)]
+            nb = key_blocks(max(ctx), bs)
+            L = nb * bs
+            tables = np.zeros((S, nb), dtype=np.int64)  # padding gathers block 0: masked anyway
+            for r, i in enumerate(members):
+                bt = seqs[i].block_table[:nb]
+                tables[r, :len(bt)] = bt
+            j = np.arange(L)
+            q_index = np.zeros((S, qmax), dtype=np.int64)
+            qpos = np.full((S, qmax), -1, dtype=np.int64)
+            for r, (i, q) in enumerate(zip(members, qlens)):
+                q_index[r, :q] = np.arange(starts[i], starts[i] + q)
+                qpos[r, :q] = np.arange(seqs[i].start_pos, seqs[i].start_pos + q)
+                out_index[starts[i]:starts[i] + q] = offset + r * qmax + np.arange(q)
+            mask = np.where(j[None, None, :] <= qpos[:, :, None], 0.0, MASKED).astype(np.float32)
+            q_flat = q_index.reshape(-1)
+            same = len(q_flat) == tp and np.array_equal(q_flat, np.arange(tp))
+            identity = identity and same and not groups
+            groups.append(AttnGroup(
+                num_seqs=S, max_q=qmax, num_keys=L,
+                q_index=None if same else self.model.tensor(q_flat),
+                ctx_blocks=self.model.tensor(tables.reshape(-1)),
+                mask=self.model.tensor(mask.reshape(S, 1, qmax, 1, L))))
+            offset += S * qmax
+        identity = identity and offset == tp
+
+        sampled = [s for s in seqs if s.sample]
+        rows = [starts[i] + len(s.token_ids) - 1 for i, s in enumerate(seqs) if s.sample]
+        rows.extend([0] * (pad_rows(len(rows)) - len(rows)))
+        m = self.model
+        batch = ForwardBatch(
+            input_ids=m.tensor(np.asarray(ids, dtype=np.int64)),
+            positions=m.tensor(np.asarray(pos, dtype=np.int64)),
+            slot_mapping=m.tensor(np.asarray(slots, dtype=np.int64)),
+            groups=groups,
+            out_index=None if identity else m.tensor(out_index),
+            logits_index=m.tensor(np.asarray(rows, dtype=np.int64)),
+        )
+        return batch, sampled

@@ -1,0 +1,45 @@
+"""The boundary between the scheduler and the model runner (vLLM v1's split).
+
+The scheduler decides (:class:`SchedulerOutput`), the runner computes (:class:`RunnerOutput`),
+and the scheduler folds the result back in. Both are plain values so a step can be journaled
+and replayed without a model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from control.events import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSeq:
+    """One request's share of a step."""
+
+    request_id: str
+    token_ids: tuple[int, ...]  # tokens fed this step: a prefill chunk, or the one decode token
+    start_pos: int  # position of token_ids[0] in the sequence
+    block_table: tuple[int, ...]  # KV blocks covering positions [0, start_pos + len(token_ids))
+    sample: bool  # True when this step ends the prompt or decodes: the runner samples a token
+    sampling: SamplingParams
+    num_generated: int  # tokens generated before this step; keys the seeded RNG per token
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    step: int
+    seqs: tuple[ScheduledSeq, ...]
+    num_batched_tokens: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerOutput:
+    step: int
+    sampled: dict[str, int]  # request_id -> sampled token, for every seq with sample=True
+    # requests whose new text hit a stop string (found by the node's detokenizer before
+    # update(); the scheduler then finishes them with finish_reason="stop")
+    stopped: dict[str, str] = field(default_factory=dict)  # request_id -> the stop string

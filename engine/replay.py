@@ -1,0 +1,672 @@
+"""``fd replay``: re-execute an engine journal on a fresh scheduler and check every decision.
+
+Two independent checks, because either alone can be fooled:
+
+- :func:`replay` feeds every recorded call to a fresh :class:`Scheduler` built from the
+  journal's config and compares each result's digest with the recorded one; the first
+  mismatch names the step and shows both decisions. It proves *this* scheduler code makes the
+  recorded decisions, e.g. that an incident reproduces on a laptop, or that a fix changes it.
+- :func:`check_journal` reads only the recorded digests: block tables, released counts and the
+  free count after every call. It finds a leak (a request that ended still holding blocks, a
+  release that returned fewer blocks than the request held, blocks in use that no request
+  holds), double allocation, and requests with other than one ``final`` even if the scheduler
+  that wrote the journal is the one that is broken, and without re-executing anything.
+
+A journal is a list of :class:`JournalStart` / :class:`JournalStep` events of one engine; a
+JournalStart begins a segment (an engine restart), replayed from a fresh scheduler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import orjson
+
+from control.events import (BadEvent, Event, JournalStart, JournalStep, RequestData,
+                            SamplingParams, decode)
+from engine.config import SchedulerConfig
+from engine.journal import Digester, config_from_json
+from engine.outputs import RunnerOutput, SchedulerOutput
+from engine.scheduler import Scheduler
+
+log = logging.getLogger("engine.replay")
+
+OUTPUT_KEYS = ("raised", "ev", "out", "free")
+
+
+# --------------------------------------------------------------------------- loading
+
+
+async def _read_journal(bus, key: str, page: int = 1000) -> list[tuple[str, Event]]:
+    out: list[tuple[str, Event]] = []
+    start = "-"
+    while True:
+        rows = await bus.redis.xrange(key, min=start, max="+", count=page)
+        for entry_id, fields in rows:
+            eid = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+            try:
+                ev = decode(fields, eid)
+            except BadEvent as e:  # the seq gap it leaves is reported by the replay
+                log.warning("journal entry %s of %s does not decode: %s", eid, key, e)
+                continue
+            if isinstance(ev, (JournalStart, JournalStep)):
+                out.append((eid, ev))
+        if len(rows) < page:
+            return out
+        start = "(" + (rows[-1][0].decode() if isinstance(rows[-1][0], bytes) else rows[-1][0])
+
+
+async def load_journal_from_redis(bus, engine_id: str) -> list[Event]:
+    """The whole ``P:journal:<engine_id>`` stream, oldest first."""
+    return [ev for _, ev in await _read_journal(bus, bus.keys.journal(engine_id))]
+
+
+async def journal_engines(bus) -> list[str]:
+    """Engine ids that have a journal under the bus's prefix."""
+    head = bus.keys.journal("")
+    names = set()
+    async for k in bus.redis.scan_iter(match=bus.keys.journal("*"), count=1000):
+        k = k.decode() if isinstance(k, bytes) else k
+        names.add(k[len(head):])
+    return sorted(names)
+
+
+def _jsonl_line(ev: Event, entry_id: str | None = None, stream: str | None = None) -> bytes:
+    fields: dict[str, Any] = ev.encode()
+    for name in ("data", "config"):  # nested JSON stays readable instead of an escaped string
+        if name in fields:
+            fields[name] = orjson.loads(fields[name])
+    head = {}
+    if stream is not None:
+        head["stream"] = stream
+    if entry_id is not None:
+        head["id"] = entry_id
+    return orjson.dumps({**head, **fields}) + b"\n"
+
+
+def export_jsonl(events: Iterable[Event], path: str | os.PathLike) -> int:
+    """Write journal events as JSON lines (one event per line, its wire fields); returns count."""
+    n = 0
+    with open(path, "wb") as f:
+        for ev in events:
+            f.write(_jsonl_line(ev))
+            n += 1
+    return n
+
+
+def load_journal_jsonl(path: str | os.PathLike) -> list[Event]:
+    """Events from a JSONL file written by :func:`export_jsonl` or ``fd events export``."""
+    out: list[Event] = []
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            obj = orjson.loads(line)
+            entry_id = obj.pop("id", None)
+            obj.pop("stream", None)
+            fields = {k: (v if isinstance(v, str) else orjson.dumps(v).decode())
+                      for k, v in obj.items()}
+            try:
+                out.append(decode(fields, entry_id))
+            except BadEvent as e:
+                raise ValueError(f"{path}:{lineno}: {e}") from None
+    return out
+
+
+def by_engine(events: Iterable[Event]) -> dict[str, list[Event]]:
+    groups: dict[str, list[Event]] = {}
+    for ev in events:
+        if isinstance(ev, (JournalStart, JournalStep)):
+            groups.setdefault(ev.engine, []).append(ev)
+    return groups
+
+
+def segments(entries: list[Event]) -> tuple[list[tuple[JournalStart, list[JournalStep]]], int]:
+    """Split at each JournalStart; also the number of leading steps with no start (trimmed)."""
+    segs: list[tuple[JournalStart, list[JournalStep]]] = []
+    orphans = 0
+    for ev in entries:
+        if isinstance(ev, JournalStart):
+            segs.append((ev, []))
+        elif isinstance(ev, JournalStep):
+            if segs:
+                segs[-1][1].append(ev)
+            else:
+                orphans += 1
+    return segs, orphans
+
+
+# --------------------------------------------------------------------------- journal-only checks
+
+
+@dataclass
+class RequestTrace:
+    """One request's life as the journal tells it (steps, and entry timestamps in ms)."""
+
+    request_id: str
+    segment: int = 0
+    prompt_tokens: int = 0
+    added_step: int = 0
+    added_ms: int = 0
+    first_scheduled_step: int | None = None
+    scheduled_steps: int = 0
+    num_tokens: int = 0
+    preempted_steps: list[int] = field(default_factory=list)
+    abort_step: int | None = None
+    abort_ms: int | None = None
+    abort_source: str | None = None
+    drained_step: int | None = None
+    released_step: int | None = None
+    released_ms: int | None = None
+    released_count: int | None = None
+    final_step: int | None = None
+    final_ms: int | None = None
+    finish_reason: str | None = None
+    finals: int = 0
+
+
+@dataclass
+class Analysis:
+    total_blocks: int = 0
+    calls: int = 0
+    steps: int = 0
+    violations: list[str] = field(default_factory=list)
+    requests: dict[str, RequestTrace] = field(default_factory=dict)
+    # (step, blocks in use, entry ts ms) after every schedule() and update()
+    usage: list[tuple[int, int, int]] = field(default_factory=list)
+    peak_blocks_in_use: int = 0
+    finish_reasons: dict[str, int] = field(default_factory=dict)
+    abort_release_steps: list[int] = field(default_factory=list)
+    abort_release_ms: list[int] = field(default_factory=list)
+    first_ms: int = 0
+    last_ms: int = 0
+
+
+_MAX_SAME = 5  # repeated violations of one kind are counted, not listed
+
+
+class _Checker:
+    """Folds one segment's digests into block holdings and request traces, checking as it goes."""
+
+    def __init__(self, a: Analysis, seg: int, cfg: SchedulerConfig):
+        self.a = a
+        self.seg = seg
+        self.total = cfg.num_blocks
+        self.bs = cfg.block_size
+        self.held: dict[str, list[int]] = {}
+        self.step = 0
+        self.ts = 0
+        self.kinds: Counter = Counter()
+
+    def violate(self, kind: str, msg: str) -> None:
+        self.kinds[kind] += 1
+        if self.kinds[kind] <= _MAX_SAME:
+            self.a.violations.append(msg)
+        elif self.kinds[kind] == _MAX_SAME + 1:
+            self.a.violations.append(f"... more '{kind}' violations (counted at the end)")
+
+    def trace(self, rid: str) -> RequestTrace:
+        t = self.a.requests.get(rid)
+        if t is None:
+            t = self.a.requests[rid] = RequestTrace(rid, self.seg, added_step=self.step,
+                                                     added_ms=self.ts)
+        return t
+
+    def call(self, c: dict[str, Any], ts: int) -> None:
+        self.ts = ts
+        op = c.get("op")
+        if op == "add" and "raised" not in c:
+            old = self.a.requests.get(c["rid"])
+            if old is not None and old.finals:  # an id reused after its final: a new life
+                del self.a.requests[c["rid"]]
+            t = self.trace(c["rid"])
+            t.prompt_tokens = len(c["data"].get("prompt_token_ids", ()))
+        if "raised" in c:
+            pass
+        else:
+            self.events(c.get("ev") or [])
+            if op == "schedule":
+                self.batch(c["out"])
+        free = c.get("free")
+        in_use = sum(len(t) for t in self.held.values())
+        if in_use > self.total:
+            self.violate("overcommit", f"step {self.step}: {in_use} blocks held, only "
+                                       f"{self.total} exist")
+        if free is not None:
+            used = self.total - free
+            self.a.peak_blocks_in_use = max(self.a.peak_blocks_in_use, used, in_use)
+            if used != in_use:
+                self.violate("unaccounted", (
+                    f"step {self.step} ({op}): the scheduler has {used} blocks in use but the "
+                    f"requests hold {in_use}: {used - in_use} block(s) leaked"
+                    if used > in_use else
+                    f"step {self.step} ({op}): the requests hold {in_use} blocks but the "
+                    f"scheduler counts only {used} in use"))
+            if op in ("schedule", "update"):
+                self.a.usage.append((self.step, used, ts))
+
+    def events(self, evs: list[list]) -> None:
+        for d in evs:
+            kind, rid = d[0], d[1]
+            t = self.trace(rid)
+            if t.finals and kind != "final":
+                self.violate("after_final", f"step {self.step}: {kind} for {rid} after its final")
+            if kind == "tokens":
+                t.num_tokens += len(d[2])
+            elif kind == "preempted":
+                n = len(self.held.pop(rid, ()))
+                t.preempted_steps.append(d[3])
+                if d[2] != n:
+                    self.violate("count", f"step {d[3]}: {rid} preempted with count={d[2]} "
+                                          f"but it held {n} blocks")
+            elif kind == "abort_requested":
+                if t.abort_step is None:
+                    t.abort_step, t.abort_ms, t.abort_source = d[3], self.ts, d[2]
+            elif kind == "drained":
+                t.drained_step = d[3]
+            elif kind == "blocks_released":
+                n = len(self.held.pop(rid, ()))
+                t.released_step, t.released_ms, t.released_count = d[3], self.ts, d[2]
+                if d[2] != n:
+                    self.violate("leak", f"step {d[3]}: {rid} released {d[2]} of the {n} blocks "
+                                         "it held" + (" (leak)" if d[2] < n else ""))
+                if t.abort_step is not None:
+                    self.a.abort_release_steps.append(d[3] - t.abort_step)
+                    self.a.abort_release_ms.append(self.ts - (t.abort_ms or self.ts))
+            elif kind == "final":
+                t.finals += 1
+                t.final_step, t.final_ms, t.finish_reason = self.step, self.ts, d[2]
+                self.a.finish_reasons[d[2]] = self.a.finish_reasons.get(d[2], 0) + 1
+                if t.finals > 1:
+                    self.violate("finals", f"step {self.step}: {rid} got final #{t.finals}")
+                left = self.held.get(rid)
+                if left:
+                    self.violate("leak", f"step {self.step}: {rid} finished ({d[2]}) still "
+                                         f"holding {len(left)} blocks (leak)")
+
+    def batch(self, out: list) -> None:
+        step, _, seqs = out
+        self.step = step
+        for rid, start, n, _sample, base, new in seqs:
+            prev = self.held.get(rid, [])
+            if base > len(prev):
+                self.violate("delta", f"step {step}: {rid} extends {base} blocks, holds {len(prev)}")
+            table = prev[:base] + list(new)
+            self.held[rid] = table
+            if len(table) * self.bs < start + n:
+                self.violate("short", f"step {step}: {rid} feeds positions up to {start + n} "
+                                      f"with only {len(table)} blocks")
+            t = self.trace(rid)
+            t.scheduled_steps += 1
+            if t.first_scheduled_step is None:
+                t.first_scheduled_step = step
+        owner: dict[int, str] = {}
+        for rid, table in self.held.items():
+            for b in table:
+                if not 0 <= b < self.total:
+                    self.violate("range", f"step {step}: {rid} holds block {b}, outside the pool")
+                other = owner.setdefault(b, rid)
+                if other != rid:
+                    self.violate("double", f"step {step}: block {b} held by both {other} and {rid}")
+
+    def finish(self) -> None:
+        for t in self.a.requests.values():
+            if t.segment != self.seg:
+                continue
+            if t.released_step is not None and t.finals == 0:
+                self.violate("finals", f"{t.request_id} released its blocks but never got a final")
+        for kind, n in self.kinds.items():
+            if n > _MAX_SAME:
+                self.a.violations.append(f"{n} '{kind}' violations in all")
+
+
+def check_journal(entries: list[Event]) -> Analysis:
+    """Invariants from the recorded digests alone (no re-execution)."""
+    a = Analysis()
+    segs, orphans = segments(entries)
+    if orphans:
+        a.violations.append(f"journal truncated: {orphans} step entries before any journal_start "
+                            "(MAXLEN trimmed its beginning); they cannot be checked")
+    for i, (start, steps) in enumerate(segs):
+        cfg = config_from_json(start.config)
+        a.total_blocks = cfg.num_blocks
+        ck = _Checker(a, i, cfg)
+        a.first_ms = a.first_ms or start.ts
+        for n, st in enumerate(steps):
+            if st.seq != n:
+                a.violations.append(f"segment {i}: entry seq {st.seq} where {n} was expected "
+                                    "(entries missing)")
+                break
+            for c in st.data.get("calls", ()):
+                ck.call(c, st.ts)
+                a.calls += 1
+            a.steps = max(a.steps, st.step)
+            a.last_ms = max(a.last_ms, st.ts)
+        ck.finish()
+    return a
+
+
+# --------------------------------------------------------------------------- re-execution
+
+
+@dataclass
+class Divergence:
+    segment: int
+    entry: int  # index of the JournalStep in its segment (its seq)
+    step: int  # the scheduler step when the call was made
+    call: int  # index of the call in the entry
+    op: str
+    inputs: dict[str, Any]
+    recorded: dict[str, Any]
+    replayed: dict[str, Any]
+
+    def describe(self) -> str:
+        lines = [f"DIVERGED at step {self.step} (segment {self.segment}, entry {self.entry}, "
+                 f"call {self.call}: {self.op})"]
+        if self.inputs:
+            lines.append(f"  input:    {_short(self.inputs)}")
+        for k in OUTPUT_KEYS:
+            r, g = self.recorded.get(k), self.replayed.get(k)
+            if r != g:
+                lines.append(f"  {k}: recorded {_short(r)}")
+                lines.append(f"  {' ' * len(k)}  replayed {_short(g)}")
+        return "\n".join(lines)
+
+
+def _short(x: Any, limit: int = 600) -> str:
+    s = orjson.dumps(x).decode()
+    return s if len(s) <= limit else s[:limit] + f"... ({len(s)} chars)"
+
+
+@dataclass
+class ReplayReport:
+    engine: str
+    segments: int
+    entries: int
+    calls: int
+    replayed_calls: int
+    divergence: Divergence | None
+    analysis: Analysis
+    recorded_ms: int
+    replay_ms: float
+    snapshot_at: dict[str, Any] | None = None
+
+    @property
+    def violations(self) -> list[str]:
+        return self.analysis.violations
+
+    @property
+    def ok(self) -> bool:
+        return self.divergence is None and not self.violations and self.entries > 0
+
+    def summary(self) -> dict[str, Any]:
+        a = self.analysis
+        lat_s, lat_ms = sorted(a.abort_release_steps), sorted(a.abort_release_ms)
+        return {
+            "engine": self.engine,
+            "ok": self.ok,
+            "segments": self.segments,
+            "entries": self.entries,
+            "steps": a.steps,
+            "calls": self.calls,
+            "replayed_calls": self.replayed_calls,
+            "divergence": None if self.divergence is None else {
+                **dataclasses.asdict(self.divergence), "text": self.divergence.describe()},
+            "violations": list(a.violations),
+            "requests": len(a.requests),
+            "finish_reasons": dict(a.finish_reasons),
+            "open_requests": sum(1 for t in a.requests.values() if not t.finals),
+            "total_blocks": a.total_blocks,
+            "peak_blocks_in_use": a.peak_blocks_in_use,
+            "aborts_released": len(lat_s),
+            "abort_release_steps": _dist(lat_s),
+            "abort_release_ms": _dist(lat_ms),
+            "recorded_ms": self.recorded_ms,
+            "replay_ms": round(self.replay_ms, 3),
+            "speedup": round(self.recorded_ms / self.replay_ms, 1) if self.replay_ms > 0 else None,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        d = self.summary()
+        if self.snapshot_at is not None:
+            d["snapshot_at"] = self.snapshot_at
+        return d
+
+    def format(self) -> str:
+        s = self.summary()
+        lines = [
+            f"engine {s['engine'] or '(unnamed)'}: {'OK' if s['ok'] else 'FAILED'} - "
+            f"{s['entries']} entries, {s['steps']} steps, {s['calls']} calls "
+            f"({s['replayed_calls']} replayed, {s['segments']} segment(s))",
+            f"requests {s['requests']} (finish reasons {s['finish_reasons']}, "
+            f"{s['open_requests']} still open); peak blocks in use "
+            f"{s['peak_blocks_in_use']}/{s['total_blocks']}",
+        ]
+        if s["aborts_released"]:
+            st, ms = s["abort_release_steps"], s["abort_release_ms"]
+            lines.append(f"abort -> release: {s['aborts_released']} aborts, steps p50 {st['p50']} "
+                         f"max {st['max']}; ms p50 {ms['p50']} max {ms['max']}")
+        if s["speedup"] is not None:
+            lines.append(f"replayed in {s['replay_ms']:.1f} ms; recorded over {s['recorded_ms']} ms "
+                         f"({s['speedup']}x)")
+        if self.divergence is not None:
+            lines.append(self.divergence.describe())
+        if not self.entries:
+            lines.append("no journal entries")
+        for v in s["violations"]:
+            lines.append(f"VIOLATION: {v}")
+        return "\n".join(lines)
+
+
+def _dist(xs: list) -> dict[str, Any]:
+    if not xs:
+        return {"n": 0, "p50": None, "p99": None, "max": None}
+    return {"n": len(xs), "p50": xs[len(xs) // 2], "p99": xs[min(len(xs) - 1, int(len(xs) * 0.99))],
+            "max": xs[-1]}
+
+
+def _request_data(d: dict[str, Any]) -> RequestData:
+    # Built by hand, not RequestData.from_json: the journal also holds what the API would have
+    # rejected (an empty prompt reached add() and got its error final); replay feeds it as is.
+    return RequestData(prompt_token_ids=tuple(d.get("prompt_token_ids") or ()),
+                       sampling=SamplingParams.from_dict(d.get("sampling") or {}),
+                       arrival_ts=int(d.get("arrival_ts") or 0), model=str(d.get("model") or ""),
+                       api=str(d.get("api") or ""), background=bool(d.get("background", False)))
+
+
+class _Replayer:
+    """Re-executes one segment's calls; the digests come from a Digester of its own."""
+
+    def __init__(self, sched: Scheduler):
+        self.s = sched
+        self.dig = Digester()
+        self.last_out: SchedulerOutput | None = None
+
+    def apply(self, c: dict[str, Any]) -> dict[str, Any]:
+        s, op = self.s, c["op"]
+        got: dict[str, Any] = {}
+        try:
+            if op == "schedule":
+                out = s.schedule()
+                self.last_out = out
+                got["ev"] = self.dig.events(s.take_events())
+                got["out"] = self.dig.batch(out)
+            else:
+                if op == "add":
+                    evs = s.add(c["rid"], _request_data(c["data"]))
+                elif op == "abort":
+                    evs = s.abort(c["rid"], c["source"])
+                elif op == "abort_all":
+                    evs = s.abort_all(c["source"])
+                elif op == "update":
+                    out = self.last_out
+                    if out is None or out.step != c["step"]:
+                        out = SchedulerOutput(step=c["step"], seqs=())
+                    result = RunnerOutput(step=c.get("rstep", c["step"]),
+                                          sampled={k: int(v) for k, v in c["sampled"].items()},
+                                          stopped=dict(c.get("stopped") or {}))
+                    evs = s.update(out, result)
+                else:
+                    raise ValueError(f"unknown journal op {op!r}")
+                got["ev"] = self.dig.events(evs)
+        except Exception as e:
+            got = {"raised": type(e).__name__}
+        got["free"] = s.num_free_blocks
+        return got
+
+
+def replay(entries: list[Event], *, at: int | None = None,
+           scheduler_factory: Callable[[SchedulerConfig], Scheduler] = Scheduler) -> ReplayReport:
+    """Re-execute a journal (one engine's entries, oldest first) and check it; see module doc."""
+    analysis = check_journal(entries)
+    segs, _ = segments(entries)
+    divergence: Divergence | None = None
+    snapshot: dict[str, Any] | None = None
+    calls = replayed = n_entries = 0
+    recorded_ms = 0
+    t0 = time.perf_counter()
+    for si, (start, steps) in enumerate(segs):
+        n_entries += 1 + len(steps)
+        if steps:
+            recorded_ms += max(0, steps[-1].ts - start.ts)
+        rp = _Replayer(scheduler_factory(config_from_json(start.config)))
+        for ei, st in enumerate(steps):
+            for ci, c in enumerate(st.data.get("calls", ())):
+                calls += 1
+                if divergence is not None and divergence.segment == si:
+                    continue
+                step_before = rp.s.step
+                got = rp.apply(c)
+                replayed += 1
+                if any(c.get(k) != got.get(k) for k in OUTPUT_KEYS):
+                    step = got["out"][0] if "out" in got else step_before
+                    inputs = {k: v for k, v in c.items() if k not in OUTPUT_KEYS and k != "op"}
+                    divergence = divergence or Divergence(
+                        si, st.seq, step, ci, c["op"], inputs,
+                        {k: c[k] for k in OUTPUT_KEYS if k in c}, got)
+                if at is not None:
+                    if c["op"] == "schedule" and rp.s.step == at and "out" in got:
+                        snapshot = {"step": at, "scheduled": rp.s.snapshot()}
+                    elif c["op"] == "update" and c["step"] == at and snapshot is not None:
+                        snapshot.setdefault("after_update", rp.s.snapshot())
+    replay_ms = (time.perf_counter() - t0) * 1000
+    engine = next((e.engine for e in entries if isinstance(e, (JournalStart, JournalStep))), "")
+    if at is not None and snapshot is None:
+        snapshot = {"step": at, "error": f"step {at} was never scheduled in this journal"}
+    return ReplayReport(engine=engine, segments=len(segs), entries=n_entries, calls=calls,
+                        replayed_calls=replayed, divergence=divergence, analysis=analysis,
+                        recorded_ms=recorded_ms, replay_ms=replay_ms, snapshot_at=snapshot)
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _redis_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--redis-url", default=os.environ.get("FD_REDIS_URL"))
+    p.add_argument("--prefix", default=os.environ.get("FD_PREFIX", "fd"))
+
+
+def _default_bus(url: str, prefix: str):
+    from control.bus import Bus
+    from control.connect import connect
+    from control.keys import Keys
+
+    return Bus(connect(url), Keys(prefix))
+
+
+async def _with_bus(args, bus_factory, fn):
+    if not args.redis_url:
+        raise SystemExit("error: --redis-url (or FD_REDIS_URL) is required to read a journal "
+                         "from Redis")
+    bus = (bus_factory or _default_bus)(args.redis_url, args.prefix)
+    try:
+        return await fn(bus)
+    finally:
+        await bus.redis.aclose()
+
+
+def main(argv: list[str] | None = None, bus_factory=None) -> int:
+    """``fd replay (--engine ID | FILE.jsonl) [--at STEP] [--html OUT] [--json]``.
+
+    Exit status: 0 every decision reproduced and no invariant broken; 1 a divergence or a
+    violated invariant; 2 nothing to replay.
+    """
+    p = argparse.ArgumentParser(prog="fd replay", description=__doc__.split("\n")[0])
+    p.add_argument("file", nargs="?", help="a JSONL journal from `fd events export`")
+    p.add_argument("--engine", help="replay P:journal:<ENGINE> straight from Redis")
+    p.add_argument("--at", type=int, default=None, metavar="STEP",
+                   help="print the scheduler's snapshot at STEP")
+    p.add_argument("--html", default=None, metavar="OUT", help="write the timeline page here")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    _redis_args(p)
+    args = p.parse_args(argv)
+    if (args.file is None) == (args.engine is None):
+        p.error("give exactly one of FILE.jsonl or --engine ID")
+    if args.engine is not None:
+        entries = asyncio.run(_with_bus(args, bus_factory,
+                                        lambda bus: load_journal_from_redis(bus, args.engine)))
+        groups = {args.engine: entries} if entries else {}
+    else:
+        groups = by_engine(load_journal_jsonl(args.file))
+    if not groups:
+        print("no journal entries found", file=sys.stderr)
+        return 2
+    status = 0
+    out_json = []
+    for engine, entries in groups.items():
+        report = replay(entries, at=args.at)
+        if not report.ok:
+            status = 1
+        if args.json:
+            out_json.append(report.to_json())
+        else:
+            print(report.format())
+            if report.snapshot_at is not None:
+                print(orjson.dumps(report.snapshot_at, option=orjson.OPT_INDENT_2).decode())
+        if args.html:
+            from engine.timeline import render_html
+
+            path = Path(args.html)
+            if len(groups) > 1:
+                path = path.with_name(f"{path.stem}.{engine or 'engine'}{path.suffix or '.html'}")
+            path.write_text(render_html(entries, report), encoding="utf-8")
+            print(f"timeline: {path}", file=sys.stderr)
+    if args.json:
+        body = out_json[0] if len(out_json) == 1 else out_json
+        sys.stdout.write(orjson.dumps(body, option=orjson.OPT_INDENT_2).decode() + "\n")
+    return status
+
+
+def export_main(argv: list[str] | None = None, bus_factory=None) -> int:
+    """``fd events export --out FILE.jsonl [--engine ID]``: journals (all engines by default)."""
+    p = argparse.ArgumentParser(prog="fd events export")
+    p.add_argument("--out", required=True, help="JSONL file to write")
+    p.add_argument("--engine", default=None, help="only this engine's journal")
+    _redis_args(p)
+    args = p.parse_args(argv)
+
+    async def dump(bus) -> int:
+        engines = [args.engine] if args.engine else await journal_engines(bus)
+        n = 0
+        with open(args.out, "wb") as f:
+            for engine in engines:
+                key = bus.keys.journal(engine)
+                for eid, ev in await _read_journal(bus, key):
+                    f.write(_jsonl_line(ev, eid, key))
+                    n += 1
+        print(f"wrote {n} journal entries of {len(engines)} engine(s) to {args.out}",
+              file=sys.stderr)
+        return n
+
+    n = asyncio.run(_with_bus(args, bus_factory, dump))
+    return 0 if n else 2

@@ -1,0 +1,58 @@
+"""Choosing the next token from a batch of logits.
+
+Greedy rows are an argmax (ties go to the lowest id). Random rows sort the vocabulary by
+logit (stable, so ties again favour the lower id), cut it by top-k and top-p, and invert the
+CDF at one uniform number. That number is what makes sampling reproducible: for a request with
+a ``seed`` it is drawn from an RNG keyed by ``(seed, num_generated)`` alone, so token n of a
+seeded request is the same whatever else shares the batch, and across runs and restarts
+(given batch-invariant logits, which the model provides). Unseeded rows use the runner's own
+generator.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from control.events import SamplingParams
+
+_U64 = (1 << 64) - 1
+
+
+def seeded_uniform(seed: int, num_generated: int) -> float:
+    return float(np.random.default_rng((seed & _U64, num_generated)).random())
+
+
+def sample_row(logits: np.ndarray, sp: SamplingParams, u: float) -> int:
+    """One token from one row of logits given a uniform ``u`` in [0, 1)."""
+    x = logits.astype(np.float64) / sp.temperature
+    order = np.argsort(-x, kind="stable")
+    if 0 < sp.top_k < len(order):
+        order = order[:sp.top_k]
+    z = x[order]
+    p = np.exp(z - z[0])
+    cdf = np.cumsum(p)
+    if sp.top_p < 1.0:
+        # the smallest prefix whose mass reaches top_p (always at least the top token)
+        keep = int(np.searchsorted(cdf, sp.top_p * cdf[-1], side="left")) + 1
+        cdf = cdf[:keep]
+    i = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+    return int(order[min(i, len(cdf) - 1)])
+
+
+class Sampler:
+    def __init__(self, seed: int = 0):
+        self._rng = np.random.default_rng(seed)
+
+    def sample(self, logits: np.ndarray, params: Sequence[SamplingParams],
+               num_generated: Sequence[int]) -> list[int]:
+        """Tokens for each row of ``logits`` [N, vocab]; ``num_generated[i]`` is how many tokens
+        row i's request had generated before this one."""
+        out = np.argmax(logits, axis=-1).tolist()
+        for i, sp in enumerate(params):
+            if sp.greedy:
+                continue
+            u = seeded_uniform(sp.seed, num_generated[i]) if sp.seed is not None else self._rng.random()
+            out[i] = sample_row(logits[i], sp, u)
+        return out

@@ -1,0 +1,3 @@
+from fd.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,469 @@
+"""The OpenAI protocol, without I/O: request bodies in, validated values out; events in,
+response bodies out.
+
+Keeping this pure means every rejection is decided before anything reaches Redis (a rejected
+request leaves no trace on ``P:requests``), and every response shape is testable without a
+server. The only collaborator is the tokenizer, used as a pure function (text -> ids).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import orjson
+
+from control.events import Final, SamplingParams
+from fd.api.errors import ApiError, bad_request, not_found, too_large
+
+ROLES = ("system", "developer", "user", "assistant")
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class TokenizerLike(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What the served model allows; the validation context."""
+
+    model_name: str
+    max_model_len: int
+    max_body_bytes: int = 4 << 20
+    default_max_tokens: int = 16  # completions; chat defaults to the rest of the context
+    vocab_size: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """A validated generating request, ready to become a ``request`` event."""
+
+    endpoint: str  # "chat" | "completion"
+    model: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    background: bool = False
+
+
+# ------------------------------------------------------------------------- body parsing
+
+
+def parse_body(raw: bytes, limits: Limits) -> dict[str, Any]:
+    """The JSON object of a request body, or the error a client should see."""
+    if len(raw) > limits.max_body_bytes:
+        raise too_large(limits.max_body_bytes)
+    if not raw.strip():
+        raise bad_request("Request body is empty; expected a JSON object.")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise bad_request(f"Request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise bad_request("Request body must be a JSON object.")
+    return body
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: Any) -> bool:
+    return (isinstance(x, (int, float)) and not isinstance(x, bool)) and math.isfinite(x)
+
+
+def _opt(body: dict, name: str, check, what: str, default: Any = None) -> Any:
+    """``body[name]`` when present and not null, after a type check; else ``default``."""
+    v = body.get(name)
+    if v is None:
+        return default
+    if not check(v):
+        raise bad_request(f"'{name}' must be {what}.", name, "invalid_type")
+    return v
+
+
+def _check_model(body: dict, limits: Limits) -> str:
+    model = body.get("model")
+    if model is None:
+        return limits.model_name  # like vLLM: the one served model
+    if not isinstance(model, str):
+        raise bad_request("'model' must be a string.", "model", "invalid_type")
+    if model != limits.model_name:
+        raise not_found(f"The model '{model}' does not exist.", "model", "model_not_found")
+    return model
+
+
+def _reject_unsupported(body: dict, names: dict[str, Any]) -> None:
+    for name, ok in names.items():
+        v = body.get(name)
+        if v is not None and v is not False and v != ok:
+            raise bad_request(f"'{name}' is not supported by this server.", name, "unsupported")
+
+
+def _stream_opts(body: dict) -> tuple[bool, bool]:
+    stream = _opt(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
+    opts = body.get("stream_options")
+    include_usage = False
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise bad_request("'stream_options' must be an object.", "stream_options", "invalid_type")
+        if not stream:
+            raise bad_request("'stream_options' is only allowed when 'stream' is true.", "stream_options")
+        iu = opts.get("include_usage")
+        if iu is not None and not isinstance(iu, bool):
+            raise bad_request("'stream_options.include_usage' must be a boolean.",
+                              "stream_options.include_usage", "invalid_type")
+        include_usage = bool(iu)
+    return stream, include_usage
+
+
+def _sampling(body: dict, prompt_len: int, limits: Limits, default_max: int | None) -> SamplingParams:
+    n = _opt(body, "n", _is_int, "an integer", 1)
+    if n != 1:
+        raise bad_request("Only n=1 is supported.", "n", "unsupported")
+    best_of = _opt(body, "best_of", _is_int, "an integer", 1)
+    if best_of != 1:
+        raise bad_request("Only best_of=1 is supported.", "best_of", "unsupported")
+
+    room = limits.max_model_len - prompt_len
+    if room < 1:
+        raise bad_request(
+            f"The prompt is {prompt_len} tokens long; this model's context is {limits.max_model_len} "
+            f"tokens, which leaves no room to generate.", "messages" if default_max is None else "prompt",
+            "context_length_exceeded")
+    max_tokens = None
+    for name in ("max_completion_tokens", "max_tokens"):
+        v = _opt(body, name, _is_int, "an integer", None)
+        if v is not None:
+            if v < 1:
+                raise bad_request(f"'{name}' must be at least 1.", name, "invalid_value")
+            if v > room:
+                raise bad_request(
+                    f"'{name}' is {v}, but the prompt is {prompt_len} tokens and this model's context "
+                    f"is {limits.max_model_len} tokens: at most {room} can be generated.", name,
+                    "context_length_exceeded")
+            max_tokens = v
+            break
+    if max_tokens is None:
+        max_tokens = room if default_max is None else min(default_max, room)
+
+    temperature = float(_opt(body, "temperature", _is_num, "a number", 1.0))
+    if not 0.0 <= temperature <= 2.0:
+        raise bad_request("'temperature' must be between 0 and 2.", "temperature", "invalid_value")
+    top_p = float(_opt(body, "top_p", _is_num, "a number", 1.0))
+    if not 0.0 < top_p <= 1.0:
+        raise bad_request("'top_p' must be in (0, 1].", "top_p", "invalid_value")
+    top_k = _opt(body, "top_k", _is_int, "an integer", 0)
+    if top_k < -1:
+        raise bad_request("'top_k' must be -1, 0 (off) or a positive integer.", "top_k", "invalid_value")
+    seed = _opt(body, "seed", _is_int, "an integer", None)
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = _opt(body, name, _is_num, "a number", 0.0)
+        if not -2.0 <= v <= 2.0:
+            raise bad_request(f"'{name}' must be between -2 and 2.", name, "invalid_value")
+
+    stop_raw = body.get("stop")
+    if stop_raw is None:
+        stop: tuple[str, ...] = ()
+    elif isinstance(stop_raw, str):
+        stop = (stop_raw,) if stop_raw else ()
+    elif isinstance(stop_raw, list) and all(isinstance(s, str) for s in stop_raw):
+        stop = tuple(s for s in stop_raw if s)
+    else:
+        raise bad_request("'stop' must be a string or a list of strings.", "stop", "invalid_type")
+    stop_token_ids = tuple(_opt(body, "stop_token_ids",
+                                lambda v: isinstance(v, list) and all(_is_int(t) and t >= 0 for t in v),
+                                "a list of token ids", []))
+    ignore_eos = _opt(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean", False)
+    include_stop = _opt(body, "include_stop_str_in_output", lambda v: isinstance(v, bool), "a boolean", False)
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                          seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
+                          include_stop_str_in_output=include_stop)
+
+
+def _background(body: dict) -> bool:
+    return _opt(body, "background", lambda v: isinstance(v, bool), "a boolean", False)
+
+
+def _check_ids(ids: list, limits: Limits, param: str) -> tuple[int, ...]:
+    vocab = limits.vocab_size
+    for t in ids:
+        if not _is_int(t) or t < 0 or (vocab is not None and t >= vocab):
+            raise bad_request(f"'{param}' contains an invalid token id {t!r}"
+                              + (f" (vocabulary size {vocab})." if vocab else "."), param, "invalid_value")
+    return tuple(ids)
+
+
+def _message_text(content: Any, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise bad_request(f"messages[{i}].content[{j}] must be an object with a 'type'.",
+                                  f"messages[{i}].content", "invalid_type")
+            if part["type"] != "text":
+                raise bad_request(f"Content parts of type '{part['type']}' are not supported.",
+                                  f"messages[{i}].content", "unsupported")
+            if not isinstance(part.get("text"), str):
+                raise bad_request(f"messages[{i}].content[{j}].text must be a string.",
+                                  f"messages[{i}].content", "invalid_type")
+            parts.append(part["text"])
+        return "\n".join(parts)
+    raise bad_request(f"messages[{i}].content must be a string or a list of text parts.",
+                      f"messages[{i}].content", "invalid_type")
+
+
+def parse_messages(body: dict) -> list[dict[str, str]]:
+    """The chat messages as ``[{"role", "content"}]`` with text content, validated."""
+    messages = body.get("messages")
+    if messages is None:
+        raise bad_request("'messages' is required.", "messages", "missing_required_parameter")
+    if not isinstance(messages, list):
+        raise bad_request("'messages' must be a list.", "messages", "invalid_type")
+    if not messages:
+        raise bad_request("'messages' must not be empty.", "messages", "invalid_value")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise bad_request(f"messages[{i}] must be an object.", f"messages[{i}]", "invalid_type")
+        role = m.get("role")
+        if not isinstance(role, str):
+            raise bad_request(f"messages[{i}].role is required and must be a string.",
+                              f"messages[{i}].role", "invalid_type")
+        if role not in ROLES:
+            raise bad_request(f"messages[{i}].role '{role}' is not one of {', '.join(ROLES)}.",
+                              f"messages[{i}].role", "invalid_value")
+        if "content" not in m or (m["content"] is None):
+            raise bad_request(f"messages[{i}].content is required.", f"messages[{i}].content",
+                              "missing_required_parameter")
+        out.append({"role": "system" if role == "developer" else role,
+                    "content": _message_text(m["content"], i)})
+    return out
+
+
+def parse_chat(body: dict, limits: Limits, tokenizer: TokenizerLike) -> GenerationRequest:
+    model = _check_model(body, limits)
+    _reject_unsupported(body, {"logprobs": None, "top_logprobs": None, "tools": None,
+                               "tool_choice": "none", "response_format": None})
+    messages = parse_messages(body)
+    stream, include_usage = _stream_opts(body)
+    background = _background(body)
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except Exception as e:  # a template that rejects the conversation (e.g. role order)
+        raise bad_request(f"The chat template rejected these messages: {e}", "messages") from None
+    ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+    if not ids:
+        raise bad_request("The prompt is empty.", "messages", "invalid_value")
+    sampling = _sampling(body, len(ids), limits, None)
+    return GenerationRequest("chat", model, ids, sampling, stream, include_usage, background)
+
+
+def parse_completion(body: dict, limits: Limits, tokenizer: TokenizerLike) -> GenerationRequest:
+    model = _check_model(body, limits)
+    _reject_unsupported(body, {"logprobs": None, "echo": None, "suffix": None})
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise bad_request("'prompt' is required.", "prompt", "missing_required_parameter")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        ids = tuple(tokenizer.encode(prompt, add_special_tokens=True))
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        ids = _check_ids(prompt, limits, "prompt")
+    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise bad_request("Batched prompts are not supported; send one prompt per request.", "prompt",
+                          "unsupported")
+    else:
+        raise bad_request("'prompt' must be a string or a list of token ids.", "prompt", "invalid_type")
+    if not ids:
+        raise bad_request("The prompt is empty.", "prompt", "invalid_value")
+    stream, include_usage = _stream_opts(body)
+    background = _background(body)
+    sampling = _sampling(body, len(ids), limits, limits.default_max_tokens)
+    return GenerationRequest("completion", model, ids, sampling, stream, include_usage, background)
+
+
+# ------------------------------------------------------------------------- responses
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def final_usage(final: Final, prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """The engine's usage when it sent one, else what this replica counted."""
+    u = final.usage or {}
+    p = u.get("prompt_tokens", prompt_tokens)
+    c = u.get("completion_tokens", completion_tokens)
+    if _is_int(p) and _is_int(c):
+        return usage(p, c)
+    return usage(prompt_tokens, completion_tokens)
+
+
+def chat_completion(rid: str, created: int, model: str, text: str, finish_reason: str,
+                    usage_: dict, stop_reason: str | None = None) -> dict[str, Any]:
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "logprobs": None, "finish_reason": finish_reason, "stop_reason": stop_reason}],
+            "usage": usage_}
+
+
+def text_completion(rid: str, created: int, model: str, text: str, finish_reason: str,
+                    usage_: dict, stop_reason: str | None = None) -> dict[str, Any]:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                         "stop_reason": stop_reason}],
+            "usage": usage_}
+
+
+def chat_chunk(rid: str, created: int, model: str, delta: dict, finish_reason: str | None = None,
+               include_usage: bool = False) -> dict[str, Any]:
+    d = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+         "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+    if include_usage:
+        d["usage"] = None  # OpenAI: null on every chunk but the last when usage is requested
+    return d
+
+
+def completion_chunk(rid: str, created: int, model: str, text: str, finish_reason: str | None = None,
+                     include_usage: bool = False) -> dict[str, Any]:
+    d = {"id": rid, "object": "text_completion", "created": created, "model": model,
+         "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+    if include_usage:
+        d["usage"] = None
+    return d
+
+
+def usage_chunk(endpoint: str, rid: str, created: int, model: str, usage_: dict) -> dict[str, Any]:
+    obj = "chat.completion.chunk" if endpoint == "chat" else "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage_}
+
+
+def final_error(final: Final) -> ApiError:
+    return ApiError(500, final.error or "The engine failed while generating.", "server_error", None,
+                    "engine_error")
+
+
+class Renderer:
+    """Turns one request's events into response bodies, identically on every replica.
+
+    Everything it needs (endpoint, model, created) comes from the ``accepted`` event, so a
+    replay from another replica renders the same chunks the original stream did.
+    """
+
+    def __init__(self, request_id: str, endpoint: str, model: str, created: int, prompt_tokens: int,
+                 include_usage: bool = False):
+        self.rid = request_id
+        self.endpoint = endpoint
+        self.model = model
+        self.created = created
+        self.prompt_tokens = prompt_tokens
+        self.include_usage = include_usage
+        self.completion_tokens = 0
+        self.text: list[str] = []
+
+    # -- streaming
+    def start_chunks(self) -> list[dict]:
+        """Rendered for the ``accepted`` event: chat announces the assistant role first."""
+        if self.endpoint == "chat":
+            return [chat_chunk(self.rid, self.created, self.model, {"role": "assistant", "content": ""},
+                               None, self.include_usage)]
+        return []
+
+    def token_chunks(self, text: str, n_tokens: int) -> list[dict]:
+        self.completion_tokens += n_tokens
+        self.text.append(text)
+        if not text:
+            return []
+        if self.endpoint == "chat":
+            return [chat_chunk(self.rid, self.created, self.model, {"content": text}, None,
+                               self.include_usage)]
+        return [completion_chunk(self.rid, self.created, self.model, text, None, self.include_usage)]
+
+    def final_chunks(self, final: Final) -> list[dict]:
+        if final.finish_reason == "error":
+            return [final_error(final).body()]
+        fr = final.finish_reason
+        if self.endpoint == "chat":
+            last = chat_chunk(self.rid, self.created, self.model, {}, fr, self.include_usage)
+        else:
+            last = completion_chunk(self.rid, self.created, self.model, "", fr, self.include_usage)
+        if final.stop_reason is not None:
+            last["choices"][0]["stop_reason"] = final.stop_reason
+        out = [last]
+        if self.include_usage:
+            out.append(usage_chunk(self.endpoint, self.rid, self.created, self.model,
+                                   final_usage(final, self.prompt_tokens, self.completion_tokens)))
+        return out
+
+    # -- non-streaming
+    def response(self, final: Final) -> dict:
+        """The whole response body; raises the error a failed request answers with."""
+        if final.finish_reason == "error":
+            raise final_error(final)
+        build = chat_completion if self.endpoint == "chat" else text_completion
+        return build(self.rid, self.created, self.model, "".join(self.text), final.finish_reason,
+                     final_usage(final, self.prompt_tokens, self.completion_tokens), final.stop_reason)
+
+
+# ------------------------------------------------------------------------- abort bodies
+
+
+@dataclass(frozen=True, slots=True)
+class AbortBody:
+    """A parsed ``POST /v1/abort_requests`` body."""
+
+    request_ids: tuple[str, ...] = ()
+    rejected: tuple[tuple[str, str], ...] = ()  # (request_id, reason)
+    abort_all: bool = False
+    engine: str | None = None
+
+
+def parse_abort(body: Any, valid_request_id, valid_engine_id, max_ids: int) -> AbortBody:
+    """FastDeploy's ``req_ids``, vLLM's ``request_ids``, or ``abort_all``; both shapes live on,
+    because changing this body under existing clients is exactly what must not happen."""
+    if not isinstance(body, dict):
+        raise bad_request("Request body must be a JSON object.")
+    engine = body.get("engine")
+    if engine is not None and (not isinstance(engine, str) or not valid_engine_id(engine)):
+        raise bad_request("'engine' must be a valid engine id.", "engine", "invalid_value")
+    if body.get("abort_all") is not None:
+        if not isinstance(body["abort_all"], bool):
+            raise bad_request("'abort_all' must be a boolean.", "abort_all", "invalid_type")
+        if body["abort_all"]:
+            return AbortBody(abort_all=True, engine=engine)
+    ids = None
+    for name in ("req_ids", "request_ids"):
+        if body.get(name) is not None:
+            ids, param = body[name], name
+            break
+    if ids is None:
+        raise bad_request("Give 'req_ids' (or 'request_ids') as a list of request ids, or 'abort_all': true.",
+                          "req_ids", "missing_required_parameter")
+    if isinstance(ids, str):
+        ids = [ids]
+    if not isinstance(ids, list):
+        raise bad_request(f"'{param}' must be a list of request ids.", param, "invalid_type")
+    if len(ids) > max_ids:
+        raise bad_request(f"At most {max_ids} request ids per call.", param, "invalid_value")
+    accepted: dict[str, None] = {}
+    rejected = []
+    for rid in ids:
+        if not isinstance(rid, str):
+            rejected.append((str(rid)[:128], "not a string"))
+        elif not valid_request_id(rid):
+            rejected.append((rid[:128], "invalid request id (letters, digits, '_.:@-', 1-128 chars)"))
+        else:
+            accepted.setdefault(rid)
+    if not accepted:
+        raise ApiError(400, "No valid request ids given.", "invalid_request_error", param, "invalid_value")
+    return AbortBody(tuple(accepted), tuple(rejected), False, engine)

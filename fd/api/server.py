@@ -1,0 +1,501 @@
+"""The API node's HTTP surface (DESIGN.md §5): thin aiohttp handlers over the bus.
+
+Parsing, validation and response shapes live in :mod:`fd.api.protocol`; this module only
+moves bytes: body in, ``request`` event out, the request's stream back as JSON or SSE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import orjson
+from aiohttp import web
+from redis.exceptions import RedisError
+
+from control.bus import Bus, MuxStopped, StreamMux, entry_id_key
+from control.events import (
+    MAX_FIELD_BYTES,
+    MAX_IDS_PER_ABORT,
+    Abort,
+    AbortAll,
+    Accepted,
+    Final,
+    Request,
+    RequestData,
+    Tokens,
+)
+from control.keys import ENGINE_ID_RE, valid_request_id
+from control.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from control.metrics import Metrics
+from fd.api import protocol, sse
+from fd.api.cancellation import Cancellation, watch_of
+from fd.api.errors import ApiError, bad_request, conflict, not_found, too_large, unauthorized, unavailable
+
+log = logging.getLogger("fd.api")
+
+KEEPALIVE_S = 15.0  # an SSE comment this often while nothing happens, so proxies keep the line
+HEALTH_TIMEOUT_S = 2.0
+MAX_WAIT_S = 300.0
+
+
+def _new_api_id() -> str:
+    return f"api-{uuid.uuid4().hex[:8]}"
+
+
+@dataclass
+class ApiConfig:
+    model_name: str
+    max_model_len: int
+    api_key: str | None = None
+    admin_key: str | None = None
+    max_body_bytes: int = 4 << 20
+    api_id: str = field(default_factory=_new_api_id)
+    default_max_tokens: int = 16  # completions; chat defaults to the rest of the context
+
+
+API_KEY = web.AppKey("fd.api", object)
+ADMIN_PATHS = ("/v1/abort_requests",)
+RID = web.RequestKey("fd.rid", str)  # the request id, echoed in X-Request-Id even on errors
+
+
+def _json(body: Any, status: int = 200, headers: dict | None = None) -> web.Response:
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json",
+                        headers=headers)
+
+
+def _error_response(err: ApiError, request: web.Request) -> web.Response:
+    rid = request.get(RID)
+    return _json(err.body(), err.status, {"X-Request-Id": rid} if rid else None)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler):
+    """Every error a client sees has OpenAI's shape, routing errors included."""
+    try:
+        return await handler(request)
+    except ApiError as e:
+        return _error_response(e, request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status)
+        return _error_response(ApiError(e.status, e.reason, "invalid_request_error", None, code), request)
+    except RedisError as e:
+        log.warning("redis error on %s: %s", request.path, e)
+        return _error_response(unavailable(f"The control plane (Redis) is unavailable: {e}"), request)
+    except MuxStopped:
+        return _error_response(unavailable("This API replica is shutting down."), request)
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return _error_response(ApiError(500, "Internal server error.", "server_error"), request)
+
+
+def _bearer(request: web.Request) -> str | None:
+    auth = request.headers.get("Authorization", "")
+    scheme, _, token = auth.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def _key_ok(given: str | None, expected: str) -> bool:
+    return given is not None and hmac.compare_digest(given.encode(), expected.encode())
+
+
+def _is_admin_path(request: web.Request) -> bool:
+    p = request.path
+    return p in ADMIN_PATHS or (p.startswith("/v1/requests/") and p.endswith("/cancel"))
+
+
+class _Timing:
+    """TTFT / ITL / E2E of one live request, measured where the client sees them."""
+
+    def __init__(self, metrics: Metrics, arrival: float):
+        self.m = metrics
+        self.arrival = arrival
+        self.last: float | None = None
+
+    def tokens(self, n: int) -> None:
+        if n <= 0:
+            return
+        now = time.monotonic()
+        if self.last is None:
+            self.m.time_to_first_token_seconds.observe(now - self.arrival)
+            n -= 1
+        elif n:
+            per = (now - self.last) / n
+            for _ in range(n):
+                self.m.inter_token_latency_seconds.observe(per)
+            n = 0
+        self.last = now
+
+    def final(self, final: Final) -> None:
+        self.m.e2e_request_latency_seconds.observe(time.monotonic() - self.arrival)
+        self.m.requests_total.labels(final.finish_reason).inc()
+
+
+class Api:
+    """The handlers, bound to one bus, one stream mux, one tokenizer and one metrics object."""
+
+    def __init__(self, cfg: ApiConfig, bus: Bus, mux: StreamMux, tokenizer, metrics: Metrics):
+        self.cfg = cfg
+        self.bus = bus
+        self.mux = mux
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.limits = protocol.Limits(cfg.model_name, cfg.max_model_len, cfg.max_body_bytes,
+                                      cfg.default_max_tokens, getattr(tokenizer, "vocab_size", None))
+        self.cancellation = Cancellation(self._abort_on_disconnect)
+        self.started = int(time.time())
+        self._started_mux = False
+
+    # ------------------------------------------------------------------ plumbing
+
+    @web.middleware
+    async def auth(self, request: web.Request, handler):
+        if request.path.startswith("/v1/"):
+            token = _bearer(request)
+            if _is_admin_path(request) and self.cfg.admin_key:
+                if not _key_ok(token, self.cfg.admin_key):
+                    raise unauthorized("This endpoint needs the admin key (Authorization: Bearer <admin key>).")
+            elif self.cfg.api_key and not _key_ok(token, self.cfg.api_key):
+                raise unauthorized()
+        return await handler(request)
+
+    async def on_startup(self, app: web.Application) -> None:
+        if not self.mux._started:
+            await self.mux.start()
+            self._started_mux = True
+
+    async def on_cleanup(self, app: web.Application) -> None:
+        await self.cancellation.drain()
+        if self._started_mux:
+            await self.mux.stop()
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        limit = self.cfg.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise too_large(limit)
+        chunks, size = [], 0
+        while True:
+            chunk = await request.content.readany()
+            if not chunk:
+                break
+            size += len(chunk)
+            if size > limit:
+                raise too_large(limit)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _body(self, request: web.Request) -> dict:
+        return protocol.parse_body(await self._read_body(request), self.limits)
+
+    def _request_id(self, request: web.Request, prefix: str) -> tuple[str, bool]:
+        given = request.headers.get("X-Request-Id")
+        if given is None:
+            rid = f"{prefix}-{uuid.uuid4().hex}"
+            request[RID] = rid
+            return rid, False
+        if not valid_request_id(given):
+            raise bad_request("Invalid X-Request-Id: use 1-128 letters, digits and '_.:@-'.",
+                              "X-Request-Id", "invalid_request_id")
+        request[RID] = given
+        return given, True
+
+    async def _abort_on_disconnect(self, request_id: str) -> None:
+        await self.bus.publish(self.bus.keys.control,
+                               Abort(request_ids=(request_id,), source="disconnect",
+                                     abort_id=f"abort-{uuid.uuid4().hex[:16]}"))
+        # fd_abort_requests_total is counted by the engine where the abort takes effect
+        # (every engine reads every abort; exactly one owns the request).
+        self.metrics.requests_total.labels("abort").inc()  # its final goes unseen by this replica
+
+    # ------------------------------------------------------------------ generating
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat", "chatcmpl", protocol.parse_chat)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completion", "cmpl", protocol.parse_completion)
+
+    async def _generate(self, request: web.Request, endpoint: str, prefix: str, parse) -> web.StreamResponse:
+        arrival = time.monotonic()
+        rid, explicit = self._request_id(request, prefix)
+        gen: protocol.GenerationRequest = parse(await self._body(request), self.limits, self.tokenizer)
+        if explicit and await self.bus.redis.exists(self.bus.keys.req(rid)):
+            raise conflict(f"A request with id '{rid}' already exists.", "X-Request-Id")
+        watch = watch_of(request)
+        watch.background = gen.background
+        now = time.time()
+        created = int(now)
+        sub = await self.mux.subscribe(rid, b"0")  # before submit: nothing can be missed
+        try:
+            watch.request_id = rid  # from here on a disconnect aborts it
+            await self.bus.submit(
+                Request(request_id=rid, data=RequestData(
+                    prompt_token_ids=gen.prompt_token_ids, sampling=gen.sampling,
+                    arrival_ts=int(now * 1000), model=gen.model, api=self.cfg.api_id,
+                    background=gen.background)),
+                Accepted(request_id=rid, api=self.cfg.api_id, prompt_tokens=len(gen.prompt_token_ids),
+                         endpoint=endpoint, model=gen.model, created=created))
+            renderer = protocol.Renderer(rid, endpoint, gen.model, created, len(gen.prompt_token_ids),
+                                         gen.include_usage)
+            timing = _Timing(self.metrics, arrival)
+            if gen.stream:
+                return await self._stream(request, rid, self._events(sub), renderer, timing)
+            return await self._collect(rid, sub, renderer, timing, watch)
+        finally:
+            await sub.close()
+
+    async def _events(self, sub) -> AsyncIterator[tuple[bytes, Any] | None]:
+        """The subscription's events, with ``None`` whenever it was quiet for KEEPALIVE_S."""
+        it = sub.__aiter__()
+        while True:
+            try:
+                item = await asyncio.wait_for(it.__anext__(), KEEPALIVE_S)
+            except asyncio.TimeoutError:
+                yield None
+                continue
+            except StopAsyncIteration:
+                return
+            yield item
+
+    async def _collect(self, rid: str, sub, renderer: protocol.Renderer, timing: _Timing, watch) -> web.Response:
+        async for _eid, ev in sub:
+            if isinstance(ev, Tokens):
+                timing.tokens(len(ev.token_ids))
+                renderer.token_chunks(ev.text, len(ev.token_ids))
+            elif isinstance(ev, Final):
+                watch.finished = True
+                timing.final(ev)
+                return _json(renderer.response(ev), headers={"X-Request-Id": rid})
+        raise unavailable("The request's stream ended without a final event.")
+
+    async def _stream(self, request: web.Request, rid: str, events: AsyncIterator, renderer: protocol.Renderer,
+                      timing: _Timing | None, skip_until: tuple[int, int] | None = None) -> web.StreamResponse:
+        """Render events as SSE until the final. Entries at or before ``skip_until`` only update
+        the renderer's state (a resume), the rest are written with their entry id."""
+        resp = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no", "X-Request-Id": rid})
+        await resp.prepare(request)
+        watch = watch_of(request)
+        async with contextlib.aclosing(events):
+            await self._write_events(resp, events, renderer, timing, skip_until, watch)
+        await resp.write_eof()
+        return resp
+
+    async def _write_events(self, resp, events, renderer, timing, skip_until, watch) -> None:
+        async for item in events:
+            if item is None:
+                await resp.write(sse.comment("keep-alive"))
+                continue
+            eid, ev = item
+            chunks: list[dict] = []
+            done = False
+            if isinstance(ev, Accepted):
+                chunks = renderer.start_chunks()
+            elif isinstance(ev, Tokens):
+                if timing is not None:
+                    timing.tokens(len(ev.token_ids))
+                chunks = renderer.token_chunks(ev.text, len(ev.token_ids))
+            elif isinstance(ev, Final):
+                watch.finished = True
+                if timing is not None:
+                    timing.final(ev)
+                chunks = renderer.final_chunks(ev)
+                done = True
+            if chunks and (skip_until is None or entry_id_key(eid) > skip_until):
+                await resp.write(b"".join(sse.frame(c, eid) for c in chunks))
+            if done:
+                await resp.write(sse.DONE)
+                break
+        else:
+            await resp.write(sse.frame(unavailable("The request's stream ended without a final event.").body()))
+
+    # ------------------------------------------------------------------ replay / resume
+
+    async def stream_request(self, request: web.Request) -> web.StreamResponse:
+        """``GET /v1/requests/{id}/stream``: the request's response again, from the start or
+        after ``Last-Event-ID``, then live until its final; from any replica. Watching is not
+        owning: a watcher that disconnects aborts nothing."""
+        rid = request.match_info["id"]
+        if not valid_request_id(rid):
+            raise bad_request("Invalid request id.", "id", "invalid_request_id")
+        request[RID] = rid
+        last = request.headers.get("Last-Event-ID") or request.query.get("last_event_id")
+        skip = None
+        if last:
+            try:
+                skip = entry_id_key(last.strip())
+            except ValueError:
+                raise bad_request("Last-Event-ID is not a stream entry id.", "Last-Event-ID") from None
+        iu = request.query.get("include_usage", "true").lower() not in ("0", "false", "no")
+        history = await self.bus.read_req(rid, b"0")
+        if not history:
+            raise not_found(f"No request with id '{rid}' (never accepted, or expired).", "id", "request_not_found")
+        first = history[0][1]
+        if not isinstance(first, Accepted):
+            raise unavailable(f"The stream of '{rid}' does not start with 'accepted'.")
+        renderer = protocol.Renderer(rid, first.endpoint or "completion", first.model, first.created,
+                                     first.prompt_tokens, iu)
+        finished = any(isinstance(ev, Final) for _, ev in history)
+
+        async def events():
+            for item in history:
+                yield item
+            if finished:
+                return
+            sub = await self.mux.subscribe(rid, history[-1][0])
+            try:
+                async for item in self._events(sub):
+                    yield item
+            finally:
+                await sub.close()
+
+        return await self._stream(request, rid, events(), renderer, None, skip)
+
+    # ------------------------------------------------------------------ aborts
+
+    async def abort_requests(self, request: web.Request) -> web.Response:
+        """Publish one abort and answer at once (``?wait=S``: the old synchronous answer)."""
+        wait = request.query.get("wait")
+        timeout = None
+        if wait is not None:
+            try:
+                timeout = float(wait)
+            except ValueError:
+                raise bad_request("'wait' must be a number of seconds.", "wait", "invalid_value") from None
+            if not math.isfinite(timeout) or timeout < 0:
+                raise bad_request("'wait' must be a number of seconds.", "wait", "invalid_value")
+            timeout = min(timeout, MAX_WAIT_S)
+        body = protocol.parse_abort(await self._body(request), valid_request_id,
+                                    lambda e: bool(ENGINE_ID_RE.match(e)), MAX_IDS_PER_ABORT)
+        abort_id = f"abort-{uuid.uuid4().hex[:16]}"
+        if body.abort_all:
+            await self.bus.publish(self.bus.keys.control,
+                                   AbortAll(engine=body.engine, source="http", abort_id=abort_id))
+            return _json({"abort_id": abort_id, "abort_all": True, "engine": body.engine,
+                          "accepted": [], "rejected": []})
+        await self._publish_abort(body.request_ids, abort_id)
+        if timeout is not None:
+            return _json(await self._wait_final(body.request_ids, timeout))
+        return _json({"abort_id": abort_id, "accepted": list(body.request_ids),
+                      "rejected": [{"request_id": r, "reason": why} for r, why in body.rejected]})
+
+    async def cancel_request(self, request: web.Request) -> web.Response:
+        """``POST /v1/requests/{id}/cancel``: abort one request; answers at once."""
+        rid = request.match_info["id"]
+        if not valid_request_id(rid):
+            raise bad_request("Invalid request id.", "id", "invalid_request_id")
+        abort_id = f"abort-{uuid.uuid4().hex[:16]}"
+        await self._publish_abort((rid,), abort_id)
+        return _json({"abort_id": abort_id, "accepted": [rid], "rejected": []})
+
+    async def _publish_abort(self, ids: tuple[str, ...], abort_id: str) -> None:
+        """One XADD, or a few in one round trip if the ids overflow one field."""
+        batches, cur, size = [], [], 0
+        for rid in ids:
+            if cur and size + len(rid) + 1 > MAX_FIELD_BYTES // 2:
+                batches.append(tuple(cur))
+                cur, size = [], 0
+            cur.append(rid)
+            size += len(rid) + 1
+        batches.append(tuple(cur))
+        control = self.bus.keys.control
+        events = [(control, Abort(request_ids=b, source="http", abort_id=abort_id)) for b in batches]
+        if len(events) == 1:
+            await self.bus.publish(*events[0])
+        else:
+            await self.bus.publish_many(events)
+
+    async def _wait_final(self, ids: tuple[str, ...], timeout: float) -> dict:
+        """The pre-refactor answer: which requests reached their final within ``timeout``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+
+        async def one(rid: str) -> Final | None:
+            history = await self.bus.read_req(rid, b"0")
+            if not history:
+                return None
+            for _eid, ev in history:
+                if isinstance(ev, Final):
+                    return ev
+            sub = await self.mux.subscribe(rid, history[-1][0])
+            try:
+                async with asyncio.timeout_at(deadline):
+                    async for _eid, ev in sub:
+                        if isinstance(ev, Final):
+                            return ev
+            except TimeoutError:
+                return None
+            finally:
+                await sub.close()
+            return None
+
+        finals = await asyncio.gather(*(one(r) for r in ids))
+        aborted, missing = [], []
+        for rid, fin in zip(ids, finals):
+            if fin is None:
+                missing.append(rid)
+            else:
+                n = (fin.usage or {}).get("completion_tokens", 0)
+                aborted.append({"request_id": rid, "output_token_count": n if isinstance(n, int) else 0})
+        return {"aborted": aborted, "not_found": missing}
+
+    # ------------------------------------------------------------------ info
+
+    async def models(self, request: web.Request) -> web.Response:
+        return _json({"object": "list", "data": [{
+            "id": self.cfg.model_name, "object": "model", "created": self.started, "owned_by": "fd",
+            "root": self.cfg.model_name, "max_model_len": self.cfg.max_model_len}]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        try:
+            engines = await asyncio.wait_for(self.bus.engines(), HEALTH_TIMEOUT_S)
+        except (RedisError, OSError, asyncio.TimeoutError) as e:
+            raise unavailable(f"Redis is unreachable: {e or type(e).__name__}") from None
+        if not engines:
+            raise unavailable("No engine is alive (no engine heartbeat in Redis).")
+        return _json({"status": "ok", "api": self.cfg.api_id, "engines": engines})
+
+    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        if not self.metrics.engine_in_process:
+            try:
+                self.metrics.set_engine_gauges_from(
+                    await asyncio.wait_for(self.bus.engines(), HEALTH_TIMEOUT_S))
+            except (RedisError, OSError, asyncio.TimeoutError) as e:
+                log.warning("metrics: could not read engine heartbeats: %s", e)
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+
+def make_app(cfg: ApiConfig, bus: Bus, mux: StreamMux, tokenizer, metrics: Metrics) -> web.Application:
+    """The API node's aiohttp app. It starts ``mux`` if nobody has (and then stops it).
+
+    ``handler_cancellation`` is what lets :mod:`fd.api.cancellation` see a client leave while
+    its request is still queued; it is set here, on the app, so every runner gets it.
+    """
+    api = Api(cfg, bus, mux, tokenizer, metrics)
+    app = web.Application(middlewares=[_errors, api.auth], client_max_size=cfg.max_body_bytes + 1,
+                          handler_args={"handler_cancellation": True})
+    app[API_KEY] = api
+    generating = {"/v1/chat/completions": api.chat, "/v1/completions": api.completions}
+    for path, handler in generating.items():  # every generating endpoint is guarded, by construction
+        app.router.add_post(path, api.cancellation.guard(handler))
+    app.router.add_get("/v1/models", api.models)
+    app.router.add_get("/health", api.health)
+    app.router.add_get("/metrics", api.metrics_endpoint)
+    app.router.add_post("/v1/abort_requests", api.abort_requests)
+    app.router.add_get("/v1/requests/{id}/stream", api.stream_request)
+    app.router.add_post("/v1/requests/{id}/cancel", api.cancel_request)
+    app.on_startup.append(api.on_startup)
+    app.on_cleanup.append(api.on_cleanup)
+    return app

@@ -1,0 +1,341 @@
+"""The ``fd`` command line: the one composition root that wires the API, the engine and the
+control plane together. Everything else imports ``control`` only; this module may import both
+``fd.api`` and ``engine`` (lazily, so ``fd abort`` does not load PaddlePaddle)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import secrets
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from control.keys import Keys
+
+log = logging.getLogger("fd.cli")
+
+DEFAULT_TINY_MODEL = Path(os.environ.get("FD_CACHE_DIR", Path.home() / ".cache" / "fd")) / "tiny-llama"
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _add_redis_args(p: argparse.ArgumentParser, required: bool = False) -> None:
+    p.add_argument("--redis-url", default=os.environ.get("FD_REDIS_URL"),
+                   help="Redis URL (redis://, rediss://, user:password@ work); default $FD_REDIS_URL")
+    p.add_argument("--prefix", default=os.environ.get("FD_PREFIX", "fd"), help="key prefix (default fd)")
+
+
+def _add_log_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-format", choices=("text", "json"), default="text")
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF-format model dir (default: a tiny random model)")
+    p.add_argument("--device", default="cpu", help="cpu | gpu | gpu:N")
+    p.add_argument("--engine-id", default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from --kv-cache-mb)")
+    p.add_argument("--kv-cache-mb", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+
+
+def _need_url(args: argparse.Namespace) -> str:
+    if not args.redis_url:
+        raise SystemExit("error: --redis-url (or FD_REDIS_URL) is required for this command")
+    return args.redis_url
+
+
+def resolve_model(path: str | None) -> Path:
+    """The model dir to serve: the given one, or the tiny model (made on first use)."""
+    if path:
+        p = Path(path)
+        if not (p / "config.json").exists():
+            raise SystemExit(f"error: {p} is not a model directory (no config.json)")
+        return p
+    if not (DEFAULT_TINY_MODEL / "config.json").exists():
+        from engine.model.tiny import make_tiny_model
+
+        print(f"making the tiny default model in {DEFAULT_TINY_MODEL} ...", file=sys.stderr)
+        tmp = DEFAULT_TINY_MODEL.with_name(DEFAULT_TINY_MODEL.name + f".tmp{os.getpid()}")
+        make_tiny_model(tmp)
+        tmp.rename(DEFAULT_TINY_MODEL) if not DEFAULT_TINY_MODEL.exists() else None
+    return DEFAULT_TINY_MODEL
+
+
+def _print_json_or(args: argparse.Namespace, obj: Any, text: str) -> None:
+    if getattr(args, "json", False):
+        sys.stdout.write(orjson.dumps(obj, option=orjson.OPT_INDENT_2).decode() + "\n")
+    else:
+        print(text)
+
+
+# --------------------------------------------------------------------------- serve / api / engine
+
+
+def _engine_opts(args: argparse.Namespace, model_dir: Path):
+    from fd.compose import EngineOptions
+
+    return EngineOptions(model_dir=str(model_dir), device=args.device, engine_id=args.engine_id,
+                         block_size=args.block_size, num_blocks=args.num_blocks,
+                         kv_cache_mb=args.kv_cache_mb, max_num_seqs=args.max_num_seqs,
+                         max_num_batched_tokens=args.max_num_batched_tokens)
+
+
+def _api_opts(args: argparse.Namespace, model_dir: Path):
+    from fd.compose import ApiOptions
+
+    return ApiOptions(model_dir=str(model_dir), host=args.host, port=args.port,
+                      served_model_name=args.served_model_name, api_key=args.api_key,
+                      admin_key=args.admin_key)
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    from control.connect import connect
+    from control.metrics import Metrics
+    from fd.compose import start_api, start_engine
+
+    embedded = None
+    if args.redis_url:
+        url = args.redis_url
+        factory = lambda: connect(url)  # noqa: E731
+    else:
+        from control.embedded import EmbeddedRedis
+
+        embedded = EmbeddedRedis(port=args.embedded_port or 0)
+        embedded.start()
+        factory = embedded.client
+    keys = Keys(args.prefix)
+    model_dir = resolve_model(args.model)
+    metrics = Metrics()
+    engine = await start_engine(factory, keys, _engine_opts(args, model_dir), metrics=metrics)
+    api = await start_api(factory, keys, _api_opts(args, model_dir), metrics=metrics)
+    print(f"fd serving {api.cfg.model_name} on {api.url}/v1", flush=True)
+    if embedded is not None:
+        print(f"embedded control plane: redis-cli -p {embedded.port}   (key prefix {args.prefix}:)",
+              flush=True)
+    else:
+        print(f"control plane: {args.redis_url}", flush=True)
+    await _wait_for_signal(engine.task)
+    await api.stop()
+    await engine.stop()
+    if embedded is not None:
+        embedded.stop()
+    return 0
+
+
+async def _wait_for_signal(*tasks: asyncio.Task) -> None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except NotImplementedError:
+            pass
+    waiter = asyncio.create_task(stop.wait())
+    await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
+    for t in tasks:
+        if t.done() and not t.cancelled() and t.exception() is not None:
+            log.error("task failed", exc_info=t.exception())
+    waiter.cancel()
+
+
+async def _api(args: argparse.Namespace) -> int:
+    from control.connect import connect
+    from fd.compose import start_api
+
+    url = _need_url(args)
+    model_dir = resolve_model(args.model)
+    api = await start_api(lambda: connect(url), Keys(args.prefix), _api_opts(args, model_dir))
+    print(f"fd api on {api.url}/v1 (control plane {url})", flush=True)
+    await _wait_for_signal()
+    await api.stop()
+    return 0
+
+
+async def _engine(args: argparse.Namespace) -> int:
+    from control.connect import connect
+    from fd.compose import start_engine
+
+    url = _need_url(args)
+    model_dir = resolve_model(args.model)
+    engine = await start_engine(lambda: connect(url), Keys(args.prefix), _engine_opts(args, model_dir))
+    print(f"fd engine {engine.id} serving {model_dir} (control plane {url})", flush=True)
+    await _wait_for_signal(engine.task)
+    await engine.stop()
+    return 0
+
+
+# --------------------------------------------------------------------------- operator commands
+
+
+async def _abort(args: argparse.Namespace) -> int:
+    from control.bus import Bus
+    from control.connect import connect
+    from control.events import Abort, AbortAll
+    from control.keys import valid_request_id
+
+    bus = Bus(connect(_need_url(args)), Keys(args.prefix))
+    abort_id = f"abort-{secrets.token_hex(6)}"
+    if args.all:
+        ev = AbortAll(source="cli", abort_id=abort_id, engine=args.engine)
+        ids: list[str] = []
+    else:
+        if not args.ids:
+            raise SystemExit("error: give request ids or --all")
+        bad = [i for i in args.ids if not valid_request_id(i)]
+        if bad:
+            raise SystemExit(f"error: invalid request id(s): {', '.join(bad)}")
+        ids = list(args.ids)
+        ev = Abort(request_ids=tuple(ids), source="cli", abort_id=abort_id)
+    entry = await bus.publish(bus.keys.control, ev)
+    await bus.redis.aclose()
+    _print_json_or(args, {"abort_id": abort_id, "entry_id": entry.decode(), "accepted": ids,
+                          "abort_all": bool(args.all)},
+                   f"abort {abort_id} published ({'all' if args.all else ', '.join(ids)})")
+    return 0
+
+
+async def _status(args: argparse.Namespace) -> int:
+    from control.bus import Bus
+    from control.connect import connect
+
+    bus = Bus(connect(_need_url(args)), Keys(args.prefix))
+    engines = await bus.engines()
+    r = bus.redis
+    lens = {}
+    for name in (bus.keys.requests, bus.keys.control, bus.keys.dead):
+        lens[name] = await r.xlen(name)
+    pending = 0
+    try:
+        info = await r.xpending(bus.keys.requests, "engines")
+        pending = int(info["pending"])
+    except Exception:
+        pass
+    await r.aclose()
+    obj = {"engines": engines, "streams": lens, "requests_pending": pending}
+    lines = [f"engines alive: {len(engines)}"]
+    for eid, h in sorted(engines.items()):
+        lines.append(f"  {eid}: blocks {h.get('blocks_free')}/{h.get('blocks_total')} free, "
+                     f"running {h.get('running')}, waiting {h.get('waiting')}, step {h.get('step')}")
+    lines += [f"{k}: {v} entries" for k, v in lens.items()]
+    lines.append(f"requests claimed but not finished: {pending}")
+    _print_json_or(args, obj, "\n".join(lines))
+    return 0
+
+
+async def _trace(args: argparse.Namespace) -> int:
+    from control.bus import Bus
+    from control.connect import connect
+    from control.events import Tokens
+
+    bus = Bus(connect(_need_url(args)), Keys(args.prefix))
+    entries = await bus.read_req(args.request_id)
+    await bus.redis.aclose()
+    if not entries:
+        print(f"no events for request {args.request_id}", file=sys.stderr)
+        return 1
+    t0 = entries[0][1].ts
+    rows, ntok = [], 0
+    for eid, ev in entries:
+        if isinstance(ev, Tokens):
+            ntok += len(ev.token_ids)
+        d = {k: v for k, v in ev.encode().items() if k not in ("v", "ts", "request_id")}
+        rows.append({"id": eid.decode(), "ms": ev.ts - t0, "tokens_so_far": ntok, **d})
+    text = "\n".join(
+        f"{r['ms']:>7} ms  {r['type']:<16} tokens={r['tokens_so_far']:<5} "
+        + " ".join(f"{k}={v}" for k, v in r.items() if k not in ("id", "ms", "type", "tokens_so_far"))
+        for r in rows)
+    _print_json_or(args, rows, text)
+    return 0
+
+
+def _make_tiny(args: argparse.Namespace) -> int:
+    from engine.model.tiny import make_tiny_model
+
+    make_tiny_model(Path(args.dir), seed=args.seed)
+    print(f"tiny model written to {args.dir}")
+    return 0
+
+
+# --------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fd", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("serve", help="API + engine + embedded control plane in one process")
+    _add_redis_args(s)
+    _add_engine_args(s)
+    _add_log_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--embedded-port", type=int, default=0, help="port of the embedded Redis (0: free)")
+    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--api-key", default=os.environ.get("FD_API_KEY"))
+    s.add_argument("--admin-key", default=os.environ.get("FD_ADMIN_KEY"))
+
+    a = sub.add_parser("api", help="an API node against --redis-url")
+    _add_redis_args(a)
+    _add_log_args(a)
+    a.add_argument("--model", default=None, help="model dir (for its tokenizer and name)")
+    a.add_argument("--host", default="127.0.0.1")
+    a.add_argument("--port", type=int, default=8000)
+    a.add_argument("--served-model-name", default=None)
+    a.add_argument("--api-key", default=os.environ.get("FD_API_KEY"))
+    a.add_argument("--admin-key", default=os.environ.get("FD_ADMIN_KEY"))
+
+    e = sub.add_parser("engine", help="an engine node against --redis-url")
+    _add_redis_args(e)
+    _add_engine_args(e)
+    _add_log_args(e)
+
+    ab = sub.add_parser("abort", help="abort requests by id, or --all")
+    _add_redis_args(ab)
+    ab.add_argument("ids", nargs="*")
+    ab.add_argument("--all", action="store_true")
+    ab.add_argument("--engine", default=None, help="with --all: only this engine")
+    ab.add_argument("--json", action="store_true")
+
+    st = sub.add_parser("status", help="engines, blocks, stream lengths, dead letters")
+    _add_redis_args(st)
+    st.add_argument("--json", action="store_true")
+
+    tr = sub.add_parser("trace", help="a request's events as a timeline")
+    _add_redis_args(tr)
+    tr.add_argument("request_id")
+    tr.add_argument("--json", action="store_true")
+
+    mt = sub.add_parser("make-tiny-model", help="write a tiny random-weight model")
+    mt.add_argument("dir")
+    mt.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from control.logs import setup_logging
+
+    setup_logging(getattr(args, "log_level", "warning") if hasattr(args, "log_level") else "warning",
+                  getattr(args, "log_format", "text"))
+    if args.cmd == "make-tiny-model":
+        return _make_tiny(args)
+    fn = {"serve": _serve, "api": _api, "engine": _engine, "abort": _abort,
+          "status": _status, "trace": _trace}[args.cmd]
+    try:
+        return asyncio.run(fn(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

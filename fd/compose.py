@@ -1,0 +1,130 @@
+"""Wiring of API nodes and engine nodes in one process, for ``fd serve`` and the tests.
+
+This is the composition root: the only module besides the CLI that imports both ``fd.api``
+and ``engine``. Each part gets its own Redis connections, exactly as separate processes would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from control.bus import Bus, StreamMux
+from control.keys import Keys
+from control.metrics import Metrics
+
+
+@dataclass
+class EngineOptions:
+    model_dir: str
+    device: str = "cpu"
+    engine_id: str | None = None
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_mb: int = 256
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+
+
+@dataclass
+class ApiOptions:
+    model_dir: str
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: a free port
+    served_model_name: str | None = None
+    api_key: str | None = None
+    admin_key: str | None = None
+
+
+@dataclass
+class RunningEngine:
+    node: Any
+    task: asyncio.Task
+    metrics: Metrics | None
+
+    @property
+    def id(self) -> str:
+        return self.node.id
+
+    async def stop(self) -> None:
+        self.node.stop()
+        await asyncio.gather(self.task, return_exceptions=True)
+        await self.node.bus.redis.aclose()
+        await self.node.control_bus.redis.aclose()
+
+
+@dataclass
+class RunningApi:
+    runner: Any  # aiohttp AppRunner
+    mux: StreamMux
+    bus: Bus
+    host: str
+    port: int
+    cfg: Any
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+        await self.mux.stop()
+        await self.bus.redis.aclose()
+        await self.mux.redis.aclose()
+
+
+def make_runner(opts: EngineOptions):
+    from engine.model_runner import ModelRunner
+
+    return ModelRunner(opts.model_dir, device=opts.device, num_blocks=opts.num_blocks,
+                       block_size=opts.block_size, kv_cache_bytes=opts.kv_cache_mb << 20)
+
+
+async def start_engine(redis_factory: Callable[[], Any], keys: Keys, opts: EngineOptions, *,
+                       metrics: Metrics | None = None, runner: Any = None, tokenizer: Any = None,
+                       **node_kw: Any) -> RunningEngine:
+    from control.tokenizer import Tokenizer
+    from engine.node import EngineConfig, EngineNode
+
+    runner = runner if runner is not None else make_runner(opts)
+    tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_dir(opts.model_dir)
+    if metrics is not None:
+        metrics.engine_in_process = True  # the engine sets its gauges itself, every step
+    engine_id = opts.engine_id or f"{socket.gethostname()[:24]}-{secrets.token_hex(3)}"
+    cfg = EngineConfig(engine_id=engine_id, block_size=opts.block_size,
+                       max_num_seqs=opts.max_num_seqs,
+                       max_num_batched_tokens=opts.max_num_batched_tokens, **node_kw)
+    node = EngineNode(Bus(redis_factory(), keys), Bus(redis_factory(), keys), runner, tokenizer,
+                      cfg, metrics=metrics)
+    await node.prepare()
+    task = asyncio.create_task(node.run(), name=f"engine-{engine_id}")
+    return RunningEngine(node, task, metrics)
+
+
+async def start_api(redis_factory: Callable[[], Any], keys: Keys, opts: ApiOptions, *,
+                    metrics: Metrics | None = None, tokenizer: Any = None) -> RunningApi:
+    from aiohttp import web
+
+    from control.tokenizer import Tokenizer
+    from fd.api.server import ApiConfig, make_app
+
+    tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_dir(opts.model_dir)
+    name = opts.served_model_name or Path(opts.model_dir).name
+    cfg = ApiConfig(model_name=name, max_model_len=tokenizer.max_model_len,
+                    api_key=opts.api_key, admin_key=opts.admin_key)
+    mux = StreamMux(redis_factory(), keys, cfg.api_id)
+    await mux.start()
+    bus = Bus(redis_factory(), keys)
+    app = make_app(cfg, bus, mux, tokenizer, metrics if metrics is not None else Metrics())
+    # handler_cancellation: a client that goes away cancels its handler, which is how
+    # fd.api.cancellation notices a disconnect before anything is written.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, opts.host, opts.port)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return RunningApi(runner, mux, bus, opts.host, port, cfg)

@@ -1,0 +1,208 @@
+"""The abort protocol (DESIGN.md §4) end to end through a real engine node on real Redis.
+
+Each case asserts the exact story on ``P:req:<id>``, that every KV block is free afterwards,
+and, for requests aborted before they ran, that no batch ever contained them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from control.connect import connect
+from control.events import Abort, AbortAll, AbortRequested, Claimed, Drained, Final, Tokens
+from fd.compose import EngineOptions, start_engine
+from tests.enginekit import GatedRunner, story, submit, submit_together, tokens_of, types
+
+STORY = ["accepted", "claimed", "abort_requested", "drained", "blocks_released", "final"]
+PROMPT = list(range(10, 30))
+
+
+@pytest.fixture
+async def engines(redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer):
+    started = []
+
+    async def start(**kw):
+        gated = GatedRunner(tiny_runner)
+        opts = EngineOptions(model_dir=str(tiny_model_dir), engine_id=f"e{len(started)}",
+                             max_num_seqs=kw.pop("max_num_seqs", 8),
+                             max_num_batched_tokens=kw.pop("max_num_batched_tokens", 256))
+        eng = await start_engine(lambda: connect(redis_server.url), keys, opts, runner=gated,
+                                 tokenizer=tiny_tokenizer, **kw)
+        started.append(eng)
+        return eng, gated
+
+    yield start
+    for eng in started:
+        # let any gated step finish so the engine can stop
+        eng.node.runner.open()
+        await eng.stop()
+
+
+async def _abort(bus, *rids, source="redis"):
+    await bus.publish(bus.keys.control, Abort(request_ids=tuple(rids), source=source))
+
+
+async def _all_free(node, timeout=5.0):
+    for _ in range(int(timeout / 0.01)):
+        if node.sched.num_free_blocks == node.sched.num_total_blocks and not node.sched.has_work():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"blocks not all free: {node.sched.num_free_blocks}/{node.sched.num_total_blocks}")
+
+
+async def test_decoding_in_flight_abort_waits_for_the_step(real_bus, engines):
+    eng, gated = await engines()
+    await submit(real_bus, "dec", PROMPT, max_tokens=500, ignore_eos=True)
+    # let a few decode steps happen, then hold one in flight
+    for _ in range(200):
+        if gated.steps_done >= 4:
+            break
+        await asyncio.sleep(0.005)
+    gated.close()
+    await gated.wait_entered(lambda out: any(s.request_id == "dec" for s in out.seqs))
+    await _abort(real_bus, "dec")
+    evs = await story(real_bus, "dec", until=AbortRequested)
+    # the step is still running: nothing may be released yet
+    await asyncio.sleep(0.05)
+    evs = [e for _, e in await real_bus.read_req("dec")]
+    assert types(evs)[-1] == "abort_requested"
+    assert "drained" not in types(evs) and "blocks_released" not in types(evs)
+    assert eng.node.sched.num_free_blocks < eng.node.sched.num_total_blocks
+    gated.open()
+    evs = await story(real_bus, "dec")
+    t = [x for x in types(evs) if x != "tokens"]
+    assert t == STORY
+    drained = next(e for e in evs if isinstance(e, Drained))
+    assert drained.discarded_tokens == 1  # the in-flight step's token was dropped
+    final = evs[-1]
+    assert final.finish_reason == "abort"
+    assert final.usage["completion_tokens"] == len(tokens_of(evs)) >= 3
+    # no tokens after abort_requested
+    i = types(evs).index("abort_requested")
+    assert "tokens" not in types(evs)[i:]
+    released = next(e for e in evs if e.TYPE == "blocks_released")
+    assert released.count >= 1
+    await _all_free(eng.node)
+
+
+async def test_queued_unclaimed_abort_is_prompt_and_never_prefilled(real_bus, engines):
+    # the only engine is full (one slot, taken), so "late" stays unclaimed in P:requests
+    eng, gated = await engines(max_num_seqs=1)
+    gated.close()
+    await submit(real_bus, "busy", PROMPT, max_tokens=400, ignore_eos=True)
+    await gated.wait_entered(lambda out: any(s.request_id == "busy" for s in out.seqs))
+    await submit(real_bus, "late", PROMPT, max_tokens=4)
+    await asyncio.sleep(0.1)
+    assert eng.node.sched.can_admit() == 0
+    await _abort(real_bus, "late")
+    evs = await story(real_bus, "late", timeout=5)  # promptly, while the engine is still full
+    assert types(evs) == ["accepted", "abort_requested", "drained", "blocks_released", "final"]
+    assert evs[-1].finish_reason == "abort" and evs[-2].count == 0
+    assert gated.held is not None  # the engine never got capacity in the meantime
+    gated.open()
+    await _abort(real_bus, "busy")
+    await story(real_bus, "busy")
+    # once the engine has room it reads "late", loses the claim to the tombstone, acks it
+    for _ in range(200):
+        pending = await real_bus.redis.xpending(real_bus.keys.requests, "engines")
+        length = await real_bus.redis.xlen(real_bus.keys.requests)
+        info = await real_bus.redis.xinfo_groups(real_bus.keys.requests)
+        if pending["pending"] == 0 and info[0]["entries-read"] == length:
+            break
+        await asyncio.sleep(0.01)
+    assert pending["pending"] == 0 and info[0]["entries-read"] == length
+    await _all_free(eng.node)
+    assert "late" not in gated.scheduled_ids()  # never prefilled
+    late = [e for _, e in await real_bus.read_req("late")]
+    assert types(late).count("final") == 1 and types(late)[-1] == "final"
+
+
+async def test_waiting_in_engine_abort_is_immediate(real_bus, engines):
+    # a 16-token budget: "run"'s first prefill chunk fills the step, "w" waits in the engine
+    eng, gated = await engines(max_num_batched_tokens=16)
+    gated.close()
+    await submit_together(real_bus, [("run", PROMPT, {"max_tokens": 400, "ignore_eos": True}),
+                                     ("w", PROMPT, {"max_tokens": 4})])
+    held = await gated.wait_entered(lambda out: any(s.request_id == "run" for s in out.seqs))
+    assert [s.request_id for s in held.seqs] == ["run"]
+    assert eng.node.sched.knows("w") and not eng.node.sched.in_flight("w")
+    await _abort(real_bus, "w")
+    evs = await story(real_bus, "w")  # while the other step is still held in flight
+    assert types(evs) == STORY
+    assert evs[-2].count == 0 and evs[3].discarded_tokens == 0
+    assert gated.held is not None
+    gated.open()
+    await _abort(real_bus, "run")
+    await story(real_bus, "run")
+    await _all_free(eng.node)
+    assert "w" not in gated.scheduled_ids()
+
+
+async def test_mid_chunked_prefill_abort(real_bus, engines):
+    eng, gated = await engines(max_num_batched_tokens=16)
+    long_prompt = list(range(5, 5 + 70))  # 5 chunks of <= 16 tokens
+    await submit(real_bus, "chunky", long_prompt, max_tokens=8)
+    for _ in range(400):
+        if gated.steps_done >= 2:
+            break
+        await asyncio.sleep(0.002)
+    gated.close()
+    out = await gated.wait_entered(lambda out: any(s.request_id == "chunky" for s in out.seqs))
+    seq = next(s for s in out.seqs if s.request_id == "chunky")
+    assert not seq.sample and seq.start_pos > 0  # genuinely mid-prefill
+    await _abort(real_bus, "chunky")
+    await story(real_bus, "chunky", until=AbortRequested)
+    gated.open()
+    evs = await story(real_bus, "chunky")
+    assert types(evs) == STORY
+    assert evs[3].discarded_tokens == 0 and evs[4].count >= 1
+    assert evs[-1].usage["completion_tokens"] == 0
+    await _all_free(eng.node)
+    assert not any(s.sample for o in gated.batches for s in o.seqs if s.request_id == "chunky")
+
+
+async def test_finished_duplicate_unknown_aborts(real_bus, engines):
+    eng, gated = await engines()
+    await submit(real_bus, "done", PROMPT, max_tokens=3)
+    before = await story(real_bus, "done")
+    assert before[-1].finish_reason == "length"
+    # finished: no-op; duplicate: no-op; unknown: tombstone that wins over a late request
+    await _abort(real_bus, "done")
+    await submit(real_bus, "dup", PROMPT, max_tokens=500, ignore_eos=True)
+    await story(real_bus, "dup", until=Tokens)
+    await _abort(real_bus, "dup")
+    await _abort(real_bus, "dup", source="cli")
+    await _abort(real_bus, "ghost")
+    ghost = await story(real_bus, "ghost")
+    assert types(ghost) == ["abort_requested", "drained", "blocks_released", "final"]
+    dup = await story(real_bus, "dup")
+    await asyncio.sleep(0.1)
+    dup = [e for _, e in await real_bus.read_req("dup")]
+    assert types(dup).count("abort_requested") == 1 and types(dup).count("final") == 1
+    after = [e for _, e in await real_bus.read_req("done")]
+    assert types(after) == types(before)  # the finished request's story is unchanged
+    # the ghost's request arrives after its abort: never prefilled, still exactly one final
+    await submit(real_bus, "ghost", PROMPT, max_tokens=4)
+    await asyncio.sleep(0.2)
+    ghost = [e for _, e in await real_bus.read_req("ghost")]
+    assert types(ghost).count("final") == 1
+    assert "ghost" not in gated.scheduled_ids()
+    await _all_free(eng.node)
+
+
+async def test_abort_all(real_bus, engines):
+    eng, gated = await engines()
+    rids = [f"all{i}" for i in range(4)]
+    for rid in rids:
+        await submit(real_bus, rid, PROMPT[: 5 + int(rid[-1])], max_tokens=500, ignore_eos=True)
+    for rid in rids:
+        await story(real_bus, rid, until=Tokens)
+    await real_bus.publish(real_bus.keys.control, AbortAll(source="cli"))
+    for rid in rids:
+        evs = await story(real_bus, rid)
+        assert [x for x in types(evs) if x != "tokens"] == STORY
+        assert evs[-1].finish_reason == "abort"
+        assert isinstance(evs[-1], Final)
+    await _all_free(eng.node)

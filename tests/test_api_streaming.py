@@ -1,0 +1,422 @@
+"""The API node against a scripted fake engine: bodies, SSE framing, replay/resume, aborts,
+disconnects, health and metrics, as a client and an operator see them.
+
+Most tests use the real redis-server; those taking ``bus`` also run on the embedded server
+that ``fd serve`` uses."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import orjson
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from control.bus import StreamMux
+from control.events import Abort, Claimed, Final, Tokens, decode
+from control.metrics import Metrics
+from fd.api import ApiConfig, make_app
+from test_api_validation import FakeTokenizer
+
+WORDS = ("Hello", ",", "", " world", "!")  # an empty delta: no chunk, ids still progress
+
+
+class FakeEngine:
+    """Claims requests and writes a scripted story; ``hold`` keeps them running until aborted."""
+
+    def __init__(self, bus, *, hold: bool = False, words=WORDS, delay: float = 0.0, fail: str | None = None):
+        self.bus = bus
+        self.fail = fail
+        self.hold = hold
+        self.words = words
+        self.delay = delay
+        self.stop = False
+        self.claimed: list[str] = []
+        self.aborted: dict[str, asyncio.Event] = {}
+        self.tasks: set[asyncio.Task] = set()
+
+    async def run(self) -> None:
+        await self.bus.ensure_group()
+        cursor = await self.bus.control_cursor()
+        while not self.stop:
+            for _eid, req in await self.bus.claim_requests("fake", 10, block_ms=20):
+                self.claimed.append(req.request_id)
+                self.aborted.setdefault(req.request_id, asyncio.Event())
+                t = asyncio.create_task(self.serve(req))
+                self.tasks.add(t)
+                t.add_done_callback(self.tasks.discard)
+            cursor, events = await self.bus.read_control(cursor, block_ms=None)
+            for _eid, ev in events:
+                if isinstance(ev, Abort):
+                    for rid in ev.request_ids:
+                        self.aborted.setdefault(rid, asyncio.Event()).set()
+
+    async def serve(self, req) -> None:
+        rid, bus = req.request_id, self.bus
+        key = bus.keys.req(rid)
+        n_prompt = len(req.data.prompt_token_ids)
+        await bus.publish(key, Claimed(request_id=rid, engine="fake"))
+        words = self.words[: req.data.sampling.max_tokens]
+        for i, w in enumerate(words):
+            if self.aborted[rid].is_set():
+                break
+            await bus.publish(key, Tokens(request_id=rid, token_ids=(100 + i,), text=w, step=i))
+            if self.delay:
+                await asyncio.sleep(self.delay)
+        if self.hold:
+            await self.aborted[rid].wait()
+        if self.fail:
+            await bus.publish(key, Final(request_id=rid, finish_reason="error", engine="fake", error=self.fail))
+            return
+        if self.aborted[rid].is_set():
+            fr, n = "abort", 1
+        else:
+            fr, n = ("length" if len(words) == req.data.sampling.max_tokens else "stop"), len(words)
+        await bus.publish(key, Final(request_id=rid, finish_reason=fr, engine="fake",
+                                     usage={"prompt_tokens": n_prompt, "completion_tokens": n,
+                                            "total_tokens": n_prompt + n}))
+
+    async def close(self) -> None:
+        self.stop = True
+        for t in list(self.tasks):
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+@contextlib.asynccontextmanager
+async def setup(bus, engine: FakeEngine | None = None, metrics: Metrics | None = None, **cfg):
+    mux = StreamMux(bus.redis, bus.keys, "api-test", block_ms=100)
+    app = make_app(ApiConfig("tiny", 64, **cfg), bus, mux, FakeTokenizer(), metrics or Metrics())
+    task = asyncio.create_task(engine.run()) if engine else None
+    try:
+        async with TestClient(TestServer(app)) as client:
+            yield client
+    finally:
+        if engine:
+            await engine.close()
+            await task
+
+
+def parse_sse(raw: bytes) -> list[tuple[str | None, str]]:
+    """(id, data) of each event; comments dropped."""
+    out = []
+    for block in raw.decode().split("\n\n"):
+        eid, data = None, []
+        for line in block.split("\n"):
+            if line.startswith("id: "):
+                eid = line[4:]
+            elif line.startswith("data: "):
+                data.append(line[6:])
+        if data:
+            out.append((eid, "\n".join(data)))
+    return out
+
+
+async def control_events(bus) -> list:
+    return [decode(f, eid) for eid, f in await bus.redis.xrange(bus.keys.control)]
+
+
+async def wait_for(cond, timeout=3.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if await cond():
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+CHAT_BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+
+
+async def test_chat_non_stream(real_bus):
+    async with setup(real_bus, FakeEngine(real_bus)) as client:
+        resp = await client.post("/v1/chat/completions", json=CHAT_BODY, headers={"X-Request-Id": "my-req.1"})
+        assert resp.status == 200
+        body = await resp.json()
+        assert resp.headers["X-Request-Id"] == "my-req.1" == body["id"]
+        assert body["object"] == "chat.completion" and body["model"] == "tiny"
+        (choice,) = body["choices"]
+        assert choice["message"] == {"role": "assistant", "content": "Hello, world!"}
+        assert choice["finish_reason"] == "stop"
+        prompt = len(FakeTokenizer().apply_chat_template(CHAT_BODY["messages"]))
+        assert body["usage"] == {"prompt_tokens": prompt, "completion_tokens": 5, "total_tokens": prompt + 5}
+        # the same id again is a conflict, not a second request
+        resp = await client.post("/v1/chat/completions", json=CHAT_BODY, headers={"X-Request-Id": "my-req.1"})
+        assert resp.status == 409
+        assert (await resp.json())["error"]["code"] == "duplicate_request_id"
+        assert await real_bus.redis.xlen(real_bus.keys.requests) == 1
+
+
+async def test_completion_non_stream_generated_id_and_length(real_bus):
+    async with setup(real_bus, FakeEngine(real_bus)) as client:
+        resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2})
+        body = await resp.json()
+        assert resp.status == 200, body
+        assert body["id"].startswith("cmpl-") and resp.headers["X-Request-Id"] == body["id"]
+        assert body["object"] == "text_completion"
+        assert body["choices"][0]["text"] == "Hello,"
+        assert body["choices"][0]["finish_reason"] == "length"
+        assert body["usage"]["prompt_tokens"] == 3
+        # what reached the engine
+        (_eid, fields), = await real_bus.redis.xrange(real_bus.keys.requests)
+        req = decode(fields)
+        assert req.data.prompt_token_ids == (1, 2, 3) and req.data.sampling.max_tokens == 2
+        assert req.data.model == "tiny"
+
+
+async def test_chat_stream_sse_format(bus):
+    async with setup(bus, FakeEngine(bus)) as client:
+        resp = await client.post("/v1/chat/completions", headers={"X-Request-Id": "s1"}, json={
+            **CHAT_BODY, "stream": True, "stream_options": {"include_usage": True}})
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        assert resp.headers["X-Request-Id"] == "s1"
+        events = parse_sse(await resp.read())
+        assert events[-1] == (None, "[DONE]")
+        chunks = [orjson.loads(d) for _, d in events[:-1]]
+        ids = [eid for eid, _ in events[:-1]]
+        assert all(ids) and all(c["id"] == "s1" for c in chunks)
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+        assert text == "Hello, world!"
+        assert all(c["choices"][0]["delta"].get("content", "x") for c in chunks[1:] if c["choices"])  # no empty deltas
+        assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+        assert all(c["usage"] is None for c in chunks[:-1])
+        assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+        # ids are the stream's entry ids, in order
+        entry_ids = [eid.decode() for eid, _ in await bus.redis.xrange(bus.keys.req("s1"))]
+        assert set(ids) <= set(entry_ids)
+        assert ids == sorted(ids, key=lambda i: tuple(map(int, i.split("-"))))
+
+
+async def test_completion_stream_without_usage(real_bus):
+    async with setup(real_bus, FakeEngine(real_bus)) as client:
+        resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": "hey", "stream": True})
+        events = parse_sse(await resp.read())
+        assert events[-1][1] == "[DONE]"
+        chunks = [orjson.loads(d) for _, d in events[:-1]]
+        assert all(c["object"] == "text_completion" and "usage" not in c for c in chunks)
+        assert "".join(c["choices"][0]["text"] for c in chunks) == "Hello, world!"
+        assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+        assert resp.headers["X-Request-Id"] == chunks[0]["id"]
+
+
+async def test_engine_error_reaches_the_client(real_bus):
+    async with setup(real_bus, FakeEngine(real_bus, fail="CUDA out of memory")) as client:
+        resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
+        assert resp.status == 500
+        err = (await resp.json())["error"]
+        assert err["message"] == "CUDA out of memory" and err["type"] == "server_error"
+        resp = await client.post("/v1/chat/completions", json={**CHAT_BODY, "stream": True})
+        events = parse_sse(await resp.read())
+        assert events[-1][1] == "[DONE]"
+        assert orjson.loads(events[-2][1])["error"]["message"] == "CUDA out of memory"
+
+
+async def test_replay_and_resume_exactly(real_bus):
+    async with setup(real_bus, FakeEngine(real_bus)) as client:
+        resp = await client.post("/v1/chat/completions", headers={"X-Request-Id": "r1"},
+                                 json={**CHAT_BODY, "stream": True, "stream_options": {"include_usage": True}})
+        original = parse_sse(await resp.read())
+        replay = parse_sse(await (await client.get("/v1/requests/r1/stream")).read())
+        assert replay == original
+        def key(eid):
+            return tuple(map(int, eid.split("-")))
+
+        for cut in range(len(original) - 1):  # resume after every id the client could have seen
+            last_id = original[cut][0]
+            r = await client.get("/v1/requests/r1/stream", headers={"Last-Event-ID": last_id})
+            rest = parse_sse(await r.read())
+            assert rest == [e for e in original if e[0] is None or key(e[0]) > key(last_id)]
+        r = await client.get(f"/v1/requests/r1/stream?last_event_id={original[1][0]}")
+        assert parse_sse(await r.read()) == original[2:]
+        r = await client.get("/v1/requests/nope/stream")
+        assert r.status == 404 and "error" in await r.json()
+        r = await client.get("/v1/requests/r1/stream", headers={"Last-Event-ID": "garbage"})
+        assert r.status == 400
+
+
+async def test_replay_follows_a_live_request(real_bus):
+    engine = FakeEngine(real_bus, hold=True)
+    async with setup(real_bus, engine) as client:
+        live = await client.post("/v1/completions", headers={"X-Request-Id": "live1"},
+                                 json={"model": "tiny", "prompt": "x", "stream": True, "background": True})
+        assert await wait_for(lambda: _has(real_bus, "live1", Tokens, 4))
+        watcher = asyncio.create_task(client.get("/v1/requests/live1/stream?include_usage=false"))
+        await asyncio.sleep(0.1)
+        r = await client.post("/v1/requests/live1/cancel")
+        assert r.status == 200 and (await r.json())["accepted"] == ["live1"]
+        original = parse_sse(await live.read())
+        replay = parse_sse(await (await watcher).read())
+        assert replay == original
+        assert orjson.loads(original[-2][1])["choices"][0]["finish_reason"] == "abort"
+
+
+async def _has(bus, rid, cls, n=1):
+    return sum(isinstance(ev, cls) for _, ev in await bus.read_req(rid)) >= n
+
+
+async def test_abort_requests_answers_at_once(real_bus):
+    metrics = Metrics()
+    async with setup(real_bus, metrics=metrics) as client:  # no engine: nothing to wait on
+        ids = [f"req-{i}" for i in range(1000)]
+        t0 = time.perf_counter()
+        resp = await client.post("/v1/abort_requests", json={"req_ids": ids + ["bad id", "req-1"]})
+        elapsed = time.perf_counter() - t0
+        body = await resp.json()
+        assert resp.status == 200
+        assert body["accepted"] == ids
+        assert body["rejected"] == [{"request_id": "bad id", "reason": body["rejected"][0]["reason"]}]
+        assert body["abort_id"]
+        assert elapsed < 0.5
+        (ev,) = await control_events(real_bus)
+        assert isinstance(ev, Abort) and list(ev.request_ids) == ids
+        assert ev.source == "http" and ev.abort_id == body["abort_id"]
+        resp = await client.post("/v1/abort_requests", json={"request_ids": ["one"]})
+        assert (await resp.json())["accepted"] == ["one"]
+        resp = await client.post("/v1/abort_requests", json={"abort_all": True})
+        body = await resp.json()
+        assert resp.status == 200 and body["abort_all"] is True
+        evs = await control_events(real_bus)
+        assert [e.TYPE for e in evs] == ["abort", "abort", "abort_all"]
+
+
+async def test_abort_wait_keeps_old_shape(real_bus):
+    engine = FakeEngine(real_bus, hold=True)
+    async with setup(real_bus, engine) as client:
+        resp = asyncio.create_task(client.post("/v1/completions", headers={"X-Request-Id": "w1"},
+                                               json={"model": "tiny", "prompt": "x"}))
+        assert await wait_for(lambda: _has(real_bus, "w1", Tokens, 4))
+        r = await client.post("/v1/abort_requests?wait=3", json={"req_ids": ["w1", "ghost"]})
+        body = await r.json()
+        assert r.status == 200
+        assert body == {"aborted": [{"request_id": "w1", "output_token_count": 1}], "not_found": ["ghost"]}
+        done = await resp
+        assert (await done.json())["choices"][0]["finish_reason"] == "abort"
+
+
+async def _disconnect_after(client, path: str, body: dict, rid: str, until) -> None:
+    """Send a request on a raw socket, wait for ``until()``, then drop the connection."""
+    reader, writer = await asyncio.open_connection(client.host, client.port)
+    payload = orjson.dumps(body)
+    writer.write(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 f"X-Request-Id: {rid}\r\nContent-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    await writer.drain()
+    assert await wait_for(until)
+    writer.close()
+    await writer.wait_closed()
+
+
+async def _disconnect_aborts(bus, rid) -> list:
+    return [e for e in await control_events(bus) if isinstance(e, Abort) and rid in e.request_ids]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_disconnect_while_queued_aborts_once(bus, stream):
+    async with setup(bus) as client:  # no engine: the request stays queued
+        rid = f"q-{stream}"
+        await _disconnect_after(client, "/v1/chat/completions", {**CHAT_BODY, "stream": stream}, rid,
+                                lambda: _queued(bus))
+        assert await wait_for(lambda: _count(bus, rid, 1))
+        await asyncio.sleep(0.2)
+        (ev,) = await _disconnect_aborts(bus, rid)
+        assert ev.source == "disconnect" and ev.request_ids == (rid,)
+
+
+async def _queued(bus):
+    return await bus.redis.xlen(bus.keys.requests) >= 1
+
+
+async def _count(bus, rid, n):
+    return len(await _disconnect_aborts(bus, rid)) >= n
+
+
+async def test_disconnect_mid_stream_aborts_once(bus):
+    engine = FakeEngine(bus, hold=True)
+    async with setup(bus, engine) as client:
+        await _disconnect_after(client, "/v1/completions", {"model": "tiny", "prompt": "x", "stream": True},
+                                "mid1", lambda: _has(bus, "mid1", Tokens, 4))
+        assert await wait_for(lambda: _has(bus, "mid1", Final))
+        await asyncio.sleep(0.2)
+        (ev,) = await _disconnect_aborts(bus, "mid1")
+        assert ev.source == "disconnect"
+        final = [e for _, e in await bus.read_req("mid1") if isinstance(e, Final)]
+        assert final[0].finish_reason == "abort"
+
+
+async def test_background_survives_disconnect(real_bus):
+    engine = FakeEngine(real_bus, words=WORDS, delay=0.1)
+    async with setup(real_bus, engine) as client:
+        await _disconnect_after(client, "/v1/completions",
+                                {"model": "tiny", "prompt": "x", "stream": True, "background": True},
+                                "bg1", lambda: _has(real_bus, "bg1", Tokens, 1))
+        assert await wait_for(lambda: _has(real_bus, "bg1", Final))
+        await asyncio.sleep(0.2)
+        assert await _disconnect_aborts(real_bus, "bg1") == []
+        # the client comes back and gets the whole answer
+        events = parse_sse(await (await client.get("/v1/requests/bg1/stream")).read())
+        text = "".join(orjson.loads(d)["choices"][0]["text"] for _, d in events[:-1] if orjson.loads(d)["choices"])
+        assert text == "Hello, world!"
+
+
+async def test_no_abort_after_final(real_bus):
+    async with setup(real_bus, FakeEngine(real_bus)) as client:
+        resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "stream": True},
+                                 headers={"X-Request-Id": "fin1"})
+        await resp.read()
+        resp.close()
+        await asyncio.sleep(0.2)
+        assert await control_events(real_bus) == []
+
+
+async def test_health(real_bus):
+    async with setup(real_bus) as client:
+        resp = await client.get("/health")
+        assert resp.status == 503
+        assert (await resp.json())["error"]["type"] == "service_unavailable"
+        await real_bus.heartbeat("e1", {"blocks_total": 100, "blocks_free": 40, "running": 2, "waiting": 1}, 10)
+        resp = await client.get("/health")
+        body = await resp.json()
+        assert resp.status == 200 and body["status"] == "ok" and "e1" in body["engines"]
+
+
+async def test_health_503_when_redis_is_down(real_bus):
+    from control.bus import Bus
+    from control.connect import connect
+    from control.keys import Keys
+    dead = connect("redis://127.0.0.1:1")  # nothing listens there
+    mux = StreamMux(dead, Keys("x"), "api-dead", block_ms=100)
+    app = make_app(ApiConfig("tiny", 64), Bus(dead, Keys("x")), mux, FakeTokenizer(), Metrics())
+    # the mux is not started: a dead Redis must not keep the API from answering health checks
+    app.on_startup.clear()
+    app.on_cleanup.clear()
+    async with TestClient(TestServer(app)) as client:
+        resp = await client.get("/health")
+        assert resp.status == 503
+        assert "error" in await resp.json()
+    await dead.aclose()
+
+
+async def test_metrics_names_and_engine_gauges(real_bus):
+    metrics = Metrics()
+    async with setup(real_bus, FakeEngine(real_bus), metrics=metrics) as client:
+        await (await client.post("/v1/completions", json={"model": "tiny", "prompt": "x"})).read()
+        await real_bus.heartbeat("e1", {"blocks_total": 100, "blocks_free": 40, "running": 2, "waiting": 1}, 10)
+        await real_bus.heartbeat("e2", {"blocks_total": 50, "blocks_free": 10, "running": 1, "waiting": 0}, 10)
+        resp = await client.get("/metrics")
+        assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/plain")
+        text = (await resp.read()).decode()
+        for name in ("fd_requests_total", "fd_abort_requests_total", "fd_abort_release_seconds",
+                     "fd_kv_blocks_total", "fd_kv_blocks_free", "fd_num_requests_running",
+                     "fd_num_requests_waiting", "fd_time_to_first_token_seconds",
+                     "fd_inter_token_latency_seconds", "fd_e2e_request_latency_seconds",
+                     "fd_dead_letters_total"):
+            assert name in text, name
+        assert 'fd_requests_total{finish_reason="stop"} 1.0' in text
+        assert "fd_kv_blocks_total 150.0" in text and "fd_kv_blocks_free 50.0" in text
+        assert "fd_num_requests_running 3.0" in text
+        assert "fd_time_to_first_token_seconds_count 1.0" in text
+        assert "fd_inter_token_latency_seconds_count 4.0" in text

@@ -1,0 +1,100 @@
+"""Streaming detokenization: split characters held back, stop strings never leaked."""
+
+from __future__ import annotations
+
+import pytest
+
+from control.tokenizer import Tokenizer
+from engine.detokenizer import IncrementalDetokenizer
+from engine.model.tiny import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return Tokenizer.from_dir(make_tiny_model(str(tmp_path_factory.mktemp("detok") / "tiny")))
+
+
+def _stream(d, ids, step=1):
+    deltas, stop = [], None
+    for i in range(0, len(ids), step):
+        delta, stop = d.push(ids[i:i + step])
+        deltas.append(delta)
+        if stop:
+            break
+    return deltas, stop
+
+
+@pytest.mark.parametrize("text", ["emoji 😀👍🏽 🇫🇷!", "中文测试，日本語のテキスト、한국어", "naïve café ½ ∞"])
+@pytest.mark.parametrize("step", [1, 2, 3])
+def test_split_characters_never_leak(tok, text, step):
+    ids = tok.encode(text)
+    assert any(not _valid(tok.id_to_bytes(i)) for i in ids), "the test needs split characters"
+    d = IncrementalDetokenizer(tok)
+    deltas, stop = _stream(d, ids, step)
+    assert stop is None
+    assert all("\ufffd" not in x for x in deltas)
+    assert "".join(deltas) + d.flush() == tok.decode(ids) == text
+
+
+def _valid(b: bytes) -> bool:
+    try:
+        b.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+def test_special_tokens_are_skipped(tok):
+    ids = tok.encode("hi<|im_end|>")
+    d = IncrementalDetokenizer(tok)
+    assert "".join(_stream(d, ids)[0]) == "hi"
+
+
+def test_stop_string_split_across_tokens_is_not_leaked(tok):
+    text = "The harbour town woke slowly on winter mornings."
+    ids = tok.encode(text)
+    d = IncrementalDetokenizer(tok, stop=("town woke",))
+    deltas, stop = _stream(d, ids)
+    assert stop == "town woke"
+    assert "".join(deltas) == "The harbour "
+    assert all("town" not in x for x in deltas)
+    assert d.flush() == "" and d.push(ids[:1]) == ("", None)
+
+
+def test_include_stop_str_in_output(tok):
+    ids = tok.encode("count: one, two, three")
+    d = IncrementalDetokenizer(tok, stop=("two",), include_stop_str_in_output=True)
+    deltas, stop = _stream(d, ids)
+    assert stop == "two" and "".join(deltas) == "count: one, two"
+
+
+def test_earliest_of_several_stops_wins(tok):
+    ids = tok.encode("alpha beta gamma")
+    d = IncrementalDetokenizer(tok, stop=("gamma", "beta"))
+    deltas, stop = _stream(d, ids, step=len(ids))
+    assert stop == "beta" and "".join(deltas) == "alpha "
+
+
+def test_stop_inside_an_emoji_run(tok):
+    ids = tok.encode("ab😀cd😀ef")
+    d = IncrementalDetokenizer(tok, stop=("d😀",))
+    deltas, stop = _stream(d, ids)
+    assert stop == "d😀" and "".join(deltas) == "ab😀c"
+
+
+def test_partial_stop_prefix_is_released_by_flush(tok):
+    ids = tok.encode("the end is nea")
+    d = IncrementalDetokenizer(tok, stop=("near",))
+    deltas, stop = _stream(d, ids)
+    assert stop is None
+    assert not "".join(deltas).endswith("nea")
+    assert "".join(deltas) + d.flush() == "the end is nea"
+
+
+def test_flush_of_an_incomplete_character(tok):
+    ids = tok.encode("x😀")
+    d = IncrementalDetokenizer(tok)
+    # feed all but the last byte-token of the emoji: nothing partial comes out
+    deltas, _ = _stream(d, ids[:-1])
+    assert "".join(deltas) == "x"
+    assert "x" + d.flush() == tok.decode(ids[:-1]) == "x\ufffd"

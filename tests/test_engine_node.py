@@ -1,0 +1,102 @@
+"""An engine node on real Redis: claims, tokens, finals, acks, heartbeats, dead letters."""
+
+from __future__ import annotations
+
+import asyncio
+
+from control.connect import connect
+from control.events import SamplingParams
+from engine.llm import LLM
+from fd.compose import EngineOptions, start_engine
+from tests.enginekit import story, submit, text_of, tokens_of, types
+
+
+async def _start(redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer, **kw):
+    opts = EngineOptions(model_dir=str(tiny_model_dir), engine_id=kw.pop("engine_id", "e0"), **kw)
+    return await start_engine(lambda: connect(redis_server.url), keys, opts, runner=tiny_runner,
+                              tokenizer=tiny_tokenizer)
+
+
+async def test_served_greedy_equals_offline_and_story_is_whole(real_bus, redis_server, keys,
+                                                                 tiny_model_dir, tiny_runner,
+                                                                 tiny_tokenizer):
+    prompts = [tiny_tokenizer.encode(p) for p in
+               ["Hello there", "The quick brown fox", "a", "Once upon a time in a land far away",
+                "1 2 3 4 5 6 7 8 9 10 11 12 13", "What is the capital"]]
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ref = LLM(tiny_runner, tiny_tokenizer).generate(prompts, sp)
+    eng = await _start(redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer)
+    try:
+        for i, p in enumerate(prompts):
+            await submit(real_bus, f"g{i}", p, max_tokens=12, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            evs = await story(real_bus, f"g{i}")
+            t = types(evs)
+            assert t[0] == "accepted" and t[1] == "claimed" and t[-1] == "final"
+            assert t[-2] == "blocks_released"
+            assert tokens_of(evs) == ref[i].token_ids
+            assert text_of(evs) == ref[i].text
+            assert evs[-1].finish_reason == "length"
+            assert evs[-1].usage == {"prompt_tokens": len(p), "completion_tokens": 12,
+                                     "total_tokens": len(p) + 12}
+            assert evs[1].engine == "e0" and evs[1].attempt == 1
+        # every request was acked after its final; all blocks came back
+        pending = await real_bus.redis.xpending(keys.requests, "engines")
+        assert pending["pending"] == 0
+        assert eng.node.sched.num_free_blocks == eng.node.sched.num_total_blocks
+        # finished streams expire
+        assert 0 < await real_bus.redis.ttl(keys.req("g0")) <= real_bus.req_ttl_s
+        # the heartbeat reports the engine
+        for _ in range(100):
+            live = await real_bus.engines()
+            if "e0" in live:
+                break
+            await asyncio.sleep(0.02)
+        assert int(live["e0"]["blocks_total"]) == eng.node.sched.num_total_blocks
+    finally:
+        await eng.stop()
+
+
+async def test_stop_string_ends_request_without_leaking_it(real_bus, redis_server, keys,
+                                                            tiny_model_dir, tiny_runner,
+                                                            tiny_tokenizer):
+    prompt = tiny_tokenizer.encode("The quick brown fox")
+    free = LLM(tiny_runner, tiny_tokenizer).generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))[0]
+    assert len(free.text) > 4
+    stop = free.text[2:4]
+    eng = await _start(redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer)
+    try:
+        await submit(real_bus, "s", prompt, max_tokens=20, ignore_eos=True, stop=(stop,))
+        evs = await story(real_bus, "s")
+        assert evs[-1].finish_reason == "stop" and evs[-1].stop_reason == stop
+        assert text_of(evs) == free.text[: free.text.index(stop)]
+    finally:
+        await eng.stop()
+
+
+async def test_bad_events_never_stop_the_engine(real_bus, redis_server, keys, tiny_model_dir,
+                                                tiny_runner, tiny_tokenizer):
+    eng = await _start(redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer)
+    try:
+        r = real_bus.redis
+        await r.execute_command("XADD", keys.control, "*", "type", "abrot", "request_id", "x")
+        await r.execute_command("XADD", keys.control, "*", "type", "abort")
+        await r.execute_command("XADD", keys.requests, "*", "type", "request", "request_id", "y",
+                                "data", "{not json")
+        await r.execute_command("XADD", keys.requests, "*", "type", "request", "request_id", "z",
+                                "data", b"\xff\xfe")
+        await submit(real_bus, "ok", [5, 6, 7], max_tokens=3)
+        evs = await story(real_bus, "ok")
+        assert evs[-1].finish_reason == "length"
+        for _ in range(100):
+            if await r.xlen(keys.dead) >= 4:
+                break
+            await asyncio.sleep(0.02)
+        dead = await r.xrange(keys.dead)
+        reasons = [f[b"reason"].decode() for _, f in dead]
+        assert len(dead) == 4, reasons
+        assert any("abrot" in x for x in reasons) and any("JSON" in x for x in reasons)
+        assert not eng.task.done()
+    finally:
+        await eng.stop()

@@ -1,0 +1,297 @@
+"""The model, its loader and the paged runner, checked against a non-paged full recompute."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from control.events import SamplingParams
+from engine.model.config import ModelConfig, UnsupportedModel
+from engine.model.loader import WeightError, load_model
+from engine.model.tiny import make_tiny_model
+from engine.model_runner import ModelRunner
+from engine.outputs import ScheduledSeq, SchedulerOutput
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_model(str(tmp_path_factory.mktemp("tiny") / "tiny"))
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_dir):
+    return ModelRunner(tiny_dir, num_blocks=160, block_size=BLOCK)
+
+
+def _copy(tiny_dir, tmp_path, name="m"):
+    d = tmp_path / name
+    shutil.copytree(tiny_dir, d)
+    return d
+
+
+def _edit_config(d, **changes):
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(changes)
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(4, 512, size=n).tolist()
+
+
+def _greedy_reference(model, prompt, steps):
+    ids, out = list(prompt), []
+    for _ in range(steps):
+        t = int(np.argmax(model.reference_logits(ids)[-1]))
+        out.append(t)
+        ids.append(t)
+    return out
+
+
+class Blocks:
+    """A tiny block allocator: blocks handed out in a shuffled order, so tables are scattered
+    and reused blocks still hold other requests' stale K/V."""
+
+    def __init__(self, n, seed):
+        self.free = np.random.default_rng(seed).permutation(n).tolist()
+
+    def table(self, old: tuple[int, ...], length: int) -> tuple[int, ...]:
+        need = -(-length // BLOCK) - len(old)
+        return old + tuple(self.free.pop() for _ in range(max(0, need)))
+
+    def release(self, table):
+        self.free.extend(table)
+
+
+def _run(runner, prompts: dict[str, list[int]], steps: int, chunk: dict[str, int], blocks: Blocks):
+    """Drive requests to ``steps`` generated tokens each, all in one batch per step: prompts
+    prefilled in chunks (mixed with other requests' decodes), then decoded together.
+    Returns the greedy tokens and the logits each was chosen from."""
+    done = {r: 0 for r in prompts}  # prompt tokens prefilled
+    gen: dict[str, list[int]] = {r: [] for r in prompts}
+    logits: dict[str, list[np.ndarray]] = {r: [] for r in prompts}
+    tables = {r: () for r in prompts}
+    step = 0
+    while any(len(g) < steps for g in gen.values()):
+        seqs = []
+        for r, p in prompts.items():
+            if len(gen[r]) >= steps:
+                continue
+            if done[r] < len(p):
+                toks = tuple(p[done[r]:done[r] + chunk.get(r, len(p))])
+                start = done[r]
+                done[r] += len(toks)
+                sample = done[r] == len(p)
+            else:
+                toks, start, sample = (gen[r][-1],), len(p) + len(gen[r]) - 1, True
+            tables[r] = blocks.table(tables[r], start + len(toks))
+            seqs.append(ScheduledSeq(r, toks, start, tables[r], sample, GREEDY, len(gen[r])))
+        out = SchedulerOutput(step=step, seqs=tuple(seqs))
+        rows = runner.logits(out)
+        sampled = [s for s in seqs if s.sample]
+        for s, row in zip(sampled, rows):
+            gen[s.request_id].append(int(np.argmax(row)))
+            logits[s.request_id].append(row)
+        step += 1
+    for t in tables.values():
+        blocks.release(t)
+    return gen, logits
+
+
+def _assert_same_tokens(got, want, got_logits, want_logits, what):
+    """Token-for-token equal; a difference is only excused by a near-tie at that very step,
+    shown by both logit rows agreeing closely (after which the sequences legitimately part)."""
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            top2 = np.sort(want_logits[i])[-2:]
+            assert top2[1] - top2[0] < 1e-3, f"{what}: token {i} differs ({a} vs {b}), no near-tie"
+            np.testing.assert_allclose(got_logits[i], want_logits[i], atol=1e-4)
+            return
+    assert got == want
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def test_load_and_reference_is_deterministic(tiny_dir):
+    prompt = _prompt(0, 20)
+    a = load_model(tiny_dir, progress=False).reference_logits(prompt)
+    b = load_model(tiny_dir, progress=False).reference_logits(prompt)
+    assert a.shape == (20, 512) and a.dtype == np.float32
+    assert np.array_equal(a, b)
+    assert len(set(np.argmax(a, axis=-1).tolist())) > 5  # not a constant prediction
+    # causal: logits at position i do not depend on later tokens
+    c = load_model(tiny_dir, progress=False).reference_logits(prompt[:7])
+    np.testing.assert_allclose(c, a[:7], atol=1e-5)
+
+
+def test_greedy_output_varies(runner):
+    out = _greedy_reference(runner.model, _prompt(1, 5), 16)
+    assert len(set(out)) > 8
+
+
+def test_missing_config(tiny_dir, tmp_path):
+    d = _copy(tiny_dir, tmp_path)
+    os.remove(d / "config.json")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model(str(d))
+
+
+def test_missing_weights(tiny_dir, tmp_path):
+    d = _copy(tiny_dir, tmp_path)
+    os.remove(d / "model.safetensors")
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        load_model(str(d))
+
+
+def test_unsupported_architecture_and_rope_scaling(tiny_dir, tmp_path):
+    d = _copy(tiny_dir, tmp_path)
+    _edit_config(d, architectures=["GPT2LMHeadModel"])
+    with pytest.raises(UnsupportedModel, match="GPT2LMHeadModel"):
+        load_model(str(d))
+    _edit_config(d, architectures=["LlamaForCausalLM"], rope_scaling={"type": "yarn", "factor": 4})
+    with pytest.raises(UnsupportedModel, match="rope_scaling"):
+        load_model(str(d))
+
+
+def test_shape_mismatch_and_missing_tensor_are_named(tiny_dir, tmp_path):
+    d = _copy(tiny_dir, tmp_path)
+    w = load_file(str(d / "model.safetensors"))
+    name = "model.layers.1.mlp.up_proj.weight"
+    w[name] = w[name][:100]
+    save_file(w, str(d / "model.safetensors"))
+    with pytest.raises(WeightError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*\[100, 128\].*\[256, 128\]"):
+        load_model(str(d), progress=False)
+    del w[name]
+    save_file(w, str(d / "model.safetensors"))
+    with pytest.raises(WeightError, match=r"missing tensor model\.layers\.1\.mlp\.up_proj\.weight"):
+        load_model(str(d), progress=False)
+
+
+def _save_bf16(tensors: dict[str, np.ndarray], path):
+    """A bf16 safetensors file written by hand (numpy has no bfloat16)."""
+    header, blobs, off = {}, [], 0
+    for name in sorted(tensors):
+        raw = (tensors[name].astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).tobytes()
+        header[name] = {"dtype": "BF16", "shape": list(tensors[name].shape),
+                        "data_offsets": [off, off + len(raw)]}
+        blobs.append(raw)
+        off += len(raw)
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+
+
+def test_bf16_and_sharded_checkpoints_load_the_same_weights(tiny_dir, tmp_path):
+    w = load_file(os.path.join(tiny_dir, "model.safetensors"))
+    truncated = {k: (v.view(np.uint32) & 0xFFFF0000).view(np.float32) for k, v in w.items()}
+    f32 = _copy(tiny_dir, tmp_path, "f32")
+    save_file(truncated, str(f32 / "model.safetensors"))
+    bf16 = _copy(tiny_dir, tmp_path, "bf16")
+    _save_bf16(w, bf16 / "model.safetensors")
+    sharded = _copy(tiny_dir, tmp_path, "sharded")
+    os.remove(sharded / "model.safetensors")
+    names = sorted(truncated)
+    parts = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for fname, keys in parts.items():
+        save_file({k: truncated[k] for k in keys}, str(sharded / fname))
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: f for f, ks in parts.items() for k in ks}}))
+    prompt = _prompt(2, 12)
+    want = load_model(str(f32), progress=False).reference_logits(prompt)
+    assert np.array_equal(load_model(str(bf16), progress=False).reference_logits(prompt), want)
+    assert np.array_equal(load_model(str(sharded), progress=False).reference_logits(prompt), want)
+
+
+# --------------------------------------------------------------------------- paged runner
+
+
+def test_batching_invariance(runner):
+    """16 requests in one batch (prompts prefilled whole or in chunks next to other requests'
+    decodes) give token for token what each gives alone, and what full recompute gives."""
+    lengths = [1, 3, 5, 7, 8, 9, 15, 16, 17, 23, 31, 32, 33, 40, 47, 60]
+    prompts = {f"r{i}": _prompt(100 + i, n) for i, n in enumerate(lengths)}
+    chunk = {"r10": 7, "r12": 13, "r13": 16, "r15": 25, "r14": 20}  # the rest: whole prompt
+    steps = 12
+    blocks = Blocks(runner.num_blocks, seed=0)
+    batched, batched_logits = _run(runner, prompts, steps, chunk, blocks)
+    for r, p in prompts.items():
+        alone, alone_logits = _run(runner, {r: p}, steps, {}, blocks)
+        _assert_same_tokens(batched[r], alone[r], batched_logits[r], alone_logits[r], f"{r} alone")
+        ids = list(p)
+        ref_logits = []
+        for t in batched[r]:
+            ref_logits.append(runner.model.reference_logits(ids)[-1])
+            ids.append(t)
+        ref = [int(np.argmax(x)) for x in ref_logits]
+        _assert_same_tokens(batched[r], ref, batched_logits[r], ref_logits, f"{r} reference")
+        np.testing.assert_allclose(np.stack(batched_logits[r]), np.stack(ref_logits), atol=1e-4)
+
+
+def test_execute_samples_greedy_and_seeded(runner):
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7)
+    blocks = Blocks(runner.num_blocks, seed=1)
+    p = _prompt(3, 10)
+    t = blocks.table((), 10)
+    seqs = (ScheduledSeq("g", tuple(p), 0, t, True, GREEDY, 0),
+            ScheduledSeq("s", tuple(p), 0, t, True, seeded, 0))
+    res = runner.execute(SchedulerOutput(step=0, seqs=seqs))
+    assert res.sampled["g"] == int(np.argmax(runner.model.reference_logits(p)[-1]))
+    again = runner.execute(SchedulerOutput(step=1, seqs=seqs[1:]))
+    assert again.sampled["s"] == res.sampled["s"]
+    # a chunk that does not end the prompt samples nothing
+    part = runner.execute(SchedulerOutput(step=2, seqs=(ScheduledSeq("g", tuple(p[:4]), 0, t, False, GREEDY, 0),)))
+    assert part.sampled == {}
+    blocks.release(t)
+
+
+def test_num_blocks_from_budget(tiny_dir):
+    r = ModelRunner(tiny_dir, kv_cache_bytes=1 << 20, block_size=16)
+    # 2 layers x (K and V) x 16 slots x 2 heads x 32 dims x 4 bytes = 16 KiB per block
+    assert r.num_blocks == 64
+    assert r.max_model_len == 2048 and r.eos_token_ids == (1, 3)
+
+
+def test_qwen2_with_biases_and_untied_head(tiny_dir, tmp_path, runner):
+    d = _copy(tiny_dir, tmp_path, "qwen2")
+    _edit_config(d, architectures=["Qwen2ForCausalLM"], model_type="qwen2", tie_word_embeddings=False)
+    w = load_file(str(d / "model.safetensors"))
+    rng = np.random.default_rng(5)
+    for i in range(2):
+        for proj, n in (("q", 128), ("k", 64), ("v", 64)):
+            w[f"model.layers.{i}.self_attn.{proj}_proj.bias"] = rng.standard_normal(n).astype(np.float32)
+    save_file(w, str(d / "model.safetensors"))
+    assert ModelConfig.from_dir(str(d)).qkv_bias
+    qwen = ModelRunner(str(d), num_blocks=64)
+    prompts = {f"q{i}": _prompt(200 + i, n) for i, n in enumerate([4, 19, 33])}
+    gen, logits = _run(qwen, prompts, 6, {"q2": 10}, Blocks(64, seed=2))
+    for r, p in prompts.items():
+        assert gen[r] == _greedy_reference(qwen.model, p, 6), r
+    p = prompts["q1"]
+    assert not np.allclose(qwen.model.reference_logits(p), runner.model.reference_logits(p), atol=1e-2)
+    # missing biases are named
+    del w["model.layers.0.self_attn.k_proj.bias"]
+    save_file(w, str(d / "model.safetensors"))
+    with pytest.raises(WeightError, match=r"model\.layers\.0\.self_attn\.k_proj\.bias"):
+        load_model(str(d), progress=False)
+
+
+def test_tied_embeddings(tiny_dir, tmp_path):
+    d = _copy(tiny_dir, tmp_path, "tied")
+    _edit_config(d, tie_word_embeddings=True)
+    w = load_file(str(d / "model.safetensors"))
+    del w["lm_head.weight"]
+    save_file(w, str(d / "model.safetensors"))
+    m = load_model(str(d), progress=False)
+    np.testing.assert_array_equal(m.lm_head.numpy(), w["model.embed_tokens.weight"].T)
+    assert m.reference_logits(_prompt(4, 6)).shape == (6, 512)
