@@ -40,7 +40,7 @@ from control.events import (
     Request,
     decode,
 )
-from control.keys import GROUP_ENGINES, Keys, valid_request_id
+from control.keys import ABORTED_OWNER, GROUP_ENGINES, Keys, valid_request_id
 
 log = logging.getLogger("control.bus")
 
@@ -85,7 +85,7 @@ class Bus:
     """Typed access to fd's streams and keys for one Redis client and one key prefix."""
 
     def __init__(self, redis, keys: Keys, *, req_ttl_s: int = 3600, dead_maxlen: int = 10_000,
-                 requests_maxlen: int = 100_000, control_maxlen: int = 10_000,
+                 requests_maxlen: int | None = None, control_maxlen: int = 10_000,
                  journal_maxlen: int = 10_000):
         self.redis = redis
         self.keys = keys
@@ -132,21 +132,30 @@ class Bus:
         for key in expire:
             pipe.expire(key, self.req_ttl_s)
         if ack:
+            # A finished request leaves P:requests altogether, so the stream holds only work
+            # not yet done and needs no MAXLEN (which would drop unclaimed requests).
             pipe.xack(self.keys.requests, GROUP_ENGINES, *ack)
+            pipe.xdel(self.keys.requests, *ack)
         results = await pipe.execute()
         return results[: len(items)]
 
-    async def submit(self, request: Request, accepted: Accepted) -> None:
+    async def submit(self, request: Request, accepted: Accepted) -> bool:
         """Accept a request: its story starts (``accepted``) before any engine can claim it.
 
         The request stream also gets the TTL now, so the story of a request no engine ever
         finishes does not stay in Redis forever; the final event renews it.
+
+        Returns False, writing nothing, when an abort for this id already won (a tombstone):
+        its story already ends in ``final``, and nothing may follow a final.
         """
         rid = request.request_id
+        if await self.owner(rid) == ABORTED_OWNER:
+            return False
         await self.publish_many(
             [(self.keys.req(rid), accepted), (self.keys.requests, request)],
             expire=[self.keys.req(rid)],
         )
+        return True
 
     # ------------------------------------------------------------------ dead letters
 
@@ -229,7 +238,11 @@ class Bus:
         return out
 
     async def ack_request(self, entry_id: bytes) -> None:
-        await self.redis.xack(self.keys.requests, GROUP_ENGINES, entry_id)
+        """Done with a request entry: acknowledged and removed (see :meth:`publish_many`)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xack(self.keys.requests, GROUP_ENGINES, entry_id)
+        pipe.xdel(self.keys.requests, entry_id)
+        await pipe.execute()
 
     async def autoclaim(self, consumer: str, min_idle_ms: int, count: int = 100) -> list[tuple[bytes, Request]]:
         """Take over requests another consumer read but did not ack for ``min_idle_ms``."""
@@ -485,8 +498,13 @@ class StreamMux:
     Each shard (at most ``shard_size`` keys, DESIGN §6: one XREAD over 1,000 keys costs ~2 ms
     of client time per wake-up) runs one blocking XREAD loop on its own pooled connection. A
     subscription added while its shard is blocked rings the shard's doorbell stream
-    (``keys.wake("<reader_id>.<shard>")``) so the read returns at once; blocking reads are
-    never cancelled, :meth:`stop` sets a flag and waits at most ``block_ms``.
+    (``keys.wake("<reader_id>.<shard>")``, at most one XADD per blocking read) so the read
+    returns at once. Blocking reads are never cancelled: :meth:`stop` sets a flag and rings
+    the doorbells, so readers return promptly (at worst after ``block_ms``).
+
+    Several subscriptions of one request share the shard's key; each gets the entries after
+    its own ``after``. A subscription made past the request's ``final`` waits for events that
+    never come: resume from an entry id the caller has seen, not beyond.
     """
 
     WAKE_MAXLEN = 16

@@ -18,6 +18,10 @@ PREFIX_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 
 GROUP_ENGINES = "engines"
 
+#: The value of ``P:owner:{id}`` when an abort won the race for a request no engine had claimed
+#: (or that had not even been sent yet): a tombstone. No engine will prefill it.
+ABORTED_OWNER = "aborted"
+
 
 def valid_request_id(request_id: str) -> bool:
     return bool(REQUEST_ID_RE.match(request_id))

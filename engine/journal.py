@@ -17,6 +17,7 @@ Format of one call (JSON, in ``JournalStep.data["calls"]``)::
     {"op": "update", "step": out.step, "rstep": result.step, "sampled": {...}, "stopped": {...},
      "ev": [...], "free": n}
 
+With a clock, every call also has ``"t"`` (wall ms; informational, never compared).
 A call that raised has ``"raised": "<ExceptionType>"`` instead of ``ev``/``out``. ``free`` is
 the free block count after the call: with the block tables in the batch digests it lets the
 journal alone prove (or disprove) that no block leaked, without re-executing anything.
@@ -35,7 +36,7 @@ list any call returns, which is the scheduler's own contract.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 from control.events import (AbortRequested, BlocksReleased, Drained, Event, Final, JournalStart,
                             JournalStep, Preempted, RequestData, Tokens)
@@ -138,9 +139,13 @@ class JournalRecorder:
     hands back the step's :class:`JournalStep` (the node stamps ``ts`` when it publishes).
     """
 
-    def __init__(self, scheduler: Scheduler, engine_id: str = ""):
+    def __init__(self, scheduler: Scheduler, engine_id: str = "",
+                 clock: Callable[[], float] | None = None):
         self.scheduler = scheduler
         self.engine_id = engine_id
+        # Optional wall clock (e.g. time.time): stamps each call with "t" (ms) so abort-to-
+        # release latency is measured per call, not per entry. Never compared by replay.
+        self._clock = clock
         self._calls: list[dict[str, Any]] = []
         self._held: list[Event] = []  # schedule()'s events, owed to the next call's caller
         self._digest = Digester()
@@ -206,6 +211,8 @@ class JournalRecorder:
     # ------------------------------------------------------------------ recorded calls
 
     def _record(self, call: dict[str, Any], fn, *args) -> list[Event]:
+        if self._clock is not None:
+            call["t"] = int(self._clock() * 1000)
         try:
             evs = fn(*args)
         except Exception as e:
@@ -235,6 +242,8 @@ class JournalRecorder:
 
     def schedule(self) -> SchedulerOutput:
         call: dict[str, Any] = {"op": "schedule"}
+        if self._clock is not None:
+            call["t"] = int(self._clock() * 1000)
         s = self.scheduler
         try:
             out = s.schedule()
@@ -267,6 +276,7 @@ class JournalRecorder:
         return self._record(call, self.scheduler.update, out, result)
 
 
-def journaled(scheduler: Scheduler, engine_id: str = "", enabled: bool = True):
+def journaled(scheduler: Scheduler, engine_id: str = "", enabled: bool = True,
+              clock: Callable[[], float] | None = None):
     """The scheduler the node should drive: recorded, or bare when the journal is off."""
-    return JournalRecorder(scheduler, engine_id) if enabled else scheduler
+    return JournalRecorder(scheduler, engine_id, clock) if enabled else scheduler

@@ -19,7 +19,7 @@ from typing import Sequence
 import numpy as np
 import paddle
 
-from engine.model.llama import MASKED, AttnGroup, ForwardBatch, Llama, key_blocks, pad_rows
+from engine.model.llama import MASKED, AttnGroup, ForwardBatch, Llama, key_blocks
 from engine.model.loader import load_model
 from engine.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from engine.sampler import Sampler
@@ -44,10 +44,11 @@ def _eos_token_ids(model_dir: str) -> tuple[int, ...]:
 class ModelRunner:
     def __init__(self, model_dir: str, *, device: str = "cpu", num_blocks: int | None = None,
                  block_size: int = 16, kv_cache_bytes: int | None = None, seed: int = 0,
-                 progress: bool = False):
+                 batch_invariant: bool = True, progress: bool = False):
         paddle.set_device(device)
         self.device = device
-        self.model: Llama = load_model(model_dir, device, progress=progress)
+        self.model: Llama = load_model(model_dir, device, progress=progress,
+                                       batch_invariant=batch_invariant)
         self.block_size = block_size
         if num_blocks is None:
             budget = kv_cache_bytes or DEFAULT_KV_CACHE_BYTES["cpu" if device == "cpu" else "gpu"]
@@ -96,9 +97,13 @@ class ModelRunner:
     # ------------------------------------------------------------------ batch
 
     def prepare(self, seqs: Sequence[ScheduledSeq]) -> tuple[ForwardBatch, list[ScheduledSeq]]:
-        """The flattened batch of a step, and the seqs to sample for (in logits-row order)."""
+        """The flattened batch of a step, and the seqs to sample for (in logits-row order).
+
+        All index arrays travel to the device as one buffer and one split (each upload costs
+        ~8 µs, a split of the lot ~2 µs), the masks as another.
+        """
+        m = self.model
         bs = self.block_size
-        trash = self.model.trash_slot
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -116,16 +121,18 @@ class ModelRunner:
                 pos.extend(p.tolist())
                 slots.extend((np.asarray(bt)[p // bs] * bs + p % bs).tolist())
         t = len(ids)
-        tp = pad_rows(t)
+        tp = m.pad_rows(t)
         pad = tp - t
         ids.extend([0] * pad)
         pos.extend([0] * pad)
-        slots.extend([trash] * pad)
+        slots.extend([m.trash_slot] * pad)
+        ints: list[np.ndarray] = [np.asarray(ids), np.asarray(pos), np.asarray(slots)]
+        masks: list[np.ndarray] = []
 
         single = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
         chunks = [i for i, s in enumerate(seqs) if len(s.token_ids) > 1]
         out_index = np.zeros(tp, dtype=np.int64)
-        groups: list[AttnGroup] = []
+        shapes = []  # per group: (S, qmax, L, has q_index)
         offset = 0  # rows of the concatenated group outputs so far
         identity = True
         for members in (single, chunks):
@@ -133,42 +140,51 @@ class ModelRunner:
                 continue
             qlens = [len(seqs[i].token_ids) for i in members]
             S, qmax = len(members), max(qlens)
-            ctx = [seqs[i].start_pos + q for i, q in zip(members, qlens)]
-            nb = key_blocks(max(ctx), bs)
+            nb = key_blocks(max(seqs[i].start_pos + q for i, q in zip(members, qlens)), bs)
             L = nb * bs
             tables = np.zeros((S, nb), dtype=np.int64)  # padding gathers block 0: masked anyway
             for r, i in enumerate(members):
                 bt = seqs[i].block_table[:nb]
                 tables[r, :len(bt)] = bt
-            j = np.arange(L)
-            q_index = np.zeros((S, qmax), dtype=np.int64)
-            qpos = np.full((S, qmax), -1, dtype=np.int64)
-            for r, (i, q) in enumerate(zip(members, qlens)):
-                q_index[r, :q] = np.arange(starts[i], starts[i] + q)
-                qpos[r, :q] = np.arange(seqs[i].start_pos, seqs[i].start_pos + q)
-                out_index[starts[i]:starts[i] + q] = offset + r * qmax + np.arange(q)
-            mask = np.where(j[None, None, :] <= qpos[:, :, None], 0.0, MASKED).astype(np.float32)
-            q_flat = q_index.reshape(-1)
-            same = len(q_flat) == tp and np.array_equal(q_flat, np.arange(tp))
-            identity = identity and same and not groups
-            groups.append(AttnGroup(
-                num_seqs=S, max_q=qmax, num_keys=L,
-                q_index=None if same else self.model.tensor(q_flat),
-                ctx_blocks=self.model.tensor(tables.reshape(-1)),
-                mask=self.model.tensor(mask.reshape(S, 1, qmax, 1, L))))
+            if qmax == 1:
+                q_index = np.asarray([starts[i] for i in members])
+                qpos = np.asarray([seqs[i].start_pos for i in members])[:, None]
+                out_index[q_index] = offset + np.arange(S)
+            else:
+                q_index = np.zeros((S, qmax), dtype=np.int64)
+                qpos = np.full((S, qmax), -1, dtype=np.int64)
+                for r, (i, q) in enumerate(zip(members, qlens)):
+                    q_index[r, :q] = np.arange(starts[i], starts[i] + q)
+                    qpos[r, :q] = np.arange(seqs[i].start_pos, seqs[i].start_pos + q)
+                    out_index[starts[i]:starts[i] + q] = offset + r * qmax + np.arange(q)
+            q_index = q_index.reshape(-1)
+            same = len(q_index) == tp and np.array_equal(q_index, np.arange(tp))
+            identity = identity and same and not shapes
+            if not same:
+                ints.append(q_index)
+            ints.append(tables.reshape(-1))
+            masks.append(np.where(np.arange(L)[None, None, :] <= qpos[:, :, None], 0.0,
+                                  MASKED).astype(np.float32).reshape(-1))
+            shapes.append((S, qmax, L, not same))
             offset += S * qmax
         identity = identity and offset == tp
-
+        if not identity:
+            ints.append(out_index)
         sampled = [s for s in seqs if s.sample]
         rows = [starts[i] + len(s.token_ids) - 1 for i, s in enumerate(seqs) if s.sample]
-        rows.extend([0] * (pad_rows(len(rows)) - len(rows)))
-        m = self.model
-        batch = ForwardBatch(
-            input_ids=m.tensor(np.asarray(ids, dtype=np.int64)),
-            positions=m.tensor(np.asarray(pos, dtype=np.int64)),
-            slot_mapping=m.tensor(np.asarray(slots, dtype=np.int64)),
-            groups=groups,
-            out_index=None if identity else m.tensor(out_index),
-            logits_index=m.tensor(np.asarray(rows, dtype=np.int64)),
-        )
+        rows.extend([0] * (m.pad_rows(len(rows)) - len(rows)))
+        ints.append(np.asarray(rows))
+
+        it = iter(m.upload(ints, np.int64))
+        mt = iter(m.upload(masks, np.float32))
+        input_ids, positions, slot_mapping = next(it), next(it), next(it)
+        groups = []
+        for S, qmax, L, has_q in shapes:
+            q_index = next(it) if has_q else None
+            groups.append(AttnGroup(num_seqs=S, max_q=qmax, num_keys=L, q_index=q_index,
+                                    ctx_blocks=next(it),
+                                    mask=next(mt).reshape([S, 1, qmax, 1, L])))
+        out_idx = None if identity else next(it)
+        batch = ForwardBatch(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
+                             groups=groups, out_index=out_idx, logits_index=next(it))
         return batch, sampled

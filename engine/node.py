@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from control.bus import Bus
+from control.keys import ABORTED_OWNER
 from control.events import (
     Abort,
     AbortAll,
@@ -40,8 +41,6 @@ from engine.scheduler import Scheduler
 
 log = logging.getLogger("engine.node")
 
-#: Owner value that marks a request as aborted before any engine claimed it.
-ABORTED = "aborted"
 
 
 class Runner(Protocol):
@@ -264,7 +263,7 @@ class EngineNode:
             return
         # Not ours (yet): race the claim for it. Whoever wins SET NX decides; if the abort
         # wins, no engine will ever prefill the request and this engine writes its story.
-        won, owner = await self.bus.try_own(rid, ABORTED, self.cfg.tombstone_ttl_s)
+        won, owner = await self.bus.try_own(rid, ABORTED_OWNER, self.cfg.tombstone_ttl_s)
         if not won:
             return  # owned by an engine (it handles it), finished, or already aborted
         self._count_abort(source)

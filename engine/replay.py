@@ -223,7 +223,7 @@ class _Checker:
         return t
 
     def call(self, c: dict[str, Any], ts: int) -> None:
-        self.ts = ts
+        self.ts = c.get("t") or ts
         op = c.get("op")
         if op == "add" and "raised" not in c:
             old = self.a.requests.get(c["rid"])
@@ -550,7 +550,7 @@ def replay(entries: list[Event], *, at: int | None = None,
                 replayed += 1
                 if any(c.get(k) != got.get(k) for k in OUTPUT_KEYS):
                     step = got["out"][0] if "out" in got else step_before
-                    inputs = {k: v for k, v in c.items() if k not in OUTPUT_KEYS and k != "op"}
+                    inputs = {k: v for k, v in c.items() if k not in OUTPUT_KEYS and k not in ("op", "t")}
                     divergence = divergence or Divergence(
                         si, st.seq, step, ci, c["op"], inputs,
                         {k: c[k] for k in OUTPUT_KEYS if k in c}, got)

@@ -61,7 +61,7 @@ def _gantt(traces: list, last_step: int, pos: Callable[[float], float], unit: st
         return LEFT + (pos(step) - x0) / span * WIDTH
 
     height = ROW * len(traces) + 30
-    out = [f'<svg class="gantt" width="{LEFT + WIDTH + 20}" height="{height}" '
+    out = [f'<svg class="gantt" width="{LEFT + WIDTH + 50}" height="{height}" '
            f'xmlns="http://www.w3.org/2000/svg" shape-rendering="crispEdges">']
     for i in range(6):  # axis ticks
         v = span * i / 5
@@ -130,7 +130,7 @@ def _usage(usage: list[tuple[int, int, int]], total: int, pos: Callable[[float],
         pts.append(xy(usage[-1][0] + 1, last))
         pts.append(xy(usage[-1][0] + 1, 0))
     ty = 10 + (h - 20) * (1 - total / top)
-    return (f'<svg class="usage" width="{LEFT + WIDTH + 20}" height="{h + 10}" '
+    return (f'<svg class="usage" width="{LEFT + WIDTH + 50}" height="{h + 10}" '
             f'xmlns="http://www.w3.org/2000/svg">'
             f'<text x="{LEFT - 6}" y="{ty + 4:.1f}" class="rid">total {total}</text>'
             f'<line x1="{LEFT}" y1="{ty:.1f}" x2="{LEFT + WIDTH}" y2="{ty:.1f}" class="total"/>'

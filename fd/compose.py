@@ -77,11 +77,14 @@ class RunningApi:
         await self.mux.redis.aclose()
 
 
-def make_runner(opts: EngineOptions):
+def make_runner(opts: EngineOptions, progress: bool = True):
     from engine.model_runner import ModelRunner
 
-    return ModelRunner(opts.model_dir, device=opts.device, num_blocks=opts.num_blocks,
-                       block_size=opts.block_size, kv_cache_bytes=opts.kv_cache_mb << 20)
+    runner = ModelRunner(opts.model_dir, device=opts.device, num_blocks=opts.num_blocks,
+                         block_size=opts.block_size, kv_cache_bytes=opts.kv_cache_mb << 20,
+                         progress=progress)
+    runner.warmup()  # before any request is admitted: warm-up writes scratch KV
+    return runner
 
 
 async def start_engine(redis_factory: Callable[[], Any], keys: Keys, opts: EngineOptions, *,

@@ -57,8 +57,8 @@ def start_redis_server(tmpdir: str) -> tuple[subprocess.Popen, RedisServer]:
         port = free_port()
         proc = subprocess.Popen(
             [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", tmpdir, "--loglevel", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+             "--dir", tmpdir, "--loglevel", "warning", "--logfile", "redis.log"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and proc.poll() is None:
@@ -68,7 +68,9 @@ def start_redis_server(tmpdir: str) -> tuple[subprocess.Popen, RedisServer]:
         if proc.poll() is None:
             proc.kill()
         proc.wait()
-    pytest.fail("redis-server did not answer PING on a free port after 5 tries", pytrace=False)
+    log = os.path.join(tmpdir, "redis.log")
+    tail = open(log, errors="replace").read()[-2000:] if os.path.exists(log) else ""
+    pytest.fail(f"redis-server did not answer PING on a free port after 5 tries\n{tail}", pytrace=False)
 
 
 @pytest.fixture(scope="session")

@@ -37,6 +37,9 @@ SAMPLES = [
     E.Final(request_id="r1", finish_reason="stop", usage={"prompt_tokens": 3, "completion_tokens": 2},
             engine="e1", stop_reason="END", ts=TS),
     E.Final(request_id="r1", finish_reason="error", error="boom", ts=TS),
+    E.JournalStart(engine="e1", config={"block_size": 16, "num_blocks": 64}, ts=TS),
+    E.JournalStep(engine="e1", step=9, seq=3, data={"calls": [["schedule", {}], ["update", {"r1": 5}]]},
+                  ts=TS),
 ]
 
 

@@ -295,3 +295,71 @@ def test_tied_embeddings(tiny_dir, tmp_path):
     m = load_model(str(d), progress=False)
     np.testing.assert_array_equal(m.lm_head.numpy(), w["model.embed_tokens.weight"].T)
     assert m.reference_logits(_prompt(4, 6)).shape == (6, 512)
+
+
+def _numpy_llama(model_dir, ids):
+    """HF's Llama/Qwen2 forward written out in float64 numpy from the checkpoint itself: an
+    independent check of the fused layout, RoPE, GQA head mapping and biases."""
+    cfg = json.loads(open(os.path.join(model_dir, "config.json")).read())
+    w = {k: v.astype(np.float64) for k, v in load_file(os.path.join(model_dir, "model.safetensors")).items()}
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg["hidden_size"] // nh
+    n = len(ids)
+    inv = 1.0 / cfg["rope_theta"] ** (np.arange(0, hd, 2) / hd)
+    ang = np.arange(n)[:, None] * np.concatenate([inv, inv])[None]
+    cos, sin = np.cos(ang)[:, None], np.sin(ang)[:, None]
+
+    def rms(x, g):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg["rms_norm_eps"]) * g
+
+    def rope(x):
+        return x * cos + np.concatenate([-x[..., hd // 2:], x[..., :hd // 2]], -1) * sin
+
+    def proj(h, name):
+        return h @ w[name + ".weight"].T + w.get(name + ".bias", 0.0)
+
+    x = w["model.embed_tokens.weight"][ids]
+    causal = np.triu(np.full((n, n), -np.inf), 1)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        h = rms(x, w[p + "input_layernorm.weight"])
+        q = rope(proj(h, p + "self_attn.q_proj").reshape(n, nh, hd))
+        k = np.repeat(rope(proj(h, p + "self_attn.k_proj").reshape(n, nkv, hd)), nh // nkv, axis=1)
+        v = np.repeat(proj(h, p + "self_attn.v_proj").reshape(n, nkv, hd), nh // nkv, axis=1)
+        s = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(hd) + causal
+        a = np.exp(s - s.max(-1, keepdims=True))
+        a /= a.sum(-1, keepdims=True)
+        x = x + proj(np.einsum("hqk,khd->qhd", a, v).reshape(n, nh * hd), p + "self_attn.o_proj")
+        h = rms(x, w[p + "post_attention_layernorm.weight"])
+        g = proj(h, p + "mlp.gate_proj")
+        x = x + proj(g / (1 + np.exp(-g)) * proj(h, p + "mlp.up_proj"), p + "mlp.down_proj")
+    head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
+    return rms(x, w["model.norm.weight"]) @ head.T
+
+
+def test_matches_an_independent_numpy_forward(tiny_dir, runner):
+    prompt = _prompt(6, 40)
+    np.testing.assert_allclose(runner.model.reference_logits(prompt), _numpy_llama(tiny_dir, prompt),
+                               atol=2e-3, rtol=0)
+
+
+def test_qwen2_matches_numpy_forward(tiny_dir, tmp_path):
+    d = _copy(tiny_dir, tmp_path, "qwen2np")
+    _edit_config(d, architectures=["Qwen2ForCausalLM"], model_type="qwen2")
+    w = load_file(str(d / "model.safetensors"))
+    rng = np.random.default_rng(8)
+    for i in range(2):
+        for proj, n in (("q", 128), ("k", 64), ("v", 64)):
+            w[f"model.layers.{i}.self_attn.{proj}_proj.bias"] = rng.standard_normal(n).astype(np.float32)
+    save_file(w, str(d / "model.safetensors"))
+    prompt = _prompt(7, 25)
+    np.testing.assert_allclose(load_model(str(d), progress=False).reference_logits(prompt),
+                               _numpy_llama(str(d), prompt), atol=2e-3, rtol=0)
+
+
+def test_fast_mode_is_close_to_the_reference(tiny_dir, runner):
+    fast = ModelRunner(tiny_dir, num_blocks=32, batch_invariant=False)
+    p = _prompt(9, 3)
+    seq = ScheduledSeq("f", tuple(p), 0, (0,), True, GREEDY, 0)
+    got = fast.logits(SchedulerOutput(step=0, seqs=(seq,)))[0]
+    np.testing.assert_allclose(got, runner.model.reference_logits(p)[-1], atol=1e-4)

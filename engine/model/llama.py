@@ -1,21 +1,22 @@
 """The Llama-family decoder (Llama, Qwen2) in PaddlePaddle, over a paged KV cache.
 
 One forward runs a flattened mixed batch: prefill chunks and decode tokens side by side. Each
-token's K/V is written to its cache slot (``block * block_size + offset``); attention reads a
-sequence's context back through its slots, causal within the chunk and full over the past.
+token's K/V is written to its cache slot (``block * block_size + offset``); attention gathers a
+sequence's context back by its block table, causal within the chunk and full over the past.
 
 Two things shape the code more than the math does:
 
-- **Op count.** For a model this small a step costs what Python and Paddle dispatch cost
-  (~2 µs per op), so projections are fused (q|k|v and their RoPE-rotated copies in one matmul,
-  gate|up in one), RoPE is a multiply-add against a precomputed table, the residual add rides
-  in the fused RMSNorm, and attention is one padded, masked batch per group of sequences rather
-  than a loop per sequence.
+- **Op count and GEMM size.** For a model this small a step costs what Paddle dispatch
+  (~2 µs per op) and small GEMMs cost, so projections are fused (q|k|v in one matmul, gate|up
+  in one), RoPE is a multiply-add against a precomputed table, the residual add rides in the
+  fused RMSNorm, logits are computed only for the rows being sampled, and attention is one
+  padded, masked batch per group of sequences rather than a loop per sequence.
 - **Batch invariance.** A request's tokens must not depend on what else is in the batch. The
   CPU GEMM rounds rows that do not fill a whole 8-row tile differently, and Q·Kᵀ rounds
   differently unless the key length is a multiple of 16, so the token rows are padded to a
-  multiple of 8 and every key length to a multiple of 16 (padding is masked: exact zeros). With that, a sequence's logits
-  are bit-identical alone, in any batch, and in :meth:`Llama.reference_logits`.
+  multiple of 8 and every key length to a multiple of 16 (padding is masked: exact zeros).
+  With that, a sequence's logits are bit-identical alone, in any batch, chunked or not, and in
+  :meth:`Llama.reference_logits` (measured on this project's CPU machines; GPUs differ).
 """
 
 from __future__ import annotations
@@ -33,10 +34,6 @@ from engine.model.config import ModelConfig
 ROW_ALIGN = 8  # the CPU GEMM rounds rows outside full 8-row tiles differently
 KEY_ALIGN = 16  # key lengths padded to a multiple of this for the same reason
 MASKED = -1e30  # finite, so fully padded query rows stay NaN-free
-
-
-def pad_rows(n: int) -> int:
-    return max(ROW_ALIGN, -(-n // ROW_ALIGN) * ROW_ALIGN)
 
 
 def pad_keys(n: int) -> int:
@@ -79,15 +76,6 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _rotate_half(w: np.ndarray, head_dim: int) -> np.ndarray:
-    """Columns of a [.., heads*head_dim] projection rearranged so that ``x @ rot(W)`` is
-    ``rotate_half(x @ W)`` per head (exact: a signed permutation)."""
-    lead = w.shape[:-1]
-    w = w.reshape(*lead, -1, head_dim)
-    half = head_dim // 2
-    return np.concatenate([-w[..., half:], w[..., :half]], axis=-1).reshape(*lead, -1)
-
-
 @dataclass(slots=True)
 class AttnGroup:
     """Sequences whose attention runs as one padded batch: [S, Qmax] queries x [S, L] keys."""
@@ -111,9 +99,13 @@ class ForwardBatch:
 
 
 class Llama:
-    def __init__(self, cfg: ModelConfig, weights: Mapping[str, np.ndarray], device: str = "cpu"):
+    def __init__(self, cfg: ModelConfig, weights: Mapping[str, np.ndarray], device: str = "cpu",
+                 batch_invariant: bool = True):
         self.cfg = cfg
         self.device = device
+        # Off, batch 1 runs its GEMMs on 1 row instead of 8 (~0.4 vs ~0.6 ms a decode step
+        # for the tiny model on 2 CPU cores), at the price of logits that depend on the batch.
+        self.row_align = ROW_ALIGN if batch_invariant else 1
         self.place = paddle.CPUPlace() if device == "cpu" else paddle.CUDAPlace(
             int(device.split(":")[1]) if ":" in device else 0)
         # Strided views make a later matmul copy element by element (1.5 ms for one [32, 112,
@@ -136,13 +128,11 @@ class Llama:
             wq = weights[p + "self_attn.q_proj.weight"].T * scale  # softmax scale folded in
             wk = weights[p + "self_attn.k_proj.weight"].T
             wv = weights[p + "self_attn.v_proj.weight"].T
-            # [q | k | rot(q) | rot(k) | v]: RoPE becomes (a, rot a) . (cos, sin)
-            qkv = np.concatenate([wq, wk, _rotate_half(wq, hd), _rotate_half(wk, hd), wv], axis=1)
+            qkv = np.concatenate([wq, wk, wv], axis=1)
             qkv_b = None
             if cfg.qkv_bias:
-                bq = weights[p + "self_attn.q_proj.bias"] * scale
-                bk = weights[p + "self_attn.k_proj.bias"]
-                qkv_b = t(np.concatenate([bq, bk, _rotate_half(bq, hd), _rotate_half(bk, hd),
+                qkv_b = t(np.concatenate([weights[p + "self_attn.q_proj.bias"] * scale,
+                                          weights[p + "self_attn.k_proj.bias"],
                                           weights[p + "self_attn.v_proj.bias"]]))
             self.layers.append(dict(
                 in_norm=t(weights[p + "input_layernorm.weight"]),
@@ -157,7 +147,8 @@ class Llama:
         inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
         ang = np.arange(cfg.max_position_embeddings, dtype=np.float64)[:, None] * np.concatenate(
             [inv_freq, inv_freq])[None, :]
-        self.rope = t(np.stack([np.cos(ang), np.sin(ang)], axis=1)[:, :, None, :])  # [P, 2, 1, hd]
+        sign = np.concatenate([-np.ones(hd // 2), np.ones(hd // 2)])
+        self.rope = t(np.stack([np.cos(ang), np.sin(ang) * sign], axis=1))  # [P, 2, hd]
         self.k_blocks: list[paddle.Tensor] = []  # [num_blocks + 1, block_size, kvh, hd]
         self.v_blocks: list[paddle.Tensor] = []
         self.k_slots: list[paddle.Tensor] = []  # the same memory as [slots, kvh, hd]
@@ -185,21 +176,41 @@ class Llama:
         self.k_slots = [k.reshape(flat) for k in self.k_blocks]  # reshape shares the buffer
         self.v_slots = [v.reshape(flat) for v in self.v_blocks]
 
+    def pad_rows(self, n: int) -> int:
+        a = self.row_align
+        return max(a, -(-n // a) * a)
+
     def tensor(self, a: np.ndarray) -> paddle.Tensor:
         return paddle.to_tensor(a, place=self.place)
 
+    def upload(self, arrays: list[np.ndarray], dtype) -> list[paddle.Tensor]:
+        """Several 1-D arrays to the device in one copy."""
+        if not arrays:
+            return []
+        if len(arrays) == 1:
+            return [self.tensor(np.asarray(arrays[0], dtype=dtype))]
+        sizes = [len(a) for a in arrays]
+        return paddle.split(self.tensor(np.concatenate(arrays).astype(dtype, copy=False)), sizes)
+
     # ------------------------------------------------------------------ forward
 
-    def _qkv(self, layer: dict, h: paddle.Tensor, cs: paddle.Tensor):
-        """Projections with RoPE applied (q already scaled by 1/sqrt(head_dim))."""
+    def _qkv(self, layer: dict, h: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor):
+        """Projections with RoPE applied (q already scaled by 1/sqrt(head_dim)).
+
+        rotate_half(x) is ``concat(x2, x1)`` with the sign folded into the sin table: two cheap
+        copies instead of a matmul or extra projection columns (GEMMs dominate at batch 32).
+        """
         c = self.cfg
         n = h.shape[0]
         a = paddle.matmul(h, layer["qkv"])
         if layer["qkv_b"] is not None:
             a = paddle.add(a, layer["qkv_b"])
         heads = c.num_attention_heads + c.num_key_value_heads
-        qk2, v = paddle.split(a, [2 * heads * c.head_dim, c.kv_size], axis=-1)
-        qk = paddle.sum(paddle.multiply(qk2.reshape([n, 2, heads, c.head_dim]), cs), axis=1)
+        qk, v = paddle.split(a, [heads * c.head_dim, c.kv_size], axis=-1)
+        qk = qk.reshape([n, heads, c.head_dim])
+        x1, x2 = paddle.split(qk, 2, axis=-1)
+        qk = paddle.add(paddle.multiply(qk, cos),
+                        paddle.multiply(paddle.concat([x2, x1], axis=-1), sin))
         q, k = paddle.split(qk, [c.num_attention_heads, c.num_key_value_heads], axis=1)
         return q, k, v.reshape([n, c.num_key_value_heads, c.head_dim])
 
@@ -229,14 +240,14 @@ class Llama:
         normed hidden states [Tp, H]."""
         eps = self.cfg.rms_norm_eps
         x = paddle.index_select(self.embed, ids)
-        cs = paddle.index_select(self.rope, positions)
+        cos, sin = paddle.split(paddle.index_select(self.rope, positions), 2, axis=1)  # [T, 1, hd]
         residual = None
         for i, layer in enumerate(self.layers):
             if residual is None:
                 h, residual = IF.fused_rms_norm(x, layer["in_norm"], None, eps, 1)[0], x
             else:
                 h, residual = IF.fused_rms_norm(x, layer["in_norm"], None, eps, 1, residual=residual)
-            q, k, v = self._qkv(layer, h, cs)
+            q, k, v = self._qkv(layer, h, cos, sin)
             x, residual = self._mlp_block(layer, attention(i, q, k, v), residual)
         return IF.fused_rms_norm(x, self.norm, None, eps, 1, residual=residual)[0]
 
@@ -276,7 +287,7 @@ class Llama:
         """
         c = self.cfg
         n = len(token_ids)
-        tp, L = pad_rows(n), pad_keys(n)
+        tp, L = self.pad_rows(n), pad_keys(n)
         ids = np.zeros(tp, dtype=np.int64)
         ids[:n] = token_ids
         pos = np.zeros(tp, dtype=np.int64)

@@ -32,7 +32,7 @@ from control.events import (
     RequestData,
     Tokens,
 )
-from control.keys import ENGINE_ID_RE, valid_request_id
+from control.keys import ABORTED_OWNER, ENGINE_ID_RE, valid_request_id
 from control.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from control.metrics import Metrics
 from fd.api import protocol, sse
@@ -230,7 +230,10 @@ class Api:
         arrival = time.monotonic()
         rid, explicit = self._request_id(request, prefix)
         gen: protocol.GenerationRequest = parse(await self._body(request), self.limits, self.tokenizer)
-        if explicit and await self.bus.redis.exists(self.bus.keys.req(rid)):
+        if (explicit and await self.bus.redis.exists(self.bus.keys.req(rid))
+                and await self.bus.owner(rid) != ABORTED_OWNER):
+            # (an id whose abort overtook it is not a conflict: its story already ends in an
+            # abort final, which is what this client gets)
             raise conflict(f"A request with id '{rid}' already exists.", "X-Request-Id")
         watch = watch_of(request)
         watch.background = gen.background

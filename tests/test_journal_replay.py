@@ -1,0 +1,407 @@
+"""The journal records a run; replay re-executes it and must agree on every decision.
+
+The run is the real scheduler driven by a deterministic fake model, with scripted arrivals, a
+pool small enough to preempt, and every abort case of DESIGN.md §4 that reaches a scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+
+import orjson
+import pytest
+
+from control.events import (AbortRequested, BlocksReleased, Drained, Event, Final, JournalStart,
+                            JournalStep, Preempted, RequestData, SamplingParams, Tokens, decode)
+from engine.config import SchedulerConfig
+from engine.journal import JournalRecorder, config_from_json, journaled
+from engine.outputs import RunnerOutput
+from engine.replay import (check_journal, export_jsonl, load_journal_from_redis,
+                           load_journal_jsonl, main, replay)
+from engine.scheduler import Scheduler
+from engine.sequence import Status
+
+EOS = 2
+CFG = SchedulerConfig(num_blocks=14, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+                      max_model_len=64, eos_token_ids=(EOS,), long_prefill_threshold=8)
+
+
+def model(ctx):
+    """Next token from the whole context; never EOS unless the context says so."""
+    return (sum((i + 1) * t for i, t in enumerate(ctx)) + 7 * len(ctx)) % 97 + 3
+
+
+class FakeRunner:
+    """Writes fed tokens into their KV slots and samples from what the KV holds, so a wrong
+    block table changes the tokens (and so the journal)."""
+
+    def __init__(self, cfg: SchedulerConfig):
+        self.bs = cfg.block_size
+        self.kv = [[None] * self.bs for _ in range(cfg.num_blocks)]
+
+    def execute(self, out, stopped=None):
+        sampled = {}
+        for s in out.seqs:
+            end = s.start_pos + len(s.token_ids)
+            for i, t in enumerate(s.token_ids):
+                p = s.start_pos + i
+                self.kv[s.block_table[p // self.bs]][p % self.bs] = t
+            if s.sample:
+                sampled[s.request_id] = model(
+                    [self.kv[s.block_table[p // self.bs]][p % self.bs] for p in range(end)])
+        return RunnerOutput(step=out.step, sampled=sampled, stopped=dict(stopped or {}))
+
+
+def req(n, max_tokens=6, start=10, **sp):
+    return RequestData(prompt_token_ids=tuple(range(start, start + n)),
+                       sampling=SamplingParams(max_tokens=max_tokens, **sp))
+
+
+class Run:
+    """Drives a (recorded) scheduler like the engine node does, stamping entries like it."""
+
+    def __init__(self, sched, engine_id, t0=1_700_000_000_000):
+        self.rec = JournalRecorder(sched, engine_id, clock=lambda: self.t / 1000)
+        self.runner = FakeRunner(sched.config)
+        self.entries: list[Event] = [dataclasses.replace(self.rec.start_record(), ts=t0)]
+        self.events: list[Event] = []
+        self.t = t0  # fake wall clock, ms: a step takes 7 ms, and an abort lands 2 ms into it
+        self.cases: set[str] = set()
+
+    def call(self, name, *args):
+        evs = getattr(self.rec, name)(*args)
+        self.events += evs
+        return evs
+
+    def step(self, during=None, stopped=None):
+        out = self.rec.schedule()
+        self.events += self.rec.take_events()
+        self.t += 2
+        if not out.empty:
+            if during:
+                during(self)
+            result = self.runner.execute(out, stopped)
+            self.t += 5
+            self.events += self.rec.update(out, result)
+        else:
+            self.t += 5
+        ev = self.rec.drain()
+        if ev is not None:
+            self.entries.append(dataclasses.replace(ev, ts=self.t))
+        return out
+
+
+def abort_case(run, rid, case, expect):
+    """Abort ``rid``, checking it really is in the state ``case`` names."""
+    evs = run.call("abort", rid, "http")
+    assert [type(e).__name__ for e in evs if getattr(e, "request_id", None) == rid] == expect, case
+    run.cases.add(case)
+
+
+def record_run(sched_cls=Scheduler) -> Run:
+    run = Run(sched_cls(CFG), "eng-1")
+    s = run.rec
+    run.call("add", "a", req(6, max_tokens=12))
+    run.call("add", "b", req(7, max_tokens=10, start=30))
+    run.call("add", "long", req(20, max_tokens=3, start=50))  # chunked: 8 per step
+    run.call("add", "empty", RequestData(prompt_token_ids=()))  # error final at add
+    with pytest.raises(ValueError):
+        s.add("a", req(3))  # duplicate add raises; the journal records that too
+    run.step()
+    run.call("add", "c", req(9, max_tokens=20, start=70))
+    run.call("add", "d", req(5, max_tokens=20, start=90))
+    run.step()
+    # 'long' has had one or two 8-token chunks of 20: abort it between steps, mid-prefill
+    snap = {r["request_id"]: r for r in s.snapshot()["requests"]}
+    assert 0 < snap["long"]["num_computed_tokens"] < 20
+    abort_case(run, "long", "mid_prefill",
+               ["AbortRequested", "Drained", "BlocksReleased", "Final"])
+    run.call("add", "w1", req(30, max_tokens=4, start=5))
+    run.call("add", "w2", req(4, max_tokens=4, start=15))
+    run.step()
+    assert s.snapshot()["waiting"] == ["w1", "w2"]  # w1 does not fit yet; w2 queues behind it
+    abort_case(run, "w2", "waiting", ["AbortRequested", "Drained", "BlocksReleased", "Final"])
+
+    def in_flight(r):
+        rid = next(x for x in ("c", "d", "b") if r.rec.in_flight(x))
+        abort_case(r, rid, "in_flight", ["AbortRequested"])
+        abort_case(r, rid, "duplicate", [])
+
+    for _ in range(4):
+        run.step()
+    run.step(during=in_flight)
+    abort_case(run, "ghost", "unknown", [])
+    stop_done = False
+    for _ in range(60):
+        if not s.has_work():
+            break
+        if not stop_done and s.knows("b") and s.num_running:
+            stop_done = True
+            run.step(stopped={"b": "</s>"})  # the node's detokenizer found a stop string
+            continue
+        run.step()
+        if not s.knows("a") and "finished" not in run.cases:
+            abort_case(run, "a", "finished", [])
+        if s.step == 14:
+            run.call("add", "late1", req(6, max_tokens=30, start=3))
+            run.call("add", "late2", req(6, max_tokens=30, start=4))
+        if s.step == 18:
+            evs = run.call("abort_all", "engine")
+            assert any(isinstance(e, AbortRequested) for e in evs)
+            run.cases.add("abort_all")
+    run.step()
+    return run
+
+
+def test_recorded_run_covers_the_cases_and_replays_exactly(tmp_path):
+    run = record_run()
+    evs = run.events
+    assert run.cases == {"waiting", "mid_prefill", "in_flight", "duplicate", "unknown", "finished",
+                         "abort_all"}
+    assert any(isinstance(e, Preempted) for e in evs), "the pool is small enough to preempt"
+    assert any(isinstance(e, Final) and e.finish_reason == "error" for e in evs)
+    assert any(isinstance(e, Final) and e.stop_reason == "</s>" for e in evs)
+    assert any(isinstance(e, Drained) and e.discarded_tokens == 1 for e in evs)
+    assert not run.rec.has_work()
+
+    path = tmp_path / "journal.jsonl"
+    export_jsonl(run.entries, path)
+    lines = path.read_text().splitlines()
+    assert len(lines) == len(run.entries)
+    assert json.loads(lines[0])["type"] == "journal_start"
+    assert isinstance(json.loads(lines[1])["data"]["calls"], list)  # nested, readable
+    loaded = load_journal_jsonl(path)
+    assert loaded == run.entries
+
+    report = replay(loaded)
+    assert report.divergence is None, report.divergence.describe()
+    assert report.violations == []
+    assert report.ok
+    assert report.replayed_calls == report.calls > 50
+    s = report.summary()
+    finals = [e for e in evs if isinstance(e, Final)]
+    assert sum(s["finish_reasons"].values()) == len(finals)
+    assert s["finish_reasons"]["abort"] == sum(f.finish_reason == "abort" for f in finals)
+    assert s["open_requests"] == 0
+    assert 0 < s["peak_blocks_in_use"] <= CFG.num_blocks
+    assert s["aborts_released"] == sum(isinstance(e, BlocksReleased) and any(
+        isinstance(a, AbortRequested) and a.request_id == e.request_id for a in evs) for e in evs)
+    # every abort released within its step; the in-flight one waited 5 ms for the step to end
+    assert s["abort_release_steps"]["max"] == 0
+    assert s["abort_release_ms"]["max"] == 5 and s["abort_release_ms"]["p50"] == 0
+    assert s["recorded_ms"] == run.t - run.entries[0].ts
+
+
+def test_events_digested_match_what_the_scheduler_returned():
+    run = record_run()
+    recorded = [d for e in run.entries[1:] for c in e.data["calls"] for d in c.get("ev", [])]
+    emitted = run.events
+    assert [(d[0], d[1]) for d in recorded] == [(e.TYPE, e.request_id) for e in emitted]
+    toks = [t for d in recorded if d[0] == "tokens" for t in d[2]]
+    assert toks == [t for e in emitted if isinstance(e, Tokens) for t in e.token_ids]
+
+
+def test_at_step_snapshot_is_the_scheduler_state_then(capsys, tmp_path):
+    run = record_run()
+    path = tmp_path / "j.jsonl"
+    export_jsonl(run.entries, path)
+    report = replay(run.entries, at=3)
+    snap = report.snapshot_at
+    assert snap["step"] == 3 and snap["scheduled"]["step"] == 3
+    assert snap["scheduled"]["in_flight"] and snap["after_update"]["in_flight"] == []
+    assert main([str(path), "--at", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "OK" in out and '"scheduled"' in out
+
+
+def _tamper(entries, pick):
+    """A copy of the journal with one call changed by ``pick`` (returns True once done)."""
+    out = []
+    done = False
+    for e in entries:
+        if isinstance(e, JournalStep) and not done:
+            data = json.loads(json.dumps(e.data))
+            for c in data["calls"]:
+                if pick(c, e):
+                    done = True
+                    break
+            e = dataclasses.replace(e, data=data)
+        out.append(e)
+    assert done
+    return out
+
+
+def test_a_changed_sampled_token_is_named_by_step(tmp_path, capsys):
+    run = record_run()
+
+    def change_token(c, e):
+        if c["op"] == "update" and c["step"] == 6 and c["sampled"]:
+            rid = next(iter(c["sampled"]))
+            c["sampled"][rid] = (c["sampled"][rid] + 1) % 90 + 3
+            return True
+        return False
+
+    bad = _tamper(run.entries, change_token)
+    report = replay(bad)
+    assert not report.ok
+    d = report.divergence
+    assert d.step == 6 and d.op == "update"
+    assert d.recorded["ev"] != d.replayed["ev"]
+    assert "DIVERGED at step 6" in d.describe()
+    path = tmp_path / "bad.jsonl"
+    export_jsonl(bad, path)
+    assert main([str(path)]) == 1
+    assert "DIVERGED at step 6" in capsys.readouterr().out
+
+
+def test_a_changed_batch_digest_is_named_by_step(tmp_path):
+    run = record_run()
+
+    def change_batch(c, e):
+        if c["op"] == "schedule" and c["out"][0] == 9 and c["out"][2]:
+            c["out"][2][0][2] += 1  # one more token fed than the scheduler decided
+            return True
+        return False
+
+    report = replay(_tamper(run.entries, change_batch))
+    assert report.divergence.step == 9 and report.divergence.op == "schedule"
+    assert "out" in report.divergence.describe()
+
+
+class ForgetfulScheduler(Scheduler):
+    """A broken scheduler: a request that finishes normally keeps its blocks (and says so)."""
+
+    def _release(self, seq, reason, stop_reason, events, step):
+        if reason == "abort":
+            return super()._release(seq, reason, stop_reason, events, step)
+        if seq.status is Status.RUNNING:
+            self._running.remove(seq)
+        seq.status = Status.FINISHED
+        del self._seqs[seq.request_id]
+        events.append(BlocksReleased(request_id=seq.request_id, count=0, step=step))
+        events.append(Final(request_id=seq.request_id, finish_reason=reason, usage=seq.usage(),
+                            stop_reason=stop_reason))
+
+
+class LyingScheduler(ForgetfulScheduler):
+    """Worse: it reports the blocks released but never puts them back in the pool."""
+
+    def _release(self, seq, reason, stop_reason, events, step):
+        n = self.blocks.num_held(seq.request_id)
+        super()._release(seq, reason, stop_reason, events, step)
+        if reason != "abort":
+            events[-2] = BlocksReleased(request_id=seq.request_id, count=n, step=step)
+
+
+def _leaky_run(cls):
+    run = Run(cls(CFG), "leaky")
+    run.call("add", "x", req(6, max_tokens=3))
+    run.call("add", "y", req(6, max_tokens=4, start=40))
+    for _ in range(8):
+        run.step()
+    return run
+
+
+@pytest.mark.parametrize("cls", [ForgetfulScheduler, LyingScheduler])
+def test_a_leaking_scheduler_is_caught_by_the_journal_alone(cls, tmp_path, capsys):
+    run = _leaky_run(cls)
+    # the journal-only check: no re-execution, so the broken scheduler cannot hide it
+    a = check_journal(run.entries)
+    assert any("leak" in v for v in a.violations), a.violations
+    # its own code replays "fine", but fd replay still fails on the invariant
+    self_replay = replay(run.entries, scheduler_factory=cls)
+    assert self_replay.divergence is None and not self_replay.ok
+    # the correct scheduler disagrees with the recorded decisions
+    report = replay(run.entries)
+    assert report.divergence is not None
+    assert report.divergence.recorded["free"] != report.divergence.replayed["free"] or \
+        report.divergence.recorded["ev"] != report.divergence.replayed["ev"]
+    path = tmp_path / "leak.jsonl"
+    export_jsonl(run.entries, path)
+    assert main([str(path), "--json"]) == 1
+    out = orjson.loads(capsys.readouterr().out)
+    assert out["ok"] is False and any("leak" in v for v in out["violations"])
+
+
+def test_double_final_and_missing_entries_are_violations():
+    run = record_run()
+    entries = list(run.entries)
+    # a second final for a finished request
+    last = entries[-1]
+    data = json.loads(json.dumps(last.data))
+    data["calls"].append({"op": "abort", "rid": "a", "source": "http",
+                          "ev": [["final", "a", "abort", 0, None, None]], "free": 14})
+    a = check_journal(entries[:-1] + [dataclasses.replace(last, data=data)])
+    assert any("final #2" in v for v in a.violations)
+    # a gap in the entries (trimming, a lost write) is reported, not silently replayed
+    a = check_journal(entries[:3] + entries[4:])
+    assert any("expected" in v for v in a.violations)
+    # a journal whose start was trimmed away
+    a = check_journal(entries[5:])
+    assert any("truncated" in v for v in a.violations)
+    assert not replay(entries[5:]).ok
+
+
+def test_restart_under_the_same_id_is_a_new_segment():
+    one = record_run().entries
+    two = record_run().entries
+    report = replay(one + two)
+    assert report.ok and report.segments == 2 and report.calls == 2 * replay(one).calls
+
+
+def test_journal_flag_and_passthrough():
+    bare = Scheduler(CFG)
+    assert journaled(bare, "e", enabled=False) is bare
+    rec = journaled(Scheduler(CFG), "e")
+    assert isinstance(rec, JournalRecorder) and rec.drain() is None
+    assert rec.can_admit() == bare.can_admit() and rec.num_total_blocks == CFG.num_blocks
+    assert config_from_json(rec.start_record().config) == CFG
+    rec.knows("x"), rec.in_flight("x"), rec.snapshot()
+    assert rec.drain() is None  # read-only queries are not recorded
+    rec.add("x", req(3))
+    ev = rec.drain()
+    assert ev.seq == 0 and [c["op"] for c in ev.data["calls"]] == ["add"]
+    # round trip through the wire codec
+    assert decode(ev.encode()).data == ev.data
+    assert decode(rec.start_record().encode()).config == rec.start_record().config
+
+
+async def test_journal_through_real_redis(real_bus, redis_server):
+    run = record_run()
+    bus = real_bus
+    key = bus.keys.journal("eng-1")
+    # as the node does: the start, then each step's entry with the step's other events
+    await bus.publish_many([(key, run.entries[0])])
+    for ev in run.entries[1:]:
+        await bus.publish_many([(key, ev), (bus.keys.req("a"), Tokens(request_id="a",
+                                                                          token_ids=(5,)))])
+    loaded = await load_journal_from_redis(bus, "eng-1")
+    assert loaded == run.entries
+    assert replay(loaded).ok
+    argv = ["--engine", "eng-1", "--redis-url", redis_server.url, "--prefix", bus.keys.prefix]
+    assert await asyncio.to_thread(main, argv) == 0
+    assert await asyncio.to_thread(main, ["--engine", "nope", "--redis-url", redis_server.url,
+                                          "--prefix", bus.keys.prefix]) == 2
+
+
+async def test_export_all_engines_then_replay_the_file(real_bus, redis_server, tmp_path, capsys):
+    from engine.replay import export_main
+
+    bus = real_bus
+    for eng in ("e1", "e2"):
+        run = record_run()
+        items = [(bus.keys.journal(eng), dataclasses.replace(e, engine=eng)) for e in run.entries]
+        await bus.publish_many(items)
+    out = tmp_path / "all.jsonl"
+    base = ["--redis-url", redis_server.url, "--prefix", bus.keys.prefix]
+    assert await asyncio.to_thread(export_main, ["--out", str(out)] + base) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {r["engine"] for r in rows} == {"e1", "e2"}
+    assert all(r["stream"].endswith(r["engine"]) and r["id"] for r in rows)
+    html = tmp_path / "t.html"
+    assert main([str(out), "--html", str(html)]) == 0
+    assert (tmp_path / "t.e1.html").exists() and (tmp_path / "t.e2.html").exists()
+    assert await asyncio.to_thread(export_main, ["--out", str(out), "--engine", "e2"] + base) == 0
+    assert {json.loads(x)["engine"] for x in out.read_text().splitlines()} == {"e2"}
