@@ -346,3 +346,12 @@ async def gauges(session, base: str) -> float:
         if line.startswith(("fd_num_requests_running ", "fd_num_requests_waiting ")):
             total += float(line.split()[1])
     return total
+
+
+def entry_le(a: bytes | str, b: bytes | str) -> bool:
+    """Stream entry id ``a`` <= ``b`` (``ms-seq``)."""
+    def key(x):
+        x = x.decode() if isinstance(x, bytes) else x
+        ms, _, seq = x.partition("-")
+        return int(ms), int(seq or 0)
+    return key(a) <= key(b)

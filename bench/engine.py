@@ -4,8 +4,11 @@ For batch sizes 1/8/32 (33-token prompts, 256 output tokens, greedy, ignore_eos)
 
 - ``llm``: :class:`engine.llm.LLM`, the scheduler and the runner in a plain loop (no Redis);
 - ``node``: a real :class:`engine.node.EngineNode` on the embedded control plane
-  (``fd.compose.start_engine`` with the in-process fakeredis client), requests submitted to
-  ``P:requests`` in one round trip, the run ending when the last ``final`` is published.
+  (``fd.compose.start_engine`` with the in-process fakeredis client, as in ``fd serve``),
+  requests submitted to ``P:requests`` in one round trip, the run ending when the last
+  ``final`` is published;
+- ``node/redis``: the same node on a real redis-server started here on a free port (skip with
+  ``--no-real-redis``): the same loop with a C server and hiredis instead of fakeredis.
 
 Both share one :class:`ModelRunner`, whose ``execute`` is wrapped with a timer, so the "forward"
 column is time inside ``runner.execute`` (in the step thread for the node). Columns:
@@ -30,7 +33,6 @@ import asyncio
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -42,7 +44,7 @@ sys.path.insert(0, str(_HERE.parent))
 from tqdm import tqdm  # noqa: E402
 
 from bench._common import (PROMPT_LEN, RESULTS, model_dir, peak_rss_mb, print_table,  # noqa: E402
-                           prompts, write_json)
+                           prompts, start_redis_server, write_json)
 from control.events import Accepted, Final, Request, RequestData, SamplingParams  # noqa: E402
 
 
@@ -154,14 +156,24 @@ async def run_node(eng, counter: FinalCounter, runner: TimedRunner, batch: int, 
             "publishes": counter.publishes, "events": counter.events}
 
 
-async def node_part(runner: TimedRunner, tok, llm, batches, reps, max_tokens, results, bar):
+async def node_part(runner: TimedRunner, tok, llm, batches, reps, max_tokens, results, bar,
+                    real_redis: bool):
     from control.embedded import EmbeddedRedis
+    from control.connect import connect
     from control.keys import Keys
     from fd.compose import EngineOptions, start_engine
 
     emb = EmbeddedRedis()
     emb.start()
+    srv = start_redis_server() if real_redis else None
+    eng2 = counter2 = None
     try:
+        if srv is not None:
+            eng2 = await start_engine(lambda: connect(srv.url), Keys("bench"),
+                                      EngineOptions(model_dir="unused", num_blocks=runner.num_blocks,
+                                                    max_num_seqs=max(64, max(batches))),
+                                      runner=runner, tokenizer=tok)
+            counter2 = FinalCounter(eng2.node.bus)
         eng = await start_engine(emb.client, Keys("bench"),
                                  EngineOptions(model_dir="unused", num_blocks=runner.num_blocks,
                                                max_num_seqs=max(64, max(batches))),
@@ -177,11 +189,19 @@ async def node_part(runner: TimedRunner, tok, llm, batches, reps, max_tokens, re
                     r = await run_node(eng, counter, runner, b, max_tokens, rep, f"r{rep}b{b}")
                     results["node"][b].append(r)
                     bar.update(1)
+                    if eng2 is not None:
+                        r = await run_node(eng2, counter2, runner, b, max_tokens, rep, f"r{rep}b{b}")
+                        results["node_redis"][b].append(r)
+                        bar.update(1)
             results["rss_after_node_mb"] = peak_rss_mb()
         finally:
             await eng.stop()
     finally:
+        if eng2 is not None:
+            await eng2.stop()
         emb.stop()
+        if srv is not None:
+            srv.stop()
 
 
 def med(rs: list[dict], k: str) -> float:
@@ -195,6 +215,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--num-blocks", type=int, default=2048)
+    ap.add_argument("--no-real-redis", action="store_true", help="skip the node on a real redis-server")
     ap.add_argument("--output-json", default=str(RESULTS / "engine.json"))
     args = ap.parse_args()
     batches = [int(x) for x in args.batches.split(",")]
@@ -214,23 +235,29 @@ def main() -> None:
     run_llm(llm, runner, max(batches), 16, 99)  # warm the shapes
     rss_model = peak_rss_mb()
 
-    results: dict = {"llm": {b: [] for b in batches}, "node": {b: [] for b in batches}}
-    with tqdm(total=2 * len(batches) * args.reps, desc="engine", unit="run") as bar:
-        asyncio.run(node_part(runner, tok, llm, batches, args.reps, args.max_tokens, results, bar))
-    assert threading.active_count() >= 1
+    real = not args.no_real_redis
+    results: dict = {k: {b: [] for b in batches} for k in ("llm", "node", "node_redis")}
+    with tqdm(total=(3 if real else 2) * len(batches) * args.reps, desc="engine", unit="run") as bar:
+        asyncio.run(node_part(runner, tok, llm, batches, args.reps, args.max_tokens, results, bar, real))
 
     rows = []
     for b in batches:
-        L, N = results["llm"][b], results["node"][b]
-        rows.append([b, med(L, "tok_per_s"), 100 * med(L, "overhead"), med(N, "tok_per_s"),
-                     med(N, "tok_per_s") / med(L, "tok_per_s"),
-                     1000 * med(N, "forward_s") / med(N, "steps"),
-                     1000 * (med(N, "wall_s") - med(N, "forward_s")) / med(N, "steps"),
-                     100 * med(N, "overhead"), 100 * med(N, "between_steps"),
-                     1000 * med(N, "publish_s") / med(N, "publishes")])
-    headers = ["batch", "llm tok/s", "llm overhead %", "node tok/s", "node/llm",
-               "forward ms/step", "outside-forward ms/step", "node overhead %",
-               "wall-step_s %", "publish ms/flush"]
+        L = results["llm"][b]
+        rows.append([b, "llm (in-process)", med(L, "tok_per_s"), 1.0,
+                     1000 * med(L, "forward_s") / med(L, "steps"),
+                     1000 * (med(L, "wall_s") - med(L, "forward_s")) / med(L, "steps"),
+                     100 * med(L, "overhead"), "-", "-"])
+        for kind, label in (("node", "node, embedded"), ("node_redis", "node, redis-server")):
+            N = results[kind][b]
+            if not N:
+                continue
+            rows.append([b, label, med(N, "tok_per_s"), med(N, "tok_per_s") / med(L, "tok_per_s"),
+                         1000 * med(N, "forward_s") / med(N, "steps"),
+                         1000 * (med(N, "wall_s") - med(N, "forward_s")) / med(N, "steps"),
+                         100 * med(N, "overhead"), 100 * med(N, "between_steps"),
+                         1000 * med(N, "publish_s") / med(N, "publishes")])
+    headers = ["batch", "path", "tok/s", "vs llm", "forward ms/step", "outside forward ms/step",
+               "overhead %", "wall - step_seconds %", "publish ms/flush"]
     print_table(f"engine: {PROMPT_LEN}-token prompts, {args.max_tokens} output tokens, greedy, "
                 f"ignore_eos; medians of {args.reps}", headers, rows, nd=2)
     print(f"peak RSS: {rss0:.0f} MiB at start, {rss_model:.0f} MiB with the model loaded, "

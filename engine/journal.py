@@ -104,28 +104,38 @@ class Digester:
         self.tables: dict[str, tuple[int, ...]] = {}  # rid -> block table last recorded
 
     def events(self, evs: list[Event]) -> list[list]:
+        if not evs:
+            return []
         out = []
         tables = self.tables
         for e in evs:
-            d = digest_event(e)
-            out.append(d)
-            if type(e) is Preempted or type(e) is BlocksReleased:
+            t = type(e)
+            if t is Tokens:  # the common case, inlined
+                out.append(["tokens", e.request_id, list(e.token_ids), e.step])
+                continue
+            out.append(digest_event(e))
+            if t is Preempted or t is BlocksReleased:
                 tables.pop(e.request_id, None)
         return out
 
     def batch(self, out: SchedulerOutput) -> list:
         tables = self.tables
         seqs = []
+        append = seqs.append
         for s in out.seqs:
+            rid = s.request_id
             table = s.block_table
-            prev = tables.get(s.request_id)
-            if prev is not None and len(prev) <= len(table) and table[:len(prev)] == prev:
-                base = len(prev)
-            else:
+            prev = tables.get(rid)
+            if prev is None:
                 base = 0
-            tables[s.request_id] = table
-            seqs.append([s.request_id, s.start_pos, len(s.token_ids), s.sample, base,
-                         list(table[base:])])
+            elif table == prev:  # a decode inside its last block: nothing new
+                append([rid, s.start_pos, len(s.token_ids), s.sample, len(table), []])
+                continue
+            else:
+                n = len(prev)
+                base = n if n <= len(table) and table[:n] == prev else 0
+            tables[rid] = table
+            append([rid, s.start_pos, len(s.token_ids), s.sample, base, list(table[base:])])
         return [out.step, out.num_batched_tokens, seqs]
 
 

@@ -36,6 +36,7 @@ from control.events import (
 )
 from engine.config import SchedulerConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.journal import JournalRecorder, journaled
 from engine.outputs import RunnerOutput, SchedulerOutput
 from engine.scheduler import Scheduler
 
@@ -66,6 +67,7 @@ class EngineConfig:
     # A starting engine also reads the control stream's recent past: an abort published while
     # no engine was up must still win over the request it names (tombstone via P:owner).
     control_lookback_ms: int = 30_000
+    journal: bool = True  # one P:journal:<engine> entry per step, for `fd replay`
 
 
 class EngineNode:
@@ -80,7 +82,7 @@ class EngineNode:
         self.cfg = cfg
         self.metrics = metrics
         self.id = cfg.engine_id
-        self.sched = Scheduler(SchedulerConfig(
+        self.sched = journaled(Scheduler(SchedulerConfig(
             num_blocks=runner.num_blocks,
             block_size=cfg.block_size,
             max_num_seqs=cfg.max_num_seqs,
@@ -88,7 +90,7 @@ class EngineNode:
             max_model_len=runner.max_model_len,
             eos_token_ids=tuple(runner.eos_token_ids),
             max_num_waiting=cfg.max_num_waiting,
-        ))
+        )), self.id, enabled=cfg.journal, clock=time.time)
         self._entry: dict[str, bytes] = {}  # request id -> its P:requests entry, XACKed at final
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._aborting: set[str] = set()  # noted while in the in-flight step; tokens discarded
@@ -121,6 +123,9 @@ class EngineNode:
         if self._cursor is None:
             await self.prepare()
         cursor = self._cursor
+        if isinstance(self.sched, JournalRecorder):
+            start = self.sched.start_record()
+            await self.bus.publish(self.bus.keys.journal(self.id), replace(start, ts=int(time.time() * 1000)))
         tasks = [
             asyncio.create_task(self._control_loop(cursor), name=f"control-{self.id}"),
             asyncio.create_task(self._heartbeat_loop(), name=f"heartbeat-{self.id}"),
@@ -143,12 +148,11 @@ class EngineNode:
     async def _step_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while not self._stopping:
-            if self._draining and not self.sched.has_work():
-                await self._flush()
-                break
             if not self.sched.has_work():
-                await self._claim(block=True)
                 await self._flush()
+                if self._draining:
+                    break
+                await self._claim(block=True)
                 continue
             out = self.sched.schedule()
             self._emit(self.sched.take_events())  # preemptions decided by this schedule()
@@ -163,27 +167,31 @@ class EngineNode:
                 continue
             t0 = time.perf_counter()
             fut = loop.run_in_executor(self._pool, self.runner.execute, out)
-            # While the step runs: publish what the last step produced, take new work.
+            # While the step runs: publish what the previous step produced (one pipelined
+            # round trip), take new work. The next step starts right after this one.
             await self._flush()
-            await self._claim(block=False)
+            if await self._claim(block=False):
+                await self._flush()  # their `claimed` now, not after this step
             result = await fut
             self.step_seconds += time.perf_counter() - t0
             self.steps += 1
             self._apply(out, result)
-            await self._flush()
         await self._flush()
 
-    async def _claim(self, block: bool) -> None:
+    async def _claim(self, block: bool) -> int:
+        """Take as many requests from ``P:requests`` as the scheduler can admit now (pull-based:
+        what this engine cannot start stays in Redis for another engine)."""
         if self._draining or self._stopping:
-            return
+            return 0
         n = self.sched.can_admit()
         if n <= 0:
             if block:
                 await asyncio.sleep(self.cfg.claim_block_ms / 1000)
-            return
+            return 0
         got = await self.bus.claim_requests(self.id, n, self.cfg.claim_block_ms if block else None)
         for entry_id, req in got:
             await self._admit(entry_id, req)
+        return len(got)
 
     async def _admit(self, entry_id: bytes, req: Request) -> None:
         rid = req.request_id
@@ -319,6 +327,11 @@ class EngineNode:
         # at once, not after the step). The lock keeps batches in the order they were made:
         # two pipelines on two pooled connections could otherwise overtake each other.
         async with self._flush_lock:
+            if isinstance(self.sched, JournalRecorder):
+                entry = self.sched.drain()
+                if entry is not None:
+                    self._outbox.append((self.bus.keys.journal(self.id),
+                                         replace(entry, ts=int(time.time() * 1000))))
             if not self._outbox and not self._ack:
                 return
             items, self._outbox = self._outbox, []

@@ -203,7 +203,9 @@ class _Checker:
         self.seg = seg
         self.total = cfg.num_blocks
         self.bs = cfg.block_size
-        self.held: dict[str, list[int]] = {}
+        self.held: dict[str, list[int]] = {}  # rid -> its block table, per the digests
+        self.owner: dict[int, str] = {}  # block -> the request holding it
+        self.in_use = 0
         self.step = 0
         self.ts = 0
         self.kinds: Counter = Counter()
@@ -238,7 +240,7 @@ class _Checker:
             if op == "schedule":
                 self.batch(c["out"])
         free = c.get("free")
-        in_use = sum(len(t) for t in self.held.values())
+        in_use = self.in_use
         if in_use > self.total:
             self.violate("overcommit", f"step {self.step}: {in_use} blocks held, only "
                                        f"{self.total} exist")
@@ -264,7 +266,7 @@ class _Checker:
             if kind == "tokens":
                 t.num_tokens += len(d[2])
             elif kind == "preempted":
-                n = len(self.held.pop(rid, ()))
+                n = self.drop(rid)
                 t.preempted_steps.append(d[3])
                 if d[2] != n:
                     self.violate("count", f"step {d[3]}: {rid} preempted with count={d[2]} "
@@ -275,7 +277,7 @@ class _Checker:
             elif kind == "drained":
                 t.drained_step = d[3]
             elif kind == "blocks_released":
-                n = len(self.held.pop(rid, ()))
+                n = self.drop(rid)
                 t.released_step, t.released_ms, t.released_count = d[3], self.ts, d[2]
                 if d[2] != n:
                     self.violate("leak", f"step {d[3]}: {rid} released {d[2]} of the {n} blocks "
@@ -294,15 +296,42 @@ class _Checker:
                     self.violate("leak", f"step {self.step}: {rid} finished ({d[2]}) still "
                                          f"holding {len(left)} blocks (leak)")
 
+    def drop(self, rid: str, keep: int = 0) -> int:
+        """Forget ``rid``'s blocks past the first ``keep``; returns how many it held."""
+        table = self.held.get(rid)
+        if table is None:
+            return 0
+        n = len(table)
+        for b in table[keep:]:
+            if self.owner.get(b) == rid:
+                del self.owner[b]
+        self.in_use -= n - keep
+        if keep:
+            del table[keep:]
+        else:
+            del self.held[rid]
+        return n
+
     def batch(self, out: list) -> None:
         step, _, seqs = out
         self.step = step
         for rid, start, n, _sample, base, new in seqs:
-            prev = self.held.get(rid, [])
-            if base > len(prev):
-                self.violate("delta", f"step {step}: {rid} extends {base} blocks, holds {len(prev)}")
-            table = prev[:base] + list(new)
-            self.held[rid] = table
+            prev = self.held.get(rid)
+            have = 0 if prev is None else len(prev)
+            if base > have:
+                self.violate("delta", f"step {step}: {rid} extends {base} blocks, holds {have}")
+                base = have
+            if base < have:  # a table that did not just grow: the old tail is gone
+                self.drop(rid, base)
+            table = self.held.setdefault(rid, [])
+            for b in new:
+                if not 0 <= b < self.total:
+                    self.violate("range", f"step {step}: {rid} holds block {b}, outside the pool")
+                other = self.owner.setdefault(b, rid)
+                if other != rid:
+                    self.violate("double", f"step {step}: block {b} held by both {other} and {rid}")
+                table.append(b)
+            self.in_use += len(new)
             if len(table) * self.bs < start + n:
                 self.violate("short", f"step {step}: {rid} feeds positions up to {start + n} "
                                       f"with only {len(table)} blocks")
@@ -310,14 +339,6 @@ class _Checker:
             t.scheduled_steps += 1
             if t.first_scheduled_step is None:
                 t.first_scheduled_step = step
-        owner: dict[int, str] = {}
-        for rid, table in self.held.items():
-            for b in table:
-                if not 0 <= b < self.total:
-                    self.violate("range", f"step {step}: {rid} holds block {b}, outside the pool")
-                other = owner.setdefault(b, rid)
-                if other != rid:
-                    self.violate("double", f"step {step}: block {b} held by both {other} and {rid}")
 
     def finish(self) -> None:
         for t in self.a.requests.values():
@@ -550,7 +571,8 @@ def replay(entries: list[Event], *, at: int | None = None,
                 replayed += 1
                 if any(c.get(k) != got.get(k) for k in OUTPUT_KEYS):
                     step = got["out"][0] if "out" in got else step_before
-                    inputs = {k: v for k, v in c.items() if k not in OUTPUT_KEYS and k not in ("op", "t")}
+                    inputs = {k: v for k, v in c.items()
+                              if k not in OUTPUT_KEYS and k not in ("op", "t")}
                     divergence = divergence or Divergence(
                         si, st.seq, step, ci, c["op"], inputs,
                         {k: c[k] for k in OUTPUT_KEYS if k in c}, got)

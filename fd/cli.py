@@ -315,6 +315,11 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("request_id")
     tr.add_argument("--json", action="store_true")
 
+    sub.add_parser("replay", add_help=False,
+                   help="replay an engine's journal: (--engine ID | FILE.jsonl) [--at STEP] [--html OUT]")
+    ev = sub.add_parser("events", help="`fd events export --out FILE.jsonl [--engine ID]`")
+    ev.add_argument("action", choices=("export",))
+
     mt = sub.add_parser("make-tiny-model", help="write a tiny random-weight model")
     mt.add_argument("dir")
     mt.add_argument("--seed", type=int, default=0)
@@ -322,6 +327,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # replay and export parse their own flags (engine.replay owns them)
+    if argv[:1] == ["replay"]:
+        from engine.replay import main as replay_main
+
+        return replay_main(argv[1:])
+    if argv[:2] == ["events", "export"]:
+        from engine.replay import export_main
+
+        return export_main(argv[2:])
     args = build_parser().parse_args(argv)
     from control.logs import setup_logging
 

@@ -127,6 +127,7 @@ async def test_waiting_in_engine_abort_is_immediate(real_bus, engines):
                                      ("w", PROMPT, {"max_tokens": 4})])
     held = await gated.wait_entered(lambda out: any(s.request_id == "run" for s in out.seqs))
     assert [s.request_id for s in held.seqs] == ["run"]
+    await story(real_bus, "w", until=Claimed)  # claimed, while "run"'s step is held
     assert eng.node.sched.knows("w") and not eng.node.sched.in_flight("w")
     await _abort(real_bus, "w")
     evs = await story(real_bus, "w")  # while the other step is still held in flight

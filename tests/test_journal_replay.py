@@ -13,8 +13,8 @@ import json
 import orjson
 import pytest
 
-from control.events import (AbortRequested, BlocksReleased, Drained, Event, Final, JournalStart,
-                            JournalStep, Preempted, RequestData, SamplingParams, Tokens, decode)
+from control.events import (AbortRequested, BlocksReleased, Drained, Event, Final, JournalStep,
+                            Preempted, RequestData, SamplingParams, Tokens, decode)
 from engine.config import SchedulerConfig
 from engine.journal import JournalRecorder, config_from_json, journaled
 from engine.outputs import RunnerOutput

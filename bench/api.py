@@ -1,0 +1,162 @@
+"""API-path benchmark: streaming clients against ``fd serve`` next to the engine in-process.
+
+``fd serve`` runs as a subprocess (``python -m fd serve``, embedded control plane, or a real
+Redis with ``--redis-url``) so the clients, here with aiohttp, do not share its event loop.
+The workload is TARGETS.md's: streaming ``/v1/completions``, a 33-token prompt (token ids),
+temperature 0, ``ignore_eos``, 256 output tokens. At concurrency N, N clients each send
+``--rounds`` requests back to back (closed loop).
+
+The baseline is :class:`engine.llm.LLM` in this process on the same model, prompts and
+lengths: ``--rounds`` calls of ``generate`` on N prompts at once; TTFT and inter-token latency
+come from ``Generation.token_times``. Each concurrency runs the baseline, then the API path.
+
+- TTFT: request sent -> first SSE chunk with text (API) / ``generate`` called -> first token
+  (in-process); ITL: gaps between successive chunks / tokens, pooled over all requests;
+- output tok/s: completion tokens of all requests / wall time of the whole wave;
+- ``api/llm``: API-path throughput over in-process throughput; ``+TTFT``: the added TTFT p50.
+
+Usage: python bench/api.py [--model DIR] [--concurrency 1,8,32] [--rounds 2] [--max-tokens 256]
+                          [--redis-url URL] [--output-json bench/results/api.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parent))
+
+from tqdm import tqdm  # noqa: E402
+
+from bench._common import (PROMPT_LEN, RESULTS, http_session, model_dir, p50, p99,  # noqa: E402
+                           print_table, prompts, start_serve, stream_completion, wait_idle,
+                           write_json)
+
+
+def run_inprocess(llm, n: int, rounds: int, max_tokens: int, seed: int) -> dict:
+    from control.events import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    ttft, itl, ntok = [], [], 0
+    t0 = time.perf_counter()
+    for r in range(rounds):
+        ts = time.perf_counter()
+        for g in llm.generate(prompts(n, seed=seed * 1000 + r), sp):
+            ntok += len(g.token_ids)
+            ttft.append(g.token_times[0] - ts)
+            itl += [b - a for a, b in zip(g.token_times, g.token_times[1:])]
+    wall = time.perf_counter() - t0
+    return {"wall_s": wall, "tokens": ntok, "tok_per_s": ntok / wall, "ttft": ttft, "itl": itl}
+
+
+async def run_api(base: str, n: int, rounds: int, max_tokens: int, seed: int, tag: str,
+                  bar) -> dict:
+    ps = prompts(n * rounds, seed=seed)
+    ttft, itl, errors, results = [], [], [], []
+
+    async def client(session, c: int) -> None:
+        for r in range(rounds):
+            res = await stream_completion(session, base, f"{tag}-c{c}-r{r}", ps[r * n + c], max_tokens)
+            results.append(res)
+            bar.update(1)
+
+    async with http_session() as session:
+        await wait_idle(session, base)
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(session, c) for c in range(n)))
+        wall = time.perf_counter() - t0
+    ntok = 0
+    for res in results:
+        if res.error or res.finish_reason != "length" or not res.chunk_times:
+            errors.append(res.error or f"finish_reason={res.finish_reason}")
+            continue
+        ntok += max_tokens  # ignore_eos + finish_reason=length: exactly max_tokens generated
+        ttft.append(res.chunk_times[0] - res.t_send)
+        itl += [b - a for a, b in zip(res.chunk_times, res.chunk_times[1:])]
+    return {"wall_s": wall, "tokens": ntok, "tok_per_s": ntok / wall, "ttft": ttft, "itl": itl,
+            "errors": errors[:5], "num_errors": len(errors),
+            "chunks_per_request": sum(len(r.chunk_times) for r in results) / max(1, len(results))}
+
+
+async def warm(base: str, max_tokens: int) -> None:
+    async with http_session() as session:
+        await asyncio.gather(*(stream_completion(session, base, f"warm-{time.time_ns()}-{i}",
+                                                 p, max_tokens) for i, p in enumerate(prompts(4, seed=7))))
+
+
+def summarize(r: dict) -> dict:
+    ms = 1000.0
+    return {"tok_per_s": r["tok_per_s"], "ttft_p50_ms": ms * p50(r["ttft"]), "ttft_p99_ms": ms * p99(r["ttft"]),
+            "itl_p50_ms": ms * p50(r["itl"]), "itl_p99_ms": ms * p99(r["itl"])}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--rounds", type=int, default=2, help="requests per client, back to back")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--redis-url", default=None, help="run fd serve on this Redis instead of the embedded one")
+    ap.add_argument("--output-json", default=str(RESULTS / "api.json"))
+    args = ap.parse_args()
+    conc = [int(x) for x in args.concurrency.split(",")]
+
+    from control.tokenizer import Tokenizer
+    from engine.llm import LLM
+    from engine.model_runner import ModelRunner
+
+    tmp = tempfile.mkdtemp(prefix="fd-bench-api-")
+    mdir = model_dir(args.model, tmp)
+    runner = ModelRunner(mdir, device="cpu", num_blocks=2048, block_size=16)
+    runner.warmup()
+    llm = LLM(runner, Tokenizer.from_dir(mdir), max_num_seqs=max(64, max(conc)))
+    llm.generate(prompts(max(conc), seed=99), __import__("control.events", fromlist=["x"]).SamplingParams(
+        temperature=0.0, max_tokens=8, ignore_eos=True))
+
+    srv = start_serve(mdir, redis_url=args.redis_url,
+                      extra=["--max-num-seqs", str(max(64, max(conc))), "--num-blocks", "2048"], log_dir=tmp)
+    out: dict = {"model": mdir, "server": "redis" if args.redis_url else "embedded",
+                 "rounds": args.rounds, "max_tokens": args.max_tokens, "runs": {}}
+    try:
+        asyncio.run(warm(srv.base, 16))
+        total = sum(c * args.rounds for c in conc)
+        with tqdm(total=total, desc="api streams", unit="req") as bar:
+            for i, n in enumerate(conc):
+                base_r = run_inprocess(llm, n, args.rounds, args.max_tokens, seed=i)
+                api_r = asyncio.run(run_api(srv.base, n, args.rounds, args.max_tokens, i, f"a{i}n{n}", bar))
+                out["runs"][n] = {"inprocess": {**summarize(base_r), "wall_s": base_r["wall_s"]},
+                                  "api": {**summarize(api_r), "wall_s": api_r["wall_s"],
+                                          "num_errors": api_r["num_errors"], "errors": api_r["errors"],
+                                          "chunks_per_request": api_r["chunks_per_request"]}}
+        out["server_rss_mb"], out["server_peak_rss_mb"] = srv.rss_mb()
+    finally:
+        srv.stop()
+
+    rows = []
+    for n in conc:
+        a, b = out["runs"][n]["api"], out["runs"][n]["inprocess"]
+        rows.append([n, "api (fd serve)", a["tok_per_s"], a["ttft_p50_ms"], a["ttft_p99_ms"],
+                     a["itl_p50_ms"], a["itl_p99_ms"], a["tok_per_s"] / b["tok_per_s"],
+                     a["ttft_p50_ms"] - b["ttft_p50_ms"]])
+        rows.append([n, "in-process LLM", b["tok_per_s"], b["ttft_p50_ms"], b["ttft_p99_ms"],
+                     b["itl_p50_ms"], b["itl_p99_ms"], "", ""])
+    headers = ["concurrency", "path", "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
+               "ITL p99 ms", "api/llm tok/s", "+TTFT p50 ms"]
+    errs = sum(out["runs"][n]["api"]["num_errors"] for n in conc)
+    text = print_table(f"api: streaming /v1/completions, {PROMPT_LEN}-token prompt, {args.max_tokens} "
+                       f"output tokens, ignore_eos, greedy; {args.rounds} requests per client; "
+                       f"control plane {out['server']}", headers, rows, nd=2)
+    print(f"failed requests: {errs}; fd serve RSS {out['server_rss_mb']:.0f} MiB "
+          f"(peak {out['server_peak_rss_mb']:.0f} MiB)")
+    out["table"] = {"headers": headers, "rows": rows, "markdown": text}
+    write_json(args.output_json, out)
+
+
+if __name__ == "__main__":
+    main()
