@@ -149,7 +149,8 @@ def analyse(results: list, story: dict) -> dict:
 # ------------------------------------------------------------------ 2. /v1/abort_requests
 
 
-async def abort_endpoint(base: str, n_single: int, n_bulk: int, bulk_ids: int, bar) -> dict:
+async def abort_endpoint(base: str, n_single: int, n_bulk: int, bulk_ids: int, gap_s: float,
+                         bar) -> dict:
     single, bulk = [], []
     async with http_session(limit=1) as session:
         for i in range(n_single):
@@ -170,7 +171,7 @@ async def abort_endpoint(base: str, n_single: int, n_bulk: int, bulk_ids: int, b
             bulk.append(time.perf_counter() - t)
             assert ok, r.status
             bar.update(1)
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(gap_s)
         await wait_idle(session, base)
     return {"single": single, "bulk": bulk}
 
@@ -233,6 +234,7 @@ def main() -> None:
     ap.add_argument("--abort-calls", type=int, default=1000)
     ap.add_argument("--bulk-calls", type=int, default=50)
     ap.add_argument("--bulk-ids", type=int, default=1000)
+    ap.add_argument("--bulk-gap-ms", type=float, default=20.0, help="pause between two bulk calls")
     ap.add_argument("--release-concurrency", default="1,8,32")
     ap.add_argument("--release-samples", type=int, default=32, help="hang-ups per level, at least")
     ap.add_argument("--redis-url", default=None)
@@ -280,7 +282,7 @@ def main() -> None:
                 out["release"][c] = {"latency": lat, "unmatched": unmatched, "poll_gap_p50": p50(gaps)}
         with tqdm(total=args.abort_calls + args.bulk_calls, desc="/v1/abort_requests", unit="call") as bar:
             out["abort_endpoint"] = asyncio.run(abort_endpoint(srv.base, args.abort_calls, args.bulk_calls,
-                                                               args.bulk_ids, bar))
+                                                               args.bulk_ids, args.bulk_gap_ms / 1000, bar))
     finally:
         srv.stop()
         if redis_srv is not None:

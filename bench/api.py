@@ -15,8 +15,8 @@ come from ``Generation.token_times``. Each concurrency runs the baseline, then t
 - output tok/s: completion tokens of all requests / wall time of the whole wave;
 - ``api/llm``: API-path throughput over in-process throughput; ``+TTFT``: the added TTFT p50.
 
-Usage: python bench/api.py [--model DIR] [--concurrency 1,8,32] [--rounds 2] [--max-tokens 256]
-                          [--redis-url URL] [--output-json bench/results/api.json]
+Usage: python bench/api.py [--model DIR] [--concurrency 1,8,32] [--rounds 2] [--min-requests 8]
+                          [--max-tokens 256] [--redis-url URL] [--output-json bench/results/api.json]
 """
 
 from __future__ import annotations
@@ -101,6 +101,8 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--rounds", type=int, default=2, help="requests per client, back to back")
+    ap.add_argument("--min-requests", type=int, default=8,
+                    help="at least this many requests per level (more rounds at low concurrency)")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--redis-url", default=None, help="run fd serve on this Redis instead of the embedded one")
     ap.add_argument("--output-json", default=str(RESULTS / "api.json"))
@@ -125,12 +127,13 @@ def main() -> None:
                  "rounds": args.rounds, "max_tokens": args.max_tokens, "runs": {}}
     try:
         asyncio.run(warm(srv.base, 16))
-        total = sum(c * args.rounds for c in conc)
+        rounds = {c: max(args.rounds, -(-args.min_requests // c)) for c in conc}
+        total = sum(c * rounds[c] for c in conc)
         with tqdm(total=total, desc="api streams", unit="req") as bar:
             for i, n in enumerate(conc):
-                base_r = run_inprocess(llm, n, args.rounds, args.max_tokens, seed=i)
-                api_r = asyncio.run(run_api(srv.base, n, args.rounds, args.max_tokens, i, f"a{i}n{n}", bar))
-                out["runs"][n] = {"inprocess": {**summarize(base_r), "wall_s": base_r["wall_s"]},
+                base_r = run_inprocess(llm, n, rounds[n], args.max_tokens, seed=i)
+                api_r = asyncio.run(run_api(srv.base, n, rounds[n], args.max_tokens, i, f"a{i}n{n}", bar))
+                out["runs"][n] = {"requests": n * rounds[n], "inprocess": {**summarize(base_r), "wall_s": base_r["wall_s"]},
                                   "api": {**summarize(api_r), "wall_s": api_r["wall_s"],
                                           "num_errors": api_r["num_errors"], "errors": api_r["errors"],
                                           "chunks_per_request": api_r["chunks_per_request"]}}
@@ -150,7 +153,8 @@ def main() -> None:
                "ITL p99 ms", "api/llm tok/s", "+TTFT p50 ms"]
     errs = sum(out["runs"][n]["api"]["num_errors"] for n in conc)
     text = print_table(f"api: streaming /v1/completions, {PROMPT_LEN}-token prompt, {args.max_tokens} "
-                       f"output tokens, ignore_eos, greedy; {args.rounds} requests per client; "
+                       f"output tokens, ignore_eos, greedy; closed loop, >= {args.min_requests} requests "
+                       f"and >= {args.rounds} per client; "
                        f"control plane {out['server']}", headers, rows, nd=2)
     print(f"failed requests: {errs}; fd serve RSS {out['server_rss_mb']:.0f} MiB "
           f"(peak {out['server_peak_rss_mb']:.0f} MiB)")

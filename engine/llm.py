@@ -35,10 +35,16 @@ class LLM:
             eos_token_ids=tuple(runner.eos_token_ids))
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams],
-                 clock=None) -> list[Generation]:
+                 clock=None, on_event=None) -> list[Generation]:
+        """Run ``prompts`` to completion; ``on_event`` sees every event the scheduler emits."""
         import time
 
         clock = clock or time.perf_counter
+        fold = self._fold
+        if on_event is not None:
+            def fold(gens, detoks, ev, clock):
+                on_event(ev)
+                self._fold(gens, detoks, ev, clock)
         sched = Scheduler(self.cfg)
         sps = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         gens: dict[str, Generation] = {}
@@ -49,12 +55,12 @@ class LLM:
             detoks[rid] = IncrementalDetokenizer(self.tokenizer, stop=sp.stop,
                                                  include_stop_str_in_output=sp.include_stop_str_in_output)
             for ev in sched.add(rid, RequestData(prompt_token_ids=tuple(ids), sampling=sp)):
-                self._fold(gens, detoks, ev, clock)
+                fold(gens, detoks, ev, clock)
         while sched.has_work():
             out = sched.schedule()
             held = sched.take_events()
             for ev in held:
-                self._fold(gens, detoks, ev, clock)
+                fold(gens, detoks, ev, clock)
             if out.empty:
                 if not held:
                     raise RuntimeError("scheduler has work but scheduled nothing")
@@ -72,7 +78,8 @@ class LLM:
             for ev in sched.update(out, res):
                 if isinstance(ev, Tokens):
                     ev = replace(ev, text=deltas.get(ev.request_id, ""))
-                self._fold(gens, detoks, ev, clock)
+                fold(gens, detoks, ev, clock)
+        self.last_free_blocks = sched.num_free_blocks
         return [gens[f"r{i}"] for i in range(len(prompts))]
 
     @staticmethod

@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator
 
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from redis.exceptions import RedisError
 
 from control.bus import Bus, MuxStopped, StreamMux, entry_id_key
@@ -32,10 +33,10 @@ from control.events import (
     RequestData,
     Tokens,
 )
-from control.keys import ABORTED_OWNER, ENGINE_ID_RE, valid_request_id
+from control.keys import ABORTED_OWNER, ENGINE_ID_RE, REQUEST_ID_RE
 from control.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from control.metrics import Metrics
-from fd.api import protocol, sse
+from fd.api import openapi, protocol, sse
 from fd.api.cancellation import Cancellation, watch_of
 from fd.api.errors import ApiError, bad_request, conflict, not_found, too_large, unauthorized, unavailable
 
@@ -66,6 +67,16 @@ ADMIN_PATHS = ("/v1/abort_requests",)
 RID = web.RequestKey("fd.rid", str)  # the request id, echoed in X-Request-Id even on errors
 
 
+def valid_request_id(rid: str) -> bool:
+    """The documented id charset, matched in full: ``re.match`` with ``$`` would also pass an
+    id ending in a newline, and an id becomes part of Redis key names."""
+    return REQUEST_ID_RE.fullmatch(rid) is not None
+
+
+def valid_engine_id(eid: str) -> bool:
+    return ENGINE_ID_RE.fullmatch(eid) is not None
+
+
 def _json(body: Any, status: int = 200, headers: dict | None = None) -> web.Response:
     return web.Response(body=orjson.dumps(body), status=status, content_type="application/json",
                         headers=headers)
@@ -91,6 +102,8 @@ async def _errors(request: web.Request, handler):
     except RedisError as e:
         log.warning("redis error on %s: %s", request.path, e)
         return _error_response(unavailable(f"The control plane (Redis) is unavailable: {e}"), request)
+    except HttpProcessingError as e:  # a body aiohttp could not decode (bad gzip, bad chunking)
+        return _error_response(bad_request(f"Malformed request body: {e.message}"), request)
     except MuxStopped:
         return _error_response(unavailable("This API replica is shutting down."), request)
     except (ConnectionResetError, asyncio.CancelledError):
@@ -156,17 +169,25 @@ class Api:
         self.cancellation = Cancellation(self._abort_on_disconnect)
         self.started = int(time.time())
         self._started_mux = False
+        self._openapi = openapi.build(cfg.model_name, cfg.max_model_len, cfg.max_body_bytes)
 
     # ------------------------------------------------------------------ plumbing
 
     @web.middleware
     async def auth(self, request: web.Request, handler):
+        """``/v1/*`` needs the API key; the abort routes need the admin key when there is one
+        (which also opens every other ``/v1`` route). Both answer 401 with OpenAI's
+        ``authentication_error``: a client cannot tell "wrong key" from "not enough key",
+        which leaks nothing about which keys exist. ``/health``, ``/metrics`` and
+        ``/openapi.json`` stay open (see :mod:`fd.api.openapi`)."""
         if request.path.startswith("/v1/"):
             token = _bearer(request)
-            if _is_admin_path(request) and self.cfg.admin_key:
-                if not _key_ok(token, self.cfg.admin_key):
+            admin = self.cfg.admin_key
+            if _is_admin_path(request) and admin:
+                if not _key_ok(token, admin):
                     raise unauthorized("This endpoint needs the admin key (Authorization: Bearer <admin key>).")
-            elif self.cfg.api_key and not _key_ok(token, self.cfg.api_key):
+            elif self.cfg.api_key and not (_key_ok(token, self.cfg.api_key)
+                                           or (admin is not None and _key_ok(token, admin))):
                 raise unauthorized()
         return await handler(request)
 
@@ -346,10 +367,11 @@ class Api:
         if not history:
             raise not_found(f"No request with id '{rid}' (never accepted, or expired).", "id", "request_not_found")
         first = history[0][1]
-        if not isinstance(first, Accepted):
-            raise unavailable(f"The stream of '{rid}' does not start with 'accepted'.")
-        renderer = protocol.Renderer(rid, first.endpoint or "completion", first.model, first.created,
-                                     first.prompt_tokens, iu)
+        if isinstance(first, Accepted):
+            renderer = protocol.Renderer(rid, first.endpoint or "completion", first.model, first.created,
+                                         first.prompt_tokens, iu)
+        else:  # an abort overtook the request: its whole story is the abort (no `accepted`)
+            renderer = protocol.Renderer(rid, "completion", self.cfg.model_name, first.ts // 1000, 0, iu)
         finished = any(isinstance(ev, Final) for _, ev in history)
 
         async def events():
@@ -381,7 +403,7 @@ class Api:
                 raise bad_request("'wait' must be a number of seconds.", "wait", "invalid_value")
             timeout = min(timeout, MAX_WAIT_S)
         body = protocol.parse_abort(await self._body(request), valid_request_id,
-                                    lambda e: bool(ENGINE_ID_RE.match(e)), MAX_IDS_PER_ABORT)
+                                    valid_engine_id, MAX_IDS_PER_ABORT)
         abort_id = f"abort-{uuid.uuid4().hex[:16]}"
         if body.abort_all:
             await self.bus.publish(self.bus.keys.control,
@@ -456,6 +478,9 @@ class Api:
 
     # ------------------------------------------------------------------ info
 
+    async def openapi(self, request: web.Request) -> web.Response:
+        return _json(self._openapi)
+
     async def models(self, request: web.Request) -> web.Response:
         return _json({"object": "list", "data": [{
             "id": self.cfg.model_name, "object": "model", "created": self.started, "owned_by": "fd",
@@ -499,6 +524,7 @@ def make_app(cfg: ApiConfig, bus: Bus, mux: StreamMux, tokenizer, metrics: Metri
     app.router.add_post("/v1/abort_requests", api.abort_requests)
     app.router.add_get("/v1/requests/{id}/stream", api.stream_request)
     app.router.add_post("/v1/requests/{id}/cancel", api.cancel_request)
+    app.router.add_get("/openapi.json", api.openapi)
     app.on_startup.append(api.on_startup)
     app.on_cleanup.append(api.on_cleanup)
     return app

@@ -1,0 +1,181 @@
+"""The OpenAPI 3 document of the API node, served at ``GET /openapi.json``.
+
+Built from the same constants :mod:`fd.api.protocol` validates with (roles, limits), so a
+schema-driven client or fuzzer sees what the server really accepts. The schemas describe what
+is *accepted*; anything outside them gets a 4xx with OpenAI's error shape, never a 5xx.
+
+Auth, as documented here: ``--api-key`` guards every ``/v1/*`` route (Bearer); ``--admin-key``
+guards the abort routes (the admin key also works wherever the API key does). ``/health``,
+``/metrics`` and this document are open: probes and scrapers carry no keys, and none of them
+exposes a request id or any request content.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from control.keys import REQUEST_ID_RE
+from fd.api import protocol
+
+REQUEST_ID_PATTERN = REQUEST_ID_RE.pattern  # ECMA-262 as JSON Schema wants: "$" is the very end there
+
+
+def _ref(name: str) -> dict:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+_NULLABLE_BOOL = {"type": "boolean", "nullable": True}
+_INT_OR_NULL = {"type": "integer", "nullable": True}
+
+
+def _sampling_props(max_model_len: int) -> dict[str, Any]:
+    return {
+        "model": {"type": "string", "nullable": True,
+                  "description": "The served model's name; omitted means the served model."},
+        "max_tokens": {**_INT_OR_NULL, "minimum": 1, "maximum": max_model_len},
+        "max_completion_tokens": {**_INT_OR_NULL, "minimum": 1, "maximum": max_model_len},
+        "temperature": {"type": "number", "nullable": True, "minimum": 0, "maximum": 2},
+        "top_p": {"type": "number", "nullable": True, "exclusiveMinimum": True, "minimum": 0,
+                  "maximum": 1},
+        "top_k": {**_INT_OR_NULL, "minimum": -1},
+        "seed": _INT_OR_NULL,
+        "presence_penalty": {"type": "number", "nullable": True, "minimum": -2, "maximum": 2},
+        "frequency_penalty": {"type": "number", "nullable": True, "minimum": -2, "maximum": 2},
+        "n": {"type": "integer", "nullable": True, "enum": [1]},
+        "best_of": {"type": "integer", "nullable": True, "enum": [1]},
+        "stop": {"nullable": True, "oneOf": [{"type": "string"},
+                                             {"type": "array", "items": {"type": "string"}}]},
+        "stop_token_ids": {"type": "array", "nullable": True,
+                           "items": {"type": "integer", "minimum": 0}},
+        "ignore_eos": _NULLABLE_BOOL,
+        "include_stop_str_in_output": _NULLABLE_BOOL,
+        "stream": _NULLABLE_BOOL,
+        "stream_options": {"type": "object", "nullable": True,
+                           "description": "Only with stream=true.",
+                           "properties": {"include_usage": _NULLABLE_BOOL}},
+        "background": {**_NULLABLE_BOOL,
+                       "description": "fd: a client disconnect does not abort the request; "
+                                      "stream it later from GET /v1/requests/{id}/stream."},
+    }
+
+
+def _schemas(max_model_len: int) -> dict[str, Any]:
+    text_part = {"type": "object", "required": ["type", "text"],
+                 "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
+    message = {"type": "object", "required": ["role", "content"], "properties": {
+        "role": {"type": "string", "enum": list(protocol.ROLES)},
+        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": text_part}]},
+        "name": {"type": "string"}}}
+    sampling = _sampling_props(max_model_len)
+    return {
+        "Error": {"type": "object", "required": ["error"], "properties": {"error": {
+            "type": "object", "required": ["message", "type", "param", "code"], "properties": {
+                "message": {"type": "string"}, "type": {"type": "string"},
+                "param": {"type": "string", "nullable": True},
+                "code": {"type": "string", "nullable": True}}}}},
+        "ChatMessage": message,
+        "ChatCompletionRequest": {
+            "type": "object", "required": ["messages"],
+            "properties": {"messages": {"type": "array", "minItems": 1, "items": _ref("ChatMessage")},
+                           **sampling,
+                           "tool_choice": {"type": "string", "nullable": True, "enum": ["none"]}}},
+        "CompletionRequest": {
+            "type": "object", "required": ["prompt"],
+            "properties": {"prompt": {"oneOf": [
+                {"type": "string", "minLength": 1},
+                {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+                {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string"}}]},
+                **sampling}},
+        "AbortRequest": {
+            "type": "object",
+            "description": "One of req_ids (FastDeploy), request_ids (vLLM) or abort_all.",
+            "properties": {
+                "req_ids": {"type": "array", "items": {"type": "string", "pattern": REQUEST_ID_PATTERN}},
+                "request_ids": {"type": "array", "items": {"type": "string", "pattern": REQUEST_ID_PATTERN}},
+                "abort_all": {"type": "boolean"},
+                "engine": {"type": "string", "description": "with abort_all: only this engine"}}},
+        "AbortResponse": {"type": "object", "properties": {
+            "abort_id": {"type": "string"}, "accepted": {"type": "array", "items": {"type": "string"}},
+            "rejected": {"type": "array", "items": {"type": "object"}}, "abort_all": {"type": "boolean"}}},
+        "ChatCompletion": {"type": "object", "required": ["id", "object", "choices"],
+                           "properties": {"object": {"type": "string", "enum": ["chat.completion"]}}},
+        "Completion": {"type": "object", "required": ["id", "object", "choices"],
+                       "properties": {"object": {"type": "string", "enum": ["text_completion"]}}},
+        "ModelList": {"type": "object", "properties": {"object": {"type": "string"},
+                                                       "data": {"type": "array", "items": {"type": "object"}}}},
+    }
+
+
+def _err(desc: str) -> dict:
+    return {"description": desc, "content": {"application/json": {"schema": _ref("Error")}}}
+
+
+_ERRORS = {"400": _err("Invalid request"), "401": _err("Missing or wrong key"),
+           "413": _err("Body larger than the limit")}
+_RID_HEADER = {"name": "X-Request-Id", "in": "header", "required": False,
+               "schema": {"type": "string", "pattern": REQUEST_ID_PATTERN, "maxLength": 128}}
+_RID_PATH = {"name": "id", "in": "path", "required": True,
+             "schema": {"type": "string", "pattern": REQUEST_ID_PATTERN, "maxLength": 128}}
+
+
+def _generating(summary: str, req: str, resp: str) -> dict:
+    return {"post": {
+        "summary": summary, "security": [{"apiKey": []}], "parameters": [_RID_HEADER],
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(req)}}},
+        "responses": {"200": {"description": "The completion (JSON), or an SSE stream with stream=true",
+                              "content": {"application/json": {"schema": _ref(resp)},
+                                          "text/event-stream": {"schema": {"type": "string"}}}},
+                      **_ERRORS, "404": _err("Unknown model"), "409": _err("X-Request-Id already used")}}}
+
+
+def build(model_name: str, max_model_len: int, max_body_bytes: int) -> dict[str, Any]:
+    """The document for one API node's configuration."""
+    admin = [{"adminKey": []}]
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": "fd API", "version": "1",
+                 "description": f"OpenAI-compatible API serving '{model_name}' (context {max_model_len} "
+                                f"tokens; request bodies up to {max_body_bytes} bytes)."},
+        "components": {
+            "schemas": _schemas(max_model_len),
+            "securitySchemes": {
+                "apiKey": {"type": "http", "scheme": "bearer", "description": "--api-key"},
+                "adminKey": {"type": "http", "scheme": "bearer",
+                             "description": "--admin-key (else --api-key) for the abort routes"}}},
+        "paths": {
+            "/v1/chat/completions": _generating("Chat completion", "ChatCompletionRequest", "ChatCompletion"),
+            "/v1/completions": _generating("Text completion", "CompletionRequest", "Completion"),
+            "/v1/models": {"get": {"summary": "The served model", "security": [{"apiKey": []}],
+                                   "responses": {"200": {"description": "Model list", "content": {
+                                       "application/json": {"schema": _ref("ModelList")}}},
+                                       "401": _ERRORS["401"]}}},
+            "/v1/abort_requests": {"post": {
+                "summary": "Abort requests by id, or all; answers at once", "security": admin,
+                "parameters": [{"name": "wait", "in": "query", "required": False,
+                                "schema": {"type": "number", "minimum": 0},
+                                "description": "seconds to wait for the finals (the old synchronous answer)"}],
+                "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("AbortRequest")}}},
+                "responses": {"200": {"description": "Abort published", "content": {
+                    "application/json": {"schema": _ref("AbortResponse")}}}, **_ERRORS}}},
+            "/v1/requests/{id}/stream": {"get": {
+                "summary": "Replay / resume a request's SSE stream (Last-Event-ID)", "security": [{"apiKey": []}],
+                "parameters": [_RID_PATH, {"name": "Last-Event-ID", "in": "header", "required": False,
+                                           "schema": {"type": "string"}}],
+                "responses": {"200": {"description": "SSE stream", "content": {
+                    "text/event-stream": {"schema": {"type": "string"}}}},
+                    "400": _ERRORS["400"], "401": _ERRORS["401"], "404": _err("Unknown or expired request")}}},
+            "/v1/requests/{id}/cancel": {"post": {
+                "summary": "Abort one request; answers at once", "security": admin, "parameters": [_RID_PATH],
+                "responses": {"200": {"description": "Abort published", "content": {
+                    "application/json": {"schema": _ref("AbortResponse")}}},
+                    "400": _ERRORS["400"], "401": _ERRORS["401"]}}},
+            "/health": {"get": {"summary": "Ready when Redis answers and an engine is alive (no auth)",
+                                "security": [], "responses": {"200": {"description": "ok"},
+                                                              "503": _err("Redis or engines unavailable")}}},
+            "/metrics": {"get": {"summary": "Prometheus metrics (no auth)", "security": [],
+                                 "responses": {"200": {"description": "text exposition format",
+                                                       "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+            "/openapi.json": {"get": {"summary": "This document (no auth)", "security": [],
+                                      "responses": {"200": {"description": "OpenAPI 3 document"}}}},
+        },
+    }

@@ -1,0 +1,189 @@
+"""The command line as an operator uses it: real processes, a real redis-server, redis-cli."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import aiohttp
+import pytest
+
+from tests.conftest import free_port
+
+PY = sys.executable
+
+
+def _fd(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([PY, "-m", "fd", *args], capture_output=True, text=True, timeout=120, **kw)
+
+
+def _spawn(*args: str, env=None) -> subprocess.Popen:
+    return subprocess.Popen([PY, "-m", "fd", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env, start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen, sig=signal.SIGTERM) -> tuple[int, str]:
+    if proc.poll() is None:
+        os.kill(proc.pid, sig)
+    try:
+        out, _ = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+    return proc.returncode, out
+
+
+async def _wait_healthy(url: str, procs, timeout=60.0) -> None:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as http:
+        while time.monotonic() < deadline:
+            for p in procs:
+                if p.poll() is not None:
+                    raise AssertionError(f"process exited early:\n{p.stdout.read()}")
+            try:
+                async with http.get(f"{url}/health") as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.2)
+    raise AssertionError("never healthy")
+
+
+def _redis_cli() -> str:
+    exe = shutil.which("redis-cli")
+    if exe is None:
+        pytest.fail("redis-cli is not on PATH; install it with `apt-get install redis-tools`",
+                    pytrace=False)
+    return exe
+
+
+async def _stream_until_final(http, url, body, rid):
+    text, reason = "", None
+    async with http.post(f"{url}/v1/completions", json=body, headers={"X-Request-Id": rid}) as r:
+        assert r.status == 200
+        async for raw in r.content:
+            line = raw.decode().strip()
+            if line.startswith("data:") and line != "data: [DONE]":
+                obj = json.loads(line[5:])
+                for c in obj.get("choices") or []:
+                    text += c["text"]
+                    reason = c["finish_reason"] or reason
+    return text, reason
+
+
+async def test_split_deployment_operator_commands(redis_server, keys, tmp_path):
+    model = tmp_path / "tiny"
+    r = _fd("make-tiny-model", str(model))
+    assert r.returncode == 0, r.stderr
+    assert (model / "config.json").exists() and (model / "tokenizer.json").exists()
+    url, prefix, port = redis_server.url, keys.prefix, free_port()
+    common = ("--redis-url", url, "--prefix", prefix)
+    engine = _spawn("engine", *common, "--model", str(model), "--engine-id", "cli-e1",
+                    "--kv-cache-mb", "16", "--log-format", "json")
+    api = _spawn("api", *common, "--model", str(model), "--port", str(port))
+    base = f"http://127.0.0.1:{port}"
+    try:
+        await _wait_healthy(base, [engine, api])
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{base}/v1/completions", json={
+                    "model": "tiny", "prompt": "Hello", "max_tokens": 8, "temperature": 0}) as resp:
+                body = await resp.json()
+            assert resp.status == 200, body
+            assert body["usage"]["completion_tokens"] == 8
+            rid_done = body["id"]
+
+            # an operator aborts a long request by hand with redis-cli
+            long = {"model": "tiny", "prompt": "Go on", "max_tokens": 1500, "temperature": 0,
+                    "stream": True, "ignore_eos": True}
+            task = asyncio.create_task(_stream_until_final(http, base, long, "by-hand"))
+            await asyncio.sleep(0.5)
+            xadd = subprocess.run([_redis_cli(), "-p", str(redis_server.port), "XADD",
+                                   f"{prefix}:control", "*", "type", "abort", "request_id", "by-hand"],
+                                  capture_output=True, text=True, timeout=10)
+            assert xadd.returncode == 0, xadd.stderr
+            text, reason = await asyncio.wait_for(task, 30)
+            assert reason == "abort" and text
+
+            # `fd abort` does the same from a shell
+            task = asyncio.create_task(_stream_until_final(http, base, long, "by-cli"))
+            await asyncio.sleep(0.5)
+            r = _fd("abort", "by-cli", *common, "--json")
+            assert r.returncode == 0, r.stderr
+            assert json.loads(r.stdout)["accepted"] == ["by-cli"]
+            _, reason = await asyncio.wait_for(task, 30)
+            assert reason == "abort"
+
+        r = _fd("trace", "by-cli", *common, "--json")
+        assert r.returncode == 0, r.stderr
+        rows = json.loads(r.stdout)
+        kinds = [row["type"] for row in rows if row["type"] != "tokens"]
+        assert kinds == ["accepted", "claimed", "abort_requested", "drained", "blocks_released", "final"]
+        assert next(row for row in rows if row["type"] == "abort_requested")["source"] == "cli"
+        r = _fd("trace", rid_done, *common)
+        assert r.returncode == 0 and "final" in r.stdout and "finish_reason=length" in r.stdout
+
+        for _ in range(20):  # the heartbeat refreshes once a second
+            r = _fd("status", *common, "--json")
+            assert r.returncode == 0, r.stderr
+            st = json.loads(r.stdout)
+            e1 = st["engines"]["cli-e1"]
+            if e1["blocks_free"] == e1["blocks_total"]:
+                break
+            await asyncio.sleep(0.3)
+        assert e1["blocks_free"] == e1["blocks_total"] and e1["running"] == "0"
+        assert st["requests_pending"] == 0
+
+        out = tmp_path / "journal.jsonl"
+        r = _fd("events", "export", "--out", str(out), *common)
+        assert r.returncode == 0, r.stderr + r.stdout
+        assert out.stat().st_size > 0
+        r = _fd("replay", "--engine", "cli-e1", *common)
+        assert r.returncode == 0, r.stdout + r.stderr
+        r = _fd("replay", str(out), "--html", str(tmp_path / "t.html"))
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert (tmp_path / "t.html").read_text().count("<svg") >= 1
+    finally:
+        code_api, out_api = _stop(api)
+        code_engine, out_engine = _stop(engine)
+    assert code_api == 0, out_api
+    assert code_engine == 0, out_engine
+    # --log-format json: every log line the engine wrote is one JSON object
+    lines = [ln for ln in out_engine.splitlines() if ln.startswith("{")]
+    assert lines and all(isinstance(json.loads(ln), dict) for ln in lines)
+
+
+async def test_fd_serve_embedded_as_a_new_user(tmp_path):
+    """`fd serve` with nothing else: the tiny model is made on first use, the embedded
+    control plane answers redis-cli, Ctrl-C exits cleanly."""
+    port, rport = free_port(), free_port()
+    env = {**os.environ, "FD_CACHE_DIR": str(tmp_path / "cache")}
+    serve = _spawn("serve", "--port", str(port), "--embedded-port", str(rport), env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        await _wait_healthy(base, [serve], timeout=90)
+        ping = subprocess.run([_redis_cli(), "-p", str(rport), "PING"], capture_output=True, text=True,
+                              timeout=10)
+        assert ping.stdout.strip() == "PONG"
+        async with aiohttp.ClientSession() as http:
+            long = {"model": "tiny-llama", "prompt": "Hi", "max_tokens": 1500, "temperature": 0,
+                    "stream": True, "ignore_eos": True}
+            task = asyncio.create_task(_stream_until_final(http, base, long, "embedded-1"))
+            await asyncio.sleep(0.5)
+            subprocess.run([_redis_cli(), "-p", str(rport), "XADD", "fd:control", "*", "type", "abort",
+                            "request_id", "embedded-1"], check=True, capture_output=True, timeout=10)
+            text, reason = await asyncio.wait_for(task, 30)
+            assert reason == "abort"
+            n = subprocess.run([_redis_cli(), "-p", str(rport), "XLEN", "fd:req:{embedded-1}"],
+                               capture_output=True, text=True, timeout=10)
+            assert int(n.stdout) >= 6
+    finally:
+        code, out = _stop(serve, signal.SIGINT)
+    assert code == 0, out
+    assert "embedded control plane: redis-cli -p" in out
