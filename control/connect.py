@@ -23,6 +23,11 @@ from redis.exceptions import BusyLoadingError, ConnectionError, TimeoutError
 CONNECT_TIMEOUT_S = 5
 HEALTH_CHECK_INTERVAL_S = 30
 RETRIES = 6  # 50 ms doubling to a 2 s cap: a bit over 5 s of outage before an error surfaces
+#: Connections per client. A burst of requests waits for a free connection instead of failing:
+#: redis-py's default pool raises "Too many connections" at 100, which turned a burst of 128
+#: streams into 503s (bench/abort.py).
+MAX_CONNECTIONS = 256
+POOL_WAIT_S = 30
 
 
 def connect(url: str) -> aioredis.Redis:
@@ -30,8 +35,10 @@ def connect(url: str) -> aioredis.Redis:
 
     The connection is opened lazily, inside whatever event loop first uses the client.
     """
-    return aioredis.from_url(
+    pool = aioredis.BlockingConnectionPool.from_url(
         url,
+        max_connections=MAX_CONNECTIONS,
+        timeout=POOL_WAIT_S,
         decode_responses=False,
         protocol=2,
         socket_timeout=None,
@@ -41,3 +48,4 @@ def connect(url: str) -> aioredis.Redis:
         retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), RETRIES),
         retry_on_error=[ConnectionError, TimeoutError, BusyLoadingError],
     )
+    return aioredis.Redis.from_pool(pool)

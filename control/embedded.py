@@ -19,6 +19,8 @@ import threading
 import redis.asyncio as aioredis
 from fakeredis import FakeAsyncRedis, TcpFakeServer
 
+from control.connect import MAX_CONNECTIONS, POOL_WAIT_S
+
 
 class EmbeddedRedis:
     """In-process fakeredis server that also listens on ``host:port`` so redis-cli works."""
@@ -65,7 +67,9 @@ class EmbeddedRedis:
 
     def client(self) -> aioredis.Redis:
         """A client for code in this process, on the same data the TCP port serves."""
-        return FakeAsyncRedis(server=self.fake_server, decode_responses=False, protocol=2)
+        return FakeAsyncRedis(server=self.fake_server, decode_responses=False, protocol=2,
+                              connection_pool_class=aioredis.BlockingConnectionPool,
+                              max_connections=MAX_CONNECTIONS, timeout=POOL_WAIT_S)
 
     def __enter__(self) -> "EmbeddedRedis":
         self.start()

@@ -209,6 +209,9 @@ class Request(Event):
     TYPE: ClassVar[str] = "request"
     request_id: str
     data: RequestData
+    # Set when a draining engine hands the request back: it may already have tokens on its
+    # stream, so the engine that claims it reads them and continues (see engine.failover).
+    resume: bool | None = None
 
 
 # per-request stream P:req:<id> -------------------------------------------------
@@ -286,6 +289,9 @@ class Preempted(Event):
     count: int = 0
     engine: str = ""
     step: int = 0
+    # Set when a draining engine handed the request back for another engine to continue: a
+    # hand-back, unlike a crash, does not count as a failed attempt.
+    handback: bool | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

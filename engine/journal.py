@@ -11,6 +11,7 @@ re-executes the calls and compares digests.
 Format of one call (JSON, in ``JournalStep.data["calls"]``)::
 
     {"op": "add", "rid": ..., "data": RequestData.to_json(), "ev": [...], "free": n}
+        (plus "gen": [token ids] when the request resumes another engine's generation)
     {"op": "abort", "rid": ..., "source": ..., "ev": [...], "free": n}
     {"op": "abort_all", "source": ..., "ev": [...], "free": n}
     {"op": "schedule", "out": [step, num_batched_tokens, [seq...]], "ev": [...], "free": n}
@@ -238,9 +239,12 @@ class JournalRecorder:
             self._held = []
         return evs
 
-    def add(self, request_id: str, data: RequestData) -> list[Event]:
-        return self._record({"op": "add", "rid": request_id, "data": data.to_json()},
-                            self.scheduler.add, request_id, data)
+    def add(self, request_id: str, data: RequestData,
+            generated: tuple[int, ...] = ()) -> list[Event]:
+        call: dict[str, Any] = {"op": "add", "rid": request_id, "data": data.to_json()}
+        if generated:  # a resumed request (failover, drain hand-back)
+            call["gen"] = [int(t) for t in generated]
+        return self._record(call, self.scheduler.add, request_id, data, tuple(generated))
 
     def abort(self, request_id: str, source: str) -> list[Event]:
         return self._record({"op": "abort", "rid": request_id, "source": source},

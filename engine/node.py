@@ -8,6 +8,24 @@ The model step runs in a worker thread while the loop keeps reading ``P:control`
 requests and publishing the previous step's events, so a step is genuinely in flight while
 aborts arrive. That is the case the abort protocol exists for: an abort that lands during a
 step only marks the request; its blocks come back after the step has finished writing them.
+
+Faults (DESIGN.md §1, issue 7):
+
+- Redis going away is a pause. Every Redis call in the loops survives a connection error: it
+  is logged, retried with backoff, and the engine's state (scheduler, KV blocks, the events
+  not yet published) waits meanwhile. Published events are never lost or repeated
+  (:mod:`engine.outbox`).
+- A dead engine's requests are taken over by a live one, which continues them from the tokens
+  already on their streams (:mod:`engine.failover`); a request that failed ``max_attempts``
+  times ends with ``final finish_reason=error``.
+- An engine that finds its ownership of a request taken (it was thought dead: a long pause, a
+  partition) drops the request without another word: the new owner writes its story.
+- Drain (``type=drain engine=<id>``, or SIGTERM in ``fd engine``): claim nothing new, hand back
+  what never started, let running requests finish for ``drain_timeout_s``, hand back the rest,
+  exit. A handed-back request is re-queued on ``P:requests`` and continued by whichever engine
+  claims it, after a ``preempted handback=1`` note on its stream.
+- A request with no progress (no token) for ``request_timeout_s`` is aborted through the
+  scheduler (``abort_requested source=timeout``) and ends with ``final finish_reason=error``.
 """
 
 from __future__ import annotations
@@ -15,12 +33,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any, Awaitable, Callable, Protocol, TypeVar
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from control.bus import Bus
-from control.keys import ABORTED_OWNER
 from control.events import (
     Abort,
     AbortAll,
@@ -31,17 +52,26 @@ from control.events import (
     Drained,
     Event,
     Final,
+    Preempted,
     Request,
     Tokens,
 )
+from control.keys import ABORTED_OWNER
+from engine import failover
 from engine.config import SchedulerConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.failover import History, OrphanFinder
 from engine.journal import JournalRecorder, journaled
+from engine.outbox import unwritten
 from engine.outputs import RunnerOutput, SchedulerOutput
 from engine.scheduler import Scheduler
 
 log = logging.getLogger("engine.node")
 
+#: What a lost or restarting Redis raises (BusyLoadingError is a ConnectionError).
+RETRYABLE = (RedisConnectionError, RedisTimeoutError, OSError)
+
+T = TypeVar("T")
 
 
 class Runner(Protocol):
@@ -68,6 +98,18 @@ class EngineConfig:
     # no engine was up must still win over the request it names (tombstone via P:owner).
     control_lookback_ms: int = 30_000
     journal: bool = True  # one P:journal:<engine> entry per step, for `fd replay`
+    # --- faults
+    max_attempts: int = 3  # engines a request may fail on before it ends with an error
+    drain_timeout_s: float = 30.0  # running requests get this long to finish on a drain
+    request_timeout_s: float = 0.0  # no token for this long: the request ends with an error; 0 off
+    failover_interval_s: float = 1.0  # how often to look for requests of dead engines
+    failover_idle_ms: int = 1000  # pending entries younger than this are not even looked at
+    retry_backoff_s: float = 0.05  # first wait after a Redis error, doubling ...
+    retry_backoff_max_s: float = 2.0  # ... up to this
+
+
+class _Stopped(Exception):
+    """A Redis call was abandoned because the engine is stopping."""
 
 
 class EngineNode:
@@ -92,9 +134,19 @@ class EngineNode:
             max_num_waiting=cfg.max_num_waiting,
         )), self.id, enabled=cfg.journal, clock=time.time)
         self._entry: dict[str, bytes] = {}  # request id -> its P:requests entry, XACKed at final
+        self._request: dict[str, Request] = {}  # what was claimed, for a drain's hand-back
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._aborting: set[str] = set()  # noted while in the in-flight step; tokens discarded
         self._abort_noted_at: dict[str, float] = {}
+        # Requests this engine no longer speaks for (handed back, or ownership lost): the
+        # scheduler still winds them down, but none of their events is published.
+        self._silent: set[str] = set()
+        # Aborts that arrived while another engine owned the request (or nobody did, because it
+        # had died): if this engine later takes the request over, the abort still wins.
+        self._dismissed: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._admitting: set[str] = set()  # owner key being taken, story being read
+        self._progress: dict[str, float] = {}  # last token (or claim), monotonic
+        self._timed_out: set[str] = set()
         self._outbox: list[tuple[str, Event]] = []
         self._expire: list[str] = []
         self._ack: list[bytes] = []
@@ -102,11 +154,20 @@ class EngineNode:
         self._flush_lock = asyncio.Lock()
         self._stopping = False
         self._draining = False
+        self._drain_deadline: float | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"step-{self.id}")
+        self._orphans = OrphanFinder(bus, self.id, cfg.failover_idle_ms)
         self.steps = 0
         self.step_seconds = 0.0
+        self.taken_over = 0  # requests continued from a dead engine
+        self.handed_back = 0
         self._cursor: bytes | None = None
         self._started_ms = int(time.time() * 1000)
+        # Since when Redis calls have been succeeding (0: since forever). After an outage the
+        # failover waits a heartbeat TTL, so live peers can renew heartbeats that expired
+        # while nobody could write them, before their requests look orphaned.
+        self._ok_since = 0.0
+        self._last_error_log = 0.0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -129,25 +190,81 @@ class EngineNode:
         tasks = [
             asyncio.create_task(self._control_loop(cursor), name=f"control-{self.id}"),
             asyncio.create_task(self._heartbeat_loop(), name=f"heartbeat-{self.id}"),
+            asyncio.create_task(self._failover_loop(), name=f"failover-{self.id}"),
         ]
+        if self.cfg.request_timeout_s > 0:
+            tasks.append(asyncio.create_task(self._watchdog_loop(), name=f"watchdog-{self.id}"))
         log.info("engine started", extra={"engine": self.id, "blocks": self.sched.num_total_blocks})
         try:
             await self._step_loop()
+        except _Stopped:
+            pass
         finally:
             self._stopping = True
             await asyncio.gather(*tasks, return_exceptions=True)
             self._pool.shutdown(wait=True)
+            await self._forget_heartbeat()
             log.info("engine stopped", extra={"engine": self.id})
 
     def stop(self) -> None:
+        """Stop now. Requests still running are taken over by live peers (the heartbeat is
+        deleted on the way out, so they need not wait for it to expire)."""
         self._stopping = True
         self._wake.set()
+
+    def drain(self) -> None:
+        """Stop claiming, finish or hand back what runs, then return from :meth:`run`."""
+        if not self._draining:
+            log.info("draining", extra={"engine": self.id})
+            self._draining = True
+            self._wake.set()
+
+    async def _forget_heartbeat(self) -> None:
+        try:
+            await asyncio.wait_for(self.bus.redis.delete(self.bus.keys.engine(self.id)), 2.0)
+        except Exception as e:  # Redis down: the key expires on its own
+            log.warning("could not delete heartbeat: %s", e, extra={"engine": self.id})
+
+    # ------------------------------------------------------------------ Redis errors
+
+    def _redis_ok(self) -> None:
+        if self._ok_since is None:
+            self._ok_since = time.monotonic()
+            log.info("control plane reachable again", extra={"engine": self.id})
+
+    def _redis_failed(self, what: str, e: BaseException) -> None:
+        self._ok_since = None  # type: ignore[assignment]
+        now = time.monotonic()
+        if now - self._last_error_log > 1.0:  # one line a second, not one per retry
+            self._last_error_log = now
+            log.warning("redis unavailable (%s): %s; retrying", what, e, extra={"engine": self.id})
+
+    async def _retry(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
+        """``fn()`` until it gets through, backing off; gives up only when stopping."""
+        backoff = self.cfg.retry_backoff_s
+        while True:
+            try:
+                out = await fn()
+                self._redis_ok()
+                return out
+            except RETRYABLE as e:
+                self._redis_failed(what, e)
+                if self._stopping:
+                    raise _Stopped(what) from e
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.cfg.retry_backoff_max_s)
+
+    async def _pause(self, backoff: float) -> float:
+        await asyncio.sleep(backoff)
+        return min(backoff * 2, self.cfg.retry_backoff_max_s)
 
     # ------------------------------------------------------------------ step loop
 
     async def _step_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while not self._stopping:
+            if self._draining:
+                await self._drain_tick()
             if not self.sched.has_work():
                 await self._flush()
                 if self._draining:
@@ -169,10 +286,12 @@ class EngineNode:
             fut = loop.run_in_executor(self._pool, self.runner.execute, out)
             # While the step runs: publish what the previous step produced (one pipelined
             # round trip), take new work. The next step starts right after this one.
-            await self._flush()
-            if await self._claim(block=False):
-                await self._flush()  # their `claimed` now, not after this step
-            result = await fut
+            try:
+                await self._flush()
+                if await self._claim(block=False):
+                    await self._flush()  # their `claimed` now, not after this step
+            finally:
+                result = await fut  # never leave the step's result behind, even when stopping
             self.step_seconds += time.perf_counter() - t0
             self.steps += 1
             self._apply(out, result)
@@ -188,26 +307,117 @@ class EngineNode:
             if block:
                 await asyncio.sleep(self.cfg.claim_block_ms / 1000)
             return 0
-        got = await self.bus.claim_requests(self.id, n, self.cfg.claim_block_ms if block else None)
+        try:
+            got = await self.bus.claim_requests(self.id, n, self.cfg.claim_block_ms if block else None)
+            self._redis_ok()
+        except RETRYABLE as e:
+            # Entries the lost reply may have carried stay pending here with no owner: the
+            # failover scan finds them (this engine's own included) once they are idle.
+            self._redis_failed("claim", e)
+            await asyncio.sleep(0.2 if block else 0)
+            return 0
         for entry_id, req in got:
             await self._admit(entry_id, req)
         return len(got)
 
-    async def _admit(self, entry_id: bytes, req: Request) -> None:
+    async def _admit(self, entry_id: bytes, req: Request, *, takeover: bool = False,
+                     owner: str | None = None) -> None:
+        """Own the request and start it: a new one, one handed back by a draining engine
+        (``req.resume``), or, with ``takeover``, one whose owner (``owner``) is dead."""
         rid = req.request_id
-        won, current = await self.bus.try_own(rid, self.id, self.bus.req_ttl_s)
-        if not won:
-            # An abort got here first (tombstone): it already wrote the request's final.
-            # The request is never prefilled.
-            log.info("claim lost", extra={"request_id": rid, "owner": current})
-            await self.bus.ack_request(entry_id)
+        if rid in self._admitting or self.sched.knows(rid) or rid in self._entry:
             return
+        self._admitting.add(rid)
+        try:
+            try:
+                hist = await self._own(entry_id, req, takeover, owner)
+                self._redis_ok()
+            except RETRYABLE as e:
+                # Owned or not, the entry stays pending: the failover scan comes back to it.
+                self._redis_failed("claim", e)
+                return
+            if hist is not None:
+                self._start(entry_id, req, hist)
+        finally:
+            self._admitting.discard(rid)
+
+    async def _own(self, entry_id: bytes, req: Request, takeover: bool,
+                   owner: str | None) -> History | None:
+        rid = req.request_id
+        ttl = self.bus.req_ttl_s
+        if takeover:
+            if not await failover.cas_owner(self.bus.redis, self.bus.keys.owner(rid), owner,
+                                            self.id, ttl):
+                return None  # another engine was faster, or an abort won
+            await failover.take_entry(self.bus, entry_id, self.id)
+        else:
+            won, current = await self.bus.try_own(rid, self.id, ttl)
+            # (current == self.id: a retried SET NX that had in fact got through)
+            if not won and current != self.id:
+                # An abort got here first (tombstone): it already wrote the request's final.
+                # The request is never prefilled.
+                log.info("claim lost", extra={"request_id": rid, "owner": current})
+                await self.bus.ack_request(entry_id)
+                return None
+        if not (takeover or req.resume):
+            return History()
+        hist = History.of([ev for _, ev in await self.bus.read_req(rid)])
+        if hist.final:  # it had finished; only the ack was missing
+            await self.bus.ack_request(entry_id)
+            return None
+        return hist
+
+    def _start(self, entry_id: bytes, req: Request, hist: History) -> None:
+        """Synchronous, so no abort can slip in between the checks and ``sched.add``."""
+        rid, data = req.request_id, req.data
         self._entry[rid] = entry_id
-        sp = req.data.sampling
-        self._detok[rid] = IncrementalDetokenizer(
-            self.tokenizer, stop=sp.stop, include_stop_str_in_output=sp.include_stop_str_in_output)
-        self._emit([Claimed(request_id=rid, engine=self.id, attempt=1)])
-        self._emit(self.sched.add(rid, req.data))
+        self._request[rid] = req
+        n_prompt, n_gen = len(data.prompt_token_ids), len(hist.tokens)
+        usage = {"prompt_tokens": n_prompt, "completion_tokens": n_gen,
+                 "total_tokens": n_prompt + n_gen}
+        dismissed = self._dismissed.pop(rid, None)
+        if dismissed is not None or "abort_requested" in hist.noted:
+            # Aborted while no live engine ran it (its owner had died, or was handing it back):
+            # finish the abort's story, never run it.
+            source = dismissed[0] if dismissed is not None else "engine"
+            self._count_abort(source)
+            evs: list[Event] = []
+            if "abort_requested" not in hist.noted:
+                evs.append(AbortRequested(request_id=rid, source=source, step=self.sched.step))
+            if "drained" not in hist.noted:
+                evs.append(Drained(request_id=rid, step=self.sched.step))
+            if "blocks_released" not in hist.noted:
+                evs.append(BlocksReleased(request_id=rid, count=0, step=self.sched.step))
+            evs.append(Final(request_id=rid, finish_reason="abort", usage=usage, step=self.sched.step))
+            self._emit(evs)
+            return
+        if hist.failures >= self.cfg.max_attempts:
+            msg = (f"request failed on {hist.failures} engine(s); giving up after "
+                   f"max_attempts={self.cfg.max_attempts}")
+            log.warning(msg, extra={"request_id": rid, "engine": self.id})
+            self._emit([Final(request_id=rid, finish_reason="error", usage=usage, error=msg,
+                              step=self.sched.step)])
+            return
+        sp = data.sampling
+        detok = IncrementalDetokenizer(self.tokenizer, stop=sp.stop,
+                                       include_stop_str_in_output=sp.include_stop_str_in_output)
+        tail = ""
+        if hist.tokens:
+            # Prime it with what the client already has, so text deltas continue exactly; text
+            # the dead engine held back (a partial character, a possible stop-string prefix)
+            # and never published is the difference, and goes out first.
+            primed, _ = detok.push(hist.tokens)
+            if primed.startswith(hist.text):
+                tail = primed[len(hist.text):]
+        self._detok[rid] = detok
+        self._progress[rid] = time.monotonic()
+        if hist.claims:
+            self.taken_over += 1
+        evs = [Claimed(request_id=rid, engine=self.id, attempt=hist.claims + 1)]
+        if tail:
+            evs.append(Tokens(request_id=rid, token_ids=(), text=tail, step=self.sched.step))
+        self._emit(evs)
+        self._emit(self.sched.add(rid, data, tuple(hist.tokens)))
 
     def _apply(self, out: SchedulerOutput, result: RunnerOutput) -> None:
         """Fold a finished step back in: text first (stop strings end requests), then the
@@ -224,27 +434,86 @@ class EngineNode:
         if stopped:
             result = replace(result, stopped={**result.stopped, **stopped})
         evs = self.sched.update(out, result)
+        now = time.monotonic()
         for i, ev in enumerate(evs):
-            if isinstance(ev, Tokens) and ev.request_id in deltas:
-                evs[i] = replace(ev, text=deltas.pop(ev.request_id))
+            if isinstance(ev, Tokens):
+                self._progress[ev.request_id] = now
+                if ev.request_id in deltas:
+                    evs[i] = replace(ev, text=deltas.pop(ev.request_id))
         self._emit(evs)
         self._publish_gauges()
+
+    # ------------------------------------------------------------------ drain
+
+    async def _drain_tick(self) -> None:
+        """Between steps (nothing in flight): hand back what waits at once, and everything
+        once the drain timeout is up."""
+        now = time.monotonic()
+        snap = None
+        if self._drain_deadline is None:
+            self._drain_deadline = now + self.cfg.drain_timeout_s
+            snap = self.sched.snapshot()
+            rids = list(snap["waiting"])
+        elif now >= self._drain_deadline and self.sched.has_work():
+            snap = self.sched.snapshot()
+            rids = list(snap["running"]) + list(snap["waiting"])
+        else:
+            return
+        rids = [r for r in rids if r not in self._silent]
+        if rids:
+            await self._hand_back(rids)
+
+    async def _hand_back(self, rids: list[str]) -> None:
+        back: list[tuple[str, bytes, Request]] = []
+        for rid in rids:
+            entry, req = self._entry.get(rid), self._request.get(rid)
+            self._silent.add(rid)
+            evs = self.sched.abort(rid, "engine")  # nothing is in flight: released at once
+            count = sum(e.count for e in evs if isinstance(e, BlocksReleased))
+            self._emit(evs)  # bookkeeping only: silent
+            if entry is None or req is None:
+                continue
+            self._outbox.append((self.bus.keys.req(rid), Preempted(
+                request_id=rid, count=count, engine=self.id, step=self.sched.step, handback=True,
+                ts=int(time.time() * 1000))))
+            back.append((rid, entry, req))
+        await self._flush()  # the notes (and every token before them) first
+        for rid, entry, req in back:
+            key = self.bus.keys.owner(rid)
+            # The owner key goes before the request is re-queued: a claimer must find it free.
+            released = await self._retry("hand back", lambda: failover.cas_owner(
+                self.bus.redis, key, self.id, None, self.bus.req_ttl_s))
+            if not released:
+                continue  # no longer ours (taken over meanwhile): nothing to hand back
+            await self._retry("hand back", lambda: self.bus.publish_many(
+                [(self.bus.keys.requests, replace(req, resume=True, ts=0))], ack=[entry]))
+            self.handed_back += 1
+            log.info("handed back", extra={"request_id": rid, "engine": self.id})
 
     # ------------------------------------------------------------------ control
 
     async def _control_loop(self, cursor: bytes) -> None:
+        backoff = self.cfg.retry_backoff_s
         while not self._stopping:
             try:
                 cursor, events = await self.control_bus.read_control(cursor, self.cfg.control_block_ms)
-            except Exception:  # Redis hiccup: keep the engine alive, retry shortly
+                backoff = self.cfg.retry_backoff_s
+            except RETRYABLE as e:
+                self._redis_failed("control read", e)
+                backoff = await self._pause(backoff)
+                continue
+            except Exception:  # a bug: keep the engine alive, retry shortly
                 log.exception("control read failed", extra={"engine": self.id})
                 await asyncio.sleep(0.5)
                 continue
-            for _, ev in events:
-                await self._on_control(ev)
-            if events:
-                await self._flush()
-                self._wake.set()
+            try:
+                for _, ev in events:
+                    await self._on_control(ev)
+                if events:
+                    await self._flush()
+                    self._wake.set()
+            except _Stopped:
+                return
 
     async def _on_control(self, ev: Event) -> None:
         if isinstance(ev, Abort):
@@ -257,13 +526,14 @@ class EngineNode:
         elif isinstance(ev, Drain):
             # the look-back must not replay a drain meant for an earlier life of this id
             if ev.engine == self.id and ev.ts >= self._started_ms:
-                log.info("draining", extra={"engine": self.id})
-                self._draining = True
+                self.drain()
 
     async def _abort(self, rid: str, source: str) -> None:
         # Counted where the abort takes effect: every engine reads every abort (broadcast),
         # but exactly one engine owns the request or wins its tombstone.
         if self.sched.knows(rid):
+            if rid in self._silent:
+                return  # handed back or lost: its new owner aborts it
             evs = self.sched.abort(rid, source)
             if evs:
                 self._count_abort(source)
@@ -271,9 +541,15 @@ class EngineNode:
             return
         # Not ours (yet): race the claim for it. Whoever wins SET NX decides; if the abort
         # wins, no engine will ever prefill the request and this engine writes its story.
-        won, owner = await self.bus.try_own(rid, ABORTED_OWNER, self.cfg.tombstone_ttl_s)
+        won, owner = await self._retry("abort", lambda: self.bus.try_own(
+            rid, ABORTED_OWNER, self.cfg.tombstone_ttl_s))
         if not won:
-            return  # owned by an engine (it handles it), finished, or already aborted
+            if owner != ABORTED_OWNER:
+                # Owned: by a live engine (which handles it), by a dead one or one handing it
+                # back (whoever continues it must still abort it), or by this engine between
+                # owning it and starting it. Remember it for the case this engine is the one.
+                self._dismiss(rid, source)
+            return
         self._count_abort(source)
         usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
         self._emit([
@@ -282,6 +558,16 @@ class EngineNode:
             BlocksReleased(request_id=rid, count=0),
             Final(request_id=rid, finish_reason="abort", usage=usage),
         ])
+
+    def _dismiss(self, rid: str, source: str) -> None:
+        now = time.monotonic()
+        self._dismissed[rid] = (source, now)
+        self._dismissed.move_to_end(rid)
+        while self._dismissed:
+            first, (_, t) = next(iter(self._dismissed.items()))
+            if now - t <= self.cfg.tombstone_ttl_s and len(self._dismissed) <= 100_000:
+                break
+            del self._dismissed[first]
 
     def _count_abort(self, source: str) -> None:
         if self.metrics is not None:
@@ -294,12 +580,13 @@ class EngineNode:
         ts = int(now * 1000)
         for ev in evs:
             rid = ev.request_id  # type: ignore[attr-defined]
+            silent = rid in self._silent
             if isinstance(ev, (AbortRequested, BlocksReleased, Final)) and rid in self._detok:
                 # The request emits no more tokens: text held back (a possible stop-string
                 # prefix, an incomplete UTF-8 character) goes out now, before the end of its
                 # story, so nothing but the protocol's own events follows abort_requested.
                 tail = self._detok.pop(rid).flush()
-                if tail:
+                if tail and not silent:
                     self._outbox.append((self.bus.keys.req(rid), Tokens(
                         request_id=rid, token_ids=(), text=tail, ts=ts, step=self.sched.step)))
             if isinstance(ev, AbortRequested):
@@ -308,15 +595,26 @@ class EngineNode:
                     self._aborting.add(rid)
             elif isinstance(ev, BlocksReleased):
                 t = self._abort_noted_at.pop(rid, None)
-                if t is not None and self.metrics is not None:
+                if t is not None and self.metrics is not None and not silent:
                     self.metrics.abort_release_seconds.observe(now - t)
             elif isinstance(ev, Final):
                 self._aborting.discard(rid)
+                self._progress.pop(rid, None)
+                self._request.pop(rid, None)
+                entry = self._entry.pop(rid, None)
+                if silent:
+                    self._silent.discard(rid)
+                    continue  # its new owner acks it and writes its final
+                if rid in self._timed_out:
+                    self._timed_out.discard(rid)
+                    ev = replace(ev, finish_reason="error", error=(
+                        f"no progress for {self.cfg.request_timeout_s:g} s (request timeout)"))
                 self._expire.append(self.bus.keys.req(rid))
                 self._expire.append(self.bus.keys.owner(rid))
-                entry = self._entry.pop(rid, None)
                 if entry is not None:
                     self._ack.append(entry)
+            if silent:
+                continue
             fields: dict[str, Any] = {"ts": ts}
             if hasattr(ev, "engine") and not getattr(ev, "engine"):
                 fields["engine"] = self.id
@@ -337,7 +635,29 @@ class EngineNode:
             items, self._outbox = self._outbox, []
             expire, self._expire = self._expire, []
             ack, self._ack = self._ack, []
-            await self.bus.publish_many(items, expire=expire, ack=ack)
+            await self._publish(items, expire, ack)
+
+    async def _publish(self, items, expire, ack) -> None:
+        """One pipelined batch, exactly once: after a failure only what is not on its stream
+        yet is sent again (:mod:`engine.outbox`). Nothing else is published meanwhile (the
+        flush lock), so the order of events is kept across an outage."""
+        backoff = self.cfg.retry_backoff_s
+        failed = False
+        while True:
+            try:
+                if failed:
+                    items = await unwritten(self.bus.redis, items)
+                await self.bus.publish_many(items, expire=expire, ack=ack)
+                self._redis_ok()
+                return
+            except RETRYABLE as e:
+                failed = True
+                self._redis_failed("publish", e)
+                if self._stopping:
+                    log.error("stopping with %d events unpublished", len(items),
+                              extra={"engine": self.id})
+                    raise _Stopped("publish") from e
+                backoff = await self._pause(backoff)
 
     def _publish_gauges(self) -> None:
         m = self.metrics
@@ -348,17 +668,96 @@ class EngineNode:
         m.num_requests_running.set(self.sched.num_running)
         m.num_requests_waiting.set(self.sched.num_waiting)
 
+    # ------------------------------------------------------------------ background loops
+
+    async def _sleep_while_running(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while not self._stopping and time.monotonic() < end:
+            await asyncio.sleep(min(0.05, max(0.0, end - time.monotonic())))
+
     async def _heartbeat_loop(self) -> None:
         while not self._stopping:
             try:
                 await self.bus.heartbeat(self.id, self.status(), self.cfg.heartbeat_ttl_s)
+                self._redis_ok()
+                await self._check_ownership()
+            except RETRYABLE as e:
+                self._redis_failed("heartbeat", e)
             except Exception:
                 log.exception("heartbeat failed", extra={"engine": self.id})
             self._publish_gauges()
-            for _ in range(int(self.cfg.heartbeat_s / 0.05)):
-                if self._stopping:
-                    break
-                await asyncio.sleep(0.05)
+            await self._sleep_while_running(self.cfg.heartbeat_s)
+
+    async def _check_ownership(self) -> None:
+        """Fencing: a request whose owner key names another engine was taken over (this
+        engine looked dead to a peer); stop running it, silently."""
+        rids = [r for r in self._entry if r not in self._silent and self.sched.knows(r)]
+        if not rids:
+            return
+        pipe = self.bus.redis.pipeline(transaction=False)
+        for rid in rids:
+            pipe.get(self.bus.keys.owner(rid))
+        for rid, owner in zip(rids, await pipe.execute()):
+            owner = owner.decode() if isinstance(owner, bytes) else owner
+            if owner is not None and owner != self.id and self.sched.knows(rid):
+                log.warning("lost ownership; dropping", extra={"request_id": rid, "owner": owner})
+                self._silent.add(rid)
+                self._emit(self.sched.abort(rid, "engine"))
+        self._wake.set()
+
+    async def _failover_loop(self) -> None:
+        while not self._stopping:
+            await self._sleep_while_running(self.cfg.failover_interval_s)
+            if self._stopping or self._draining:
+                continue
+            ok = self._ok_since
+            if ok is None or (ok and time.monotonic() - ok < self.cfg.heartbeat_ttl_s):
+                continue  # just back from an outage: let live peers renew their heartbeats
+            try:
+                await self._take_over_orphans()
+            except RETRYABLE as e:
+                self._redis_failed("failover", e)
+            except _Stopped:
+                return
+            except Exception:
+                log.exception("failover scan failed", extra={"engine": self.id})
+
+    async def _take_over_orphans(self) -> None:
+        room = self.sched.can_admit()
+        mine = lambda rid: (rid in self._entry or rid in self._admitting  # noqa: E731
+                            or self.sched.knows(rid))
+        orphans, done = await self._orphans.scan(max(room, 0), mine)
+        for entry in done:
+            await self.bus.ack_request(entry)
+        for o in orphans:
+            if self._draining or self._stopping or self.sched.can_admit() <= 0:
+                break
+            log.info("taking over", extra={"request_id": o.request.request_id,
+                                           "owner": o.owner, "engine": self.id})
+            await self._admit(o.entry_id, o.request, takeover=True, owner=o.owner)
+        if orphans:
+            await self._flush()
+            self._wake.set()
+
+    async def _watchdog_loop(self) -> None:
+        limit = self.cfg.request_timeout_s
+        while not self._stopping:
+            await self._sleep_while_running(min(0.1, limit / 4))
+            now = time.monotonic()
+            late = [rid for rid, t in self._progress.items()
+                    if now - t > limit and rid not in self._timed_out and rid not in self._silent
+                    and self.sched.knows(rid)]
+            for rid in late:
+                log.warning("request timed out", extra={"request_id": rid, "engine": self.id})
+                self._timed_out.add(rid)
+                self._count_abort("timeout")
+                self._emit(self.sched.abort(rid, "timeout"))
+            if late:
+                try:
+                    await self._flush()
+                except _Stopped:
+                    return
+                self._wake.set()
 
     def status(self) -> dict[str, Any]:
         return {

@@ -524,7 +524,7 @@ class _Replayer:
                 got["out"] = self.dig.batch(out)
             else:
                 if op == "add":
-                    evs = s.add(c["rid"], _request_data(c["data"]))
+                    evs = s.add(c["rid"], _request_data(c["data"]), tuple(c.get("gen") or ()))
                 elif op == "abort":
                     evs = s.abort(c["rid"], c["source"])
                 elif op == "abort_all":

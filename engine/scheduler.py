@@ -117,12 +117,20 @@ class Scheduler:
 
     # ------------------------------------------------------------------ arrivals
 
-    def add(self, request_id: str, data: RequestData) -> list[Event]:
-        """Admit a claimed request. A prompt that can never run is finished with ``error``."""
+    def add(self, request_id: str, data: RequestData,
+            generated: tuple[int, ...] = ()) -> list[Event]:
+        """Admit a claimed request. A prompt that can never run is finished with ``error``.
+
+        ``generated``: tokens another engine already produced and published for it (a
+        failover or a drain hand-back). They count as output, not prompt, so ``max_tokens``,
+        ``usage`` and the per-token seeded sampling go on where the other engine stopped; the
+        first prefill simply recomputes them, as after a preemption.
+        """
         if request_id in self._seqs:
             raise ValueError(f"request {request_id!r} is already in this scheduler")
         events = self._take()
         n = len(data.prompt_token_ids)
+        total = n + len(generated)
         error = None
         if n == 0:
             error = "empty prompt"
@@ -133,12 +141,26 @@ class Scheduler:
             error = (f"prompt has {n} tokens; the KV cache holds only "
                      f"{self.blocks.num_total * self.blocks.block_size}")
         if error is not None:
-            usage = {"prompt_tokens": n, "completion_tokens": 0, "total_tokens": n}
+            usage = {"prompt_tokens": n, "completion_tokens": len(generated),
+                     "total_tokens": total}
             events.append(Final(request_id=request_id, finish_reason="error", usage=usage,
                                 error=error))
             return events
         seq = Sequence(request_id, tuple(data.prompt_token_ids), data.sampling, self._arrivals)
         self._arrivals += 1
+        if generated:
+            seq.token_ids.extend(int(t) for t in generated)
+            # Already done (the other engine died between its last token and its final), or
+            # no longer fits the pool: finish now rather than recompute for nothing.
+            reason, stop_reason = self._finish_reason(seq, seq.token_ids[-1], None)
+            if reason is None and self.blocks.blocks_for(total + 1) > self.blocks.num_total:
+                reason = "length"
+            if reason is not None:
+                seq.status = Status.FINISHED
+                events.append(BlocksReleased(request_id=request_id, count=0, step=self.step))
+                events.append(Final(request_id=request_id, finish_reason=reason,
+                                    usage=seq.usage(), stop_reason=stop_reason))
+                return events
         self._seqs[request_id] = seq
         self._waiting.append(seq)
         return events

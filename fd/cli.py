@@ -46,6 +46,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-mb", type=int, default=256)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on drain/SIGTERM: seconds to let running requests finish before handing "
+                        "the rest back to other engines")
 
 
 def _need_url(args: argparse.Namespace) -> str:

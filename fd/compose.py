@@ -28,6 +28,9 @@ class EngineOptions:
     kv_cache_mb: int = 256
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    max_attempts: int = 3  # engines a request may fail on before it ends with an error
+    drain_timeout_s: float = 30.0  # on a drain (or SIGTERM), how long running requests may finish
+    request_timeout_s: float = 0.0  # no token for this long ends a request with an error; 0: off
 
 
 @dataclass
@@ -77,6 +80,19 @@ class RunningApi:
         await self.mux.redis.aclose()
 
 
+def _no_retries(client):
+    """The engine retries Redis calls itself, and must: a client that silently re-sends a
+    pipeline after a lost reply would repeat tokens on a stream (see engine.outbox)."""
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+
+    try:
+        client.set_retry(Retry(NoBackoff(), 0))
+    except AttributeError:  # a client without redis-py's retry machinery: nothing to turn off
+        pass
+    return client
+
+
 def make_runner(opts: EngineOptions, progress: bool = True):
     from engine.model_runner import ModelRunner
 
@@ -98,11 +114,14 @@ async def start_engine(redis_factory: Callable[[], Any], keys: Keys, opts: Engin
     if metrics is not None:
         metrics.engine_in_process = True  # the engine sets its gauges itself, every step
     engine_id = opts.engine_id or f"{socket.gethostname()[:24]}-{secrets.token_hex(3)}"
+    kw = dict(max_attempts=opts.max_attempts, drain_timeout_s=opts.drain_timeout_s,
+              request_timeout_s=opts.request_timeout_s)
+    kw.update(node_kw)
     cfg = EngineConfig(engine_id=engine_id, block_size=opts.block_size,
                        max_num_seqs=opts.max_num_seqs,
-                       max_num_batched_tokens=opts.max_num_batched_tokens, **node_kw)
-    node = EngineNode(Bus(redis_factory(), keys), Bus(redis_factory(), keys), runner, tokenizer,
-                      cfg, metrics=metrics)
+                       max_num_batched_tokens=opts.max_num_batched_tokens, **kw)
+    node = EngineNode(Bus(_no_retries(redis_factory()), keys), Bus(_no_retries(redis_factory()), keys),
+                      runner, tokenizer, cfg, metrics=metrics)
     await node.prepare()
     task = asyncio.create_task(node.run(), name=f"engine-{engine_id}")
     return RunningEngine(node, task, metrics)

@@ -467,3 +467,31 @@ def test_snapshot_is_json_and_reflects_state():
     assert snap["num_free_blocks"] == snap["num_total_blocks"] - 3
     (a,) = [r for r in snap["requests"] if r["request_id"] == "a"]
     assert a["status"] == "running" and len(a["block_table"]) == 2
+
+
+def test_add_with_generated_tokens_resumes_where_another_engine_stopped():
+    # a failover: the first 5 tokens came from a dead engine; this scheduler continues
+    data = req(6, max_tokens=12)
+    full = reference(data.prompt_token_ids, 12)
+    sched, runner = make()
+    assert sched.add("r", data, generated=tuple(full[:5])) == []
+    out, evs = step(sched, runner)
+    (s,) = out.seqs
+    assert s.start_pos == 0 and s.token_ids == data.prompt_token_ids + tuple(full[:5])
+    assert s.num_generated == 5  # seeded sampling goes on with the 6th token's key
+    evs += run_all(sched, runner)
+    assert tokens_of(evs, "r") == full[5:]  # only the missing 7 tokens: max_tokens holds
+    f = final_of(evs, "r")
+    assert f.finish_reason == "length"
+    assert f.usage == {"prompt_tokens": 6, "completion_tokens": 12, "total_tokens": 18}
+    assert sched.num_free_blocks == sched.num_total_blocks
+
+
+def test_add_with_generated_tokens_that_already_finished_ends_at_once():
+    sched, _ = make()
+    evs = sched.add("done", req(4, max_tokens=3), generated=(50, 51, 52))
+    assert kinds(evs) == ["BlocksReleased", "Final"]
+    assert evs[-1].finish_reason == "length" and evs[-1].usage["completion_tokens"] == 3
+    evs = sched.add("eos", req(4, max_tokens=9), generated=(50, EOS))
+    assert evs[-1].finish_reason == "stop"
+    assert not sched.has_work() and not sched.knows("done")

@@ -25,12 +25,12 @@ def _ref(name: str) -> dict:
 
 
 _NULLABLE_BOOL = {"type": "boolean", "nullable": True}
-_INT_OR_NULL = {"type": "integer", "nullable": True}
+_INT_OR_NULL = {"type": "integer", "format": "int64", "nullable": True}  # JSON ints past 64 bits are not ints to orjson
 
 
-def _sampling_props(max_model_len: int) -> dict[str, Any]:
+def _sampling_props(model_name: str, max_model_len: int) -> dict[str, Any]:
     return {
-        "model": {"type": "string", "nullable": True,
+        "model": {"type": "string", "nullable": True, "enum": [model_name],
                   "description": "The served model's name; omitted means the served model."},
         "max_tokens": {**_INT_OR_NULL, "minimum": 1, "maximum": max_model_len},
         "max_completion_tokens": {**_INT_OR_NULL, "minimum": 1, "maximum": max_model_len},
@@ -46,7 +46,7 @@ def _sampling_props(max_model_len: int) -> dict[str, Any]:
         "stop": {"nullable": True, "oneOf": [{"type": "string"},
                                              {"type": "array", "items": {"type": "string"}}]},
         "stop_token_ids": {"type": "array", "nullable": True,
-                           "items": {"type": "integer", "minimum": 0}},
+                           "items": {"type": "integer", "format": "int64", "minimum": 0}},
         "ignore_eos": _NULLABLE_BOOL,
         "include_stop_str_in_output": _NULLABLE_BOOL,
         "stream": _NULLABLE_BOOL,
@@ -59,14 +59,17 @@ def _sampling_props(max_model_len: int) -> dict[str, Any]:
     }
 
 
-def _schemas(max_model_len: int) -> dict[str, Any]:
+def _schemas(model_name: str, max_model_len: int, vocab_size: int | None) -> dict[str, Any]:
     text_part = {"type": "object", "required": ["type", "text"],
                  "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
     message = {"type": "object", "required": ["role", "content"], "properties": {
         "role": {"type": "string", "enum": list(protocol.ROLES)},
         "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": text_part}]},
         "name": {"type": "string"}}}
-    sampling = _sampling_props(max_model_len)
+    sampling = _sampling_props(model_name, max_model_len)
+    token_id: dict[str, Any] = {"type": "integer", "format": "int64", "minimum": 0}
+    if vocab_size:
+        token_id["maximum"] = vocab_size - 1
     return {
         "Error": {"type": "object", "required": ["error"], "properties": {"error": {
             "type": "object", "required": ["message", "type", "param", "code"], "properties": {
@@ -83,8 +86,8 @@ def _schemas(max_model_len: int) -> dict[str, Any]:
             "type": "object", "required": ["prompt"],
             "properties": {"prompt": {"oneOf": [
                 {"type": "string", "minLength": 1},
-                {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
-                {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string"}}]},
+                {"type": "array", "minItems": 1, "items": token_id},
+                {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string", "minLength": 1}}]},
                 **sampling}},
         "AbortRequest": {
             "type": "object",
@@ -128,8 +131,12 @@ def _generating(summary: str, req: str, resp: str) -> dict:
                       **_ERRORS, "404": _err("Unknown model"), "409": _err("X-Request-Id already used")}}}
 
 
-def build(model_name: str, max_model_len: int, max_body_bytes: int) -> dict[str, Any]:
-    """The document for one API node's configuration."""
+def build(model_name: str, max_model_len: int, max_body_bytes: int,
+          vocab_size: int | None = None) -> dict[str, Any]:
+    """The document for one API node's configuration.
+
+    One rule no schema can say: prompt tokens plus ``max_tokens`` must fit the context
+    (``max_model_len``); a request past it gets 400 ``context_length_exceeded``."""
     admin = [{"adminKey": []}]
     return {
         "openapi": "3.0.3",
@@ -137,7 +144,7 @@ def build(model_name: str, max_model_len: int, max_body_bytes: int) -> dict[str,
                  "description": f"OpenAI-compatible API serving '{model_name}' (context {max_model_len} "
                                 f"tokens; request bodies up to {max_body_bytes} bytes)."},
         "components": {
-            "schemas": _schemas(max_model_len),
+            "schemas": _schemas(model_name, max_model_len, vocab_size),
             "securitySchemes": {
                 "apiKey": {"type": "http", "scheme": "bearer", "description": "--api-key"},
                 "adminKey": {"type": "http", "scheme": "bearer",

@@ -19,6 +19,7 @@ from typing import Any, AsyncIterator
 import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 from redis.exceptions import RedisError
 
 from control.bus import Bus, MuxStopped, StreamMux, entry_id_key
@@ -169,7 +170,8 @@ class Api:
         self.cancellation = Cancellation(self._abort_on_disconnect)
         self.started = int(time.time())
         self._started_mux = False
-        self._openapi = openapi.build(cfg.model_name, cfg.max_model_len, cfg.max_body_bytes)
+        self._openapi = openapi.build(cfg.model_name, cfg.max_model_len, cfg.max_body_bytes,
+                                     self.limits.vocab_size)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -207,7 +209,11 @@ class Api:
             raise too_large(limit)
         chunks, size = [], 0
         while True:
-            chunk = await request.content.readany()
+            try:
+                chunk = await request.content.readany()
+            except RequestPayloadError as e:  # e.g. a Content-Encoding: gzip body that is not gzip
+                why = getattr(e.__cause__, "message", None) or "cannot decode it"
+                raise bad_request(f"Malformed request body: {why}.") from None
             if not chunk:
                 break
             size += len(chunk)

@@ -1,0 +1,149 @@
+"""Helpers for the fault tests: several in-process engines on one model, slow steps, kills,
+and a redis-server of the test's own that it can stop and start again on the same port."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import replace
+
+from control.connect import connect
+from engine.outputs import RunnerOutput, SchedulerOutput
+from fd.compose import EngineOptions, start_engine
+from tests.conftest import _ping, free_port
+from tests.enginekit import GatedRunner
+
+_LOCKS: dict[int, threading.Lock] = {}
+
+#: Fast failure detection for tests: peers scan often and look at entries idle for 0.2 s.
+FAST_FAILOVER = dict(failover_interval_s=0.2, failover_idle_ms=200, heartbeat_ttl_s=2,
+                     heartbeat_s=0.5)
+
+
+class RunnerSlice:
+    """Blocks ``[offset, offset + num_blocks)`` of one shared runner's KV pool, so two
+    in-process engines on one model never write each other's KV; steps take turns. ``delay``
+    slows each step down, so a test can act while a request is half generated."""
+
+    def __init__(self, inner, offset: int, num_blocks: int, delay: float = 0.0):
+        self.inner = inner
+        self.offset = offset
+        self.num_blocks = num_blocks
+        self.eos_token_ids = inner.eos_token_ids
+        self.max_model_len = inner.max_model_len
+        self.delay = delay
+        self.lock = _LOCKS.setdefault(id(inner), threading.Lock())
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        if self.delay:
+            time.sleep(self.delay)
+        seqs = tuple(replace(s, block_table=tuple(b + self.offset for b in s.block_table))
+                     for s in out.seqs)
+        with self.lock:
+            return self.inner.execute(replace(out, seqs=seqs))
+
+
+class Engines:
+    """Starts engines that share the session's tiny runner (each on its own slice of blocks)."""
+
+    def __init__(self, url_or_factory, keys, model_dir, runner, tokenizer, slices: int = 4):
+        self.factory = url_or_factory if callable(url_or_factory) else (lambda: connect(url_or_factory))
+        self.keys = keys
+        self.model_dir = model_dir
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.per = runner.num_blocks // slices
+        self.started = []
+        self.gates: dict[str, GatedRunner] = {}
+
+    async def start(self, engine_id: str, *, delay: float = 0.0, gated: bool = False, **kw):
+        i = len(self.started)
+        runner = RunnerSlice(self.runner, i * self.per, self.per, delay)
+        if gated:
+            runner = self.gates[engine_id] = GatedRunner(runner)
+        opts = EngineOptions(model_dir=str(self.model_dir), engine_id=engine_id,
+                             max_num_seqs=kw.pop("max_num_seqs", 8),
+                             max_num_batched_tokens=kw.pop("max_num_batched_tokens", 256))
+        eng = await start_engine(self.factory, self.keys, opts, runner=runner,
+                                 tokenizer=self.tokenizer, **{**FAST_FAILOVER, **kw})
+        self.started.append(eng)
+        return eng
+
+    async def stop_all(self) -> None:
+        for g in self.gates.values():
+            g.open()
+        for eng in self.started:
+            await kill(eng)
+
+
+async def kill(eng) -> None:
+    """As close to SIGKILL as one process allows: the engine task is cancelled wherever it is
+    (what it had not published is lost), its heartbeat goes, its connections close."""
+    eng.task.cancel()
+    await asyncio.gather(eng.task, return_exceptions=True)
+    try:
+        await eng.node.bus.redis.delete(eng.node.bus.keys.engine(eng.id))
+    except Exception:
+        pass
+    for r in (eng.node.bus.redis, eng.node.control_bus.redis):
+        try:
+            await r.aclose()
+        except Exception:
+            pass
+
+
+async def wait_for(pred, timeout: float = 10.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if inspect.isawaitable(v):
+            v = await v
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+async def all_blocks_free(node, timeout: float = 5.0) -> None:
+    await wait_for(lambda: node.sched.num_free_blocks == node.sched.num_total_blocks
+                   and not node.sched.has_work(), timeout, f"all blocks free on {node.id}")
+
+
+class OwnRedis:
+    """A redis-server this test may stop and restart on the same port, its data kept in an
+    append-only file (fsync'ed on every write): what a Redis restart looks like in production."""
+
+    def __init__(self, tmpdir: str):
+        self.dir = tmpdir
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        exe = shutil.which("redis-server")
+        assert exe, "redis-server is not on PATH"
+        self.proc = subprocess.Popen(
+            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "yes", "--appendfsync", "always", "--dir", self.dir,
+             "--loglevel", "warning", "--logfile", "redis.log"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while not _ping(self.port):
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise AssertionError(f"redis-server on port {self.port} did not start")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self.proc = None

@@ -1,0 +1,390 @@
+"""Bad input at the HTTP API, generated: whatever a client sends, it gets a 2xx or a 4xx with
+OpenAI's error shape -- never a 5xx, never a hang -- and nothing it sent that was rejected
+reaches ``P:requests`` or ``P:control``.
+
+Every test drives one app (real Redis, a fake engine that finishes requests at once) from its
+own event loop, so hypothesis can call it example after example without restarting servers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import urllib.parse
+from typing import Any
+
+import orjson
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from control.bus import Bus, StreamMux
+from control.connect import connect
+from control.metrics import Metrics
+from fd.api import ApiConfig, make_app
+from test_api_streaming import FakeEngine, parse_sse
+from test_api_validation import MAX_LEN, FakeTokenizer, assert_openai_error
+
+CHAT, COMP, ABORT = "/v1/chat/completions", "/v1/completions", "/v1/abort_requests"
+MAX_BODY = 16 << 10
+TIMEOUT_S = 10.0  # per call: a call that takes longer is a hang
+FUZZ = settings(max_examples=200, deadline=None, derandomize=True, database=None,
+                suppress_health_check=list(HealthCheck))
+
+
+class Harness:
+    """An app on a fresh loop; ``call`` runs one client coroutine with the hang timeout."""
+
+    def __init__(self, url: str, keys, **cfg):
+        self.loop = asyncio.new_event_loop()
+        self.keys = keys
+        self.url = url
+        self.cfg = cfg
+        self.loop.run_until_complete(self._start())
+
+    async def _start(self) -> None:
+        self.redis = connect(self.url)
+        self.bus = Bus(self.redis, self.keys)
+        self.engine = FakeEngine(Bus(connect(self.url), self.keys))
+        self.engine_task = asyncio.create_task(self.engine.run())
+        mux = StreamMux(connect(self.url), self.keys, "api-fuzz", block_ms=50)
+        self.mux = mux
+        app = make_app(ApiConfig("tiny", MAX_LEN, max_body_bytes=MAX_BODY, **self.cfg), self.bus, mux,
+                       FakeTokenizer(), Metrics())
+        self.client = TestClient(TestServer(app))
+        await self.client.start_server()
+
+    def call(self, coro):
+        return self.loop.run_until_complete(asyncio.wait_for(coro, TIMEOUT_S))
+
+    async def lens(self) -> tuple[int, int]:
+        return (await self.redis.xlen(self.keys.requests), await self.redis.xlen(self.keys.control))
+
+    def close(self) -> None:
+        async def stop():
+            await self.client.close()
+            await self.engine.close()
+            await self.engine_task
+            await self.engine.bus.redis.aclose()
+            await self.mux.redis.aclose()
+            await self.redis.aclose()
+        self.loop.run_until_complete(stop())
+        self.loop.close()
+
+
+@pytest.fixture
+def harness(redis_server, keys):
+    h = Harness(redis_server.url, keys)
+    yield h
+    h.close()
+
+
+async def check(resp, *, wire_error_ok: bool = False) -> tuple[int, Any]:
+    """The invariants of any answer; returns (status, parsed body).
+
+    ``wire_error_ok``: a body aiohttp's HTTP parser itself cannot decode (a Content-Encoding
+    that is not what it says, when the body came in with the headers) is answered by aiohttp
+    before any handler or middleware runs: a plain-text 400, the one non-JSON error."""
+    raw = await resp.read()
+    assert resp.status < 500, (resp.status, raw[:500])
+    ctype = resp.headers.get("Content-Type", "")
+    if wire_error_ok and resp.status == 400 and ctype.startswith("text/plain"):
+        return resp.status, None
+    if resp.status >= 400:
+        assert ctype.startswith("application/json"), (resp.status, ctype, raw[:200])
+        return resp.status, assert_openai_error(orjson.loads(raw))
+    if ctype.startswith("text/event-stream"):
+        events = parse_sse(raw)
+        assert events and events[-1][1] == "[DONE]", raw[-300:]
+        for _eid, data in events[:-1]:
+            chunk = orjson.loads(data)
+            assert "error" not in chunk, chunk
+        return resp.status, events
+    return resp.status, orjson.loads(raw)
+
+
+# --------------------------------------------------------------------------- strategies
+
+JUNK_TEXT = st.text(max_size=12) | st.sampled_from(["\ud800", "\x00", "{x}", "a" * 300, "tiny", "\u202e"])
+SCALARS = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.integers(-3, 70)
+           | st.floats(allow_nan=True, allow_infinity=True) | JUNK_TEXT)
+JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4)
+                    | st.dictionaries(JUNK_TEXT, inner, max_size=4), max_leaves=10)
+
+ROLES = ["system", "developer", "user", "assistant", "tool", "", "USER"]
+CONTENT = (st.text(max_size=10) | st.lists(st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "image_url", 3]), "text": st.text(max_size=6) | JSON}), max_size=3)
+    | JSON)
+MESSAGE = st.fixed_dictionaries({}, optional={"role": st.sampled_from(ROLES) | JSON, "content": CONTENT,
+                                              "name": JSON})
+SAMPLING_FIELDS = ["model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+                   "seed", "presence_penalty", "frequency_penalty", "n", "best_of", "stop",
+                   "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "stream",
+                   "stream_options", "background", "logprobs", "top_logprobs", "tools",
+                   "tool_choice", "response_format", "echo", "suffix", "user", "x_unknown"]
+INTERESTING = {
+    "model": st.sampled_from(["tiny", "gpt-4", "", None]),
+    "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans() | JSON}) | JSON,
+    "max_tokens": st.integers(-2, MAX_LEN + 2),
+    "temperature": st.floats(-0.5, 2.5),
+    "top_p": st.floats(-0.2, 1.2),
+    "stop": st.lists(st.text(max_size=3), max_size=3) | st.text(max_size=3),
+    "stop_token_ids": st.lists(st.integers(-1, 300), max_size=3),
+}
+
+
+@st.composite
+def mutated(draw, base: dict, junk: bool) -> dict:
+    """A valid body with a few fields removed and a few set to edge values (or to junk)."""
+    body = dict(base)
+    if junk:
+        for name in draw(st.sets(st.sampled_from(sorted(base)), max_size=2)):
+            body.pop(name)
+    names = SAMPLING_FIELDS if junk else sorted(INTERESTING)
+    for name in draw(st.lists(st.sampled_from(names), max_size=4)):
+        body[name] = draw(INTERESTING[name] | JSON if junk and name in INTERESTING
+                          else INTERESTING[name] if name in INTERESTING else JSON)
+    return body
+
+
+CHAT_BASE = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+COMP_BASE = {"model": "tiny", "prompt": "hi", "max_tokens": 3}
+CHAT_BODIES = st.one_of(
+    mutated(CHAT_BASE, junk=False), mutated(CHAT_BASE, junk=True),
+    st.builds(lambda ms, extra: {"messages": ms, **extra}, st.lists(MESSAGE, max_size=3) | JSON,
+              st.dictionaries(st.sampled_from(SAMPLING_FIELDS), JSON, max_size=2)),
+    JSON,
+)
+COMP_BODIES = st.one_of(
+    mutated(COMP_BASE, junk=False), mutated(COMP_BASE, junk=True),
+    st.builds(lambda p, extra: {"prompt": p, **extra},
+              st.lists(st.integers(-2, 300), max_size=5) | st.lists(st.text(max_size=4), max_size=2)
+              | st.lists(st.lists(st.integers(0, 300), max_size=3), max_size=2) | JSON,
+              st.dictionaries(st.sampled_from(SAMPLING_FIELDS), JSON, max_size=2)),
+    JSON,
+)
+ABORT_BODIES = st.one_of(
+    st.fixed_dictionaries({}, optional={
+        "req_ids": st.lists(st.text(max_size=6) | JSON, max_size=4) | JSON,
+        "request_ids": st.lists(st.from_regex(r"[A-Za-z0-9_.:@-]{1,8}", fullmatch=True), max_size=3) | JSON,
+        "abort_all": st.booleans() | JSON,
+        "engine": st.sampled_from(["e0", "bad id", "", "x" * 65]) | JSON}),
+    JSON,
+)
+HEADER_TEXT = st.text(st.characters(blacklist_categories=("Cc",)), max_size=140) | st.sampled_from(
+    ["ok-id", "{tag}", "a*b", "has space", "x" * 129, "x" * 128, "é", "日本語", "a\tb", "id:1@host.a-b_c"])
+VALID_ID = st.from_regex(r"[A-Za-z0-9_.:@-]{1,128}", fullmatch=True)
+CONTENT_TYPES = st.sampled_from(["application/json", "text/plain", "", "application/x-www-form-urlencoded",
+                                 "multipart/form-data; boundary=zz", "application/json; charset=latin-1",
+                                 "\u00e9/\u00e9"])
+
+
+def dumps(body: Any) -> bytes:
+    # The stdlib writes NaN/Infinity and lone surrogates, which a client might send too.
+    return json.dumps(body, allow_nan=True).encode()
+
+
+async def post(h: Harness, path: str, data: bytes, headers: dict) -> tuple[int, Any]:
+    before = await h.lens()
+    try:
+        resp = await h.client.post(path, data=data, headers=headers)
+    except ValueError:  # the client itself refused the header (control characters)
+        return 0, None
+    async with resp:
+        status, body = await check(resp, wire_error_ok="Content-Encoding" in headers)
+    after = await h.lens()
+    if status >= 400:
+        assert after == before, (path, status, body, "a rejected request left a trace")
+    elif path in (CHAT, COMP):
+        assert after[0] == before[0] + 1
+        rid = resp.headers["X-Request-Id"]
+        if "X-Request-Id" in headers:
+            assert rid == headers["X-Request-Id"]
+    return status, body
+
+
+# --------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("path,bodies", [(CHAT, CHAT_BODIES), (COMP, COMP_BODIES)], ids=["chat", "completions"])
+def test_generating_bodies_and_headers(harness, path, bodies):
+    seen: set[int] = set()
+
+    @FUZZ
+    @given(body=bodies, rid=st.none() | VALID_ID | HEADER_TEXT, ctype=st.none() | CONTENT_TYPES)
+    def one(body, rid, ctype):
+        headers = {}
+        if rid is not None:
+            headers["X-Request-Id"] = rid
+        if ctype is not None:
+            headers["Content-Type"] = ctype
+        status, out = harness.call(post(harness, path, dumps(body), headers))
+        seen.add(status)
+        if status == 200 and isinstance(out, dict):
+            assert out["object"] in ("chat.completion", "text_completion")
+            assert out["choices"][0]["finish_reason"] in ("stop", "length")
+
+    one()
+    assert 200 in seen and 400 in seen, seen  # the generator reaches both sides of validation
+
+
+def test_abort_bodies(harness):
+    @FUZZ
+    @given(body=ABORT_BODIES, wait=st.none() | st.sampled_from(["0", "0.05", "-1", "nan", "inf", "x", "1e400"]))
+    def one(body, wait):
+        path = ABORT if wait is None else f"{ABORT}?wait={urllib.parse.quote(wait)}"
+        harness.call(post(harness, path, dumps(body), {}))
+
+    one()
+
+
+def test_ids_in_paths(harness):
+    async def run(rid: str, what: str, last: str | None):
+        url = f"/v1/requests/{urllib.parse.quote(rid, safe='')}/{what}"
+        before = await harness.lens()
+        try:
+            headers = {"Last-Event-ID": last} if last is not None else {}
+            resp = await (harness.client.post(url) if what == "cancel" else harness.client.get(url, headers=headers))
+        except ValueError:
+            return
+        async with resp:
+            status, _ = await check(resp)
+        if status >= 400:
+            assert await harness.lens() == before
+        if not rid or any(c not in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.:@-" for c in rid) \
+                or len(rid) > 128:
+            assert status in (400, 404, 405), (rid, status)  # 404/405: did not even route
+
+    @FUZZ
+    @given(rid=HEADER_TEXT | st.sampled_from(["abc\n", "abc%0A", "a/b", "..", "."]),
+           what=st.sampled_from(["cancel", "stream"]), last=st.none() | HEADER_TEXT)
+    def one(rid, what, last):
+        harness.call(run(rid, what, last))
+
+    one()
+
+
+def test_raw_bytes_bodies(harness):
+    @FUZZ
+    @given(data=st.binary(max_size=200) | st.sampled_from([b"{", b"\xff\xfe{}", b"null", b"[]", b"{}" * 9,
+                                                           b'{"messages":[{"role":"user","content":"\xff"}]}']),
+           path=st.sampled_from([CHAT, COMP, ABORT]), gz=st.sampled_from([None, "gzip", "deflate", "identity"]),
+           real_gzip=st.booleans())
+    def one(data, path, gz, real_gzip):
+        headers = {"Content-Type": "application/json"}
+        if gz:
+            headers["Content-Encoding"] = gz
+            if gz == "gzip" and real_gzip:
+                data = gzip.compress(data)
+        status, _ = harness.call(post(harness, path, data, headers))
+        assert status != 200 or path == ABORT or data.startswith(b"\x1f\x8b")
+
+    one()
+
+
+def test_huge_and_deep_bodies(harness):
+    async def run():
+        # over the limit, with a Content-Length
+        s, err = await post(harness, COMP, dumps({"prompt": "x" * (2 * MAX_BODY)}), {})
+        assert s == 413 and err["code"] == "request_too_large"
+        # over the limit, chunked (no Content-Length): the limit holds while reading
+
+        async def chunks():
+            for _ in range(64):
+                yield b" " * 1024
+
+        before = await harness.lens()
+        resp = await harness.client.post(CHAT, data=chunks())
+        async with resp:
+            assert (await check(resp))[0] == 413
+        assert await harness.lens() == before
+        # a gzip bomb: small on the wire, over the limit once inflated
+        bomb = gzip.compress(b"[" + b" " * (8 * MAX_BODY) + b"]")
+        s, err = await post(harness, CHAT, bomb, {"Content-Encoding": "gzip"})
+        assert s == 413
+        # nesting past any parser's depth, and just under ours
+        for depth in (MAX_BODY // 2 - 10, 1000, 200):
+            s, err = await post(harness, CHAT, b'{"messages":' + b"[" * depth + b"]" * depth + b"}", {})
+            assert s == 400
+        s, err = await post(harness, COMP, b'{"prompt":' + b'{"a":' * 600 + b"1" + b"}" * 600 + b"}", {})
+        assert s == 400
+        # a prompt past the context is 400, not 413
+        s, err = await post(harness, COMP, dumps({"prompt": "x" * (MAX_LEN + 1)}), {})
+        assert s == 400 and err["code"] == "context_length_exceeded"
+        # many stop strings and ids, all within the body limit
+        s, _ = await post(harness, CHAT, dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                "stop": ["a"] * 2000, "stop_token_ids": list(range(500))}), {})
+        assert s == 200
+
+    harness.call(run())
+
+
+# --------------------------------------------------------------------------- the OpenAPI document
+
+
+def from_schema(schema: dict, doc: dict, depth: int = 0):
+    """A strategy for values that satisfy ``schema`` (the subset fd's document uses)."""
+    if "$ref" in schema:
+        return from_schema(doc["components"]["schemas"][schema["$ref"].rsplit("/", 1)[1]], doc, depth)
+    if "oneOf" in schema:
+        s = st.one_of(*(from_schema(x, doc, depth + 1) for x in schema["oneOf"]))
+    elif "enum" in schema:
+        s = st.sampled_from(schema["enum"])
+    else:
+        t = schema.get("type")
+        if t == "object":
+            props = {k: from_schema(v, doc, depth + 1) for k, v in schema.get("properties", {}).items()}
+            req = set(schema.get("required", ()))
+            s = st.fixed_dictionaries({k: v for k, v in props.items() if k in req},
+                                      optional={k: v for k, v in props.items() if k not in req})
+        elif t == "array":
+            s = st.lists(from_schema(schema["items"], doc, depth + 1), min_size=schema.get("minItems", 0),
+                         max_size=min(schema.get("maxItems", 3), 3))
+        elif t == "integer":
+            lo, hi = schema.get("minimum"), schema.get("maximum")
+            if schema.get("format") == "int64":
+                lo, hi = max(lo, -(2**63)) if lo is not None else -(2**63), min(hi, 2**63 - 1) if hi is not None else 2**63 - 1
+            s = st.integers(lo, hi)
+        elif t == "number":
+            lo, hi = schema.get("minimum"), schema.get("maximum")
+            s = st.floats(lo, hi, exclude_min=bool(schema.get("exclusiveMinimum")), allow_nan=False)
+        elif t == "boolean":
+            s = st.booleans()
+        elif t == "string":
+            s = st.text(min_size=schema.get("minLength", 0), max_size=8)
+        else:
+            s = st.none()
+    return st.none() | s if schema.get("nullable") else s
+
+
+def test_openapi_document_is_served_and_schema_bodies_are_accepted(harness):
+    async def get_doc():
+        resp = await harness.client.get("/openapi.json")
+        assert resp.status == 200
+        return await resp.json()
+
+    doc = harness.call(get_doc())
+    assert doc["openapi"].startswith("3.")
+    for path in (CHAT, COMP, "/v1/models", "/health", "/metrics", ABORT, "/v1/requests/{id}/stream",
+                 "/v1/requests/{id}/cancel"):
+        assert path in doc["paths"], path
+    schemas = doc["components"]["schemas"]
+    body_schema = doc["paths"][CHAT]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert schemas[body_schema["$ref"].rsplit("/", 1)[1]]["required"] == ["messages"]
+
+    @settings(FUZZ, max_examples=50)  # most of these run to a final: slower per example
+    @given(path=st.sampled_from([CHAT, COMP]), data=st.data())
+    def one(path, data):
+        name = "ChatCompletionRequest" if path == CHAT else "CompletionRequest"
+        body = data.draw(from_schema(schemas[name], doc))
+        status, out = harness.call(post(harness, path, dumps(body), {}))
+        if status != 200:
+            # the rules no schema can say: prompt + max_tokens within the context, and
+            # stream_options only with stream=true
+            assert status == 400 and (out["code"] == "context_length_exceeded"
+                                      or out["param"] == "stream_options"), (body, out)
+
+    one()
