@@ -13,16 +13,25 @@ Rules every reader here follows (DESIGN.md §3, §6):
 - Stream keys and entry ids come back as ``bytes``; every last-id map is keyed by ``bytes``.
 - Trimming is approximate (``MAXLEN ~``), which is about twice as fast as exact trimming.
   Per-request streams are never trimmed (the story must stay whole); they expire instead.
+
+On a Redis Cluster (``connect("redis+cluster://...")``) every command here names keys of one
+slot, or goes through redis-py's cluster pipeline, which splits by node and keeps the order of
+commands within a node but not across nodes: where the order across slots matters (a story's
+``accepted`` before its request; a final before the ack of its request) the bus spends a second
+round trip. :class:`StreamMux` reads one slot per XREAD there (see its docstring).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import OrderedDict
 from typing import Any, Iterable, Mapping, Sequence
 
+from redis.asyncio.cluster import RedisCluster
+from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -71,6 +80,10 @@ def _normal_id(entry_id: bytes | str) -> bytes:
     return b"%d-%d" % (ms, seq)
 
 
+def is_cluster(redis) -> bool:
+    return isinstance(redis, RedisCluster)
+
+
 def check_event(stream: str | bytes, ev: Event, allowed: tuple[type, ...],
                 request_id: str | None = None) -> Event:
     """Reject an event that decoded fine but has no business on this stream."""
@@ -97,6 +110,7 @@ class Bus:
         self.dead_letters = 0
         self._dead_seen: OrderedDict[tuple[bytes, bytes], None] = OrderedDict()
         self._journal_head = f"{keys.prefix}:journal:"
+        self.cluster = is_cluster(redis)
 
     # ------------------------------------------------------------------ publishing
 
@@ -131,13 +145,20 @@ class Bus:
             self._xadd(pipe, stream, event.encode())
         for key in expire:
             pipe.expire(key, self.req_ttl_s)
+        if ack and self.cluster and (items or expire):
+            # P:requests may live on another node than the finals, and the cluster pipeline
+            # runs the nodes' batches side by side: write first, then ack.
+            results = await pipe.execute()
+            pipe = self.redis.pipeline(transaction=False)
+        else:
+            results = None
         if ack:
             # A finished request leaves P:requests altogether, so the stream holds only work
             # not yet done and needs no MAXLEN (which would drop unclaimed requests).
             pipe.xack(self.keys.requests, GROUP_ENGINES, *ack)
             pipe.xdel(self.keys.requests, *ack)
-        results = await pipe.execute()
-        return results[: len(items)]
+        tail = await pipe.execute()
+        return (results if results is not None else tail)[: len(items)]
 
     async def submit(self, request: Request, accepted: Accepted) -> bool:
         """Accept a request: its story starts (``accepted``) before any engine can claim it.
@@ -151,10 +172,12 @@ class Bus:
         rid = request.request_id
         if await self.owner(rid) == ABORTED_OWNER:
             return False
-        await self.publish_many(
-            [(self.keys.req(rid), accepted), (self.keys.requests, request)],
-            expire=[self.keys.req(rid)],
-        )
+        story = self.keys.req(rid)
+        if self.cluster:  # two nodes, written side by side: make sure the story starts first
+            await self.publish_many([(story, accepted)], expire=[story])
+            await self.publish(self.keys.requests, request)
+        else:
+            await self.publish_many([(story, accepted), (self.keys.requests, request)], expire=[story])
         return True
 
     # ------------------------------------------------------------------ dead letters
@@ -411,15 +434,39 @@ class Subscription:
             self._queue.put_nowait(item)
 
 
-class _Shard:
-    """Up to ``shard_size`` request streams read by one blocking XREAD loop, plus a doorbell."""
+class _ReadGate:
+    """At most ``n`` blocking reads at once (cluster only), and whether anyone waits for one."""
 
-    def __init__(self, mux: "StreamMux", index: int):
+    def __init__(self, n: int):
+        self._sem = asyncio.Semaphore(n)
+        self.waiting = 0
+
+    async def __aenter__(self) -> None:
+        self.waiting += 1
+        try:
+            await self._sem.acquire()
+        finally:
+            self.waiting -= 1
+
+    async def __aexit__(self, *exc) -> None:
+        self._sem.release()
+
+
+class _Shard:
+    """Up to ``shard_size`` request streams read by one blocking XREAD loop, plus a doorbell.
+
+    On a cluster a shard holds the streams of one slot (``slot``), its doorbell is tagged into
+    that slot, and it retires once it has nothing left to watch."""
+
+    def __init__(self, mux: "StreamMux", index: int, slot: int | None = None, tag: str = ""):
         self.mux = mux
-        self.wake_key = _b(mux.keys.wake(f"{mux.reader_id}.{index}"))
+        self.slot = slot
+        name = f"{mux.reader_id}.{index}"
+        self.wake_key = _b(mux.keys.wake(name) if slot is None else mux.keys.wake_in_slot(name, tag))
         self.subs: dict[bytes, list[Subscription]] = {}
         self.blocked = False  # inside a blocking XREAD whose key list is already sent
         self.rang = False  # a wake-up is already on its way for this blocking read
+        self.rung = False  # the doorbell stream exists (cluster shards delete it on retiring)
         self.task: asyncio.Task | None = None
         self.wake_last = b"0-0"
 
@@ -441,21 +488,32 @@ class _Shard:
     async def run(self) -> None:
         mux, redis = self.mux, self.mux.redis
         backoff = 0.05
-        first = True
+        # Only doorbells rung from now on matter. A cluster shard's doorbell is new (its index
+        # is unique in this mux), so it skips the look-up: at worst a stale doorbell of an
+        # earlier process with the same reader id costs one spurious wake-up.
+        first = self.slot is None
         while not mux._stopping:
+            if self.slot is not None and not self.subs:
+                await self._retire()
+                return
             try:
-                if first:  # only doorbells rung from now on matter
+                if first:
                     last = await redis.xrevrange(self.wake_key, count=1)
                     self.wake_last = last[0][0] if last else b"0-0"
                     first = False
-                streams = {self.wake_key: self.wake_last}
-                for key, subs in self.subs.items():
-                    streams[key] = min(subs, key=lambda s: s._last).last_id
-                self.blocked, self.rang = True, False
-                try:
-                    resp = await redis.xread(streams, count=mux.count, block=mux.block_ms)
-                finally:
-                    self.blocked = False
+                async with mux._gate:
+                    if mux._stopping or (self.slot is not None and not self.subs):
+                        continue
+                    streams = {self.wake_key: self.wake_last}
+                    for key, subs in self.subs.items():
+                        streams[key] = min(subs, key=lambda s: s._last).last_id
+                    # Others queue for a read: hold it briefly, so the readers take turns.
+                    block = min(mux.block_ms, mux.CONTENDED_BLOCK_MS) if mux._gate_waiting() else mux.block_ms
+                    self.blocked, self.rang = True, False
+                    try:
+                        resp = await redis.xread(streams, count=mux.count, block=block)
+                    finally:
+                        self.blocked = False
                 mux.wakeups += 1
                 for key, entries in resp or ():
                     if key == self.wake_key:
@@ -470,6 +528,20 @@ class _Shard:
             except Exception:  # a bug: keep the other subscriptions alive
                 log.exception("stream mux %s: reader failed; retrying", mux.reader_id)
                 await asyncio.sleep(0.1)
+
+    async def _retire(self) -> None:
+        """Cluster only: stop reading a slot with nothing left to watch. Synchronously
+        unlisted first, so a new subscription to this slot gets a fresh shard."""
+        mux = self.mux
+        if mux._by_slot.get(self.slot) is self:
+            del mux._by_slot[self.slot]
+        if self.rung:
+            try:
+                await mux.redis.delete(self.wake_key)
+            except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+                log.warning("stream mux %s: could not delete a doorbell: %s", mux.reader_id, e)
+        if self in mux._shards:
+            mux._shards.remove(self)
 
     async def _dispatch(self, key: bytes, entries: list) -> None:
         subs = self.subs.get(key)
@@ -502,6 +574,15 @@ class StreamMux:
     returns at once. Blocking reads are never cancelled: :meth:`stop` sets a flag and rings
     the doorbells, so readers return promptly (at worst after ``block_ms``).
 
+    On a Redis Cluster one XREAD may name keys of one slot only, so a shard is one slot: the
+    streams of the requests whose ids hash there, and a doorbell tagged into the same slot
+    (``keys.wake_in_slot``). With 16,384 slots that is in effect one blocking XREAD, and one
+    pooled connection, per live request; shards retire when their slot has nothing left to
+    watch. At most ``cluster_readers`` reads block at once (the cluster client's pool raises
+    instead of waiting past ``MAX_CONNECTIONS`` per node); while others wait for a turn, a
+    reader blocks at most ``CONTENDED_BLOCK_MS``, so beyond ``cluster_readers`` live requests
+    an event can wait a few such turns, and each turn is a round trip.
+
     Several subscriptions of one request share the shard's key; each gets the entries after
     its own ``after``. A subscription made past the request's ``final`` waits for events that
     never come: resume from an entry id the caller has seen, not beyond.
@@ -509,8 +590,11 @@ class StreamMux:
 
     WAKE_MAXLEN = 16
 
+    #: BLOCK of a cluster reader while other readers wait for a turn (see the class docstring).
+    CONTENDED_BLOCK_MS = 50
+
     def __init__(self, redis, keys: Keys, reader_id: str, *, shard_size: int = 256,
-                 block_ms: int = 1000, count: int = 1000):
+                 block_ms: int = 1000, count: int = 1000, cluster_readers: int = 128):
         self.redis = redis
         self.keys = keys
         self.reader_id = reader_id
@@ -518,8 +602,12 @@ class StreamMux:
         self.block_ms = block_ms
         self.count = count
         self._bus = Bus(redis, keys)
+        self.cluster = self._bus.cluster
         self._shards: list[_Shard] = []
         self._where: dict[bytes, _Shard] = {}
+        self._by_slot: dict[int, _Shard] = {}  # cluster only
+        self._next_index = 0
+        self._gate = _ReadGate(cluster_readers) if self.cluster else contextlib.nullcontext()
         self._started = False
         self._stopping = False
         self.wakeups = 0  # XREAD returns, all shards: the bench's fan-in figure
@@ -528,6 +616,9 @@ class StreamMux:
     @property
     def dead_letters(self) -> int:
         return self._bus.dead_letters
+
+    def _gate_waiting(self) -> bool:
+        return isinstance(self._gate, _ReadGate) and self._gate.waiting > 0
 
     async def start(self) -> None:
         if self._started:
@@ -545,7 +636,7 @@ class StreamMux:
         if not self._started:
             return
         self._stopping = True
-        for shard in self._shards:  # blocked readers return now, not after BLOCK
+        for shard in list(self._shards):  # blocked readers return now, not after BLOCK
             if shard.blocked and not shard.rang:
                 shard.rang = True
                 await self._ring(shard)
@@ -558,6 +649,7 @@ class StreamMux:
                     sub._end(MuxStopped(f"stream mux {self.reader_id} stopped"))
             shard.subs.clear()
         self._where.clear()
+        self._by_slot.clear()
         if self._shards:
             try:
                 await self.redis.delete(*[s.wake_key for s in self._shards])
@@ -574,7 +666,7 @@ class StreamMux:
             raise ValueError(f"invalid request id {request_id!r}")
         key = _b(self.keys.req(request_id))
         sub = Subscription(self, request_id, key, _normal_id(after))
-        shard = self._where.get(key) or self._pick_shard()
+        shard = self._where.get(key) or self._pick_shard(key, request_id)
         self._where[key] = shard
         if shard.add(sub):
             await self._ring(shard)
@@ -585,13 +677,24 @@ class StreamMux:
             pipe = self.redis.pipeline(transaction=False)
             pipe.xadd(shard.wake_key, {b"w": b"1"}, maxlen=self.WAKE_MAXLEN, approximate=True)
             pipe.expire(shard.wake_key, 86400)  # a crashed replica leaves no doorbell behind
+            shard.rung = True
             await pipe.execute()
         except (RedisConnectionError, RedisTimeoutError, OSError) as e:
             # The reader still returns after its BLOCK timeout: late, not lost.
             shard.rang = False
             log.warning("stream mux %s: doorbell failed: %s", self.reader_id, e)
 
-    def _pick_shard(self) -> _Shard:
+    def _pick_shard(self, key: bytes, request_id: str) -> _Shard:
+        if self.cluster:  # one XREAD may name keys of one slot only
+            slot = key_slot(key)
+            shard = self._by_slot.get(slot)
+            if shard is None:
+                shard = self._by_slot[slot] = _Shard(self, self._next_index, slot, request_id)
+                self._next_index += 1
+                self._shards.append(shard)
+                if self._started:
+                    self._launch(shard)
+            return shard
         live = [s for s in self._shards if len(s.subs) < self.shard_size]
         if live:
             return min(live, key=lambda s: len(s.subs))

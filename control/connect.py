@@ -11,6 +11,10 @@ Why these settings (DESIGN.md §6):
 - retries with exponential backoff on connection errors, so a Redis restart or failover is a
   pause, not a crash. A retried ``XADD`` may be written twice and a retried ``XREADGROUP`` may
   leave entries pending; readers tolerate both (pending entries are reclaimed by autoclaim).
+
+Redis Cluster is chosen by the URL scheme, ``redis+cluster://`` (``rediss+cluster://`` for TLS),
+not by probing: the caller knows what it deployed, and a probe would cost a round trip and a
+guess on every start.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from __future__ import annotations
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import BusyLoadingError, ConnectionError, TimeoutError
+from redis.exceptions import (AuthenticationError, AuthenticationWrongNumberOfArgsError,
+                              BusyLoadingError, ConnectionError, TimeoutError)
 
 CONNECT_TIMEOUT_S = 5
 HEALTH_CHECK_INTERVAL_S = 30
@@ -30,11 +35,52 @@ MAX_CONNECTIONS = 256
 POOL_WAIT_S = 30
 
 
-def connect(url: str) -> aioredis.Redis:
+class _Retry(Retry):
+    """Retries connection trouble, but not a refused login: redis-py's AuthenticationError is
+    a ConnectionError, and retrying it only delays a wrong password's error by seconds."""
+
+    async def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):
+        def retryable(e: Exception) -> bool:
+            if isinstance(e, (AuthenticationError, AuthenticationWrongNumberOfArgsError)):
+                return False
+            return is_retryable(e) if is_retryable else True
+
+        return await super().call_with_retry(do, fail, retryable, with_failure_count)
+
+
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+
+
+def is_cluster_url(url: str) -> bool:
+    return url.partition("://")[0].lower() in CLUSTER_SCHEMES
+
+
+def connect(url: str) -> aioredis.Redis | aioredis.RedisCluster:
     """A ``redis.asyncio`` client for ``url`` (``redis://``, ``rediss://``, ``user:pass@`` work).
+
+    ``redis+cluster://host:port`` (or ``rediss+cluster://``) gives a ``RedisCluster`` that
+    discovers the other nodes from ``host:port``, with the same settings where redis-py's
+    cluster client has them: no socket timeout, RESP2, ``MAX_CONNECTIONS`` per node. Two
+    differences to know: its pool does not wait for a free connection (the ``MAX_CONNECTIONS + 1``
+    -th concurrent command on one node raises ``MaxConnectionsError``), and it retries
+    ``RETRIES`` times at once, refreshing the slot map in between, with no backoff; a refused
+    login is not retried there either (it matches retryable errors by exact type).
 
     The connection is opened lazily, inside whatever event loop first uses the client.
     """
+    scheme, sep, rest = url.partition("://")
+    if sep and scheme.lower() in CLUSTER_SCHEMES:
+        return aioredis.RedisCluster.from_url(
+            f"{CLUSTER_SCHEMES[scheme.lower()]}://{rest}",
+            max_connections=MAX_CONNECTIONS,
+            decode_responses=False,
+            protocol=2,
+            socket_timeout=None,
+            socket_connect_timeout=CONNECT_TIMEOUT_S,
+            socket_keepalive=True,
+            health_check_interval=HEALTH_CHECK_INTERVAL_S,
+            retry=_Retry(ExponentialBackoff(cap=2.0, base=0.05), RETRIES),
+        )
     pool = aioredis.BlockingConnectionPool.from_url(
         url,
         max_connections=MAX_CONNECTIONS,
@@ -45,7 +91,7 @@ def connect(url: str) -> aioredis.Redis:
         socket_connect_timeout=CONNECT_TIMEOUT_S,
         socket_keepalive=True,
         health_check_interval=HEALTH_CHECK_INTERVAL_S,
-        retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), RETRIES),
+        retry=_Retry(ExponentialBackoff(cap=2.0, base=0.05), RETRIES),
         retry_on_error=[ConnectionError, TimeoutError, BusyLoadingError],
     )
     return aioredis.Redis.from_pool(pool)

@@ -74,6 +74,11 @@ class Keys:
         a blocking read; see DESIGN.md §6)."""
         return f"{self.prefix}:wake:{reader_id}"
 
+    def wake_in_slot(self, reader_id: str, tag: str) -> str:
+        """A doorbell for a Redis Cluster reader: hash-tagged with ``tag`` (a request id whose
+        stream the reader watches) so one XREAD can name it together with that slot's streams."""
+        return f"{self.prefix}:wake:{{{tag}}}:{reader_id}"
+
     def request_id_of(self, req_key: str | bytes) -> str:
         """Inverse of :meth:`req`."""
         if isinstance(req_key, bytes):

@@ -161,6 +161,7 @@ class EngineNode:
         self.step_seconds = 0.0
         self.taken_over = 0  # requests continued from a dead engine
         self.handed_back = 0
+        self.redis_errors = 0  # Redis calls that failed and were retried
         self._cursor: bytes | None = None
         self._started_ms = int(time.time() * 1000)
         # Since when Redis calls have been succeeding (0: since forever). After an outage the
@@ -234,6 +235,7 @@ class EngineNode:
 
     def _redis_failed(self, what: str, e: BaseException) -> None:
         self._ok_since = None  # type: ignore[assignment]
+        self.redis_errors += 1
         now = time.monotonic()
         if now - self._last_error_log > 1.0:  # one line a second, not one per retry
             self._last_error_log = now

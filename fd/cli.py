@@ -46,6 +46,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-mb", type=int, default=256)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--executor", choices=("paddle", "timed"), default="paddle",
+                   help="paddle: the model; timed: the real scheduler, blocks and streams with the "
+                        "forward pass replaced by a wait of --step-ms (a stand-in for a GPU)")
+    p.add_argument("--step-ms", type=float, default=20.0, help="with --executor timed")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on drain/SIGTERM: seconds to let running requests finish before handing "
                         "the rest back to other engines")
@@ -93,6 +97,17 @@ def _engine_opts(args: argparse.Namespace, model_dir: Path):
                          max_num_batched_tokens=args.max_num_batched_tokens)
 
 
+def _runner(args: argparse.Namespace, model_dir: Path):
+    """The executor: None for the model itself (built by fd.compose), or the timed stand-in."""
+    if args.executor != "timed":
+        return None
+    from control.tokenizer import Tokenizer
+    from engine.timed_runner import TimedRunner
+
+    tok = Tokenizer.from_dir(str(model_dir))
+    return TimedRunner.for_tokenizer(tok, step_ms=args.step_ms, num_blocks=args.num_blocks or 4096)
+
+
 def _api_opts(args: argparse.Namespace, model_dir: Path):
     from fd.compose import ApiOptions
 
@@ -119,7 +134,8 @@ async def _serve(args: argparse.Namespace) -> int:
     keys = Keys(args.prefix)
     model_dir = resolve_model(args.model)
     metrics = Metrics()
-    engine = await start_engine(factory, keys, _engine_opts(args, model_dir), metrics=metrics)
+    engine = await start_engine(factory, keys, _engine_opts(args, model_dir), metrics=metrics,
+                                runner=_runner(args, model_dir))
     api = await start_api(factory, keys, _api_opts(args, model_dir), metrics=metrics)
     print(f"fd serving {api.cfg.model_name} on {api.url}/v1", flush=True)
     if embedded is not None:
@@ -170,11 +186,38 @@ async def _engine(args: argparse.Namespace) -> int:
 
     url = _need_url(args)
     model_dir = resolve_model(args.model)
-    engine = await start_engine(lambda: connect(url), Keys(args.prefix), _engine_opts(args, model_dir))
+    opts = _engine_opts(args, model_dir)
+    for name in ("max_attempts", "drain_timeout_s", "request_timeout_s"):  # when the flags exist
+        if getattr(args, name, None) is not None:
+            setattr(opts, name, getattr(args, name))
+    engine = await start_engine(lambda: connect(url), Keys(args.prefix), opts,
+                                runner=_runner(args, model_dir))
     print(f"fd engine {engine.id} serving {model_dir} (control plane {url})", flush=True)
-    await _wait_for_signal(engine.task)
+    # SIGTERM/SIGINT: drain (finish or hand back what runs, then exit 0); a second one: stop
+    # now (peers take over what was running).
+    loop = asyncio.get_running_loop()
+    signals = 0
+
+    def on_signal() -> None:
+        nonlocal signals
+        signals += 1
+        if signals == 1:
+            print(f"fd engine {engine.id}: draining (signal again to stop now)", flush=True)
+            engine.node.drain()
+        else:
+            engine.node.stop()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, on_signal)
+        except NotImplementedError:
+            pass
+    await asyncio.gather(engine.task, return_exceptions=True)
+    failed = engine.task.exception() if not engine.task.cancelled() else None
+    if failed is not None:
+        log.error("engine failed", exc_info=failed)
     await engine.stop()
-    return 0
+    return 1 if failed is not None else 0
 
 
 # --------------------------------------------------------------------------- operator commands
@@ -273,7 +316,7 @@ def _make_tiny(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fd", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="fd", description="fd: an OpenAI-compatible LLM server whose control plane is an event log on Redis Streams.")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     s = sub.add_parser("serve", help="API + engine + embedded control plane in one process")
@@ -320,6 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("replay", add_help=False,
                    help="replay an engine's journal: (--engine ID | FILE.jsonl) [--at STEP] [--html OUT]")
+    sub.add_parser("bench", add_help=False,
+                   help="load generator: --base-url URL [--num-prompts N] [--max-concurrency N] "
+                        "[--request-rate R] [--disconnect-ratio F] [--abort-ratio F] [--output-json F]")
     ev = sub.add_parser("events", help="`fd events export --out FILE.jsonl [--engine ID]`")
     ev.add_argument("action", choices=("export",))
 
@@ -336,6 +382,10 @@ def main(argv: list[str] | None = None) -> int:
         from engine.replay import main as replay_main
 
         return replay_main(argv[1:])
+    if argv[:1] == ["bench"]:
+        from fd.loadgen import main as bench_main
+
+        return bench_main(argv[1:])
     if argv[:2] == ["events", "export"]:
         from engine.replay import export_main
 

@@ -671,7 +671,7 @@ def plot_report(r: dict[str, Any], path: str) -> None:
         if pts:
             ax[0][1].scatter(*zip(*pts), s=8, color=color, label=status)
     ax[0][0].set(title="TTFT", xlabel="sent at (s)", ylabel="ms")
-    ax[0][1].set(title="end-to-end (cancelled: until the cancel took effect)", xlabel="sent at (s)",
+    ax[0][1].set(title="end-to-end (cancelled: until their stream ended)", xlabel="sent at (s)",
                  ylabel="ms")
     ax[0][0].legend(fontsize=7)
     rel = [q["release_ms"] for q in reqs if q["release_ms"] is not None]

@@ -147,3 +147,23 @@ class OwnRedis:
             os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
         self.proc = None
+
+
+def spawn_engine(url: str, keys, model_dir, engine_id: str, *extra: str) -> subprocess.Popen:
+    """``python -m fd engine`` in its own process, as an operator runs it."""
+    import sys
+
+    return subprocess.Popen(
+        [sys.executable, "-m", "fd", "engine", "--redis-url", url, "--prefix", keys.prefix,
+         "--model", str(model_dir), "--engine-id", engine_id, "--num-blocks", "128", *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def reap(proc: subprocess.Popen, timeout: float = 10.0) -> tuple[int, str]:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+    return proc.returncode, out.decode(errors="replace")

@@ -5,6 +5,7 @@ request that failed ``max_attempts`` times."""
 from __future__ import annotations
 
 import asyncio
+import signal
 
 import pytest
 
@@ -14,7 +15,7 @@ from engine.failover import History, cas_owner
 from engine.llm import LLM
 from engine.replay import load_journal_from_redis, replay
 from tests.enginekit import story, submit, text_of, tokens_of, types
-from tests.faultkit import Engines, all_blocks_free, kill, wait_for
+from tests.faultkit import Engines, all_blocks_free, kill, reap, spawn_engine, wait_for
 
 PROMPT = [5, 17, 33, 9, 41, 12, 7, 19]
 
@@ -127,3 +128,27 @@ def test_history_counts_claims_handbacks_and_tokens():
     assert h.tokens == [1, 2, 3] and h.text == "abc"
     assert (h.claims, h.handbacks, h.failures, h.final) == (2, 1, 1, False)
     assert History.of(evs + [Final(request_id="r", finish_reason="stop")]).final
+
+
+async def test_sigkilled_engine_process_is_taken_over(real_bus, redis_server, keys, engines,
+                                                      tiny_model_dir, tiny_runner, tiny_tokenizer):
+    ref = _reference(tiny_runner, tiny_tokenizer, 600)
+    proc = spawn_engine(redis_server.url, keys, tiny_model_dir, "P")
+    try:
+        await submit(real_bus, "r", PROMPT, max_tokens=600, ignore_eos=True)
+        await wait_for(lambda: _n_tokens(real_bus, "r"), timeout=60, what="P's first tokens")
+        proc.send_signal(signal.SIGKILL)
+        reap(proc)
+        n_before = await _n_tokens(real_bus, "r")
+        assert n_before < 600, "P finished before it could be killed"
+        # P's heartbeat outlives it by its TTL (5 s); then B takes over
+        b = await engines.start("B")
+        evs = await story(real_bus, "r", timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        reap(proc)
+    assert [(c.engine, c.attempt) for c in evs if isinstance(c, Claimed)] == [("P", 1), ("B", 2)]
+    assert tokens_of(evs) == ref.token_ids and text_of(evs) == ref.text
+    assert types(evs).count("final") == 1 and evs[-1].finish_reason == "length"
+    await all_blocks_free(b.node)
