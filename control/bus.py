@@ -451,6 +451,9 @@ class _ReadGate:
     async def __aexit__(self, *exc) -> None:
         self._sem.release()
 
+    def full(self) -> bool:
+        return self._sem.locked()
+
 
 class _Shard:
     """Up to ``shard_size`` request streams read by one blocking XREAD loop, plus a doorbell.
@@ -467,6 +470,7 @@ class _Shard:
         self.blocked = False  # inside a blocking XREAD whose key list is already sent
         self.rang = False  # a wake-up is already on its way for this blocking read
         self.rung = False  # the doorbell stream exists (cluster shards delete it on retiring)
+        self.long = False  # the current read blocks for the full block_ms
         self.task: asyncio.Task | None = None
         self.wake_last = b"0-0"
 
@@ -501,6 +505,8 @@ class _Shard:
                     last = await redis.xrevrange(self.wake_key, count=1)
                     self.wake_last = last[0][0] if last else b"0-0"
                     first = False
+                if mux._gate_full():
+                    await mux._cut_one_read_short()
                 async with mux._gate:
                     if mux._stopping or (self.slot is not None and not self.subs):
                         continue
@@ -509,6 +515,7 @@ class _Shard:
                         streams[key] = min(subs, key=lambda s: s._last).last_id
                     # Others queue for a read: hold it briefly, so the readers take turns.
                     block = min(mux.block_ms, mux.CONTENDED_BLOCK_MS) if mux._gate_waiting() else mux.block_ms
+                    self.long = block > mux.CONTENDED_BLOCK_MS
                     self.blocked, self.rang = True, False
                     try:
                         resp = await redis.xread(streams, count=mux.count, block=block)
@@ -619,6 +626,18 @@ class StreamMux:
 
     def _gate_waiting(self) -> bool:
         return isinstance(self._gate, _ReadGate) and self._gate.waiting > 0
+
+    def _gate_full(self) -> bool:
+        return isinstance(self._gate, _ReadGate) and self._gate.full()
+
+    async def _cut_one_read_short(self) -> None:
+        """About to queue for a read: ring one reader parked in a full-length BLOCK, which then
+        comes back and takes turns with short ones. One doorbell per queued reader at most."""
+        for shard in self._shards:
+            if shard.blocked and shard.long and not shard.rang:
+                shard.rang = True
+                await self._ring(shard)
+                return
 
     async def start(self) -> None:
         if self._started:

@@ -76,21 +76,49 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "SamplingParams":
+        """Strict: a request event is typed by hand or by another program, and a wrong type
+        here must become a dead letter, not an exception inside an engine step."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:
             raise BadEvent(f"unknown sampling parameter(s) {sorted(unknown)}", "data")
         kw = dict(d)
+
+        def bad(name: str, what: str) -> BadEvent:
+            return BadEvent(f"sampling.{name} must be {what}, got {kw[name]!r:.40}", "data")
+
+        def is_int(x: Any) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        def is_num(x: Any) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
+
+        if "max_tokens" in kw and not (is_int(kw["max_tokens"]) and kw["max_tokens"] >= 1):
+            raise bad("max_tokens", "an integer >= 1")
+        if "temperature" in kw and not (is_num(kw["temperature"]) and kw["temperature"] >= 0):
+            raise bad("temperature", "a number >= 0")
+        if "top_p" in kw and not (is_num(kw["top_p"]) and 0 < kw["top_p"] <= 1):
+            raise bad("top_p", "a number in (0, 1]")
+        if "top_k" in kw and not (is_int(kw["top_k"]) and kw["top_k"] >= -1):
+            raise bad("top_k", "an integer >= -1")
+        if kw.get("seed") is not None and not (is_int(kw["seed"]) and 0 <= kw["seed"] < 2**63):
+            raise bad("seed", "an integer in [0, 2**63)")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if name in kw and not isinstance(kw[name], bool):
+                raise bad(name, "true or false")
         if "stop" in kw:
-            kw["stop"] = tuple(kw["stop"] or ())
+            stop = kw["stop"] or ()
+            if isinstance(stop, str):
+                stop = (stop,)
+            if not (isinstance(stop, (list, tuple)) and all(isinstance(x, str) and x for x in stop)):
+                raise bad("stop", "a list of non-empty strings")
+            kw["stop"] = tuple(stop)
         if "stop_token_ids" in kw:
-            kw["stop_token_ids"] = tuple(int(t) for t in (kw["stop_token_ids"] or ()))
-        p = cls(**kw)
-        if not isinstance(p.max_tokens, int) or p.max_tokens < 1:
-            raise BadEvent("sampling.max_tokens must be an integer >= 1", "data")
-        if p.temperature < 0 or not (0 < p.top_p <= 1):
-            raise BadEvent("sampling.temperature must be >= 0 and top_p in (0, 1]", "data")
-        return p
+            ids = kw["stop_token_ids"] or ()
+            if not (isinstance(ids, (list, tuple)) and all(is_int(t) and t >= 0 for t in ids)):
+                raise bad("stop_token_ids", "a list of token ids")
+            kw["stop_token_ids"] = tuple(ids)
+        return cls(**kw)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,10 +156,13 @@ class RequestData:
             sp = SamplingParams.from_dict(sampling)
         except TypeError as e:
             raise BadEvent(f"bad sampling parameters: {e}", "data") from None
+        arrival = d.get("arrival_ts") or 0
+        if not isinstance(arrival, int) or isinstance(arrival, bool):
+            raise BadEvent("arrival_ts must be an integer (ms)", "data")
         return cls(
             prompt_token_ids=tuple(ids),
             sampling=sp,
-            arrival_ts=int(d.get("arrival_ts") or 0),
+            arrival_ts=arrival,
             model=str(d.get("model") or ""),
             api=str(d.get("api") or ""),
             background=bool(d.get("background", False)),

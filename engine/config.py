@@ -23,6 +23,9 @@ class SchedulerConfig:
     # can_admit() keeps at most this many claimed-but-not-started requests: anything beyond
     # would sit here instead of in Redis, where another engine could have taken it.
     max_num_waiting: int = 16
+    # Token ids at or past this are refused at add() (finished with an error): a hand-written
+    # request must not index past the embedding table. 0: unchecked.
+    vocab_size: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))

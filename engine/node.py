@@ -132,6 +132,7 @@ class EngineNode:
             max_model_len=runner.max_model_len,
             eos_token_ids=tuple(runner.eos_token_ids),
             max_num_waiting=cfg.max_num_waiting,
+            vocab_size=int(getattr(runner, "vocab_size", 0) or 0),
         )), self.id, enabled=cfg.journal, clock=time.time)
         self._entry: dict[str, bytes] = {}  # request id -> its P:requests entry, XACKed at final
         self._request: dict[str, Request] = {}  # what was claimed, for a drain's hand-back

@@ -137,6 +137,9 @@ class Scheduler:
         elif n + 1 > self.config.max_model_len:
             error = (f"prompt has {n} tokens; max_model_len {self.config.max_model_len} leaves "
                      "no room to generate")
+        elif self.config.vocab_size and max(data.prompt_token_ids) >= self.config.vocab_size:
+            error = (f"prompt token id {max(data.prompt_token_ids)} is outside the model's "
+                     f"vocabulary of {self.config.vocab_size}")
         elif self.blocks.blocks_for(n + 1) > self.blocks.num_total:
             error = (f"prompt has {n} tokens; the KV cache holds only "
                      f"{self.blocks.num_total * self.blocks.block_size}")

@@ -50,6 +50,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="paddle: the model; timed: the real scheduler, blocks and streams with the "
                         "forward pass replaced by a wait of --step-ms (a stand-in for a GPU)")
     p.add_argument("--step-ms", type=float, default=20.0, help="with --executor timed")
+    p.add_argument("--max-attempts", type=int, default=3,
+                   help="engines a request may fail on (engine died) before it ends with an error")
+    p.add_argument("--request-timeout", type=float, default=0.0,
+                   help="seconds without a new token before a request ends with an error (0: off)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on drain/SIGTERM: seconds to let running requests finish before handing "
                         "the rest back to other engines")
@@ -94,7 +98,9 @@ def _engine_opts(args: argparse.Namespace, model_dir: Path):
     return EngineOptions(model_dir=str(model_dir), device=args.device, engine_id=args.engine_id,
                          block_size=args.block_size, num_blocks=args.num_blocks,
                          kv_cache_mb=args.kv_cache_mb, max_num_seqs=args.max_num_seqs,
-                         max_num_batched_tokens=args.max_num_batched_tokens)
+                         max_num_batched_tokens=args.max_num_batched_tokens,
+                         max_attempts=args.max_attempts, drain_timeout_s=args.drain_timeout,
+                         request_timeout_s=args.request_timeout)
 
 
 def _runner(args: argparse.Namespace, model_dir: Path):
@@ -187,9 +193,6 @@ async def _engine(args: argparse.Namespace) -> int:
     url = _need_url(args)
     model_dir = resolve_model(args.model)
     opts = _engine_opts(args, model_dir)
-    for name in ("max_attempts", "drain_timeout_s", "request_timeout_s"):  # when the flags exist
-        if getattr(args, name, None) is not None:
-            setattr(opts, name, getattr(args, name))
     engine = await start_engine(lambda: connect(url), Keys(args.prefix), opts,
                                 runner=_runner(args, model_dir))
     print(f"fd engine {engine.id} serving {model_dir} (control plane {url})", flush=True)

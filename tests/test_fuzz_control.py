@@ -251,7 +251,6 @@ POISON = {
 }
 
 
-@pytest.mark.xfail(strict=True, reason="a decodable request with a bad field kills the engine (see report)")
 @pytest.mark.parametrize("name", sorted(POISON))
 async def test_poisonous_request_is_refused_not_fatal(name, real_bus, redis_server, keys, tiny_model_dir,
                                                       tiny_runner, tiny_tokenizer):

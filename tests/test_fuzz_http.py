@@ -388,3 +388,23 @@ def test_openapi_document_is_served_and_schema_bodies_are_accepted(harness):
                                       or out["param"] == "stream_options"), (body, out)
 
     one()
+
+
+def test_replay_of_a_story_without_accepted(harness):
+    """An abort that overtook its request writes the whole story itself, with no `accepted`
+    (DESIGN §4): replaying it is a normal abort answer, not a 5xx."""
+    from control.events import AbortRequested, BlocksReleased, Drained, Final
+
+    async def run():
+        bus = harness.bus
+        for ev in (AbortRequested(request_id="tomb"), Drained(request_id="tomb"),
+                   BlocksReleased(request_id="tomb", count=0), Final(request_id="tomb", finish_reason="abort")):
+            await bus.publish(bus.keys.req("tomb"), ev)
+        resp = await harness.client.get("/v1/requests/tomb/stream")
+        async with resp:
+            status, events = await check(resp)
+        assert status == 200
+        chunks = [orjson.loads(d) for _, d in events[:-1]]
+        assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]] == ["abort"]
+
+    harness.call(run())
