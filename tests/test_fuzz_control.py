@@ -49,7 +49,7 @@ sampling = st.fixed_dictionaries(
     {"max_tokens": st.integers(1, 6)},
     optional={"temperature": st.sampled_from([0.0, 0.7, -1.0, "hot", None]),
               "top_p": st.sampled_from([1.0, 0.5, 0.9, 0.0, 2.0]), "top_k": st.sampled_from([0, -1, 1, 5, 10**6]),
-              # (seeds that are not ints and stops that are not strings: see POISON below)
+              # (seeds that are not ints and stops that are not strings: POISON below)
               "seed": st.sampled_from([None, 0, -5, 2**63]), "stop": st.sampled_from([[], ["a"], "a"]),
               "stop_token_ids": st.sampled_from([[], [3], [-1], ["x"], [10**6]]),
               "ignore_eos": st.sampled_from([True, False, "yes"]),
@@ -233,11 +233,9 @@ def test_random_entries_never_stop_the_engine(redis_server, keys, tiny_model_dir
         loop.close()
 
 
-# Requests that decode (control.events accepts them) and then kill the engine node: the step
-# raises out of EngineNode.run. Each is an open bug outside this file's reach -- the fix belongs
-# in control/events.py (SamplingParams.from_dict checks no types) and in the engine (no
-# vocabulary check on prompt ids). strict: when one is fixed, its xfail turns into a failure
-# here, and the marker goes.
+# Requests that once decoded and then killed the engine node (the step raised out of
+# EngineNode.run, or decode raised something other than BadEvent): each must now be refused
+# -- a dead letter, or a final with an error -- while the engine goes on serving.
 POISON = {
     "prompt-id-past-vocab": {"prompt_token_ids": [1, VOCAB], "sampling": {"max_tokens": 2}},
     "seed-past-64-bits": {"prompt_token_ids": [5], "sampling": {"max_tokens": 2, "seed": 2**64 + 1}},
@@ -245,7 +243,7 @@ POISON = {
     "seed-string": {"prompt_token_ids": [5], "sampling": {"max_tokens": 2, "seed": "3"}},
     "top_k-float": {"prompt_token_ids": [5], "sampling": {"max_tokens": 2, "top_k": 2.5}},
     "stop-not-strings": {"prompt_token_ids": [5], "sampling": {"max_tokens": 2, "stop": [1, None]}},
-    # decode() raises ValueError/TypeError instead of BadEvent: the bus does not dead-letter it
+    # decode() raised ValueError/TypeError instead of BadEvent, which the bus does not catch
     "arrival_ts-not-a-number": {"prompt_token_ids": [5], "arrival_ts": "x"},
     "arrival_ts-a-list": {"prompt_token_ids": [5], "arrival_ts": [1]},
 }

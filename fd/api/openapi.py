@@ -38,7 +38,7 @@ def _sampling_props(model_name: str, max_model_len: int) -> dict[str, Any]:
         "top_p": {"type": "number", "nullable": True, "exclusiveMinimum": True, "minimum": 0,
                   "maximum": 1},
         "top_k": {**_INT_OR_NULL, "minimum": -1},
-        "seed": _INT_OR_NULL,
+        "seed": {**_INT_OR_NULL, "minimum": 0, "maximum": 2**63 - 1},
         "presence_penalty": {"type": "number", "nullable": True, "minimum": -2, "maximum": 2},
         "frequency_penalty": {"type": "number", "nullable": True, "minimum": -2, "maximum": 2},
         "n": {"type": "integer", "nullable": True, "enum": [1]},

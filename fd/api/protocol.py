@@ -162,6 +162,8 @@ def _sampling(body: dict, prompt_len: int, limits: Limits, default_max: int | No
     if top_k < -1:
         raise bad_request("'top_k' must be -1, 0 (off) or a positive integer.", "top_k", "invalid_value")
     seed = _opt(body, "seed", _is_int, "an integer", None)
+    if seed is not None and not 0 <= seed < 2**63:  # what an engine accepts (control.events)
+        raise bad_request("'seed' must be an integer in [0, 2**63).", "seed", "invalid_value")
     for name in ("presence_penalty", "frequency_penalty"):
         v = _opt(body, name, _is_num, "a number", 0.0)
         if not -2.0 <= v <= 2.0:
