@@ -498,7 +498,7 @@ def _validate(ev: Event) -> None:
                 raise BadEvent(f"invalid request id {r[:40]!r}", "request_ids")
     for name in ("engine",):
         e = getattr(ev, name, None)
-        if e and not ENGINE_ID_RE.match(e):
+        if e and not ENGINE_ID_RE.fullmatch(e):
             raise BadEvent(f"invalid engine id {e[:40]!r}", name)
     if isinstance(ev, Final) and ev.finish_reason not in FINISH_REASONS:
         raise BadEvent(f"must be one of {FINISH_REASONS}", "finish_reason")

@@ -24,7 +24,7 @@ ABORTED_OWNER = "aborted"
 
 
 def valid_request_id(request_id: str) -> bool:
-    return bool(REQUEST_ID_RE.match(request_id))
+    return bool(REQUEST_ID_RE.fullmatch(request_id))
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +32,7 @@ class Keys:
     prefix: str = "fd"
 
     def __post_init__(self) -> None:
-        if not PREFIX_RE.match(self.prefix):
+        if not PREFIX_RE.fullmatch(self.prefix):
             raise ValueError(f"invalid key prefix {self.prefix!r}: use letters, digits, '_.:-'")
 
     @property

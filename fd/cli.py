@@ -394,6 +394,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return export_main(argv[2:])
     args = build_parser().parse_args(argv)
+    if args.cmd in ("serve", "engine"):
+        # The model step runs in a worker thread beside the event loop. Its many short paddle
+        # ops each re-take the GIL; at Python's default 5 ms switch interval the loop's I/O keeps
+        # the step waiting. 0.5 ms: +12-15% tokens/s at 32 streams in `fd serve` (one run).
+        sys.setswitchinterval(0.0005)
     from control.logs import setup_logging
 
     setup_logging(getattr(args, "log_level", "warning") if hasattr(args, "log_level") else "warning",
