@@ -64,6 +64,8 @@ class ApiConfig:
 
 
 API_KEY = web.AppKey("fd.api", object)
+REDIS_SUSPECT_S = 30.0  # after a Redis error, check with a quick ping before each new request
+REDIS_PING_TIMEOUT_S = 0.5
 ADMIN_PATHS = ("/v1/abort_requests",)
 RID = web.RequestKey("fd.rid", str)  # the request id, echoed in X-Request-Id even on errors
 
@@ -102,6 +104,7 @@ async def _errors(request: web.Request, handler):
         return _error_response(ApiError(e.status, e.reason, "invalid_request_error", None, code), request)
     except RedisError as e:
         log.warning("redis error on %s: %s", request.path, e)
+        request.app[API_KEY].redis_failed()
         return _error_response(unavailable(f"The control plane (Redis) is unavailable: {e}"), request)
     except HttpProcessingError as e:  # a body aiohttp could not decode (bad gzip, bad chunking)
         return _error_response(bad_request(f"Malformed request body: {e.message}"), request)
@@ -160,6 +163,7 @@ class Api:
     """The handlers, bound to one bus, one stream mux, one tokenizer and one metrics object."""
 
     def __init__(self, cfg: ApiConfig, bus: Bus, mux: StreamMux, tokenizer, metrics: Metrics):
+        self._redis_suspect_until = 0.0  # see redis_failed()
         self.cfg = cfg
         self.bus = bus
         self.mux = mux
@@ -253,7 +257,23 @@ class Api:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "completion", "cmpl", protocol.parse_completion)
 
+    def redis_failed(self) -> None:
+        """Remember that Redis just failed: until a quick ping succeeds again, new requests get
+        their 503 at once instead of after the client's seconds of connection retries."""
+        self._redis_suspect_until = time.monotonic() + REDIS_SUSPECT_S
+
+    async def _check_redis(self) -> None:
+        if time.monotonic() >= self._redis_suspect_until:
+            return
+        try:
+            await asyncio.wait_for(self.bus.redis.ping(), REDIS_PING_TIMEOUT_S)
+        except (RedisError, OSError, asyncio.TimeoutError) as e:
+            self.redis_failed()
+            raise unavailable(f"The control plane (Redis) is unavailable: {e or type(e).__name__}") from None
+        self._redis_suspect_until = 0.0
+
     async def _generate(self, request: web.Request, endpoint: str, prefix: str, parse) -> web.StreamResponse:
+        await self._check_redis()
         arrival = time.monotonic()
         rid, explicit = self._request_id(request, prefix)
         gen: protocol.GenerationRequest = parse(await self._body(request), self.limits, self.tokenizer)
@@ -496,6 +516,7 @@ class Api:
         try:
             engines = await asyncio.wait_for(self.bus.engines(), HEALTH_TIMEOUT_S)
         except (RedisError, OSError, asyncio.TimeoutError) as e:
+            self.redis_failed()
             raise unavailable(f"Redis is unreachable: {e or type(e).__name__}") from None
         if not engines:
             raise unavailable("No engine is alive (no engine heartbeat in Redis).")
