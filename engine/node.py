@@ -520,47 +520,51 @@ class EngineNode:
 
     async def _on_control(self, ev: Event) -> None:
         if isinstance(ev, Abort):
-            for rid in ev.request_ids:
-                await self._abort(rid, ev.source)
+            await self._abort(ev.request_ids, ev.source)
         elif isinstance(ev, AbortAll):
             if ev.engine in (None, "", self.id):
-                for rid in list(self._entry):
-                    await self._abort(rid, ev.source)
+                await self._abort(tuple(self._entry), ev.source)
         elif isinstance(ev, Drain):
             # the look-back must not replay a drain meant for an earlier life of this id
             if ev.engine == self.id and ev.ts >= self._started_ms:
                 self.drain()
 
-    async def _abort(self, rid: str, source: str) -> None:
+    async def _abort(self, rids: tuple[str, ...], source: str) -> None:
         # Counted where the abort takes effect: every engine reads every abort (broadcast),
         # but exactly one engine owns the request or wins its tombstone.
-        if self.sched.knows(rid):
-            if rid in self._silent:
-                return  # handed back or lost: its new owner aborts it
-            evs = self.sched.abort(rid, source)
-            if evs:
-                self._count_abort(source)
-            self._emit(evs)
+        unknown = []
+        for rid in rids:
+            if not self.sched.knows(rid):
+                unknown.append(rid)
+            elif rid not in self._silent:  # (handed back or lost: its new owner aborts it)
+                evs = self.sched.abort(rid, source)
+                if evs:
+                    self._count_abort(source)
+                self._emit(evs)
+        if not unknown:
             return
-        # Not ours (yet): race the claim for it. Whoever wins SET NX decides; if the abort
+        # Not ours (yet): race the claim for each. Whoever wins SET NX decides; if the abort
         # wins, no engine will ever prefill the request and this engine writes its story.
-        won, owner = await self._retry("abort", lambda: self.bus.try_own(
-            rid, ABORTED_OWNER, self.cfg.tombstone_ttl_s))
-        if not won:
-            if owner != ABORTED_OWNER:
-                # Owned: by a live engine (which handles it), by a dead one or one handing it
-                # back (whoever continues it must still abort it), or by this engine between
-                # owning it and starting it. Remember it for the case this engine is the one.
-                self._dismiss(rid, source)
-            return
-        self._count_abort(source)
+        # One round trip for all of them.
+        results = await self._retry("abort", lambda: self.bus.try_own_many(
+            unknown, ABORTED_OWNER, self.cfg.tombstone_ttl_s))
         usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-        self._emit([
-            AbortRequested(request_id=rid, source=source),
-            Drained(request_id=rid),
-            BlocksReleased(request_id=rid, count=0),
-            Final(request_id=rid, finish_reason="abort", usage=usage),
-        ])
+        for rid, (won, owner) in zip(unknown, results):
+            if not won:
+                if owner != ABORTED_OWNER:
+                    # Owned: by a live engine (which handles it), by a dead one or one handing
+                    # it back (whoever continues it must still abort it), or by this engine
+                    # between owning it and starting it. Remember it for the case this engine
+                    # is the one.
+                    self._dismiss(rid, source)
+                continue
+            self._count_abort(source)
+            self._emit([
+                AbortRequested(request_id=rid, source=source),
+                Drained(request_id=rid),
+                BlocksReleased(request_id=rid, count=0),
+                Final(request_id=rid, finish_reason="abort", usage=usage),
+            ])
 
     def _dismiss(self, rid: str, source: str) -> None:
         now = time.monotonic()

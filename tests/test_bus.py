@@ -240,6 +240,16 @@ async def test_try_own_first_wins(bus):
     assert 0 < await bus.redis.ttl(bus.keys.owner("r1")) <= 60
 
 
+async def test_try_own_many_matches_try_own_one_by_one(bus):
+    await bus.try_own("taken", "e1", 60)
+    got = await bus.try_own_many(["free1", "taken", "free2", "free1"], "aborted", 30)
+    # the repeated id loses to its own first tombstone, as a second try_own would
+    assert got == [(True, "aborted"), (False, "e1"), (True, "aborted"), (False, "aborted")]
+    assert await bus.owner("free2") == "aborted" and await bus.owner("taken") == "e1"
+    assert 0 < await bus.redis.ttl(bus.keys.owner("free1")) <= 30
+    assert await bus.try_own_many([], "aborted", 30) == []
+
+
 async def test_expire_request_sets_ttl(bus):
     await bus.publish(bus.keys.req("r1"), E.Accepted(request_id="r1"))
     await bus.try_own("r1", "e1", 10_000_000)
