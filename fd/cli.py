@@ -46,9 +46,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-mb", type=int, default=256)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--executor", choices=("paddle", "timed"), default="paddle",
-                   help="paddle: the model; timed: the real scheduler, blocks and streams with the "
-                        "forward pass replaced by a wait of --step-ms (a stand-in for a GPU)")
+    p.add_argument("--executor", choices=("paddle", "paddle-thread", "timed"), default="paddle",
+                   help="paddle: the model in a worker process (default); paddle-thread: in this "
+                        "process; timed: the real scheduler, blocks and streams with the forward "
+                        "pass replaced by a wait of --step-ms (a stand-in for a GPU)")
     p.add_argument("--step-ms", type=float, default=20.0, help="with --executor timed")
     p.add_argument("--max-attempts", type=int, default=3,
                    help="engines a request may fail on (engine died) before it ends with an error")
@@ -100,7 +101,8 @@ def _engine_opts(args: argparse.Namespace, model_dir: Path):
                          kv_cache_mb=args.kv_cache_mb, max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens,
                          max_attempts=args.max_attempts, drain_timeout_s=args.drain_timeout,
-                         request_timeout_s=args.request_timeout)
+                         request_timeout_s=args.request_timeout,
+                         executor=args.executor if args.executor != "timed" else "paddle")
 
 
 def _runner(args: argparse.Namespace, model_dir: Path):

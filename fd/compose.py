@@ -31,6 +31,9 @@ class EngineOptions:
     max_attempts: int = 3  # engines a request may fail on before it ends with an error
     drain_timeout_s: float = 30.0  # on a drain (or SIGTERM), how long running requests may finish
     request_timeout_s: float = 0.0  # no token for this long ends a request with an error; 0: off
+    # "paddle": the model in a worker process (its own core and GIL, beside the engine's event
+    # loop); "paddle-thread": in the engine's own process, in a thread (tests, debugging).
+    executor: str = "paddle"
 
 
 @dataclass
@@ -48,6 +51,7 @@ class RunningEngine:
     node: Any
     task: asyncio.Task
     metrics: Metrics | None
+    owns_runner: bool = False  # made here (not handed in by the caller), so closed here
 
     @property
     def id(self) -> str:
@@ -58,6 +62,9 @@ class RunningEngine:
         await asyncio.gather(self.task, return_exceptions=True)
         await self.node.bus.redis.aclose()
         await self.node.control_bus.redis.aclose()
+        close = getattr(self.node.runner, "close", None)
+        if close is not None and self.owns_runner:
+            close()  # a model worker process
 
 
 @dataclass
@@ -94,11 +101,18 @@ def _no_retries(client):
 
 
 def make_runner(opts: EngineOptions, progress: bool = True):
-    from engine.model_runner import ModelRunner
+    kw = dict(device=opts.device, num_blocks=opts.num_blocks, block_size=opts.block_size,
+              kv_cache_bytes=opts.kv_cache_mb << 20, progress=progress)
+    if opts.executor == "paddle":
+        from engine.worker import ProcessRunner
 
-    runner = ModelRunner(opts.model_dir, device=opts.device, num_blocks=opts.num_blocks,
-                         block_size=opts.block_size, kv_cache_bytes=opts.kv_cache_mb << 20,
-                         progress=progress)
+        runner = ProcessRunner(opts.model_dir, **kw)
+    elif opts.executor == "paddle-thread":
+        from engine.model_runner import ModelRunner
+
+        runner = ModelRunner(opts.model_dir, **kw)
+    else:
+        raise ValueError(f"unknown executor {opts.executor!r}")
     runner.warmup()  # before any request is admitted: warm-up writes scratch KV
     return runner
 
@@ -109,6 +123,7 @@ async def start_engine(redis_factory: Callable[[], Any], keys: Keys, opts: Engin
     from control.tokenizer import Tokenizer
     from engine.node import EngineConfig, EngineNode
 
+    owns_runner = runner is None
     runner = runner if runner is not None else make_runner(opts)
     tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_dir(opts.model_dir)
     if metrics is not None:
@@ -124,7 +139,7 @@ async def start_engine(redis_factory: Callable[[], Any], keys: Keys, opts: Engin
                       runner, tokenizer, cfg, metrics=metrics)
     await node.prepare()
     task = asyncio.create_task(node.run(), name=f"engine-{engine_id}")
-    return RunningEngine(node, task, metrics)
+    return RunningEngine(node, task, metrics, owns_runner=owns_runner)
 
 
 async def start_api(redis_factory: Callable[[], Any], keys: Keys, opts: ApiOptions, *,

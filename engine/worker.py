@@ -1,0 +1,109 @@
+"""The model in its own process: a runner that forwards each step to a worker over a pipe.
+
+In one Python process the model step (hundreds of short paddle calls) and the event loop
+(Redis I/O, HTTP streaming) take turns on one GIL, and each slows the other: at 32 streams
+the forward ran about 4x slower beside ``fd serve``'s loop than alone (bench/api.py). In a
+worker process the forward has a core and a GIL of its own, and the node's step thread just
+waits on the pipe (which releases the GIL). A step's input and output are small values
+(:class:`SchedulerOutput`, :class:`RunnerOutput`), so the pipe costs tens of microseconds.
+
+The worker exits when the pipe closes, so it never outlives its engine, even one killed with
+SIGKILL.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import signal
+import traceback
+from typing import Any
+
+from engine.outputs import RunnerOutput, SchedulerOutput
+
+
+class WorkerError(RuntimeError):
+    """The worker failed to start or to run a step; the message carries its traceback."""
+
+
+def _worker_main(conn, model_dir: str, kwargs: dict[str, Any]) -> None:
+    # Ctrl-C reaches the whole process group; the worker stops when its engine closes the pipe.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        import engine  # noqa: F401  (its warning filters)
+        from engine.model_runner import ModelRunner
+
+        runner = ModelRunner(model_dir, **kwargs)
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ready", {"num_blocks": runner.num_blocks,
+                         "eos_token_ids": tuple(runner.eos_token_ids),
+                         "max_model_len": runner.max_model_len,
+                         "vocab_size": runner.vocab_size}))
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        try:
+            if msg == "warmup":
+                runner.warmup()
+                conn.send(("ok", None))
+            else:
+                conn.send(("ok", runner.execute(msg)))
+        except Exception:  # noqa: BLE001
+            conn.send(("error", traceback.format_exc()))
+
+
+class ProcessRunner:
+    """Implements the node's Runner protocol (``num_blocks``, ``eos_token_ids``,
+    ``max_model_len``, ``vocab_size``, ``execute``) with a :class:`ModelRunner` in a worker."""
+
+    def __init__(self, model_dir: str, **kwargs: Any):
+        ctx = mp.get_context("spawn")  # paddle and threads do not survive a fork
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_worker_main, args=(child, str(model_dir), kwargs),
+                                 name="fd-model-worker", daemon=True)
+        self._proc.start()
+        child.close()
+        try:
+            kind, info = self._conn.recv()
+        except EOFError:
+            raise WorkerError(f"the model worker exited with code {self._proc.exitcode}") from None
+        if kind != "ready":
+            self._proc.join(timeout=5)
+            raise WorkerError(info)
+        self.num_blocks: int = info["num_blocks"]
+        self.eos_token_ids: tuple[int, ...] = info["eos_token_ids"]
+        self.max_model_len: int = info["max_model_len"]
+        self.vocab_size: int = info["vocab_size"]
+
+    def _call(self, msg: Any) -> Any:
+        self._conn.send(msg)
+        try:
+            kind, value = self._conn.recv()
+        except EOFError:
+            raise WorkerError(f"the model worker died (exit code {self._proc.exitcode})") from None
+        if kind == "error":
+            raise WorkerError(value)
+        return value
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        return self._call(out)
+
+    def warmup(self) -> None:
+        self._call("warmup")
+
+    def close(self) -> None:
+        if self._proc.is_alive():
+            try:
+                self._conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+            self._proc.join(timeout=5)
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join()
+        self._conn.close()
