@@ -28,7 +28,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
@@ -108,6 +108,8 @@ class Bus:
         self.control_maxlen = control_maxlen
         self.journal_maxlen = journal_maxlen
         self.dead_letters = 0
+        #: called once per dead letter written (e.g. a Prometheus counter's ``inc``)
+        self.on_dead_letter: Callable[[], Any] | None = None
         self._dead_seen: OrderedDict[tuple[bytes, bytes], None] = OrderedDict()
         self._journal_head = f"{keys.prefix}:journal:"
         self.cluster = is_cluster(redis)
@@ -211,6 +213,8 @@ class Bus:
         if truncated:
             out[b"truncated"] = b",".join(truncated)
         self.dead_letters += 1
+        if self.on_dead_letter is not None:
+            self.on_dead_letter()
         await self.redis.xadd(self.keys.dead, out, maxlen=self.dead_maxlen, approximate=True)
 
     async def _decode_or_dead(self, stream: str | bytes, entry_id: bytes, fields: Mapping | None,

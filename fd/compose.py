@@ -137,6 +137,8 @@ async def start_engine(redis_factory: Callable[[], Any], keys: Keys, opts: Engin
                        max_num_batched_tokens=opts.max_num_batched_tokens, **kw)
     node = EngineNode(Bus(_no_retries(redis_factory()), keys), Bus(_no_retries(redis_factory()), keys),
                       runner, tokenizer, cfg, metrics=metrics)
+    if metrics is not None:
+        node.bus.on_dead_letter = node.control_bus.on_dead_letter = metrics.dead_letters_total.inc
     await node.prepare()
     task = asyncio.create_task(node.run(), name=f"engine-{engine_id}")
     return RunningEngine(node, task, metrics, owns_runner=owns_runner)
@@ -153,10 +155,12 @@ async def start_api(redis_factory: Callable[[], Any], keys: Keys, opts: ApiOptio
     name = opts.served_model_name or Path(opts.model_dir).name
     cfg = ApiConfig(model_name=name, max_model_len=tokenizer.max_model_len,
                     api_key=opts.api_key, admin_key=opts.admin_key)
+    metrics = metrics if metrics is not None else Metrics()
     mux = StreamMux(redis_factory(), keys, cfg.api_id)
     await mux.start()
     bus = Bus(redis_factory(), keys)
-    app = make_app(cfg, bus, mux, tokenizer, metrics if metrics is not None else Metrics())
+    bus.on_dead_letter = mux._bus.on_dead_letter = metrics.dead_letters_total.inc
+    app = make_app(cfg, bus, mux, tokenizer, metrics)
     # handler_cancellation: a client that goes away cancels its handler, which is how
     # fd.api.cancellation notices a disconnect before anything is written.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)

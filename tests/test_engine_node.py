@@ -100,3 +100,23 @@ async def test_bad_events_never_stop_the_engine(real_bus, redis_server, keys, ti
         assert not eng.task.done()
     finally:
         await eng.stop()
+
+
+async def test_dead_letters_are_counted_in_metrics(real_bus, redis_server, keys, tiny_model_dir,
+                                                   tiny_runner, tiny_tokenizer):
+    from control.metrics import Metrics
+
+    metrics = Metrics()
+    opts = EngineOptions(model_dir=str(tiny_model_dir), engine_id="e-dead")
+    eng = await start_engine(lambda: connect(redis_server.url), keys, opts, runner=tiny_runner,
+                             tokenizer=tiny_tokenizer, metrics=metrics)
+    try:
+        await real_bus.redis.execute_command("XADD", keys.control, "*", "type", "abrot")
+        await real_bus.redis.execute_command("XADD", keys.control, "*", "type", "abort")
+        for _ in range(200):
+            if await real_bus.redis.xlen(keys.dead) >= 2:
+                break
+            await asyncio.sleep(0.01)
+        assert b"fd_dead_letters_total 2.0" in metrics.render()
+    finally:
+        await eng.stop()
