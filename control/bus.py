@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import ResponseError, WatchError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from control.events import (
@@ -48,8 +48,10 @@ from control.events import (
     Final,
     Request,
     decode,
+    tombstone_story,
 )
-from control.keys import ABORTED_OWNER, GROUP_ENGINES, Keys, valid_request_id
+from control.keys import (ABORT_WRITTEN, GROUP_ENGINES, Keys, is_tombstone, tombstone,
+                          pending_tombstone_source, valid_request_id)
 
 log = logging.getLogger("control.bus")
 
@@ -172,7 +174,14 @@ class Bus:
         its story already ends in ``final``, and nothing may follow a final.
         """
         rid = request.request_id
-        if await self.owner(rid) == ABORTED_OWNER:
+        if is_tombstone(await self.owner(rid)):
+            # The abort overtook its request. Its story starts here, with `accepted`, unless
+            # someone already wrote it.
+            source = await self.take_abort_story(rid)
+            if source is not None:
+                story = [(self.keys.req(rid), ev) for ev in tombstone_story(rid, source)]
+                await self.publish_many([(self.keys.req(rid), accepted), *story],
+                                        expire=[self.keys.req(rid)])
             return False
         story = self.keys.req(rid)
         if self.cluster:  # two nodes, written side by side: make sure the story starts first
@@ -354,6 +363,42 @@ class Bus:
         for old in await pipe.execute():
             out.append((True, owner) if old is None else (False, old.decode()))
         return out
+
+    async def tombstone_many(self, request_ids: Sequence[str], source: str,
+                             ttl_s: int) -> list[tuple[bool, str | None, bool]]:
+        """Lay abort tombstones (``SET P:owner:{id} aborted:<source> NX GET``) and look for
+        each request's stream, all in one round trip: ``(won, current owner, stream exists)``."""
+        if not request_ids:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        value = tombstone(source)
+        for rid in request_ids:
+            pipe.set(self.keys.owner(rid), value, nx=True, ex=ttl_s, get=True)
+            pipe.exists(self.keys.req(rid))
+        res = await pipe.execute()
+        out = []
+        for old, exists in zip(res[0::2], res[1::2]):
+            won = old is None
+            out.append((won, value if won else old.decode(), bool(exists)))
+        return out
+
+    async def take_abort_story(self, request_id: str) -> str | None:
+        """Compare-and-set a pending tombstone to ``aborted-final``. Returns the abort's source
+        when this caller won and so must write the request's abort story; None otherwise."""
+        key = self.keys.owner(request_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            try:
+                await pipe.watch(key)
+                cur = await pipe.get(key)
+                source = pending_tombstone_source(cur.decode() if cur is not None else None)
+                if source is None:
+                    return None
+                pipe.multi()
+                pipe.set(key, ABORT_WRITTEN, ex=self.req_ttl_s)
+                await pipe.execute()
+                return source
+            except WatchError:
+                return None
 
     async def owner(self, request_id: str) -> str | None:
         v = await self.redis.get(self.keys.owner(request_id))

@@ -339,6 +339,17 @@ class Final(Event):
     stop_reason: str | None = None  # the stop string or token that ended it, like vLLM
 
 
+def tombstone_story(request_id: str, source: str, engine: str = "") -> list[Event]:
+    """The whole abort story of a request no engine ever ran: nothing to drain, no blocks."""
+    usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    return [
+        AbortRequested(request_id=request_id, source=source, engine=engine),
+        Drained(request_id=request_id, engine=engine),
+        BlocksReleased(request_id=request_id, count=0, engine=engine),
+        Final(request_id=request_id, finish_reason="abort", usage=usage, engine=engine),
+    ]
+
+
 REQ_STREAM_TYPES = (Accepted, Claimed, Tokens, Preempted, AbortRequested, Drained, BlocksReleased,
                     Final)
 CONTROL_TYPES = (Abort, AbortAll, Drain)

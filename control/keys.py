@@ -19,8 +19,30 @@ PREFIX_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 GROUP_ENGINES = "engines"
 
 #: The value of ``P:owner:{id}`` when an abort won the race for a request no engine had claimed
-#: (or that had not even been sent yet): a tombstone. No engine will prefill it.
+#: (or that had not even been sent yet): a tombstone, ``aborted:<source>``. No engine will
+#: prefill it. Whoever next finds it with the request's stream in place (the abort itself, the
+#: API submitting the request, an engine claiming it) flips it to :data:`ABORT_WRITTEN` with a
+#: compare-and-set and writes the abort story: exactly one party does.
 ABORTED_OWNER = "aborted"
+ABORT_WRITTEN = "aborted-final"
+
+
+def tombstone(source: str) -> str:
+    return f"{ABORTED_OWNER}:{source}"
+
+
+def is_tombstone(owner: str | None) -> bool:
+    return owner is not None and (owner == ABORTED_OWNER or owner == ABORT_WRITTEN
+                                  or owner.startswith(ABORTED_OWNER + ":"))
+
+
+def pending_tombstone_source(owner: str | None) -> str | None:
+    """The abort's source if ``owner`` is a tombstone whose story is not written yet."""
+    if owner == ABORTED_OWNER:
+        return "redis"
+    if owner is not None and owner.startswith(ABORTED_OWNER + ":"):
+        return owner[len(ABORTED_OWNER) + 1:] or "redis"
+    return None
 
 
 def valid_request_id(request_id: str) -> bool:

@@ -27,7 +27,7 @@ from redis.exceptions import WatchError
 from control.bus import Bus
 from control.events import (AbortRequested, BadEvent, BlocksReleased, Claimed, Drained, Event,
                             Final, Preempted, Request, Tokens, decode)
-from control.keys import ABORTED_OWNER, GROUP_ENGINES
+from control.keys import GROUP_ENGINES, is_tombstone
 
 
 @dataclass
@@ -101,8 +101,10 @@ class OrphanFinder:
         self.min_idle_ms = min_idle_ms
         self._requests: dict[bytes, Request | None] = {}
 
-    async def scan(self, count: int, mine: Any) -> tuple[list[Orphan], list[bytes]]:
-        """``(orphans, entries to ack)``; ``mine(request_id)`` says this engine runs it now."""
+    async def scan(self, count: int, mine: Any
+                   ) -> tuple[list[Orphan], list[bytes], list[tuple[bytes, str]]]:
+        """``(orphans, entries to ack, tombstoned (entry, request id)s to finish and ack)``;
+        ``mine(request_id)`` says this engine runs it now."""
         r, keys = self.bus.redis, self.bus.keys
         pending = await r.xpending_range(keys.requests, GROUP_ENGINES, min="-", max="+",
                                          count=max(count, 1) * 4 + 16, idle=self.min_idle_ms)
@@ -126,12 +128,12 @@ class OrphanFinder:
             elif not mine(req.request_id):
                 cands.append((eid, req))
         if not cands:
-            return [], drop
+            return [], drop, []
         pipe = r.pipeline(transaction=False)
         for _, req in cands:
             pipe.get(keys.owner(req.request_id))
         owners = [o.decode() if isinstance(o, bytes) else o for o in await pipe.execute()]
-        others = sorted({o for o in owners if o and o != self.id and o != ABORTED_OWNER})
+        others = sorted({o for o in owners if o and o != self.id and not is_tombstone(o)})
         alive: dict[str, bool] = {}
         if others:
             pipe = r.pipeline(transaction=False)
@@ -139,14 +141,15 @@ class OrphanFinder:
                 pipe.exists(keys.engine(o))
             alive = {o: bool(n) for o, n in zip(others, await pipe.execute())}
         found: list[Orphan] = []
+        aborted: list[tuple[bytes, str]] = []
         for (eid, req), owner in zip(cands, owners):
-            if owner == ABORTED_OWNER:
-                drop.append(eid)  # an abort won: its story is written, the entry is just done
+            if is_tombstone(owner):
+                aborted.append((eid, req.request_id))  # an abort won: finish its story, ack
             elif owner is None or owner == self.id or not alive.get(owner, False):
                 found.append(Orphan(eid, req, owner))
             if len(found) >= count:
                 break
-        return found, drop
+        return found, drop, aborted
 
 
 def _request_of(rows) -> Request | None:

@@ -55,8 +55,9 @@ from control.events import (
     Preempted,
     Request,
     Tokens,
+    tombstone_story,
 )
-from control.keys import ABORTED_OWNER
+from control.keys import is_tombstone
 from engine import failover
 from engine.config import SchedulerConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -357,9 +358,12 @@ class EngineNode:
             won, current = await self.bus.try_own(rid, self.id, ttl)
             # (current == self.id: a retried SET NX that had in fact got through)
             if not won and current != self.id:
-                # An abort got here first (tombstone): it already wrote the request's final.
-                # The request is never prefilled.
+                # An abort got here first (tombstone): the request is never prefilled. Its
+                # story is written by whoever flips the tombstone first, maybe this engine.
                 log.info("claim lost", extra={"request_id": rid, "owner": current})
+                if is_tombstone(current):
+                    await self._write_tombstone_story(rid)
+                    await self._flush()
                 await self.bus.ack_request(entry_id)
                 return None
         if not (takeover or req.resume):
@@ -543,28 +547,27 @@ class EngineNode:
                 self._emit(evs)
         if not unknown:
             return
-        # Not ours (yet): race the claim for each. Whoever wins SET NX decides; if the abort
-        # wins, no engine will ever prefill the request and this engine writes its story.
-        # One round trip for all of them.
-        results = await self._retry("abort", lambda: self.bus.try_own_many(
-            unknown, ABORTED_OWNER, self.cfg.tombstone_ttl_s))
-        usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-        for rid, (won, owner) in zip(unknown, results):
-            if not won:
-                if owner != ABORTED_OWNER:
-                    # Owned: by a live engine (which handles it), by a dead one or one handing
-                    # it back (whoever continues it must still abort it), or by this engine
-                    # between owning it and starting it. Remember it for the case this engine
-                    # is the one.
-                    self._dismiss(rid, source)
-                continue
-            self._count_abort(source)
-            self._emit([
-                AbortRequested(request_id=rid, source=source),
-                Drained(request_id=rid),
-                BlocksReleased(request_id=rid, count=0),
-                Final(request_id=rid, finish_reason="abort", usage=usage),
-            ])
+        # Not ours (yet): race the claim for each with a tombstone (one round trip for all).
+        # Whoever wins SET NX decides: if the abort wins, no engine will ever prefill the
+        # request. Its story is written now if its stream is there (queued, unclaimed), else by
+        # whoever meets the tombstone next (the API submitting it, an engine claiming it).
+        results = await self._retry("abort", lambda: self.bus.tombstone_many(
+            unknown, source, self.cfg.tombstone_ttl_s))
+        for rid, (won, owner, exists) in zip(unknown, results):
+            if won:
+                self._count_abort(source)
+                if exists:
+                    await self._write_tombstone_story(rid)
+            elif not is_tombstone(owner):
+                # Owned: by a live engine (which handles it), by a dead one or one handing it
+                # back (whoever continues it must still abort it), or by this engine between
+                # owning it and starting it. Remember it for the case this engine is the one.
+                self._dismiss(rid, source)
+
+    async def _write_tombstone_story(self, rid: str) -> None:
+        source = await self._retry("abort", lambda: self.bus.take_abort_story(rid))
+        if source is not None:
+            self._emit(tombstone_story(rid, source))
 
     def _dismiss(self, rid: str, source: str) -> None:
         now = time.monotonic()
@@ -733,8 +736,12 @@ class EngineNode:
         room = self.sched.can_admit()
         mine = lambda rid: (rid in self._entry or rid in self._admitting  # noqa: E731
                             or self.sched.knows(rid))
-        orphans, done = await self._orphans.scan(max(room, 0), mine)
+        orphans, done, aborted = await self._orphans.scan(max(room, 0), mine)
         for entry in done:
+            await self.bus.ack_request(entry)
+        for entry, rid in aborted:  # read by an engine that died before acking it
+            await self._write_tombstone_story(rid)
+            await self._flush()
             await self.bus.ack_request(entry)
         for o in orphans:
             if self._draining or self._stopping or self.sched.can_admit() <= 0:

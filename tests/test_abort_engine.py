@@ -164,7 +164,7 @@ async def test_mid_chunked_prefill_abort(real_bus, engines):
     assert not any(s.sample for o in gated.batches for s in o.seqs if s.request_id == "chunky")
 
 
-async def test_finished_duplicate_unknown_aborts(real_bus, engines):
+async def test_finished_duplicate_unknown_aborts(real_bus, engines, keys):
     eng, gated = await engines()
     await submit(real_bus, "done", PROMPT, max_tokens=3)
     before = await story(real_bus, "done")
@@ -176,8 +176,14 @@ async def test_finished_duplicate_unknown_aborts(real_bus, engines):
     await _abort(real_bus, "dup")
     await _abort(real_bus, "dup", source="cli")
     await _abort(real_bus, "ghost")
-    ghost = await story(real_bus, "ghost")
-    assert types(ghost) == ["abort_requested", "drained", "blocks_released", "final"]
+    # an unknown id costs a tombstone (one small key with a TTL), not a stream
+    for _ in range(200):
+        if await real_bus.owner("ghost"):
+            break
+        await asyncio.sleep(0.01)
+    assert await real_bus.owner("ghost") == "aborted:redis"
+    assert 0 < await real_bus.redis.ttl(keys.owner("ghost")) <= eng.node.cfg.tombstone_ttl_s
+    assert not await real_bus.redis.exists(keys.req("ghost"))
     dup = await story(real_bus, "dup")
     await asyncio.sleep(0.1)
     dup = [e for _, e in await real_bus.read_req("dup")]
@@ -185,11 +191,15 @@ async def test_finished_duplicate_unknown_aborts(real_bus, engines):
     after = [e for _, e in await real_bus.read_req("done")]
     assert types(after) == types(before)  # the finished request's story is unchanged
     # the ghost's request arrives after its abort: never submitted, never prefilled, and its
-    # story still ends in its one final
+    # story is whole: accepted, then the abort, then its one final
     assert await real_bus.submit(*_pair("ghost", PROMPT, max_tokens=4)) is False
-    await asyncio.sleep(0.2)
-    ghost = [e for _, e in await real_bus.read_req("ghost")]
-    assert types(ghost) == ["abort_requested", "drained", "blocks_released", "final"]
+    ghost = await story(real_bus, "ghost")
+    assert types(ghost) == ["accepted", "abort_requested", "drained", "blocks_released", "final"]
+    assert ghost[-1].finish_reason == "abort" and ghost[1].source == "redis"
+    # a second submission of the same id writes nothing more
+    assert await real_bus.submit(*_pair("ghost", PROMPT, max_tokens=4)) is False
+    await asyncio.sleep(0.1)
+    assert len(await real_bus.read_req("ghost")) == 5
     assert "ghost" not in gated.scheduled_ids()
     await _all_free(eng.node)
 
@@ -208,3 +218,25 @@ async def test_abort_all(real_bus, engines):
         assert evs[-1].finish_reason == "abort"
         assert isinstance(evs[-1], Final)
     await _all_free(eng.node)
+
+
+async def test_engine_that_meets_a_tombstone_writes_the_story_once(real_bus, engines, keys):
+    """The abort laid its tombstone before the request's stream existed; the request was
+    submitted anyway (it checked before the tombstone landed). The engine that claims it loses
+    to the tombstone, never prefills it, and writes its abort story exactly once."""
+    eng, gated = await engines()
+    [(won, _, exists)] = await real_bus.tombstone_many(["raced"], "http", 60)
+    assert won and not exists
+    req, acc = _pair("raced", PROMPT, max_tokens=4)
+    await real_bus.publish_many([(keys.req("raced"), acc), (keys.requests, req)])
+    evs = await story(real_bus, "raced")
+    assert types(evs) == ["accepted", "abort_requested", "drained", "blocks_released", "final"]
+    assert evs[1].source == "http" and evs[-1].finish_reason == "abort"
+    assert await real_bus.owner("raced") == "aborted-final"
+    assert await real_bus.take_abort_story("raced") is None  # nobody can write it again
+    for _ in range(200):
+        if await real_bus.redis.xlen(keys.requests) == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert await real_bus.redis.xlen(keys.requests) == 0  # acked and deleted
+    assert "raced" not in gated.scheduled_ids()

@@ -34,7 +34,7 @@ from control.events import (
     RequestData,
     Tokens,
 )
-from control.keys import ABORTED_OWNER, ENGINE_ID_RE, REQUEST_ID_RE
+from control.keys import ENGINE_ID_RE, REQUEST_ID_RE, is_tombstone
 from control.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from control.metrics import Metrics
 from fd.api import openapi, protocol, sse
@@ -278,7 +278,7 @@ class Api:
         rid, explicit = self._request_id(request, prefix)
         gen: protocol.GenerationRequest = parse(await self._body(request), self.limits, self.tokenizer)
         if (explicit and await self.bus.redis.exists(self.bus.keys.req(rid))
-                and await self.bus.owner(rid) != ABORTED_OWNER):
+                and not is_tombstone(await self.bus.owner(rid))):
             # (an id whose abort overtook it is not a conflict: its story already ends in an
             # abort final, which is what this client gets)
             raise conflict(f"A request with id '{rid}' already exists.", "X-Request-Id")
