@@ -183,10 +183,14 @@ async def test_try_own_tombstone_and_expire_request(cbus):
     await cbus.expire_request(rid)
     assert 0 < await cbus.redis.ttl(cbus.keys.owner(rid)) <= cbus.req_ttl_s
     assert 0 < await cbus.redis.ttl(cbus.keys.req(rid)) <= cbus.req_ttl_s
-    # a tombstoned id is not submitted
+    # a tombstoned id is not submitted; its story is written instead (compare-and-set on the
+    # owner key works on a cluster), and only once
     assert await cbus.try_own("own-2", "aborted", 60) == (True, "aborted")
     assert not await cbus.submit(request("own-2"), E.Accepted(request_id="own-2"))
-    assert await cbus.redis.exists(cbus.keys.req("own-2")) == 0
+    assert not await cbus.submit(request("own-2"), E.Accepted(request_id="own-2"))
+    assert [ev.TYPE for _, ev in await cbus.read_req("own-2")] == [
+        "accepted", "abort_requested", "drained", "blocks_released", "final"]
+    assert await cbus.redis.xlen(cbus.keys.requests) == 0
 
 
 async def test_junk_is_dead_lettered_on_a_cluster(cbus):
