@@ -75,6 +75,11 @@ RETRYABLE = (RedisConnectionError, RedisTimeoutError, OSError)
 T = TypeVar("T")
 
 
+#: Tombstones laid per round trip for a many-id abort: small enough that the embedded server
+#: (which runs a pipeline on the event loop it shares with the API) never stalls the API long.
+TOMBSTONE_BATCH = 128
+
+
 class Runner(Protocol):
     num_blocks: int
     eos_token_ids: tuple[int, ...]
@@ -551,8 +556,12 @@ class EngineNode:
         # Whoever wins SET NX decides: if the abort wins, no engine will ever prefill the
         # request. Its story is written now if its stream is there (queued, unclaimed), else by
         # whoever meets the tombstone next (the API submitting it, an engine claiming it).
-        results = await self._retry("abort", lambda: self.bus.tombstone_many(
-            unknown, source, self.cfg.tombstone_ttl_s))
+        results = []
+        for i in range(0, len(unknown), TOMBSTONE_BATCH):
+            batch = unknown[i:i + TOMBSTONE_BATCH]
+            results += await self._retry("abort", lambda: self.bus.tombstone_many(
+                batch, source, self.cfg.tombstone_ttl_s))
+            await asyncio.sleep(0)  # an in-process Redis runs each batch on this loop: let others in
         for rid, (won, owner, exists) in zip(unknown, results):
             if won:
                 self._count_abort(source)
