@@ -387,9 +387,34 @@ def _field_types(cls: type) -> dict[str, Any]:
 
 
 _HINTS: dict[type, dict[str, Any]] = {}
+_PLANS: dict[type, list[tuple[str, Any, bool]]] = {}
+#: field names as redis-py returns them (bytes), decoded once
+_FIELD_NAMES: dict[Any, str] = {}
+
+
+def _plan(cls: type) -> list[tuple[str, Any, bool]]:
+    """Per event class, once: each field's name, its type with Optional unwrapped, and whether
+    it is required. Readers decode every event on every stream, so this stays off the hot path."""
+    plan = _PLANS.get(cls)
+    if plan is None:
+        hints = _field_types(cls)
+        plan = []
+        for fl in dataclasses.fields(cls):
+            tp = hints[fl.name]
+            if typing.get_origin(tp) in (Union, types.UnionType):
+                tp = next(a for a in typing.get_args(tp) if a is not type(None))
+            required = fl.default is dataclasses.MISSING and fl.default_factory is dataclasses.MISSING
+            plan.append((fl.name, tp, required))
+        _PLANS[cls] = plan
+    return plan
 
 
 def _decode_value(name: str, raw: str, tp: Any) -> Any:
+    if tp is int:  # the common case first: ids, steps, counts, timestamps
+        try:
+            return int(raw)
+        except ValueError:
+            raise BadEvent(f"expected an integer, got {raw[:40]!r}", name) from None
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -435,7 +460,12 @@ def _decode_value(name: str, raw: str, tp: Any) -> Any:
 
 
 def _text(x: Any, name: str) -> str:
-    if isinstance(x, str):
+    if type(x) is bytes:  # what redis-py hands back
+        try:
+            s = x.decode()
+        except UnicodeDecodeError:
+            raise BadEvent("not valid UTF-8", name) from None
+    elif isinstance(x, str):
         s = x
     else:
         try:
@@ -465,7 +495,7 @@ def decode(fields: Mapping[Any, Any], entry_id: str | bytes | None = None) -> An
     """
     f: dict[str, str] = {}
     for k, v in fields.items():
-        key = _text(k, "<field name>")
+        key = _FIELD_NAMES.get(k) or _text(k, "<field name>")
         f[key] = _text(v, key)
     type_ = f.get("type")
     if not type_:
@@ -477,15 +507,14 @@ def decode(fields: Mapping[Any, Any], entry_id: str | bytes | None = None) -> An
         if "request_id" not in f:
             raise BadEvent("missing (or request_ids)", "request_id")
         f["request_ids"] = f.pop("request_id")
-    hints = _field_types(cls)
     kw: dict[str, Any] = {}
-    for fl in dataclasses.fields(cls):
-        raw = f.get(fl.name)
+    for name, tp, required in _plan(cls):
+        raw = f.get(name)
         if raw is None:
-            if fl.default is dataclasses.MISSING and fl.default_factory is dataclasses.MISSING:
-                raise BadEvent("missing", fl.name)
+            if required:
+                raise BadEvent("missing", name)
             continue
-        kw[fl.name] = _decode_value(fl.name, raw, hints[fl.name])
+        kw[name] = raw if tp is str else _decode_value(name, raw, tp)
     if not kw.get("ts"):
         kw["ts"] = ts_of_entry_id(entry_id)
     if kw.get("v", SCHEMA_VERSION) > SCHEMA_VERSION:
@@ -550,3 +579,8 @@ JOURNAL_TYPES = (JournalStart, JournalStep)
 
 for _cls in JOURNAL_TYPES:
     _REGISTRY[_cls.TYPE] = _cls
+
+for _cls in _REGISTRY.values():
+    for _f in ("type", *(f.name for f in dataclasses.fields(_cls)), "request_id"):
+        _FIELD_NAMES[_f.encode()] = _f
+        _FIELD_NAMES[_f] = _f
