@@ -68,23 +68,8 @@ def connect(url: str) -> aioredis.Redis | aioredis.RedisCluster:
 
     The connection is opened lazily, inside whatever event loop first uses the client.
     """
-    scheme, sep, rest = url.partition("://")
-    if sep and scheme.lower() in CLUSTER_SCHEMES:
-        return aioredis.RedisCluster.from_url(
-            f"{CLUSTER_SCHEMES[scheme.lower()]}://{rest}",
-            max_connections=MAX_CONNECTIONS,
-            decode_responses=False,
-            protocol=2,
-            socket_timeout=None,
-            socket_connect_timeout=CONNECT_TIMEOUT_S,
-            socket_keepalive=True,
-            health_check_interval=HEALTH_CHECK_INTERVAL_S,
-            retry=_Retry(ExponentialBackoff(cap=2.0, base=0.05), RETRIES),
-        )
-    pool = aioredis.BlockingConnectionPool.from_url(
-        url,
+    common = dict(
         max_connections=MAX_CONNECTIONS,
-        timeout=POOL_WAIT_S,
         decode_responses=False,
         protocol=2,
         socket_timeout=None,
@@ -92,6 +77,11 @@ def connect(url: str) -> aioredis.Redis | aioredis.RedisCluster:
         socket_keepalive=True,
         health_check_interval=HEALTH_CHECK_INTERVAL_S,
         retry=_Retry(ExponentialBackoff(cap=2.0, base=0.05), RETRIES),
-        retry_on_error=[ConnectionError, TimeoutError, BusyLoadingError],
     )
+    scheme, sep, rest = url.partition("://")
+    if sep and scheme.lower() in CLUSTER_SCHEMES:
+        return aioredis.RedisCluster.from_url(f"{CLUSTER_SCHEMES[scheme.lower()]}://{rest}", **common)
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url, timeout=POOL_WAIT_S, retry_on_error=[ConnectionError, TimeoutError, BusyLoadingError],
+        **common)
     return aioredis.Redis.from_pool(pool)

@@ -40,11 +40,10 @@ class LLM:
         import time
 
         clock = clock or time.perf_counter
-        fold = self._fold
-        if on_event is not None:
-            def fold(gens, detoks, ev, clock):
+        def fold(gens, detoks, ev, clock):
+            if on_event is not None:
                 on_event(ev)
-                self._fold(gens, detoks, ev, clock)
+            self._fold(gens, detoks, ev, clock)
         sched = Scheduler(self.cfg)
         sps = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         gens: dict[str, Generation] = {}

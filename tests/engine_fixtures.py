@@ -28,3 +28,21 @@ def tiny_runner(tiny_model_dir):
     from engine.model_runner import ModelRunner
 
     return ModelRunner(str(tiny_model_dir), device="cpu", num_blocks=512, block_size=16)
+
+
+@pytest.fixture
+async def served(embedded_redis, keys, tiny_model_dir, tiny_runner, tiny_tokenizer):
+    """What `fd serve` runs, in this process: one engine and one API node on the embedded
+    server, sharing one Metrics object. Yields (api, engine)."""
+    from control.metrics import Metrics
+    from fd.compose import ApiOptions, EngineOptions, start_api, start_engine
+
+    metrics = Metrics()
+    eng = await start_engine(embedded_redis.client, keys,
+                             EngineOptions(model_dir=str(tiny_model_dir), engine_id="e0"),
+                             runner=tiny_runner, tokenizer=tiny_tokenizer, metrics=metrics)
+    api = await start_api(embedded_redis.client, keys, ApiOptions(model_dir=str(tiny_model_dir)),
+                          metrics=metrics, tokenizer=tiny_tokenizer)
+    yield api, eng
+    await api.stop()
+    await eng.stop()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 
-import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from control.bus import StreamMux

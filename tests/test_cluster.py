@@ -18,7 +18,7 @@ from control import events as E
 from control.bus import Bus, StreamMux
 from control.connect import connect
 from tests.conftest import _ping, free_port
-from tests.test_bus import DATA, dead, request, same, story
+from tests.test_bus import dead, request, same, story
 
 MASTERS = 3
 

@@ -11,22 +11,7 @@ import pytest
 
 from control.bus import Bus
 from control.connect import connect
-from control.metrics import Metrics
 from fd import loadgen
-from fd.compose import ApiOptions, EngineOptions, start_api, start_engine
-
-
-@pytest.fixture
-async def stack(embedded_redis, keys, tiny_model_dir, tiny_runner, tiny_tokenizer):
-    metrics = Metrics()
-    eng = await start_engine(embedded_redis.client, keys,
-                             EngineOptions(model_dir=str(tiny_model_dir), engine_id="lg0"),
-                             runner=tiny_runner, tokenizer=tiny_tokenizer, metrics=metrics)
-    api = await start_api(embedded_redis.client, keys, ApiOptions(model_dir=str(tiny_model_dir)),
-                          metrics=metrics, tokenizer=tiny_tokenizer)
-    yield api, eng
-    await api.stop()
-    await eng.stop()
 
 
 def _ordered(d: dict) -> None:
@@ -59,8 +44,8 @@ def test_poisson_arrivals_and_percentiles():
     assert d["n"] == 3 and d["p50"] == pytest.approx(2.0) and d["p50"] <= d["p99"] <= 10.0
 
 
-async def test_bench_with_cancels_reads_release_from_events(stack, embedded_redis, keys):
-    api, eng = stack
+async def test_bench_with_cancels_reads_release_from_events(served, embedded_redis, keys):
+    api, eng = served
     cfg = loadgen.BenchConfig(base_urls=[api.url], num_prompts=10, max_concurrency=4,
                               input_len=12, output_len=24, disconnect_ratio=0.3, abort_ratio=0.2,
                               cancel_after_tokens=4, num_warmups=1, redis_url=embedded_redis.url,
@@ -107,10 +92,10 @@ async def test_bench_with_cancels_reads_release_from_events(stack, embedded_redi
     assert "fd bench" in loadgen.format_report(r)
 
 
-async def test_cli_with_metrics_gauges_and_json(stack, tmp_path):
+async def test_cli_with_metrics_gauges_and_json(served, tmp_path):
     """``main`` end to end (in a thread: it runs its own event loop): chat endpoint, Poisson
     arrivals, cancel by time, release read from the /metrics gauges."""
-    api, eng = stack
+    api, eng = served
     out = tmp_path / "bench.json"
     rc = await asyncio.to_thread(loadgen.main, [
         "--base-url", api.url, "--endpoint", "chat", "--num-prompts", "8", "--request-rate", "50",

@@ -20,7 +20,7 @@ from control.events import AbortRequested, SamplingParams, Tokens
 from engine.llm import LLM
 from engine.replay import load_journal_from_redis, replay
 from fd.compose import ApiOptions, start_api
-from tests.enginekit import story, submit, text_of, tokens_of, types
+from tests.enginekit import story, submit, tokens_of, types
 from tests.faultkit import Engines, OwnRedis, all_blocks_free, wait_for
 
 PROMPT = [5, 17, 33, 9, 41, 12, 7, 19]

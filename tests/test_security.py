@@ -31,7 +31,7 @@ from control.events import Abort, Accepted, Final
 from control.keys import Keys
 from test_api_streaming import FakeEngine, setup
 from test_api_validation import MAX_LEN, api_client, assert_openai_error
-from tests.conftest import _ping, free_port
+from tests.conftest import free_port
 
 CHAT, COMP = "/v1/chat/completions", "/v1/completions"
 MSG = [{"role": "user", "content": "hi"}]

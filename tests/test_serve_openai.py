@@ -8,26 +8,11 @@ import asyncio
 
 import aiohttp
 import openai
-import pytest
 
 from control.connect import connect
 from control.events import SamplingParams
-from control.metrics import Metrics
 from engine.llm import LLM
 from fd.compose import ApiOptions, EngineOptions, start_api, start_engine
-
-
-@pytest.fixture
-async def served(embedded_redis, keys, tiny_model_dir, tiny_runner, tiny_tokenizer):
-    metrics = Metrics()
-    eng = await start_engine(embedded_redis.client, keys,
-                             EngineOptions(model_dir=str(tiny_model_dir), engine_id="e0"),
-                             runner=tiny_runner, tokenizer=tiny_tokenizer, metrics=metrics)
-    api = await start_api(embedded_redis.client, keys, ApiOptions(model_dir=str(tiny_model_dir)),
-                          metrics=metrics, tokenizer=tiny_tokenizer)
-    yield api, eng
-    await api.stop()
-    await eng.stop()
 
 
 def _client(api) -> openai.AsyncOpenAI:
