@@ -77,7 +77,7 @@ T = TypeVar("T")
 
 #: Tombstones laid per round trip for a many-id abort: small enough that the embedded server
 #: (which runs a pipeline on the event loop it shares with the API) never stalls the API long.
-TOMBSTONE_BATCH = 128
+TOMBSTONE_BATCH = 32
 
 
 class Runner(Protocol):
