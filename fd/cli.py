@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from control.keys import Keys
+from control.keys import GROUP_ENGINES, Keys
 
 log = logging.getLogger("fd.cli")
 
@@ -267,7 +267,7 @@ async def _status(args: argparse.Namespace) -> int:
         lens[name] = await r.xlen(name)
     pending = 0
     try:
-        info = await r.xpending(bus.keys.requests, "engines")
+        info = await r.xpending(bus.keys.requests, GROUP_ENGINES)
         pending = int(info["pending"])
     except Exception:
         pass
