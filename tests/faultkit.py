@@ -3,6 +3,9 @@ and a redis-server of the test's own that it can stop and start again on the sam
 
 from __future__ import annotations
 
+import orjson
+import pytest
+
 import asyncio
 import inspect
 import os
@@ -167,3 +170,24 @@ def reap(proc: subprocess.Popen, timeout: float = 10.0) -> tuple[int, str]:
         proc.kill()
         out, _ = proc.communicate()
     return proc.returncode, out.decode(errors="replace")
+
+
+async def sse_objects(resp):
+    """The JSON objects of an SSE response body in order, then ``None`` for ``[DONE]``."""
+    async for raw in resp.content:
+        line = raw.decode().strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            yield None
+            return
+        yield orjson.loads(data)
+
+
+@pytest.fixture
+async def engines(redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer):
+    """Engines started in this test (and stopped after it) on the session's real Redis."""
+    e = Engines(redis_server.url, keys, tiny_model_dir, tiny_runner, tiny_tokenizer)
+    yield e
+    await e.stop_all()

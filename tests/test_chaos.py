@@ -14,7 +14,6 @@ import random
 import time
 
 import aiohttp
-import orjson
 
 from control.connect import connect
 from control.events import Final, SamplingParams
@@ -22,7 +21,7 @@ from engine.llm import LLM
 from engine.replay import load_journal_from_redis, replay
 from fd.compose import ApiOptions, start_api
 from tests.enginekit import text_of, tokens_of, types
-from tests.faultkit import Engines, all_blocks_free, kill, wait_for
+from tests.faultkit import Engines, all_blocks_free, kill, sse_objects, wait_for
 
 N = int(os.environ.get("FD_CHAOS_REQUESTS", "60"))
 SEED = int(os.environ.get("FD_CHAOS_SEED", "7"))
@@ -40,15 +39,10 @@ async def _client(url: str, rid: str, body: dict, kind: str, abort_url: str, cut
                           headers={"X-Request-Id": rid}) as resp:
             rec["status"] = resp.status
             chunks = 0
-            async for raw in resp.content:
-                line = raw.decode().strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
+            async for obj in sse_objects(resp):
+                if obj is None:
                     rec["done"] = True
                     break
-                obj = orjson.loads(data)
                 if "error" in obj:
                     rec["errors"].append(obj["error"])
                     continue

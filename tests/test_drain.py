@@ -7,22 +7,14 @@ from __future__ import annotations
 import asyncio
 import signal
 
-import pytest
 
 from control.events import Claimed, Drain, Preempted, SamplingParams, Tokens
 from engine.llm import LLM
 from engine.replay import load_journal_from_redis, replay
 from tests.enginekit import story, submit, text_of, tokens_of, types
-from tests.faultkit import Engines, all_blocks_free, reap, spawn_engine, wait_for
+from tests.faultkit import all_blocks_free, engines, reap, spawn_engine, wait_for  # noqa: F401
 
 PROMPT = [5, 17, 33, 9, 41, 12, 7, 19]
-
-
-@pytest.fixture
-async def engines(redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer):
-    e = Engines(redis_server.url, keys, tiny_model_dir, tiny_runner, tiny_tokenizer)
-    yield e
-    await e.stop_all()
 
 
 async def test_drain_finishes_running_hands_back_the_rest_and_exits(real_bus, engines, tiny_runner,

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import signal
 
-import pytest
 
 from control.connect import connect
 from control.events import Abort, Claimed, Final, Preempted, SamplingParams, Tokens
@@ -15,16 +14,10 @@ from engine.failover import History, cas_owner
 from engine.llm import LLM
 from engine.replay import load_journal_from_redis, replay
 from tests.enginekit import story, submit, text_of, tokens_of, types
-from tests.faultkit import Engines, all_blocks_free, kill, reap, spawn_engine, wait_for
+from tests.faultkit import (all_blocks_free, engines, kill, reap,  # noqa: F401
+                            spawn_engine, wait_for)
 
 PROMPT = [5, 17, 33, 9, 41, 12, 7, 19]
-
-
-@pytest.fixture
-async def engines(redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer):
-    e = Engines(redis_server.url, keys, tiny_model_dir, tiny_runner, tiny_tokenizer)
-    yield e
-    await e.stop_all()
 
 
 def _reference(runner, tokenizer, max_tokens, prompt=PROMPT):

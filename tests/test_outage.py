@@ -11,7 +11,6 @@ import asyncio
 import time
 
 import aiohttp
-import orjson
 import pytest
 
 from control.bus import Bus
@@ -21,7 +20,7 @@ from engine.llm import LLM
 from engine.replay import load_journal_from_redis, replay
 from fd.compose import ApiOptions, start_api
 from tests.enginekit import story, submit, tokens_of, types
-from tests.faultkit import Engines, OwnRedis, all_blocks_free, wait_for
+from tests.faultkit import Engines, OwnRedis, all_blocks_free, sse_objects, wait_for
 
 PROMPT = [5, 17, 33, 9, 41, 12, 7, 19]
 
@@ -33,15 +32,10 @@ async def stream_completion(url: str, body: dict, headers: dict | None = None) -
         async with s.post(f"{url}/v1/completions", json={**body, "stream": True},
                           headers=headers or {}) as resp:
             out["status"] = resp.status
-            async for raw in resp.content:
-                line = raw.decode().strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
+            async for obj in sse_objects(resp):
+                if obj is None:
                     out["done"] = True
                     break
-                obj = orjson.loads(data)
                 if "error" in obj:
                     out["errors"].append(obj["error"])
                     continue
