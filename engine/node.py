@@ -325,12 +325,23 @@ class EngineNode:
             self._redis_failed("claim", e)
             await asyncio.sleep(0.2 if block else 0)
             return 0
+        # New requests are owned in one round trip (SET NX for all), not one each: a burst of
+        # arrivals reaches its first step sooner.
+        owned: dict[str, tuple[bool, str | None]] = {}
+        fresh = [req.request_id for _, req in got if not req.resume]
+        if len(fresh) > 1:
+            try:
+                owned = dict(zip(fresh, await self.bus.try_own_many(fresh, self.id,
+                                                                    self.bus.req_ttl_s)))
+            except RETRYABLE as e:
+                self._redis_failed("claim", e)  # (then each is owned on its own below)
         for entry_id, req in got:
-            await self._admit(entry_id, req)
+            await self._admit(entry_id, req, owned=owned.get(req.request_id))
         return len(got)
 
     async def _admit(self, entry_id: bytes, req: Request, *, takeover: bool = False,
-                     owner: str | None = None) -> None:
+                     owner: str | None = None,
+                     owned: tuple[bool, str | None] | None = None) -> None:
         """Own the request and start it: a new one, one handed back by a draining engine
         (``req.resume``), or, with ``takeover``, one whose owner (``owner``) is dead."""
         rid = req.request_id
@@ -339,7 +350,7 @@ class EngineNode:
         self._admitting.add(rid)
         try:
             try:
-                hist = await self._own(entry_id, req, takeover, owner)
+                hist = await self._own(entry_id, req, takeover, owner, owned)
                 self._redis_ok()
             except RETRYABLE as e:
                 # Owned or not, the entry stays pending: the failover scan comes back to it.
@@ -350,8 +361,8 @@ class EngineNode:
         finally:
             self._admitting.discard(rid)
 
-    async def _own(self, entry_id: bytes, req: Request, takeover: bool,
-                   owner: str | None) -> History | None:
+    async def _own(self, entry_id: bytes, req: Request, takeover: bool, owner: str | None,
+                   owned: tuple[bool, str | None] | None = None) -> History | None:
         rid = req.request_id
         ttl = self.bus.req_ttl_s
         if takeover:
@@ -360,7 +371,7 @@ class EngineNode:
                 return None  # another engine was faster, or an abort won
             await failover.take_entry(self.bus, entry_id, self.id)
         else:
-            won, current = await self.bus.try_own(rid, self.id, ttl)
+            won, current = owned if owned is not None else await self.bus.try_own(rid, self.id, ttl)
             # (current == self.id: a retried SET NX that had in fact got through)
             if not won and current != self.id:
                 # An abort got here first (tombstone): the request is never prefilled. Its
