@@ -131,7 +131,8 @@ def test_load_and_reference_is_deterministic(tiny_dir):
     assert len(set(np.argmax(a, axis=-1).tolist())) > 5  # not a constant prediction
     # causal: logits at position i do not depend on later tokens
     c = load_model(tiny_dir, progress=False).reference_logits(prompt[:7])
-    np.testing.assert_allclose(c, a[:7], atol=1e-5)
+    # (1e-4: row counts change how the CPU matmul rounds; a leak from later tokens is O(1))
+    np.testing.assert_allclose(c, a[:7], atol=1e-4)
 
 
 def test_greedy_output_varies(runner):
