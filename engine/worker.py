@@ -33,6 +33,9 @@ def _worker_main(conn, model_dir: str, kwargs: dict[str, Any]) -> None:
         from engine.model_runner import ModelRunner
 
         runner = ModelRunner(model_dir, **kwargs)
+        # paddle installs a SIGTERM handler that prints a C++ "FatalError" banner; a worker
+        # terminated by its parent (multiprocessing's exit clean-up) should just go.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return

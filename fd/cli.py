@@ -20,6 +20,7 @@ from control.keys import GROUP_ENGINES, Keys
 
 log = logging.getLogger("fd.cli")
 
+_USER_ERRORS: tuple[type[BaseException], ...] = ()
 DEFAULT_TINY_MODEL = Path(os.environ.get("FD_CACHE_DIR", Path.home() / ".cache" / "fd")) / "tiny-llama"
 
 
@@ -380,6 +381,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import ResponseError
+
+    from engine.worker import WorkerError
+
+    return (WorkerError, RedisConnectionError, ResponseError, FileNotFoundError, ValueError,
+            OSError)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # replay and export parse their own flags (engine.replay owns them)
@@ -407,12 +418,19 @@ def main(argv: list[str] | None = None) -> int:
                   getattr(args, "log_format", "text"))
     if args.cmd == "make-tiny-model":
         return _make_tiny(args)
+    global _USER_ERRORS
+    _USER_ERRORS = _user_errors()
     fn = {"serve": _serve, "api": _api, "engine": _engine, "abort": _abort,
           "status": _status, "trace": _trace}[args.cmd]
     try:
         return asyncio.run(fn(args))
     except KeyboardInterrupt:
         return 130
+    except _USER_ERRORS as e:
+        # Start-up problems a user can fix (a bad model dir or device, Redis unreachable):
+        # one line that says what, not a traceback.
+        print(f"fd {args.cmd}: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -139,7 +139,12 @@ async def start_engine(redis_factory: Callable[[], Any], keys: Keys, opts: Engin
                       runner, tokenizer, cfg, metrics=metrics)
     if metrics is not None:
         node.bus.on_dead_letter = node.control_bus.on_dead_letter = metrics.dead_letters_total.inc
-    await node.prepare()
+    try:
+        await node.prepare()
+    except BaseException:
+        if owns_runner and hasattr(runner, "close"):
+            runner.close()  # a model worker must not outlive a failed start
+        raise
     task = asyncio.create_task(node.run(), name=f"engine-{engine_id}")
     return RunningEngine(node, task, metrics, owns_runner=owns_runner)
 
