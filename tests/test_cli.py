@@ -187,3 +187,15 @@ async def test_fd_serve_embedded_as_a_new_user(tmp_path):
         code, out = _stop(serve, signal.SIGINT)
     assert code == 0, out
     assert "embedded control plane: redis-cli -p" in out
+
+
+def test_start_up_mistakes_are_one_line_errors(tmp_path):
+    r = _fd("serve", "--model", str(tmp_path / "nowhere"))
+    assert r.returncode != 0 and "is not a model directory" in r.stderr
+    assert "Traceback" not in r.stderr
+    port = free_port()  # nothing listens there
+    r = _fd("status", "--redis-url", f"redis://127.0.0.1:{port}")
+    assert r.returncode == 1 and r.stderr.startswith("fd status: error:")
+    assert "Traceback" not in r.stderr
+    r = _fd("abort", "bad{id}", "--redis-url", f"redis://127.0.0.1:{port}")
+    assert r.returncode != 0 and "invalid request id" in r.stderr
