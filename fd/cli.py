@@ -56,6 +56,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="engines a request may fail on (engine died) before it ends with an error")
     p.add_argument("--request-timeout", type=float, default=0.0,
                    help="seconds without a new token before a request ends with an error (0: off)")
+    p.add_argument("--journal-maxlen", type=int, default=10_000,
+                   help="journal entries kept per engine (one a step; MAXLEN ~) for `fd replay`")
+    p.add_argument("--no-journal", action="store_true", help="write no journal")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on drain/SIGTERM: seconds to let running requests finish before handing "
                         "the rest back to other engines")
@@ -103,6 +106,7 @@ def _engine_opts(args: argparse.Namespace, model_dir: Path):
                          max_num_batched_tokens=args.max_num_batched_tokens,
                          max_attempts=args.max_attempts, drain_timeout_s=args.drain_timeout,
                          request_timeout_s=args.request_timeout,
+                         journal=not args.no_journal, journal_maxlen=args.journal_maxlen,
                          executor=args.executor if args.executor != "timed" else "paddle")
 
 

@@ -34,6 +34,8 @@ class EngineOptions:
     # "paddle": the model in a worker process (its own core and GIL, beside the engine's event
     # loop); "paddle-thread": in the engine's own process, in a thread (tests, debugging).
     executor: str = "paddle"
+    journal: bool = True  # one P:journal:<engine> entry per step, for `fd replay`
+    journal_maxlen: int = 10_000  # entries kept (MAXLEN ~)
 
 
 @dataclass
@@ -130,12 +132,13 @@ async def start_engine(redis_factory: Callable[[], Any], keys: Keys, opts: Engin
         metrics.engine_in_process = True  # the engine sets its gauges itself, every step
     engine_id = opts.engine_id or f"{socket.gethostname()[:24]}-{secrets.token_hex(3)}"
     kw = dict(max_attempts=opts.max_attempts, drain_timeout_s=opts.drain_timeout_s,
-              request_timeout_s=opts.request_timeout_s)
+              request_timeout_s=opts.request_timeout_s, journal=opts.journal)
     kw.update(node_kw)
     cfg = EngineConfig(engine_id=engine_id, block_size=opts.block_size,
                        max_num_seqs=opts.max_num_seqs,
                        max_num_batched_tokens=opts.max_num_batched_tokens, **kw)
-    node = EngineNode(Bus(_no_retries(redis_factory()), keys), Bus(_no_retries(redis_factory()), keys),
+    node = EngineNode(Bus(_no_retries(redis_factory()), keys, journal_maxlen=opts.journal_maxlen),
+                      Bus(_no_retries(redis_factory()), keys),
                       runner, tokenizer, cfg, metrics=metrics)
     if metrics is not None:
         node.bus.on_dead_letter = node.control_bus.on_dead_letter = metrics.dead_letters_total.inc

@@ -120,3 +120,21 @@ async def test_dead_letters_are_counted_in_metrics(real_bus, redis_server, keys,
         assert b"fd_dead_letters_total 2.0" in metrics.render()
     finally:
         await eng.stop()
+
+
+async def test_journal_can_be_turned_off_and_bounded(real_bus, redis_server, keys, tiny_model_dir,
+                                                     tiny_runner, tiny_tokenizer):
+    for journal, maxlen in ((False, 10_000), (True, 500)):
+        eid = f"j-{journal}"
+        opts = EngineOptions(model_dir=str(tiny_model_dir), engine_id=eid, journal=journal,
+                             journal_maxlen=maxlen)
+        eng = await start_engine(lambda: connect(redis_server.url), keys, opts,
+                                 runner=tiny_runner, tokenizer=tiny_tokenizer)
+        try:
+            await submit(real_bus, f"r-{journal}", [5, 6, 7], max_tokens=3)
+            await story(real_bus, f"r-{journal}")
+        finally:
+            await eng.stop()
+        n = await real_bus.redis.xlen(keys.journal(eid))
+        assert (n > 0) == journal
+        assert eng.node.bus.journal_maxlen == maxlen
