@@ -257,6 +257,7 @@ class Accepted(Event):
     endpoint: str = ""  # "chat" or "completion": how any replica should render a replay
     model: str = ""
     created: int = 0  # seconds, OpenAI's `created`, so every replica renders the same chunks
+    include_usage: bool = False  # stream_options.include_usage: a replay renders as the original
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -176,8 +176,9 @@ async def test_two_replicas_two_engines_resume_from_any_replica(redis_server, ke
             async with http.get(f"{b.url}/v1/requests/resume-1/stream",
                                 headers={"Last-Event-ID": seen[-1][0]}) as resp:
                 rest = await _sse_events(resp)
-            # the original stream asked for no usage, the replays include it: compare content
+            # replays render as the original did (same chunks, byte for byte)
             assert [i for i, _ in seen] + [i for i, _ in rest] == [i for i, _ in full]
+            assert [d for _, d in seen] + [d for _, d in rest] == [d for _, d in full]
             assert _texts(seen) + _texts(rest) == _texts(full)
         import orjson
 

@@ -295,7 +295,8 @@ class Api:
                     arrival_ts=int(now * 1000), model=gen.model, api=self.cfg.api_id,
                     background=gen.background)),
                 Accepted(request_id=rid, api=self.cfg.api_id, prompt_tokens=len(gen.prompt_token_ids),
-                         endpoint=endpoint, model=gen.model, created=created))
+                         endpoint=endpoint, model=gen.model, created=created,
+                         include_usage=gen.include_usage))
             renderer = protocol.Renderer(rid, endpoint, gen.model, created, len(gen.prompt_token_ids),
                                          gen.include_usage)
             timing = _Timing(self.metrics, arrival)
@@ -388,11 +389,16 @@ class Api:
                 skip = entry_id_key(last.strip())
             except ValueError:
                 raise bad_request("Last-Event-ID is not a stream entry id.", "Last-Event-ID") from None
-        iu = request.query.get("include_usage", "true").lower() not in ("0", "false", "no")
+        # As the original request asked, unless the replaying client says otherwise.
+        asked = request.query.get("include_usage")
         history = await self.bus.read_req(rid, b"0")
         if not history:
             raise not_found(f"No request with id '{rid}' (never accepted, or expired).", "id", "request_not_found")
         first = history[0][1]
+        if asked is not None:
+            iu = asked.lower() not in ("0", "false", "no")
+        else:
+            iu = first.include_usage if isinstance(first, Accepted) else True
         if isinstance(first, Accepted):
             renderer = protocol.Renderer(rid, first.endpoint or "completion", first.model, first.created,
                                          first.prompt_tokens, iu)
