@@ -61,9 +61,6 @@ DEAD_FIELD_KEEP_BYTES = 64 * 1024
 _DEAD_RESERVED = (b"reason", b"stream", b"entry_id")
 DEAD_SEEN_MAX = 4096
 
-Entry = tuple[bytes, Event]
-
-
 def _b(x: bytes | str) -> bytes:
     return x if isinstance(x, bytes) else x.encode()
 

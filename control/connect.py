@@ -51,10 +51,6 @@ class _Retry(Retry):
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 
 
-def is_cluster_url(url: str) -> bool:
-    return url.partition("://")[0].lower() in CLUSTER_SCHEMES
-
-
 def connect(url: str) -> aioredis.Redis | aioredis.RedisCluster:
     """A ``redis.asyncio`` client for ``url`` (``redis://``, ``rediss://``, ``user:pass@`` work).
 

@@ -31,7 +31,6 @@ MAX_FIELD_BYTES = 1 << 20  # one field; a 1 MiB prompt is already far past any c
 MAX_IDS_PER_ABORT = 10_000
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
-ABORT_SOURCES = ("http", "disconnect", "cli", "redis", "timeout", "engine")
 
 
 class BadEvent(ValueError):

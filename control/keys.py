@@ -100,12 +100,3 @@ class Keys:
         """A doorbell for a Redis Cluster reader: hash-tagged with ``tag`` (a request id whose
         stream the reader watches) so one XREAD can name it together with that slot's streams."""
         return f"{self.prefix}:wake:{{{tag}}}:{reader_id}"
-
-    def request_id_of(self, req_key: str | bytes) -> str:
-        """Inverse of :meth:`req`."""
-        if isinstance(req_key, bytes):
-            req_key = req_key.decode()
-        head = f"{self.prefix}:req:{{"
-        if not (req_key.startswith(head) and req_key.endswith("}")):
-            raise ValueError(f"not a request stream key: {req_key!r}")
-        return req_key[len(head) : -1]

@@ -690,13 +690,10 @@ class EngineNode:
                 backoff = await self._pause(backoff)
 
     def _publish_gauges(self) -> None:
-        m = self.metrics
-        if m is None:
-            return
-        m.kv_blocks_total.set(self.sched.num_total_blocks)
-        m.kv_blocks_free.set(self.sched.num_free_blocks)
-        m.num_requests_running.set(self.sched.num_running)
-        m.num_requests_waiting.set(self.sched.num_waiting)
+        if self.metrics is not None:
+            self.metrics.set_engine_gauges(
+                blocks_total=self.sched.num_total_blocks, blocks_free=self.sched.num_free_blocks,
+                running=self.sched.num_running, waiting=self.sched.num_waiting)
 
     # ------------------------------------------------------------------ background loops
 
