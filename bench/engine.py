@@ -2,28 +2,31 @@
 
 For batch sizes 1/8/32 (33-token prompts, 256 output tokens, greedy, ignore_eos):
 
-- ``llm``: :class:`engine.llm.LLM`, the scheduler and the runner in a plain loop (no Redis);
-- ``node``: a real :class:`engine.node.EngineNode` on the embedded control plane
-  (``fd.compose.start_engine`` with the in-process fakeredis client, as in ``fd serve``),
-  requests submitted to ``P:requests`` in one round trip, the run ending when the last
-  ``final`` is published;
-- ``node/redis``: the same node on a real redis-server started here on a free port (skip with
-  ``--no-real-redis``): the same loop with a C server and hiredis instead of fakeredis.
+- ``llm``: :class:`engine.llm.LLM`, the scheduler and the runner in a plain loop (no Redis),
+  the model in this process;
+- ``node, sync``: a real :class:`engine.node.EngineNode` on the embedded control plane
+  (``fd.compose.start_engine`` with the in-process fakeredis client, as in ``fd serve``), the
+  model in a worker process (``--executor paddle``, the default), each step decided after the
+  last one's results are in (``--no-async-scheduling``);
+- ``node, async``: the same with async scheduling (the default): step N+1 decided while N runs;
+- ``node, async, redis-server``: the same on a real redis-server started here on a free port
+  (skip with ``--no-real-redis``).
 
-Both share one :class:`ModelRunner`, whose ``execute`` is wrapped with a timer, so the "forward"
-column is time inside ``runner.execute`` (in the step thread for the node). Columns:
+Requests are submitted to ``P:requests`` in one round trip; a run ends when the last ``final``
+is published. The "forward" column is time inside ``execute`` of the model runner: in this
+process for ``llm``, inside the worker for the nodes (``ProcessRunner.busy_seconds``, the pipe
+excluded). Columns:
 
-- ``overhead`` = (wall - forward) / wall: the share of the run spent outside the model forward
-  (scheduler, detokenizer, publishing, claiming, thread hand-off), the engine loop's own cost;
-- ``step_s`` = ``node.step_seconds`` (submit of the step to the thread -> result back in the
-  loop), so ``wall - step_s`` is the loop's serial time between steps;
-- ``node/llm`` = node tok/s over in-process tok/s, measured back to back in each repetition.
+- ``overhead`` = (wall - forward) / wall: the share of the run when the model was not
+  computing (scheduler, detokenizer, publishing, claiming, the pipe to the worker), the engine
+  loop's own cost as the model sees it — issue #3's goal is < 10 % at batch 32;
+- ``vs llm`` = node tok/s over in-process tok/s, measured back to back in each repetition.
 
-Each configuration runs ``--reps`` times interleaved (llm, node, llm, node...); the table shows
-medians. Peak RSS is ``getrusage(RUSAGE_SELF).ru_maxrss`` after each part.
+Each configuration runs ``--reps`` times interleaved; the table shows medians. Peak RSS is
+``getrusage(RUSAGE_SELF).ru_maxrss`` (this process) and of the worker (children).
 
 Usage: python bench/engine.py [--model DIR] [--batches 1,8,32] [--reps 3] [--max-tokens 256]
-                             [--output-json bench/results/engine.json]
+                             [--no-real-redis] [--output-json bench/results/engine.json]
 """
 
 from __future__ import annotations
@@ -43,8 +46,8 @@ sys.path.insert(0, str(_HERE.parent))
 
 from tqdm import tqdm  # noqa: E402
 
-from bench._common import (PROMPT_LEN, RESULTS, model_dir, peak_rss_mb, print_table,  # noqa: E402
-                           prompts, start_redis_server, write_json)
+from bench._common import (PROMPT_LEN, RESULTS, children_peak_rss_mb, model_dir,  # noqa: E402
+                           peak_rss_mb, print_table, prompts, start_redis_server, write_json)
 from control.events import Accepted, Final, Request, RequestData, SamplingParams  # noqa: E402
 
 
@@ -71,6 +74,27 @@ class TimedRunner:
         s, c = self.seconds, self.calls
         self.seconds, self.calls = 0.0, 0
         return s, c
+
+
+class WorkerTimer:
+    """The same ``reset()`` for a :class:`engine.worker.ProcessRunner`: the time its worker
+    spent inside ``execute``, and how many steps."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.calls = 0
+        self._busy = runner.busy_seconds
+        self._execute = runner.execute
+        runner.execute = self._counted  # instance attribute: the node calls runner.execute
+
+    def _counted(self, out):
+        self.calls += 1
+        return self._execute(out)
+
+    def reset(self) -> tuple[float, int]:
+        busy, calls = self.runner.busy_seconds - self._busy, self.calls
+        self._busy, self.calls = self.runner.busy_seconds, 0
+        return busy, calls
 
 
 def run_llm(llm, runner: TimedRunner, batch: int, max_tokens: int, seed: int) -> dict:
@@ -156,49 +180,46 @@ async def run_node(eng, counter: FinalCounter, runner: TimedRunner, batch: int, 
             "publishes": counter.publishes, "events": counter.events}
 
 
-async def node_part(runner: TimedRunner, tok, llm, batches, reps, max_tokens, results, bar,
-                    real_redis: bool):
-    from control.embedded import EmbeddedRedis
+NODE_KINDS = (("sync", "node, sync"), ("async", "node, async"),
+              ("async_redis", "node, async, redis-server"))
+
+
+async def node_part(worker, timer: WorkerTimer, runner: TimedRunner, tok, llm, batches, reps,
+                    max_tokens, results, bar, real_redis: bool):
     from control.connect import connect
+    from control.embedded import EmbeddedRedis
     from control.keys import Keys
     from fd.compose import EngineOptions, start_engine
 
     emb = EmbeddedRedis()
     emb.start()
     srv = start_redis_server() if real_redis else None
-    eng2 = counter2 = None
+    engines: dict[str, tuple] = {}
     try:
-        if srv is not None:
-            eng2 = await start_engine(lambda: connect(srv.url), Keys("bench"),
-                                      EngineOptions(model_dir="unused", num_blocks=runner.num_blocks,
-                                                    max_num_seqs=max(64, max(batches))),
-                                      runner=runner, tokenizer=tok)
-            counter2 = FinalCounter(eng2.node.bus)
-        eng = await start_engine(emb.client, Keys("bench"),
-                                 EngineOptions(model_dir="unused", num_blocks=runner.num_blocks,
-                                               max_num_seqs=max(64, max(batches))),
-                                 runner=runner, tokenizer=tok)
-        counter = FinalCounter(eng.node.bus)
-        try:
-            for rep in range(reps):
-                for b in batches:
-                    # in-process LLM in a thread, so the node's loop keeps its heartbeat going
-                    r = await asyncio.to_thread(run_llm, llm, runner, b, max_tokens, rep)
-                    results["llm"][b].append(r)
+        # All three share the one worker (one model copy); they take turns, a run at a time.
+        for kind, _ in NODE_KINDS:
+            if kind == "async_redis" and srv is None:
+                continue
+            factory = (lambda: connect(srv.url)) if kind == "async_redis" else emb.client
+            eng = await start_engine(factory, Keys(f"bench-{kind}"), EngineOptions(
+                model_dir="unused", num_blocks=worker.num_blocks,
+                max_num_seqs=max(64, max(batches)), async_scheduling=kind != "sync",
+                engine_id=f"bench-{kind}"), runner=worker, tokenizer=tok)
+            engines[kind] = (eng, FinalCounter(eng.node.bus))
+        for rep in range(reps):
+            for b in batches:
+                # in-process LLM in a thread, so the nodes' loops keep their heartbeats going
+                r = await asyncio.to_thread(run_llm, llm, runner, b, max_tokens, rep)
+                results["llm"][b].append(r)
+                bar.update(1)
+                for kind, (eng, counter) in engines.items():
+                    r = await run_node(eng, counter, timer, b, max_tokens, rep, f"r{rep}b{b}")
+                    results[kind][b].append(r)
                     bar.update(1)
-                    r = await run_node(eng, counter, runner, b, max_tokens, rep, f"r{rep}b{b}")
-                    results["node"][b].append(r)
-                    bar.update(1)
-                    if eng2 is not None:
-                        r = await run_node(eng2, counter2, runner, b, max_tokens, rep, f"r{rep}b{b}")
-                        results["node_redis"][b].append(r)
-                        bar.update(1)
-            results["rss_after_node_mb"] = peak_rss_mb()
-        finally:
-            await eng.stop()
+        results["rss_after_node_mb"] = peak_rss_mb()
     finally:
-        if eng2 is not None:
-            await eng2.stop()
+        for eng, _ in engines.values():
+            await eng.stop()
         emb.stop()
         if srv is not None:
             srv.stop()
@@ -223,6 +244,7 @@ def main() -> None:
     from control.tokenizer import Tokenizer
     from engine.llm import LLM
     from engine.model_runner import ModelRunner
+    from engine.worker import ProcessRunner
 
     tmp = tempfile.mkdtemp(prefix="fd-bench-engine-")
     mdir = model_dir(args.model, tmp)
@@ -234,11 +256,20 @@ def main() -> None:
     llm = LLM(runner, tok, max_num_seqs=max(64, max(batches)))
     run_llm(llm, runner, max(batches), 16, 99)  # warm the shapes
     rss_model = peak_rss_mb()
+    worker = ProcessRunner(mdir, device="cpu", num_blocks=args.num_blocks, block_size=16)
+    worker.warmup()
+    timer = WorkerTimer(worker)
 
     real = not args.no_real_redis
-    results: dict = {k: {b: [] for b in batches} for k in ("llm", "node", "node_redis")}
-    with tqdm(total=(3 if real else 2) * len(batches) * args.reps, desc="engine", unit="run") as bar:
-        asyncio.run(node_part(runner, tok, llm, batches, args.reps, args.max_tokens, results, bar, real))
+    kinds = [k for k, _ in NODE_KINDS if real or k != "async_redis"]
+    results: dict = {k: {b: [] for b in batches} for k in ["llm", *kinds]}
+    try:
+        with tqdm(total=(1 + len(kinds)) * len(batches) * args.reps, desc="engine",
+                  unit="run") as bar:
+            asyncio.run(node_part(worker, timer, runner, tok, llm, batches, args.reps,
+                                  args.max_tokens, results, bar, real))
+    finally:
+        worker.close()
 
     rows = []
     for b in batches:
@@ -246,22 +277,23 @@ def main() -> None:
         rows.append([b, "llm (in-process)", med(L, "tok_per_s"), 1.0,
                      1000 * med(L, "forward_s") / med(L, "steps"),
                      1000 * (med(L, "wall_s") - med(L, "forward_s")) / med(L, "steps"),
-                     100 * med(L, "overhead"), "-", "-"])
-        for kind, label in (("node", "node, embedded"), ("node_redis", "node, redis-server")):
-            N = results[kind][b]
+                     100 * med(L, "overhead"), "-"])
+        for kind, label in NODE_KINDS:
+            N = results.get(kind, {}).get(b)
             if not N:
                 continue
             rows.append([b, label, med(N, "tok_per_s"), med(N, "tok_per_s") / med(L, "tok_per_s"),
                          1000 * med(N, "forward_s") / med(N, "steps"),
                          1000 * (med(N, "wall_s") - med(N, "forward_s")) / med(N, "steps"),
-                         100 * med(N, "overhead"), 100 * med(N, "between_steps"),
+                         100 * med(N, "overhead"),
                          1000 * med(N, "publish_s") / med(N, "publishes")])
     headers = ["batch", "path", "tok/s", "vs llm", "forward ms/step", "outside forward ms/step",
-               "overhead %", "wall - step_seconds %", "publish ms/flush"]
+               "overhead %", "publish ms/flush"]
     print_table(f"engine: {PROMPT_LEN}-token prompts, {args.max_tokens} output tokens, greedy, "
                 f"ignore_eos; medians of {args.reps}", headers, rows, nd=2)
     print(f"peak RSS: {rss0:.0f} MiB at start, {rss_model:.0f} MiB with the model loaded, "
-          f"{results['rss_after_node_mb']:.0f} MiB after all runs")
+          f"{results['rss_after_node_mb']:.0f} MiB after all runs; the model worker "
+          f"{children_peak_rss_mb():.0f} MiB")
     write_json(args.output_json, {"model": mdir, "max_tokens": args.max_tokens, "reps": args.reps,
                                   "rss_start_mb": rss0, "rss_model_mb": rss_model,
                                   "table": {"headers": headers, "rows": rows}, "runs": results})

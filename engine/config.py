@@ -26,6 +26,10 @@ class SchedulerConfig:
     # Token ids at or past this are refused at add() (finished with an error): a hand-written
     # request must not index past the embedding table. 0: unchecked.
     vocab_size: int = 0
+    # Steps handed to the runner and not folded back yet. 2 is async scheduling: step N+1 is
+    # decided while step N runs, its decodes fed placeholders for step N's tokens, so the
+    # runner never waits for the engine loop. 1 decides each step after the last one's results.
+    max_steps_in_flight: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
@@ -34,6 +38,9 @@ class SchedulerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"SchedulerConfig.{name} must be an integer >= 1, got {value!r}")
+        if self.max_steps_in_flight not in (1, 2):
+            raise ValueError("SchedulerConfig.max_steps_in_flight must be 1 or 2 (a placeholder "
+                             "stands only for the token of the step just before)")
         if self.long_prefill_threshold < 0:
             raise ValueError("SchedulerConfig.long_prefill_threshold must be >= 0")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

@@ -8,6 +8,10 @@ asked for one. Sequences are split into at most two attention groups, single-tok
 
 ``execute`` runs on the engine node's worker thread; it touches no asyncio state, and Paddle
 kernels run without the GIL, so the event loop keeps serving while a step computes.
+
+Steps must run in the order they were scheduled: with async scheduling a decode may feed
+:data:`~engine.sequence.PLACEHOLDER`, which stands for the token this runner sampled for that
+request in the step just before, and only the runner knows it when the step starts.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from engine.model.llama import MASKED, AttnGroup, ForwardBatch, Llama, key_block
 from engine.model.loader import load_model
 from engine.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from engine.sampler import Sampler
+from engine.sequence import PLACEHOLDER
 
 DEFAULT_KV_CACHE_BYTES = {"cpu": 256 << 20, "gpu": 4 << 30}
 
@@ -59,6 +64,7 @@ class ModelRunner:
         self.max_model_len = self.model.cfg.max_position_embeddings
         self.vocab_size = self.model.cfg.vocab_size
         self.sampler = Sampler(seed)
+        self._last_sampled: dict[str, int] = {}  # what a placeholder in the next step stands for
 
     # ------------------------------------------------------------------ step
 
@@ -68,6 +74,7 @@ class ModelRunner:
         batch, sampled = self.prepare(out.seqs)
         logits = self.model.forward(batch)
         if not sampled:
+            self._last_sampled = {}
             return RunnerOutput(step=out.step, sampled={})
         n = len(sampled)
         if all(s.sampling.greedy for s in sampled):
@@ -75,7 +82,8 @@ class ModelRunner:
         else:
             tokens = self.sampler.sample(logits.numpy()[:n], [s.sampling for s in sampled],
                                          [s.num_generated for s in sampled])
-        return RunnerOutput(step=out.step, sampled={s.request_id: t for s, t in zip(sampled, tokens)})
+        self._last_sampled = {s.request_id: t for s, t in zip(sampled, tokens)}
+        return RunnerOutput(step=out.step, sampled=self._last_sampled)
 
     def logits(self, out: SchedulerOutput) -> np.ndarray:
         """The logits [num sampled seqs, vocab] of a step (tests and debugging)."""
@@ -108,15 +116,25 @@ class ModelRunner:
         pos: list[int] = []
         slots: list[int] = []
         starts: list[int] = []  # first row of each seq
+        last = self._last_sampled
         for s in seqs:
             starts.append(len(ids))
-            ids.extend(s.token_ids)
             bt = s.block_table
             if len(s.token_ids) == 1:
+                t = s.token_ids[0]
+                if t == PLACEHOLDER:
+                    try:
+                        t = last[s.request_id]
+                    except KeyError:
+                        raise RuntimeError(f"{s.request_id!r}: a placeholder with no token "
+                                           "sampled for it in the step before (steps out of "
+                                           "order?)") from None
+                ids.append(t)
                 p = s.start_pos
                 pos.append(p)
                 slots.append(bt[p // bs] * bs + p % bs)
             else:
+                ids.extend(s.token_ids)
                 p = np.arange(s.start_pos, s.start_pos + len(s.token_ids))
                 pos.extend(p.tolist())
                 slots.extend((np.asarray(bt)[p // bs] * bs + p % bs).tolist())

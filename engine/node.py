@@ -6,7 +6,8 @@ and step results are applied in one order, and that order is what the journal re
 
 The model step runs in a worker thread while the loop keeps reading ``P:control``, claiming
 requests and publishing the previous step's events, so a step is genuinely in flight while
-aborts arrive. That is the case the abort protocol exists for: an abort that lands during a
+aborts arrive. With async scheduling (the default) the next step is decided and queued behind
+the running one before its results come back, so two can be in flight. That is the case the abort protocol exists for: an abort that lands during a
 step only marks the request; its blocks come back after the step has finished writing them.
 
 Faults (DESIGN.md §1, issue 7):
@@ -33,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Awaitable, Callable, Protocol, TypeVar
@@ -104,6 +105,10 @@ class EngineConfig:
     # no engine was up must still win over the request it names (tombstone via P:owner).
     control_lookback_ms: int = 30_000
     journal: bool = True  # one P:journal:<engine> entry per step, for `fd replay`
+    # Decide step N+1 while step N runs (its decodes on placeholders the runner fills in), so
+    # the runner never waits for this loop; off, each step is decided after the last one's
+    # results are folded in.
+    async_scheduling: bool = True
     # --- faults
     max_attempts: int = 3  # engines a request may fail on before it ends with an error
     drain_timeout_s: float = 30.0  # running requests get this long to finish on a drain
@@ -139,11 +144,11 @@ class EngineNode:
             eos_token_ids=tuple(runner.eos_token_ids),
             max_num_waiting=cfg.max_num_waiting,
             vocab_size=int(getattr(runner, "vocab_size", 0) or 0),
+            max_steps_in_flight=2 if cfg.async_scheduling else 1,
         )), self.id, enabled=cfg.journal, clock=time.time)
         self._entry: dict[str, bytes] = {}  # request id -> its P:requests entry, XACKed at final
         self._request: dict[str, Request] = {}  # what was claimed, for a drain's hand-back
         self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._aborting: set[str] = set()  # noted while in the in-flight step; tokens discarded
         self._abort_noted_at: dict[str, float] = {}
         # Requests this engine no longer speaks for (handed back, or ownership lost): the
         # scheduler still winds them down, but none of their events is published.
@@ -271,18 +276,31 @@ class EngineNode:
 
     async def _step_loop(self) -> None:
         loop = asyncio.get_running_loop()
-        while not self._stopping:
-            if self._draining:
-                await self._drain_tick()
-            if not self.sched.has_work():
+        depth = self.sched.config.max_steps_in_flight
+        flying: deque[tuple[SchedulerOutput, asyncio.Future, float]] = deque()
+        # Runs while steps are in flight, even when stopping: a step's result is never left
+        # behind (its tokens are published, its aborts drained).
+        while flying or not self._stopping:
+            if self._draining and not flying:
+                await self._drain_tick()  # hands requests back: only with nothing in flight
+            if not flying and not self.sched.has_work():
                 await self._flush()
-                if self._draining:
+                if self._draining or self._stopping:
                     break
                 await self._claim(block=True)
                 continue
-            out = self.sched.schedule()
-            self._emit(self.sched.take_events())  # preemptions decided by this schedule()
-            if out.empty:
+            out = None
+            # With async scheduling the next step is decided now, while the last one runs,
+            # and queued behind it on the step thread: the runner never waits for this loop.
+            # Not while draining or stopping, which act between steps.
+            ahead = 1 if self._draining or self._stopping else depth
+            if len(flying) < ahead:
+                out = self.sched.schedule()
+                self._emit(self.sched.take_events())  # preemptions decided by this schedule()
+                if not out.empty:
+                    fut = loop.run_in_executor(self._pool, self.runner.execute, out)
+                    flying.append((out, fut, time.perf_counter()))
+            if not flying:
                 # Work exists but none can run (e.g. waiting for blocks): wait for an event.
                 await self._flush()
                 self._wake.clear()
@@ -291,19 +309,25 @@ class EngineNode:
                 except asyncio.TimeoutError:
                     pass
                 continue
-            t0 = time.perf_counter()
-            fut = loop.run_in_executor(self._pool, self.runner.execute, out)
-            # While the step runs: publish what the previous step produced (one pipelined
-            # round trip), take new work. The next step starts right after this one.
+            if out is not None and not out.empty and len(flying) < ahead:
+                continue  # room for one more ahead: decide it before waiting
+            # While the oldest step runs: publish what the last one produced (one pipelined
+            # round trip), take new work.
+            done, fut, t0 = flying[0]
             try:
                 await self._flush()
                 if await self._claim(block=False):
                     await self._flush()  # their `claimed` now, not after this step
             finally:
                 result = await fut  # never leave the step's result behind, even when stopping
-            self.step_seconds += time.perf_counter() - t0
+            flying.popleft()
+            now = time.perf_counter()
+            self.step_seconds += now - t0
+            if flying:  # the next one was queued behind this one: its time starts now
+                nxt, nfut, nt0 = flying[0]
+                flying[0] = (nxt, nfut, max(nt0, now))
             self.steps += 1
-            self._apply(out, result)
+            self._apply(done, result)
         await self._flush()
 
     async def _claim(self, block: bool) -> int:
@@ -448,8 +472,8 @@ class EngineNode:
         deltas: dict[str, str] = {}
         stopped: dict[str, str] = {}
         for rid, tok in result.sampled.items():
-            if rid in self._aborting or rid not in self._detok:
-                continue  # the token of an aborted request is discarded; don't decode it
+            if rid not in self._detok or self.sched.discards(rid):
+                continue  # aborted, or finished while this step ran: its token is dropped
             delta, stop = self._detok[rid].push((tok,))
             deltas[rid] = delta
             if stop is not None:
@@ -621,14 +645,11 @@ class EngineNode:
                         request_id=rid, token_ids=(), text=tail, ts=ts, step=self.sched.step)))
             if isinstance(ev, AbortRequested):
                 self._abort_noted_at[rid] = now
-                if self.sched.in_flight(rid):
-                    self._aborting.add(rid)
             elif isinstance(ev, BlocksReleased):
                 t = self._abort_noted_at.pop(rid, None)
                 if t is not None and self.metrics is not None and not silent:
                     self.metrics.abort_release_seconds.observe(now - t)
             elif isinstance(ev, Final):
-                self._aborting.discard(rid)
                 self._progress.pop(rid, None)
                 self._request.pop(rid, None)
                 entry = self._entry.pop(rid, None)

@@ -511,7 +511,7 @@ class _Replayer:
     def __init__(self, sched: Scheduler):
         self.s = sched
         self.dig = Digester()
-        self.last_out: SchedulerOutput | None = None
+        self.outs: dict[int, SchedulerOutput] = {}  # steps in flight (two with async scheduling)
 
     def apply(self, c: dict[str, Any]) -> dict[str, Any]:
         s, op = self.s, c["op"]
@@ -519,7 +519,8 @@ class _Replayer:
         try:
             if op == "schedule":
                 out = s.schedule()
-                self.last_out = out
+                if not out.empty:
+                    self.outs[out.step] = out
                 got["ev"] = self.dig.events(s.take_events())
                 got["out"] = self.dig.batch(out)
             else:
@@ -530,9 +531,7 @@ class _Replayer:
                 elif op == "abort_all":
                     evs = s.abort_all(c["source"])
                 elif op == "update":
-                    out = self.last_out
-                    if out is None or out.step != c["step"]:
-                        out = SchedulerOutput(step=c["step"], seqs=())
+                    out = self.outs.pop(c["step"], None) or SchedulerOutput(step=c["step"], seqs=())
                     result = RunnerOutput(step=c.get("rstep", c["step"]),
                                           sampled={k: int(v) for k, v in c["sampled"].items()},
                                           stopped=dict(c.get("stopped") or {}))

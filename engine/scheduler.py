@@ -4,11 +4,22 @@ Inputs are calls (a request arrived, an abort arrived, a step finished); outputs
 batch (:class:`SchedulerOutput`) and :mod:`control.events` values. No clock, no I/O, no
 randomness: the same calls give the same outputs, so a journal of them replays a run.
 
-Exactly one step is in flight at a time: ``schedule()`` hands a batch to the runner, and until
-``update()`` folds its result back, the runner may still be writing the KV blocks of every
-request in it. That is why an abort of a request in the in-flight step only marks it
-(``AbortRequested``) and waits for ``update()`` to say ``Drained`` before the blocks go back:
-handing them to another request earlier would let the still-running step overwrite its KV.
+A step is in flight from ``schedule()`` handing its batch to the runner until ``update()``
+folds its result back; meanwhile the runner may still be writing the KV blocks of every request
+in it. That is why an abort of a request in an in-flight step only marks it
+(``AbortRequested``) and waits for the ``update()`` of the last step holding it to say
+``Drained`` before the blocks go back: handing them to another request earlier would let the
+still-running step overwrite its KV.
+
+Async scheduling (``max_steps_in_flight=2``): step N+1 is decided while step N runs, so the
+runner goes from one step to the next without waiting for the engine loop. A decode in N+1
+feeds :data:`~engine.sequence.PLACEHOLDER` for the token N samples (the runner fills it in).
+Such a speculative ``schedule()`` never preempts (the victim's blocks may be in use by step N):
+if a decision needs that, it stops there and refuses to schedule ahead again until nothing is
+in flight, when an ordinary ``schedule()`` makes it. A request that finishes in ``update(N)``
+(EOS, a stop string) while N+1 holds it is finished like an abort: its token from N+1 is
+dropped and its blocks and ``Final`` wait for ``update(N+1)``. Known ends (``max_tokens``, the
+context) are not scheduled past.
 
 Events ``schedule()`` produces (``Preempted``, and the ``Final`` of a request that outgrew the
 whole pool) cannot be returned with the batch, so they are held and put at the front of the
@@ -28,7 +39,7 @@ from control.events import (AbortRequested, BlocksReleased, Drained, Event, Fina
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
-from engine.sequence import Sequence, Status
+from engine.sequence import PLACEHOLDER, Sequence, Status
 
 
 class Scheduler:
@@ -38,8 +49,10 @@ class Scheduler:
         self._seqs: dict[str, Sequence] = {}  # every unfinished request, in arrival order
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []  # sorted by arrival: the last is preempted first
-        self._in_flight: SchedulerOutput | None = None
-        self._in_flight_ids: dict[str, ScheduledSeq] = {}
+        self._in_flight: deque[SchedulerOutput] = deque()  # oldest first
+        self._in_flight_ids: dict[str, int] = {}  # request id -> in-flight steps holding it
+        # A speculative schedule() met a decision (preemption) that needs no step in flight.
+        self._stalled = False
         self._pending: list[Event] = []
         self._arrivals = 0
         self.step = 0
@@ -67,6 +80,16 @@ class Scheduler:
 
     def in_flight(self, request_id: str) -> bool:
         return request_id in self._in_flight_ids
+
+    @property
+    def num_steps_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def discards(self, request_id: str) -> bool:
+        """The next token folded back for this request will be dropped (it is being aborted,
+        or it finished while a later step held it): not worth detokenizing."""
+        seq = self._seqs.get(request_id)
+        return seq is not None and seq.done
 
     def has_work(self) -> bool:
         return bool(self._running or self._waiting)
@@ -97,6 +120,7 @@ class Scheduler:
             "num_total_blocks": self.blocks.num_total,
             "num_free_blocks": self.blocks.num_free,
             "in_flight": list(self._in_flight_ids),
+            "steps_in_flight": [o.step for o in self._in_flight],
             "running": [s.request_id for s in self._running],
             "waiting": [s.request_id for s in self._waiting],
             "requests": [
@@ -107,6 +131,9 @@ class Scheduler:
                     "num_prompt_tokens": s.num_prompt_tokens,
                     "num_output_tokens": s.num_output_tokens,
                     "num_computed_tokens": s.num_computed_tokens,
+                    "num_in_flight": s.num_in_flight,
+                    "num_pending": s.num_pending,
+                    "finishing": None if s.finishing is None else s.finishing[0],
                     "num_preemptions": s.num_preemptions,
                     "aborting": s.aborting,
                     "block_table": list(self.blocks.table(s.request_id)),
@@ -174,8 +201,8 @@ class Scheduler:
         """Stage 1 of the abort protocol, and stages 2-3 too if no step is writing its blocks."""
         events = self._take()
         seq = self._seqs.get(request_id)
-        if seq is None or seq.aborting is not None:
-            return events  # unknown, finished, or already being aborted: nothing to do
+        if seq is None or seq.done:
+            return events  # unknown, finished (maybe awaiting a step), already aborting: no-op
         events.append(AbortRequested(request_id=request_id, source=source, step=self.step))
         if request_id in self._in_flight_ids:
             seq.aborting = source  # update() drains and releases it
@@ -199,9 +226,14 @@ class Scheduler:
         request (recompute preemption). A request that alone holds the whole pool and still
         needs a block is finished with ``length``: the KV cache is its context limit.
         """
-        if self._in_flight is not None:
-            raise RuntimeError(f"step {self._in_flight.step} is still in flight; update() it first")
         cfg = self.config
+        if len(self._in_flight) >= cfg.max_steps_in_flight:
+            raise RuntimeError(f"step {self._in_flight[-1].step} is still in flight; update() it "
+                               "first")
+        speculative = bool(self._in_flight)
+        if speculative and self._stalled:
+            return SchedulerOutput(step=self.step, seqs=())  # wait for the steps in flight
+        self._stalled = False
         self.step += 1
         step = self.step
         budget = cfg.max_num_batched_tokens
@@ -213,17 +245,24 @@ class Scheduler:
         for seq in decoding + prefilling:
             if budget == 0:
                 break
-            if seq.status is not Status.RUNNING:
-                continue  # preempted earlier in this loop
-            want = min(seq.num_uncomputed, budget)
+            if seq.status is not Status.RUNNING or seq.done:
+                continue  # preempted earlier in this loop; or only waiting for a step in flight
+            if seq.num_pending and self._ends_on_pending(seq):
+                continue  # its pending token is its last: finished when that step is folded in
+            want = min(seq.num_unscheduled, budget)
+            if want == 0:
+                continue
             if not seq.is_decoding:
                 want = self._cap_chunk(want)
             while True:
                 n = want
                 if not seq.is_decoding:
                     n = min(n, self._room(seq))  # a smaller chunk beats preempting someone
-                end = seq.num_computed_tokens + n
+                end = seq.num_scheduled + n
                 if n > 0 and self.blocks.shortfall(seq.request_id, end) == 0:
+                    break
+                if speculative:  # a victim's blocks may be in use by the step in flight
+                    self._stalled = True
                     break
                 victim = next(s for s in reversed(self._running) if s.request_id not in scheduled)
                 if victim is not seq:
@@ -235,16 +274,19 @@ class Scheduler:
                     self._preempt(seq, step)
                 n = 0
                 break
+            if self._stalled:
+                break
             if n == 0:
                 continue
-            self.blocks.ensure(seq.request_id, seq.num_computed_tokens + n)
+            self.blocks.ensure(seq.request_id, seq.num_scheduled + n)
             batch.append((seq, n))
             scheduled[seq.request_id] = None
             budget -= n
 
-        while self._waiting and budget > 0 and len(self._running) < cfg.max_num_seqs:
+        while (self._waiting and budget > 0 and len(self._running) < cfg.max_num_seqs
+               and not self._stalled):
             seq = self._waiting[0]
-            need = seq.num_uncomputed
+            need = seq.num_unscheduled
             n = self._cap_chunk(min(need, budget))
             # Start a prompt only when the free blocks hold all of it, even if it runs in chunks:
             # one started on the last few blocks would be preempted again as soon as a decode
@@ -264,42 +306,66 @@ class Scheduler:
         out = SchedulerOutput(step=step, seqs=seqs,
                               num_batched_tokens=cfg.max_num_batched_tokens - budget)
         if seqs:
-            self._in_flight = out
-            self._in_flight_ids = {s.request_id: s for s in seqs}
+            self._in_flight.append(out)
+            ids = self._in_flight_ids
+            for ss in seqs:
+                ids[ss.request_id] = ids.get(ss.request_id, 0) + 1
         return out
 
     def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[Event]:
-        """Fold the in-flight step's results in: emit tokens, finish, and drain aborts."""
+        """Fold the oldest in-flight step's results in: emit tokens, finish, drain aborts."""
         events = self._take()
-        if out.empty and self._in_flight is None:
+        if out.empty:
             return events
-        if self._in_flight is None or out.step != self._in_flight.step:
-            expected = None if self._in_flight is None else self._in_flight.step
-            raise RuntimeError(f"update() for step {out.step}; the step in flight is {expected}")
+        if not self._in_flight or out.step != self._in_flight[0].step:
+            expected = self._in_flight[0].step if self._in_flight else None
+            raise RuntimeError(f"update() for step {out.step}; the oldest step in flight is "
+                               f"{expected}")
         if result.step != out.step:
             raise ValueError(f"runner output is for step {result.step}, not {out.step}")
-        step = out.step
-        self._in_flight = None
-        self._in_flight_ids = {}
         for ss in out.seqs:
-            seq = self._seqs[ss.request_id]
-            if seq.aborting is not None:
-                discarded = 1 if ss.sample and ss.request_id in result.sampled else 0
-                events.append(Drained(request_id=seq.request_id, step=step,
-                                      discarded_tokens=discarded))
-                self._release(seq, "abort", None, events, step)
+            if ss.sample and not self._seqs[ss.request_id].done and ss.request_id not in result.sampled:
+                raise ValueError(f"runner output for step {out.step} has no token for "
+                                 f"{ss.request_id}")
+        step = out.step
+        self._in_flight.popleft()
+        ids = self._in_flight_ids
+        for ss in out.seqs:
+            rid = ss.request_id
+            seq = self._seqs[rid]
+            later = ids[rid] - 1  # steps after this one that still hold the request
+            if later:
+                ids[rid] = later
+            else:
+                del ids[rid]
+            seq.num_in_flight -= len(ss.token_ids)
+            if ss.sample:
+                seq.num_pending -= 1
+            if seq.done:
+                if ss.sample and rid in result.sampled:
+                    seq.num_discarded += 1
+                if later:
+                    continue
+                if seq.aborting is not None:
+                    events.append(Drained(request_id=rid, step=step,
+                                          discarded_tokens=seq.num_discarded))
+                    self._release(seq, "abort", None, events, step)
+                else:
+                    reason, stop_reason = seq.finishing  # type: ignore[misc]
+                    self._release(seq, reason, stop_reason, events, step)
                 continue
             seq.num_computed_tokens += len(ss.token_ids)
             if not ss.sample:
                 continue
-            if ss.request_id not in result.sampled:
-                raise ValueError(f"runner output for step {step} has no token for {ss.request_id}")
-            token = int(result.sampled[ss.request_id])
+            token = int(result.sampled[rid])
             seq.token_ids.append(token)
-            events.append(Tokens(request_id=seq.request_id, token_ids=(token,), step=step))
-            reason, stop_reason = self._finish_reason(seq, token, result.stopped.get(ss.request_id))
+            events.append(Tokens(request_id=rid, token_ids=(token,), step=step))
+            reason, stop_reason = self._finish_reason(seq, token, result.stopped.get(rid))
             if reason is not None:
-                self._release(seq, reason, stop_reason, events, step)
+                if later:  # the next step computes one more token for it: drop that one
+                    seq.finishing = (reason, stop_reason)
+                else:
+                    self._release(seq, reason, stop_reason, events, step)
         return events
 
     # ------------------------------------------------------------------ internals
@@ -313,21 +379,34 @@ class Scheduler:
         return min(n, t) if t and self.config.enable_chunked_prefill else n
 
     def _room(self, seq: Sequence) -> int:
-        """Tokens past the computed ones that the held plus the free blocks can hold."""
+        """Tokens past the scheduled ones that the held plus the free blocks can hold."""
         held = self.blocks.num_held(seq.request_id) + self.blocks.num_free
-        return held * self.blocks.block_size - seq.num_computed_tokens
+        return held * self.blocks.block_size - seq.num_scheduled
+
+    def _ends_on_pending(self, seq: Sequence) -> bool:
+        """Its pending tokens reach ``max_tokens`` or the context: nothing to schedule after."""
+        return (seq.num_output_tokens + seq.num_pending >= seq.sampling.max_tokens
+                or seq.num_tokens + seq.num_pending >= self.config.max_model_len)
 
     def _scheduled_seq(self, seq: Sequence, n: int) -> ScheduledSeq:
-        start = seq.num_computed_tokens
-        return ScheduledSeq(
+        start = seq.num_scheduled
+        token_ids = tuple(seq.token_ids[start:start + n])
+        if len(token_ids) < n:  # the pending token: only ever a decode of exactly that one
+            token_ids = (PLACEHOLDER,)
+        sample = start + n == seq.num_tokens + seq.num_pending
+        ss = ScheduledSeq(
             request_id=seq.request_id,
-            token_ids=tuple(seq.token_ids[start:start + n]),
+            token_ids=token_ids,
             start_pos=start,
             block_table=self.blocks.table(seq.request_id),
-            sample=start + n == seq.num_tokens,
+            sample=sample,
             sampling=seq.sampling,
-            num_generated=seq.num_output_tokens,
+            num_generated=seq.num_output_tokens + seq.num_pending,
         )
+        seq.num_in_flight += n
+        if sample:
+            seq.num_pending += 1
+        return ss
 
     def _preempt(self, seq: Sequence, step: int) -> None:
         count = self.blocks.free(seq.request_id) if self.blocks.owns(seq.request_id) else 0

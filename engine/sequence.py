@@ -4,6 +4,12 @@ Tokens are one list, prompt then generated, because after a preemption the recom
 feeds both alike; ``num_computed_tokens`` is how many of them have KV in the request's blocks.
 A decode is then just the case where exactly one token (the last sampled) is not computed.
 The block table itself lives in the BlockManager, the single owner of the pool.
+
+With async scheduling a step is scheduled while the previous one still runs, so two counts
+describe what is in flight: ``num_in_flight`` tokens fed to steps not folded back yet, and
+``num_pending`` tokens those steps will sample. A decode scheduled on top of a pending token
+feeds :data:`PLACEHOLDER`: the runner substitutes the token it sampled for the request one
+step earlier, which the scheduler cannot know yet.
 """
 
 from __future__ import annotations
@@ -11,6 +17,9 @@ from __future__ import annotations
 import enum
 
 from control.events import SamplingParams
+
+#: The token id of a decode whose input is the token the previous (in-flight) step samples.
+PLACEHOLDER = -1
 
 
 class Status(enum.Enum):
@@ -21,7 +30,8 @@ class Status(enum.Enum):
 
 class Sequence:
     __slots__ = ("request_id", "arrival", "sampling", "num_prompt_tokens", "token_ids",
-                 "num_computed_tokens", "status", "aborting", "num_preemptions")
+                 "num_computed_tokens", "status", "aborting", "num_preemptions",
+                 "num_in_flight", "num_pending", "finishing", "num_discarded")
 
     def __init__(self, request_id: str, prompt_token_ids: tuple[int, ...],
                  sampling: SamplingParams, arrival: int):
@@ -36,6 +46,12 @@ class Sequence:
         # it must not be scheduled again, but its blocks stay held until that step is folded in.
         self.aborting: str | None = None
         self.num_preemptions = 0
+        self.num_in_flight = 0  # tokens fed to in-flight steps (async scheduling)
+        self.num_pending = 0  # tokens those steps will sample, not in token_ids yet
+        # (finish_reason, stop_reason) of a request that finished while a later step holding it
+        # was already in flight: like an abort, its blocks wait for that step.
+        self.finishing: tuple[str, str | None] | None = None
+        self.num_discarded = 0  # sampled tokens dropped because of the above or an abort
 
     @property
     def num_tokens(self) -> int:
@@ -51,7 +67,22 @@ class Sequence:
 
     @property
     def is_decoding(self) -> bool:
-        return self.num_output_tokens > 0 and self.num_uncomputed == 1
+        return self.num_output_tokens + self.num_pending > 0 and self.num_unscheduled == 1
+
+    @property
+    def num_scheduled(self) -> int:
+        """Tokens computed or being computed: where the next step starts."""
+        return self.num_computed_tokens + self.num_in_flight
+
+    @property
+    def num_unscheduled(self) -> int:
+        """Tokens (pending ones included) no step has been given yet."""
+        return len(self.token_ids) + self.num_pending - self.num_computed_tokens - self.num_in_flight
+
+    @property
+    def done(self) -> bool:
+        """No more steps: aborting, or finished while a step holding it was in flight."""
+        return self.aborting is not None or self.finishing is not None
 
     def usage(self) -> dict[str, int]:
         # Every generated token was emitted in a Tokens event (tokens of an aborted in-flight

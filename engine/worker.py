@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import signal
+import time
 import traceback
 from typing import Any
 
@@ -53,9 +54,11 @@ def _worker_main(conn, model_dir: str, kwargs: dict[str, Any]) -> None:
         try:
             if msg == "warmup":
                 runner.warmup()
-                conn.send(("ok", None))
+                conn.send(("ok", None, 0.0))
             else:
-                conn.send(("ok", runner.execute(msg)))
+                t = time.perf_counter()
+                out = runner.execute(msg)
+                conn.send(("ok", out, time.perf_counter() - t))
         except Exception:  # noqa: BLE001
             conn.send(("error", traceback.format_exc()))
 
@@ -82,16 +85,20 @@ class ProcessRunner:
         self.eos_token_ids: tuple[int, ...] = info["eos_token_ids"]
         self.max_model_len: int = info["max_model_len"]
         self.vocab_size: int = info["vocab_size"]
+        # Seconds the worker spent inside execute (the model step itself, without the pipe):
+        # what bench/engine.py compares the engine loop's wall time with.
+        self.busy_seconds = 0.0
 
     def _call(self, msg: Any) -> Any:
         self._conn.send(msg)
         try:
-            kind, value = self._conn.recv()
+            reply = self._conn.recv()
         except EOFError:
             raise WorkerError(f"the model worker died (exit code {self._proc.exitcode})") from None
-        if kind == "error":
-            raise WorkerError(value)
-        return value
+        if reply[0] == "error":
+            raise WorkerError(reply[1])
+        self.busy_seconds += reply[2]
+        return reply[1]
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         return self._call(out)

@@ -59,6 +59,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--journal-maxlen", type=int, default=10_000,
                    help="journal entries kept per engine (one a step; MAXLEN ~) for `fd replay`")
     p.add_argument("--no-journal", action="store_true", help="write no journal")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="decide each step only after the last one's results are in (by default "
+                        "step N+1 is decided while step N runs, so the model never waits for "
+                        "the engine loop)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on drain/SIGTERM: seconds to let running requests finish before handing "
                         "the rest back to other engines")
@@ -107,6 +111,7 @@ def _engine_opts(args: argparse.Namespace, model_dir: Path):
                          max_attempts=args.max_attempts, drain_timeout_s=args.drain_timeout,
                          request_timeout_s=args.request_timeout,
                          journal=not args.no_journal, journal_maxlen=args.journal_maxlen,
+                         async_scheduling=not args.no_async_scheduling,
                          executor=args.executor if args.executor != "timed" else "paddle")
 
 

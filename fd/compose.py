@@ -35,6 +35,7 @@ class EngineOptions:
     # loop); "paddle-thread": in the engine's own process, in a thread (tests, debugging).
     executor: str = "paddle"
     journal: bool = True  # one P:journal:<engine> entry per step, for `fd replay`
+    async_scheduling: bool = True  # decide step N+1 while step N runs
     journal_maxlen: int = 10_000  # entries kept (MAXLEN ~)
 
 
@@ -132,7 +133,8 @@ async def start_engine(redis_factory: Callable[[], Any], keys: Keys, opts: Engin
         metrics.engine_in_process = True  # the engine sets its gauges itself, every step
     engine_id = opts.engine_id or f"{socket.gethostname()[:24]}-{secrets.token_hex(3)}"
     kw = dict(max_attempts=opts.max_attempts, drain_timeout_s=opts.drain_timeout_s,
-              request_timeout_s=opts.request_timeout_s, journal=opts.journal)
+              request_timeout_s=opts.request_timeout_s, journal=opts.journal,
+              async_scheduling=opts.async_scheduling)
     kw.update(node_kw)
     cfg = EngineConfig(engine_id=engine_id, block_size=opts.block_size,
                        max_num_seqs=opts.max_num_seqs,

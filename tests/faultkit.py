@@ -18,6 +18,7 @@ from dataclasses import replace
 
 from control.connect import connect
 from engine.outputs import RunnerOutput, SchedulerOutput
+from engine.sequence import PLACEHOLDER
 from fd.compose import EngineOptions, start_engine
 from tests.conftest import _ping, free_port
 from tests.enginekit import GatedRunner
@@ -32,7 +33,9 @@ FAST_FAILOVER = dict(failover_interval_s=0.2, failover_idle_ms=200, heartbeat_tt
 class RunnerSlice:
     """Blocks ``[offset, offset + num_blocks)`` of one shared runner's KV pool, so two
     in-process engines on one model never write each other's KV; steps take turns. ``delay``
-    slows each step down, so a test can act while a request is half generated."""
+    slows each step down, so a test can act while a request is half generated. Placeholders
+    (async scheduling) are filled in here from this slice's own last step, as a runner of its
+    own would: the shared runner's last step may be another engine's."""
 
     def __init__(self, inner, offset: int, num_blocks: int, delay: float = 0.0):
         self.inner = inner
@@ -42,14 +45,19 @@ class RunnerSlice:
         self.max_model_len = inner.max_model_len
         self.delay = delay
         self.lock = _LOCKS.setdefault(id(inner), threading.Lock())
+        self.last: dict[str, int] = {}
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         if self.delay:
             time.sleep(self.delay)
-        seqs = tuple(replace(s, block_table=tuple(b + self.offset for b in s.block_table))
+        seqs = tuple(replace(s, block_table=tuple(b + self.offset for b in s.block_table),
+                             token_ids=((self.last[s.request_id],) if s.token_ids == (PLACEHOLDER,)
+                                        else s.token_ids))
                      for s in out.seqs)
         with self.lock:
-            return self.inner.execute(replace(out, seqs=seqs))
+            res = self.inner.execute(replace(out, seqs=seqs))
+        self.last = dict(res.sampled)
+        return res
 
 
 class Engines:

@@ -81,6 +81,7 @@ async def test_chaos(redis_server, real_bus, keys, tiny_model_dir, tiny_runner, 
             plan.append((f"c{i}", kind, prompt, max_tokens, rnd.randint(1, 4)))
         refs = {}
         done_plan = [p for p in plan if p[1] == "complete"]
+        complete = {p[0] for p in done_plan}
         llm = LLM(tiny_runner, tiny_tokenizer)
         for rid, _, prompt, max_tokens, _ in done_plan:
             (refs[rid],) = llm.generate([tiny_tokenizer.encode(prompt)], SamplingParams(
@@ -107,8 +108,10 @@ async def test_chaos(redis_server, real_bus, keys, tiny_model_dir, tiny_runner, 
                                                      "SKIPME", "yes")
                 await asyncio.sleep(0.05)
             await wait_for(lambda: finished >= 2 * N // 5, 60, "two fifths of the requests")
-            # (kill A while it runs something; with requests still flowing it soon does)
-            await wait_for(lambda: a.node.sched.has_work(), 30, "A running a request")
+            # (kill A while it runs a request nobody aborts, so B must take one over; with
+            # requests still flowing it soon does)
+            await wait_for(lambda: any(a.node.sched.knows(rid) for rid in complete), 30,
+                           "A running a request")
             await kill(a)
 
         t0 = time.monotonic()

@@ -48,3 +48,32 @@ def test_seeded_sampling_is_reproducible_across_batch_compositions(tiny_runner, 
     other_seed = llm.generate([prompts[1]], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24,
                                                             seed=99, ignore_eos=True))[0]
     assert other_seed.token_ids != alone.token_ids
+
+
+def test_async_scheduling_gives_the_same_output_as_one_step_at_a_time(tiny_model_dir, tiny_runner,
+                                                                      tiny_tokenizer, prompts):
+    """Step N+1 fed placeholders for step N's tokens, the real runner filling them in: greedy,
+    seeded sampling, stop strings, EOS and max_tokens end where they do one step at a time,
+    also while preemptions (which a speculative schedule leaves to the next ordinary one) run."""
+    sps = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+           SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24, seed=7, ignore_eos=True),
+           SamplingParams(temperature=0.0, max_tokens=30),
+           SamplingParams(temperature=0.0, max_tokens=1),
+           SamplingParams(temperature=0.9, top_k=20, max_tokens=35, seed=3)]
+    sync = LLM(tiny_runner, tiny_tokenizer).generate(prompts, [sps[i % 5] for i in range(8)])
+    # a stop string on text the greedy run is known to produce
+    stop_at = sync[0].text[5:8]
+    sps_stop = sps + [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
+                                     stop=(stop_at,))]
+    batch = [sps_stop[i % 5] for i in range(8)]
+    batch[0] = sps_stop[5]
+    sync = LLM(tiny_runner, tiny_tokenizer).generate(prompts, batch)
+    assert sync[0].finish_reason == "stop" and stop_at not in sync[0].text
+    for runner in (tiny_runner, ModelRunner(str(tiny_model_dir), num_blocks=10, block_size=16)):
+        llm = LLM(runner, tiny_tokenizer, async_scheduling=True)
+        events = []
+        got = llm.generate(prompts, batch, on_event=events.append)
+        for a, b in zip(sync, got):
+            assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
+        assert llm.last_free_blocks == runner.num_blocks
+    assert sum(e.TYPE == "preempted" for e in events) >= 1

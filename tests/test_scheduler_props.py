@@ -2,7 +2,14 @@
 
 The fake runner keeps a KV store and samples from what the blocks hold, so a block handed to
 two requests, or freed while a step still writes it, shows up as wrong tokens.
+
+Every run is made twice: one step in flight at a time, and async scheduling (two in flight:
+step N+1 decided before step N is folded in, its decodes fed placeholders that the fake runner
+fills in from step N's samples, as the real one does). A step "runs" (writes its KV, samples)
+as late as it can: just before its results are folded in.
 """
+
+import pytest
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -12,6 +19,7 @@ from control.events import (AbortRequested, BlocksReleased, Drained, Final, Pree
 from engine.config import SchedulerConfig
 from engine.outputs import RunnerOutput
 from engine.scheduler import Scheduler
+from engine.sequence import PLACEHOLDER
 
 EOS = 0
 
@@ -36,6 +44,8 @@ def reference(prompt, sp, max_model_len):
 class Harness:
     def __init__(self, cfg):
         self.cfg = cfg
+        self.flying = []  # steps scheduled and not folded back yet, oldest first
+        self.last_sampled = {}  # the previous step's samples: what a placeholder stands for
         self.sched = Scheduler(cfg)
         self.bs = cfg.block_size
         self.kv = [[None] * self.bs for _ in range(cfg.num_blocks)]
@@ -59,6 +69,8 @@ class Harness:
                 assert any(isinstance(x, AbortRequested) for x in story)
             if isinstance(e, BlocksReleased):
                 assert e.count >= 0
+                assert not any(e.request_id == x.request_id for o in self.flying for x in o.seqs), \
+                    f"{e.request_id}'s blocks released while a step in flight holds them"
             if isinstance(e, Final):
                 assert isinstance(story[-1], BlocksReleased) if story else e.finish_reason == "error"
                 toks = [t for x in story if isinstance(x, Tokens) for t in x.token_ids]
@@ -113,7 +125,16 @@ class Harness:
 
     def step(self, abort_in_flight=()):
         s = self.sched
-        out = s.schedule()
+        depth = self.cfg.max_steps_in_flight
+        out = s.schedule() if len(self.flying) < depth else None
+        if out is None or out.empty:
+            if self.flying:  # nothing more to schedule ahead: retire the oldest
+                for k in abort_in_flight:
+                    self.abort(k)
+                self.retire()
+                return
+            if out is None:
+                return
         pending = s.take_events()
         self.record(pending)
         # a request preempted to make room is not started again in the same step (it would
@@ -126,25 +147,46 @@ class Harness:
         assert len({x.request_id for x in out.seqs}) == len(out.seqs)
         for x in out.seqs:
             assert x.request_id not in self.aborted, "an aborted request was scheduled"
+        for x in out.seqs:
+            assert (PLACEHOLDER in x.token_ids) == (x.start_pos == len(self.tokens_of(x.request_id))), x
+        if not out.empty:
+            self.flying.append(out)
         for k in abort_in_flight:
             self.abort(k)
+        if len(self.flying) >= depth:
+            self.retire()
+
+    def tokens_of(self, rid):
+        """The request's tokens as far as the events told (prompt + emitted)."""
+        emitted = [t for e in self.events.get(rid, ()) if isinstance(e, Tokens) for t in e.token_ids]
+        return list(self.data[rid].prompt_token_ids) + emitted
+
+    def retire(self):
+        """Run the oldest step in flight (after any aborts that arrived: it still writes KV),
+        then fold its results in."""
+        s = self.sched
+        out = self.flying[0]
         sampled = {}
-        for x in out.seqs:  # the step "runs" after the aborts arrived: it still writes KV
+        for x in out.seqs:
             end = x.start_pos + len(x.token_ids)
             assert len(x.block_table) * self.bs >= end
             assert x.block_table == s.blocks.table(x.request_id)[:len(x.block_table)]
             for i, t in enumerate(x.token_ids):
+                if t == PLACEHOLDER:
+                    assert len(x.token_ids) == 1
+                    t = self.last_sampled[x.request_id]
                 p = x.start_pos + i
                 self.kv[x.block_table[p // self.bs]][p % self.bs] = t
             if x.sample:
                 ctx = [self.kv[x.block_table[p // self.bs]][p % self.bs] for p in range(end)]
                 sampled[x.request_id] = model(ctx)
-        if not out.empty:
-            self.record(s.update(out, RunnerOutput(step=out.step, sampled=sampled)))
+        self.last_sampled = sampled
+        self.flying.pop(0)
+        self.record(s.update(out, RunnerOutput(step=out.step, sampled=sampled)))
 
     def finish(self):
         for _ in range(2000):
-            if not self.sched.has_work():
+            if not self.sched.has_work() and not self.flying:
                 break
             self.step()
         s = self.sched
@@ -166,14 +208,15 @@ class Harness:
                 assert f.finish_reason == "abort" and rid in self.aborted
 
 
-configs = st.builds(
-    lambda nb, bs, seqs, budget, mml, chunked, thr: SchedulerConfig(
-        num_blocks=nb, block_size=bs, max_num_seqs=seqs,
-        max_num_batched_tokens=budget if chunked else max(budget, mml), max_model_len=mml,
-        eos_token_ids=(EOS,), enable_chunked_prefill=chunked, long_prefill_threshold=thr,
-        max_num_waiting=4),
-    st.integers(4, 10), st.integers(1, 3), st.integers(1, 4), st.integers(1, 16),
-    st.integers(8, 40), st.booleans(), st.sampled_from([0, 0, 3]))
+def configs(depth):
+    return st.builds(
+        lambda nb, bs, seqs, budget, mml, chunked, thr: SchedulerConfig(
+            num_blocks=nb, block_size=bs, max_num_seqs=seqs,
+            max_num_batched_tokens=budget if chunked else max(budget, mml), max_model_len=mml,
+            eos_token_ids=(EOS,), enable_chunked_prefill=chunked, long_prefill_threshold=thr,
+            max_num_waiting=4, max_steps_in_flight=depth),
+        st.integers(4, 10), st.integers(1, 3), st.integers(1, 4), st.integers(1, 16),
+        st.integers(8, 40), st.booleans(), st.sampled_from([0, 0, 3]))
 
 add = st.tuples(st.just("add"), st.integers(1, 7), st.integers(1, 12), st.booleans())
 step = st.tuples(st.just("step"), st.just([]))
@@ -187,9 +230,7 @@ ops = st.tuples(
              max_size=40),
 ).map(lambda parts: parts[0] + parts[1])
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(configs, ops)
-def test_random_runs_keep_the_pool_and_the_stories_consistent(cfg, script):
+def run_script(cfg, script):
     h = Harness(cfg)
     for op in script:
         if op[0] == "add":
@@ -201,12 +242,27 @@ def test_random_runs_keep_the_pool_and_the_stories_consistent(cfg, script):
         else:
             h.abort_all()
     h.finish()
+    return h
 
 
-def test_a_crowded_pool_does_preempt():
-    """Guards the property test above from passing only because nothing ever preempted."""
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(configs(1), ops)
+def test_random_runs_keep_the_pool_and_the_stories_consistent(cfg, script):
+    run_script(cfg, script)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(configs(2), ops)
+def test_random_runs_with_async_scheduling_keep_the_pool_and_the_stories_consistent(cfg, script):
+    run_script(cfg, script)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_crowded_pool_does_preempt(depth):
+    """Guards the property tests above from passing only because nothing ever preempted."""
     h = Harness(SchedulerConfig(num_blocks=6, block_size=2, max_num_seqs=4,
-                                max_num_batched_tokens=8, max_model_len=40, eos_token_ids=(EOS,)))
+                                max_num_batched_tokens=8, max_model_len=40, eos_token_ids=(EOS,),
+                                max_steps_in_flight=depth))
     for _ in range(4):
         h.add(3, 12, True)
     h.finish()

@@ -28,6 +28,11 @@ def test_worker_gives_the_same_tokens_as_in_process(worker, tiny_runner, tiny_to
         here = LLM(tiny_runner, tiny_tokenizer).generate(prompts, sp)
         there = LLM(worker, tiny_tokenizer).generate(prompts, sp)
         assert [g.token_ids for g in there] == [g.token_ids for g in here]
+        # async scheduling: the worker fills each placeholder with the token it sampled a step
+        # earlier, which the engine has not seen yet
+        ahead = LLM(worker, tiny_tokenizer, async_scheduling=True).generate(prompts, sp)
+        assert [g.token_ids for g in ahead] == [g.token_ids for g in here]
+    assert worker.busy_seconds > 0
     assert worker.num_blocks == 256 and worker.vocab_size == tiny_runner.vocab_size
     assert worker.eos_token_ids == tuple(tiny_runner.eos_token_ids)
 

@@ -1,0 +1,190 @@
+"""Async scheduling: step N+1 decided while step N is in flight (``max_steps_in_flight=2``).
+
+The runner here resolves placeholders the way the real one does (the token it sampled for the
+request one step earlier), writes KV, and samples from what the KV holds, so a wrong position,
+block or placeholder changes the tokens.
+"""
+
+import pytest
+
+from control.events import Final, RequestData, SamplingParams, Tokens
+from engine.config import SchedulerConfig
+from engine.outputs import RunnerOutput
+from engine.scheduler import Scheduler
+from engine.sequence import PLACEHOLDER
+
+EOS = 2
+
+
+def model(ctx):
+    return (sum((i + 1) * t for i, t in enumerate(ctx)) + 7 * len(ctx)) % 97 + 3  # never 0..2
+
+
+class Runner:
+    def __init__(self, sched):
+        self.bs = sched.config.block_size
+        self.kv = [[None] * self.bs for _ in range(sched.num_total_blocks)]
+        self.last = {}
+        self.ran = []
+
+    def run(self, out, override=None):
+        sampled = {}
+        for s in out.seqs:
+            end = s.start_pos + len(s.token_ids)
+            for i, t in enumerate(s.token_ids):
+                if t == PLACEHOLDER:
+                    t = self.last[s.request_id]
+                p = s.start_pos + i
+                self.kv[s.block_table[p // self.bs]][p % self.bs] = t
+            if s.sample:
+                ctx = [self.kv[s.block_table[p // self.bs]][p % self.bs] for p in range(end)]
+                sampled[s.request_id] = model(ctx)
+        sampled.update({k: v for k, v in (override or {}).items() if k in sampled})
+        self.last = sampled
+        self.ran.append(out)
+        return RunnerOutput(step=out.step, sampled=sampled)
+
+
+def make(depth=2, **kw):
+    cfg = dict(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
+               max_model_len=256, eos_token_ids=(EOS,), max_steps_in_flight=depth)
+    cfg.update(kw)
+    sched = Scheduler(SchedulerConfig(**cfg))
+    return sched, Runner(sched)
+
+
+def req(n, max_tokens=4, start=10, **sp):
+    return RequestData(prompt_token_ids=tuple(range(start, start + n)),
+                       sampling=SamplingParams(max_tokens=max_tokens, **sp))
+
+
+def kinds(evs, rid=None):
+    return [type(e).__name__ for e in evs if rid is None or e.request_id == rid]
+
+
+def tokens(evs, rid):
+    return [t for e in evs if isinstance(e, Tokens) and e.request_id == rid for t in e.token_ids]
+
+
+def pipeline(sched, runner, limit=1000):
+    """Drive like the engine node: schedule ahead, then fold the oldest step in."""
+    evs, flying = [], []
+    for _ in range(limit):
+        if not sched.has_work() and not flying:
+            return evs
+        out = sched.schedule()
+        evs += sched.take_events()
+        if not out.empty:
+            flying.append((out, runner.run(out)))  # runs in order, as the worker does
+        if flying and (len(flying) == sched.config.max_steps_in_flight or out.empty):
+            o, r = flying.pop(0)
+            evs += sched.update(o, r)
+    raise AssertionError("did not finish")
+
+
+def test_the_next_decode_is_scheduled_on_a_placeholder_before_the_step_is_folded_in():
+    sched, runner = make()
+    sched.add("a", req(6, max_tokens=5))
+    out1 = sched.schedule()
+    assert out1.seqs[0].token_ids == tuple(range(10, 16)) and out1.seqs[0].sample
+    out2 = sched.schedule()
+    (s,) = out2.seqs
+    assert s.token_ids == (PLACEHOLDER,) and s.start_pos == 6 and s.sample
+    assert s.num_generated == 1  # the pending token counts: seeded sampling stays per token
+    with pytest.raises(RuntimeError):
+        sched.schedule()  # two in flight is the most
+    with pytest.raises(RuntimeError):
+        sched.update(out2, RunnerOutput(step=out2.step, sampled={"a": 5}))  # oldest first
+    r1 = runner.run(out1)
+    evs = sched.update(out1, r1)
+    assert kinds(evs) == ["Tokens"]
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 7])
+def test_outputs_equal_one_step_at_a_time_and_no_step_runs_past_max_tokens(max_tokens):
+    results = {}
+    for depth in (1, 2):
+        sched, runner = make(depth, num_blocks=40)
+        for i, n in enumerate((3, 9, 5, 14)):
+            sched.add(f"r{i}", req(n, max_tokens=max_tokens, start=10 + i))
+        evs = pipeline(sched, runner)
+        results[depth] = {f"r{i}": tokens(evs, f"r{i}") for i in range(4)}
+        fed = sum(1 for o in runner.ran for s in o.seqs if s.sample)
+        assert fed == 4 * max_tokens  # the known end is never scheduled past
+        assert all(e.finish_reason == "length" for e in evs if isinstance(e, Final))
+        assert sched.num_free_blocks == sched.num_total_blocks
+    assert results[1] == results[2]
+    assert all(len(t) == max_tokens for t in results[2].values())
+
+
+def test_a_request_that_stops_while_the_next_step_holds_it_keeps_its_blocks_until_then():
+    sched, runner = make()
+    sched.add("a", req(6, max_tokens=10))
+    out1 = sched.schedule()
+    out2 = sched.schedule()  # decodes a's first token, not known to be EOS yet
+    free = sched.num_free_blocks
+    evs = sched.update(out1, runner.run(out1, override={"a": EOS}))
+    assert kinds(evs) == ["Tokens"] and tokens(evs, "a") == [EOS]
+    assert sched.num_free_blocks == free and sched.in_flight("a")
+    assert sched.discards("a")  # its token from out2 will be dropped
+    assert sched.abort("a", "http") == []  # finished: an abort is a no-op
+    assert sched.schedule().seqs == ()  # nothing more for it
+    evs = sched.update(out2, runner.run(out2))
+    assert kinds(evs) == ["BlocksReleased", "Final"]
+    assert evs[1].finish_reason == "stop" and evs[1].usage["completion_tokens"] == 1
+    assert sched.num_free_blocks == sched.num_total_blocks and not sched.knows("a")
+
+
+def test_abort_with_two_steps_in_flight_drains_after_the_last_one():
+    sched, runner = make()
+    sched.add("a", req(6, max_tokens=10))
+    sched.add("b", req(3, max_tokens=10, start=40))
+    o = sched.schedule()
+    seen = sched.update(o, runner.run(o))  # both prefilled: one token each
+    out1, out2 = sched.schedule(), sched.schedule()
+    table = list(out2.seqs[0].block_table)
+    evs = sched.abort("a", "disconnect")
+    assert kinds(evs) == ["AbortRequested"]
+    evs = sched.update(out1, runner.run(out1))
+    seen += evs
+    assert kinds(evs, "a") == []  # its token is dropped; no tokens after abort_requested
+    assert kinds(evs, "b") == ["Tokens"]
+    assert sched.snapshot()["requests"][0]["block_table"] == table  # out2 still writes them
+    evs = sched.update(out2, runner.run(out2))
+    seen += evs
+    assert kinds(evs, "a") == ["Drained", "BlocksReleased", "Final"]
+    drained, released, final = [e for e in evs if e.request_id == "a"]
+    assert drained.discarded_tokens == 2 and released.count == len(table)
+    assert final.finish_reason == "abort" and final.usage["completion_tokens"] == 1
+    assert not sched.knows("a")
+    rest = pipeline(sched, runner)
+    assert len(tokens(seen + rest, "b")) == 10
+    assert sched.num_free_blocks == sched.num_total_blocks
+
+
+def test_a_speculative_schedule_never_preempts_it_waits_for_the_steps_in_flight():
+    # 4 blocks of 4: a and b prefill 7 tokens each (2 blocks each); their 9th token needs a
+    # third block that only a preemption can give
+    sched, runner = make(num_blocks=4, max_num_seqs=2)
+    sched.add("a", req(7, max_tokens=8))
+    sched.add("b", req(7, max_tokens=8, start=30))
+    out1 = sched.schedule()
+    assert len(out1.seqs) == 2
+    out2 = sched.schedule()  # position 7 fits the held blocks: both decode on placeholders
+    assert [s.token_ids for s in out2.seqs] == [(PLACEHOLDER,), (PLACEHOLDER,)]
+    seen = sched.update(out1, runner.run(out1))
+    stalled = sched.schedule()  # position 8 needs a block: a preemption, not while in flight
+    assert stalled.empty and sched.take_events() == []
+    assert sched.schedule().empty and sched.schedule().step == stalled.step  # still waiting
+    seen += sched.update(out2, runner.run(out2))
+    out3 = sched.schedule()  # nothing in flight: now it preempts b for a
+    assert kinds(sched.take_events()) == ["Preempted"]
+    assert [s.request_id for s in out3.seqs] == ["a"]
+    evs = seen + sched.update(out3, runner.run(out3)) + pipeline(sched, runner)
+    roomy, r1 = make(1, num_blocks=40)  # the same requests, never short of blocks
+    roomy.add("a", req(7, max_tokens=8))
+    roomy.add("b", req(7, max_tokens=8, start=30))
+    ref = pipeline(roomy, r1)
+    for rid in "ab":
+        assert tokens(evs, rid) == tokens(ref, rid) and len(tokens(evs, rid)) == 8
+    assert sched.num_free_blocks == sched.num_total_blocks
