@@ -84,12 +84,12 @@ class WorkerTimer:
         self.runner = runner
         self.calls = 0
         self._busy = runner.busy_seconds
-        self._execute = runner.execute
-        runner.execute = self._counted  # instance attribute: the node calls runner.execute
+        self._submit = runner.submit
+        runner.submit = self._counted  # instance attribute: the node calls runner.submit
 
     def _counted(self, out):
         self.calls += 1
-        return self._execute(out)
+        return self._submit(out)
 
     def reset(self) -> tuple[float, int]:
         busy, calls = self.runner.busy_seconds - self._busy, self.calls
@@ -240,6 +240,7 @@ def main() -> None:
     ap.add_argument("--output-json", default=str(RESULTS / "engine.json"))
     args = ap.parse_args()
     batches = [int(x) for x in args.batches.split(",")]
+    sys.setswitchinterval(0.0005)  # as `fd serve` and `fd engine` run (fd/cli.py)
 
     from control.tokenizer import Tokenizer
     from engine.llm import LLM

@@ -298,8 +298,7 @@ class EngineNode:
                 out = self.sched.schedule()
                 self._emit(self.sched.take_events())  # preemptions decided by this schedule()
                 if not out.empty:
-                    fut = loop.run_in_executor(self._pool, self.runner.execute, out)
-                    flying.append((out, fut, time.perf_counter()))
+                    flying.append((out, self._submit(loop, out), time.perf_counter()))
             if not flying:
                 # Work exists but none can run (e.g. waiting for blocks): wait for an event.
                 await self._flush()
@@ -329,6 +328,16 @@ class EngineNode:
             self.steps += 1
             self._apply(done, result)
         await self._flush()
+
+    def _submit(self, loop: asyncio.AbstractEventLoop, out: SchedulerOutput) -> asyncio.Future:
+        """Start a step; its result comes from the step thread, in order. A worker-process
+        runner takes the step down its pipe right here, so it starts the moment the one
+        before it ends; an in-process runner runs it on the step thread."""
+        submit = getattr(self.runner, "submit", None)
+        if submit is not None:
+            submit(out)
+            return loop.run_in_executor(self._pool, self.runner.collect)
+        return loop.run_in_executor(self._pool, self.runner.execute, out)
 
     async def _claim(self, block: bool) -> int:
         """Take as many requests from ``P:requests`` as the scheduler can admit now (pull-based:

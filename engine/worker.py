@@ -91,6 +91,16 @@ class ProcessRunner:
 
     def _call(self, msg: Any) -> Any:
         self._conn.send(msg)
+        return self.collect()
+
+    def submit(self, out: SchedulerOutput) -> None:
+        """Queue a step on the pipe without waiting for it: the worker starts it the moment it
+        is done with the one before, with no hand-off through this process's GIL. Results
+        come back in submission order, one :meth:`collect` each."""
+        self._conn.send(out)
+
+    def collect(self) -> Any:
+        """The result of the oldest submitted step (blocks; run it off the event loop)."""
         try:
             reply = self._conn.recv()
         except EOFError:
