@@ -13,7 +13,9 @@ come from ``Generation.token_times``. Each concurrency runs the baseline, then t
 - TTFT: request sent -> first SSE chunk with text (API) / ``generate`` called -> first token
   (in-process); ITL: gaps between successive chunks / tokens, pooled over all requests;
 - output tok/s: completion tokens of all requests / wall time of the whole wave;
-- ``api/llm``: API-path throughput over in-process throughput; ``+TTFT``: the added TTFT p50.
+- ``api/llm``: API-path throughput over in-process throughput; ``+TTFT``: the added TTFT p50;
+- also printed (and in the JSON): CPU time of ``fd serve``'s main thread (its event loop) per
+  output token, which varies much less than tok/s when other work shares the machine.
 
 Usage: python bench/api.py [--model DIR] [--concurrency 1,8,32] [--rounds 2] [--min-requests 8]
                           [--max-tokens 256] [--redis-url URL] [--output-json bench/results/api.json]
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import tempfile
 import time
@@ -37,6 +40,17 @@ from tqdm import tqdm  # noqa: E402
 from bench._common import (PROMPT_LEN, RESULTS, http_session, model_dir, p50, p99,  # noqa: E402
                            print_table, prompts, start_serve, stream_completion, wait_idle,
                            write_json)
+
+
+def main_thread_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of a process's main thread, from /proc; NaN elsewhere. In
+    ``fd serve`` that thread runs the one event loop every request and token goes through."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def run_inprocess(llm, n: int, rounds: int, max_tokens: int, seed: int) -> dict:
@@ -132,11 +146,14 @@ def main() -> None:
         with tqdm(total=total, desc="api streams", unit="req") as bar:
             for i, n in enumerate(conc):
                 base_r = run_inprocess(llm, n, rounds[n], args.max_tokens, seed=i)
+                cpu0 = main_thread_cpu_s(srv.proc.pid)
                 api_r = asyncio.run(run_api(srv.base, n, rounds[n], args.max_tokens, i, f"a{i}n{n}", bar))
+                cpu_us = (main_thread_cpu_s(srv.proc.pid) - cpu0) / max(1, api_r["tokens"]) * 1e6
                 out["runs"][n] = {"requests": n * rounds[n], "inprocess": {**summarize(base_r), "wall_s": base_r["wall_s"]},
                                   "api": {**summarize(api_r), "wall_s": api_r["wall_s"],
                                           "num_errors": api_r["num_errors"], "errors": api_r["errors"],
-                                          "chunks_per_request": api_r["chunks_per_request"]}}
+                                          "chunks_per_request": api_r["chunks_per_request"],
+                                          "main_thread_cpu_us_per_token": cpu_us}}
         out["server_rss_mb"], out["server_peak_rss_mb"] = srv.rss_mb()
     finally:
         srv.stop()
@@ -156,6 +173,8 @@ def main() -> None:
                        f"output tokens, ignore_eos, greedy; closed loop, >= {args.min_requests} requests "
                        f"and >= {args.rounds} per client; "
                        f"control plane {out['server']}", headers, rows, nd=2)
+    print("fd serve main thread CPU per output token (less noisy than tok/s on a shared machine): "
+          + ", ".join(f"{n} streams {out['runs'][n]['api']['main_thread_cpu_us_per_token']:.0f} us" for n in conc))
     print(f"failed requests: {errs}; fd serve RSS {out['server_rss_mb']:.0f} MiB "
           f"(peak {out['server_peak_rss_mb']:.0f} MiB)")
     out["table"] = {"headers": headers, "rows": rows, "markdown": text}

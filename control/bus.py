@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from redis.asyncio.cluster import RedisCluster
@@ -446,7 +446,12 @@ _END = object()
 
 class Subscription:
     """One reader's view of one request's stream: ``(entry_id, event)`` in order, ending after
-    ``final``. Iterate it with ``async for``; :meth:`close` to stop early."""
+    ``final``. Iterate it with ``async for``; :meth:`close` to stop early.
+
+    A consumer that writes what it gets somewhere (the API's SSE streams) can instead take
+    everything delivered so far at once: ``await sub.ready(timeout)``, then
+    :meth:`take_ready`, so one wake-up that brought several entries costs one write, and
+    waiting costs no task per entry."""
 
     def __init__(self, mux: "StreamMux", request_id: str, key: bytes, after: bytes):
         self.request_id = request_id
@@ -454,9 +459,17 @@ class Subscription:
         self.last_id = after
         self._last = entry_id_key(after)
         self._mux = mux
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._items: deque = deque()
+        self._waiter: asyncio.Future | None = None
+        self._quiet_until: float | None = None  # ready(timeout): when the wait gives up (loop time)
+        self._timer: asyncio.TimerHandle | None = None
         self._ended = False  # nothing more will be queued
         self._closed = False  # the consumer saw the end
+
+    @property
+    def done(self) -> bool:
+        """The consumer has seen the end (after ``final``, a stop, or :meth:`close`)."""
+        return self._closed
 
     def __aiter__(self) -> "Subscription":
         return self
@@ -464,34 +477,101 @@ class Subscription:
     async def __anext__(self) -> tuple[bytes, Event]:
         if self._closed:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        while not self._items:
+            await self.ready()
+        item = self._items.popleft()
         if item is _END:
-            self._closed = True
+            self._finish()
             raise StopAsyncIteration
         if isinstance(item, BaseException):
-            self._closed = True
+            self._finish()
             raise item
         return item
+
+    async def ready(self, timeout: float | None = None) -> bool:
+        """Wait until something is delivered (True; also at the end) or ``timeout`` seconds
+        pass without anything (False)."""
+        if self._items or self._closed:
+            return True
+        loop = asyncio.get_running_loop()
+        fut = self._waiter = loop.create_future()
+        if timeout is None:
+            self._quiet_until = None
+        else:
+            # One timer per quiet spell, not one per entry: it re-arms itself while entries
+            # keep coming, and fires only once nothing came for ``timeout`` seconds.
+            self._quiet_until = loop.time() + timeout
+            if self._timer is None:
+                self._timer = loop.call_at(self._quiet_until, self._quiet)
+        try:
+            return await fut
+        finally:
+            self._waiter = None
+
+    def _quiet(self) -> None:
+        self._timer = None
+        fut = self._waiter
+        if fut is None or fut.done() or self._closed or self._quiet_until is None:
+            return
+        loop = fut.get_loop()
+        if loop.time() >= self._quiet_until:
+            fut.set_result(False)
+        else:
+            self._timer = loop.call_at(self._quiet_until, self._quiet)
+
+    def take_ready(self) -> list[tuple[bytes, Event]]:
+        """Every ``(entry_id, event)`` delivered and not yet taken, without waiting. Empty
+        once the consumer has seen the end (check :attr:`done`); raises what stopped the
+        mux once everything before it was taken."""
+        out = []
+        items = self._items
+        while items:
+            item = items[0]
+            if item is _END or isinstance(item, BaseException):
+                if out:
+                    break
+                items.popleft()
+                self._finish()
+                if item is _END:
+                    break
+                raise item
+            out.append(items.popleft())
+        return out
+
+    def _finish(self) -> None:
+        self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     async def close(self) -> None:
         if not self._ended:
             self._mux._unsubscribe(self)
             self._end(_END)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     # -- called by the mux
+    def _put(self, item) -> None:
+        self._items.append(item)
+        fut = self._waiter
+        if fut is not None and not fut.done():
+            fut.set_result(True)
+
     def _offer(self, entry_id: bytes, idk: tuple[int, int], ev: Event) -> None:
         if self._ended or idk <= self._last:
             return
         self._last = idk
         self.last_id = entry_id
-        self._queue.put_nowait((entry_id, ev))
+        self._put((entry_id, ev))
         if isinstance(ev, Final):
             self._end(_END)
 
     def _end(self, item) -> None:
         if not self._ended:
             self._ended = True
-            self._queue.put_nowait(item)
+            self._put(item)
 
 
 class _ReadGate:
@@ -616,7 +696,16 @@ class _Shard:
             return  # unsubscribed while the read was in flight
         rid = subs[0].request_id
         for entry_id, fields in entries:
-            ev = await self.mux._bus._decode_or_dead(key, entry_id, fields, REQ_STREAM_TYPES, rid)
+            # A good entry costs no coroutine; a bad one (or a deleted one: no fields) goes the
+            # long way, which dead-letters it.
+            ev = None
+            if fields is not None:
+                try:
+                    ev = check_event(key, decode(fields, entry_id), REQ_STREAM_TYPES, rid)
+                except BadEvent:
+                    pass
+            if ev is None:
+                ev = await self.mux._bus._decode_or_dead(key, entry_id, fields, REQ_STREAM_TYPES, rid)
             idk = entry_id_key(entry_id)
             for sub in list(subs):
                 if ev is None:  # skipped, but never read again

@@ -14,11 +14,14 @@ One :class:`fakeredis.FakeServer` holds the data. Two doors lead to it:
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import redis.asyncio as aioredis
 from fakeredis import FakeAsyncRedis, TcpFakeServer
 from fakeredis._clients._async import FakeAsyncRedisConnection, FakeWriter
+from fakeredis._helpers import NoResponse
+from fakeredis._socket._async import AsyncFakeSocket
 
 from control.connect import MAX_CONNECTIONS, POOL_WAIT_S
 
@@ -52,6 +55,41 @@ def _resp(fields: list[bytes]) -> bytes:
     return b"".join(out)
 
 
+class _DirectSocket(AsyncFakeSocket):
+    """The in-process client's fake socket, with a cheaper wake-up of its blocking reads.
+
+    fakeredis wakes a blocked ``XREAD``/``XREADGROUP`` through a change callback that runs on
+    every write to the database, for every blocked reader, and always hops threads:
+    ``loop.call_soon_threadsafe(event.set)`` writes the loop's self-pipe each time (an XADD
+    pipeline of 32 tokens woke each blocked reader 32 times, two syscalls apiece). A write made
+    on the reader's own loop thread (this process's engine and API, the usual case) sets the
+    event directly, once; a write from another thread (the TCP door's handler threads) still
+    goes through ``call_soon_threadsafe``. What wakes, and when, is unchanged.
+    """
+
+    def _blocking(self, timeout, func, shape=None):
+        # As fakeredis' AsyncFakeSocket._blocking, but for the callback.
+        loop = asyncio.get_running_loop()
+        ret = func(True)
+        if ret is not None or self._in_transaction:
+            return ret if shape is None else shape(ret)
+        event = asyncio.Event()
+        loop_thread = threading.get_ident()
+
+        def callback() -> None:
+            if threading.get_ident() == loop_thread:
+                if not event.is_set():
+                    event.set()
+            else:
+                loop.call_soon_threadsafe(event.set)
+
+        self._db.add_change_callback(callback)
+        self._blocked = True
+        self.pause()
+        loop.create_task(self._async_blocking(timeout, func, event, callback, shape))
+        return NoResponse()
+
+
 class _DirectConnection(FakeAsyncRedisConnection):
     """The in-process client's connection: hands each command's fields straight to the fake
     server instead of packing RESP that fakeredis then re-parses.
@@ -64,6 +102,7 @@ class _DirectConnection(FakeAsyncRedisConnection):
 
     async def _connect(self) -> None:
         await super()._connect()
+        self._sock.__class__ = _DirectSocket  # same object, one method more of ours
         self._writer = _DirectWriter(self._sock)
 
     def pack_command(self, *args):
@@ -126,7 +165,10 @@ class EmbeddedRedis:
 
     def client(self) -> aioredis.Redis:
         """A client for code in this process, on the same data the TCP port serves."""
+        # socket_timeout=None: with a timeout redis-py sends every command through
+        # asyncio.wait_for, a Task per command; an in-process send cannot time out anyway.
         return FakeAsyncRedis(server=self.fake_server, decode_responses=False, protocol=2,
+                              socket_timeout=None,
                               connection_class=_DirectConnection,
                               connection_pool_class=aioredis.BlockingConnectionPool,
                               max_connections=MAX_CONNECTIONS, timeout=POOL_WAIT_S)

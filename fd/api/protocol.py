@@ -355,6 +355,9 @@ def final_error(final: Final) -> ApiError:
                     "engine_error")
 
 
+_TEXT_MARKER = "\x00fd-text\x00"  # JSON-escaped, it can appear in no id, model or text
+
+
 class Renderer:
     """Turns one request's events into response bodies, identically on every replica.
 
@@ -372,6 +375,24 @@ class Renderer:
         self.include_usage = include_usage
         self.completion_tokens = 0
         self.text: list[str] = []
+        self._token_template: tuple[bytes, bytes] | None = None
+
+    def _template(self) -> tuple[bytes, bytes] | None:
+        """The JSON of a text chunk split around its text: ``head + dumps(text) + tail`` is
+        byte for byte ``orjson.dumps`` of the chunk :meth:`token_chunks` builds, without
+        building and serialising the whole dict per token. ``None`` if the split is ambiguous
+        (the marker also appears elsewhere), and the dict path is used instead."""
+        if self._token_template is None:
+            marker = orjson.dumps(_TEXT_MARKER)
+            whole = orjson.dumps(self._text_chunk(_TEXT_MARKER))
+            head, sep, tail = whole.partition(marker)
+            self._token_template = (head, tail) if sep and marker not in tail else (b"", b"")
+        return self._token_template if self._token_template[0] else None
+
+    def _text_chunk(self, text: str) -> dict:
+        if self.endpoint == "chat":
+            return chat_chunk(self.rid, self.created, self.model, {"content": text}, None, self.include_usage)
+        return completion_chunk(self.rid, self.created, self.model, text, None, self.include_usage)
 
     # -- streaming
     def start_chunks(self) -> list[dict]:
@@ -386,10 +407,19 @@ class Renderer:
         self.text.append(text)
         if not text:
             return []
-        if self.endpoint == "chat":
-            return [chat_chunk(self.rid, self.created, self.model, {"content": text}, None,
-                               self.include_usage)]
-        return [completion_chunk(self.rid, self.created, self.model, text, None, self.include_usage)]
+        return [self._text_chunk(text)]
+
+    def token_json(self, text: str, n_tokens: int) -> bytes | None:
+        """:meth:`token_chunks`, already serialised: the one chunk's JSON (``orjson.dumps``
+        of it, byte for byte), or ``None`` when there is no chunk (no text)."""
+        self.completion_tokens += n_tokens
+        self.text.append(text)
+        if not text:
+            return None
+        t = self._template()
+        if t is None:
+            return orjson.dumps(self._text_chunk(text))
+        return t[0] + orjson.dumps(text) + t[1]
 
     def final_chunks(self, final: Final) -> list[dict]:
         if final.finish_reason == "error":

@@ -306,18 +306,18 @@ class Api:
         finally:
             await sub.close()
 
-    async def _events(self, sub) -> AsyncIterator[tuple[bytes, Any] | None]:
-        """The subscription's events, with ``None`` whenever it was quiet for KEEPALIVE_S."""
-        it = sub.__aiter__()
+    async def _events(self, sub) -> AsyncIterator[list[tuple[bytes, Any]] | None]:
+        """The subscription's events, in batches of what was delivered together (one write
+        each), with ``None`` whenever it was quiet for KEEPALIVE_S."""
         while True:
-            try:
-                item = await asyncio.wait_for(it.__anext__(), KEEPALIVE_S)
-            except asyncio.TimeoutError:
+            if not await sub.ready(KEEPALIVE_S):
                 yield None
                 continue
-            except StopAsyncIteration:
+            batch = sub.take_ready()
+            if batch:
+                yield batch
+            elif sub.done:
                 return
-            yield item
 
     async def _collect(self, rid: str, sub, renderer: protocol.Renderer, timing: _Timing, watch) -> web.Response:
         async for _eid, ev in sub:
@@ -345,29 +345,41 @@ class Api:
         return resp
 
     async def _write_events(self, resp, events, renderer, timing, skip_until, watch) -> None:
-        async for item in events:
-            if item is None:
+        """Write each batch of events as one ``write``: the bytes are exactly those of one
+        write per event, in order; only the number of sends (and wake-ups) shrinks."""
+        async for batch in events:
+            if batch is None:
                 await resp.write(sse.comment("keep-alive"))
                 continue
-            eid, ev = item
-            chunks: list[dict] = []
+            out: list[bytes] = []
             done = False
-            if isinstance(ev, Accepted):
-                chunks = renderer.start_chunks()
-            elif isinstance(ev, Tokens):
-                if timing is not None:
-                    timing.tokens(len(ev.token_ids))
-                chunks = renderer.token_chunks(ev.text, len(ev.token_ids))
-            elif isinstance(ev, Final):
-                watch.finished = True
-                if timing is not None:
-                    timing.final(ev)
-                chunks = renderer.final_chunks(ev)
-                done = True
-            if chunks and (skip_until is None or entry_id_key(eid) > skip_until):
-                await resp.write(b"".join(sse.frame(c, eid) for c in chunks))
+            for eid, ev in batch:
+                payload = None
+                chunks: list[dict] = []
+                if isinstance(ev, Tokens):
+                    n = len(ev.token_ids)
+                    if timing is not None:
+                        timing.tokens(n)
+                    payload = renderer.token_json(ev.text, n)
+                elif isinstance(ev, Accepted):
+                    chunks = renderer.start_chunks()
+                elif isinstance(ev, Final):
+                    watch.finished = True
+                    if timing is not None:
+                        timing.final(ev)
+                    chunks = renderer.final_chunks(ev)
+                    done = True
+                if (payload is not None or chunks) and (skip_until is None or entry_id_key(eid) > skip_until):
+                    if payload is not None:
+                        out.append(sse.json_frame(payload, eid))
+                    else:
+                        out += [sse.frame(c, eid) for c in chunks]
+                if done:
+                    out.append(sse.DONE)
+                    break
+            if out:
+                await resp.write(b"".join(out))
             if done:
-                await resp.write(sse.DONE)
                 break
         else:
             await resp.write(sse.frame(unavailable("The request's stream ended without a final event.").body()))
@@ -407,14 +419,13 @@ class Api:
         finished = any(isinstance(ev, Final) for _, ev in history)
 
         async def events():
-            for item in history:
-                yield item
+            yield history
             if finished:
                 return
             sub = await self.mux.subscribe(rid, history[-1][0])
             try:
-                async for item in self._events(sub):
-                    yield item
+                async for batch in self._events(sub):
+                    yield batch
             finally:
                 await sub.close()
 

@@ -31,6 +31,12 @@ def frame(data: Any, event_id: bytes | str | None = None) -> bytes:
     return head + body + b"\n"
 
 
+def json_frame(payload: bytes, event_id: bytes | str) -> bytes:
+    """:func:`frame` of an already serialised JSON value (one line: JSON has no raw newline)."""
+    eid = event_id if isinstance(event_id, bytes) else event_id.encode()
+    return b"id: " + _one_line(eid) + b"\ndata: " + payload + b"\n\n"
+
+
 def comment(text: str = "") -> bytes:
     """A comment line: ignored by clients, keeps idle proxies from closing the connection."""
     return b": " + _one_line(text.encode()) + b"\n\n"
