@@ -119,6 +119,8 @@ def main() -> None:
                     help="at least this many requests per level (more rounds at low concurrency)")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--redis-url", default=None, help="run fd serve on this Redis instead of the embedded one")
+    ap.add_argument("--serve-arg", action="append", default=[],
+                    help="an extra argument for fd serve (repeat), e.g. --serve-arg=--no-async-scheduling")
     ap.add_argument("--output-json", default=str(RESULTS / "api.json"))
     args = ap.parse_args()
     conc = [int(x) for x in args.concurrency.split(",")]
@@ -136,8 +138,10 @@ def main() -> None:
         temperature=0.0, max_tokens=8, ignore_eos=True))
 
     srv = start_serve(mdir, redis_url=args.redis_url,
-                      extra=["--max-num-seqs", str(max(64, max(conc))), "--num-blocks", "2048"], log_dir=tmp)
+                      extra=["--max-num-seqs", str(max(64, max(conc))), "--num-blocks", "2048",
+                             *args.serve_arg], log_dir=tmp)
     out: dict = {"model": mdir, "server": "redis" if args.redis_url else "embedded",
+                 "serve_args": args.serve_arg,
                  "rounds": args.rounds, "max_tokens": args.max_tokens, "runs": {}}
     try:
         asyncio.run(warm(srv.base, 16))

@@ -15,6 +15,8 @@ Format of one call (JSON, in ``JournalStep.data["calls"]``)::
     {"op": "abort", "rid": ..., "source": ..., "ev": [...], "free": n}
     {"op": "abort_all", "source": ..., "ev": [...], "free": n}
     {"op": "schedule", "out": [step, num_batched_tokens, [seq...]], "ev": [...], "free": n}
+    {"op": "skip", "step": n, "rids": [...], "ev": [...], "free": n}
+        (the runner left these aborting requests out of in-flight step n)
     {"op": "update", "step": out.step, "rstep": result.step, "sampled": {...}, "stopped": {...},
      "ev": [...], "free": n}
 
@@ -289,6 +291,10 @@ class JournalRecorder:
         evs = self._held + self.scheduler.take_events()
         self._held = []
         return evs
+
+    def skipped(self, step: int, request_ids) -> list[Event]:
+        return self._record({"op": "skip", "step": step, "rids": list(request_ids)},
+                            self.scheduler.skipped, step, list(request_ids))
 
     def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[Event]:
         call = {"op": "update", "step": out.step, "rstep": result.step,

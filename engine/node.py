@@ -164,6 +164,7 @@ class EngineNode:
         self._ack: list[bytes] = []
         self._wake = asyncio.Event()
         self._flush_lock = asyncio.Lock()
+        self._bg: set[asyncio.Task] = set()
         self._stopping = False
         self._draining = False
         self._drain_deadline: float | None = None
@@ -197,6 +198,15 @@ class EngineNode:
         if self._cursor is None:
             await self.prepare()
         cursor = self._cursor
+        if hasattr(self.runner, "drop"):
+            loop = asyncio.get_running_loop()
+
+            def on_skipped(step: int, rids: list[str]) -> None:  # on the step thread
+                try:
+                    loop.call_soon_threadsafe(self._on_skipped, step, rids)
+                except RuntimeError:
+                    pass  # the loop is closed: the engine stopped
+            self.runner.on_skipped = on_skipped
         if isinstance(self.sched, JournalRecorder):
             start = self.sched.start_record()
             await self.bus.publish(self.bus.keys.journal(self.id), replace(start, ts=int(time.time() * 1000)))
@@ -294,7 +304,14 @@ class EngineNode:
             # and queued behind it on the step thread: the runner never waits for this loop.
             # Not while draining or stopping, which act between steps.
             ahead = 1 if self._draining or self._stopping else depth
+            claimed = False
             if len(flying) < ahead:
+                if flying:
+                    # The runner is busy with the step in flight: claim first, so requests that
+                    # arrived during it join the step decided now (as they would join the next
+                    # step one at a time), not the one after.
+                    claimed = True
+                    await self._claim(block=False)
                 out = self.sched.schedule()
                 self._emit(self.sched.take_events())  # preemptions decided by this schedule()
                 if not out.empty:
@@ -315,7 +332,7 @@ class EngineNode:
             done, fut, t0 = flying[0]
             try:
                 await self._flush()
-                if await self._claim(block=False):
+                if not claimed and await self._claim(block=False):
                     await self._flush()  # their `claimed` now, not after this step
             finally:
                 result = await fut  # never leave the step's result behind, even when stopping
@@ -641,6 +658,7 @@ class EngineNode:
     def _emit(self, evs: list[Event]) -> None:
         now = time.time()
         ts = int(now * 1000)
+        drop: list[str] = []
         for ev in evs:
             rid = ev.request_id  # type: ignore[attr-defined]
             silent = rid in self._silent
@@ -654,6 +672,8 @@ class EngineNode:
                         request_id=rid, token_ids=(), text=tail, ts=ts, step=self.sched.step)))
             if isinstance(ev, AbortRequested):
                 self._abort_noted_at[rid] = now
+                if self.sched.in_flight(rid):
+                    drop.append(rid)
             elif isinstance(ev, BlocksReleased):
                 t = self._abort_noted_at.pop(rid, None)
                 if t is not None and self.metrics is not None and not silent:
@@ -679,6 +699,29 @@ class EngineNode:
             if hasattr(ev, "engine") and not getattr(ev, "engine"):
                 fields["engine"] = self.id
             self._outbox.append((self.bus.keys.req(rid), replace(ev, **fields)))
+        if drop and hasattr(self.runner, "drop"):
+            # A step queued behind the running one (async scheduling) may not have started:
+            # the worker leaves these out of it and says so, and their blocks come back after
+            # the running step instead of after that one too.
+            try:
+                self.runner.drop(self.sched.step, drop)
+            except OSError:
+                pass  # the worker is gone: its step results say so
+
+    def _on_skipped(self, step: int, rids: list[str]) -> None:
+        """The worker started ``step`` without these aborting requests: drain and release."""
+        evs = self.sched.skipped(step, rids)
+        if evs:
+            self._emit(evs)
+            task = asyncio.ensure_future(self._flush_quietly())
+            self._bg.add(task)
+            task.add_done_callback(self._bg.discard)
+
+    async def _flush_quietly(self) -> None:
+        try:
+            await self._flush()
+        except _Stopped:
+            pass
 
     async def _flush(self) -> None:
         # Both the step loop and the control loop flush (an abort noted mid-step is published

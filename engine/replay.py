@@ -530,6 +530,8 @@ class _Replayer:
                     evs = s.abort(c["rid"], c["source"])
                 elif op == "abort_all":
                     evs = s.abort_all(c["source"])
+                elif op == "skip":
+                    evs = s.skipped(c["step"], list(c["rids"]))
                 elif op == "update":
                     out = self.outs.pop(c["step"], None) or SchedulerOutput(step=c["step"], seqs=())
                     result = RunnerOutput(step=c.get("rstep", c["step"]),

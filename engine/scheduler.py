@@ -51,6 +51,8 @@ class Scheduler:
         self._running: list[Sequence] = []  # sorted by arrival: the last is preempted first
         self._in_flight: deque[SchedulerOutput] = deque()  # oldest first
         self._in_flight_ids: dict[str, int] = {}  # request id -> in-flight steps holding it
+        # step -> aborting requests the runner said it left out of that in-flight step
+        self._skipped: dict[int, set[str]] = {}
         # A speculative schedule() met a decision (preemption) that needs no step in flight.
         self._stalled = False
         self._pending: list[Event] = []
@@ -217,6 +219,35 @@ class Scheduler:
             events.extend(self.abort(rid, source))
         return events
 
+    def skipped(self, step: int, request_ids: tuple[str, ...] | list[str]) -> list[Event]:
+        """The runner started in-flight ``step`` without these aborting requests (it was told
+        of their abort before it began the step): that step will not write their blocks, so
+        once no other step holds them they drain and release now, not when it returns."""
+        events = self._take()
+        out = next((o for o in self._in_flight if o.step == step), None)
+        if out is None:
+            return events  # already folded in (the news came late): nothing to gain
+        skipped = self._skipped.setdefault(step, set())
+        ids = self._in_flight_ids
+        for ss in out.seqs:
+            rid = ss.request_id
+            seq = self._seqs.get(rid)
+            if rid not in request_ids or rid in skipped or seq is None or seq.aborting is None:
+                continue  # only an aborting request may be left out: its tokens are dropped
+            skipped.add(rid)
+            later = ids[rid] - 1
+            if later:
+                ids[rid] = later
+            else:
+                del ids[rid]
+            seq.num_in_flight -= len(ss.token_ids)
+            if ss.sample:
+                seq.num_pending -= 1
+            if not later:
+                events.append(Drained(request_id=rid, step=step, discarded_tokens=seq.num_discarded))
+                self._release(seq, "abort", None, events, step)
+        return events
+
     # ------------------------------------------------------------------ steps
 
     def schedule(self) -> SchedulerOutput:
@@ -323,7 +354,10 @@ class Scheduler:
                                f"{expected}")
         if result.step != out.step:
             raise ValueError(f"runner output is for step {result.step}, not {out.step}")
+        skipped = self._skipped.pop(out.step, ())
         for ss in out.seqs:
+            if ss.request_id in skipped:
+                continue
             if ss.sample and not self._seqs[ss.request_id].done and ss.request_id not in result.sampled:
                 raise ValueError(f"runner output for step {out.step} has no token for "
                                  f"{ss.request_id}")
@@ -332,6 +366,8 @@ class Scheduler:
         ids = self._in_flight_ids
         for ss in out.seqs:
             rid = ss.request_id
+            if rid in skipped:
+                continue  # accounted for (and maybe released) when the runner left it out
             seq = self._seqs[rid]
             later = ids[rid] - 1  # steps after this one that still hold the request
             if later:

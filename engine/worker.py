@@ -17,7 +17,9 @@ import multiprocessing as mp
 import signal
 import time
 import traceback
-from typing import Any
+from collections import deque
+from dataclasses import replace
+from typing import Any, Callable
 
 from engine.outputs import RunnerOutput, SchedulerOutput
 
@@ -44,21 +46,46 @@ def _worker_main(conn, model_dir: str, kwargs: dict[str, Any]) -> None:
                          "eos_token_ids": tuple(runner.eos_token_ids),
                          "max_model_len": runner.max_model_len,
                          "vocab_size": runner.vocab_size}))
+    queue: deque = deque()  # steps (and other requests) received, not yet run
+    drops: dict[str, int] = {}  # aborting request -> the last step it may be left out of
+
+    def take(msg) -> None:
+        if isinstance(msg, tuple) and msg and msg[0] == "drop":
+            _, step, rids = msg
+            for rid in rids:
+                drops[rid] = max(step, drops.get(rid, step))
+        else:
+            queue.append(msg)
+
     while True:
         try:
-            msg = conn.recv()
+            if not queue:
+                take(conn.recv())
+                continue
+            while conn.poll():  # drops sent while the last step ran apply to the next one
+                take(conn.recv())
         except (EOFError, OSError):
             return
+        msg = queue.popleft()
         if msg is None:
             return
         try:
             if msg == "warmup":
                 runner.warmup()
                 conn.send(("ok", None, 0.0))
-            else:
-                t = time.perf_counter()
-                out = runner.execute(msg)
-                conn.send(("ok", out, time.perf_counter() - t))
+                continue
+            if drops:
+                left = [s.request_id for s in msg.seqs if drops.get(s.request_id, -1) >= msg.step]
+                if left:
+                    # Said before the step starts, so the engine may release their blocks now:
+                    # this step will not write them.
+                    conn.send(("skipped", msg.step, left))
+                    msg = replace(msg, seqs=tuple(s for s in msg.seqs if s.request_id not in left))
+                for rid in [r for r, last in drops.items() if last <= msg.step]:
+                    del drops[rid]
+            t = time.perf_counter()
+            out = runner.execute(msg)
+            conn.send(("ok", out, time.perf_counter() - t))
         except Exception:  # noqa: BLE001
             conn.send(("error", traceback.format_exc()))
 
@@ -88,6 +115,9 @@ class ProcessRunner:
         # Seconds the worker spent inside execute (the model step itself, without the pipe):
         # what bench/engine.py compares the engine loop's wall time with.
         self.busy_seconds = 0.0
+        # Called (from the thread collecting results) with (step, request ids) when the worker
+        # starts a step without requests it was told to drop (:meth:`drop`).
+        self.on_skipped: Callable[[int, list[str]], None] | None = None
 
     def _call(self, msg: Any) -> Any:
         self._conn.send(msg)
@@ -99,12 +129,23 @@ class ProcessRunner:
         come back in submission order, one :meth:`collect` each."""
         self._conn.send(out)
 
+    def drop(self, step: int, request_ids: list[str]) -> None:
+        """Leave these (aborting) requests out of any submitted step up to ``step`` that has
+        not started yet. A step that leaves some out says so before it starts
+        (``on_skipped``), so their blocks can go back without waiting for it."""
+        self._conn.send(("drop", step, tuple(request_ids)))
+
     def collect(self) -> Any:
         """The result of the oldest submitted step (blocks; run it off the event loop)."""
-        try:
-            reply = self._conn.recv()
-        except EOFError:
-            raise WorkerError(f"the model worker died (exit code {self._proc.exitcode})") from None
+        while True:
+            try:
+                reply = self._conn.recv()
+            except EOFError:
+                raise WorkerError(f"the model worker died (exit code {self._proc.exitcode})") from None
+            if reply[0] != "skipped":
+                break
+            if self.on_skipped is not None:
+                self.on_skipped(reply[1], reply[2])
         if reply[0] == "error":
             raise WorkerError(reply[1])
         self.busy_seconds += reply[2]

@@ -122,10 +122,11 @@ async def test_queued_unclaimed_abort_is_prompt_and_never_prefilled(real_bus, en
 
 
 async def test_waiting_in_engine_abort_is_immediate(real_bus, engines):
-    # a 16-token budget: "run"'s first prefill chunk fills the step, "w" waits in the engine
+    # a 16-token budget: "run"'s prefill chunks fill the held step and the one queued behind
+    # it (async scheduling), so "w" waits in the engine
     eng, gated = await engines(max_num_batched_tokens=16)
     gated.close()
-    await submit_together(real_bus, [("run", PROMPT, {"max_tokens": 400, "ignore_eos": True}),
+    await submit_together(real_bus, [("run", list(range(10, 58)), {"max_tokens": 400, "ignore_eos": True}),
                                      ("w", PROMPT, {"max_tokens": 4})])
     held = await gated.wait_entered(lambda out: any(s.request_id == "run" for s in out.seqs))
     assert [s.request_id for s in held.seqs] == ["run"]

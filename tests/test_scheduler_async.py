@@ -5,6 +5,8 @@ request one step earlier), writes KV, and samples from what the KV holds, so a w
 block or placeholder changes the tokens.
 """
 
+from dataclasses import replace
+
 import pytest
 
 from control.events import Final, RequestData, SamplingParams, Tokens
@@ -188,3 +190,47 @@ def test_a_speculative_schedule_never_preempts_it_waits_for_the_steps_in_flight(
     for rid in "ab":
         assert tokens(evs, rid) == tokens(ref, rid) and len(tokens(evs, rid)) == 8
     assert sched.num_free_blocks == sched.num_total_blocks
+
+
+def test_an_aborting_request_left_out_of_the_queued_step_is_released_after_the_running_one():
+    """The runner may be told of an abort before it starts the step queued behind the running
+    one; it leaves the request out and says so (``skipped``): the blocks then wait only for the
+    running step."""
+    sched, runner = make()
+    sched.add("a", req(6, max_tokens=10))
+    sched.add("b", req(3, max_tokens=10, start=40))
+    o = sched.schedule()
+    seen = sched.update(o, runner.run(o))
+    out1, out2 = sched.schedule(), sched.schedule()
+    assert kinds(sched.abort("a", "disconnect")) == ["AbortRequested"]
+    assert sched.skipped(out2.step, ["a", "b"]) == []  # b is not aborting: never left out
+    assert sched.in_flight("a")  # still in out1, which is running
+    evs = sched.update(out1, runner.run(out1))
+    seen += evs
+    assert kinds(evs, "a") == ["Drained", "BlocksReleased", "Final"]
+    assert evs[0].discarded_tokens == 1 and not sched.knows("a")
+    free = sched.num_free_blocks
+    left_out = replace(out2, seqs=tuple(s for s in out2.seqs if s.request_id != "a"))
+    evs = sched.update(out2, runner.run(left_out))  # no token for a: fine, it was left out
+    assert kinds(evs) == ["Tokens"] and evs[0].request_id == "b"
+    assert sched.num_free_blocks == free
+    rest = pipeline(sched, runner)
+    assert len(tokens(seen + evs + rest, "b")) == 10
+    assert sched.num_free_blocks == sched.num_total_blocks
+
+
+def test_skipped_after_the_running_step_was_folded_in_releases_at_once():
+    sched, runner = make()
+    sched.add("a", req(6, max_tokens=10))
+    o = sched.schedule()
+    sched.update(o, runner.run(o))
+    out1, out2 = sched.schedule(), sched.schedule()
+    sched.update(out1, runner.run(out1))
+    sched.abort("a", "http")
+    evs = sched.skipped(out2.step, ["a"])
+    assert kinds(evs) == ["Drained", "BlocksReleased", "Final"]
+    assert evs[0].discarded_tokens == 0 and evs[2].usage["completion_tokens"] == 2
+    assert sched.num_free_blocks == sched.num_total_blocks
+    assert sched.skipped(out2.step, ["a"]) == []  # told twice: no-op
+    assert sched.update(out2, RunnerOutput(step=out2.step, sampled={})) == []
+    assert not sched.has_work()

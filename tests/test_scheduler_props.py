@@ -46,6 +46,7 @@ class Harness:
         self.cfg = cfg
         self.flying = []  # steps scheduled and not folded back yet, oldest first
         self.last_sampled = {}  # the previous step's samples: what a placeholder stands for
+        self.left_out = {}  # step -> aborting requests the "runner" left out of it (skipped)
         self.sched = Scheduler(cfg)
         self.bs = cfg.block_size
         self.kv = [[None] * self.bs for _ in range(cfg.num_blocks)]
@@ -69,7 +70,8 @@ class Harness:
                 assert any(isinstance(x, AbortRequested) for x in story)
             if isinstance(e, BlocksReleased):
                 assert e.count >= 0
-                assert not any(e.request_id == x.request_id for o in self.flying for x in o.seqs), \
+                assert not any(e.request_id == x.request_id for o in self.flying for x in o.seqs
+                               if x.request_id not in self.left_out.get(o.step, ())), \
                     f"{e.request_id}'s blocks released while a step in flight holds them"
             if isinstance(e, Final):
                 assert isinstance(story[-1], BlocksReleased) if story else e.finish_reason == "error"
@@ -153,8 +155,22 @@ class Harness:
             self.flying.append(out)
         for k in abort_in_flight:
             self.abort(k)
+        queued = self.flying[-1] if abort_in_flight and len(self.flying) == 2 else None
+        # the runner heard of the aborts before starting the queued step: it leaves them out,
+        # and says so before or after the running step's results are folded in
+        late = bool(abort_in_flight) and abort_in_flight[0] % 2 == 1
+        if queued is not None and not late:
+            self.skip(queued)
         if len(self.flying) >= depth:
             self.retire()
+        if queued is not None and late:
+            self.skip(queued)
+
+    def skip(self, queued):
+        rids = [x.request_id for x in queued.seqs if x.request_id in self.aborted]
+        if rids:
+            self.left_out[queued.step] = set(rids)
+            self.record(self.sched.skipped(queued.step, rids))
 
     def tokens_of(self, rid):
         """The request's tokens as far as the events told (prompt + emitted)."""
@@ -167,7 +183,10 @@ class Harness:
         s = self.sched
         out = self.flying[0]
         sampled = {}
+        left_out = self.left_out.pop(out.step, set())
         for x in out.seqs:
+            if x.request_id in left_out:
+                continue  # never written: its blocks may already be someone else's
             end = x.start_pos + len(x.token_ids)
             assert len(x.block_table) * self.bs >= end
             assert x.block_table == s.blocks.table(x.request_id)[:len(x.block_table)]

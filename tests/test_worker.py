@@ -51,3 +51,49 @@ def test_worker_exits_when_its_engine_goes_away(tiny_model_dir):
     while proc.is_alive() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not proc.is_alive()
+
+
+def test_a_dropped_request_is_left_out_of_a_queued_step_and_the_worker_says_so(worker):
+    """Async scheduling queues step N+1 behind N; an abort that arrives meanwhile reaches the
+    worker (``drop``) before N+1 starts. N+1 then runs without the request, and the worker
+    reports that before N+1's result, so the engine can release its blocks early."""
+    from control.events import RequestData
+    from engine.config import SchedulerConfig
+    from engine.scheduler import Scheduler
+
+    sched = Scheduler(SchedulerConfig(num_blocks=worker.num_blocks, block_size=16,
+                                      max_num_batched_tokens=4096,
+                                      max_model_len=worker.max_model_len, max_steps_in_flight=2))
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    # a long prefill keeps the worker busy while the drop is sent
+    sched.add("a", RequestData(prompt_token_ids=tuple(i % 300 + 5 for i in range(1500)), sampling=sp))
+    sched.add("b", RequestData(prompt_token_ids=(5, 6, 7), sampling=sp))
+    out1 = sched.schedule()
+    out2 = sched.schedule()  # decodes of both on placeholders
+    heard = []
+    worker.on_skipped = lambda step, rids: heard.append((step, list(rids)))
+    try:
+        worker.submit(out1)
+        worker.submit(out2)
+        worker.drop(out2.step, ["a"])
+        r1 = worker.collect()
+        # (if the drop got there before out1 started, out1 leaves a out too: also correct)
+        assert set(r1.sampled) == ({"b"} if heard else {"a", "b"})
+        assert heard in ([], [(out1.step, ["a"])])
+        early = list(heard)
+        r2 = worker.collect()
+        assert heard == early + [(out2.step, ["a"])]  # said before out2's result came
+        assert set(r2.sampled) == {"b"}
+    finally:
+        worker.on_skipped = None
+    # and the step after knows nothing of the drop any more
+    sched.abort("a", "http")
+    for step, rids in early:
+        sched.skipped(step, rids)
+    sched.update(out1, r1)
+    sched.skipped(out2.step, ["a"])
+    sched.update(out2, r2)
+    assert not sched.knows("a")
+    out3 = sched.schedule()
+    worker.submit(out3)
+    assert set(worker.collect().sampled) == {"b"}
