@@ -78,7 +78,9 @@ T = TypeVar("T")
 
 #: Tombstones laid per round trip for a many-id abort: small enough that the embedded server
 #: (which runs a pipeline on the event loop it shares with the API) never stalls the API long.
-TOMBSTONE_BATCH = 32
+#: `POST /v1/abort_requests` with 1,000 unknown ids, 50 calls 20 ms apart, in `fd serve`:
+#: p99 24-37 ms with 32 a round trip, 3.8-5.3 ms with 8.
+TOMBSTONE_BATCH = 8
 
 
 class Runner(Protocol):
