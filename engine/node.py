@@ -510,12 +510,11 @@ class EngineNode:
             result = replace(result, stopped={**result.stopped, **stopped})
         evs = self.sched.update(out, result)
         now = time.monotonic()
-        for i, ev in enumerate(evs):
-            if isinstance(ev, Tokens):
-                self._progress[ev.request_id] = now
-                if ev.request_id in deltas:
-                    evs[i] = replace(ev, text=deltas.pop(ev.request_id))
-        self._emit(evs)
+        progress = self._progress
+        for ev in evs:
+            if type(ev) is Tokens:
+                progress[ev.request_id] = now
+        self._emit(evs, deltas)
         self._publish_gauges()
 
     # ------------------------------------------------------------------ drain
@@ -657,13 +656,22 @@ class EngineNode:
 
     # ------------------------------------------------------------------ output
 
-    def _emit(self, evs: list[Event]) -> None:
+    def _emit(self, evs: list[Event], texts: dict[str, str] | None = None) -> None:
+        """Stamp and queue events for the next flush; ``texts``: the step's text deltas, by
+        request, for its ``Tokens`` (which the scheduler makes without text)."""
         now = time.time()
         ts = int(now * 1000)
         drop: list[str] = []
+        outbox = self._outbox
         for ev in evs:
             rid = ev.request_id  # type: ignore[attr-defined]
             silent = rid in self._silent
+            if type(ev) is Tokens:  # the common case: one per request per step
+                if not silent:
+                    text = texts.pop(rid, ev.text) if texts else ev.text
+                    outbox.append((self.bus.keys.req(rid), Tokens(
+                        request_id=rid, token_ids=ev.token_ids, text=text, step=ev.step, ts=ts)))
+                continue
             if isinstance(ev, (AbortRequested, BlocksReleased, Final)) and rid in self._detok:
                 # The request emits no more tokens: text held back (a possible stop-string
                 # prefix, an incomplete UTF-8 character) goes out now, before the end of its

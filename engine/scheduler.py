@@ -271,8 +271,10 @@ class Scheduler:
         batch: list[tuple[Sequence, int]] = []
         scheduled: dict[str, None] = {}
 
-        decoding = [s for s in self._running if s.is_decoding]
-        prefilling = [s for s in self._running if not s.is_decoding]
+        decoding: list[Sequence] = []
+        prefilling: list[Sequence] = []
+        for s in self._running:
+            (decoding if s.is_decoding else prefilling).append(s)
         for seq in decoding + prefilling:
             if budget == 0:
                 break
@@ -283,11 +285,12 @@ class Scheduler:
             want = min(seq.num_unscheduled, budget)
             if want == 0:
                 continue
-            if not seq.is_decoding:
+            decode = seq.is_decoding
+            if not decode:
                 want = self._cap_chunk(want)
             while True:
                 n = want
-                if not seq.is_decoding:
+                if not decode:
                     n = min(n, self._room(seq))  # a smaller chunk beats preempting someone
                 end = seq.num_scheduled + n
                 if n > 0 and self.blocks.shortfall(seq.request_id, end) == 0:
