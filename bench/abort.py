@@ -242,8 +242,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output-json", default=str(RESULTS / "abort.json"))
     args = ap.parse_args()
-    conc = [int(x) for x in args.concurrency.split(",")]
-    rconc = [int(x) for x in args.release_concurrency.split(",")] if args.release_concurrency else []
+    conc = [int(x) for x in args.concurrency.split(",") if x]  # "" skips that part
+    rconc = [int(x) for x in args.release_concurrency.split(",") if x] if args.release_concurrency else []
     rng = random.Random(args.seed)
 
     tmp = tempfile.mkdtemp(prefix="fd-bench-abort-")
@@ -252,7 +252,7 @@ def main() -> None:
     url = redis_srv.url if redis_srv else args.redis_url
     prefix = f"fdb{time.time_ns() % 10**8}"
     srv = start_serve(mdir, redis_url=url, log_dir=tmp,
-                      extra=["--prefix", prefix, "--max-num-seqs", str(max(64, max(conc))),
+                      extra=["--prefix", prefix, "--max-num-seqs", str(max([64, *conc])),
                              "--num-blocks", "8192"])
     out: dict = {"model": mdir, "server": "redis" if url else "embedded", "disconnects": {},
                  "release": {}}
