@@ -112,6 +112,11 @@ class Bus:
         self._dead_seen: OrderedDict[tuple[bytes, bytes], None] = OrderedDict()
         self._journal_head = f"{keys.prefix}:journal:"
         self.cluster = is_cluster(redis)
+        #: In-process readers of ``P:control`` (``fd serve``: the engine beside this API), told
+        #: of each control event this bus publishes as it is published, a few event-loop turns
+        #: before their XREAD would bring it. The event is still written: it is the record, and
+        #: every other reader's source. Readers must take it twice (once more from the stream).
+        self.local_control: list[Callable[[Event], None]] = []
 
     # ------------------------------------------------------------------ publishing
 
@@ -131,7 +136,17 @@ class Bus:
         cap = self.maxlen(stream)
         return client.xadd(stream, fields, maxlen=cap, approximate=True) if cap else client.xadd(stream, fields)
 
+    def _tell_local(self, stream: str, event: Event) -> None:
+        if stream == self.keys.control:
+            for sink in self.local_control:
+                try:
+                    sink(event)
+                except Exception:  # a reader's bug must not cost the publish
+                    log.exception("in-process control reader failed")
+
     async def publish(self, stream: str, event: Event) -> bytes:
+        if self.local_control:
+            self._tell_local(stream, event)
         return await self._xadd(self.redis, stream, event.encode())
 
     async def publish_many(self, items: Sequence[tuple[str, Event]], expire: Sequence[str] = (),
@@ -143,6 +158,8 @@ class Bus:
             return []
         pipe = self.redis.pipeline(transaction=False)
         for stream, event in items:
+            if self.local_control:
+                self._tell_local(stream, event)
             self._xadd(pipe, stream, event.encode())
         for key in expire:
             pipe.expire(key, self.req_ttl_s)

@@ -600,6 +600,27 @@ class EngineNode:
             if ev.engine == self.id and ev.ts >= self._started_ms:
                 self.drain()
 
+    def on_local_control(self, ev: Event) -> None:
+        """An abort published in this process (``fd serve``'s API): stage 1 for the requests
+        this engine runs, now rather than when the control read brings it. The same event comes
+        again from ``P:control`` and is then a no-op for them; unknown ids (tombstones) are left
+        to that read."""
+        if not isinstance(ev, Abort) or self._stopping:
+            return
+        evs: list[Event] = []
+        for rid in ev.request_ids:
+            if self.sched.knows(rid) and rid not in self._silent:
+                mine = self.sched.abort(rid, ev.source)
+                if mine:
+                    self._count_abort(ev.source)
+                evs += mine
+        if evs:
+            self._emit(evs)
+            task = asyncio.ensure_future(self._flush_quietly())
+            self._bg.add(task)
+            task.add_done_callback(self._bg.discard)
+            self._wake.set()
+
     async def _abort(self, rids: tuple[str, ...], source: str) -> None:
         # Counted where the abort takes effect: every engine reads every abort (broadcast),
         # but exactly one engine owns the request or wins its tombstone.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import secrets
@@ -137,7 +138,7 @@ def _api_opts(args: argparse.Namespace, model_dir: Path):
 async def _serve(args: argparse.Namespace) -> int:
     from control.connect import connect
     from control.metrics import Metrics
-    from fd.compose import start_api, start_engine
+    from fd.compose import join_in_process, start_api, start_engine
 
     embedded = None
     if args.redis_url:
@@ -155,6 +156,8 @@ async def _serve(args: argparse.Namespace) -> int:
     engine = await start_engine(factory, keys, _engine_opts(args, model_dir), metrics=metrics,
                                 runner=_runner(args, model_dir))
     api = await start_api(factory, keys, _api_opts(args, model_dir), metrics=metrics)
+    join_in_process(api, engine)
+    _freeze_heap()
     print(f"fd serving {api.cfg.model_name} on {api.url}/v1", flush=True)
     if embedded is not None:
         print(f"embedded control plane: redis-cli -p {embedded.port}   (key prefix {args.prefix}:)",
@@ -167,6 +170,15 @@ async def _serve(args: argparse.Namespace) -> int:
     if embedded is not None:
         embedded.stop()
     return 0
+
+
+def _freeze_heap() -> None:
+    """What start-up allocated (modules, tokenizer, servers, pools) lives as long as the
+    process: take it out of the collector's sight, so a full collection under load walks only
+    what requests allocate. Under 32 streams `fd serve` otherwise paused ~24 ms in one gen-2
+    collection — an abort or a first token waiting behind it."""
+    gc.collect()
+    gc.freeze()
 
 
 async def _wait_for_signal(*tasks: asyncio.Task) -> None:
@@ -192,6 +204,7 @@ async def _api(args: argparse.Namespace) -> int:
     url = _need_url(args)
     model_dir = resolve_model(args.model)
     api = await start_api(lambda: connect(url), Keys(args.prefix), _api_opts(args, model_dir))
+    _freeze_heap()
     print(f"fd api on {api.url}/v1 (control plane {url})", flush=True)
     await _wait_for_signal()
     await api.stop()
@@ -207,6 +220,7 @@ async def _engine(args: argparse.Namespace) -> int:
     opts = _engine_opts(args, model_dir)
     engine = await start_engine(lambda: connect(url), Keys(args.prefix), opts,
                                 runner=_runner(args, model_dir))
+    _freeze_heap()
     print(f"fd engine {engine.id} serving {model_dir} (control plane {url})", flush=True)
     # SIGTERM/SIGINT: drain (finish or hand back what runs, then exit 0); a second one: stop
     # now (peers take over what was running).

@@ -154,6 +154,13 @@ async def start_engine(redis_factory: Callable[[], Any], keys: Keys, opts: Engin
     return RunningEngine(node, task, metrics, owns_runner=owns_runner)
 
 
+def join_in_process(api: "RunningApi", engine: "RunningEngine") -> None:
+    """API and engine in one process (``fd serve``): the engine hears the API's aborts as
+    they are published, a few event-loop turns before its control read brings them (which it
+    still does: the stream is the record, and the second delivery is a no-op)."""
+    api.bus.local_control.append(engine.node.on_local_control)
+
+
 async def start_api(redis_factory: Callable[[], Any], keys: Keys, opts: ApiOptions, *,
                     metrics: Metrics | None = None, tokenizer: Any = None) -> RunningApi:
     from aiohttp import web

@@ -35,7 +35,7 @@ async def served(embedded_redis, keys, tiny_model_dir, tiny_runner, tiny_tokeniz
     """What `fd serve` runs, in this process: one engine and one API node on the embedded
     server, sharing one Metrics object. Yields (api, engine)."""
     from control.metrics import Metrics
-    from fd.compose import ApiOptions, EngineOptions, start_api, start_engine
+    from fd.compose import ApiOptions, EngineOptions, join_in_process, start_api, start_engine
 
     metrics = Metrics()
     eng = await start_engine(embedded_redis.client, keys,
@@ -43,6 +43,7 @@ async def served(embedded_redis, keys, tiny_model_dir, tiny_runner, tiny_tokeniz
                              runner=tiny_runner, tokenizer=tiny_tokenizer, metrics=metrics)
     api = await start_api(embedded_redis.client, keys, ApiOptions(model_dir=str(tiny_model_dir)),
                           metrics=metrics, tokenizer=tiny_tokenizer)
+    join_in_process(api, eng)
     yield api, eng
     await api.stop()
     await eng.stop()
