@@ -157,7 +157,7 @@ async def _serve(args: argparse.Namespace) -> int:
                                 runner=_runner(args, model_dir))
     api = await start_api(factory, keys, _api_opts(args, model_dir), metrics=metrics)
     join_in_process(api, engine)
-    _freeze_heap()
+    _tune_gc()
     print(f"fd serving {api.cfg.model_name} on {api.url}/v1", flush=True)
     if embedded is not None:
         print(f"embedded control plane: redis-cli -p {embedded.port}   (key prefix {args.prefix}:)",
@@ -172,13 +172,33 @@ async def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _freeze_heap() -> None:
-    """What start-up allocated (modules, tokenizer, servers, pools) lives as long as the
-    process: take it out of the collector's sight, so a full collection under load walks only
-    what requests allocate. Under 32 streams `fd serve` otherwise paused ~24 ms in one gen-2
-    collection — an abort or a first token waiting behind it."""
+#: Full (gen-2) garbage collections run on this timer instead of whenever the heap has grown
+#: by a quarter (Python's rule). A full collection walks every live container — with the
+#: embedded server, every stored stream entry — and took ~20 ms under 32 streams; an abort or a
+#: first token waiting behind one is a latency tail. In `bench/abort.py` without automatic full
+#: collections, release p99 went 15.8 -> 10.4 ms at 8 streams and 55.7 -> 33.3 ms at 128.
+FULL_GC_EVERY_S = 60.0
+
+_gc_task: asyncio.Task | None = None
+
+
+def _tune_gc() -> None:
+    """After start-up: what it allocated (modules, tokenizer, servers, pools) lives as long as
+    the process, so take it out of the collector's sight (``gc.freeze``); then leave young
+    generations to Python and run full collections every ``FULL_GC_EVERY_S`` (cyclic garbage
+    that reached the old generation waits that long at most)."""
+    global _gc_task
     gc.collect()
     gc.freeze()
+    young, middle, _ = gc.get_threshold()
+    gc.set_threshold(young, middle, 1 << 30)  # the count that would trigger a full collection
+
+    async def full_collections() -> None:
+        while True:
+            await asyncio.sleep(FULL_GC_EVERY_S)
+            gc.collect()
+
+    _gc_task = asyncio.get_running_loop().create_task(full_collections(), name="full-gc")
 
 
 async def _wait_for_signal(*tasks: asyncio.Task) -> None:
@@ -204,7 +224,7 @@ async def _api(args: argparse.Namespace) -> int:
     url = _need_url(args)
     model_dir = resolve_model(args.model)
     api = await start_api(lambda: connect(url), Keys(args.prefix), _api_opts(args, model_dir))
-    _freeze_heap()
+    _tune_gc()
     print(f"fd api on {api.url}/v1 (control plane {url})", flush=True)
     await _wait_for_signal()
     await api.stop()
@@ -220,7 +240,7 @@ async def _engine(args: argparse.Namespace) -> int:
     opts = _engine_opts(args, model_dir)
     engine = await start_engine(lambda: connect(url), Keys(args.prefix), opts,
                                 runner=_runner(args, model_dir))
-    _freeze_heap()
+    _tune_gc()
     print(f"fd engine {engine.id} serving {model_dir} (control plane {url})", flush=True)
     # SIGTERM/SIGINT: drain (finish or hand back what runs, then exit 0); a second one: stop
     # now (peers take over what was running).

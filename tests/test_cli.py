@@ -199,3 +199,25 @@ def test_start_up_mistakes_are_one_line_errors(tmp_path):
     assert "Traceback" not in r.stderr
     r = _fd("abort", "bad{id}", "--redis-url", f"redis://127.0.0.1:{port}")
     assert r.returncode != 0 and "invalid request id" in r.stderr
+
+
+async def test_servers_run_full_collections_on_a_timer_not_on_heap_growth():
+    """A full collection walks every live container (with the embedded server, every stored
+    stream entry): `fd serve/api/engine` run them every FULL_GC_EVERY_S instead of whenever
+    Python's growth rule fires in the middle of a burst."""
+    import gc
+
+    from fd import cli
+
+    before = gc.get_threshold()
+    try:
+        cli._tune_gc()
+        assert gc.get_threshold()[:2] == before[:2]  # young generations as Python has them
+        assert gc.get_threshold()[2] >= 1 << 30  # no automatic full collection
+        assert gc.get_freeze_count() > 0  # start-up's objects out of the collector's sight
+        assert cli._gc_task is not None and not cli._gc_task.done()
+    finally:
+        if cli._gc_task is not None:
+            cli._gc_task.cancel()
+        gc.unfreeze()
+        gc.set_threshold(*before)
