@@ -312,7 +312,7 @@ async def stream_completion(session, base: str, rid: str, prompt: list[int], max
                         res.chunk_times.append(now)
                         if hang_up_after is not None and len(res.chunk_times) >= hang_up_after:
                             res.t_close = time.perf_counter()
-                            res.wall_close_ms = time.time() * 1000
+                            res.wall_close_ms = float(int(time.time() * 1000))  # as event ts
                             resp.connection.transport.abort() if resp.connection else None
                             resp.close()
                             return res

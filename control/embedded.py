@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import redis.asyncio as aioredis
 from fakeredis import FakeAsyncRedis, TcpFakeServer
 from fakeredis._clients._async import FakeAsyncRedisConnection, FakeWriter
 from fakeredis._helpers import NoResponse
+from fakeredis._core._database import Item
 from fakeredis._socket._async import AsyncFakeSocket
+from fakeredis.model._stream import MAX_KEY, XStream
 
 from control.connect import MAX_CONNECTIONS, POOL_WAIT_S
 
@@ -45,7 +48,50 @@ class _DirectWriter(FakeWriter):
             else:
                 if not sock._server.connected or sock._killed:
                     raise sock._connection_error_class("Connection closed by the embedded server")
-                sock._process_command(list(chunk))
+                if not _xadd(sock, chunk):
+                    sock._process_command(list(chunk))
+
+
+def _xadd(sock, fields: list[bytes]) -> bool:
+    """``XADD key * field value ...`` (no trimming), most of what fd writes — a token event per
+    request per step — done here instead of through fakeredis' generic dispatch (name lookup,
+    ACL, argument signature, a wrapper per key, RESP2 conversion), which cost more than the
+    append itself. The same steps as fakeredis' XADD and write-back: under the server lock,
+    clocks set, the stream appended to (created if absent, its TTL kept), watchers and
+    blocked readers notified, the new id replied. Anything else — another form, a key of
+    another type, a transaction, keyspace notifications on — returns False: the generic path.
+    """
+    n = len(fields)
+    if (n < 5 or not n & 1 or fields[2] != b"*" or fields[0] not in (b"XADD", b"xadd")
+            or sock._queueing or sock._pubsub or sock._reply_off or sock._reply_skip):
+        return False
+    server = sock._server
+    if server.config.get(b"notify-keyspace-events"):
+        return False
+    key = fields[1]
+    with server.lock:
+        now = time.time()
+        for db in server.dbs.values():
+            db.time = now
+        db = sock._db
+        try:
+            item = db[key]  # (an expired key is dropped here, as fakeredis does)
+        except KeyError:
+            item = None
+        if item is not None and type(item.value) is not XStream:
+            return False  # WRONGTYPE, said by the generic path
+        stream = XStream() if item is None else item.value
+        if stream.last_id == MAX_KEY:
+            return False
+        entry = stream.next_id(None, True)
+        if entry is None:
+            return False
+        stream.add(fields[3:], entry, *sock._stream_node_limits())
+        if item is None:
+            db[key] = Item(stream)
+        db.notify_watch(key)  # WATCHers, and readers blocked on the database
+    sock.put_response(entry.encode())
+    return True
 
 
 def _resp(fields: list[bytes]) -> bytes:

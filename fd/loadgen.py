@@ -271,7 +271,9 @@ async def send_one(session: aiohttp.ClientSession, cfg: BenchConfig, model: str,
     def fire() -> None:
         nonlocal abort_task, deadline
         o.t_cancel = time.perf_counter()
-        o.cancel_wall_ms = time.time() * 1000.0
+        # whole ms, as the events' ts are: an abort noted within the same millisecond must not
+        # read as noted before it was sent
+        o.cancel_wall_ms = float(int(time.time() * 1000))
         deadline = None
         if o.cancel == "disconnect":
             raise _Cancel

@@ -1,0 +1,106 @@
+"""The embedded server's in-process XADD (control/embedded.py's fast path) against fakeredis'
+own XADD, reached through the TCP door, which never takes the fast path: the same stream
+contents, TTLs kept, errors, transactions, WATCH and blocked readers all as before."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError, WatchError
+
+
+@pytest.fixture
+async def clients(embedded_redis):
+    fast = embedded_redis.client()
+    tcp = aioredis.from_url(embedded_redis.url)
+    yield fast, tcp
+    await fast.aclose()
+    await tcp.aclose()
+
+
+@pytest.fixture
+def k():
+    """Key names of this test's own: the embedded server is shared by the whole session."""
+    tag = uuid.uuid4().hex[:8]
+    return lambda name: f"xadd-{tag}:{name}"
+
+
+async def test_the_same_entries_as_fakeredis_own_xadd(clients, k, monkeypatch):
+    from control import embedded
+
+    taken = []
+    real = embedded._xadd
+    monkeypatch.setattr(embedded, "_xadd", lambda sock, f: taken.append(real(sock, f)) or taken[-1])
+    fast, tcp = clients
+    rows = [{"type": "tokens", "text": "x" * i, "n": str(i)} for i in range(300)]
+    rows.append({"other": "fields"})  # a different field set: a new stream node
+    pipe = fast.pipeline(transaction=False)
+    for r in rows:
+        pipe.xadd(k("s:fast"), r)
+    ids = await pipe.execute()
+    for r in rows:
+        await tcp.xadd(k("s:tcp"), r)
+    got_fast = [f for _, f in await tcp.xrange(k("s:fast"))]
+    got_tcp = [f for _, f in await tcp.xrange(k("s:tcp"))]
+    assert got_fast == got_tcp == [{a.encode(): b.encode() for a, b in r.items()} for r in rows]
+    assert ids == [e for e, _ in await tcp.xrange(k("s:fast"))]
+    keys = [tuple(map(int, i.split(b"-"))) for i in ids]
+    assert keys == sorted(set(keys))  # strictly increasing
+    info_fast, info_tcp = await tcp.xinfo_stream(k("s:fast")), await tcp.xinfo_stream(k("s:tcp"))
+    for field in ("length", "entries-added"):  # (node packing depends on the ids' timing)
+        assert info_fast[field] == info_tcp[field], field
+    assert await fast.type(k("s:fast")) == b"stream"
+    assert taken.count(True) == len(rows)  # every in-process XADD took the fast path
+
+
+async def test_a_ttl_is_kept_and_an_expired_stream_starts_afresh(clients, k):
+    fast, tcp = clients
+    await fast.xadd(k("s"), {"a": "1"})
+    await tcp.expire(k("s"), 100)
+    await fast.xadd(k("s"), {"a": "2"})
+    assert 0 < await tcp.ttl(k("s")) <= 100 and await tcp.xlen(k("s")) == 2
+    await tcp.pexpire(k("s"), 1)
+    await asyncio.sleep(0.01)
+    await fast.xadd(k("s"), {"a": "3"})
+    assert await tcp.xlen(k("s")) == 1 and await tcp.ttl(k("s")) == -1
+
+
+async def test_other_forms_and_types_take_the_generic_path(clients, k):
+    fast, tcp = clients
+    await tcp.set(k("str"), "v")
+    with pytest.raises(ResponseError, match="WRONGTYPE"):
+        await fast.xadd(k("str"), {"a": "1"})
+    for i in range(20):
+        await fast.xadd(k("capped"), {"i": str(i)}, maxlen=5, approximate=False)
+    assert await tcp.xlen(k("capped")) == 5
+    assert await fast.xadd(k("explicit"), {"a": "1"}, id="5-1") == b"5-1"
+    with pytest.raises(ResponseError):
+        await fast.xadd(k("explicit"), {"a": "1"}, id="5-1")  # not greater than the last id
+    async with fast.pipeline(transaction=True) as pipe:  # MULTI/EXEC queues, then runs
+        pipe.xadd(k("tx"), {"a": "1"})
+        pipe.xadd(k("tx"), {"a": "2"})
+        res = await pipe.execute()
+    assert len(res) == 2 and await tcp.xlen(k("tx")) == 2
+
+
+async def test_watch_and_blocked_readers_see_a_fast_xadd(clients, k, embedded_redis):
+    fast, tcp = clients
+    other = embedded_redis.client()
+    try:
+        reader = asyncio.create_task(other.xread({k("w"): "$"}, block=5000))
+        await asyncio.sleep(0.05)
+        await fast.xadd(k("w"), {"a": "1"})
+        got = await asyncio.wait_for(reader, 2)
+        assert got and got[0][1][0][1] == {b"a": b"1"}
+        async with tcp.pipeline(transaction=True) as pipe:
+            await pipe.watch(k("w"))
+            await fast.xadd(k("w"), {"a": "2"})  # the watched key changed
+            pipe.multi()
+            pipe.set(k("after"), "1")
+            with pytest.raises(WatchError):
+                await pipe.execute()
+    finally:
+        await other.aclose()
