@@ -157,10 +157,22 @@ class Bus:
         if not items and not expire and not ack:
             return []
         pipe = self.redis.pipeline(transaction=False)
+        # The embedded server's in-process client appends plain entries directly (no MAXLEN):
+        # in order, until the first one that must go through the pipeline, which then takes
+        # the rest, so nothing is reordered.
+        append = getattr(self.redis, "fd_append", None)
+        direct: list[bytes] = []
         for stream, event in items:
             if self.local_control:
                 self._tell_local(stream, event)
-            self._xadd(pipe, stream, event.encode())
+            fields = event.encode()
+            if append is not None:
+                entry = append(stream, fields) if self.maxlen(stream) is None else None
+                if entry is not None:
+                    direct.append(entry)
+                    continue
+                append = None
+            self._xadd(pipe, stream, fields)
         for key in expire:
             pipe.expire(key, self.req_ttl_s)
         if ack and self.cluster and (items or expire):
@@ -175,8 +187,8 @@ class Bus:
             # not yet done and needs no MAXLEN (which would drop unclaimed requests).
             pipe.xack(self.keys.requests, GROUP_ENGINES, *ack)
             pipe.xdel(self.keys.requests, *ack)
-        tail = await pipe.execute()
-        return (results if results is not None else tail)[: len(items)]
+        tail = await pipe.execute() if len(pipe) else []
+        return (direct + (results if results is not None else tail))[: len(items)]
 
     async def submit(self, request: Request, accepted: Accepted) -> bool:
         """Accept a request: its story starts (``accepted``) before any engine can claim it.

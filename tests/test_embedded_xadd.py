@@ -104,3 +104,34 @@ async def test_watch_and_blocked_readers_see_a_fast_xadd(clients, k, embedded_re
                 await pipe.execute()
     finally:
         await other.aclose()
+
+
+async def test_bus_publish_many_appends_directly_in_order(embedded_redis, k):
+    """``Bus.publish_many`` on the in-process client appends plain entries itself, and once an
+    entry needs the pipeline (a capped stream), the rest follow it there: ids come back in
+    item order, every entry is where it belongs, expiries and acks still apply."""
+    from control.bus import Bus
+    from control.events import Abort, Tokens
+    from control.keys import Keys
+
+    client = embedded_redis.client()
+    appended = []
+    real = client.fd_append
+    client.fd_append = lambda stream, fields: appended.append(stream) or real(stream, fields)
+    try:
+        bus = Bus(client, Keys(k("p")))
+        a, b = bus.keys.req("a"), bus.keys.req("b")
+        items = [(a, Tokens(request_id="a", token_ids=(1,), text="x", step=1)),
+                 (b, Tokens(request_id="b", token_ids=(2,), text="y", step=1)),
+                 (bus.keys.control, Abort(request_ids=("a",), source="cli")),  # MAXLEN: pipeline
+                 (a, Tokens(request_id="a", token_ids=(3,), text="z", step=2))]
+        ids = await bus.publish_many(items, expire=[a])
+        assert appended == [a, b]  # up to the capped stream; the rest went by the pipeline
+        got_a = [e for e, _ in await client.xrange(a)]
+        got_b = [e for e, _ in await client.xrange(b)]
+        got_c = [e for e, _ in await client.xrange(bus.keys.control)]
+        assert ids == [got_a[0], got_b[0], got_c[0], got_a[1]]
+        assert [ev.token_ids for _, ev in await bus.read_req("a")] == [(1,), (3,)]
+        assert 0 < await client.ttl(a) <= bus.req_ttl_s and await client.ttl(b) == -1
+    finally:
+        await client.aclose()
