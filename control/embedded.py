@@ -10,6 +10,13 @@ One :class:`fakeredis.FakeServer` holds the data. Two doors lead to it:
   blocking reads are woken by fakeredis' change callbacks instead of the TCP handler's 10 ms
   poll; see ``bench/bus.py`` for the measured difference. Writes through either door are seen
   by readers on the other (fakeredis wakes async waiters across threads).
+
+The in-process door also skips fakeredis' generic command dispatch for the one command fd
+sends most, ``XADD key * field value ...`` (a token event per request per step), and offers
+``Bus.publish_many`` a direct append (``client.fd_append``) that skips redis-py's pipeline
+for it too. Both make the same change to the same data structures under the same lock, and
+hand everything else to fakeredis (tests/test_embedded_xadd.py compares the two). They rely
+on fakeredis internals, hence the pinned fakeredis version.
 """
 
 from __future__ import annotations
