@@ -209,8 +209,7 @@ class Scheduler:
         if request_id in self._in_flight_ids:
             seq.aborting = source  # update() drains and releases it
             return events
-        events.append(Drained(request_id=request_id, step=self.step, discarded_tokens=0))
-        self._release(seq, "abort", None, events, self.step)
+        self._drain(seq, events, self.step)  # (nothing discarded: no step held it)
         return events
 
     def abort_all(self, source: str) -> list[Event]:
@@ -228,24 +227,14 @@ class Scheduler:
         if out is None:
             return events  # already folded in (the news came late): nothing to gain
         skipped = self._skipped.setdefault(step, set())
-        ids = self._in_flight_ids
         for ss in out.seqs:
             rid = ss.request_id
             seq = self._seqs.get(rid)
             if rid not in request_ids or rid in skipped or seq is None or seq.aborting is None:
                 continue  # only an aborting request may be left out: its tokens are dropped
             skipped.add(rid)
-            later = ids[rid] - 1
-            if later:
-                ids[rid] = later
-            else:
-                del ids[rid]
-            seq.num_in_flight -= len(ss.token_ids)
-            if ss.sample:
-                seq.num_pending -= 1
-            if not later:
-                events.append(Drained(request_id=rid, step=step, discarded_tokens=seq.num_discarded))
-                self._release(seq, "abort", None, events, step)
+            if not self._leave(seq, ss):
+                self._drain(seq, events, step)
         return events
 
     # ------------------------------------------------------------------ steps
@@ -366,29 +355,19 @@ class Scheduler:
                                  f"{ss.request_id}")
         step = out.step
         self._in_flight.popleft()
-        ids = self._in_flight_ids
         for ss in out.seqs:
             rid = ss.request_id
             if rid in skipped:
                 continue  # accounted for (and maybe released) when the runner left it out
             seq = self._seqs[rid]
-            later = ids[rid] - 1  # steps after this one that still hold the request
-            if later:
-                ids[rid] = later
-            else:
-                del ids[rid]
-            seq.num_in_flight -= len(ss.token_ids)
-            if ss.sample:
-                seq.num_pending -= 1
+            later = self._leave(seq, ss)  # steps after this one that still hold the request
             if seq.done:
                 if ss.sample and rid in result.sampled:
                     seq.num_discarded += 1
                 if later:
                     continue
                 if seq.aborting is not None:
-                    events.append(Drained(request_id=rid, step=step,
-                                          discarded_tokens=seq.num_discarded))
-                    self._release(seq, "abort", None, events, step)
+                    self._drain(seq, events, step)
                 else:
                     reason, stop_reason = seq.finishing  # type: ignore[misc]
                     self._release(seq, reason, stop_reason, events, step)
@@ -446,6 +425,26 @@ class Scheduler:
         if sample:
             seq.num_pending += 1
         return ss
+
+    def _leave(self, seq: Sequence, ss: ScheduledSeq) -> int:
+        """One in-flight step is done with ``seq`` (folded in, or run without it): returns
+        how many later in-flight steps still hold it."""
+        ids = self._in_flight_ids
+        later = ids[ss.request_id] - 1
+        if later:
+            ids[ss.request_id] = later
+        else:
+            del ids[ss.request_id]
+        seq.num_in_flight -= len(ss.token_ids)
+        if ss.sample:
+            seq.num_pending -= 1
+        return later
+
+    def _drain(self, seq: Sequence, events: list[Event], step: int) -> None:
+        """Stages 2 and 3 of an abort: no step can write its blocks any more."""
+        events.append(Drained(request_id=seq.request_id, step=step,
+                              discarded_tokens=seq.num_discarded))
+        self._release(seq, "abort", None, events, step)
 
     def _preempt(self, seq: Sequence, step: int) -> None:
         count = self.blocks.free(seq.request_id) if self.blocks.owns(seq.request_id) else 0

@@ -8,6 +8,7 @@ from control.events import Final, Preempted, RequestData, SamplingParams, Tokens
 from engine.config import SchedulerConfig
 from engine.outputs import RunnerOutput
 from engine.scheduler import Scheduler
+from engine.sequence import PLACEHOLDER
 
 EOS = 2
 
@@ -32,6 +33,7 @@ class FakeRunner:
         self.bs = sched.config.block_size
         self.kv = [[None] * self.bs for _ in range(sched.num_total_blocks)]
         self.outputs = []
+        self.last = {}  # the previous step's samples: what a placeholder (async) stands for
 
     def run(self, out, override=None, stopped=None):
         self.outputs.append(out)
@@ -40,12 +42,15 @@ class FakeRunner:
             end = s.start_pos + len(s.token_ids)
             assert len(s.block_table) * self.bs >= end
             for i, t in enumerate(s.token_ids):
+                if t == PLACEHOLDER:
+                    t = self.last[s.request_id]
                 p = s.start_pos + i
                 self.kv[s.block_table[p // self.bs]][p % self.bs] = t
             if s.sample:
                 ctx = [self.kv[s.block_table[p // self.bs]][p % self.bs] for p in range(end)]
                 sampled[s.request_id] = model(ctx)
         sampled.update({k: v for k, v in (override or {}).items() if k in sampled})
+        self.last = sampled
         return RunnerOutput(step=out.step, sampled=sampled, stopped=dict(stopped or {}))
 
     def seen(self, rid):

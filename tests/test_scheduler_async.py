@@ -1,63 +1,22 @@
 """Async scheduling: step N+1 decided while step N is in flight (``max_steps_in_flight=2``).
 
-The runner here resolves placeholders the way the real one does (the token it sampled for the
-request one step earlier), writes KV, and samples from what the KV holds, so a wrong position,
-block or placeholder changes the tokens.
+The fake runner (tests/test_scheduler.py's) resolves placeholders the way the real one does
+(the token it sampled for the request one step earlier), writes KV, and samples from what the
+KV holds, so a wrong position, block or placeholder changes the tokens.
 """
 
 from dataclasses import replace
 
 import pytest
 
-from control.events import Final, RequestData, SamplingParams, Tokens
-from engine.config import SchedulerConfig
+from control.events import Final, Tokens
 from engine.outputs import RunnerOutput
-from engine.scheduler import Scheduler
 from engine.sequence import PLACEHOLDER
-
-EOS = 2
-
-
-def model(ctx):
-    return (sum((i + 1) * t for i, t in enumerate(ctx)) + 7 * len(ctx)) % 97 + 3  # never 0..2
-
-
-class Runner:
-    def __init__(self, sched):
-        self.bs = sched.config.block_size
-        self.kv = [[None] * self.bs for _ in range(sched.num_total_blocks)]
-        self.last = {}
-        self.ran = []
-
-    def run(self, out, override=None):
-        sampled = {}
-        for s in out.seqs:
-            end = s.start_pos + len(s.token_ids)
-            for i, t in enumerate(s.token_ids):
-                if t == PLACEHOLDER:
-                    t = self.last[s.request_id]
-                p = s.start_pos + i
-                self.kv[s.block_table[p // self.bs]][p % self.bs] = t
-            if s.sample:
-                ctx = [self.kv[s.block_table[p // self.bs]][p % self.bs] for p in range(end)]
-                sampled[s.request_id] = model(ctx)
-        sampled.update({k: v for k, v in (override or {}).items() if k in sampled})
-        self.last = sampled
-        self.ran.append(out)
-        return RunnerOutput(step=out.step, sampled=sampled)
+from tests.test_scheduler import EOS, make as make_sched, req
 
 
 def make(depth=2, **kw):
-    cfg = dict(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
-               max_model_len=256, eos_token_ids=(EOS,), max_steps_in_flight=depth)
-    cfg.update(kw)
-    sched = Scheduler(SchedulerConfig(**cfg))
-    return sched, Runner(sched)
-
-
-def req(n, max_tokens=4, start=10, **sp):
-    return RequestData(prompt_token_ids=tuple(range(start, start + n)),
-                       sampling=SamplingParams(max_tokens=max_tokens, **sp))
+    return make_sched(max_steps_in_flight=depth, **kw)
 
 
 def kinds(evs, rid=None):
@@ -111,7 +70,7 @@ def test_outputs_equal_one_step_at_a_time_and_no_step_runs_past_max_tokens(max_t
             sched.add(f"r{i}", req(n, max_tokens=max_tokens, start=10 + i))
         evs = pipeline(sched, runner)
         results[depth] = {f"r{i}": tokens(evs, f"r{i}") for i in range(4)}
-        fed = sum(1 for o in runner.ran for s in o.seqs if s.sample)
+        fed = sum(1 for o in runner.outputs for s in o.seqs if s.sample)
         assert fed == 4 * max_tokens  # the known end is never scheduled past
         assert all(e.finish_reason == "length" for e in evs if isinstance(e, Final))
         assert sched.num_free_blocks == sched.num_total_blocks
