@@ -320,9 +320,9 @@ def main() -> None:
     tables.append(print_table("abort: POST /v1/abort_requests, time to the HTTP answer",
                               ["ids per call", "calls", "p50 ms", "p99 ms", "max ms"],
                               [[1, len(a["single"]), MS * p50(a["single"]), MS * p99(a["single"]),
-                                MS * max(a["single"])],
+                                MS * max(a["single"], default=float("nan"))],
                                [args.bulk_ids, len(a["bulk"]), MS * p50(a["bulk"]), MS * p99(a["bulk"]),
-                                MS * max(a["bulk"])]], nd=2))
+                                MS * max(a["bulk"], default=float("nan"))]], nd=2))
     out["tables"] = tables
     write_json(args.output_json, out)
 

@@ -136,7 +136,8 @@ class Bus:
         cap = self.maxlen(stream)
         return client.xadd(stream, fields, maxlen=cap, approximate=True) if cap else client.xadd(stream, fields)
 
-    def _tell_local(self, stream: str, event: Event) -> None:
+    def tell_local(self, stream: str, event: Event) -> None:
+        """Tell the in-process readers of ``stream`` (``P:control`` only) of ``event`` now."""
         if stream == self.keys.control:
             for sink in self.local_control:
                 try:
@@ -144,9 +145,9 @@ class Bus:
                 except Exception:  # a reader's bug must not cost the publish
                     log.exception("in-process control reader failed")
 
-    async def publish(self, stream: str, event: Event) -> bytes:
-        if self.local_control:
-            self._tell_local(stream, event)
+    async def publish(self, stream: str, event: Event, *, tell_local: bool = True) -> bytes:
+        if tell_local and self.local_control:
+            self.tell_local(stream, event)
         return await self._xadd(self.redis, stream, event.encode())
 
     async def publish_many(self, items: Sequence[tuple[str, Event]], expire: Sequence[str] = (),
@@ -164,7 +165,7 @@ class Bus:
         direct: list[bytes] = []
         for stream, event in items:
             if self.local_control:
-                self._tell_local(stream, event)
+                self.tell_local(stream, event)
             fields = event.encode()
             if append is not None:
                 entry = append(stream, fields) if self.maxlen(stream) is None else None

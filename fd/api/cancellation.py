@@ -61,10 +61,16 @@ def client_disconnected(request: web.Request) -> bool:
 
 
 class Cancellation:
-    """Wraps generating handlers; ``on_disconnect(request_id)`` publishes the abort."""
+    """Wraps generating handlers; ``on_disconnect(request_id)`` publishes the abort.
 
-    def __init__(self, on_disconnect: Callable[[str], Awaitable[None]]):
+    ``notice(request_id)``, if given, runs at once, inside the cancelled handler, before the
+    publish gets its own task: ``fd serve`` uses it to tell the engine in this process, a loop
+    turn or two before the publish would."""
+
+    def __init__(self, on_disconnect: Callable[[str], Awaitable[None]],
+                 notice: Callable[[str], None] | None = None):
         self._on_disconnect = on_disconnect
+        self._notice = notice
         self._tasks: set[asyncio.Task] = set()
 
     def guard(self, handler: Handler) -> Handler:
@@ -90,6 +96,11 @@ class Cancellation:
         if watch.request_id is None or watch.background or watch.finished or watch.aborted:
             return
         watch.aborted = True
+        if self._notice is not None:
+            try:
+                self._notice(watch.request_id)
+            except Exception:
+                log.exception("disconnect notice for %s failed", watch.request_id)
         # Published from its own task: this one is being cancelled and must re-raise now.
         task = asyncio.get_running_loop().create_task(self._publish(watch.request_id),
                                                       name=f"disconnect-abort:{watch.request_id}")

@@ -171,7 +171,8 @@ class Api:
         self.metrics = metrics
         self.limits = protocol.Limits(cfg.model_name, cfg.max_model_len, cfg.max_body_bytes,
                                       cfg.default_max_tokens, getattr(tokenizer, "vocab_size", None))
-        self.cancellation = Cancellation(self._abort_on_disconnect)
+        self.cancellation = Cancellation(self._abort_on_disconnect, self._notice_disconnect)
+        self._noticed: dict[str, Abort] = {}  # disconnect aborts told in-process, not yet published
         self.started = int(time.time())
         self._started_mux = False
         self._openapi = openapi.build(cfg.model_name, cfg.max_model_len, cfg.max_body_bytes,
@@ -241,10 +242,23 @@ class Api:
         request[RID] = given
         return given, True
 
+    def _notice_disconnect(self, request_id: str) -> None:
+        """In the cancelled handler itself: in-process readers of ``P:control`` (``fd serve``'s
+        engine) hear of the abort now; the publish follows from its own task."""
+        if self.bus.local_control:
+            ev = Abort(request_ids=(request_id,), source="disconnect",
+                       abort_id=f"abort-{uuid.uuid4().hex[:16]}")
+            self.bus.tell_local(self.bus.keys.control, ev)
+            self._noticed[request_id] = ev
+
     async def _abort_on_disconnect(self, request_id: str) -> None:
-        await self.bus.publish(self.bus.keys.control,
-                               Abort(request_ids=(request_id,), source="disconnect",
-                                     abort_id=f"abort-{uuid.uuid4().hex[:16]}"))
+        ev = self._noticed.pop(request_id, None)
+        if ev is not None:
+            await self.bus.publish(self.bus.keys.control, ev, tell_local=False)
+        else:
+            await self.bus.publish(self.bus.keys.control,
+                                   Abort(request_ids=(request_id,), source="disconnect",
+                                         abort_id=f"abort-{uuid.uuid4().hex[:16]}"))
         # fd_abort_requests_total is counted by the engine where the abort takes effect
         # (every engine reads every abort; exactly one owns the request).
         self.metrics.requests_total.labels("abort").inc()  # its final goes unseen by this replica
