@@ -117,6 +117,9 @@ class Bus:
         #: before their XREAD would bring it. The event is still written: it is the record, and
         #: every other reader's source. Readers must take it twice (once more from the stream).
         self.local_control: list[Callable[[Event], None]] = []
+        #: In-process claimers of ``P:requests``, called once a publish has put requests there
+        #: (so ``fd serve``'s engine need not poll it every step).
+        self.local_requests: list[Callable[[], None]] = []
 
     # ------------------------------------------------------------------ publishing
 
@@ -145,10 +148,20 @@ class Bus:
                 except Exception:  # a reader's bug must not cost the publish
                     log.exception("in-process control reader failed")
 
+    def _tell_arrivals(self) -> None:
+        for sink in self.local_requests:
+            try:
+                sink()
+            except Exception:
+                log.exception("in-process request claimer failed")
+
     async def publish(self, stream: str, event: Event, *, tell_local: bool = True) -> bytes:
         if tell_local and self.local_control:
             self.tell_local(stream, event)
-        return await self._xadd(self.redis, stream, event.encode())
+        entry = await self._xadd(self.redis, stream, event.encode())
+        if self.local_requests and stream == self.keys.requests:
+            self._tell_arrivals()
+        return entry
 
     async def publish_many(self, items: Sequence[tuple[str, Event]], expire: Sequence[str] = (),
                            ack: Sequence[bytes] = ()) -> list[bytes]:
@@ -189,6 +202,8 @@ class Bus:
             pipe.xack(self.keys.requests, GROUP_ENGINES, *ack)
             pipe.xdel(self.keys.requests, *ack)
         tail = await pipe.execute() if len(pipe) else []
+        if self.local_requests and any(stream == self.keys.requests for stream, _ in items):
+            self._tell_arrivals()  # written now: a claim finds them
         return (direct + (results if results is not None else tail))[: len(items)]
 
     async def submit(self, request: Request, accepted: Accepted) -> bool:

@@ -21,11 +21,59 @@ from collections import deque
 from dataclasses import replace
 from typing import Any, Callable
 
-from engine.outputs import RunnerOutput, SchedulerOutput
+from engine.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 
 
 class WorkerError(RuntimeError):
     """The worker failed to start or to run a step; the message carries its traceback."""
+
+
+class _StepEncoder:
+    """The pipe's form of a step: plain tuples, which pickle in C, instead of dataclasses,
+    which pickle through copyreg (7% of ``fd serve``'s loop at 8 streams went to pickling
+    steps); and each request's SamplingParams sent once, then named by a number. Bounded: past
+    ``MAX_PARAMS`` the worker is told to forget them all and they are sent again."""
+
+    MAX_PARAMS = 4096
+
+    def __init__(self) -> None:
+        self._keys: dict[int, tuple[int, Any]] = {}  # id(params) -> (number, params: kept alive)
+        self._next = 0
+
+    def encode(self, out: SchedulerOutput) -> tuple:
+        keys = self._keys
+        reset = len(keys) > self.MAX_PARAMS
+        if reset:
+            keys.clear()
+            self._next = 0
+        new = []
+        seqs = []
+        for ss in out.seqs:
+            sp = ss.sampling
+            known = keys.get(id(sp))
+            if known is None or known[1] is not sp:
+                known = keys[id(sp)] = (self._next, sp)
+                self._next += 1
+                new.append((known[0], sp))
+            seqs.append((ss.request_id, ss.token_ids, ss.start_pos, ss.block_table, ss.sample,
+                         known[0], ss.num_generated))
+        return ("step", out.step, out.num_batched_tokens, reset, new, seqs)
+
+
+class _StepDecoder:
+    def __init__(self) -> None:
+        self._params: dict[int, Any] = {}
+
+    def decode(self, msg: tuple) -> SchedulerOutput:
+        _, step, num_batched, reset, new, seqs = msg
+        params = self._params
+        if reset:
+            params.clear()
+        for key, sp in new:
+            params[key] = sp
+        return SchedulerOutput(step=step, num_batched_tokens=num_batched, seqs=tuple(
+            ScheduledSeq(rid, toks, start, table, sample, params[key], gen)
+            for rid, toks, start, table, sample, key, gen in seqs))
 
 
 def _worker_main(conn, model_dir: str, kwargs: dict[str, Any]) -> None:
@@ -48,12 +96,15 @@ def _worker_main(conn, model_dir: str, kwargs: dict[str, Any]) -> None:
                          "vocab_size": runner.vocab_size}))
     queue: deque = deque()  # steps (and other requests) received, not yet run
     drops: dict[str, int] = {}  # aborting request -> the last step it may be left out of
+    steps = _StepDecoder()
 
     def take(msg) -> None:
         if isinstance(msg, tuple) and msg and msg[0] == "drop":
             _, step, rids = msg
             for rid in rids:
                 drops[rid] = max(step, drops.get(rid, step))
+        elif isinstance(msg, tuple) and msg and msg[0] == "step":
+            queue.append(steps.decode(msg))  # decoded as it arrives: the table stays in order
         else:
             queue.append(msg)
 
@@ -85,7 +136,7 @@ def _worker_main(conn, model_dir: str, kwargs: dict[str, Any]) -> None:
                     del drops[rid]
             t = time.perf_counter()
             out = runner.execute(msg)
-            conn.send(("ok", out, time.perf_counter() - t))
+            conn.send(("ok", (out.step, out.sampled, out.stopped), time.perf_counter() - t))
         except Exception:  # noqa: BLE001
             conn.send(("error", traceback.format_exc()))
 
@@ -115,19 +166,20 @@ class ProcessRunner:
         # Seconds the worker spent inside execute (the model step itself, without the pipe):
         # what bench/engine.py compares the engine loop's wall time with.
         self.busy_seconds = 0.0
+        self._steps = _StepEncoder()
         # Called (from the thread collecting results) with (step, request ids) when the worker
         # starts a step without requests it was told to drop (:meth:`drop`).
         self.on_skipped: Callable[[int, list[str]], None] | None = None
 
     def _call(self, msg: Any) -> Any:
         self._conn.send(msg)
-        return self.collect()
+        return self._collect()
 
     def submit(self, out: SchedulerOutput) -> None:
         """Queue a step on the pipe without waiting for it: the worker starts it the moment it
         is done with the one before, with no hand-off through this process's GIL. Results
         come back in submission order, one :meth:`collect` each."""
-        self._conn.send(out)
+        self._conn.send(self._steps.encode(out))
 
     def drop(self, step: int, request_ids: list[str]) -> None:
         """Leave these (aborting) requests out of any submitted step up to ``step`` that has
@@ -135,8 +187,12 @@ class ProcessRunner:
         (``on_skipped``), so their blocks can go back without waiting for it."""
         self._conn.send(("drop", step, tuple(request_ids)))
 
-    def collect(self) -> Any:
+    def collect(self) -> RunnerOutput:
         """The result of the oldest submitted step (blocks; run it off the event loop)."""
+        step, sampled, stopped = self._collect()
+        return RunnerOutput(step=step, sampled=sampled, stopped=stopped)
+
+    def _collect(self) -> Any:
         while True:
             try:
                 reply = self._conn.recv()
@@ -152,7 +208,8 @@ class ProcessRunner:
         return reply[1]
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        return self._call(out)
+        self.submit(out)
+        return self.collect()
 
     def warmup(self) -> None:
         self._call("warmup")

@@ -157,8 +157,11 @@ async def start_engine(redis_factory: Callable[[], Any], keys: Keys, opts: Engin
 def join_in_process(api: "RunningApi", engine: "RunningEngine") -> None:
     """API and engine in one process (``fd serve``): the engine hears the API's aborts as
     they are published, a few event-loop turns before its control read brings them (which it
-    still does: the stream is the record, and the second delivery is a no-op)."""
+    still does: the stream is the record, and the second delivery is a no-op), ..."""
     api.bus.local_control.append(engine.node.on_local_control)
+    # ... and of the requests it submits, so it claims when there is something to claim
+    # instead of asking P:requests every step.
+    api.bus.local_requests.append(engine.node.on_local_arrival)
 
 
 async def start_api(redis_factory: Callable[[], Any], keys: Keys, opts: ApiOptions, *,

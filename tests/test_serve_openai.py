@@ -201,3 +201,33 @@ async def test_two_replicas_two_engines_resume_from_any_replica(redis_server, ke
     finally:
         for x in (a, b, e1, e2):
             await x.stop()
+
+
+async def test_requests_not_announced_in_process_are_still_claimed_while_busy(served, embedded_redis,
+                                                                              keys):
+    """In fd serve the engine claims when its API says it submitted something, and otherwise
+    polls P:requests every CLAIM_POLL_S: a request written by anyone else (another API node,
+    redis-cli) still starts while the engine is busy."""
+    from control.bus import Bus
+    from tests.enginekit import story, submit
+
+    api, eng = served
+    client = _client(api)
+    busy = asyncio.create_task(client.completions.create(
+        model=api.cfg.model_name, prompt="keep busy", max_tokens=300, temperature=0,
+        extra_body={"ignore_eos": True}))
+    for _ in range(500):
+        if eng.node.sched.num_running:
+            break
+        await asyncio.sleep(0.005)
+    assert eng.node._arrivals_told and eng.node.sched.num_running  # announced, and running
+    other = Bus(embedded_redis.client(), keys)  # not the API's bus: nobody announces this one
+    try:
+        await submit(other, "from-elsewhere", [5, 6, 7], max_tokens=4)
+        evs = await story(other, "from-elsewhere", timeout=10)
+        assert [e.TYPE for e in evs if e.TYPE != "tokens"][-1] == "final"
+        assert evs[-1].finish_reason == "length" and not busy.done()  # claimed while busy
+    finally:
+        await other.redis.aclose()
+    await busy
+    await client.close()

@@ -97,3 +97,32 @@ def test_a_dropped_request_is_left_out_of_a_queued_step_and_the_worker_says_so(w
     out3 = sched.schedule()
     worker.submit(out3)
     assert set(worker.collect().sampled) == {"b"}
+
+
+def test_the_pipe_form_of_a_step_round_trips_and_sends_sampling_once():
+    """Steps cross the pipe as tuples with each request's SamplingParams sent once (then a
+    number); what the worker rebuilds equals what the engine scheduled, across a reset."""
+    import pickle
+
+    from engine.outputs import ScheduledSeq, SchedulerOutput
+    from engine.worker import _StepDecoder, _StepEncoder
+
+    a = SamplingParams(temperature=0.0, max_tokens=5)
+    b = SamplingParams(temperature=0.7, top_p=0.9, seed=3, max_tokens=9, stop=("x",))
+    enc, dec = _StepEncoder(), _StepDecoder()
+
+    def step(n, *seqs):
+        return SchedulerOutput(step=n, num_batched_tokens=sum(len(s.token_ids) for s in seqs),
+                               seqs=seqs)
+
+    s1 = step(1, ScheduledSeq("r1", (5, 6, 7), 0, (3,), True, a, 0),
+              ScheduledSeq("r2", (8,), 4, (1, 2), True, b, 2))
+    s2 = step(2, ScheduledSeq("r1", (-1,), 3, (3,), True, a, 1),
+              ScheduledSeq("r2", (-1,), 5, (1, 2), True, b, 3))
+    m1, m2 = enc.encode(s1), enc.encode(s2)
+    assert len(m1[4]) == 2 and m2[4] == []  # the params went once
+    assert dec.decode(pickle.loads(pickle.dumps(m1))) == s1
+    assert dec.decode(pickle.loads(pickle.dumps(m2))) == s2
+    enc.MAX_PARAMS = 0  # force the reset: the worker forgets, the params are sent again
+    m3 = enc.encode(s2)
+    assert m3[3] and len(m3[4]) == 2 and dec.decode(m3) == s2
