@@ -93,6 +93,11 @@ def check_event(stream: str | bytes, ev: Event, allowed: tuple[type, ...],
     return ev
 
 
+#: On the embedded server's in-process client a journal is appended to without MAXLEN and
+#: trimmed (``XTRIM MAXLEN ~``) once every this many entries.
+JOURNAL_TRIM_EVERY = 256
+
+
 class Bus:
     """Typed access to fd's streams and keys for one Redis client and one key prefix."""
 
@@ -120,6 +125,7 @@ class Bus:
         #: In-process claimers of ``P:requests``, called once a publish has put requests there
         #: (so ``fd serve``'s engine need not poll it every step).
         self.local_requests: list[Callable[[], None]] = []
+        self._journal_appends: dict[str, int] = {}
 
     # ------------------------------------------------------------------ publishing
 
@@ -174,16 +180,25 @@ class Bus:
         # The embedded server's in-process client appends plain entries directly (no MAXLEN):
         # in order, until the first one that must go through the pipeline, which then takes
         # the rest, so nothing is reordered.
+        # A journal (one entry a step) is capped by an XTRIM every JOURNAL_TRIM_EVERY entries
+        # there, not by MAXLEN on each.
         append = getattr(self.redis, "fd_append", None)
         direct: list[bytes] = []
+        trims: list[str] = []
         for stream, event in items:
             if self.local_control:
                 self.tell_local(stream, event)
             fields = event.encode()
             if append is not None:
-                entry = append(stream, fields) if self.maxlen(stream) is None else None
+                journal = stream.startswith(self._journal_head)
+                entry = (append(stream, fields) if journal or self.maxlen(stream) is None
+                         else None)
                 if entry is not None:
                     direct.append(entry)
+                    if journal and self.journal_maxlen:
+                        n = self._journal_appends[stream] = self._journal_appends.get(stream, 0) + 1
+                        if n % JOURNAL_TRIM_EVERY == 0:
+                            trims.append(stream)
                     continue
                 append = None
             self._xadd(pipe, stream, fields)
@@ -201,6 +216,8 @@ class Bus:
             # not yet done and needs no MAXLEN (which would drop unclaimed requests).
             pipe.xack(self.keys.requests, GROUP_ENGINES, *ack)
             pipe.xdel(self.keys.requests, *ack)
+        for stream in trims:  # (last: the results of the items come first)
+            pipe.xtrim(stream, maxlen=self.journal_maxlen, approximate=True)
         tail = await pipe.execute() if len(pipe) else []
         if self.local_requests and any(stream == self.keys.requests for stream, _ in items):
             self._tell_arrivals()  # written now: a claim finds them

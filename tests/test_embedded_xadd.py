@@ -135,3 +135,22 @@ async def test_bus_publish_many_appends_directly_in_order(embedded_redis, k):
         assert 0 < await client.ttl(a) <= bus.req_ttl_s and await client.ttl(b) == -1
     finally:
         await client.aclose()
+
+
+async def test_a_journal_appended_directly_is_still_capped(embedded_redis, k):
+    from control.bus import JOURNAL_TRIM_EVERY, Bus
+    from control.events import JournalStep
+    from control.keys import Keys
+
+    client = embedded_redis.client()
+    try:
+        bus = Bus(client, Keys(k("p")), journal_maxlen=100)
+        key = bus.keys.journal("e0")
+        for seq in range(3 * JOURNAL_TRIM_EVERY + 5):
+            await bus.publish_many([(key, JournalStep(engine="e0", step=seq, seq=seq, data={}))])
+        n = await client.xlen(key)
+        assert 100 <= n <= 100 + JOURNAL_TRIM_EVERY  # MAXLEN ~: whole nodes, at most a trim late
+        last = await client.xrevrange(key, count=1)
+        assert last[0][1][b"seq"] == str(3 * JOURNAL_TRIM_EVERY + 4).encode()  # the newest kept
+    finally:
+        await client.aclose()
