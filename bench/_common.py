@@ -321,10 +321,12 @@ async def stream_completion(session, base: str, rid: str, prompt: list[int], max
     return res
 
 
-def http_session(limit: int = 0):
+def http_session(limit: int = 0, keepalive: bool = False):
+    """A client session; by default a new connection per request (each stream its own, as
+    the TARGETS.md clients do); ``keepalive`` reuses them (an admin tool calling again)."""
     import aiohttp
 
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit, force_close=True),
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit, force_close=not keepalive),
                                  timeout=aiohttp.ClientTimeout(total=600))
 
 

@@ -93,9 +93,9 @@ def check_event(stream: str | bytes, ev: Event, allowed: tuple[type, ...],
     return ev
 
 
-#: On the embedded server's in-process client a journal is appended to without MAXLEN and
-#: trimmed (``XTRIM MAXLEN ~``) once every this many entries.
-JOURNAL_TRIM_EVERY = 256
+#: On the embedded server's in-process client a capped stream (journal, control, dead letters)
+#: is appended to without MAXLEN and trimmed (``XTRIM MAXLEN ~``) once every this many entries.
+TRIM_EVERY = 256
 
 
 class Bus:
@@ -125,7 +125,7 @@ class Bus:
         #: In-process claimers of ``P:requests``, called once a publish has put requests there
         #: (so ``fd serve``'s engine need not poll it every step).
         self.local_requests: list[Callable[[], None]] = []
-        self._journal_appends: dict[str, int] = {}
+        self._appends: dict[str, int] = {}  # capped stream -> direct appends (see TRIM_EVERY)
 
     # ------------------------------------------------------------------ publishing
 
@@ -161,10 +161,31 @@ class Bus:
             except Exception:
                 log.exception("in-process request claimer failed")
 
+    def _append_direct(self, append, stream: str, fields: dict[str, str],
+                       trims: list[tuple[str, int]]) -> bytes | None:
+        """The embedded in-process client's direct append (see :meth:`publish_many`); a capped
+        stream is noted in ``trims`` once every ``TRIM_EVERY`` entries."""
+        entry = append(stream, fields)
+        if entry is not None:
+            cap = self.maxlen(stream)
+            if cap:
+                n = self._appends[stream] = self._appends.get(stream, 0) + 1
+                if n % TRIM_EVERY == 0:
+                    trims.append((stream, cap))
+        return entry
+
     async def publish(self, stream: str, event: Event, *, tell_local: bool = True) -> bytes:
         if tell_local and self.local_control:
             self.tell_local(stream, event)
-        entry = await self._xadd(self.redis, stream, event.encode())
+        append = getattr(self.redis, "fd_append", None)
+        entry = None
+        if append is not None:
+            trims: list[tuple[str, int]] = []
+            entry = self._append_direct(append, stream, event.encode(), trims)
+            for key, cap in trims:
+                await self.redis.xtrim(key, maxlen=cap, approximate=True)
+        if entry is None:
+            entry = await self._xadd(self.redis, stream, event.encode())
         if self.local_requests and stream == self.keys.requests:
             self._tell_arrivals()
         return entry
@@ -177,28 +198,21 @@ class Bus:
         if not items and not expire and not ack:
             return []
         pipe = self.redis.pipeline(transaction=False)
-        # The embedded server's in-process client appends plain entries directly (no MAXLEN):
-        # in order, until the first one that must go through the pipeline, which then takes
-        # the rest, so nothing is reordered.
-        # A journal (one entry a step) is capped by an XTRIM every JOURNAL_TRIM_EVERY entries
-        # there, not by MAXLEN on each.
+        # The embedded server's in-process client appends entries directly, in order, until
+        # the first one it cannot (then the pipeline takes the rest, so nothing is reordered).
+        # A capped stream is trimmed (XTRIM MAXLEN ~) every TRIM_EVERY entries there, not by a
+        # MAXLEN on each.
         append = getattr(self.redis, "fd_append", None)
         direct: list[bytes] = []
-        trims: list[str] = []
+        trims: list[tuple[str, int]] = []
         for stream, event in items:
             if self.local_control:
                 self.tell_local(stream, event)
             fields = event.encode()
             if append is not None:
-                journal = stream.startswith(self._journal_head)
-                entry = (append(stream, fields) if journal or self.maxlen(stream) is None
-                         else None)
+                entry = self._append_direct(append, stream, fields, trims)
                 if entry is not None:
                     direct.append(entry)
-                    if journal and self.journal_maxlen:
-                        n = self._journal_appends[stream] = self._journal_appends.get(stream, 0) + 1
-                        if n % JOURNAL_TRIM_EVERY == 0:
-                            trims.append(stream)
                     continue
                 append = None
             self._xadd(pipe, stream, fields)
@@ -216,8 +230,8 @@ class Bus:
             # not yet done and needs no MAXLEN (which would drop unclaimed requests).
             pipe.xack(self.keys.requests, GROUP_ENGINES, *ack)
             pipe.xdel(self.keys.requests, *ack)
-        for stream in trims:  # (last: the results of the items come first)
-            pipe.xtrim(stream, maxlen=self.journal_maxlen, approximate=True)
+        for stream, cap in trims:  # (last: the results of the items come first)
+            pipe.xtrim(stream, maxlen=cap, approximate=True)
         tail = await pipe.execute() if len(pipe) else []
         if self.local_requests and any(stream == self.keys.requests for stream, _ in items):
             self._tell_arrivals()  # written now: a claim finds them
@@ -429,8 +443,15 @@ class Bus:
         each request's stream, all in one round trip: ``(won, current owner, stream exists)``."""
         if not request_ids:
             return []
-        pipe = self.redis.pipeline(transaction=False)
         value = tombstone(source)
+        direct = getattr(self.redis, "fd_tombstones", None)  # the embedded in-process client
+        if direct is not None:
+            res = direct([self.keys.owner(r) for r in request_ids], value, ttl_s,
+                         [self.keys.req(r) for r in request_ids])
+            if res is not None:
+                return [(old is None, value if old is None else old.decode(), exists)
+                        for old, exists in res]
+        pipe = self.redis.pipeline(transaction=False)
         for rid in request_ids:
             pipe.set(self.keys.owner(rid), value, nx=True, ex=ttl_s, get=True)
             pipe.exists(self.keys.req(rid))

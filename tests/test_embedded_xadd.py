@@ -107,9 +107,8 @@ async def test_watch_and_blocked_readers_see_a_fast_xadd(clients, k, embedded_re
 
 
 async def test_bus_publish_many_appends_directly_in_order(embedded_redis, k):
-    """``Bus.publish_many`` on the in-process client appends plain entries itself, and once an
-    entry needs the pipeline (a capped stream), the rest follow it there: ids come back in
-    item order, every entry is where it belongs, expiries and acks still apply."""
+    """``Bus.publish_many`` on the in-process client appends the entries itself: ids come back
+    in item order, every entry is where it belongs, expiries still apply."""
     from control.bus import Bus
     from control.events import Abort, Tokens
     from control.keys import Keys
@@ -123,10 +122,10 @@ async def test_bus_publish_many_appends_directly_in_order(embedded_redis, k):
         a, b = bus.keys.req("a"), bus.keys.req("b")
         items = [(a, Tokens(request_id="a", token_ids=(1,), text="x", step=1)),
                  (b, Tokens(request_id="b", token_ids=(2,), text="y", step=1)),
-                 (bus.keys.control, Abort(request_ids=("a",), source="cli")),  # MAXLEN: pipeline
+                 (bus.keys.control, Abort(request_ids=("a",), source="cli")),  # capped
                  (a, Tokens(request_id="a", token_ids=(3,), text="z", step=2))]
         ids = await bus.publish_many(items, expire=[a])
-        assert appended == [a, b]  # up to the capped stream; the rest went by the pipeline
+        assert appended == [a, b, bus.keys.control, a]  # capped streams too (trimmed now and then)
         got_a = [e for e, _ in await client.xrange(a)]
         got_b = [e for e, _ in await client.xrange(b)]
         got_c = [e for e, _ in await client.xrange(bus.keys.control)]
@@ -138,7 +137,7 @@ async def test_bus_publish_many_appends_directly_in_order(embedded_redis, k):
 
 
 async def test_a_journal_appended_directly_is_still_capped(embedded_redis, k):
-    from control.bus import JOURNAL_TRIM_EVERY, Bus
+    from control.bus import TRIM_EVERY, Bus
     from control.events import JournalStep
     from control.keys import Keys
 
@@ -146,11 +145,11 @@ async def test_a_journal_appended_directly_is_still_capped(embedded_redis, k):
     try:
         bus = Bus(client, Keys(k("p")), journal_maxlen=100)
         key = bus.keys.journal("e0")
-        for seq in range(3 * JOURNAL_TRIM_EVERY + 5):
+        for seq in range(3 * TRIM_EVERY + 5):
             await bus.publish_many([(key, JournalStep(engine="e0", step=seq, seq=seq, data={}))])
         n = await client.xlen(key)
-        assert 100 <= n <= 100 + JOURNAL_TRIM_EVERY  # MAXLEN ~: whole nodes, at most a trim late
+        assert 100 <= n <= 100 + TRIM_EVERY  # MAXLEN ~: whole nodes, at most a trim late
         last = await client.xrevrange(key, count=1)
-        assert last[0][1][b"seq"] == str(3 * JOURNAL_TRIM_EVERY + 4).encode()  # the newest kept
+        assert last[0][1][b"seq"] == str(3 * TRIM_EVERY + 4).encode()  # the newest kept
     finally:
         await client.aclose()

@@ -279,3 +279,15 @@ async def test_header_injection_at_the_wire_is_refused(real_bus):
             writer.close()
             assert reply.startswith(b"HTTP/1.") and reply.split(b" ", 2)[1] == b"400", (header, reply[:200])
         await nothing_written(real_bus)
+
+
+def test_many_ids_are_checked_as_strictly_as_one():
+    """The one-pass check of a many-id abort agrees with the per-id check on every input."""
+    from control.keys import all_valid_request_ids, valid_request_id
+
+    good = ["a", "req-1", "x" * 128, "cmpl-abc_def.ghi:jkl@mno"]
+    cases = [good, good + ["a\nb"], good + [""], good + ["x" * 129], good + ["a b"],
+             good + ["é"], good + [5], ["a\n"], ["\na"], [], ["ok", "ok"], ["a\r"], ["{a}"]]
+    for ids in cases:
+        expect = bool(ids) and all(isinstance(r, str) and valid_request_id(r) for r in ids)
+        assert all_valid_request_ids(ids) == expect, ids

@@ -460,7 +460,8 @@ class AbortBody:
     engine: str | None = None
 
 
-def parse_abort(body: Any, valid_request_id, valid_engine_id, max_ids: int) -> AbortBody:
+def parse_abort(body: Any, valid_request_id, valid_engine_id, max_ids: int,
+                all_valid=None) -> AbortBody:
     """FastDeploy's ``req_ids``, vLLM's ``request_ids``, or ``abort_all``; both shapes live on,
     because changing this body under existing clients is exactly what must not happen."""
     if not isinstance(body, dict):
@@ -487,6 +488,8 @@ def parse_abort(body: Any, valid_request_id, valid_engine_id, max_ids: int) -> A
         raise bad_request(f"'{param}' must be a list of request ids.", param, "invalid_type")
     if len(ids) > max_ids:
         raise bad_request(f"At most {max_ids} request ids per call.", param, "invalid_value")
+    if all_valid is not None and all_valid(ids):
+        return AbortBody(tuple(dict.fromkeys(ids)), (), False, engine)
     accepted: dict[str, None] = {}
     rejected = []
     for rid in ids:

@@ -34,7 +34,7 @@ from control.events import (
     RequestData,
     Tokens,
 )
-from control.keys import ENGINE_ID_RE, REQUEST_ID_RE, is_tombstone
+from control.keys import ENGINE_ID_RE, REQUEST_ID_RE, all_valid_request_ids, is_tombstone
 from control.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from control.metrics import Metrics
 from fd.api import openapi, protocol, sse
@@ -460,7 +460,7 @@ class Api:
                 raise bad_request("'wait' must be a number of seconds.", "wait", "invalid_value")
             timeout = min(timeout, MAX_WAIT_S)
         body = protocol.parse_abort(await self._body(request), valid_request_id,
-                                    valid_engine_id, MAX_IDS_PER_ABORT)
+                                    valid_engine_id, MAX_IDS_PER_ABORT, all_valid_request_ids)
         abort_id = f"abort-{uuid.uuid4().hex[:16]}"
         if body.abort_all:
             await self.bus.publish(self.bus.keys.control,
