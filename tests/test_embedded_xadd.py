@@ -153,3 +153,42 @@ async def test_a_journal_appended_directly_is_still_capped(embedded_redis, k):
         assert last[0][1][b"seq"] == str(3 * TRIM_EVERY + 4).encode()  # the newest kept
     finally:
         await client.aclose()
+
+
+async def test_tombstones_laid_directly_match_set_nx_get(embedded_redis, k):
+    """``Bus.tombstone_many`` on the in-process client against the same calls through the TCP
+    door (SET NX GET EX + EXISTS in a pipeline): winners, owners, streams, TTLs, an id twice,
+    WATCH, and a key of another type."""
+    from control.bus import Bus
+    from control.keys import Keys
+
+    fast_client = embedded_redis.client()
+    tcp_client = aioredis.from_url(embedded_redis.url)
+    assert not hasattr(tcp_client, "fd_tombstones")
+    try:
+        results = {}
+        for name, client in (("fast", fast_client), ("tcp", tcp_client)):
+            bus = Bus(client, Keys(k(name)))
+            await client.set(bus.keys.owner("owned"), "engine-1")
+            await client.xadd(bus.keys.req("queued"), {"type": "accepted"})
+            ids = ["ghost", "owned", "queued", "ghost"]  # one twice
+            results[name] = await bus.tombstone_many(ids, "http", 600)
+            assert 590 <= await client.ttl(bus.keys.owner("ghost")) <= 600
+            assert await client.get(bus.keys.owner("owned")) == b"engine-1"
+        assert results["fast"] == results["tcp"] == [
+            (True, "aborted:http", False), (False, "engine-1", False),
+            (True, "aborted:http", True), (False, "aborted:http", False)]
+        bus = Bus(fast_client, Keys(k("w")))
+        async with tcp_client.pipeline(transaction=True) as pipe:  # take_abort_story's WATCH
+            await pipe.watch(bus.keys.owner("x"))
+            await bus.tombstone_many(["x"], "cli", 600)
+            pipe.multi()
+            pipe.set(bus.keys.owner("x"), "other")
+            with pytest.raises(WatchError):
+                await pipe.execute()
+        await tcp_client.xadd(bus.keys.owner("stream-typed"), {"a": "1"})
+        with pytest.raises(ResponseError, match="WRONGTYPE"):  # the ordinary path said it
+            await bus.tombstone_many(["stream-typed"], "cli", 600)
+    finally:
+        await fast_client.aclose()
+        await tcp_client.aclose()
