@@ -741,7 +741,11 @@ class _Shard:
                     self.long = block > mux.CONTENDED_BLOCK_MS
                     self.blocked, self.rang = True, False
                     try:
-                        resp = await redis.xread(streams, count=mux.count, block=block)
+                        # (the embedded server's in-process client reads directly; None: ask it)
+                        direct = getattr(redis, "fd_xread", None)
+                        resp = None if direct is None else await direct(streams, mux.count, block)
+                        if resp is None:
+                            resp = await redis.xread(streams, count=mux.count, block=block)
                     finally:
                         self.blocked = False
                 mux.wakeups += 1

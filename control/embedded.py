@@ -22,6 +22,7 @@ on fakeredis internals, hence the pinned fakeredis version.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import threading
 import time
 
@@ -31,7 +32,7 @@ from fakeredis._clients._async import FakeAsyncRedisConnection, FakeWriter
 from fakeredis._helpers import NoResponse
 from fakeredis._core._database import Item
 from fakeredis._socket._async import AsyncFakeSocket
-from fakeredis.model._stream import MAX_KEY, XStream
+from fakeredis.model._stream import MAX_KEY, StreamEntryKey, XStream
 
 from control.connect import MAX_CONNECTIONS, POOL_WAIT_S
 
@@ -224,6 +225,89 @@ class _DirectSocket(AsyncFakeSocket):
         return NoResponse()
 
 
+class _DirectReader:
+    """The in-process client's ``XREAD [COUNT n] [BLOCK ms] STREAMS key... id...`` for the API's
+    stream multiplexer (its ``fd_xread``), read straight off the streams: fakeredis' XREAD
+    parses its arguments, wraps every key and reshapes the reply on each call, and a blocked
+    one runs twice per wake-up — the mux's read was the largest fakeredis cost left in
+    ``fd serve``'s loop. Same entries, same order, same reply shape as redis-py's (keys and
+    ids as bytes, fields a dict); a wake-up on any write to the database, as fakeredis does.
+    ``None``: a key holds something else (the caller asks fakeredis, which says WRONGTYPE)."""
+
+    def __init__(self, server):
+        self._server = server
+
+    def _scan(self, db, streams: dict[bytes, bytes], count: int | None):
+        server = self._server
+        out = []
+        with server.lock:
+            now = time.time()
+            for d in server.dbs.values():
+                d.time = now
+            for key, after in streams.items():
+                try:
+                    item = db[key]
+                except KeyError:
+                    continue
+                stream = item.value
+                if type(stream) is not XStream:
+                    return None
+                ids = stream._ids
+                if not ids:
+                    continue
+                ms, _, seq = after.partition(b"-")
+                try:
+                    after_key = StreamEntryKey(int(ms), int(seq or 0))
+                except ValueError:
+                    return None  # not an entry id: fakeredis says what is wrong with it
+                start = bisect.bisect_right(ids, after_key)
+                if start >= len(ids):
+                    continue
+                stop = len(ids) if not count else min(len(ids), start + count)
+                values = stream._values_dict
+                entries = []
+                for k in ids[start:stop]:
+                    f = values[k]
+                    entries.append((k.encode(), dict(zip(f[0::2], f[1::2]))))
+                out.append([key, entries])
+        return out
+
+    async def __call__(self, streams: dict[bytes, bytes], count: int | None = None,
+                       block: int | None = None):
+        server = self._server
+        if not server.connected:
+            from redis.exceptions import ConnectionError as RedisConnectionError
+
+            raise RedisConnectionError("Connection closed by the embedded server")
+        db = server.dbs[0]
+        res = self._scan(db, streams, count)
+        if res or res is None or block is None:
+            return res
+        loop = asyncio.get_running_loop()
+        woken = asyncio.Event()
+        loop_thread = threading.get_ident()
+
+        def on_change() -> None:
+            if threading.get_ident() == loop_thread:
+                woken.set()
+            else:
+                loop.call_soon_threadsafe(woken.set)
+
+        timer = loop.call_later(block / 1000, woken.set) if block else None
+        db.add_change_callback(on_change)
+        try:
+            while True:
+                res = self._scan(db, streams, count)  # (again: a write may have come in between)
+                if res or res is None or (timer is not None and timer.when() <= loop.time()):
+                    return res
+                woken.clear()
+                await woken.wait()
+        finally:
+            db.remove_change_callback(on_change)
+            if timer is not None:
+                timer.cancel()
+
+
 class _DirectConnection(FakeAsyncRedisConnection):
     """The in-process client's connection: hands each command's fields straight to the fake
     server instead of packing RESP that fakeredis then re-parses.
@@ -309,6 +393,7 @@ class EmbeddedRedis:
         direct = _Direct(self.fake_server)
         client.fd_append = direct.append
         client.fd_tombstones = direct.tombstones
+        client.fd_xread = _DirectReader(self.fake_server)
         return client
 
     def __enter__(self) -> "EmbeddedRedis":

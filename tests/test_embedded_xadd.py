@@ -192,3 +192,42 @@ async def test_tombstones_laid_directly_match_set_nx_get(embedded_redis, k):
     finally:
         await fast_client.aclose()
         await tcp_client.aclose()
+
+
+async def test_the_direct_xread_reads_what_xread_reads(embedded_redis, k):
+    """The mux's in-process XREAD against fakeredis' own through the TCP door: the same
+    entries for every position, COUNT, missing keys; None for a key of another type; a blocked
+    read woken by a write on this loop and by one from another thread (redis-cli's door), and
+    an empty answer when the block runs out."""
+    fast = embedded_redis.client()
+    tcp = aioredis.from_url(embedded_redis.url)
+    xread = fast.fd_xread
+    try:
+        a, b, missing = k("a").encode(), k("b").encode(), k("missing").encode()
+        ids = [await tcp.xadd(a, {"n": str(i), "t": "x" * i}) for i in range(12)]
+        await tcp.xadd(b, {"only": "one"})
+        for after in (b"0", b"0-0", ids[0], ids[5], ids[-1]):
+            for count in (None, 1, 5, 100):
+                streams = {a: after, b: b"0-0", missing: b"0-0"}
+                want = await tcp.xread(streams, count=count)
+                got = await xread(streams, count)
+                assert got == want, (after, count)
+        await tcp.set(k("str"), "v")
+        assert await xread({k("str").encode(): b"0-0"}, None) is None
+        t = asyncio.get_running_loop().time()
+        assert await xread({a: ids[-1]}, None, 50) == []  # nothing new: the block runs out
+        assert asyncio.get_running_loop().time() - t >= 0.045
+        for writer in (fast, tcp):  # this loop's client, then another thread's connection
+            reader = asyncio.create_task(xread({a: ids[-1], b: b"0-0"}, None, 5000))
+            await asyncio.sleep(0)
+            got = await asyncio.wait_for(reader, 2)
+            assert got and got[0][0] == b  # b's old entry is there at once
+            reader = asyncio.create_task(xread({a: ids[-1]}, None, 5000))
+            await asyncio.sleep(0.05)
+            new = await writer.xadd(a, {"late": "1"})
+            got = await asyncio.wait_for(reader, 2)
+            assert got == [[a, [(new, {b"late": b"1"})]]]
+            ids.append(new)
+    finally:
+        await fast.aclose()
+        await tcp.aclose()
