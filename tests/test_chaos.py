@@ -108,10 +108,17 @@ async def test_chaos(redis_server, real_bus, keys, tiny_model_dir, tiny_runner, 
                                                      "SKIPME", "yes")
                 await asyncio.sleep(0.05)
             await wait_for(lambda: finished >= 2 * N // 5, 60, "two fifths of the requests")
-            # (kill A while it runs a request nobody aborts, so B must take one over; with
-            # requests still flowing it soon does)
-            await wait_for(lambda: any(a.node.sched.knows(rid) for rid in complete), 30,
-                           "A running a request")
+            # (kill A while it runs a request nobody aborts and whose `claimed` is out, so B
+            # must take one over; with requests still flowing it soon does)
+            async def a_runs_a_claimed_request() -> bool:
+                for rid in [r for r in complete if a.node.sched.knows(r)]:
+                    evs = [e for _, e in await real_bus.read_req(rid)]
+                    if (any(e.TYPE == "claimed" and e.engine == "A" for e in evs)
+                            and a.node.sched.knows(rid)):
+                        return True  # (and nothing runs between here and the kill)
+                return False
+
+            await wait_for(a_runs_a_claimed_request, 30, "A running a claimed request")
             await kill(a)
 
         t0 = time.monotonic()
