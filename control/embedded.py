@@ -294,7 +294,8 @@ class _DirectReader:
                 loop.call_soon_threadsafe(woken.set)
 
         timer = loop.call_later(block / 1000, woken.set) if block else None
-        db.add_change_callback(on_change)
+        with server.lock:  # (writers on the TCP door's threads walk the callbacks under it)
+            db.add_change_callback(on_change)
         try:
             while True:
                 res = self._scan(db, streams, count)  # (again: a write may have come in between)
@@ -303,7 +304,8 @@ class _DirectReader:
                 woken.clear()
                 await woken.wait()
         finally:
-            db.remove_change_callback(on_change)
+            with server.lock:
+                db.remove_change_callback(on_change)
             if timer is not None:
                 timer.cancel()
 
