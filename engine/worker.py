@@ -14,7 +14,6 @@ SIGKILL.
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import signal
 import time
 import traceback
@@ -77,24 +76,9 @@ class _StepDecoder:
             for rid, toks, start, table, sample, key, gen in seqs))
 
 
-def cpu_threads_beside_the_loop() -> int:
-    """Threads for a CPU model worker: every core this process may use but one, which the
-    engine's event loop needs. With all of them, MKL's threads and the loop took turns on
-    this project's 2-core machines: `fd bench` at 32 streams swung from 3.9k to 9.4k tok/s
-    over five runs with two threads, and held at 6.8-7.6k with one."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return max(1, cores - 1)
-
-
-def _worker_main(conn, model_dir: str, kwargs: dict[str, Any], threads: int = 0) -> None:
+def _worker_main(conn, model_dir: str, kwargs: dict[str, Any]) -> None:
     # Ctrl-C reaches the whole process group; the worker stops when its engine closes the pipe.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if threads:  # before paddle (and its MKL and OpenMP) load; a value the user set wins
-        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-            os.environ.setdefault(var, str(threads))
     try:
         import engine  # noqa: F401  (its warning filters)
         from engine.model_runner import ModelRunner
@@ -164,10 +148,7 @@ class ProcessRunner:
     def __init__(self, model_dir: str, **kwargs: Any):
         ctx = mp.get_context("spawn")  # paddle and threads do not survive a fork
         self._conn, child = ctx.Pipe()
-        device = str(kwargs.get("device", "cpu"))
-        threads = cpu_threads_beside_the_loop() if device == "cpu" else 0
-        self._proc = ctx.Process(target=_worker_main,
-                                 args=(child, str(model_dir), kwargs, threads),
+        self._proc = ctx.Process(target=_worker_main, args=(child, str(model_dir), kwargs),
                                  name="fd-model-worker", daemon=True)
         self._proc.start()
         child.close()
