@@ -155,24 +155,20 @@ async def abort_endpoint(base: str, n_single: int, n_bulk: int, bulk_ids: int, g
     otherwise each call opens its own, and pays for TCP set-up and tear-down on top."""
     single, bulk = [], []
     async with http_session(limit=1, keepalive=keepalive) as session:
+
+        async def call(ids: list[str], into: list[float]) -> None:
+            t = time.perf_counter()
+            async with session.post(base + "/v1/abort_requests", json={"request_ids": ids}) as r:
+                await r.read()
+                ok = r.status == 200
+            into.append(time.perf_counter() - t)
+            assert ok, r.status
+            bar.update(1)
+
         for i in range(n_single):
-            body = {"request_ids": [f"ghost-{time.time_ns()}-{i}"]}
-            t = time.perf_counter()
-            async with session.post(base + "/v1/abort_requests", json=body) as r:
-                await r.read()
-                ok = r.status == 200
-            single.append(time.perf_counter() - t)
-            assert ok, r.status
-            bar.update(1)
+            await call([f"ghost-{time.time_ns()}-{i}"], single)
         for j in range(n_bulk):
-            body = {"request_ids": [f"ghost-{time.time_ns()}-{j}-{i}" for i in range(bulk_ids)]}
-            t = time.perf_counter()
-            async with session.post(base + "/v1/abort_requests", json=body) as r:
-                await r.read()
-                ok = r.status == 200
-            bulk.append(time.perf_counter() - t)
-            assert ok, r.status
-            bar.update(1)
+            await call([f"ghost-{time.time_ns()}-{j}-{i}" for i in range(bulk_ids)], bulk)
             await asyncio.sleep(gap_s)
         await wait_idle(session, base)
     return {"single": single, "bulk": bulk}
