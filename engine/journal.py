@@ -215,10 +215,6 @@ class JournalRecorder:
     def discards(self, request_id: str) -> bool:
         return self.scheduler.discards(request_id)
 
-    @property
-    def num_steps_in_flight(self) -> int:
-        return self.scheduler.num_steps_in_flight
-
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 

@@ -83,10 +83,6 @@ class Scheduler:
     def in_flight(self, request_id: str) -> bool:
         return request_id in self._in_flight_ids
 
-    @property
-    def num_steps_in_flight(self) -> int:
-        return len(self._in_flight)
-
     def discards(self, request_id: str) -> bool:
         """The next token folded back for this request will be dropped (it is being aborted,
         or it finished while a later step held it): not worth detokenizing."""
