@@ -47,6 +47,7 @@ from control.events import (
     Event,
     Final,
     Request,
+    Tokens,
     decode,
     tombstone_story,
 )
@@ -801,6 +802,8 @@ class _Shard:
                     continue
                 sub._offer(entry_id, idk, ev)
                 self.mux.events += 1
+            if type(ev) is Tokens and ev.step > self.mux.newest_step:
+                self.mux.newest_step = ev.step
             if isinstance(ev, Final):
                 self.subs.pop(key, None)
                 self.mux._where.pop(key, None)
@@ -855,6 +858,9 @@ class StreamMux:
         self._stopping = False
         self.wakeups = 0  # XREAD returns, all shards: the bench's fan-in figure
         self.events = 0  # events delivered to subscriptions
+        # The highest engine step whose tokens this reader has handed to a subscription: in
+        # `fd serve` (one engine, same process) how far behind the engine delivery is.
+        self.newest_step = -1
 
     @property
     def dead_letters(self) -> int:

@@ -27,6 +27,7 @@ import threading
 import time
 
 import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
 from fakeredis import FakeAsyncRedis, TcpFakeServer
 from fakeredis._clients._async import FakeAsyncRedisConnection, FakeWriter
 from fakeredis._helpers import NoResponse
@@ -365,6 +366,30 @@ class _DirectConnection(FakeAsyncRedisConnection):
         return out
 
 
+class _Pipeline(Pipeline):
+    """A pipeline that hands its connection back without ``asyncio.shield``.
+
+    redis-py shields the release so a second cancellation cannot split the pool's books; the
+    shield is a task of its own, and the pipeline resumes three loop turns later. In
+    ``fd serve`` a turn during a burst of arrivals is another request's parse: a submit's
+    one pipeline took until the burst was over (32 requests: ~10 ms), and so did the
+    engine's claim. This pool's release never suspends (an uncontended lock, a list append),
+    so there is nothing for a cancellation to split."""
+
+    async def reset(self) -> None:
+        conn = None
+        if not self.watching and self.connection is not None:
+            conn, self.connection = self.connection, None
+        await super().reset()
+        if conn is not None:
+            await self.connection_pool.release(conn)
+
+
+class _Client(FakeAsyncRedis):
+    def pipeline(self, transaction: bool = True, shard_hint=None) -> Pipeline:
+        return _Pipeline(self.connection_pool, self.response_callbacks, transaction, shard_hint)
+
+
 class EmbeddedRedis:
     """In-process fakeredis server that also listens on ``host:port`` so redis-cli works."""
 
@@ -412,11 +437,11 @@ class EmbeddedRedis:
         """A client for code in this process, on the same data the TCP port serves."""
         # socket_timeout=None: with a timeout redis-py sends every command through
         # asyncio.wait_for, a Task per command; an in-process send cannot time out anyway.
-        client = FakeAsyncRedis(server=self.fake_server, decode_responses=False, protocol=2,
-                              socket_timeout=None,
-                              connection_class=_DirectConnection,
-                              connection_pool_class=aioredis.BlockingConnectionPool,
-                              max_connections=MAX_CONNECTIONS, timeout=POOL_WAIT_S)
+        client = _Client(server=self.fake_server, decode_responses=False, protocol=2,
+                         socket_timeout=None,
+                         connection_class=_DirectConnection,
+                         connection_pool_class=aioredis.BlockingConnectionPool,
+                         max_connections=MAX_CONNECTIONS, timeout=POOL_WAIT_S)
         direct = _Direct(self.fake_server)
         client.fd_append = direct.append
         client.fd_tombstones = direct.tombstones

@@ -126,6 +126,11 @@ class EngineConfig:
     retry_backoff_max_s: float = 2.0  # ... up to this
 
 
+def _wake_up(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 class _Stopped(Exception):
     """A Redis call was abandoned because the engine is stopping."""
 
@@ -175,7 +180,17 @@ class EngineNode:
         self._abort_counters: dict[str, Any] = {}
         self._arrivals_told = False  # an API in this process says when it submits (fd serve)
         self._arrived = False
+        self._idle: asyncio.Future | None = None  # the step loop waits for an arrival on it
         self._last_claim = 0.0
+        # Steps handed to the runner whose results are not folded in yet, oldest first.
+        self._flying: deque[tuple[SchedulerOutput, asyncio.Future, float]] = deque()
+        self._task: asyncio.Task | None = None
+        self._applied_step = -1
+        # In fd serve: the newest step whose tokens the API in this process has read. The
+        # step loop jumps the event loop's line (fd.eventloop) only while that keeps up, so
+        # the engine never runs ahead of what clients are shown (which would also hide their
+        # hang-ups).
+        self.delivered_step: Callable[[], int] | None = None
         self._stopping = False
         self._draining = False
         self._drain_deadline: float | None = None
@@ -209,8 +224,12 @@ class EngineNode:
         if self._cursor is None:
             await self.prepare()
         cursor = self._cursor
+        loop = asyncio.get_running_loop()
+        self._task = asyncio.current_task()
+        prioritize = getattr(loop, "prioritize", None)
+        if prioritize is not None:  # fd serve's loop (fd.eventloop): first when the model waits
+            prioritize(self._task, self._urgent)
         if hasattr(self.runner, "drop"):
-            loop = asyncio.get_running_loop()
 
             def on_skipped(step: int, rids: list[str]) -> None:  # on the step thread
                 try:
@@ -244,6 +263,8 @@ class EngineNode:
         """Stop now. Requests still running are taken over by live peers (the heartbeat is
         deleted on the way out, so they need not wait for it to expire)."""
         self._stopping = True
+        if self._idle is not None:
+            _wake_up(self._idle)
         self._wake.set()
 
     def drain(self) -> None:
@@ -251,6 +272,8 @@ class EngineNode:
         if not self._draining:
             log.info("draining", extra={"engine": self.id})
             self._draining = True
+            if self._idle is not None:
+                _wake_up(self._idle)
             self._wake.set()
 
     async def _forget_heartbeat(self) -> None:
@@ -295,10 +318,18 @@ class EngineNode:
 
     # ------------------------------------------------------------------ step loop
 
+    def _urgent(self) -> bool:
+        """Every step handed to the runner has finished (it waits for this loop), and either
+        requests wait to be claimed or the clients have been shown the last step's tokens."""
+        if not all(fut.done() for _, fut, _ in self._flying):
+            return False
+        delivered = self.delivered_step
+        return self._arrived or delivered is None or delivered() >= self._applied_step
+
     async def _step_loop(self) -> None:
         loop = asyncio.get_running_loop()
         depth = self.sched.config.max_steps_in_flight
-        flying: deque[tuple[SchedulerOutput, asyncio.Future, float]] = deque()
+        flying = self._flying
         # Runs while steps are in flight, even when stopping: a step's result is never left
         # behind (its tokens are published, its aborts drained).
         while flying or not self._stopping:
@@ -308,7 +339,11 @@ class EngineNode:
                 await self._flush()
                 if self._draining or self._stopping:
                     break
-                await self._claim(block=True)
+                if self._arrivals_told:
+                    await self._await_arrival(loop)
+                    await self._claim(block=False)
+                else:
+                    await self._claim(block=True)
                 continue
             out = None
             # With async scheduling the next step is decided now, while the last one runs,
@@ -364,8 +399,48 @@ class EngineNode:
         submit = getattr(self.runner, "submit", None)
         if submit is not None:
             submit(out)
-            return loop.run_in_executor(self._pool, self.runner.collect)
-        return loop.run_in_executor(self._pool, self.runner.execute, out)
+            work = self._pool.submit(self.runner.collect)
+        else:
+            work = self._pool.submit(self.runner.execute, out)
+        fut = loop.create_future()
+
+        def done(_work) -> None:  # on the step thread
+            try:
+                loop.call_soon_threadsafe(self._step_done, fut, work)
+            except RuntimeError:
+                pass  # the loop is closed: the engine stopped
+
+        work.add_done_callback(done)
+        return fut
+
+    def _step_done(self, fut: asyncio.Future, work) -> None:
+        if fut.cancelled():
+            return
+        if work.cancelled():
+            fut.cancel()
+            return
+        e = work.exception()
+        if e is not None:
+            fut.set_exception(e)
+        else:
+            fut.set_result(work.result())
+        if self._task is not None and self._urgent():
+            hurry = getattr(fut.get_loop(), "hurry", None)
+            if hurry is not None:  # the model has nothing left to run: this loop goes first
+                hurry(self._task)
+
+    async def _await_arrival(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Idle, with an API in this process that says when it submits: wait for that (or
+        ``CLAIM_POLL_S``, for requests from anywhere else) instead of in a blocking read."""
+        if self._arrived or self._stopping or self._draining:
+            return
+        self._idle = fut = loop.create_future()
+        timer = loop.call_later(CLAIM_POLL_S, _wake_up, fut)
+        try:
+            await fut
+        finally:
+            timer.cancel()
+            self._idle = None
 
     async def _claim(self, block: bool) -> int:
         """Take as many requests from ``P:requests`` as the scheduler can admit now (pull-based:
@@ -524,6 +599,7 @@ class EngineNode:
         if stopped:
             result = replace(result, stopped={**result.stopped, **stopped})
         evs = self.sched.update(out, result)
+        self._applied_step = out.step
         now = time.monotonic()
         progress = self._progress
         for ev in evs:
@@ -621,6 +697,8 @@ class EngineNode:
         ``CLAIM_POLL_S`` (for requests from anywhere else), not before every step."""
         self._arrivals_told = True
         self._arrived = True
+        if self._idle is not None:
+            _wake_up(self._idle)
         self._wake.set()
 
     def on_local_control(self, ev: Event) -> None:

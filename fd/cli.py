@@ -384,6 +384,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--api-key", default=os.environ.get("FD_API_KEY"))
     s.add_argument("--admin-key", default=os.environ.get("FD_ADMIN_KEY"))
+    s.add_argument("--fifo-loop", action="store_true",
+                   help="run the shared event loop in plain arrival order (by default the "
+                        "engine's turns go first while the model waits for them and clients "
+                        "keep up; see fd/eventloop.py)")
 
     a = sub.add_parser("api", help="an API node against --redis-url")
     _add_redis_args(a)
@@ -472,6 +476,11 @@ def main(argv: list[str] | None = None) -> int:
     fn = {"serve": _serve, "api": _api, "engine": _engine, "abort": _abort,
           "status": _status, "trace": _trace}[args.cmd]
     try:
+        if args.cmd == "serve" and not args.fifo_loop:  # API and engine on one loop
+            from fd.eventloop import EngineFirstLoop
+
+            with asyncio.Runner(loop_factory=EngineFirstLoop) as runner:
+                return runner.run(fn(args))
         return asyncio.run(fn(args))
     except KeyboardInterrupt:
         return 130

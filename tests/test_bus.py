@@ -188,6 +188,7 @@ async def test_two_consumers_share_requests_without_duplicates(bus):
             seen[name] += [i for i, _ in got]
             for i, _ in got:
                 await bus.ack_request(i)
+            await asyncio.sleep(0)  # the other consumer's turn (the embedded client never yields)
 
     await asyncio.gather(consume("a"), consume("b"))
     assert seen["a"] and seen["b"]

@@ -231,3 +231,38 @@ async def test_the_direct_xread_reads_what_xread_reads(embedded_redis, k):
     finally:
         await fast.aclose()
         await tcp.aclose()
+
+
+async def test_a_pipeline_costs_no_loop_turn_and_hands_its_connection_back(clients, k):
+    """redis-py releases a pipeline's connection through asyncio.shield (a task: three loop
+    turns); the in-process client's pipeline releases it in place. More pipelines than the
+    pool has connections, plain and transactional, WATCHed too: no turn, nothing held."""
+    from control.connect import MAX_CONNECTIONS
+
+    fast, _ = clients
+    turns = 0
+    stop = False
+
+    async def spin():
+        nonlocal turns
+        while not stop:
+            turns += 1
+            await asyncio.sleep(0)
+
+    spinner = asyncio.create_task(spin())
+    await asyncio.sleep(0)
+    before = turns
+    for i in range(MAX_CONNECTIONS + 10):
+        res = await fast.pipeline(transaction=bool(i % 2)).set(k("p"), str(i)).get(k("p")).execute()
+        assert res == [True, str(i).encode()]
+    assert turns == before  # the spinner never ran: no pipeline gave up the loop
+    stop = True
+    await spinner
+    async with fast.pipeline() as pipe:  # WATCH still works, and gives its connection back
+        await pipe.watch(k("p"))
+        value = await pipe.get(k("p"))
+        pipe.multi()
+        pipe.set(k("p"), value + b"!")
+        assert await pipe.execute() == [True]
+    assert await fast.get(k("p")) == str(MAX_CONNECTIONS + 9).encode() + b"!"
+    assert not fast.connection_pool._in_use_connections

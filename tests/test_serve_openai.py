@@ -231,3 +231,33 @@ async def test_requests_not_announced_in_process_are_still_claimed_while_busy(se
         await other.redis.aclose()
     await busy
     await client.close()
+
+
+async def test_requests_not_announced_in_process_are_still_claimed_while_idle(served, embedded_redis,
+                                                                              keys):
+    """Idle, an fd serve engine waits for its API's word instead of in a blocking read of
+    P:requests, and asks P:requests every CLAIM_POLL_S meanwhile: a request written by anyone
+    else starts too, and one the API announces starts without waiting for the poll."""
+    from control.bus import Bus
+    from tests.enginekit import story, submit
+
+    api, eng = served
+    client = _client(api)
+    await client.completions.create(model=api.cfg.model_name, prompt="announce", max_tokens=2)
+    for _ in range(500):
+        if not eng.node.sched.has_work():
+            break
+        await asyncio.sleep(0.005)
+    assert eng.node._arrivals_told and not eng.node.sched.has_work()  # told before, idle now
+    other = Bus(embedded_redis.client(), keys)
+    try:
+        await submit(other, "idle-elsewhere", [5, 6, 7], max_tokens=3)
+        evs = await story(other, "idle-elsewhere", timeout=10)
+        assert [e.TYPE for e in evs if e.TYPE != "tokens"] == ["accepted", "claimed", "blocks_released",
+                                                               "final"]
+        assert evs[-1].finish_reason == "length"
+    finally:
+        await other.redis.aclose()
+    r = await client.completions.create(model=api.cfg.model_name, prompt="announced", max_tokens=3)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+    await client.close()

@@ -1,0 +1,254 @@
+"""fd serve's event loop (fd.eventloop): who runs first, and that nothing else changes."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+
+import pytest
+
+from fd.eventloop import EngineFirstLoop
+
+
+def run(coro_fn):
+    with asyncio.Runner(loop_factory=EngineFirstLoop) as runner:
+        return runner.run(coro_fn())
+
+
+def test_a_prioritized_task_wakes_ahead_of_what_was_ready_while_its_predicate_holds():
+    async def main():
+        loop = asyncio.get_running_loop()
+        order: list[str] = []
+        urgent = {"now": True}
+        gate = loop.create_future()
+
+        async def engine():
+            await gate
+            order.append("engine")
+
+        task = loop.create_task(engine())
+        loop.prioritize(task, lambda: urgent["now"])
+        await asyncio.sleep(0)  # the engine now waits on the gate
+        for i in range(3):
+            loop.call_soon(order.append, f"api{i}")
+        gate.set_result(None)  # wakes the engine: ahead of the three
+        await task
+        return order
+
+    assert run(main) == ["engine", "api0", "api1", "api2"]
+
+
+def test_without_its_predicate_a_prioritized_task_waits_its_turn_until_hurried():
+    async def main():
+        loop = asyncio.get_running_loop()
+        order: list[str] = []
+        gates = [loop.create_future(), loop.create_future()]
+
+        async def engine():
+            for g in gates:
+                await g
+                order.append("engine")
+
+        task = loop.create_task(engine())
+        loop.prioritize(task, lambda: False)
+        await asyncio.sleep(0)
+        loop.call_soon(order.append, "api0")
+        gates[0].set_result(None)  # queued behind api0 ...
+        loop.call_soon(order.append, "api1")
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        # ... in arrival order. The second wake-up is queued behind api2, then hurried.
+        loop.call_soon(order.append, "api2")
+        gates[1].set_result(None)
+        loop.hurry(task)
+        loop.hurry(task)  # (nothing left to move: a no-op)
+        await task
+        return order
+
+    assert run(main) == ["api0", "engine", "api1", "engine", "api2"]
+
+
+def test_a_finished_task_is_forgotten():
+    async def main():
+        loop = asyncio.get_running_loop()
+
+        async def engine():
+            await asyncio.sleep(0)
+
+        task = loop.create_task(engine())
+        loop.prioritize(task, lambda: True)
+        await task
+        await asyncio.sleep(0)  # (done callbacks run a turn later)
+        return dict(loop._first), dict(loop._queued)
+
+    assert run(main) == ({}, {})
+
+
+def test_callbacks_from_other_threads_go_first():
+    async def main():
+        loop = asyncio.get_running_loop()
+        order: list[str] = []
+        queued = threading.Event()
+
+        def other_thread():
+            queued.wait()
+            loop.call_soon_threadsafe(order.append, "thread")
+
+        t = threading.Thread(target=other_thread)
+        t.start()
+        for i in range(3):
+            loop.call_soon(order.append, f"api{i}")
+        queued.set()
+        t.join()  # (the thread's callback is in before this turn ends)
+        await asyncio.sleep(0)
+        return order
+
+    assert run(main) == ["thread", "api0", "api1", "api2"]
+
+
+def test_a_task_woken_by_a_cancellation_goes_first():
+    """aiohttp cancels the handler whose client hung up: its abort must not queue."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        order: list[str] = []
+
+        async def handler():
+            try:
+                await loop.create_future()
+            except asyncio.CancelledError:
+                order.append("hung up")
+                raise
+
+        task = loop.create_task(handler())
+        await asyncio.sleep(0)
+        for i in range(3):
+            loop.call_soon(order.append, f"api{i}")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return order
+
+    assert run(main) == ["hung up", "api0", "api1", "api2"]
+
+
+def test_a_lost_connection_is_heard_first():
+    """A peer that closes: the server protocol's connection_lost runs ahead of callbacks that
+    were already queued (and the name this relies on is still asyncio's)."""
+    assert hasattr(asyncio.selector_events._SelectorTransport, "_call_connection_lost")
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        order: list[str] = []
+        lost = loop.create_future()
+        connected = loop.create_future()
+
+        class Proto(asyncio.Protocol):
+            def connection_made(self, transport):
+                self.transport = transport
+                connected.set_result(self)
+
+            def eof_received(self):
+                # Queue work, then close: asyncio schedules connection_lost behind it.
+                for i in range(3):
+                    loop.call_soon(order.append, f"api{i}")
+                self.transport.close()
+
+            def connection_lost(self, exc):
+                order.append("lost")
+                lost.set_result(None)
+
+        server = await loop.create_server(Proto, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        sock = socket.create_connection(("127.0.0.1", port))
+        await connected
+        sock.shutdown(socket.SHUT_WR)
+        await lost
+        await asyncio.sleep(0)
+        sock.close()
+        server.close()
+        await server.wait_closed()
+        return order
+
+    assert run(main) == ["lost", "api0", "api1", "api2"]
+
+
+def test_everything_else_keeps_arrival_order_and_a_closed_loop_refuses_like_asyncio():
+    loop = EngineFirstLoop()
+    order: list[int] = []
+    for i in range(5):
+        loop.call_soon(order.append, i)
+    loop.call_soon(loop.stop)
+    loop.run_forever()
+    loop.close()
+    assert order == [0, 1, 2, 3, 4]
+    with pytest.raises(RuntimeError):
+        loop.call_soon_threadsafe(order.append, 5)
+    with pytest.raises(RuntimeError):
+        loop.call_soon(order.append, 5)
+
+
+def test_fd_serve_on_it_streams_the_engines_tokens_and_hears_hang_ups(
+        embedded_redis, keys, tiny_model_dir, tiny_runner, tiny_tokenizer):
+    """API and engine composed as `fd serve` does, on this loop: the engine's task is the
+    prioritized one, 8 greedy streams give the engine's own text, and 8 clients that hang up
+    after 3 chunks end in the abort story with every block back."""
+    import openai
+
+    from control.metrics import Metrics
+    from engine.llm import LLM
+    from engine.sampler import SamplingParams
+    from fd.compose import ApiOptions, EngineOptions, join_in_process, start_api, start_engine
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        metrics = Metrics()
+        eng = await start_engine(embedded_redis.client, keys,
+                                 EngineOptions(model_dir=str(tiny_model_dir), engine_id="first"),
+                                 runner=tiny_runner, tokenizer=tiny_tokenizer, metrics=metrics)
+        api = await start_api(embedded_redis.client, keys, ApiOptions(model_dir=str(tiny_model_dir)),
+                              metrics=metrics, tokenizer=tiny_tokenizer)
+        join_in_process(api, eng)
+        client = openai.AsyncOpenAI(base_url=f"{api.url}/v1", api_key="none", max_retries=0)
+        try:
+            assert loop._first.get(eng.task) == eng.node._urgent
+
+            async def one(i: int):
+                s = await client.completions.create(
+                    model=api.cfg.model_name, prompt=f"Request number {i}", max_tokens=24,
+                    temperature=0, stream=True, extra_body={"ignore_eos": True})
+                text, n = "", 0
+                async for chunk in s:
+                    n += 1
+                    if chunk.choices:
+                        text += chunk.choices[0].text
+                    if i % 2 == 0 and n == 3:
+                        await s.close()
+                        return chunk.id, None
+                return chunk.id, text
+
+            results = await asyncio.gather(*(one(i) for i in range(16)))
+            refs = LLM(tiny_runner, tiny_tokenizer).generate(
+                [tiny_tokenizer.encode(f"Request number {i}") for i in range(1, 16, 2)],
+                SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+            assert [results[i][1] for i in range(1, 16, 2)] == [r.text for r in refs]
+            for i in range(0, 16, 2):
+                for _ in range(500):
+                    evs = [e for _, e in await api.bus.read_req(results[i][0])]
+                    if evs and evs[-1].TYPE == "final":
+                        break
+                    await asyncio.sleep(0.01)
+                assert [e.TYPE for e in evs if e.TYPE != "tokens"] == [
+                    "accepted", "claimed", "abort_requested", "drained", "blocks_released", "final"]
+            for _ in range(200):
+                if eng.node.sched.num_free_blocks == eng.node.sched.num_total_blocks:
+                    break
+                await asyncio.sleep(0.01)
+            assert eng.node.sched.num_free_blocks == eng.node.sched.num_total_blocks
+            assert api.mux.newest_step >= 24  # what the engine's predicate reads
+        finally:
+            await client.close()
+            await api.stop()
+            await eng.stop()
+
+    run(main)
