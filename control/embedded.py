@@ -393,12 +393,20 @@ class _Client(FakeAsyncRedis):
 class EmbeddedRedis:
     """In-process fakeredis server that also listens on ``host:port`` so redis-cli works."""
 
+    #: How often keys past their TTL are removed. fakeredis drops an expired key only when it
+    #: is touched or the keyspace is walked (KEYS, SCAN, DBSIZE); a finished request's stream
+    #: is never touched again, so without this it stayed in memory for the life of `fd serve`.
+    #: Redis runs the same kind of active expiry cycle (10 times a second, sampling).
+    EXPIRE_EVERY_S = 1.0
+
     def __init__(self, host: str = "127.0.0.1", port: int = 0):
         self.host = host
         self._requested_port = port
         self.port = port
         self._tcp: TcpFakeServer | None = None
         self._thread: threading.Thread | None = None
+        self._expirer: threading.Thread | None = None
+        self._stopped = threading.Event()
 
     @property
     def url(self) -> str:
@@ -421,17 +429,33 @@ class EmbeddedRedis:
             name=f"embedded-redis:{self.port}", daemon=True,
         )
         self._thread.start()
+        self._stopped.clear()
+        self._expirer = threading.Thread(target=self._expire_cycle, args=(self._tcp.fake_server,),
+                                         name=f"embedded-redis-expiry:{self.port}", daemon=True)
+        self._expirer.start()
+
+    def _expire_cycle(self, server) -> None:
+        while not self._stopped.wait(self.EXPIRE_EVERY_S):
+            with server.lock:
+                now = time.time()
+                for db in server.dbs.values():
+                    db.time = now
+                    db._remove_expired()  # (a heap of expiry times: pops only what is due)
 
     def stop(self) -> None:
         """Stop listening and close every TCP connection (their handlers poll a shutdown flag)."""
         tcp, self._tcp = self._tcp, None
         if tcp is None:
             return
+        self._stopped.set()
         tcp.shutdown()
         tcp.server_close()
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
+        if self._expirer is not None:
+            self._expirer.join(timeout=5)
+            self._expirer = None
 
     def client(self) -> aioredis.Redis:
         """A client for code in this process, on the same data the TCP port serves."""

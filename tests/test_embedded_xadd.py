@@ -266,3 +266,24 @@ async def test_a_pipeline_costs_no_loop_turn_and_hands_its_connection_back(clien
         assert await pipe.execute() == [True]
     assert await fast.get(k("p")) == str(MAX_CONNECTIONS + 9).encode() + b"!"
     assert not fast.connection_pool._in_use_connections
+
+
+async def test_keys_past_their_ttl_leave_memory_without_being_touched(k, monkeypatch):
+    """A finished request's stream is never read again: the server drops it when its TTL is
+    up, as Redis' active expiry does, not only when something touches or walks the keys."""
+    from control.embedded import EmbeddedRedis
+
+    monkeypatch.setattr(EmbeddedRedis, "EXPIRE_EVERY_S", 0.05)
+    with EmbeddedRedis() as emb:
+        client = emb.client()
+        await client.xadd(k("req"), {"type": "final"})
+        await client.pexpire(k("req"), 100)
+        await client.set(k("kept"), "v")
+        stored = emb.fake_server.dbs[0]._dict  # (not iterated: that alone would expire keys)
+        assert k("req").encode() in stored
+        for _ in range(100):
+            if k("req").encode() not in stored:
+                break
+            await asyncio.sleep(0.02)
+        assert k("req").encode() not in stored and k("kept").encode() in stored
+        await client.aclose()
