@@ -217,6 +217,10 @@ class Bus:
                     continue
                 append = None
             self._xadd(pipe, stream, fields)
+        if expire and append is not None and len(pipe) == 0:
+            # every item went directly: the TTLs can too, after them
+            if self.redis.fd_expire(list(expire), self.req_ttl_s) is not None:
+                expire = ()
         for key in expire:
             pipe.expire(key, self.req_ttl_s)
         if ack and self.cluster and (items or expire):
@@ -482,8 +486,17 @@ class Bus:
                 return None
 
     async def owner(self, request_id: str) -> str | None:
-        v = await self.redis.get(self.keys.owner(request_id))
+        direct = getattr(self.redis, "fd_get", None)  # the embedded in-process client
+        got = direct(self.keys.owner(request_id)) if direct is not None else None
+        v = got[0] if got is not None else await self.redis.get(self.keys.owner(request_id))
         return v.decode() if v is not None else None
+
+    async def request_exists(self, request_id: str) -> bool:
+        """Whether ``P:req:<id>`` exists (a request id already taken)."""
+        direct = getattr(self.redis, "fd_exists", None)
+        if direct is not None:
+            return direct(self.keys.req(request_id))
+        return bool(await self.redis.exists(self.keys.req(request_id)))
 
     async def expire_request(self, request_id: str) -> None:
         pipe = self.redis.pipeline(transaction=False)

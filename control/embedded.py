@@ -156,6 +156,59 @@ class _Direct:
                   int(cfg.get(b"stream-node-max-bytes", 4096)))
         return _append(server, server.dbs[0], stream.encode(), values, limits)
 
+    def _db(self):
+        """The database, its clock set (as fakeredis sets it before each command); under the
+        server lock."""
+        now = time.time()
+        for d in self._server.dbs.values():
+            d.time = now
+        return self._server.dbs[0]
+
+    def get(self, key: str) -> tuple[bytes | None] | None:
+        """``GET key`` as ``(value,)`` (the client's ``fd_get``: an owner check on every
+        request's way in); None for a key of another type, which the ordinary GET reports."""
+        self._check()
+        with self._server.lock:
+            try:
+                item = self._db()[key.encode()]  # (an expired key is dropped here)
+            except KeyError:
+                return (None,)
+            return (item.value,) if type(item.value) is bytes else None
+
+    def exists(self, key: str) -> bool:
+        """``EXISTS key`` for one key (``fd_exists``)."""
+        self._check()
+        with self._server.lock:
+            try:
+                self._db()[key.encode()]
+            except KeyError:
+                return False
+            return True
+
+    def expire(self, keys: list[str], ttl_s: int) -> list[bool] | None:
+        """``EXPIRE key ttl`` for each key (``fd_expire``: every new request's stream, every
+        finished one's); None, with nothing done, when keyspace notifications are on."""
+        self._check()
+        server = self._server
+        if server.config.get(b"notify-keyspace-events") or ttl_s <= 0:
+            return None
+        out = []
+        with server.lock:
+            db = self._db()
+            for key in keys:
+                kb = key.encode()
+                try:
+                    item = db[kb]
+                except KeyError:
+                    out.append(False)
+                    continue
+                item.expireat = db.time + ttl_s
+                db.schedule_expiry(kb, item.expireat)
+                for sock in db._watches.get(kb, ()):  # a WATCH sees the key modified
+                    sock.notify_watch()
+                out.append(True)
+        return out
+
     def tombstones(self, owner_keys: list[str], value: str, ttl_s: int,
                    req_keys: list[str]) -> list[tuple[bytes | None, bool]] | None:
         self._check()
@@ -469,6 +522,9 @@ class EmbeddedRedis:
         direct = _Direct(self.fake_server)
         client.fd_append = direct.append
         client.fd_tombstones = direct.tombstones
+        client.fd_get = direct.get
+        client.fd_exists = direct.exists
+        client.fd_expire = direct.expire
         client.fd_xread = _DirectReader(self.fake_server)
         return client
 

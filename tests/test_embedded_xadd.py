@@ -287,3 +287,62 @@ async def test_keys_past_their_ttl_leave_memory_without_being_touched(k, monkeyp
             await asyncio.sleep(0.02)
         assert k("req").encode() not in stored and k("kept").encode() in stored
         await client.aclose()
+
+
+async def test_direct_get_exists_and_expire_match_the_commands(clients, k):
+    """The in-process client's fd_get / fd_exists / fd_expire (a request's way in: the owner
+    check, an explicit id's check, its stream's TTL) against GET / EXISTS / EXPIRE and TTL
+    through the TCP door."""
+    fast, tcp = clients
+    await tcp.set(k("s"), "v")
+    await tcp.set(k("gone"), "v", px=1)
+    await tcp.xadd(k("x"), {"a": "b"})
+    await asyncio.sleep(0.01)
+    assert fast.fd_get(k("s")) == (await tcp.get(k("s")),) == (b"v",)
+    assert fast.fd_get(k("none")) == (await tcp.get(k("none")),) == (None,)
+    assert fast.fd_get(k("gone")) == (None,)
+    assert fast.fd_get(k("x")) is None  # another type: the ordinary GET says WRONGTYPE
+    with pytest.raises(ResponseError):
+        await tcp.get(k("x"))
+    for name in ("s", "none", "gone", "x"):
+        assert fast.fd_exists(k(name)) == bool(await tcp.exists(k(name)))
+    assert fast.fd_expire([k("x"), k("none"), k("s")], 120) == [True, False, True]
+    assert 119 <= await tcp.ttl(k("x")) <= 120 and 119 <= await tcp.ttl(k("s")) <= 120
+    assert await tcp.ttl(k("none")) == -2
+    # a WATCH on another connection sees the key modified, as with EXPIRE
+    async with tcp.pipeline() as pipe:
+        await pipe.watch(k("x"))
+        fast.fd_expire([k("x")], 60)
+        pipe.multi()
+        pipe.set(k("w"), "1")
+        with pytest.raises(WatchError):
+            await pipe.execute()
+    # the ordinary path, where it must be taken, still works on this client
+    assert fast.fd_expire([k("x")], 0) is None
+
+
+async def test_bus_owner_and_submit_take_the_direct_paths(embedded_redis, k, monkeypatch):
+    """Bus.owner, Bus.request_exists and Bus.submit's TTL on the embedded client: the same
+    answers and TTLs as on the wire, and no redis-py command for them."""
+    from control.bus import Bus
+    from control.keys import Keys
+    from tests.enginekit import submit
+
+    client = embedded_redis.client()
+    bus = Bus(client, Keys(k("p")))
+    sent = []
+    real = client.execute_command
+
+    async def counted(*args, **kw):
+        sent.append(args[0])
+        return await real(*args, **kw)
+
+    monkeypatch.setattr(client, "execute_command", counted)
+    assert await bus.owner("r1") is None and not await bus.request_exists("r1")
+    await submit(bus, "r1", [1, 2, 3], max_tokens=2)
+    assert await bus.request_exists("r1")
+    assert 0 < await client.ttl(bus.keys.req("r1")) <= bus.req_ttl_s
+    await client.set(bus.keys.owner("r1"), "engine-x")
+    assert await bus.owner("r1") == "engine-x"
+    assert not {"GET", "EXISTS", "EXPIRE"} & set(sent)
+    await client.aclose()

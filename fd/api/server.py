@@ -291,7 +291,7 @@ class Api:
         arrival = time.monotonic()
         rid, explicit = self._request_id(request, prefix)
         gen: protocol.GenerationRequest = parse(await self._body(request), self.limits, self.tokenizer)
-        if (explicit and await self.bus.redis.exists(self.bus.keys.req(rid))
+        if (explicit and await self.bus.request_exists(rid)
                 and not is_tombstone(await self.bus.owner(rid))):
             # (an id whose abort overtook it is not a conflict: its story already ends in an
             # abort final, which is what this client gets)
