@@ -238,6 +238,8 @@ def main() -> None:
     ap.add_argument("--redis-url", default=None)
     ap.add_argument("--real-redis", action="store_true", help="start a redis-server here and use it")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--serve-arg", action="append", default=[],
+                    help="an extra argument for fd serve (repeat), e.g. --serve-arg=--fifo-loop")
     ap.add_argument("--output-json", default=str(RESULTS / "abort.json"))
     args = ap.parse_args()
     conc = [int(x) for x in args.concurrency.split(",") if x]  # "" skips that part
@@ -251,9 +253,9 @@ def main() -> None:
     prefix = f"fdb{time.time_ns() % 10**8}"
     srv = start_serve(mdir, redis_url=url, log_dir=tmp,
                       extra=["--prefix", prefix, "--max-num-seqs", str(max([64, *conc])),
-                             "--num-blocks", "8192"])
+                             "--num-blocks", "8192", *args.serve_arg])
     out: dict = {"model": mdir, "server": "redis" if url else "embedded", "disconnects": {},
-                 "release": {}}
+                 "release": {}, "serve_args": args.serve_arg}
     try:
         async def warm():
             async with http_session() as s:
