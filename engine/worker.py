@@ -192,6 +192,32 @@ class ProcessRunner:
         step, sampled, stopped = self._collect()
         return RunnerOutput(step=step, sampled=sampled, stopped=stopped)
 
+    def fileno(self) -> int:
+        """The pipe's end in this process: readable when a reply has come (for an event loop
+        that reads replies itself, :meth:`take_ready`)."""
+        return self._conn.fileno()
+
+    def take_ready(self) -> list[RunnerOutput | tuple[str, int, list[str]]]:
+        """Every reply that has come, without waiting: step results (in submission order)
+        and ``("skipped", step, request ids)`` notes (each before its step's result). Raises
+        WorkerError for a failed step or a dead worker."""
+        out: list = []
+        conn = self._conn
+        while conn.poll():
+            try:
+                reply = conn.recv()
+            except EOFError:
+                raise WorkerError(f"the model worker died (exit code {self._proc.exitcode})") from None
+            if reply[0] == "skipped":
+                out.append(reply)
+            elif reply[0] == "error":
+                raise WorkerError(reply[1])
+            else:
+                self.busy_seconds += reply[2]
+                step, sampled, stopped = reply[1]
+                out.append(RunnerOutput(step=step, sampled=sampled, stopped=stopped))
+        return out
+
     def _collect(self) -> Any:
         while True:
             try:

@@ -190,9 +190,10 @@ def test_everything_else_keeps_arrival_order_and_a_closed_loop_refuses_like_asyn
 
 def test_fd_serve_on_it_streams_the_engines_tokens_and_hears_hang_ups(
         embedded_redis, keys, tiny_model_dir, tiny_runner, tiny_tokenizer):
-    """API and engine composed as `fd serve` does, on this loop: the engine's task is the
-    prioritized one, 8 greedy streams give the engine's own text, and 8 clients that hang up
-    after 3 chunks end in the abort story with every block back."""
+    """API and engine composed as `fd serve` does, on this loop, the model in a worker process
+    whose replies the loop reads itself: the engine's task is the prioritized one, 8 greedy
+    streams give the engine's own text, and 8 clients that hang up after 3 chunks end in the
+    abort story with every block back."""
     import openai
 
     from control.metrics import Metrics
@@ -204,14 +205,16 @@ def test_fd_serve_on_it_streams_the_engines_tokens_and_hears_hang_ups(
         loop = asyncio.get_running_loop()
         metrics = Metrics()
         eng = await start_engine(embedded_redis.client, keys,
-                                 EngineOptions(model_dir=str(tiny_model_dir), engine_id="first"),
-                                 runner=tiny_runner, tokenizer=tiny_tokenizer, metrics=metrics)
+                                 EngineOptions(model_dir=str(tiny_model_dir), engine_id="first",
+                                               num_blocks=512),
+                                 tokenizer=tiny_tokenizer, metrics=metrics)  # (a worker process)
         api = await start_api(embedded_redis.client, keys, ApiOptions(model_dir=str(tiny_model_dir)),
                               metrics=metrics, tokenizer=tiny_tokenizer)
         join_in_process(api, eng)
         client = openai.AsyncOpenAI(base_url=f"{api.url}/v1", api_key="none", max_retries=0)
         try:
             assert loop._first.get(eng.task) == eng.node._urgent
+            assert eng.node._reader_fd == eng.node.runner.fileno()  # read by the loop
 
             async def one(i: int):
                 s = await client.completions.create(

@@ -126,3 +126,51 @@ def test_the_pipe_form_of_a_step_round_trips_and_sends_sampling_once():
     enc.MAX_PARAMS = 0  # force the reset: the worker forgets, the params are sent again
     m3 = enc.encode(s2)
     assert m3[3] and len(m3[4]) == 2 and dec.decode(m3) == s2
+
+
+def test_replies_are_read_without_waiting_skips_before_their_step(worker):
+    """What an engine's event loop does with a worker (no thread): wait until the pipe is
+    readable, take what came. The same results, in order, and a drop's note before the
+    result of the step it left the request out of."""
+    import select
+
+    from control.events import RequestData
+    from engine.config import SchedulerConfig
+    from engine.outputs import RunnerOutput
+    from engine.scheduler import Scheduler
+
+    sched = Scheduler(SchedulerConfig(num_blocks=worker.num_blocks, block_size=16,
+                                      max_num_batched_tokens=4096,
+                                      max_model_len=worker.max_model_len, max_steps_in_flight=2))
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    sched.add("a", RequestData(prompt_token_ids=tuple(i % 300 + 5 for i in range(1500)), sampling=sp))
+    sched.add("b", RequestData(prompt_token_ids=(5, 6, 7), sampling=sp))
+    out1, out2 = sched.schedule(), sched.schedule()
+    assert worker.take_ready() == []  # nothing has come: no wait
+    worker.submit(out1)
+    worker.submit(out2)
+    worker.drop(out2.step, ["a"])
+    replies: list = []
+    deadline = time.monotonic() + 30
+    while sum(isinstance(r, RunnerOutput) for r in replies) < 2 and time.monotonic() < deadline:
+        select.select([worker.fileno()], [], [], 1.0)
+        replies += worker.take_ready()
+    said = [("result", r.step) if isinstance(r, RunnerOutput) else (r[0], r[1], list(r[2]))
+            for r in replies]
+    assert [x for x in said if x[0] == "result"] == [("result", out1.step), ("result", out2.step)]
+    assert said.index(("skipped", out2.step, ["a"])) < said.index(("result", out2.step))
+    assert set(replies[-1].sampled) == {"b"}
+
+
+def test_a_dead_worker_is_an_error_for_a_reader_too(tiny_model_dir):
+    import select
+
+    runner = ProcessRunner(str(tiny_model_dir), num_blocks=16)
+    try:
+        runner._proc.kill()
+        runner._proc.join()
+        assert select.select([runner.fileno()], [], [], 10)[0]  # readable: the end of the pipe
+        with pytest.raises(WorkerError, match="died"):
+            runner.take_ready()
+    finally:
+        runner.close()
