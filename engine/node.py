@@ -237,7 +237,8 @@ class EngineNode:
             # thread to wake and hand the GIL back and forth with (that hand-off cost up to
             # ~2 ms a step on a busy box, between the worker's end of a step and this loop).
             self._reader_fd = self.runner.fileno()
-            loop.add_reader(self._reader_fd, self._on_replies)
+            # (fd serve's loop runs it ahead of what is ready: fd.eventloop)
+            getattr(loop, "add_urgent_reader", loop.add_reader)(self._reader_fd, self._on_replies)
         elif hasattr(self.runner, "drop"):
 
             def on_skipped(step: int, rids: list[str]) -> None:  # on the step thread

@@ -15,16 +15,19 @@ So the engine says when it is urgent: :meth:`EngineFirstLoop.prioritize` takes a
 predicate (``fd serve``'s engine: "the model has nothing left to run, and either requests
 wait to be claimed or the clients have been shown the last step"), and the task's wake-ups
 jump the line only while it holds; :meth:`hurry` moves a wake-up that was queued before it
-held. Three more kinds of callback always go first, each a few lines of work:
+held. Other callbacks that always go first, each a few lines of work:
 
-- callbacks handed in from other threads (``call_soon_threadsafe``): a step's result from the
-  thread that waits on the model worker, the embedded server's TCP door;
+- a reader added with :meth:`add_urgent_reader` (the model worker's pipe: a step's result)
+  and callbacks handed in from other threads (``call_soon_threadsafe``: an in-process
+  runner's step thread, the embedded server's TCP door);
 - a transport's ``_call_connection_lost`` (asyncio's way of saying a connection is gone) and
   a task woken by a cancelled wait (aiohttp cancels the handler whose client hung up): a
   hang-up reaches the engine's abort without queueing behind the streams it competes with.
 
-Relies on ``BaseEventLoop._ready`` (the deque of ready handles; unchanged since Python 3.4)
-and the name asyncio's selector transports give their connection-lost callback. Any other
+Relies on ``BaseEventLoop._ready`` (the deque of ready handles; unchanged since Python 3.4),
+``_add_callback`` (where a selector loop queues an I/O event's callback) and the name
+asyncio's selector transports give their connection-lost callback (tests/test_eventloop.py
+checks each). Any other
 loop works too, in plain arrival order (the engine checks for ``prioritize``); ``fd serve
 --fifo-loop`` uses one.
 """
@@ -40,6 +43,7 @@ class EngineFirstLoop(asyncio.SelectorEventLoop):
         super().__init__()
         self._first: dict[asyncio.Task, Callable[[], bool]] = {}
         self._queued: dict[asyncio.Task, asyncio.Handle] = {}  # a wake-up that waits its turn
+        self._first_readers: set[asyncio.Handle] = set()
 
     def prioritize(self, task: asyncio.Task, when: Callable[[], bool]) -> None:
         """Until ``task`` ends, its steps run ahead of everything else that is ready whenever
@@ -57,6 +61,26 @@ class EngineFirstLoop(asyncio.SelectorEventLoop):
         except ValueError:
             return  # it has run
         self._ready.appendleft(handle)
+
+    def add_urgent_reader(self, fd: int, callback: Callable[[], None]) -> None:
+        """:meth:`add_reader`, whose callback runs ahead of what is ready when ``fd`` becomes
+        readable (``fd serve``: the model worker's pipe, a step's result)."""
+        self.add_reader(fd, callback)
+        self._first_readers.add(self._selector.get_key(fd).data[0])
+
+    def remove_reader(self, fd) -> bool:
+        try:
+            handle = self._selector.get_key(fd).data[0]
+        except (KeyError, ValueError):
+            handle = None
+        self._first_readers.discard(handle)
+        return super().remove_reader(fd)
+
+    def _add_callback(self, handle: asyncio.Handle) -> None:  # (an I/O event's callback)
+        if handle in self._first_readers and not handle._cancelled:
+            self._ready.appendleft(handle)
+        else:
+            super()._add_callback(handle)
 
     def _forget(self, task: asyncio.Task) -> None:
         self._first.pop(task, None)

@@ -255,3 +255,37 @@ def test_fd_serve_on_it_streams_the_engines_tokens_and_hears_hang_ups(
             await eng.stop()
 
     run(main)
+
+
+def test_an_urgent_reader_runs_ahead_of_what_is_ready():
+    """The model worker's pipe: when a step's result is readable, it is read before the work
+    that was already queued, and a removed reader is forgotten."""
+    assert hasattr(asyncio.BaseEventLoop, "_add_callback")
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        order: list[str] = []
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        got = loop.create_future()
+
+        def readable():
+            order.append(a.recv(16).decode())
+            got.set_result(None)
+
+        def kick():  # queues work for the next turn, whose select finds the pipe readable
+            b.send(b"result")
+            for i in range(3):
+                loop.call_soon(order.append, f"api{i}")
+
+        loop.add_urgent_reader(a.fileno(), readable)
+        loop.call_soon(kick)
+        await got
+        await asyncio.sleep(0)
+        loop.remove_reader(a.fileno())
+        assert not loop._first_readers
+        a.close()
+        b.close()
+        return order
+
+    assert run(main) == ["result", "api0", "api1", "api2"]
