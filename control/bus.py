@@ -874,6 +874,7 @@ class StreamMux:
         # The highest engine step whose tokens this reader has handed to a subscription: in
         # `fd serve` (one engine, same process) how far behind the engine delivery is.
         self.newest_step = -1
+        self._rings = 0
 
     @property
     def dead_letters(self) -> int:
@@ -948,6 +949,14 @@ class StreamMux:
 
     async def _ring(self, shard: _Shard) -> None:
         try:
+            append = getattr(self.redis, "fd_append", None)  # the embedded in-process client
+            if append is not None and append(shard.wake_key.decode(), {"w": "1"}) is not None:
+                shard.rung = True
+                self.redis.fd_expire([shard.wake_key.decode()], 86400)
+                self._rings += 1
+                if self._rings % self.WAKE_MAXLEN == 0:  # (capped here, not on each XADD)
+                    await self.redis.xtrim(shard.wake_key, maxlen=self.WAKE_MAXLEN, approximate=False)
+                return
             pipe = self.redis.pipeline(transaction=False)
             pipe.xadd(shard.wake_key, {b"w": b"1"}, maxlen=self.WAKE_MAXLEN, approximate=True)
             pipe.expire(shard.wake_key, 86400)  # a crashed replica leaves no doorbell behind

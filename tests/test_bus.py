@@ -349,6 +349,34 @@ async def test_mux_subscription_while_blocked_is_served_promptly(bus, keys):
     assert await bus.redis.exists(keys.wake("api-1.0")) == 0
 
 
+async def test_mux_doorbell_on_the_embedded_client_is_capped_and_expires(embedded_redis, keys):
+    """The in-process client rings a blocked reader by a direct append: still capped (an XTRIM
+    every WAKE_MAXLEN rings) and still with its TTL, and each ring still wakes the reader."""
+    client = embedded_redis.client()
+    mux = StreamMux(client, keys, "api-db", block_ms=5000)
+    await mux.start()
+    wake = keys.wake("api-db.0")
+    try:
+        subs = []
+        for i in range(5 * StreamMux.WAKE_MAXLEN):
+            for _ in range(200):
+                if mux._shards and mux._shards[0].blocked and not mux._shards[0].rang:
+                    break
+                await asyncio.sleep(0.005)
+            subs.append(await mux.subscribe(f"db{i}"))
+            await client.xadd(keys.req(f"db{i}"), {"type": "accepted", "request_id": f"db{i}"})
+            _, ev = await asyncio.wait_for(subs[-1].__anext__(), 2)  # woken, and served
+            assert isinstance(ev, E.Accepted)
+        assert mux._rings >= 4 * StreamMux.WAKE_MAXLEN
+        assert await client.xlen(wake) <= 2 * StreamMux.WAKE_MAXLEN
+        assert 0 < await client.ttl(wake) <= 86400
+        for sub in subs:
+            await sub.close()
+    finally:
+        await mux.stop()
+        await client.aclose()
+
+
 async def test_mux_resume_after_entry_id(bus, keys):
     evs = story("r1", n_tokens=4)
     ids = await bus.publish_many([(keys.req("r1"), e) for e in evs])
