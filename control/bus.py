@@ -434,11 +434,15 @@ class Bus:
         abort of 1,000 queued ids must not cost 1,000 round trips on the engine's loop."""
         if not request_ids:
             return []
-        pipe = self.redis.pipeline(transaction=False)
-        for rid in request_ids:
-            pipe.set(self.keys.owner(rid), owner, nx=True, ex=ttl_s, get=True)
+        direct = getattr(self.redis, "fd_set_nx_get", None)  # the embedded in-process client
+        olds = direct([self.keys.owner(r) for r in request_ids], owner, ttl_s) if direct else None
+        if olds is None:
+            pipe = self.redis.pipeline(transaction=False)
+            for rid in request_ids:
+                pipe.set(self.keys.owner(rid), owner, nx=True, ex=ttl_s, get=True)
+            olds = await pipe.execute()
         out = []
-        for old in await pipe.execute():
+        for old in olds:
             out.append((True, owner) if old is None else (False, old.decode()))
         return out
 

@@ -120,7 +120,8 @@ class _Direct:
     - :meth:`append` (the client's ``fd_append``): one stream entry of a flush, for
       ``Bus.publish_many`` — a step's ~33 token events were most of the engine loop's time
       outside the model;
-    - :meth:`tombstones` (``fd_tombstones``): ``SET owner aborted:<source> NX GET EX ttl`` and
+    - :meth:`tombstones` (``fd_tombstones``, and :meth:`set_nx_get` for a claim's owner keys):
+      ``SET owner aborted:<source> NX GET EX ttl`` and
       ``EXISTS req`` for each id of a many-id abort, for ``Bus.tombstone_many`` — 1,000 unknown
       ids were 2,000 commands on the loop the API answers on (83% of it while 1,000-id aborts
       came every 20 ms).
@@ -209,8 +210,15 @@ class _Direct:
                 out.append(True)
         return out
 
+    def set_nx_get(self, keys: list[str], value: str, ttl_s: int) -> list[bytes | None] | None:
+        """``SET key value NX GET EX ttl`` for each key (``fd_set_nx_get``: an engine owning
+        the requests it claims, a burst of them at once): each key's old value, None where it
+        was set."""
+        res = self.tombstones(keys, value, ttl_s, None)
+        return None if res is None else [old for old, _ in res]
+
     def tombstones(self, owner_keys: list[str], value: str, ttl_s: int,
-                   req_keys: list[str]) -> list[tuple[bytes | None, bool]] | None:
+                   req_keys: list[str] | None) -> list[tuple[bytes | None, bool]] | None:
         self._check()
         server = self._server
         if server.config.get(b"notify-keyspace-events") or ttl_s <= 0:
@@ -227,7 +235,7 @@ class _Direct:
                 item = db._dict.get(kb)
                 if item is not None and not db.expired(item) and type(item.value) is not bytes:
                     return None  # WRONGTYPE: the ordinary path says so (nothing written yet)
-            for kb, req in zip(keys, req_keys):
+            for i, kb in enumerate(keys):
                 try:
                     item = db[kb]  # (again: an id twice in one call sees its first tombstone)
                 except KeyError:
@@ -241,7 +249,7 @@ class _Direct:
                     old = None
                 else:
                     old = item.value
-                out.append((old, req.encode() in db))
+                out.append((old, req_keys is not None and req_keys[i].encode() in db))
             if any(old is None for old, _ in out):
                 db.wake_all()  # blocked readers re-check once, not once a key
         return out
@@ -522,6 +530,7 @@ class EmbeddedRedis:
         direct = _Direct(self.fake_server)
         client.fd_append = direct.append
         client.fd_tombstones = direct.tombstones
+        client.fd_set_nx_get = direct.set_nx_get
         client.fd_get = direct.get
         client.fd_exists = direct.exists
         client.fd_expire = direct.expire

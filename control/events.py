@@ -77,8 +77,7 @@ class SamplingParams:
     def from_dict(cls, d: Mapping[str, Any]) -> "SamplingParams":
         """Strict: a request event is typed by hand or by another program, and a wrong type
         here must become a dead letter, not an exception inside an engine step."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - known
+        unknown = set(d) - _SAMPLING_FIELDS
         if unknown:
             raise BadEvent(f"unknown sampling parameter(s) {sorted(unknown)}", "data")
         kw = dict(d)
@@ -118,6 +117,9 @@ class SamplingParams:
                 raise bad("stop_token_ids", "a list of token ids")
             kw["stop_token_ids"] = tuple(ids)
         return cls(**kw)
+
+
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
 @dataclass(frozen=True, slots=True)

@@ -346,3 +346,23 @@ async def test_bus_owner_and_submit_take_the_direct_paths(embedded_redis, k, mon
     assert await bus.owner("r1") == "engine-x"
     assert not {"GET", "EXISTS", "EXPIRE"} & set(sent)
     await client.aclose()
+
+
+async def test_claims_own_their_requests_directly_as_set_nx_get_would(clients, k):
+    """fd_set_nx_get (an engine owning a claimed burst) against SET NX GET EX through the TCP
+    door: old values where taken, a TTL where set, an id twice sees its first write, and a
+    key of another type leaves everything to the ordinary path."""
+    from control.bus import Bus
+    from control.keys import Keys
+
+    fast, tcp = clients
+    await tcp.set(k("taken"), "aborted:http")
+    assert fast.fd_set_nx_get([k("new"), k("taken"), k("new")], "e1", 60) == [None, b"aborted:http", b"e1"]
+    assert await tcp.get(k("new")) == b"e1" and 59 <= await tcp.ttl(k("new")) <= 60
+    assert await tcp.ttl(k("taken")) == -1  # NX: untouched, TTL too
+    await tcp.xadd(k("stream"), {"a": "b"})
+    assert fast.fd_set_nx_get([k("other"), k("stream")], "e1", 60) is None
+    assert await tcp.exists(k("other")) == 0  # nothing written
+    bus = Bus(fast, Keys(k("p")))
+    await tcp.set(bus.keys.owner("lost"), "e0")
+    assert await bus.try_own_many(["won", "lost"], "e1", 60) == [(True, "e1"), (False, "e0")]
