@@ -53,10 +53,9 @@ def test_worker_exits_when_its_engine_goes_away(tiny_model_dir):
     assert not proc.is_alive()
 
 
-def test_a_dropped_request_is_left_out_of_a_queued_step_and_the_worker_says_so(worker):
-    """Async scheduling queues step N+1 behind N; an abort that arrives meanwhile reaches the
-    worker (``drop``) before N+1 starts. N+1 then runs without the request, and the worker
-    reports that before N+1's result, so the engine can release its blocks early."""
+def _two_steps_ahead(worker):
+    """A scheduler with "a" (a 1,500-token prefill that keeps the worker busy) and "b", and
+    its first two steps, the second decided ahead (decodes on placeholders)."""
     from control.events import RequestData
     from engine.config import SchedulerConfig
     from engine.scheduler import Scheduler
@@ -65,11 +64,17 @@ def test_a_dropped_request_is_left_out_of_a_queued_step_and_the_worker_says_so(w
                                       max_num_batched_tokens=4096,
                                       max_model_len=worker.max_model_len, max_steps_in_flight=2))
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    # a long prefill keeps the worker busy while the drop is sent
     sched.add("a", RequestData(prompt_token_ids=tuple(i % 300 + 5 for i in range(1500)), sampling=sp))
     sched.add("b", RequestData(prompt_token_ids=(5, 6, 7), sampling=sp))
     out1 = sched.schedule()
-    out2 = sched.schedule()  # decodes of both on placeholders
+    return sched, out1, sched.schedule()
+
+
+def test_a_dropped_request_is_left_out_of_a_queued_step_and_the_worker_says_so(worker):
+    """Async scheduling queues step N+1 behind N; an abort that arrives meanwhile reaches the
+    worker (``drop``) before N+1 starts. N+1 then runs without the request, and the worker
+    reports that before N+1's result, so the engine can release its blocks early."""
+    sched, out1, out2 = _two_steps_ahead(worker)
     heard = []
     worker.on_skipped = lambda step, rids: heard.append((step, list(rids)))
     try:
@@ -134,18 +139,9 @@ def test_replies_are_read_without_waiting_skips_before_their_step(worker):
     result of the step it left the request out of."""
     import select
 
-    from control.events import RequestData
-    from engine.config import SchedulerConfig
     from engine.outputs import RunnerOutput
-    from engine.scheduler import Scheduler
 
-    sched = Scheduler(SchedulerConfig(num_blocks=worker.num_blocks, block_size=16,
-                                      max_num_batched_tokens=4096,
-                                      max_model_len=worker.max_model_len, max_steps_in_flight=2))
-    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    sched.add("a", RequestData(prompt_token_ids=tuple(i % 300 + 5 for i in range(1500)), sampling=sp))
-    sched.add("b", RequestData(prompt_token_ids=(5, 6, 7), sampling=sp))
-    out1, out2 = sched.schedule(), sched.schedule()
+    _, out1, out2 = _two_steps_ahead(worker)
     assert worker.take_ready() == []  # nothing has come: no wait
     worker.submit(out1)
     worker.submit(out2)
