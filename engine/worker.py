@@ -206,8 +206,8 @@ class ProcessRunner:
         while conn.poll():
             try:
                 reply = conn.recv()
-            except EOFError:
-                raise WorkerError(f"the model worker died (exit code {self._proc.exitcode})") from None
+            except (EOFError, OSError):  # (a killed worker's pipe may say "reset by peer")
+                raise self._died() from None
             if reply[0] == "skipped":
                 out.append(reply)
             elif reply[0] == "error":
@@ -218,12 +218,16 @@ class ProcessRunner:
                 out.append(RunnerOutput(step=step, sampled=sampled, stopped=stopped))
         return out
 
+    def _died(self) -> WorkerError:
+        self._proc.join(timeout=1.0)  # (reaped, so its exit code is known)
+        return WorkerError(f"the model worker died (exit code {self._proc.exitcode})")
+
     def _collect(self) -> Any:
         while True:
             try:
                 reply = self._conn.recv()
-            except EOFError:
-                raise WorkerError(f"the model worker died (exit code {self._proc.exitcode})") from None
+            except (EOFError, OSError):
+                raise self._died() from None
             if reply[0] != "skipped":
                 break
             if self.on_skipped is not None:

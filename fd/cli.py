@@ -166,12 +166,19 @@ async def _serve(args: argparse.Namespace) -> int:
     else:
         print(f"control plane: {args.redis_url}", flush=True)
     await _wait_for_signal(engine.task)
-    await api.stop()
+    failed = engine.task.done() and not engine.task.cancelled() and engine.task.exception() is not None
+    # With its one engine gone, nothing will finish the requests still streaming: close them
+    # after a moment instead of aiohttp's minute of waiting, and say so in the exit code.
+    await api.stop(grace_s=ENGINE_FAILED_GRACE_S if failed else None)
     await engine.stop()
     if embedded is not None:
         embedded.stop()
-    return 0
+    return 1 if failed else 0
 
+
+#: After `fd serve`'s engine failed (its model worker died, say): how long requests still
+#: streaming may go on before the API closes their connections.
+ENGINE_FAILED_GRACE_S = 1.0
 
 #: Full (gen-2) garbage collections run on this timer instead of whenever the heap has grown
 #: by a quarter (Python's rule). A full collection walks every live container — with the

@@ -83,7 +83,11 @@ class RunningApi:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    async def stop(self) -> None:
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Stop serving; requests still streaming get ``grace_s`` seconds (default aiohttp's
+        60) to finish before their connections are closed."""
+        if grace_s is not None:
+            self.runner._shutdown_timeout = grace_s  # (aiohttp reads it in cleanup())
         await self.runner.cleanup()
         await self.mux.stop()
         await self.bus.redis.aclose()

@@ -189,6 +189,54 @@ async def test_fd_serve_embedded_as_a_new_user(tmp_path):
     assert "embedded control plane: redis-cli -p" in out
 
 
+def _children(pid: int, marker: bytes) -> list[int]:
+    """Child processes of ``pid`` whose command line contains ``marker`` (from /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if ppid == pid and marker in cmd:
+            out.append(int(entry))
+    return out
+
+
+async def test_fd_serve_whose_model_worker_dies_says_so_and_exits(tmp_path):
+    """The model worker killed under a streaming request: `fd serve` says what died, closes
+    the stream within a moment instead of keeping it open with keep-alives for a minute, and
+    exits 1."""
+    port = free_port()
+    env = {**os.environ, "FD_CACHE_DIR": str(tmp_path / "cache")}
+    serve = _spawn("serve", "--port", str(port), env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        await _wait_healthy(base, [serve], timeout=90)
+        workers = _children(serve.pid, b"spawn_main")
+        assert workers, "no model worker process found"
+        async with aiohttp.ClientSession() as http:
+            long = {"model": "tiny-llama", "prompt": "Hi", "max_tokens": 1500, "temperature": 0,
+                    "stream": True, "ignore_eos": True}
+            task = asyncio.create_task(_stream_until_final(http, base, long, "orphaned-1"))
+            await asyncio.sleep(0.5)
+            for w in workers:
+                os.kill(w, signal.SIGKILL)
+            t0 = time.monotonic()
+            with pytest.raises(aiohttp.ClientError):  # the stream is cut: no final can come
+                await asyncio.wait_for(task, 30)
+            assert time.monotonic() - t0 < 10
+        serve.wait(timeout=20)
+    finally:
+        code, out = _stop(serve)
+    assert code == 1, out
+    assert "the model worker died" in out
+
+
 def test_start_up_mistakes_are_one_line_errors(tmp_path):
     r = _fd("serve", "--model", str(tmp_path / "nowhere"))
     assert r.returncode != 0 and "is not a model directory" in r.stderr
