@@ -289,3 +289,40 @@ def test_an_urgent_reader_runs_ahead_of_what_is_ready():
         return order
 
     assert run(main) == ["result", "api0", "api1", "api2"]
+
+
+def test_what_sockets_bring_goes_ahead_of_queued_work_in_the_order_it_came():
+    """Input (a hang-up's EOF among it) is read before the turn's queued work, not after."""
+    assert hasattr(asyncio.selector_events.BaseSelectorEventLoop, "_process_events")
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        order: list[str] = []
+        pairs = [socket.socketpair() for _ in range(2)]
+        done = loop.create_future()
+        for i, (a, _) in enumerate(pairs):
+            a.setblocking(False)
+
+            def readable(a=a, i=i):
+                order.append(f"read{i}:{a.recv(16).decode()}")
+                if sum(x.startswith("read") for x in order) == 2:
+                    done.set_result(None)
+            loop.add_reader(a.fileno(), readable)
+
+        def kick():  # queues work for the next turn, whose select finds both readable
+            for _, b in pairs:
+                b.send(b"x")
+            for i in range(3):
+                loop.call_soon(order.append, f"api{i}")
+
+        loop.call_soon(kick)
+        await done
+        await asyncio.sleep(0)
+        for a, b in pairs:
+            loop.remove_reader(a.fileno())
+            a.close()
+            b.close()
+        return order
+
+    order = run(main)
+    assert sorted(order[:2]) == ["read0:x", "read1:x"] and order[2:] == ["api0", "api1", "api2"]
