@@ -47,7 +47,7 @@ class EngineFirstLoop(asyncio.SelectorEventLoop):
         self._first: dict[asyncio.Task, Callable[[], bool]] = {}
         self._queued: dict[asyncio.Task, asyncio.Handle] = {}  # a wake-up that waits its turn
         self._first_readers: set[asyncio.Handle] = set()
-        self._io_at = 0  # where the next I/O event's callback goes (this turn's events in order)
+        self._io: list[asyncio.Handle] | None = None  # this turn's I/O callbacks, as they come
 
     def prioritize(self, task: asyncio.Task, when: Callable[[], bool]) -> None:
         """Until ``task`` ends, its steps run ahead of everything else that is ready whenever
@@ -81,17 +81,20 @@ class EngineFirstLoop(asyncio.SelectorEventLoop):
         return super().remove_reader(fd)
 
     def _process_events(self, event_list) -> None:
-        self._io_at = 0
-        super()._process_events(event_list)
+        self._io = []
+        try:
+            super()._process_events(event_list)  # (its callbacks come to _add_callback)
+        finally:
+            io, self._io = self._io, None
+        # ahead of queued work, in the order they came; the model's reply ahead of all
+        io.sort(key=lambda h: h not in self._first_readers)
+        self._ready.extendleft(reversed(io))
 
-    def _add_callback(self, handle: asyncio.Handle) -> None:  # (an I/O event's callback)
-        if handle._cancelled:
-            return
-        if handle in self._first_readers:  # the model's reply: ahead of everything
-            self._ready.appendleft(handle)
-        else:  # ahead of queued work, after this turn's other I/O (in the order it came)
-            self._ready.insert(min(self._io_at, len(self._ready)), handle)
-        self._io_at += 1
+    def _add_callback(self, handle: asyncio.Handle) -> None:
+        if self._io is not None and not handle._cancelled:  # an I/O event's callback
+            self._io.append(handle)
+        else:  # (a signal's)
+            super()._add_callback(handle)
 
     def _forget(self, task: asyncio.Task) -> None:
         self._first.pop(task, None)
