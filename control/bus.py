@@ -954,9 +954,10 @@ class StreamMux:
     async def _ring(self, shard: _Shard) -> None:
         try:
             append = getattr(self.redis, "fd_append", None)  # the embedded in-process client
-            if append is not None and append(shard.wake_key.decode(), {"w": "1"}) is not None:
+            wake = shard.wake_key.decode()
+            if append is not None and append(wake, {"w": "1"}) is not None:
                 shard.rung = True
-                self.redis.fd_expire([shard.wake_key.decode()], 86400)
+                self.redis.fd_expire([wake], 86400)
                 self._rings += 1
                 if self._rings % self.WAKE_MAXLEN == 0:  # (capped here, not on each XADD)
                     await self.redis.xtrim(shard.wake_key, maxlen=self.WAKE_MAXLEN, approximate=False)

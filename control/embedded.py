@@ -227,9 +227,7 @@ class _Direct:
         val = value.encode()
         out: list[tuple[bytes | None, bool]] = []
         with server.lock:
-            now = time.time()
-            for d in server.dbs.values():
-                d.time = now
+            self._db()  # (the clock)
             keys = [key.encode() for key in owner_keys]
             for kb in keys:
                 item = db._dict.get(kb)

@@ -87,7 +87,8 @@ class EngineFirstLoop(asyncio.SelectorEventLoop):
         finally:
             io, self._io = self._io, None
         # ahead of queued work, in the order they came; the model's reply ahead of all
-        io.sort(key=lambda h: h not in self._first_readers)
+        if len(io) > 1 and self._first_readers:
+            io.sort(key=lambda h: h not in self._first_readers)
         self._ready.extendleft(reversed(io))
 
     def _add_callback(self, handle: asyncio.Handle) -> None:
