@@ -98,10 +98,11 @@ async def run_api(base: str, n: int, rounds: int, max_tokens: int, seed: int, ta
             "chunks_per_request": sum(len(r.chunk_times) for r in results) / max(1, len(results))}
 
 
-async def warm(base: str, max_tokens: int) -> None:
+async def warm(base: str, n: int, max_tokens: int) -> None:
+    """The server's warm-up is the baseline's: ``n`` prompts at once, ``max_tokens`` each."""
     async with http_session() as session:
         await asyncio.gather(*(stream_completion(session, base, f"warm-{time.time_ns()}-{i}",
-                                                 p, max_tokens) for i, p in enumerate(prompts(4, seed=7))))
+                                                 p, max_tokens) for i, p in enumerate(prompts(n, seed=99))))
 
 
 def summarize(r: dict) -> dict:
@@ -134,8 +135,8 @@ def main() -> None:
     runner = ModelRunner(mdir, device="cpu", num_blocks=2048, block_size=16)
     runner.warmup()
     llm = LLM(runner, Tokenizer.from_dir(mdir), max_num_seqs=max(64, max(conc)))
-    llm.generate(prompts(max(conc), seed=99), __import__("control.events", fromlist=["x"]).SamplingParams(
-        temperature=0.0, max_tokens=8, ignore_eos=True))
+    from control.events import SamplingParams
+    llm.generate(prompts(max(conc), seed=99), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
 
     srv = start_serve(mdir, redis_url=args.redis_url,
                       extra=["--max-num-seqs", str(max(64, max(conc))), "--num-blocks", "2048",
@@ -144,7 +145,7 @@ def main() -> None:
                  "serve_args": args.serve_arg,
                  "rounds": args.rounds, "max_tokens": args.max_tokens, "runs": {}}
     try:
-        asyncio.run(warm(srv.base, 16))
+        asyncio.run(warm(srv.base, max(conc), 8))
         rounds = {c: max(args.rounds, -(-args.min_requests // c)) for c in conc}
         total = sum(c * rounds[c] for c in conc)
         with tqdm(total=total, desc="api streams", unit="req") as bar:

@@ -24,6 +24,7 @@ import numpy as np
 import paddle
 
 from engine.model.llama import MASKED, AttnGroup, ForwardBatch, Llama, key_blocks
+from engine.malloc import pin_thresholds
 from engine.model.loader import load_model
 from engine.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from engine.sampler import Sampler
@@ -50,6 +51,7 @@ class ModelRunner:
     def __init__(self, model_dir: str, *, device: str = "cpu", num_blocks: int | None = None,
                  block_size: int = 16, kv_cache_bytes: int | None = None, seed: int = 0,
                  batch_invariant: bool = True, progress: bool = False):
+        pin_thresholds()  # step buffers on the heap, not fresh mmaps (engine/malloc.py)
         paddle.set_device(device)
         self.device = device
         self.model: Llama = load_model(model_dir, device, progress=progress,
