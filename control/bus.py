@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import OrderedDict, deque
@@ -162,11 +163,12 @@ class Bus:
             except Exception:
                 log.exception("in-process request claimer failed")
 
-    def _append_direct(self, append, stream: str, fields: dict[str, str],
+    def _append_direct(self, append, stream: str, event: Event, fields: dict[str, str],
                        trims: list[tuple[str, int]]) -> bytes | None:
         """The embedded in-process client's direct append (see :meth:`publish_many`); a capped
-        stream is noted in ``trims`` once every ``TRIM_EVERY`` entries."""
-        entry = append(stream, fields)
+        stream is noted in ``trims`` once every ``TRIM_EVERY`` entries. The event goes with
+        its fields: an in-process stream reader takes it as it is (:meth:`StreamMux._local`)."""
+        entry = append(stream, fields, event)
         if entry is not None:
             cap = self.maxlen(stream)
             if cap:
@@ -182,7 +184,7 @@ class Bus:
         entry = None
         if append is not None:
             trims: list[tuple[str, int]] = []
-            entry = self._append_direct(append, stream, event.encode(), trims)
+            entry = self._append_direct(append, stream, event, event.encode(), trims)
             for key, cap in trims:
                 await self.redis.xtrim(key, maxlen=cap, approximate=True)
         if entry is None:
@@ -211,7 +213,7 @@ class Bus:
                 self.tell_local(stream, event)
             fields = event.encode()
             if append is not None:
-                entry = self._append_direct(append, stream, fields, trims)
+                entry = self._append_direct(append, stream, event, fields, trims)
                 if entry is not None:
                     direct.append(entry)
                     continue
@@ -714,6 +716,9 @@ class _Shard:
         self.long = False  # the current read blocks for the full block_ms
         self.task: asyncio.Task | None = None
         self.wake_last = b"0-0"
+        # The keys and ids of the read in progress on the embedded server's direct reader,
+        # which re-scans this dict on each wake-up: entries handed over in-process move it.
+        self.reading: dict[bytes, bytes] | None = None
 
     def add(self, sub: Subscription) -> bool:
         """Add; True when the reader is blocked on a key list without it and must be woken."""
@@ -761,17 +766,21 @@ class _Shard:
                     try:
                         # (the embedded server's in-process client reads directly; None: ask it)
                         direct = getattr(redis, "fd_xread", None)
+                        if direct is not None:
+                            self.reading = streams
                         resp = None if direct is None else await direct(streams, mux.count, block)
                         if resp is None:
+                            self.reading = None
                             resp = await redis.xread(streams, count=mux.count, block=block)
                     finally:
                         self.blocked = False
+                        self.reading = None
                 mux.wakeups += 1
                 for key, entries in resp or ():
                     if key == self.wake_key:
                         self.wake_last = entries[-1][0]
                     else:
-                        await self._dispatch(key, entries)
+                        await self._dispatch(key, entries, streams[key])
                 backoff = 0.05
             except (RedisConnectionError, RedisTimeoutError, OSError) as e:
                 log.warning("stream mux %s: %s; retrying in %.2fs", mux.reader_id, e, backoff)
@@ -795,10 +804,18 @@ class _Shard:
         if self in mux._shards:
             mux._shards.remove(self)
 
-    async def _dispatch(self, key: bytes, entries: list) -> None:
+    async def _dispatch(self, key: bytes, entries: list, after: bytes) -> None:
+        """Hand a read's ``entries`` (those after ``after``) to the key's subscriptions. One
+        that was added during the read with an earlier ``after`` (a resume) takes none of
+        them: it would skip what lies between; the next read starts from it."""
         subs = self.subs.get(key)
         if not subs:
             return  # unsubscribed while the read was in flight
+        floor = entry_id_key(after)
+        subs = [s for s in subs if s._last >= floor]
+        if not subs:
+            return
+        everyone = len(subs) == len(self.subs[key])
         rid = subs[0].request_id
         for entry_id, fields in entries:
             # A good entry costs no coroutine; a bad one (or a deleted one: no fields) goes the
@@ -822,8 +839,9 @@ class _Shard:
             if type(ev) is Tokens and ev.step > self.mux.newest_step:
                 self.mux.newest_step = ev.step
             if isinstance(ev, Final):
-                self.subs.pop(key, None)
-                self.mux._where.pop(key, None)
+                if everyone:
+                    self.subs.pop(key, None)
+                    self.mux._where.pop(key, None)
                 return
 
 
@@ -879,6 +897,9 @@ class StreamMux:
         # `fd serve` (one engine, same process) how far behind the engine delivery is.
         self.newest_step = -1
         self._rings = 0
+        self._unlisten: Callable[[], None] | None = None
+        self._shown_step = -1  # the newest step handed over in-process, not yet marked shown
+        self._show_pending = False
 
     @property
     def dead_letters(self) -> int:
@@ -903,6 +924,9 @@ class StreamMux:
         if self._started:
             return
         self._started, self._stopping = True, False
+        listen = getattr(self.redis, "fd_listen", None)  # the embedded in-process client
+        if listen is not None:
+            self._unlisten = listen(self._local)
         for shard in self._shards:
             self._launch(shard)
 
@@ -915,6 +939,9 @@ class StreamMux:
         if not self._started:
             return
         self._stopping = True
+        if self._unlisten is not None:
+            self._unlisten()
+            self._unlisten = None
         for shard in list(self._shards):  # blocked readers return now, not after BLOCK
             if shard.blocked and not shard.rang:
                 shard.rang = True
@@ -936,6 +963,49 @@ class StreamMux:
                 log.warning("stream mux %s: could not delete doorbells: %s", self.reader_id, e)
         self._shards.clear()
         self._started = False
+
+    def _local(self, key: bytes, before: tuple[int, int], entry_id: bytes, ev: Event,
+               fields: Mapping[str, str]) -> None:
+        """An entry written by this process (the embedded server's listener; ``fd serve``'s
+        engine publishing a step): handed as it is to each subscription that has seen every
+        entry up to ``before``, instead of being read back and decoded (the read and decode of
+        a step's tokens were a fifth of the loop's time at 32 streams). Any other
+        subscription (behind, or new) gets it from the read as before; the read in progress
+        moves past it for the ones that took it, so nothing comes twice or is skipped."""
+        shard = self._where.get(key)
+        subs = None if shard is None or self._stopping else shard.subs.get(key)
+        if not subs:
+            return
+        taken = 0
+        idk = None
+        for sub in subs:
+            if sub._ended or sub._last != before:
+                continue
+            if idk is None:
+                idk = entry_id_key(entry_id)
+                if not ev.ts:  # as a reader decodes it: stamped when it was encoded
+                    ev = dataclasses.replace(ev, ts=int(fields["ts"]))
+            sub._offer(entry_id, idk, ev)
+            self.events += 1
+            taken += 1
+        if not taken:
+            return
+        reading = shard.reading
+        if reading is not None and key in reading:
+            reading[key] = min(subs, key=lambda s: s._last).last_id
+        if type(ev) is Tokens and ev.step > self._shown_step:
+            self._shown_step = ev.step
+            if not self._show_pending:  # once the subscribers woken now have run
+                self._show_pending = True
+                asyncio.get_running_loop().call_soon(self._shown)
+        if isinstance(ev, Final) and taken == len(subs):
+            shard.subs.pop(key, None)
+            self._where.pop(key, None)
+
+    def _shown(self) -> None:
+        self._show_pending = False
+        if self._shown_step > self.newest_step:
+            self.newest_step = self._shown_step
 
     async def subscribe(self, request_id: str, after: bytes | str = b"0") -> Subscription:
         """Events of ``request_id`` after entry ``after`` (exclusive; ``0`` = from the start)."""

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import logging
 import threading
 import time
+from typing import Any, Callable
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
@@ -36,6 +38,8 @@ from fakeredis._socket._async import AsyncFakeSocket
 from fakeredis.model._stream import MAX_KEY, StreamEntryKey, XStream
 
 from control.connect import MAX_CONNECTIONS, POOL_WAIT_S
+
+log = logging.getLogger("control.embedded")
 
 
 class _Fields(list):
@@ -84,6 +88,14 @@ def _append(server, db, key: bytes, values, node_limits: tuple[int, int]) -> byt
     appended to (created if absent, its TTL kept), watchers and blocked readers notified.
     Returns the entry id, or None — nothing done — for what only fakeredis' own XADD does
     right (a key of another type, keyspace notifications on, exhausted ids)."""
+    done = _append_after(server, db, key, values, node_limits)
+    return None if done is None else done[0]
+
+
+def _append_after(server, db, key: bytes, values,
+                  node_limits: tuple[int, int]) -> tuple[bytes, StreamEntryKey] | None:
+    """:func:`_append`, also returning the id the stream ended at before the entry (a reader
+    that has seen up to that id has seen everything before the new entry)."""
     if server.config.get(b"notify-keyspace-events"):
         return None
     with server.lock:
@@ -97,7 +109,8 @@ def _append(server, db, key: bytes, values, node_limits: tuple[int, int]) -> byt
         if item is not None and type(item.value) is not XStream:
             return None  # WRONGTYPE, said by the generic path
         stream = XStream() if item is None else item.value
-        if stream.last_id == MAX_KEY:
+        before = stream.last_id
+        if before == MAX_KEY:
             return None
         entry = stream.next_id(None, True)
         if entry is None:
@@ -110,7 +123,7 @@ def _append(server, db, key: bytes, values, node_limits: tuple[int, int]) -> byt
         if item is None:
             db[key] = Item(stream)
         db.notify_watch(key)  # WATCHers, and readers blocked on the database
-    return entry.encode()
+    return entry.encode(), before
 
 
 class _Direct:
@@ -130,8 +143,9 @@ class _Direct:
     client's own commands while the server is marked disconnected. ``None``: not done (a key
     of another type, keyspace notifications on): the caller takes the ordinary path."""
 
-    def __init__(self, server):
+    def __init__(self, server, listeners: list[Callable[..., None]]):
         self._server = server
+        self._listeners = listeners  # the server's: every in-process client's appends
 
     def _check(self) -> None:
         if not self._server.connected:
@@ -141,7 +155,9 @@ class _Direct:
 
     _names: dict[str, bytes] = {}  # field names, encoded once and shared by every entry
 
-    def append(self, stream: str, fields: dict[str, str]) -> bytes | None:
+    def append(self, stream: str, fields: dict[str, str], event: Any = None) -> bytes | None:
+        """``event``: what ``fields`` encode, handed with the new entry's id to the in-process
+        listeners (:meth:`listen`) once it is written."""
         self._check()
         server = self._server
         names = self._names
@@ -155,7 +171,31 @@ class _Direct:
         cfg = server.config
         limits = (int(cfg.get(b"stream-node-max-entries", 100)),
                   int(cfg.get(b"stream-node-max-bytes", 4096)))
-        return _append(server, server.dbs[0], stream.encode(), values, limits)
+        key = stream.encode()
+        done = _append_after(server, server.dbs[0], key, values, limits)
+        if done is None:
+            return None
+        entry, before = done
+        if event is not None:
+            for listener in self._listeners:
+                try:
+                    listener(key, before, entry, event, fields)
+                except Exception:  # a reader's bug must not cost the write
+                    log.exception("in-process stream listener failed")
+        return entry
+
+    def listen(self, listener: Callable[..., None]) -> Callable[[], None]:
+        """Call ``listener(key, before, entry_id, event, fields)`` after each append made
+        with an ``event`` by any in-process client of this server, on the appending thread
+        (the event loop's: in-process clients are used there only); ``before`` is the id the
+        stream ended at before it. Returns the function that stops it. Appends from the TCP
+        door (redis-cli, other processes) are not told: readers still read those."""
+        self._listeners.append(listener)
+
+        def stop() -> None:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+        return stop
 
     def _db(self):
         """The database, its clock set (as fakeredis sets it before each command); under the
@@ -466,6 +506,7 @@ class EmbeddedRedis:
         self._thread: threading.Thread | None = None
         self._expirer: threading.Thread | None = None
         self._stopped = threading.Event()
+        self._listeners: list[Callable[..., None]] = []  # see _Direct.listen
 
     @property
     def url(self) -> str:
@@ -525,8 +566,9 @@ class EmbeddedRedis:
                          connection_class=_DirectConnection,
                          connection_pool_class=aioredis.BlockingConnectionPool,
                          max_connections=MAX_CONNECTIONS, timeout=POOL_WAIT_S)
-        direct = _Direct(self.fake_server)
+        direct = _Direct(self.fake_server, self._listeners)
         client.fd_append = direct.append
+        client.fd_listen = direct.listen
         client.fd_tombstones = direct.tombstones
         client.fd_set_nx_get = direct.set_nx_get
         client.fd_get = direct.get

@@ -394,6 +394,40 @@ async def test_mux_resume_after_entry_id(bus, keys):
         await mux.stop()
 
 
+async def test_mux_resume_added_while_a_read_is_in_flight_misses_nothing(real_bus, keys):
+    """A subscription from an earlier id, made while a read for the same key is on its way
+    back (a client resuming with Last-Event-ID while another streams the request live), gets
+    no entry of that read — it would skip the ones in between — and the next read serves it
+    from its own id. Before: it took the read's entries and lost the four before them."""
+    bus = real_bus
+    evs = story("rr", n_tokens=8)
+    key = keys.req("rr")
+    mux = StreamMux(bus.redis, keys, "api-rr", block_ms=5000)
+    await mux.start()
+    ids = await bus.publish_many([(key, e) for e in evs[:6]])
+    live = await mux.subscribe("rr")
+    first = [await asyncio.wait_for(live.__anext__(), 5) for _ in range(6)]
+    late: list = []
+    real_xread = bus.redis.xread
+
+    async def xread(streams, **kw):
+        res = await real_xread(streams, **kw)
+        if not late and any(k == key.encode() for k, _ in res or ()):
+            late.append(await mux.subscribe("rr", after=ids[1]))  # before the read is handed out
+        return res
+
+    bus.redis.xread = xread
+    try:
+        ids += await bus.publish_many([(key, e) for e in evs[6:]])
+        rest = await asyncio.wait_for(_collect(live), 5)
+        got_late = await asyncio.wait_for(_collect(late[0]), 5)
+    finally:
+        del bus.redis.xread
+        await mux.stop()
+    assert [i for i, _ in first + rest] == ids
+    assert [i for i, _ in got_late] == ids[2:]
+
+
 async def test_mux_skips_junk_and_stops_cleanly(bus, keys):
     mux = StreamMux(bus.redis, keys, "api-1", block_ms=500)
     await mux.start()

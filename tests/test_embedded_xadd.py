@@ -116,7 +116,7 @@ async def test_bus_publish_many_appends_directly_in_order(embedded_redis, k):
     client = embedded_redis.client()
     appended = []
     real = client.fd_append
-    client.fd_append = lambda stream, fields: appended.append(stream) or real(stream, fields)
+    client.fd_append = lambda stream, fields, event=None: appended.append(stream) or real(stream, fields, event)
     try:
         bus = Bus(client, Keys(k("p")))
         a, b = bus.keys.req("a"), bus.keys.req("b")
