@@ -185,15 +185,23 @@ class Event:
 
     def encode(self) -> dict[str, str]:
         """Flat string fields, as ``redis-cli XADD`` would have written them."""
+        cls = type(self)
+        names = _ENCODE_NAMES.get(cls)
+        if names is None:  # (looked up once a class: an engine step encodes one per request)
+            names = _ENCODE_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
         out = {"type": self.TYPE}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
+        for name in names:
+            value = getattr(self, name)
             if value is None:
                 continue
-            out[f.name] = _encode_value(value)
+            t = type(value)
+            out[name] = value if t is str else str(value) if t is int else _encode_value(value)
         if not self.ts:
             out["ts"] = str(now_ms())
         return out
+
+
+_ENCODE_NAMES: dict[type, tuple[str, ...]] = {}
 
 
 # control stream -------------------------------------------------------------
@@ -372,7 +380,7 @@ def _encode_value(value: Any) -> str:
     if isinstance(value, (int, float, str)):
         return str(value)
     if isinstance(value, tuple):
-        return ",".join(str(x) for x in value)
+        return ",".join(map(str, value))
     if isinstance(value, RequestData):
         return orjson.dumps(value.to_json()).decode()
     if isinstance(value, dict):

@@ -768,7 +768,10 @@ class EngineNode:
                 evs += mine
         if evs:
             self._emit(evs)
-            task = asyncio.ensure_future(self._flush_quietly())
+            loop = asyncio.get_running_loop()
+            # (fd serve's loop runs it before the rest of the turn: the stage-1 event is out now)
+            urgent = getattr(loop, "create_urgent_task", None)
+            task = (urgent or loop.create_task)(self._flush_quietly())
             self._bg.add(task)
             task.add_done_callback(self._bg.discard)
             self._wake.set()
@@ -900,7 +903,10 @@ class EngineNode:
         evs = self.sched.skipped(step, rids)
         if evs:
             self._emit(evs)
-            task = asyncio.ensure_future(self._flush_quietly())
+            loop = asyncio.get_running_loop()
+            # (fd serve's loop runs it before the rest of the turn: the stage-1 event is out now)
+            urgent = getattr(loop, "create_urgent_task", None)
+            task = (urgent or loop.create_task)(self._flush_quietly())
             self._bg.add(task)
             task.add_done_callback(self._bg.discard)
 

@@ -326,3 +326,93 @@ def test_what_sockets_bring_goes_ahead_of_queued_work_in_the_order_it_came():
 
     order = run(main)
     assert sorted(order[:2]) == ["read0:x", "read1:x"] and order[2:] == ["api0", "api1", "api2"]
+
+
+def _long_turn_with_input_midway(loop_factory) -> list[str]:
+    """A turn of 60 queued callbacks; the second one makes a socket readable. Returns the
+    order in which things ran."""
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        order: list[str] = []
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        loop.add_reader(a.fileno(), lambda: order.append(f"read:{a.recv(16).decode()}"))
+
+        def work(i: int) -> None:
+            order.append(f"w{i}")
+            if i == 1:
+                b.send(b"eof")
+
+        for i in range(60):
+            loop.call_soon(work, i)
+        while not any(x.startswith("read") for x in order):
+            await asyncio.sleep(0)
+        loop.remove_reader(a.fileno())
+        a.close()
+        b.close()
+        return [x for x in order if x.startswith(("w", "read"))]
+
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        return runner.run(main())
+
+
+def test_a_long_turn_looks_at_the_sockets_again_every_few_callbacks():
+    """A hang-up (any input) that arrives during a long turn of stream writes is read after
+    at most POLL_EVERY more callbacks, not after the whole turn."""
+    order = _long_turn_with_input_midway(EngineFirstLoop)
+    at = order.index("read:eof")
+    assert 2 <= at <= 2 + EngineFirstLoop.POLL_EVERY + 1, order
+    assert [x for x in order if x != "read:eof"] == [f"w{i}" for i in range(60)]
+    # the same on asyncio's own loop: read only after the whole turn
+    plain = _long_turn_with_input_midway(asyncio.SelectorEventLoop)
+    assert plain.index("read:eof") == 60
+
+
+def test_a_long_busy_run_queues_one_look_at_a_time():
+    """Each look queues the next, never more: a loop with a long ready queue for many turns
+    does not fill up with looks (it used to, and spun)."""
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        stop = False
+
+        def again(i: int) -> None:
+            if not stop:
+                loop.call_soon(again, i)
+
+        for i in range(100):
+            loop.call_soon(again, i)
+        for _ in range(50):
+            await asyncio.sleep(0)
+            assert list(loop._ready).count(loop._poll) <= 1
+            assert len(loop._ready) <= 102
+        stop = True
+        return loop.mid_turn_polls
+
+    assert run(main) >= 50 * (100 // EngineFirstLoop.POLL_EVERY) // 2
+
+
+def test_an_urgent_task_starts_ahead_of_what_is_ready_and_stays_there():
+    async def main():
+        loop = asyncio.get_running_loop()
+        order: list[str] = []
+        gate = loop.create_future()
+
+        async def abort_stage_one():
+            order.append("urgent:start")
+            await gate
+            order.append("urgent:woken")
+
+        for i in range(3):
+            loop.call_soon(order.append, f"api{i}")
+        task = loop.create_urgent_task(abort_stage_one())
+        await asyncio.sleep(0)
+        for i in range(3, 5):
+            loop.call_soon(order.append, f"api{i}")
+        gate.set_result(None)
+        await task
+        return order
+
+    order = run(main)
+    assert order[0] == "urgent:start" and order.index("urgent:woken") < order.index("api3")
