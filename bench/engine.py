@@ -194,32 +194,31 @@ async def node_part(worker, timer: WorkerTimer, runner: TimedRunner, tok, llm, b
     emb = EmbeddedRedis()
     emb.start()
     srv = start_redis_server() if real_redis else None
-    engines: dict[str, tuple] = {}
+    kinds = [kind for kind, _ in NODE_KINDS if kind != "async_redis" or srv is not None]
     try:
-        # All three share the one worker (one model copy); they take turns, a run at a time.
-        for kind, _ in NODE_KINDS:
-            if kind == "async_redis" and srv is None:
-                continue
-            factory = (lambda: connect(srv.url)) if kind == "async_redis" else emb.client
-            eng = await start_engine(factory, Keys(f"bench-{kind}"), EngineOptions(
-                model_dir="unused", num_blocks=worker.num_blocks,
-                max_num_seqs=max(64, max(batches)), async_scheduling=kind != "sync",
-                engine_id=f"bench-{kind}"), runner=worker, tokenizer=tok)
-            engines[kind] = (eng, FinalCounter(eng.node.bus))
         for rep in range(reps):
             for b in batches:
-                # in-process LLM in a thread, so the nodes' loops keep their heartbeats going
-                r = await asyncio.to_thread(run_llm, llm, runner, b, max_tokens, rep)
+                r = run_llm(llm, runner, b, max_tokens, rep)
                 results["llm"][b].append(r)
                 bar.update(1)
-                for kind, (eng, counter) in engines.items():
-                    r = await run_node(eng, counter, timer, b, max_tokens, rep, f"r{rep}b{b}")
+                # All three share the one worker (one model copy), so they take turns: each
+                # engine runs for its run only (the worker's replies are read by the loop of
+                # the one node that runs; two nodes on one pipe would read each other's).
+                for kind in kinds:
+                    factory = (lambda: connect(srv.url)) if kind == "async_redis" else emb.client
+                    eng = await start_engine(factory, Keys(f"bench-{kind}"), EngineOptions(
+                        model_dir="unused", num_blocks=worker.num_blocks,
+                        max_num_seqs=max(64, max(batches)), async_scheduling=kind != "sync",
+                        engine_id=f"bench-{kind}"), runner=worker, tokenizer=tok)
+                    try:
+                        r = await run_node(eng, FinalCounter(eng.node.bus), timer, b, max_tokens,
+                                           rep, f"r{rep}b{b}")
+                    finally:
+                        await eng.stop()
                     results[kind][b].append(r)
                     bar.update(1)
         results["rss_after_node_mb"] = peak_rss_mb()
     finally:
-        for eng, _ in engines.values():
-            await eng.stop()
         emb.stop()
         if srv is not None:
             srv.stop()
