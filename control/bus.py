@@ -232,6 +232,9 @@ class Bus:
             pipe = self.redis.pipeline(transaction=False)
         else:
             results = None
+        if ack and append is not None and len(pipe) == 0 and self.redis.fd_ack_delete(
+                self.keys.requests, GROUP_ENGINES, list(ack)) is not None:
+            ack = ()  # every item went directly: so did the acks, after them
         if ack:
             # A finished request leaves P:requests altogether, so the stream holds only work
             # not yet done and needs no MAXLEN (which would drop unclaimed requests).
@@ -328,9 +331,14 @@ class Bus:
 
     async def claim_requests(self, consumer: str, count: int, block_ms: int | None) -> list[tuple[bytes, Request]]:
         """Up to ``count`` new requests for ``consumer``; ``block_ms=None`` does not block."""
+        direct = getattr(self.redis, "fd_read_group", None)  # the embedded in-process client
+        resp = None
+        if direct is not None and block_ms is None:
+            resp = direct(self.keys.requests, GROUP_ENGINES, consumer, count)
         try:
-            resp = await self.redis.xreadgroup(GROUP_ENGINES, consumer, {self.keys.requests: ">"},
-                                               count=count, block=block_ms)
+            if resp is None:
+                resp = await self.redis.xreadgroup(GROUP_ENGINES, consumer, {self.keys.requests: ">"},
+                                                   count=count, block=block_ms)
         except ResponseError as e:
             if "NOGROUP" not in str(e):
                 raise

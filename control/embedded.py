@@ -250,6 +250,56 @@ class _Direct:
                 out.append(True)
         return out
 
+    def read_group(self, key: str, group: str, consumer: str,
+                   count: int | None) -> list | None:
+        """``XREADGROUP GROUP group consumer [COUNT n] STREAMS key >`` without BLOCK (the
+        client's ``fd_read_group``: an engine's claim, which the model waits for), in redis-py's
+        reply shape. None, with nothing read: no such stream or group, or a key of another
+        type — the ordinary XREADGROUP says what is wrong."""
+        self._check()
+        server = self._server
+        kb = key.encode()
+        with server.lock:
+            try:
+                item = self._db()[kb]
+            except KeyError:
+                return None
+            stream = item.value
+            if type(stream) is not XStream:
+                return None
+            grp = stream.group_get(group.encode())
+            if grp is None:
+                return None
+            records = grp.group_read(consumer.encode(), b">", count, False)
+        if not records:
+            return []
+        return [[kb, [(eid, dict(zip(f[0::2], f[1::2]))) for eid, f in records]]]
+
+    def ack_delete(self, key: str, group: str, ids: list[bytes]) -> tuple[int, int] | None:
+        """``XACK key group id...`` then ``XDEL key id...`` (``fd_ack_delete``: the requests a
+        flush finished leave ``P:requests``); the two counts. None, with nothing done: a key of
+        another type, or keyspace notifications on."""
+        self._check()
+        server = self._server
+        if server.config.get(b"notify-keyspace-events"):
+            return None
+        kb = key.encode()
+        with server.lock:
+            db = self._db()
+            try:
+                item = db[kb]
+            except KeyError:
+                return 0, 0
+            stream = item.value
+            if type(stream) is not XStream:
+                return None
+            grp = stream.group_get(group.encode())
+            acked = grp.ack(tuple(ids)) if grp is not None else 0
+            deleted = stream.delete(list(ids))
+            if deleted:
+                db.notify_watch(kb)
+        return acked, deleted
+
     def set_nx_get(self, keys: list[str], value: str, ttl_s: int) -> list[bytes | None] | None:
         """``SET key value NX GET EX ttl`` for each key (``fd_set_nx_get``: an engine owning
         the requests it claims, a burst of them at once): each key's old value, None where it
@@ -571,6 +621,8 @@ class EmbeddedRedis:
         client.fd_listen = direct.listen
         client.fd_tombstones = direct.tombstones
         client.fd_set_nx_get = direct.set_nx_get
+        client.fd_read_group = direct.read_group
+        client.fd_ack_delete = direct.ack_delete
         client.fd_get = direct.get
         client.fd_exists = direct.exists
         client.fd_expire = direct.expire

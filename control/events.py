@@ -68,7 +68,9 @@ class SamplingParams:
         return self.temperature <= 0.0 or self.top_k == 1
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
+        # (not dataclasses.asdict: its deep copy of nine plain values was ~10 µs of every
+        # request's way in)
+        d = {name: getattr(self, name) for name in _SAMPLING_NAMES}
         d["stop"] = list(self.stop)
         d["stop_token_ids"] = list(self.stop_token_ids)
         return d
@@ -119,7 +121,8 @@ class SamplingParams:
         return cls(**kw)
 
 
-_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+_SAMPLING_NAMES = tuple(f.name for f in dataclasses.fields(SamplingParams))
+_SAMPLING_FIELDS = frozenset(_SAMPLING_NAMES)
 
 
 @dataclass(frozen=True, slots=True)

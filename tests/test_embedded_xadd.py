@@ -366,3 +366,84 @@ async def test_claims_own_their_requests_directly_as_set_nx_get_would(clients, k
     bus = Bus(fast, Keys(k("p")))
     await tcp.set(bus.keys.owner("lost"), "e0")
     assert await bus.try_own_many(["won", "lost"], "e1", 60) == [(True, "e1"), (False, "e0")]
+
+
+async def test_a_direct_claim_and_ack_match_xreadgroup_xack_and_xdel(clients, k):
+    """fd_read_group (an engine's claim without BLOCK) and fd_ack_delete (a flush's finished
+    requests leaving P:requests) against XREADGROUP, XACK and XDEL through the TCP door, on
+    two groups fed the same entries: the same replies, the same pending lists and stream."""
+    fast, tcp = clients
+    a, b = k("reqs-a"), k("reqs-b")
+    for key in (a, b):
+        await tcp.xgroup_create(key, "g", id="0", mkstream=True)
+    ids = {a: [], b: []}
+    for i in range(7):
+        for key in (a, b):
+            ids[key].append(await tcp.xadd(key, {"type": "request", "n": str(i)}))
+
+    def same(x, y):  # (the two streams' entry ids differ; their order and fields do not)
+        return [[f for _, f in es] for _, es in x] == [[f for _, f in es] for _, es in y]
+
+    first = fast.fd_read_group(a, "g", "c1", 3)
+    assert same(first, await tcp.xreadgroup("g", "c1", {b: ">"}, count=3))
+    assert [e for e, _ in first[0][1]] == ids[a][:3] and first[0][0] == a.encode()
+    rest = fast.fd_read_group(a, "g", "c2", None)
+    assert same(rest, await tcp.xreadgroup("g", "c2", {b: ">"}))
+    assert fast.fd_read_group(a, "g", "c1", 5) == [] == (await tcp.xreadgroup("g", "c1", {b: ">"}, count=5) or [])
+    for key in (a, b):  # both groups now hold the same pending entries, per consumer
+        p = await tcp.xpending(key, "g")
+        assert p["pending"] == 7 and sorted(c["pending"] for c in p["consumers"]) == [3, 4]
+
+    done = [ids[a][0], ids[a][4], b"1-1"]  # (one id that is not there)
+    assert fast.fd_ack_delete(a, "g", done) == (2, 2)
+    assert (await tcp.xack(b, "g", ids[b][0], ids[b][4], b"1-1"),
+            await tcp.xdel(b, ids[b][0], ids[b][4], b"1-1")) == (2, 2)
+    assert (await tcp.xpending(a, "g"))["pending"] == (await tcp.xpending(b, "g"))["pending"] == 5
+    assert [f for _, f in await tcp.xrange(a)] == [f for _, f in await tcp.xrange(b)]
+    assert await tcp.xlen(a) == 5
+
+    # nothing to go on: the ordinary command says what is wrong
+    assert fast.fd_read_group(k("none"), "g", "c1", 1) is None
+    assert fast.fd_read_group(a, "nogroup", "c1", 1) is None
+    await tcp.set(k("str"), "x")
+    assert fast.fd_read_group(k("str"), "g", "c1", 1) is None
+    assert fast.fd_ack_delete(k("str"), "g", [b"1-1"]) is None
+    assert fast.fd_ack_delete(k("none"), "g", [b"1-1"]) == (0, 0)
+
+
+async def test_an_engine_claims_and_acks_directly_on_the_embedded_client(embedded_redis, k, monkeypatch):
+    """Bus.claim_requests without BLOCK and the acks of publish_many take the direct paths
+    (no XREADGROUP, XACK or XDEL command reaches fakeredis), and a vanished group is still
+    recreated by the ordinary path."""
+    from control import events as E
+    from control.bus import Bus
+    from control.embedded import _DirectConnection
+    from control.keys import Keys
+
+    client = embedded_redis.client()
+    try:
+        bus = Bus(client, Keys(k("p")))
+        await bus.ensure_group()
+        sent = []
+        real = _DirectConnection.pack_command
+
+        def spy(self, *args):  # every command of the client, alone or in a pipeline
+            sent.append(args[0])
+            return real(self, *args)
+        monkeypatch.setattr(_DirectConnection, "pack_command", spy)
+        data = E.RequestData(prompt_token_ids=(1, 2), sampling=E.SamplingParams(max_tokens=2))
+        for rid in ("d1", "d2"):
+            await bus.submit(E.Request(request_id=rid, data=data), E.Accepted(request_id=rid))
+        got = await bus.claim_requests("e1", 10, None)
+        assert [r.request_id for _, r in got] == ["d1", "d2"]
+        await bus.publish_many([(bus.keys.req("d1"), E.Final(request_id="d1", finish_reason="length"))],
+                               ack=[got[0][0]])
+        names = {(c.decode() if isinstance(c, bytes) else c).split()[0].upper() for c in sent}
+        assert not {"XREADGROUP", "XACK", "XDEL"} & names, names
+        assert await client.xlen(bus.keys.requests) == 1
+        assert (await client.xpending(bus.keys.requests, "engines"))["pending"] == 1
+        await client.delete(bus.keys.requests)  # FLUSHALL-like: the group is gone
+        await bus.submit(E.Request(request_id="d3", data=data), E.Accepted(request_id="d3"))
+        assert [r.request_id for _, r in await bus.claim_requests("e1", 10, None)] == ["d3"]
+    finally:
+        await client.aclose()
