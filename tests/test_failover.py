@@ -31,16 +31,19 @@ async def _n_tokens(bus, rid):
 
 async def test_dead_engines_request_is_continued_exactly(real_bus, engines, tiny_runner,
                                                          tiny_tokenizer):
-    ref = _reference(tiny_runner, tiny_tokenizer, 40)
+    # 100 tokens at >= 20 ms a step: A is still at it when it is killed (with 40, a fast
+    # model finished them all within the 0.8 s below)
+    n = 100
+    ref = _reference(tiny_runner, tiny_tokenizer, n)
     a = await engines.start("A", delay=0.02)
-    await submit(real_bus, "r", PROMPT, max_tokens=40, ignore_eos=True)
+    await submit(real_bus, "r", PROMPT, max_tokens=n, ignore_eos=True)
     await wait_for(lambda: _n_tokens(real_bus, "r"), what="A's first tokens")
     b = await engines.start("B")
     # B scans for orphans every 0.2 s, but A is alive: B never takes its request
     await asyncio.sleep(0.8)
     evs = [e for _, e in await real_bus.read_req("r")]
     assert [e.engine for e in evs if isinstance(e, Claimed)] == ["A"]
-    assert 0 < len(tokens_of(evs)) < 40
+    assert 0 < len(tokens_of(evs)) < n
     await kill(a)
     evs = await story(real_bus, "r", timeout=20)
     claims = [e for e in evs if isinstance(e, Claimed)]
@@ -49,8 +52,8 @@ async def test_dead_engines_request_is_continued_exactly(real_bus, engines, tiny
     assert text_of(evs) == ref.text
     assert types(evs).count("final") == 1 and types(evs)[-1] == "final"
     assert evs[-1].finish_reason == "length" and evs[-1].engine == "B"
-    assert evs[-1].usage == {"prompt_tokens": len(PROMPT), "completion_tokens": 40,
-                             "total_tokens": len(PROMPT) + 40}
+    assert evs[-1].usage == {"prompt_tokens": len(PROMPT), "completion_tokens": n,
+                             "total_tokens": len(PROMPT) + n}
     assert (await real_bus.redis.xpending(real_bus.keys.requests, "engines"))["pending"] == 0
     assert await real_bus.owner("r") == "B"
     await all_blocks_free(b.node)
