@@ -218,9 +218,6 @@ class JournalRecorder:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
-    def aborting(self) -> bool:
-        return self.scheduler.aborting()
-
     def can_admit(self) -> int:
         return self.scheduler.can_admit()
 

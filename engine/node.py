@@ -332,12 +332,8 @@ class EngineNode:
     # ------------------------------------------------------------------ step loop
 
     def _urgent(self) -> bool:
-        """An aborted request waits for the result of a step in flight (its blocks come back
-        when this loop folds it in: the API's turn must not hold that up), or: every step
-        handed to the runner has finished (it waits for this loop), and either requests wait
-        to be claimed or the clients have been shown the last step's tokens."""
-        if self.sched.aborting():
-            return True
+        """Every step handed to the runner has finished (it waits for this loop), and either
+        requests wait to be claimed or the clients have been shown the last step's tokens."""
         if not all(fut.done() for _, fut, _ in self._flying):
             return False
         delivered = self.delivered_step

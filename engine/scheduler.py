@@ -53,7 +53,6 @@ class Scheduler:
         self._in_flight_ids: dict[str, int] = {}  # request id -> in-flight steps holding it
         # step -> aborting requests the runner said it left out of that in-flight step
         self._skipped: dict[int, set[str]] = {}
-        self._aborting: set[str] = set()  # aborted, waiting for a step in flight to end
         # A speculative schedule() met a decision (preemption) that needs no step in flight.
         self._stalled = False
         self._pending: list[Event] = []
@@ -92,11 +91,6 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self._running or self._waiting)
-
-    def aborting(self) -> bool:
-        """An aborted request waits for a step in flight to end before its blocks go back:
-        the engine should fold that step's result in as soon as it comes."""
-        return bool(self._aborting)
 
     def can_admit(self) -> int:
         """How many more requests to claim now.
@@ -210,7 +204,6 @@ class Scheduler:
         events.append(AbortRequested(request_id=request_id, source=source, step=self.step))
         if request_id in self._in_flight_ids:
             seq.aborting = source  # update() drains and releases it
-            self._aborting.add(request_id)
             return events
         self._drain(seq, events, self.step)  # (nothing discarded: no step held it)
         return events
@@ -480,7 +473,6 @@ class Scheduler:
             self._waiting.remove(seq)
         seq.status = Status.FINISHED
         del self._seqs[seq.request_id]
-        self._aborting.discard(seq.request_id)
         events.append(BlocksReleased(request_id=seq.request_id, count=count, step=step))
         events.append(Final(request_id=seq.request_id, finish_reason=reason, usage=seq.usage(),
                             stop_reason=stop_reason))
