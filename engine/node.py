@@ -768,12 +768,7 @@ class EngineNode:
                 evs += mine
         if evs:
             self._emit(evs)
-            loop = asyncio.get_running_loop()
-            # (fd serve's loop runs it before the rest of the turn: the stage-1 event is out now)
-            urgent = getattr(loop, "create_urgent_task", None)
-            task = (urgent or loop.create_task)(self._flush_quietly())
-            self._bg.add(task)
-            task.add_done_callback(self._bg.discard)
+            self._flush_soon()
             self._wake.set()
 
     async def _abort(self, rids: tuple[str, ...], source: str) -> None:
@@ -903,12 +898,17 @@ class EngineNode:
         evs = self.sched.skipped(step, rids)
         if evs:
             self._emit(evs)
-            loop = asyncio.get_running_loop()
-            # (fd serve's loop runs it before the rest of the turn: the stage-1 event is out now)
-            urgent = getattr(loop, "create_urgent_task", None)
-            task = (urgent or loop.create_task)(self._flush_quietly())
-            self._bg.add(task)
-            task.add_done_callback(self._bg.discard)
+            self._flush_soon()
+
+    def _flush_soon(self) -> None:
+        """Publish what an abort just emitted from a task of its own, without waiting for the
+        step loop; fd serve's loop runs that task before the rest of the turn, so the stage
+        reaches the request's stream at once."""
+        loop = asyncio.get_running_loop()
+        urgent = getattr(loop, "create_urgent_task", None)
+        task = (urgent or loop.create_task)(self._flush_quietly())
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
 
     async def _flush_quietly(self) -> None:
         try:
