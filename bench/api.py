@@ -40,6 +40,7 @@ from tqdm import tqdm  # noqa: E402
 from bench._common import (PROMPT_LEN, RESULTS, http_session, model_dir, p50, p99,  # noqa: E402
                            print_table, prompts, start_serve, stream_completion, wait_idle,
                            write_json)
+from bench.sse_client import stream_completion_lean  # noqa: E402
 
 
 def main_thread_cpu_s(pid: int) -> float:
@@ -70,13 +71,17 @@ def run_inprocess(llm, n: int, rounds: int, max_tokens: int, seed: int) -> dict:
 
 
 async def run_api(base: str, n: int, rounds: int, max_tokens: int, seed: int, tag: str,
-                  bar) -> dict:
+                  bar, client_kind: str = "lean") -> dict:
     ps = prompts(n * rounds, seed=seed)
     ttft, itl, errors, results = [], [], [], []
 
     async def client(session, c: int) -> None:
         for r in range(rounds):
-            res = await stream_completion(session, base, f"{tag}-c{c}-r{r}", ps[r * n + c], max_tokens)
+            rid, p = f"{tag}-c{c}-r{r}", ps[r * n + c]
+            if client_kind == "lean":
+                res = await stream_completion_lean(base, rid, p, max_tokens)
+            else:
+                res = await stream_completion(session, base, rid, p, max_tokens)
             results.append(res)
             bar.update(1)
 
@@ -122,6 +127,9 @@ def main() -> None:
     ap.add_argument("--redis-url", default=None, help="run fd serve on this Redis instead of the embedded one")
     ap.add_argument("--serve-arg", action="append", default=[],
                     help="an extra argument for fd serve (repeat), e.g. --serve-arg=--no-async-scheduling")
+    ap.add_argument("--client", choices=("lean", "aiohttp"), default="lean",
+                    help="the streaming client: lean (bench/sse_client.py: the least CPU taken "
+                         "from the server it measures) or aiohttp's")
     ap.add_argument("--output-json", default=str(RESULTS / "api.json"))
     args = ap.parse_args()
     conc = [int(x) for x in args.concurrency.split(",")]
@@ -142,7 +150,7 @@ def main() -> None:
                       extra=["--max-num-seqs", str(max(64, max(conc))), "--num-blocks", "2048",
                              *args.serve_arg], log_dir=tmp)
     out: dict = {"model": mdir, "server": "redis" if args.redis_url else "embedded",
-                 "serve_args": args.serve_arg,
+                 "serve_args": args.serve_arg, "client": args.client,
                  "rounds": args.rounds, "max_tokens": args.max_tokens, "runs": {}}
     try:
         asyncio.run(warm(srv.base, max(conc), 8))
@@ -152,7 +160,8 @@ def main() -> None:
             for i, n in enumerate(conc):
                 base_r = run_inprocess(llm, n, rounds[n], args.max_tokens, seed=i)
                 cpu0 = main_thread_cpu_s(srv.proc.pid)
-                api_r = asyncio.run(run_api(srv.base, n, rounds[n], args.max_tokens, i, f"a{i}n{n}", bar))
+                api_r = asyncio.run(run_api(srv.base, n, rounds[n], args.max_tokens, i, f"a{i}n{n}", bar,
+                                            args.client))
                 cpu_us = (main_thread_cpu_s(srv.proc.pid) - cpu0) / max(1, api_r["tokens"]) * 1e6
                 out["runs"][n] = {"requests": n * rounds[n], "inprocess": {**summarize(base_r), "wall_s": base_r["wall_s"]},
                                   "api": {**summarize(api_r), "wall_s": api_r["wall_s"],
@@ -176,7 +185,7 @@ def main() -> None:
     errs = sum(out["runs"][n]["api"]["num_errors"] for n in conc)
     text = print_table(f"api: streaming /v1/completions, {PROMPT_LEN}-token prompt, {args.max_tokens} "
                        f"output tokens, ignore_eos, greedy; closed loop, >= {args.min_requests} requests "
-                       f"and >= {args.rounds} per client; "
+                       f"and >= {args.rounds} per client ({args.client} client); "
                        f"control plane {out['server']}", headers, rows, nd=2)
     print("fd serve main thread CPU per output token (less noisy than tok/s on a shared machine): "
           + ", ".join(f"{n} streams {out['runs'][n]['api']['main_thread_cpu_us_per_token']:.0f} us" for n in conc))

@@ -54,6 +54,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "process; timed: the real scheduler, blocks and streams with the forward "
                         "pass replaced by a wait of --step-ms (a stand-in for a GPU)")
     p.add_argument("--step-ms", type=float, default=20.0, help="with --executor timed")
+    p.add_argument("--worker-cpus", default="none",
+                   help="CPUs of the model worker process (--executor paddle): none (default: "
+                        "the kernel decides), auto (the last CPU, the rest for this process; "
+                        "with at least two), or a list like 3 or 2-3 (see engine/affinity.py)")
     p.add_argument("--max-attempts", type=int, default=3,
                    help="engines a request may fail on (engine died) before it ends with an error")
     p.add_argument("--request-timeout", type=float, default=0.0,
@@ -114,7 +118,8 @@ def _engine_opts(args: argparse.Namespace, model_dir: Path):
                          request_timeout_s=args.request_timeout,
                          journal=not args.no_journal, journal_maxlen=args.journal_maxlen,
                          async_scheduling=not args.no_async_scheduling,
-                         executor=args.executor if args.executor != "timed" else "paddle")
+                         executor=args.executor if args.executor != "timed" else "paddle",
+                         worker_cpus=args.worker_cpus)
 
 
 def _runner(args: argparse.Namespace, model_dir: Path):
@@ -472,6 +477,12 @@ def main(argv: list[str] | None = None) -> int:
         # ops each re-take the GIL; at Python's default 5 ms switch interval the loop's I/O keeps
         # the step waiting. 0.5 ms: +12-15% tokens/s at 32 streams in `fd serve` (one run).
         sys.setswitchinterval(0.0005)
+        from engine.affinity import plan
+
+        try:
+            plan(args.worker_cpus)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
     from control.logs import setup_logging
 
     setup_logging(getattr(args, "log_level", "warning") if hasattr(args, "log_level") else "warning",

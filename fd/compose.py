@@ -34,6 +34,8 @@ class EngineOptions:
     # "paddle": the model in a worker process (its own core and GIL, beside the engine's event
     # loop); "paddle-thread": in the engine's own process, in a thread (tests, debugging).
     executor: str = "paddle"
+    # Where the model worker runs (engine/affinity.py): "auto", a CPU list, or "none".
+    worker_cpus: str = "none"
     journal: bool = True  # one P:journal:<engine> entry per step, for `fd replay`
     async_scheduling: bool = True  # decide step N+1 while step N runs
     journal_maxlen: int = 10_000  # entries kept (MAXLEN ~)
@@ -107,13 +109,24 @@ def _no_retries(client):
     return client
 
 
+def _cpu_list(cpus) -> str:
+    return ",".join(map(str, sorted(cpus)))
+
+
 def make_runner(opts: EngineOptions, progress: bool = True):
     kw = dict(device=opts.device, num_blocks=opts.num_blocks, block_size=opts.block_size,
               kv_cache_bytes=opts.kv_cache_mb << 20, progress=progress)
     if opts.executor == "paddle":
+        from engine import affinity
         from engine.worker import ProcessRunner
 
-        runner = ProcessRunner(opts.model_dir, **kw)
+        cpus = affinity.plan(opts.worker_cpus)
+        runner = ProcessRunner(opts.model_dir, cpus=cpus.worker if cpus else None, **kw)
+        if cpus is not None:
+            affinity.pin_this_process(cpus.rest)
+            affinity.log.info("model worker on CPUs %s, this process on CPUs %s",
+                              _cpu_list(cpus.worker), _cpu_list(cpus.rest),
+                              extra={"worker_cpus": sorted(cpus.worker), "cpus": sorted(cpus.rest)})
     elif opts.executor == "paddle-thread":
         from engine.model_runner import ModelRunner
 

@@ -207,6 +207,33 @@ def _children(pid: int, marker: bytes) -> list[int]:
     return out
 
 
+async def test_fd_serve_worker_cpus_auto_puts_the_worker_on_the_last_cpu(tmp_path):
+    port = free_port()
+    env = {**os.environ, "FD_CACHE_DIR": str(tmp_path / "cache")}
+    serve = _spawn("serve", "--port", str(port), "--worker-cpus", "auto", env=env)
+    try:
+        await _wait_healthy(f"http://127.0.0.1:{port}", [serve], timeout=90)
+        cpus = os.sched_getaffinity(0)
+        workers = _children(serve.pid, b"spawn_main")
+        assert len(workers) == 1
+        if len(cpus) >= 2:
+            assert os.sched_getaffinity(workers[0]) == {max(cpus)}
+            for tid in os.listdir(f"/proc/{serve.pid}/task"):  # every thread of fd serve
+                assert os.sched_getaffinity(int(tid)) == cpus - {max(cpus)}
+        else:
+            print(f"NOTE: one CPU here ({cpus}): --worker-cpus auto pins nothing; not checked")
+            assert os.sched_getaffinity(workers[0]) == cpus
+    finally:
+        code, out = _stop(serve)
+    assert code == 0, out
+
+
+def test_fd_serve_refuses_a_worker_cpu_it_cannot_have():
+    r = _fd("serve", "--worker-cpus", "4096")
+    assert r.returncode != 0
+    assert "--worker-cpus 4096: CPUs [4096] are not among this process's CPUs" in r.stderr
+
+
 async def test_fd_serve_whose_model_worker_dies_says_so_and_exits(tmp_path):
     """The model worker killed under a streaming request: `fd serve` says what died, closes
     the stream within a moment instead of keeping it open with keep-alives for a minute, and

@@ -1,0 +1,44 @@
+"""--worker-cpus: where the model worker runs and where the engine's process stays."""
+
+from __future__ import annotations
+
+import os
+import pytest
+
+from engine.affinity import CpuPlan, parse_cpus, plan
+from engine.worker import ProcessRunner
+
+
+def test_auto_gives_the_worker_the_last_cpu_and_keeps_the_rest():
+    assert plan("auto", {0, 1}) == CpuPlan(frozenset({1}), frozenset({0}))
+    assert plan("auto", {2, 5, 7}) == CpuPlan(frozenset({7}), frozenset({2, 5}))
+    assert plan("auto", {3}) is None  # one CPU: nothing to split
+    assert plan("none", {0, 1, 2}) is None
+
+
+def test_a_list_gives_the_worker_those_cpus():
+    assert plan("2-3", {0, 1, 2, 3}) == CpuPlan(frozenset({2, 3}), frozenset({0, 1}))
+    assert plan("0,3", {0, 1, 2, 3}) == CpuPlan(frozenset({0, 3}), frozenset({1, 2}))
+    # all of them to the worker: the process keeps them too (nothing else to give it)
+    assert plan("0-1", {0, 1}) == CpuPlan(frozenset({0, 1}), frozenset({0, 1}))
+    assert parse_cpus(" 1, 4-6 ") == {1, 4, 5, 6}
+
+
+@pytest.mark.parametrize("spec", ["x", "3-1", "-1", "", "1-a"])
+def test_a_bad_list_says_what_a_list_looks_like(spec):
+    with pytest.raises(ValueError, match="not a CPU list"):
+        plan(spec, {0, 1, 2, 3})
+
+
+def test_cpus_this_process_may_not_use_are_refused():
+    with pytest.raises(ValueError, match=r"CPUs \[9\] are not among this process's CPUs \[0, 1\]"):
+        plan("9", {0, 1})
+
+
+def test_the_worker_process_runs_on_the_cpus_it_was_given(tiny_model_dir):
+    cpu = max(os.sched_getaffinity(0))
+    runner = ProcessRunner(str(tiny_model_dir), num_blocks=16, cpus=frozenset({cpu}))
+    try:
+        assert os.sched_getaffinity(runner._proc.pid) == {cpu}
+    finally:
+        runner.close()

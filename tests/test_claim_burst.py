@@ -1,0 +1,55 @@
+"""A burst of requests in ``fd serve``: what the engine claims, and when its turn comes.
+
+The engine there claims when its API says it submitted (``on_local_arrival``) and otherwise
+only every CLAIM_POLL_S. A claim is capped (``max_num_waiting``); what it left behind must be
+claimed at the next chance, not after the poll (a wave of 32 was prefilled as 16, then the
+other 15 a poll later)."""
+
+from __future__ import annotations
+
+from control.bus import Bus
+from engine.node import EngineConfig, EngineNode
+from tests.enginekit import submit_together
+
+
+async def _node(embedded_redis, keys, tiny_runner, tiny_tokenizer) -> EngineNode:
+    node = EngineNode(Bus(embedded_redis.client(), keys), Bus(embedded_redis.client(), keys),
+                      tiny_runner, tiny_tokenizer,
+                      EngineConfig(engine_id="burst", max_num_seqs=64, max_num_waiting=16))
+    await node.prepare()
+    return node
+
+
+async def test_a_capped_claim_leaves_the_rest_for_the_next_chance_not_the_poll(
+        embedded_redis, keys, tiny_runner, tiny_tokenizer):
+    node = await _node(embedded_redis, keys, tiny_runner, tiny_tokenizer)
+    try:
+        await submit_together(node.bus, [(f"b{i}", [3, 4, 5], {"max_tokens": 2}) for i in range(20)])
+        node.on_local_arrival()  # what fd serve's API says after submitting
+        assert await node._claim(block=False) == 16  # the cap
+        assert len(node.sched.schedule().seqs) == 16  # the step that starts them
+        # at once (well inside CLAIM_POLL_S): the four it could not take
+        assert await node._claim(block=False) == 4
+        assert node.sched.num_waiting == 4 and node.sched.num_running == 16
+        # and nothing more announced or queued: the next chance does not read again
+        assert await node._claim(block=False) == 0 and not node._arrived
+    finally:
+        await node.bus.redis.aclose()
+        await node.control_bus.redis.aclose()
+
+
+async def test_an_idle_engine_lets_the_burst_being_submitted_go_first(
+        embedded_redis, keys, tiny_runner, tiny_tokenizer):
+    """fd serve's loop runs the engine's turn first while it is urgent. Idle with requests just
+    announced, it is not: the rest of the turn (more of the burst) is submitted first and one
+    claim takes it all. With a step whose result is in and requests waiting, it is."""
+    node = await _node(embedded_redis, keys, tiny_runner, tiny_tokenizer)
+    try:
+        assert node._urgent()  # idle, nothing announced: whatever wakes it goes first
+        node.on_local_arrival()
+        assert not node._urgent()
+        assert await node._claim(block=False) == 0  # (nothing was really there)
+        assert node._urgent()
+    finally:
+        await node.bus.redis.aclose()
+        await node.control_bus.redis.aclose()
