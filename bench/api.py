@@ -17,8 +17,13 @@ come from ``Generation.token_times``. Each concurrency runs the baseline, then t
 - also printed (and in the JSON): CPU time of ``fd serve``'s main thread (its event loop) per
   output token, which varies much less than tok/s when other work shares the machine.
 
+The clients are bench/sse_client.py's (a new connection per request, as TARGETS.md's): on a
+two-core machine the load generator's CPU is taken from the server it measures, and aiohttp's
+client took ~0.2 ms a connection (``--client aiohttp`` to compare).
+
 Usage: python bench/api.py [--model DIR] [--concurrency 1,8,32] [--rounds 2] [--min-requests 8]
-                          [--max-tokens 256] [--redis-url URL] [--output-json bench/results/api.json]
+                          [--max-tokens 256] [--redis-url URL] [--client lean|aiohttp]
+                          [--output-json bench/results/api.json]
 """
 
 from __future__ import annotations
