@@ -25,8 +25,9 @@ held. Other callbacks that always go first, each a few lines of work:
   and it is how a hang-up is seen: a closed connection's EOF waited behind a turn's queued
   stream writes (TARGETS release p99 at 32 streams 16.5–26.6 ms, with this 13.1–14.9);
 - a transport's ``_call_connection_lost`` (asyncio's way of saying a connection is gone) and
-  a task woken by a cancelled wait (aiohttp cancels the handler whose client hung up): a
-  hang-up reaches the engine's abort without queueing behind the streams it competes with.
+  a task woken by a cancelled wait (aiohttp cancels the handler whose client hung up), or
+  cancelled while its step was already queued (a token had woken it): a hang-up reaches the
+  engine's abort without queueing behind the streams it competes with.
 
 Relies on ``BaseEventLoop._ready`` (the deque of ready handles; unchanged since Python 3.4),
 ``_process_events`` and ``_add_callback`` (where a selector loop queues I/O events'
@@ -43,6 +44,11 @@ from typing import Callable
 
 def _always() -> bool:
     return True
+
+
+def _cancelled_task(handle: asyncio.Handle) -> bool:
+    task = getattr(handle._callback, "__self__", None)
+    return isinstance(task, asyncio.Task) and task.cancelling() > 0 and not handle._cancelled
 
 
 class EngineFirstLoop(asyncio.SelectorEventLoop):
@@ -165,8 +171,21 @@ class EngineFirstLoop(asyncio.SelectorEventLoop):
         elif getattr(callback, "__name__", None) == "_call_connection_lost" and not self.is_closed():
             # A connection is gone (asyncio's transports say so through this callback): aiohttp
             # then cancels its handler, whose client hung up.
-            return self._front(callback, args, context)
+            return self._front(self._lost, (callback, args), context)
         return super().call_soon(callback, *args, context=context)
+
+    def _lost(self, callback, args) -> None:
+        """A connection's end, then the step of any task it cancelled that was already
+        queued (woken by a token, say) goes first too: cancelling a task whose step is queued
+        only marks it, and at 128 streams its turn came up to 10 ms later, behind a step's
+        worth of token deliveries."""
+        callback(*args)
+        ready = self._ready
+        first = [h for h in ready if _cancelled_task(h)]
+        if first:
+            for h in first:
+                ready.remove(h)
+            ready.extendleft(reversed(first))
 
     def call_soon_threadsafe(self, callback, *args, context=None):
         if self.is_closed():
