@@ -3,18 +3,22 @@
 
 The worker computes steps back to back while the engine's process (in ``fd serve`` also the
 API) wakes for every request, token and hang-up. Left to the kernel on a two-core machine the
-two could land on the same core while the other sat idle: a pipe's wake-up puts the woken
-side on the waker's core (engine/worker.py now wakes its peer through an eventfd, which does
-not). Pinning them apart was measured beside that fix, ``bench/api.py`` at 32 streams, eight
-alternating pairs: throughput ratio median 0.99 pinned against 0.97 unpinned, added TTFT p50
-8.9 against 7.7 ms (the API, sharing its one core with the benchmark's clients, parses a burst
-more slowly). No clear win here, so the default is ``none``; on machines where the worker
-feeds an accelerator and cores are plentiful, giving it a core of its own is the usual advice.
+two kept landing on the same core while the other idled: a pipe write wakes its reader
+*synchronously*, Linux's hint that the writer is about to sleep, which places the reader on
+the writer's core; but neither sleeps (the worker goes on with the step queued behind the
+one it answered, the loop with HTTP), and the woken side waited up to 4 ms for its turn
+(traced in ``fd serve``: a step's result written, the loop running 4 ms later). Apart, each
+wakes on its own core. ``bench/api.py``, four alternating pairs, ``none`` against ``auto``:
+tokens/s ratio medians 0.84/0.88/0.96 against 0.87/0.93/1.00 at 1/8/32 streams, added TTFT
+p50 at 32 streams 6.6 against 5.8 ms (bench/README.md, session 5). Waking the other side
+through an eventfd instead (no synchronous hint) was tried and reverted: the woken side then
+went to the idle core, whose wake-up on this VM cost more (1 stream: -6% tokens/s).
 
 ``auto`` gives the worker the last CPU this process may use and keeps the rest for the
-engine's process (with at least two); a list (``3``, ``2-3``, ``0,4-5``) gives it those;
-``none`` leaves placement to the kernel. Several engines on one machine need a list each:
-``auto`` would give every worker the same CPU.
+engine's process (with at least two): the default of ``fd serve``, which runs one engine.
+A list (``3``, ``2-3``, ``0,4-5``) gives the worker those; ``none`` (the default of
+``fd engine``) leaves placement to the kernel: several engines on one machine need a list
+each, since ``auto`` would give every worker the same CPU.
 """
 
 from __future__ import annotations

@@ -9,22 +9,12 @@ waits on the pipe (which releases the GIL). A step's input and output are small 
 
 The worker exits when the pipe closes, so it never outlives its engine, even one killed with
 SIGKILL.
-
-Neither side sleeps on the pipe itself: each waits on an eventfd "doorbell" that the other
-rings after it writes. A pipe (or socketpair) write wakes its reader as a *synchronous*
-wake-up, Linux's hint that the writer is about to sleep, so the reader is put on the writer's
-CPU. Here the writer never sleeps: the worker goes on with the step queued behind the one it
-just answered, and the engine's loop goes on serving HTTP after it queued a step. On a
-two-core machine with the other core idle, the engine's loop then waited up to 4 ms for its
-turn on the worker's CPU before it saw a step's result (fd serve, a wave of 32 requests). An
-eventfd's wake-up carries no such hint: the woken side goes to an idle CPU.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import select
 import signal
 import time
 import traceback
@@ -33,21 +23,6 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from engine.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
-
-#: How often an idle worker looks at the pipe for its engine's end (the doorbell cannot ring
-#: for an engine killed with SIGKILL).
-IDLE_CHECK_S = 1.0
-
-
-def _ring(bell: int) -> None:
-    os.eventfd_write(bell, 1)
-
-
-def _clear(bell: int) -> None:
-    try:
-        os.eventfd_read(bell)
-    except BlockingIOError:
-        pass
 
 
 class WorkerError(RuntimeError):
@@ -102,20 +77,12 @@ class _StepDecoder:
             for rid, toks, start, table, sample, key, gen in seqs))
 
 
-def _worker_main(conn, model_dir: str, kwargs: dict[str, Any], cpus: frozenset[int] | None = None) -> None:
+def _worker_main(conn, model_dir: str, kwargs: dict[str, Any],
+                 cpus: frozenset[int] | None = None) -> None:
     # Ctrl-C reaches the whole process group; the worker stops when its engine closes the pipe.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if cpus:
         os.sched_setaffinity(0, cpus)  # before paddle starts any thread (engine/affinity.py)
-    from multiprocessing.reduction import recv_handle
-
-    bell_in, bell_out = recv_handle(conn), recv_handle(conn)  # (see the module's docstring)
-    os.set_blocking(bell_in, False)
-
-    def send(msg) -> None:
-        conn.send(msg)
-        _ring(bell_out)
-
     try:
         import engine  # noqa: F401  (its warning filters)
         from engine.model_runner import ModelRunner
@@ -125,12 +92,12 @@ def _worker_main(conn, model_dir: str, kwargs: dict[str, Any], cpus: frozenset[i
         # terminated by its parent (multiprocessing's exit clean-up) should just go.
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
-        send(("error", f"{type(e).__name__}: {e}"))
+        conn.send(("error", f"{type(e).__name__}: {e}"))
         return
-    send(("ready", {"num_blocks": runner.num_blocks,
-                    "eos_token_ids": tuple(runner.eos_token_ids),
-                    "max_model_len": runner.max_model_len,
-                    "vocab_size": runner.vocab_size}))
+    conn.send(("ready", {"num_blocks": runner.num_blocks,
+                         "eos_token_ids": tuple(runner.eos_token_ids),
+                         "max_model_len": runner.max_model_len,
+                         "vocab_size": runner.vocab_size}))
     queue: deque = deque()  # steps (and other requests) received, not yet run
     drops: dict[str, int] = {}  # aborting request -> the last step it may be left out of
     steps = _StepDecoder()
@@ -148,37 +115,34 @@ def _worker_main(conn, model_dir: str, kwargs: dict[str, Any], cpus: frozenset[i
     while True:
         try:
             if not queue:
-                # Sleep on the doorbell; now and then look at the pipe anyway, for its end.
-                select.select([bell_in], [], [], IDLE_CHECK_S)
-                _clear(bell_in)
-            while conn.poll():  # (drops sent while the last step ran apply to the next one)
+                take(conn.recv())
+                continue
+            while conn.poll():  # drops sent while the last step ran apply to the next one
                 take(conn.recv())
         except (EOFError, OSError):
             return
-        if not queue:
-            continue
         msg = queue.popleft()
         if msg is None:
             return
         try:
             if msg == "warmup":
                 runner.warmup()
-                send(("ok", None, 0.0))
+                conn.send(("ok", None, 0.0))
                 continue
             if drops:
                 left = [s.request_id for s in msg.seqs if drops.get(s.request_id, -1) >= msg.step]
                 if left:
                     # Said before the step starts, so the engine may release their blocks now:
                     # this step will not write them.
-                    send(("skipped", msg.step, left))
+                    conn.send(("skipped", msg.step, left))
                     msg = replace(msg, seqs=tuple(s for s in msg.seqs if s.request_id not in left))
                 for rid in [r for r, last in drops.items() if last <= msg.step]:
                     del drops[rid]
             t = time.perf_counter()
             out = runner.execute(msg)
-            send(("ok", (out.step, out.sampled, out.stopped), time.perf_counter() - t))
+            conn.send(("ok", (out.step, out.sampled, out.stopped), time.perf_counter() - t))
         except Exception:  # noqa: BLE001
-            send(("error", traceback.format_exc()))
+            conn.send(("error", traceback.format_exc()))
 
 
 class ProcessRunner:
@@ -192,26 +156,12 @@ class ProcessRunner:
                                  name="fd-model-worker", daemon=True)
         self._proc.start()
         child.close()
-        # The doorbells (module docstring): to the worker, and back, which this process's
-        # event loop waits on, together with the worker's exit (its sentinel), as one fd.
-        from multiprocessing.reduction import send_handle
-
-        self._bell_out = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
-        self._bell_in = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
-        self._ready = select.epoll()
-        self._ready.register(self._bell_in, select.EPOLLIN)
-        self._ready.register(self._proc.sentinel, select.EPOLLIN)
         try:
-            send_handle(self._conn, self._bell_out, self._proc.pid)
-            send_handle(self._conn, self._bell_in, self._proc.pid)
             kind, info = self._conn.recv()
-        except (EOFError, OSError):
-            self._proc.join(timeout=5)
-            self._close_bells()
+        except EOFError:
             raise WorkerError(f"the model worker exited with code {self._proc.exitcode}") from None
         if kind != "ready":
             self._proc.join(timeout=5)
-            self._close_bells()
             raise WorkerError(info)
         self.num_blocks: int = info["num_blocks"]
         self.eos_token_ids: tuple[int, ...] = info["eos_token_ids"]
@@ -225,25 +175,21 @@ class ProcessRunner:
         # starts a step without requests it was told to drop (:meth:`drop`).
         self.on_skipped: Callable[[int, list[str]], None] | None = None
 
-    def _send(self, msg: Any) -> None:
-        self._conn.send(msg)
-        _ring(self._bell_out)
-
     def _call(self, msg: Any) -> Any:
-        self._send(msg)
+        self._conn.send(msg)
         return self._collect()
 
     def submit(self, out: SchedulerOutput) -> None:
         """Queue a step on the pipe without waiting for it: the worker starts it the moment it
         is done with the one before, with no hand-off through this process's GIL. Results
         come back in submission order, one :meth:`collect` each."""
-        self._send(self._steps.encode(out))
+        self._conn.send(self._steps.encode(out))
 
     def drop(self, step: int, request_ids: list[str]) -> None:
         """Leave these (aborting) requests out of any submitted step up to ``step`` that has
         not started yet. A step that leaves some out says so before it starts
         (``on_skipped``), so their blocks can go back without waiting for it."""
-        self._send(("drop", step, tuple(request_ids)))
+        self._conn.send(("drop", step, tuple(request_ids)))
 
     def collect(self) -> RunnerOutput:
         """The result of the oldest submitted step (blocks; run it off the event loop)."""
@@ -251,9 +197,9 @@ class ProcessRunner:
         return RunnerOutput(step=step, sampled=sampled, stopped=stopped)
 
     def fileno(self) -> int:
-        """Readable when a reply has come or the worker is gone (for an event loop that reads
-        replies itself, :meth:`take_ready`). Not the pipe: see the module's docstring."""
-        return self._ready.fileno()
+        """The pipe's end in this process: readable when a reply has come (for an event loop
+        that reads replies itself, :meth:`take_ready`)."""
+        return self._conn.fileno()
 
     def take_ready(self) -> list[RunnerOutput | tuple[str, int, list[str]]]:
         """Every reply that has come, without waiting: step results (in submission order)
@@ -261,7 +207,6 @@ class ProcessRunner:
         WorkerError for a failed step or a dead worker."""
         out: list = []
         conn = self._conn
-        _clear(self._bell_in)  # (before reading: a reply after this rings again)
         while conn.poll():
             try:
                 reply = conn.recv()
@@ -303,17 +248,10 @@ class ProcessRunner:
     def warmup(self) -> None:
         self._call("warmup")
 
-    def _close_bells(self) -> None:
-        for fd in (self._bell_in, self._bell_out):
-            os.close(fd)
-        self._ready.close()
-
     def close(self) -> None:
-        if self._conn.closed:
-            return
         if self._proc.is_alive():
             try:
-                self._send(None)
+                self._conn.send(None)
             except (BrokenPipeError, OSError):
                 pass
             self._proc.join(timeout=5)
@@ -321,4 +259,3 @@ class ProcessRunner:
                 self._proc.kill()
                 self._proc.join()
         self._conn.close()
-        self._close_bells()

@@ -40,7 +40,7 @@ def _add_log_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-format", choices=("text", "json"), default="text")
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
+def _add_engine_args(p: argparse.ArgumentParser, worker_cpus: str = "none") -> None:
     p.add_argument("--model", default=None, help="HF-format model dir (default: a tiny random model)")
     p.add_argument("--device", default="cpu", help="cpu | gpu | gpu:N")
     p.add_argument("--engine-id", default=None)
@@ -54,10 +54,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "process; timed: the real scheduler, blocks and streams with the forward "
                         "pass replaced by a wait of --step-ms (a stand-in for a GPU)")
     p.add_argument("--step-ms", type=float, default=20.0, help="with --executor timed")
-    p.add_argument("--worker-cpus", default="none",
-                   help="CPUs of the model worker process (--executor paddle): none (default: "
-                        "the kernel decides), auto (the last CPU, the rest for this process; "
-                        "with at least two), or a list like 3 or 2-3 (see engine/affinity.py)")
+    p.add_argument("--worker-cpus", default=worker_cpus,
+                   help="CPUs of the model worker process (--executor paddle): auto (the last "
+                        "CPU, the rest for this process; with at least two), a list like 3 or "
+                        f"2-3, or none (the kernel decides); default {worker_cpus} (see "
+                        "engine/affinity.py)")
     p.add_argument("--max-attempts", type=int, default=3,
                    help="engines a request may fail on (engine died) before it ends with an error")
     p.add_argument("--request-timeout", type=float, default=0.0,
@@ -388,7 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="API + engine + embedded control plane in one process")
     _add_redis_args(s)
-    _add_engine_args(s)
+    _add_engine_args(s, worker_cpus="auto")  # (one engine by construction: no CPU to share)
     _add_log_args(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
