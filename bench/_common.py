@@ -271,6 +271,27 @@ class StreamResult:
     error: str | None = None
 
 
+def take_payload(res: StreamResult, payload: bytes, now: float, hang_up_after: int | None) -> str | None:
+    """One SSE ``data:`` payload into ``res`` (``now``: when its bytes came). None: read on;
+    ``"done"``: ``[DONE]`` or an error; ``"hang_up"``: the client hangs up now (timed here)."""
+    if payload == b"[DONE]":
+        return "done"
+    obj = json.loads(payload)
+    if "error" in obj:
+        res.error = f"stream error: {obj['error']}"
+        return "done"
+    ch = (obj.get("choices") or [{}])[0]
+    if ch.get("finish_reason"):
+        res.finish_reason = ch["finish_reason"]
+    if ch.get("text"):
+        res.chunk_times.append(now)
+        if hang_up_after is not None and len(res.chunk_times) >= hang_up_after:
+            res.t_close = time.perf_counter()
+            res.wall_close_ms = float(int(time.time() * 1000))  # whole ms, as events' ts
+            return "hang_up"
+    return None
+
+
 async def stream_completion(session, base: str, rid: str, prompt: list[int], max_tokens: int,
                             hang_up_after: int | None = None, model: str | None = None) -> StreamResult:
     """POST a streaming /v1/completions (greedy, ignore_eos) and read its SSE chunks.
@@ -302,20 +323,12 @@ async def stream_completion(session, base: str, rid: str, prompt: list[int], max
                             payload = line[5:].strip()
                     if payload is None:
                         continue
-                    if payload == b"[DONE]":
+                    end = take_payload(res, payload, now, hang_up_after)
+                    if end == "hang_up":
+                        resp.connection.transport.abort() if resp.connection else None
+                        resp.close()
+                    if end is not None:
                         return res
-                    obj = json.loads(payload)
-                    ch = (obj.get("choices") or [{}])[0]
-                    if ch.get("finish_reason"):
-                        res.finish_reason = ch["finish_reason"]
-                    if ch.get("text"):
-                        res.chunk_times.append(now)
-                        if hang_up_after is not None and len(res.chunk_times) >= hang_up_after:
-                            res.t_close = time.perf_counter()
-                            res.wall_close_ms = float(int(time.time() * 1000))  # as event ts
-                            resp.connection.transport.abort() if resp.connection else None
-                            resp.close()
-                            return res
     except Exception as e:  # noqa: BLE001 - a bench reports, it does not crash mid-run
         res.error = f"{type(e).__name__}: {e}"
     return res

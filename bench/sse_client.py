@@ -153,7 +153,7 @@ async def stream_completion_lean(base: str, rid: str, prompt: list[int], max_tok
                                  result_type=None):
     """The same exchange and result as ``bench._common.stream_completion`` (which it stands in
     for), on a connection of its own."""
-    from bench._common import StreamResult
+    from bench._common import StreamResult, take_payload
 
     res = (result_type or StreamResult)(rid)
     hostport = base.split("://", 1)[1].rstrip("/")
@@ -172,22 +172,7 @@ async def stream_completion_lean(base: str, rid: str, prompt: list[int], max_tok
         now = time.perf_counter()
         if eid is not None:
             res.last_event_id = eid.decode()
-        if data == b"[DONE]":
-            return True
-        obj = orjson.loads(data)
-        if "error" in obj:
-            res.error = f"stream error: {obj['error']}"
-            return True
-        ch = (obj.get("choices") or [{}])[0]
-        if ch.get("finish_reason"):
-            res.finish_reason = ch["finish_reason"]
-        if ch.get("text"):
-            res.chunk_times.append(now)
-            if hang_up_after is not None and len(res.chunk_times) >= hang_up_after:
-                res.t_close = time.perf_counter()
-                res.wall_close_ms = time.time() * 1000
-                return True
-        return False
+        return take_payload(res, data, now, hang_up_after) is not None
 
     loop = asyncio.get_running_loop()
     res.t_send = time.perf_counter()
