@@ -16,6 +16,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import sys
 import time
 import traceback
 from collections import deque
@@ -82,7 +83,10 @@ def _worker_main(conn, model_dir: str, kwargs: dict[str, Any],
     # Ctrl-C reaches the whole process group; the worker stops when its engine closes the pipe.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if cpus:
-        os.sched_setaffinity(0, cpus)  # before paddle starts any thread (engine/affinity.py)
+        try:
+            os.sched_setaffinity(0, cpus)  # before paddle starts any thread (engine/affinity.py)
+        except OSError as e:  # (a container that forbids it: run where the kernel puts us)
+            print(f"fd model worker: could not pin to CPUs {sorted(cpus)}: {e}", file=sys.stderr)
     try:
         import engine  # noqa: F401  (its warning filters)
         from engine.model_runner import ModelRunner

@@ -42,3 +42,14 @@ def test_the_worker_process_runs_on_the_cpus_it_was_given(tiny_model_dir):
         assert os.sched_getaffinity(runner._proc.pid) == {cpu}
     finally:
         runner.close()
+
+
+def test_a_worker_that_may_not_be_pinned_still_runs(tiny_model_dir, capfd):
+    """A container can refuse sched_setaffinity: the worker says so and runs where it is."""
+    runner = ProcessRunner(str(tiny_model_dir), num_blocks=16, cpus=frozenset({4096}))
+    try:
+        assert os.sched_getaffinity(runner._proc.pid) == os.sched_getaffinity(0)
+        runner.warmup()  # and it works
+    finally:
+        runner.close()
+    assert "could not pin to CPUs [4096]" in capfd.readouterr().err
