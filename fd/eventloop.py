@@ -48,7 +48,7 @@ def _always() -> bool:
 
 def _cancelled_task(handle: asyncio.Handle) -> bool:
     task = getattr(handle._callback, "__self__", None)
-    return isinstance(task, asyncio.Task) and task.cancelling() > 0 and not handle._cancelled
+    return isinstance(task, asyncio.Task) and not handle._cancelled and task.cancelling() > 0
 
 
 class EngineFirstLoop(asyncio.SelectorEventLoop):
@@ -178,8 +178,14 @@ class EngineFirstLoop(asyncio.SelectorEventLoop):
         """A connection's end, then the step of any task it cancelled that was already
         queued (woken by a token, say) goes first too: cancelling a task whose step is queued
         only marks it, and at 128 streams its turn came up to 10 ms later, behind a step's
-        worth of token deliveries."""
+        worth of token deliveries. The walk through what is ready is taken only when the
+        connection had a request in progress (aiohttp's ``_task_handler`` of the transport's
+        protocol, still running), not for each connection that closes after its response."""
+        protocol = getattr(getattr(callback, "__self__", None), "_protocol", None)
+        busy = getattr(protocol, "_task_handler", None)
         callback(*args)
+        if busy is None or busy.done():
+            return
         ready = self._ready
         first = [h for h in ready if _cancelled_task(h)]
         if first:

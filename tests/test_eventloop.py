@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import socket
 import threading
+import types
 
 import pytest
 
@@ -442,11 +443,16 @@ def test_a_handler_cancelled_by_a_lost_connection_goes_first_even_with_its_step_
                 loop.call_soon(order.append, i)
             woken.set_result(None)  # its wake-up queued, in arrival order: after those
 
-            def _call_connection_lost() -> None:  # (the name asyncio's transports use)
-                order.append("lost")
-                task.cancel()
+            class Transport:  # the shape of asyncio's selector transports and aiohttp's
+                def __init__(self, protocol) -> None:  # RequestHandler (checked below)
+                    self._protocol = protocol
 
-            loop.call_soon(_call_connection_lost)
+                def _call_connection_lost(self, exc) -> None:
+                    order.append("lost")
+                    self._protocol._task_handler.cancel()  # (handler_cancellation=True)
+
+            protocol = types.SimpleNamespace(_task_handler=task)
+            loop.call_soon(Transport(protocol)._call_connection_lost, None)
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
@@ -455,3 +461,14 @@ def test_a_handler_cancelled_by_a_lost_connection_goes_first_even_with_its_step_
         loop.close()
     assert order[:2] == ["lost", "handler cancelled"]
     assert order[2:] == list(range(20))
+
+
+def test_the_internals_the_hang_up_path_relies_on_are_there():
+    import inspect
+    from asyncio import selector_events
+
+    from aiohttp import web_protocol
+
+    assert "_task_handler" in web_protocol.RequestHandler.__slots__
+    src = inspect.getsource(selector_events._SelectorTransport)
+    assert "def _call_connection_lost" in src and "self._protocol = protocol" in src
