@@ -31,8 +31,9 @@ held. Other callbacks that always go first, each a few lines of work:
 
 Relies on ``BaseEventLoop._ready`` (the deque of ready handles; unchanged since Python 3.4),
 ``_process_events`` and ``_add_callback`` (where a selector loop queues I/O events'
-callbacks) and the name asyncio's selector transports give their connection-lost callback
-(tests/test_eventloop.py checks each). Any other loop works too, in plain arrival order (the
+callbacks), the name asyncio's selector transports give their connection-lost callback and
+their ``_protocol``, and aiohttp's ``RequestHandler._task_handler`` (tests/test_eventloop.py
+checks each). Any other loop works too, in plain arrival order (the
 engine checks for ``prioritize``); ``fd serve --fifo-loop`` uses one.
 """
 
