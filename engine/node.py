@@ -355,6 +355,7 @@ class EngineNode:
         loop = asyncio.get_running_loop()
         depth = self.sched.config.max_steps_in_flight
         flying = self._flying
+        io_turn = getattr(loop, "io_turn", None)  # fd serve's loop (fd.eventloop)
         # Runs while steps are in flight, even when stopping: a step's result is never left
         # behind (its tokens are published, its aborts drained).
         while flying or not self._stopping:
@@ -405,14 +406,14 @@ class EngineNode:
                 await self._flush()
                 if not claimed and await self._claim(block=False):
                     await self._flush()  # their `claimed` now, not after this step
-                if fut.done():
+                if fut.done() and io_turn is not None:
                     # Its result is in already: without this the loop would go straight on to
                     # the next step's work and its publish, and the sockets (a hang-up) would
                     # wait for both (at 128 streams ~4 ms in one go). One look at them first,
                     # then straight back here, ahead of the turn's queued token writes (queued
                     # behind them, the runner went idle: -4% tokens/s at 128 streams).
                     self._resume_first = True
-                    await asyncio.sleep(0)
+                    await io_turn()
             finally:
                 result = await fut  # never leave the step's result behind, even when stopping
             flying.popleft()

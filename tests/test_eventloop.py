@@ -472,3 +472,57 @@ def test_the_internals_the_hang_up_path_relies_on_are_there():
     assert "_task_handler" in web_protocol.RequestHandler.__slots__
     src = inspect.getsource(selector_events._SelectorTransport)
     assert "def _call_connection_lost" in src and "self._protocol = protocol" in src
+
+
+def test_io_turn_runs_what_the_sockets_brought_then_the_task_ahead_of_the_rest():
+    """The engine between two steps: one look at the sockets (a hang-up), then back at once,
+    ahead of what was queued (the last step's token writes)."""
+    loop = EngineFirstLoop()
+    a, b = socket.socketpair()
+    order: list = []
+    try:
+        async def main() -> None:
+            loop.prioritize(asyncio.current_task(), lambda: True)  # as the engine's task is
+
+            def readable() -> None:  # once: queued twice, the second finds nothing to read
+                try:
+                    order.append(("read", a.recv(100)))
+                except BlockingIOError:
+                    order.append("read twice")
+
+            a.setblocking(False)
+            loop.add_reader(a.fileno(), readable)
+            await asyncio.sleep(0)
+            for i in range(5):
+                loop.call_soon(order.append, i)
+            b.send(b"bye")
+            await loop.io_turn()
+            order.append("task")
+            await asyncio.sleep(0.01)
+            loop.remove_reader(a.fileno())
+
+        loop.run_until_complete(main())
+    finally:
+        a.close()
+        b.close()
+        loop.close()
+    assert order == [("read", b"bye"), "task", 0, 1, 2, 3, 4]
+
+
+def test_io_turn_waits_for_the_last_looks_callbacks_instead_of_looking_twice():
+    loop = EngineFirstLoop()
+    order: list = []
+    try:
+        async def main() -> None:
+            loop.prioritize(asyncio.current_task(), lambda: True)
+            pending = asyncio.Handle(order.append, ("queued I/O",), loop, None)
+            loop._ready.appendleft(pending)  # an I/O callback of the last look, not run yet
+            loop._last_io = pending
+            loop.call_soon(order.append, "other")
+            await loop.io_turn()
+            order.append("task")
+
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+    assert order[:3] == ["queued I/O", "task", "other"]
