@@ -148,7 +148,7 @@ class EngineFirstLoop(asyncio.SelectorEventLoop):
             self._poll_queued = True
             ready.insert(at, self._poll)
 
-    def io_turn(self) -> asyncio.Future | None:
+    def io_turn(self) -> asyncio.Future:
         """For a long-running task between two pieces of work (the engine between two steps,
         whose publish can take milliseconds at 128 streams): look at the sockets now, and
         return a future that is done once their callbacks have run, ahead of everything else
