@@ -43,24 +43,17 @@ from tqdm import tqdm  # noqa: E402
 
 from bench._common import (RESULTS, entry_le, gauges, http_session, model_dir, p50, p99,  # noqa: E402
                            print_table, prompts, start_redis_server, start_serve,
-                           stream_completion, wait_idle, write_json)
-from bench.sse_client import stream_completion_lean  # noqa: E402
+                           stream_completion, stream_with, wait_idle, write_json)
 
 MS = 1000.0
-
-
-# ------------------------------------------------------------------ 1. random disconnects
-
 
 
 #: The streaming client (``--client``): bench/sse_client.py's lean one, or aiohttp's.
 CLIENT = "lean"
 
 
-async def _stream(session, base: str, rid: str, prompt: list[int], max_tokens: int, hang_up_after: int):
-    if CLIENT == "lean":
-        return await stream_completion_lean(base, rid, prompt, max_tokens, hang_up_after=hang_up_after)
-    return await stream_completion(session, base, rid, prompt, max_tokens, hang_up_after=hang_up_after)
+# ------------------------------------------------------------------ 1. random disconnects
+
 
 async def disconnects(base: str, n: int, total: int, max_tokens: int, rng: random.Random,
                       tag: str, bar) -> list:
@@ -72,7 +65,7 @@ async def disconnects(base: str, n: int, total: int, max_tokens: int, rng: rando
         while todo:
             i = todo.pop()
             k = rng.randint(3, 30)
-            res = await _stream(session, base, f"{tag}-{i}", ps[i], max_tokens, hang_up_after=k)
+            res = await stream_with(CLIENT, session, base, f"{tag}-{i}", ps[i], max_tokens, hang_up_after=k)
             res.k = k
             out.append(res)
             bar.update(1)
@@ -208,7 +201,7 @@ async def release_wave(base: str, c: int, max_tokens: int, hang_after: int, seed
                     await asyncio.sleep(max(0.0, 0.005 - (time.perf_counter() - t)))
 
         poller = asyncio.create_task(poll())
-        results = await asyncio.gather(*(_stream(session, base, f"{tag}-{i}", p, max_tokens,
+        results = await asyncio.gather(*(stream_with(CLIENT, session, base, f"{tag}-{i}", p, max_tokens,
                                                  hang_up_after=hang_after)
                                          for i, p in enumerate(ps)))
         deadline = time.perf_counter() + 10

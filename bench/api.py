@@ -43,9 +43,8 @@ sys.path.insert(0, str(_HERE.parent))
 from tqdm import tqdm  # noqa: E402
 
 from bench._common import (PROMPT_LEN, RESULTS, http_session, model_dir, p50, p99,  # noqa: E402
-                           print_table, prompts, start_serve, stream_completion, wait_idle,
-                           write_json)
-from bench.sse_client import stream_completion_lean  # noqa: E402
+                           print_table, prompts, start_serve, stream_completion, stream_with,
+                           wait_idle, write_json)
 
 
 def main_thread_cpu_s(pid: int) -> float:
@@ -82,11 +81,8 @@ async def run_api(base: str, n: int, rounds: int, max_tokens: int, seed: int, ta
 
     async def client(session, c: int) -> None:
         for r in range(rounds):
-            rid, p = f"{tag}-c{c}-r{r}", ps[r * n + c]
-            if client_kind == "lean":
-                res = await stream_completion_lean(base, rid, p, max_tokens)
-            else:
-                res = await stream_completion(session, base, rid, p, max_tokens)
+            res = await stream_with(client_kind, session, base, f"{tag}-c{c}-r{r}", ps[r * n + c],
+                                    max_tokens)
             results.append(res)
             bar.update(1)
 

@@ -76,6 +76,18 @@ def plan(spec: str, allowed: set[int] | None = None) -> CpuPlan | None:
     return CpuPlan(frozenset(worker), frozenset(rest))
 
 
+def apply_rest(cpu_plan: CpuPlan) -> None:
+    """This process (the engine's, its worker started) onto the plan's other CPUs, said once."""
+    pin_this_process(cpu_plan.rest)
+    log.info("model worker on CPUs %s, this process on CPUs %s", _cpu_list(cpu_plan.worker),
+             _cpu_list(cpu_plan.rest),
+             extra={"worker_cpus": sorted(cpu_plan.worker), "cpus": sorted(cpu_plan.rest)})
+
+
+def _cpu_list(cpus) -> str:
+    return ",".join(map(str, sorted(cpus)))
+
+
 def pin_this_process(cpus: frozenset[int]) -> None:
     """Every thread of this process onto ``cpus`` (``sched_setaffinity`` moves one thread;
     threads started from now on inherit it)."""

@@ -109,10 +109,6 @@ def _no_retries(client):
     return client
 
 
-def _cpu_list(cpus) -> str:
-    return ",".join(map(str, sorted(cpus)))
-
-
 def make_runner(opts: EngineOptions, progress: bool = True):
     kw = dict(device=opts.device, num_blocks=opts.num_blocks, block_size=opts.block_size,
               kv_cache_bytes=opts.kv_cache_mb << 20, progress=progress)
@@ -123,10 +119,7 @@ def make_runner(opts: EngineOptions, progress: bool = True):
         cpus = affinity.plan(opts.worker_cpus)
         runner = ProcessRunner(opts.model_dir, cpus=cpus.worker if cpus else None, **kw)
         if cpus is not None:
-            affinity.pin_this_process(cpus.rest)
-            affinity.log.info("model worker on CPUs %s, this process on CPUs %s",
-                              _cpu_list(cpus.worker), _cpu_list(cpus.rest),
-                              extra={"worker_cpus": sorted(cpus.worker), "cpus": sorted(cpus.rest)})
+            affinity.apply_rest(cpus)
     elif opts.executor == "paddle-thread":
         from engine.model_runner import ModelRunner
 

@@ -78,7 +78,6 @@ class EngineFirstLoop(asyncio.SelectorEventLoop):
         self._poll = asyncio.Handle(self._poll_now, (), self, None)
         self._poll_queued = False
         self._last_io: asyncio.Handle | None = None  # the last I/O callback queued by a look
-        self._io_count = 0  # how many the last look queued (at the front)
         self._turn_io: dict[int, asyncio.Handle] = {}  # queued by io_turn's look
         self._task_first = False  # create_urgent_task: the new task's first step goes first
         self.mid_turn_polls = 0  # (tests and benchmarks: how often a turn looked again)
@@ -136,7 +135,6 @@ class EngineFirstLoop(asyncio.SelectorEventLoop):
             io.sort(key=lambda h: h not in self._first_readers)
         ready = self._ready
         ready.extendleft(reversed(io))
-        self._io_count = len(io)
         if io:
             self._last_io = io[-1]
         # Look again after the next POLL_EVERY callbacks of a long turn. Only after all of
@@ -164,11 +162,9 @@ class EngineFirstLoop(asyncio.SelectorEventLoop):
         except ValueError:
             at = -1
         if at < 0:
-            self._turn_io = {}
-            self._process_events(self._selector.select(0))
-            at = self._io_count
-            for handle in itertools.islice(ready, at):  # (see _add_callback)
-                self._turn_io[id(handle)] = handle
+            self._process_events(self._selector.select(0))  # (its callbacks at the front)
+            at = 0 if self._last_io is last else ready.index(self._last_io) + 1
+            self._turn_io = {id(h): h for h in itertools.islice(ready, at)}  # (_add_callback)
         ready.insert(at, done)
         return fut
 
