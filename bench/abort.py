@@ -9,7 +9,11 @@ measures three things, with aiohttp clients in this process:
    K uniform in [3, 30]. Afterwards each request's story ``P:req:{id}`` is read with redis-py,
    and from the client's wall clock at the close to the ``ts`` (ms) of ``abort_requested``,
    ``drained`` and ``blocks_released`` (same machine, same clock) we get p50/p99 in ms; in
-   engine steps, from the step of the last tokens the client received. Tokens generated after
+   engine steps, from the step of the last tokens the client received; and from the end of
+   the step the model was running at the hang-up (from the engine's journal, whose calls carry
+   wall ms) to ``blocks_released``: the goal's "one engine step plus 5 ms" with the step the
+   release really had to wait for (a 128-stream wave's prefill steps are twice its decode
+   steps, which the median step period hides). Tokens generated after
    the disconnect = ``completion_tokens`` of the final minus the tokens the client received
    (the SSE ``id:`` of its last chunk marks where it stopped); tokens events after
    ``abort_requested`` must be 0.
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import random
 import sys
 import tempfile
@@ -77,12 +82,13 @@ async def disconnects(base: str, n: int, total: int, max_tokens: int, rng: rando
     return out
 
 
-async def stories(redis_url: str, prefix: str, rids: list[str], timeout: float = 30.0) -> dict:
-    """Each request's events, once its final is there."""
+async def stories(redis_url: str, prefix: str, rids: list[str], timeout: float = 30.0) -> tuple:
+    """Each request's events, once its final is there; and the engines' step times."""
     from control.bus import Bus
     from control.connect import connect
     from control.events import Final
     from control.keys import Keys
+    from engine.replay import journal_engines, load_journal_from_redis
 
     bus = Bus(connect(redis_url), Keys(prefix))
     got = {}
@@ -95,14 +101,58 @@ async def stories(redis_url: str, prefix: str, rids: list[str], timeout: float =
                     got[rid] = evs
                     break
                 await asyncio.sleep(0.05)
+        runs = {eng: step_times(await load_journal_from_redis(bus, eng))
+                for eng in await journal_engines(bus)}
     finally:
         await bus.redis.aclose()
-    return got
+    return got, runs
 
 
-def analyse(results: list, story: dict) -> dict:
+def step_times(entries: list) -> list[tuple[int, int]]:
+    """When the runner ran each step, ``(start ms, end ms)`` in step order, from the engine's
+    journal (``fd serve`` keeps one; calls carry wall ms). A step ends when the engine was told
+    its result is in (``finished``, journaled while an abort waits), else when it was folded in
+    (``update``, later by however long the loop took to get to it); it starts when decided, or
+    when the one before it ended (the runner takes them in order)."""
+    decided: dict[int, int] = {}
+    ended: dict[int, int] = {}
+    for e in entries:
+        for c in (e.data or {}).get("calls", []) if hasattr(e, "data") else []:
+            t = c.get("t")
+            if t is None:
+                continue
+            if c["op"] == "schedule" and c.get("out") and c["out"][2:3] != [[]]:
+                decided[c["out"][0]] = t
+            elif c["op"] == "finished":
+                for s in decided:
+                    if s <= c["step"] and s not in ended:
+                        ended[s] = t
+            elif c["op"] == "update":
+                ended.setdefault(c["step"], t)
+    out, prev_end = [], None
+    for s in sorted(decided):
+        if s not in ended:
+            continue
+        start = decided[s] if prev_end is None else max(decided[s], prev_end)
+        out.append((start, ended[s]))
+        prev_end = ended[s]
+    return out
+
+
+def past_step(close_ms: float, release_ms: float, runs: list[tuple[int, int]]) -> float:
+    """How long after the step in flight at the hang-up ended the blocks came back (from the
+    hang-up itself if no step was running then): the goal's "one engine step plus 5 ms",
+    with the step the release had to wait for."""
+    i = bisect.bisect_right(runs, (close_ms, float("inf"))) - 1
+    end = runs[i][1] if i >= 0 and runs[i][1] > close_ms else close_ms
+    return release_ms - max(close_ms, end)
+
+
+def analyse(results: list, story: dict, runs: dict | None = None) -> dict:
     from control.events import AbortRequested, BlocksReleased, Drained, Final, Tokens
 
+    runs = runs or {}
+    past = []  # ms from the end of the step in flight at the hang-up to blocks_released
     ms = {"abort_requested": [], "drained": [], "blocks_released": []}
     steps = {"abort_requested": [], "drained": [], "blocks_released": []}
     after, discarded, tok_after_abort, problems, finished_early = [], [], 0, [], 0
@@ -144,8 +194,11 @@ def analyse(results: list, story: dict) -> dict:
         for name, ev in marks.items():
             ms[name].append(ev.ts - res.wall_close_ms)
             steps[name].append(ev.step - last_step)
+        rel = marks["blocks_released"]
+        if runs.get(rel.engine):
+            past.append(past_step(res.wall_close_ms, rel.ts, runs[rel.engine]))
         after.append(int(final.usage.get("completion_tokens", 0)) - delivered)
-    return {"ms": ms, "steps": steps, "step_ms": step_ms, "tokens_after_disconnect": after, "discarded": discarded,
+    return {"ms": ms, "steps": steps, "step_ms": step_ms, "past_step_ms": past, "tokens_after_disconnect": after, "discarded": discarded,
             "tokens_events_after_abort_requested": tok_after_abort, "problems": problems[:10],
             "num_problems": len(problems), "finished_before_hangup": finished_early}
 
@@ -275,8 +328,8 @@ def main() -> None:
             for n in conc:
                 res = asyncio.run(disconnects(srv.base, n, max(n, args.requests), args.max_tokens, rng,
                                               f"d{n}", bar))
-                story = asyncio.run(stories(srv.redis_url, prefix, [r.request_id for r in res]))
-                out["disconnects"][n] = analyse(res, story)
+                story, runs = asyncio.run(stories(srv.redis_url, prefix, [r.request_id for r in res]))
+                out["disconnects"][n] = analyse(res, story, runs)
         waves = {c: max(1, -(-args.release_samples // c)) for c in rconc}
         with tqdm(total=sum(waves.values()), desc="release (TARGETS)", unit="wave") as bar:
             for c in rconc:
@@ -306,6 +359,7 @@ def main() -> None:
         row = [n, len(d["tokens_after_disconnect"]), float(p50(d["step_ms"]))]
         for name in ("abort_requested", "drained", "blocks_released"):
             row += [p50(d["ms"][name]), p99(d["ms"][name])]
+        row += [p50(d["past_step_ms"]), p99(d["past_step_ms"])]
         row += [p50(d["steps"]["abort_requested"]), p99(d["steps"]["abort_requested"]),
                 p99(d["steps"]["blocks_released"]),
                 p50(d["tokens_after_disconnect"]), p99(d["tokens_after_disconnect"]),
@@ -315,7 +369,8 @@ def main() -> None:
         f"abort: random disconnects (K in [3, 30] chunks, {args.max_tokens}-token requests), "
         f"control plane {out['server']}; ms from the client's close, steps from its last chunk",
         ["streams", "n", "step ms p50", "→abort_requested p50 ms", "p99", "→drained p50 ms", "p99",
-         "→blocks_released p50 ms", "p99", "steps →abort_req p50", "p99", "steps →released p99",
+         "→blocks_released p50 ms", "p99", "released after the step in flight p50 ms", "p99",
+         "steps →abort_req p50", "p99", "steps →released p99",
          "tokens after disconnect p50", "p99", "max discarded in flight", "tokens events after abort_requested",
          "problems"], rows, nd=1))
     rows = []

@@ -17,6 +17,9 @@ Format of one call (JSON, in ``JournalStep.data["calls"]``)::
     {"op": "schedule", "out": [step, num_batched_tokens, [seq...]], "ev": [...], "free": n}
     {"op": "skip", "step": n, "rids": [...], "ev": [...], "free": n}
         (the runner left these aborting requests out of in-flight step n)
+    {"op": "finished", "step": n, "ev": [...], "free": n}
+        (the runner finished every step up to n, results not folded in yet: as each result
+        comes in, and again as an abort is heard for a request only finished steps hold)
     {"op": "update", "step": out.step, "rstep": result.step, "sampled": {...}, "stopped": {...},
      "ev": [...], "free": n}
 
@@ -206,6 +209,10 @@ class JournalRecorder:
     def num_total_blocks(self) -> int:
         return self.scheduler.num_total_blocks
 
+    @property
+    def num_draining(self) -> int:
+        return self.scheduler.num_draining
+
     def knows(self, request_id: str) -> bool:
         return self.scheduler.knows(request_id)
 
@@ -287,6 +294,9 @@ class JournalRecorder:
         evs = self._held + self.scheduler.take_events()
         self._held = []
         return evs
+
+    def finished(self, step: int) -> list[Event]:
+        return self._record({"op": "finished", "step": step}, self.scheduler.finished, step)
 
     def skipped(self, step: int, request_ids) -> list[Event]:
         return self._record({"op": "skip", "step": step, "rids": list(request_ids)},

@@ -463,7 +463,9 @@ class EngineNode:
         if e is not None:
             fut.set_exception(e)
         else:
-            fut.set_result(work.result())
+            result = work.result()
+            fut.set_result(result)
+            self._finished(result.step)
         self._hurry_if_urgent(fut.get_loop())
 
     def _on_replies(self) -> None:
@@ -490,10 +492,36 @@ class EngineNode:
                 fut = due.popleft()
                 if not fut.done():
                     fut.set_result(reply)
+                    self._finished(reply.step)
             else:
                 self._on_skipped(reply[1], reply[2])
         if replies:
             self._hurry_if_urgent(asyncio.get_running_loop())
+
+    def _finished(self, step: int) -> None:
+        """A step's result is in. The loop folds it back when it gets to it, which can be
+        milliseconds later (at 128 streams, behind the last step's token publish and the
+        clients' writes); but the runner is done with the KV blocks of every step up to this
+        one now, so the scheduler hears it now (and the journal has when each step ended):
+        an aborted request that only those steps held is released at once."""
+        evs = self.sched.finished(step)
+        if evs:
+            self._emit(evs)
+            self._publish_gauges()
+            self._flush_soon()
+
+    def _release_finished(self) -> None:
+        """An abort just heard (or a queued step left it out) for a request held only by
+        steps whose results are in already: released now, not at their fold-in."""
+        if not self.sched.num_draining:
+            return
+        last = None
+        for out, fut, _ in self._flying:
+            if not fut.done() or fut.cancelled() or fut.exception() is not None:
+                break
+            last = out.step
+        if last is not None:
+            self._finished(last)
 
     def _hurry_if_urgent(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._task is not None and self._urgent():
@@ -918,6 +946,8 @@ class EngineNode:
                 self.runner.drop(self.sched.step, drop)
             except OSError:
                 pass  # the worker is gone: its step results say so
+        if drop:
+            self._release_finished()  # held only by steps whose results are in already
 
     def _on_skipped(self, step: int, rids: list[str]) -> None:
         """The worker started ``step`` without these aborting requests: drain and release."""
@@ -925,6 +955,7 @@ class EngineNode:
         if evs:
             self._emit(evs)
             self._flush_soon()
+        self._release_finished()  # those held only by steps whose results are in go now
 
     def _flush_soon(self) -> None:
         """Publish what an abort just emitted from a task of its own, without waiting for the

@@ -532,6 +532,8 @@ class _Replayer:
                     evs = s.abort_all(c["source"])
                 elif op == "skip":
                     evs = s.skipped(c["step"], list(c["rids"]))
+                elif op == "finished":
+                    evs = s.finished(c["step"])
                 elif op == "update":
                     out = self.outs.pop(c["step"], None) or SchedulerOutput(step=c["step"], seqs=())
                     result = RunnerOutput(step=c.get("rstep", c["step"]),

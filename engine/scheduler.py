@@ -53,6 +53,7 @@ class Scheduler:
         self._in_flight_ids: dict[str, int] = {}  # request id -> in-flight steps holding it
         # step -> aborting requests the runner said it left out of that in-flight step
         self._skipped: dict[int, set[str]] = {}
+        self._aborting: set[str] = set()  # aborting requests that in-flight steps still hold
         # A speculative schedule() met a decision (preemption) that needs no step in flight.
         self._stalled = False
         self._pending: list[Event] = []
@@ -76,6 +77,11 @@ class Scheduler:
     @property
     def num_total_blocks(self) -> int:
         return self.blocks.num_total
+
+    @property
+    def num_draining(self) -> int:
+        """Aborted requests whose blocks wait for the runner to finish a step holding them."""
+        return len(self._aborting)
 
     def knows(self, request_id: str) -> bool:
         return request_id in self._seqs
@@ -203,7 +209,8 @@ class Scheduler:
             return events  # unknown, finished (maybe awaiting a step), already aborting: no-op
         events.append(AbortRequested(request_id=request_id, source=source, step=self.step))
         if request_id in self._in_flight_ids:
-            seq.aborting = source  # update() drains and releases it
+            seq.aborting = source  # finished() or update() drains and releases it
+            self._aborting.add(request_id)
             return events
         self._drain(seq, events, self.step)  # (nothing discarded: no step held it)
         return events
@@ -212,6 +219,28 @@ class Scheduler:
         events = self._take()
         for rid in list(self._seqs):
             events.extend(self.abort(rid, source))
+        return events
+
+    def finished(self, step: int) -> list[Event]:
+        """The runner has finished every step up to ``step``: their results are in, not yet
+        folded back (the engine loop may be busy with the last one's tokens for a while).
+        None of them writes KV any more, so an aborting request that no later step holds
+        drains and releases now; its tokens from those steps are dropped when ``update()``
+        folds them in. Only the release moves: the events of the requests that go on, and
+        their order, are the same as without this call."""
+        events = self._take()
+        for rid in [r for r in self._aborting if r in self._in_flight_ids]:
+            seq = self._seqs[rid]
+            held = [(o, ss) for o in self._in_flight for ss in o.seqs if ss.request_id == rid
+                    and rid not in self._skipped.get(o.step, ())]
+            if any(o.step > step for o, _ in held):
+                continue  # a step still running (or queued) writes its KV
+            for o, ss in held:
+                self._skipped.setdefault(o.step, set()).add(rid)
+                if ss.sample:
+                    seq.num_discarded += 1  # computed, and dropped
+                self._leave(seq, ss)
+            self._drain(seq, events, step)
         return events
 
     def skipped(self, step: int, request_ids: tuple[str, ...] | list[str]) -> list[Event]:
@@ -438,6 +467,7 @@ class Scheduler:
 
     def _drain(self, seq: Sequence, events: list[Event], step: int) -> None:
         """Stages 2 and 3 of an abort: no step can write its blocks any more."""
+        self._aborting.discard(seq.request_id)
         events.append(Drained(request_id=seq.request_id, step=step,
                               discarded_tokens=seq.num_discarded))
         self._release(seq, "abort", None, events, step)

@@ -75,7 +75,9 @@ class Run:
         self.events += evs
         return evs
 
-    def step(self, during=None, stopped=None):
+    def step(self, during=None, stopped=None, finished=False):
+        """``finished``: the engine tells the scheduler the step is done before folding it in
+        (as it does while an abort waits)."""
         out = self.rec.schedule()
         self.events += self.rec.take_events()
         self.t += 2
@@ -84,6 +86,8 @@ class Run:
                 during(self)
             result = self.runner.execute(out, stopped)
             self.t += 5
+            if finished:
+                self.call("finished", out.step)
             self.events += self.rec.update(out, result)
         else:
             self.t += 5
@@ -147,6 +151,16 @@ def record_run(sched_cls=Scheduler) -> Run:
         if s.step == 14:
             run.call("add", "late1", req(6, max_tokens=30, start=3))
             run.call("add", "late2", req(6, max_tokens=30, start=4))
+        if s.step == 16 and "released_before_fold_in" not in run.cases:
+            def finished_early(r):
+                rid = next(x for x in ("late1", "late2", "c", "d") if r.rec.in_flight(x))
+                abort_case(r, rid, "released_before_fold_in", ["AbortRequested"])
+                r.early = rid
+            run.step(during=finished_early, finished=True)
+            # released by `finished`, before the step was folded in: its token dropped there
+            mine = [type(e).__name__ for e in run.events if e.request_id == run.early]
+            assert mine[mine.index("AbortRequested"):] == [
+                "AbortRequested", "Drained", "BlocksReleased", "Final"]
         if s.step == 18:
             evs = run.call("abort_all", "engine")
             assert any(isinstance(e, AbortRequested) for e in evs)
@@ -159,7 +173,9 @@ def test_recorded_run_covers_the_cases_and_replays_exactly(tmp_path):
     run = record_run()
     evs = run.events
     assert run.cases == {"waiting", "mid_prefill", "in_flight", "duplicate", "unknown", "finished",
-                         "abort_all"}
+                         "released_before_fold_in", "abort_all"}
+    assert any(c["op"] == "finished" and c["ev"] for e in run.entries[1:]
+               for c in e.data["calls"])
     assert any(isinstance(e, Preempted) for e in evs), "the pool is small enough to preempt"
     assert any(isinstance(e, Final) and e.finish_reason == "error" for e in evs)
     assert any(isinstance(e, Final) and e.stop_reason == "</s>" for e in evs)

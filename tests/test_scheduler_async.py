@@ -193,3 +193,78 @@ def test_skipped_after_the_running_step_was_folded_in_releases_at_once():
     assert sched.skipped(out2.step, ["a"]) == []  # told twice: no-op
     assert sched.update(out2, RunnerOutput(step=out2.step, sampled={})) == []
     assert not sched.has_work()
+
+
+def test_finished_releases_an_abort_before_its_steps_are_folded_in_and_changes_nothing_else():
+    """The runner has finished both steps holding ``a`` (their results are in) while the engine
+    loop has not folded them in: ``finished`` drains and releases ``a`` then. ``b``'s tokens,
+    their order, and the blocks in the end are what the same run gives without the call."""
+    runs = {}
+    for early in (False, True):
+        sched, runner = make()
+        sched.add("a", req(6, max_tokens=10))
+        sched.add("b", req(3, max_tokens=10, start=40))
+        o = sched.schedule()
+        seen = sched.update(o, runner.run(o))
+        out1, out2 = sched.schedule(), sched.schedule()
+        table = list(out2.seqs[0].block_table)
+        r1 = runner.run(out1)
+        assert kinds(sched.abort("a", "disconnect")) == ["AbortRequested"]
+        assert sched.num_draining == 1
+        if early:
+            free = sched.num_free_blocks
+            assert sched.finished(out1.step) == []  # out2 (running) still writes its KV
+            assert sched.num_free_blocks == free
+            r2 = runner.run(out2)
+            evs = sched.finished(out2.step)
+            assert kinds(evs) == ["Drained", "BlocksReleased", "Final"]
+            drained, released, final = evs
+            assert drained.discarded_tokens == 2 and released.count == len(table)
+            assert sched.num_free_blocks == free + len(table)
+            assert final.finish_reason == "abort" and final.usage["completion_tokens"] == 1
+            assert not sched.knows("a") and sched.num_draining == 0
+            assert sched.finished(out2.step) == []  # told twice: no-op
+            seen += evs
+            seen += sched.update(out1, r1)  # a's tokens in both steps are dropped
+            seen += sched.update(out2, r2)
+        else:
+            seen += sched.update(out1, r1)
+            seen += sched.update(out2, runner.run(out2))
+        seen += pipeline(sched, runner)
+        assert sched.num_free_blocks == sched.num_total_blocks
+        runs[early] = seen
+    assert kinds(runs[True], "a") == kinds(runs[False], "a") == [
+        "Tokens", "Drained", "BlocksReleased", "Final"]  # (its prefill's token, then the abort)
+    assert [e for e in runs[True] if e.request_id == "b"] == \
+        [e for e in runs[False] if e.request_id == "b"]
+    assert len(tokens(runs[True], "b")) == 10
+
+
+def test_finished_with_only_the_running_step_done_waits_for_the_queued_one():
+    sched, runner = make()
+    sched.add("a", req(6, max_tokens=10))
+    o = sched.schedule()
+    sched.update(o, runner.run(o))
+    out1, out2 = sched.schedule(), sched.schedule()
+    r1 = runner.run(out1)
+    sched.abort("a", "http")
+    assert sched.finished(out1.step) == []
+    # the runner left it out of out2 (told in time): only out1, finished, holds it now; the
+    # engine says so again after the skip (the scheduler keeps no note of finished steps)
+    assert sched.skipped(out2.step, ["a"]) == []
+    evs = sched.finished(out1.step)
+    assert kinds(evs) == ["Drained", "BlocksReleased", "Final"]
+    assert evs[0].discarded_tokens == 1  # out1's token, computed and dropped
+    assert sched.update(out1, r1) == []
+    assert sched.update(out2, RunnerOutput(step=out2.step, sampled={})) == []
+    assert not sched.has_work() and sched.num_free_blocks == sched.num_total_blocks
+
+
+def test_finished_without_an_abort_waiting_changes_nothing():
+    sched, runner = make()
+    sched.add("a", req(6, max_tokens=3))
+    o = sched.schedule()
+    before = sched.snapshot()
+    assert sched.finished(o.step) == [] and sched.snapshot() == before
+    evs = sched.update(o, runner.run(o)) + pipeline(sched, runner)
+    assert len(tokens(evs, "a")) == 3
