@@ -47,7 +47,7 @@ sys.path.insert(0, str(_HERE.parent))
 from tqdm import tqdm  # noqa: E402
 
 from bench._common import (RESULTS, entry_le, gauges, http_session, model_dir, p50, p99,  # noqa: E402
-                           print_table, prompts, start_redis_server, start_serve,
+                           print_table, prompts, quiet_gc, start_redis_server, start_serve,
                            stream_completion, stream_with, wait_idle, write_json)
 
 MS = 1000.0
@@ -323,6 +323,7 @@ def main() -> None:
                 await asyncio.gather(*(stream_completion(s, srv.base, f"warm-{i}", p, 8)
                                        for i, p in enumerate(prompts(4, seed=5))))
         asyncio.run(warm())
+        quiet_gc()
         total = sum(max(n, args.requests) for n in conc)
         with tqdm(total=total, desc="disconnects", unit="req") as bar:
             for n in conc:
