@@ -53,7 +53,9 @@ class Scheduler:
         self._in_flight_ids: dict[str, int] = {}  # request id -> in-flight steps holding it
         # step -> aborting requests the runner said it left out of that in-flight step
         self._skipped: dict[int, set[str]] = {}
-        self._aborting: set[str] = set()  # aborting requests that in-flight steps still hold
+        # aborting requests that in-flight steps still hold, in the order their aborts came
+        # (a dict, not a set: the order of the events finished() emits must replay exactly)
+        self._aborting: dict[str, None] = {}
         # A speculative schedule() met a decision (preemption) that needs no step in flight.
         self._stalled = False
         self._pending: list[Event] = []
@@ -210,7 +212,7 @@ class Scheduler:
         events.append(AbortRequested(request_id=request_id, source=source, step=self.step))
         if request_id in self._in_flight_ids:
             seq.aborting = source  # finished() or update() drains and releases it
-            self._aborting.add(request_id)
+            self._aborting[request_id] = None
             return events
         self._drain(seq, events, self.step)  # (nothing discarded: no step held it)
         return events
@@ -467,7 +469,7 @@ class Scheduler:
 
     def _drain(self, seq: Sequence, events: list[Event], step: int) -> None:
         """Stages 2 and 3 of an abort: no step can write its blocks any more."""
-        self._aborting.discard(seq.request_id)
+        self._aborting.pop(seq.request_id, None)
         events.append(Drained(request_id=seq.request_id, step=step,
                               discarded_tokens=seq.num_discarded))
         self._release(seq, "abort", None, events, step)

@@ -12,7 +12,7 @@ import pytest
 
 from control.connect import connect
 from control.events import Abort, AbortAll, AbortRequested, Claimed, Drained, Final, Tokens
-from engine.replay import load_journal_from_redis
+from engine.replay import load_journal_from_redis, replay
 from fd.compose import EngineOptions, start_engine
 from tests.enginekit import GatedRunner, _pair, story, submit, submit_together, tokens_of, types
 
@@ -91,8 +91,10 @@ async def test_decoding_in_flight_abort_waits_for_the_step(real_bus, engines):
     # The blocks came back as the runner's result came in (the scheduler's `finished`), not
     # when the loop folded that step in: in the journal, before that step's `update`.
     await eng.node._flush()
-    calls = [c for e in await load_journal_from_redis(real_bus, "e0")
-             for c in getattr(e, "data", {}).get("calls", ())]
+    journal = await load_journal_from_redis(real_bus, "e0")
+    report = replay(journal)
+    assert report.ok, report.divergence and report.divergence.describe()
+    calls = [c for e in journal for c in getattr(e, "data", {}).get("calls", ())]
     at = next(i for i, c in enumerate(calls)
               if any(d[0] == "blocks_released" and d[1] == "dec" for d in c.get("ev", ())))
     assert calls[at]["op"] == "finished"

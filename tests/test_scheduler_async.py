@@ -268,3 +268,19 @@ def test_finished_without_an_abort_waiting_changes_nothing():
     assert sched.finished(o.step) == [] and sched.snapshot() == before
     evs = sched.update(o, runner.run(o)) + pipeline(sched, runner)
     assert len(tokens(evs, "a")) == 3
+
+
+def test_finished_releases_in_the_order_the_aborts_came():
+    """The journal replays ``finished`` on a fresh scheduler, maybe in a process with another
+    string-hash seed: its events must not depend on set iteration order."""
+    sched, runner = make(num_blocks=64)
+    rids = ["r5", "r0", "r3", "r1", "r4", "r2"]
+    for i, rid in enumerate(sorted(rids)):
+        sched.add(rid, req(3, max_tokens=10, start=10 + 5 * i))
+    o = sched.schedule()
+    sched.update(o, runner.run(o))
+    out = sched.schedule()
+    for rid in rids:
+        sched.abort(rid, "http")
+    evs = sched.finished(out.step)
+    assert [e.request_id for e in evs if type(e).__name__ == "Final"] == rids
