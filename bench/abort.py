@@ -18,7 +18,9 @@ measures three things, with aiohttp clients in this process:
    (the SSE ``id:`` of its last chunk marks where it stopped); tokens events after
    ``abort_requested`` must be 0.
 2. ``POST /v1/abort_requests``: time to the HTTP answer, p50/p99, for 1,000 requests naming
-   one (unknown) id each, and for 50 requests naming 1,000 ids each.
+   one (unknown) id each, and for 50 requests naming 1,000 ids each. The client runs on the
+   model worker's CPU meanwhile (idle then): on the server's, it waited for the work each
+   answer starts (the engine's tombstones) before it could read the answer.
 3. the TARGETS.md number: streams of 900 tokens, the client hanging up after 10 chunks, at
    concurrency 1/8/32 (all clients of a wave start together); a poller reads
    ``fd_num_requests_running + fd_num_requests_waiting`` on /metrics every 5 ms, and the i-th
@@ -46,8 +48,9 @@ sys.path.insert(0, str(_HERE.parent))
 
 from tqdm import tqdm  # noqa: E402
 
-from bench._common import (RESULTS, entry_le, gauges, http_session, model_dir, p50, p99,  # noqa: E402
-                           print_table, prompts, quiet_gc, start_redis_server, start_serve,
+from bench._common import (RESULTS, entry_le, gauges, http_session, model_dir,  # noqa: E402
+                           on_the_workers_cpu, p50, p99, print_table, prompts, quiet_gc,
+                           start_redis_server, start_serve,
                            stream_completion, stream_with, wait_idle, write_json)
 
 MS = 1000.0
@@ -343,7 +346,7 @@ def main() -> None:
                     bar.update(1)
                 out["release"][c] = {"latency": lat, "unmatched": unmatched, "poll_gap_p50": p50(gaps)}
         with tqdm(total=2 * (args.abort_calls + args.bulk_calls), desc="/v1/abort_requests",
-                  unit="call") as bar:
+                  unit="call") as bar, on_the_workers_cpu():
             for name, keepalive in (("abort_endpoint", True), ("abort_endpoint_new_conn", False)):
                 out[name] = asyncio.run(abort_endpoint(
                     srv.base, args.abort_calls, args.bulk_calls, args.bulk_ids,
