@@ -43,6 +43,20 @@ def pipeline(sched, runner, limit=1000):
     raise AssertionError("did not finish")
 
 
+def two_in_flight(*others):
+    """``a`` (and ``b``, and so on: ``others``) prefilled, then two decode steps decided: the
+    first running, the second queued behind it. Returns the scheduler, the runner, the
+    prefill's events and the two steps."""
+    sched, runner = make()
+    sched.add("a", req(6, max_tokens=10))
+    for i, rid in enumerate(others):
+        sched.add(rid, req(3, max_tokens=10, start=40 + 10 * i))
+    o = sched.schedule()
+    seen = sched.update(o, runner.run(o))
+    out1, out2 = sched.schedule(), sched.schedule()
+    return sched, runner, seen, out1, out2
+
+
 def test_the_next_decode_is_scheduled_on_a_placeholder_before_the_step_is_folded_in():
     sched, runner = make()
     sched.add("a", req(6, max_tokens=5))
@@ -97,12 +111,7 @@ def test_a_request_that_stops_while_the_next_step_holds_it_keeps_its_blocks_unti
 
 
 def test_abort_with_two_steps_in_flight_drains_after_the_last_one():
-    sched, runner = make()
-    sched.add("a", req(6, max_tokens=10))
-    sched.add("b", req(3, max_tokens=10, start=40))
-    o = sched.schedule()
-    seen = sched.update(o, runner.run(o))  # both prefilled: one token each
-    out1, out2 = sched.schedule(), sched.schedule()
+    sched, runner, seen, out1, out2 = two_in_flight("b")  # both prefilled: one token each
     table = list(out2.seqs[0].block_table)
     evs = sched.abort("a", "disconnect")
     assert kinds(evs) == ["AbortRequested"]
@@ -155,12 +164,7 @@ def test_an_aborting_request_left_out_of_the_queued_step_is_released_after_the_r
     """The runner may be told of an abort before it starts the step queued behind the running
     one; it leaves the request out and says so (``skipped``): the blocks then wait only for the
     running step."""
-    sched, runner = make()
-    sched.add("a", req(6, max_tokens=10))
-    sched.add("b", req(3, max_tokens=10, start=40))
-    o = sched.schedule()
-    seen = sched.update(o, runner.run(o))
-    out1, out2 = sched.schedule(), sched.schedule()
+    sched, runner, seen, out1, out2 = two_in_flight("b")
     assert kinds(sched.abort("a", "disconnect")) == ["AbortRequested"]
     assert sched.skipped(out2.step, ["a", "b"]) == []  # b is not aborting: never left out
     assert sched.in_flight("a")  # still in out1, which is running
@@ -179,11 +183,7 @@ def test_an_aborting_request_left_out_of_the_queued_step_is_released_after_the_r
 
 
 def test_skipped_after_the_running_step_was_folded_in_releases_at_once():
-    sched, runner = make()
-    sched.add("a", req(6, max_tokens=10))
-    o = sched.schedule()
-    sched.update(o, runner.run(o))
-    out1, out2 = sched.schedule(), sched.schedule()
+    sched, runner, _, out1, out2 = two_in_flight()
     sched.update(out1, runner.run(out1))
     sched.abort("a", "http")
     evs = sched.skipped(out2.step, ["a"])
@@ -201,12 +201,7 @@ def test_finished_releases_an_abort_before_its_steps_are_folded_in_and_changes_n
     their order, and the blocks in the end are what the same run gives without the call."""
     runs = {}
     for early in (False, True):
-        sched, runner = make()
-        sched.add("a", req(6, max_tokens=10))
-        sched.add("b", req(3, max_tokens=10, start=40))
-        o = sched.schedule()
-        seen = sched.update(o, runner.run(o))
-        out1, out2 = sched.schedule(), sched.schedule()
+        sched, runner, seen, out1, out2 = two_in_flight("b")
         table = list(out2.seqs[0].block_table)
         r1 = runner.run(out1)
         assert kinds(sched.abort("a", "disconnect")) == ["AbortRequested"]
@@ -241,11 +236,7 @@ def test_finished_releases_an_abort_before_its_steps_are_folded_in_and_changes_n
 
 
 def test_finished_with_only_the_running_step_done_waits_for_the_queued_one():
-    sched, runner = make()
-    sched.add("a", req(6, max_tokens=10))
-    o = sched.schedule()
-    sched.update(o, runner.run(o))
-    out1, out2 = sched.schedule(), sched.schedule()
+    sched, runner, _, out1, out2 = two_in_flight()
     r1 = runner.run(out1)
     sched.abort("a", "http")
     assert sched.finished(out1.step) == []
