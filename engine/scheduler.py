@@ -51,7 +51,8 @@ class Scheduler:
         self._running: list[Sequence] = []  # sorted by arrival: the last is preempted first
         self._in_flight: deque[SchedulerOutput] = deque()  # oldest first
         self._in_flight_ids: dict[str, int] = {}  # request id -> in-flight steps holding it
-        # step -> aborting requests the runner said it left out of that in-flight step
+        # step -> aborting requests that in-flight step no longer holds: the runner left them
+        # out (skipped()) or has finished the step (finished()); update() passes over them
         self._skipped: dict[int, set[str]] = {}
         # aborting requests that in-flight steps still hold, in the order their aborts came
         # (a dict, not a set: the order of the events finished() emits must replay exactly)
@@ -385,7 +386,7 @@ class Scheduler:
         for ss in out.seqs:
             rid = ss.request_id
             if rid in skipped:
-                continue  # accounted for (and maybe released) when the runner left it out
+                continue  # accounted for (and maybe released): left out, or let go at finished()
             seq = self._seqs[rid]
             later = self._leave(seq, ss)  # steps after this one that still hold the request
             if seq.done:
