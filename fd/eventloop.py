@@ -32,7 +32,8 @@ held. Other callbacks that always go first, each a few lines of work:
 :meth:`io_turn` is for the engine between two steps when the next result is already in: one
 look at the sockets, their callbacks, then the engine again, ahead of the last step's queued
 token writes (at 128 streams the engine otherwise went through two steps' publishes, ~4 ms,
-without a look, and a hang-up waited).
+without a look, and a hang-up waited); and between chunks of one long publish to the embedded
+server, which runs on this loop without a pause (~115 events, 1.8 ms at 128 streams).
 
 Relies on ``BaseEventLoop._ready`` (the deque of ready handles; unchanged since Python 3.4),
 ``_process_events`` and ``_add_callback`` (where a selector loop queues I/O events'

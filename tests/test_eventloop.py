@@ -190,13 +190,20 @@ def test_everything_else_keeps_arrival_order_and_a_closed_loop_refuses_like_asyn
         loop.call_soon(order.append, 5)
 
 
+@pytest.mark.parametrize("chunk", [None, 3])
 def test_fd_serve_on_it_streams_the_engines_tokens_and_hears_hang_ups(
-        embedded_redis, keys, tiny_model_dir, tiny_runner, tiny_tokenizer):
+        embedded_redis, keys, tiny_model_dir, tiny_runner, tiny_tokenizer, monkeypatch, chunk):
     """API and engine composed as `fd serve` does, on this loop, the model in a worker process
     whose replies the loop reads itself: the engine's task is the prioritized one, 8 greedy
     streams give the engine's own text, and 8 clients that hang up after 3 chunks end in the
-    abort story with every block back."""
+    abort story with every block back. ``chunk``: a step's publish split into chunks of 3
+    events with a look at the sockets between them (as at 128 streams, where a publish is
+    ~115 events): the same streams and stories."""
     import openai
+
+    import engine.node
+    if chunk is not None:
+        monkeypatch.setattr(engine.node, "FLUSH_CHUNK", chunk)
 
     from control.metrics import Metrics
     from engine.llm import LLM
@@ -205,6 +212,14 @@ def test_fd_serve_on_it_streams_the_engines_tokens_and_hears_hang_ups(
 
     async def main():
         loop = asyncio.get_running_loop()
+        looks_mid_publish = []  # for each look the step loop takes: was a publish under way?
+        io_turn = loop.io_turn
+
+        def counting_io_turn():
+            looks_mid_publish.append(eng.node._flush_lock.locked())
+            return io_turn()
+
+        loop.io_turn = counting_io_turn
         metrics = Metrics()
         eng = await start_engine(embedded_redis.client, keys,
                                  EngineOptions(model_dir=str(tiny_model_dir), engine_id="first",
@@ -251,6 +266,11 @@ def test_fd_serve_on_it_streams_the_engines_tokens_and_hears_hang_ups(
                 await asyncio.sleep(0.01)
             assert eng.node.sched.num_free_blocks == eng.node.sched.num_total_blocks
             assert api.mux.newest_step >= 24  # what the engine's predicate reads
+            # the step loop looked at the sockets in the middle of its publishes iff chunked
+            assert any(looks_mid_publish) == (chunk is not None)
+            for i in range(0, 16, 2):  # (and nothing after abort_requested, chunked or not)
+                evs = [e.TYPE for _, e in await api.bus.read_req(results[i][0])]
+                assert "tokens" not in evs[evs.index("abort_requested"):]
         finally:
             await client.close()
             await api.stop()
