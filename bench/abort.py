@@ -9,11 +9,11 @@ measures three things, with aiohttp clients in this process:
    K uniform in [3, 30]. Afterwards each request's story ``P:req:{id}`` is read with redis-py,
    and from the client's wall clock at the close to the ``ts`` (ms) of ``abort_requested``,
    ``drained`` and ``blocks_released`` (same machine, same clock) we get p50/p99 in ms; in
-   engine steps, from the step of the last tokens the client received; and from the end of
-   the step the model was running at the hang-up (from the engine's journal, whose calls carry
-   wall ms) to ``blocks_released``: the goal's "one engine step plus 5 ms" with the step the
-   release really had to wait for (a 128-stream wave's prefill steps are twice its decode
-   steps, which the median step period hides). Tokens generated after
+   engine steps, from the step of the last tokens the client received; and hang-up →
+   ``blocks_released`` less the length of the step the release waited for (when the model
+   worker ran each step is in the engine's journal): the goal's "one engine step plus 5 ms"
+   with that step (a 128-stream wave's prefill steps are twice its decode steps, which the
+   median step period hides). Tokens generated after
    the disconnect = ``completion_tokens`` of the final minus the tokens the client received
    (the SSE ``id:`` of its last chunk marks where it stopped); tokens events after
    ``abort_requested`` must be 0.
@@ -113,12 +113,14 @@ async def stories(redis_url: str, prefix: str, rids: list[str], timeout: float =
 
 def step_times(entries: list) -> list[tuple[int, int]]:
     """When the runner ran each step, ``(start ms, end ms)`` in step order, from the engine's
-    journal (``fd serve`` keeps one; calls carry wall ms). A step ends when the engine was told
-    its result is in (``finished``, journaled while an abort waits), else when it was folded in
-    (``update``, later by however long the loop took to get to it); it starts when decided, or
-    when the one before it ended (the runner takes them in order)."""
+    journal (``fd serve`` keeps one; calls carry wall ms). The model worker says when it ran
+    each step (``finished`` calls' ``ran``). Without that (an in-process runner, an older
+    journal), a step ends when the engine heard its result is in (``finished``), else when it
+    was folded in (``update``, later by however long the loop took to get to it), and starts
+    when decided or when the one before it ended (the runner takes them in order)."""
     decided: dict[int, int] = {}
     ended: dict[int, int] = {}
+    ran: dict[int, tuple[int, int]] = {}
     for e in entries:
         for c in (e.data or {}).get("calls", []) if hasattr(e, "data") else []:
             t = c.get("t")
@@ -127,6 +129,8 @@ def step_times(entries: list) -> list[tuple[int, int]]:
             if c["op"] == "schedule" and c.get("out") and c["out"][2:3] != [[]]:
                 decided[c["out"][0]] = t
             elif c["op"] == "finished":
+                if c.get("ran"):
+                    ran[c["step"]] = (int(c["ran"][0]), int(c["ran"][1]))
                 for s in decided:
                     if s <= c["step"] and s not in ended:
                         ended[s] = t
@@ -134,6 +138,10 @@ def step_times(entries: list) -> list[tuple[int, int]]:
                 ended.setdefault(c["step"], t)
     out, prev_end = [], None
     for s in sorted(decided):
+        if s in ran:
+            out.append(ran[s])
+            prev_end = ran[s][1]
+            continue
         if s not in ended:
             continue
         start = decided[s] if prev_end is None else max(decided[s], prev_end)
@@ -142,20 +150,24 @@ def step_times(entries: list) -> list[tuple[int, int]]:
     return out
 
 
-def past_step(close_ms: float, release_ms: float, runs: list[tuple[int, int]]) -> float:
-    """How long after the step in flight at the hang-up ended the blocks came back (from the
-    hang-up itself if no step was running then): the goal's "one engine step plus 5 ms",
-    with the step the release had to wait for."""
-    i = bisect.bisect_right(runs, (close_ms, float("inf"))) - 1
-    end = runs[i][1] if i >= 0 and runs[i][1] > close_ms else close_ms
-    return release_ms - max(close_ms, end)
+def beyond_step(close_ms: float, release_ms: float, runs: list[tuple[int, int]]) -> float:
+    """Hang-up → ``blocks_released`` less the length of the step the release waited for (the
+    last one to end by the release, if it ended after the hang-up; none otherwise): the goal's
+    "within one engine step plus 5 ms" with that step, whether it was running at the hang-up
+    or started before the abort was heard. Whole ms, so ±1."""
+    ends = [e for _, e in runs]
+    i = bisect.bisect_right(ends, release_ms) - 1
+    length = 0
+    if i >= 0 and ends[i] >= close_ms:
+        length = runs[i][1] - runs[i][0]
+    return release_ms - close_ms - length
 
 
 def analyse(results: list, story: dict, runs: dict | None = None) -> dict:
     from control.events import AbortRequested, BlocksReleased, Drained, Final, Tokens
 
     runs = runs or {}
-    past = []  # ms from the end of the step in flight at the hang-up to blocks_released
+    past = []  # hang-up → blocks_released, ms beyond the step the release waited for
     ms = {"abort_requested": [], "drained": [], "blocks_released": []}
     steps = {"abort_requested": [], "drained": [], "blocks_released": []}
     after, discarded, tok_after_abort, problems, finished_early = [], [], 0, [], 0
@@ -199,7 +211,7 @@ def analyse(results: list, story: dict, runs: dict | None = None) -> dict:
             steps[name].append(ev.step - last_step)
         rel = marks["blocks_released"]
         if runs.get(rel.engine):
-            past.append(past_step(res.wall_close_ms, rel.ts, runs[rel.engine]))
+            past.append(beyond_step(res.wall_close_ms, rel.ts, runs[rel.engine]))
         after.append(int(final.usage.get("completion_tokens", 0)) - delivered)
     return {"ms": ms, "steps": steps, "step_ms": step_ms, "past_step_ms": past, "tokens_after_disconnect": after, "discarded": discarded,
             "tokens_events_after_abort_requested": tok_after_abort, "problems": problems[:10],
@@ -373,7 +385,7 @@ def main() -> None:
         f"abort: random disconnects (K in [3, 30] chunks, {args.max_tokens}-token requests), "
         f"control plane {out['server']}; ms from the client's close, steps from its last chunk",
         ["streams", "n", "step ms p50", "→abort_requested p50 ms", "p99", "→drained p50 ms", "p99",
-         "→blocks_released p50 ms", "p99", "released after the step in flight p50 ms", "p99",
+         "→blocks_released p50 ms", "p99", "→released beyond the step it waited for p50 ms", "p99",
          "steps →abort_req p50", "p99", "steps →released p99",
          "tokens after disconnect p50", "p99", "max discarded in flight", "tokens events after abort_requested",
          "problems"], rows, nd=1))

@@ -19,7 +19,8 @@ Format of one call (JSON, in ``JournalStep.data["calls"]``)::
         (the runner left these aborting requests out of in-flight step n)
     {"op": "finished", "step": n, "ev": [...], "free": n}
         (the runner finished every step up to n, results not folded in yet: as each result
-        comes in, and again as an abort is heard for a request only finished steps hold)
+        comes in, and again as an abort is heard for a request only finished steps hold;
+        with "ran": [start ms, end ms] when the runner said when it ran step n, informational)
     {"op": "update", "step": out.step, "rstep": result.step, "sampled": {...}, "stopped": {...},
      "ev": [...], "free": n}
 
@@ -295,8 +296,11 @@ class JournalRecorder:
         self._held = []
         return evs
 
-    def finished(self, step: int) -> list[Event]:
-        return self._record({"op": "finished", "step": step}, self.scheduler.finished, step)
+    def finished(self, step: int, ran: tuple[int, int] | None = None) -> list[Event]:
+        call: dict[str, Any] = {"op": "finished", "step": step}
+        if ran is not None:
+            call["ran"] = list(ran)
+        return self._record(call, self.scheduler.finished, step)
 
     def skipped(self, step: int, request_ids) -> list[Event]:
         return self._record({"op": "skip", "step": step, "rids": list(request_ids)},

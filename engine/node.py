@@ -478,7 +478,7 @@ class EngineNode:
         else:
             result = work.result()
             fut.set_result(result)
-            self._finished(result.step)
+            self._finished(result.step, getattr(result, "ran", None))
         self._hurry_if_urgent(fut.get_loop())
 
     def _on_replies(self) -> None:
@@ -505,19 +505,20 @@ class EngineNode:
                 fut = due.popleft()
                 if not fut.done():
                     fut.set_result(reply)
-                    self._finished(reply.step)
+                    self._finished(reply.step, reply.ran)
             else:
                 self._on_skipped(reply[1], reply[2])
         if replies:
             self._hurry_if_urgent(asyncio.get_running_loop())
 
-    def _finished(self, step: int) -> None:
+    def _finished(self, step: int, ran: tuple[int, int] | None = None) -> None:
         """A step's result is in. The loop folds it back when it gets to it, which can be
         milliseconds later (at 128 streams, behind the last step's token publish and the
         clients' writes); but the runner is done with the KV blocks of every step up to this
         one now, so the scheduler hears it now (and the journal has when each step ended):
         an aborted request that only those steps held is released at once."""
-        evs = self.sched.finished(step)
+        sched = self.sched
+        evs = sched.finished(step, ran) if isinstance(sched, JournalRecorder) else sched.finished(step)
         if evs:
             self._emit(evs)
             self._publish_gauges()

@@ -43,3 +43,6 @@ class RunnerOutput:
     # requests whose new text hit a stop string (found by the node's detokenizer before
     # update(); the scheduler then finishes them with finish_reason="stop")
     stopped: dict[str, str] = field(default_factory=dict)  # request_id -> the stop string
+    # When the runner ran the step, wall-clock ms (start, end), if it says: informational,
+    # for the journal (when each step really ran); never part of a decision.
+    ran: tuple[int, int] | None = None

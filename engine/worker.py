@@ -142,9 +142,11 @@ def _worker_main(conn, model_dir: str, kwargs: dict[str, Any],
                     msg = replace(msg, seqs=tuple(s for s in msg.seqs if s.request_id not in left))
                 for rid in [r for r, last in drops.items() if last <= msg.step]:
                     del drops[rid]
-            t = time.perf_counter()
+            t, wall = time.perf_counter(), time.time()
             out = runner.execute(msg)
-            conn.send(("ok", (out.step, out.sampled, out.stopped), time.perf_counter() - t))
+            dt = time.perf_counter() - t
+            ran = (int(wall * 1000), int((wall + dt) * 1000))
+            conn.send(("ok", (out.step, out.sampled, out.stopped, ran), dt))
         except Exception:  # noqa: BLE001
             conn.send(("error", traceback.format_exc()))
 
@@ -197,8 +199,8 @@ class ProcessRunner:
 
     def collect(self) -> RunnerOutput:
         """The result of the oldest submitted step (blocks; run it off the event loop)."""
-        step, sampled, stopped = self._collect()
-        return RunnerOutput(step=step, sampled=sampled, stopped=stopped)
+        step, sampled, stopped, ran = self._collect()
+        return RunnerOutput(step=step, sampled=sampled, stopped=stopped, ran=ran)
 
     def fileno(self) -> int:
         """The pipe's end in this process: readable when a reply has come (for an event loop
@@ -222,8 +224,8 @@ class ProcessRunner:
                 raise WorkerError(reply[1])
             else:
                 self.busy_seconds += reply[2]
-                step, sampled, stopped = reply[1]
-                out.append(RunnerOutput(step=step, sampled=sampled, stopped=stopped))
+                step, sampled, stopped, ran = reply[1]
+                out.append(RunnerOutput(step=step, sampled=sampled, stopped=stopped, ran=ran))
         return out
 
     def _died(self) -> WorkerError:
