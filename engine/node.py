@@ -362,13 +362,13 @@ class EngineNode:
         depth = self.sched.config.max_steps_in_flight
         flying = self._flying
         io_turn = getattr(loop, "io_turn", None)  # fd serve's loop (fd.eventloop)
-
-        async def look() -> None:
-            self._resume_first = True  # (back here at once after the sockets' callbacks)
-            await io_turn()
-
-        if io_turn is None:
-            look = None  # type: ignore[assignment]
+        look: Callable[[], Awaitable[None]] | None = None
+        if io_turn is not None:
+            async def look_at_sockets() -> None:
+                """One look at the sockets, their callbacks, then straight back here."""
+                self._resume_first = True
+                await io_turn()
+            look = look_at_sockets
         # Runs while steps are in flight, even when stopping: a step's result is never left
         # behind (its tokens are published, its aborts drained).
         while flying or not self._stopping:
@@ -419,14 +419,13 @@ class EngineNode:
                 await self._flush(look)
                 if not claimed and await self._claim(block=False):
                     await self._flush()  # their `claimed` now, not after this step
-                if fut.done() and io_turn is not None:
+                if fut.done() and look is not None:
                     # Its result is in already: without this the loop would go straight on to
                     # the next step's work and its publish, and the sockets (a hang-up) would
                     # wait for both (at 128 streams ~4 ms in one go). One look at them first,
                     # then straight back here, ahead of the turn's queued token writes (queued
                     # behind them, the runner went idle: -4% tokens/s at 128 streams).
-                    self._resume_first = True
-                    await io_turn()
+                    await look()
             finally:
                 result = await fut  # never leave the step's result behind, even when stopping
             flying.popleft()
@@ -478,7 +477,7 @@ class EngineNode:
         else:
             result = work.result()
             fut.set_result(result)
-            self._finished(result.step, getattr(result, "ran", None))
+            self._finished(result.step, result.ran)
         self._hurry_if_urgent(fut.get_loop())
 
     def _on_replies(self) -> None:
