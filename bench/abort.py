@@ -37,6 +37,7 @@ import argparse
 import asyncio
 import bisect
 import random
+from collections import deque
 import sys
 import tempfile
 import time
@@ -121,6 +122,7 @@ def step_times(entries: list) -> list[tuple[int, int]]:
     decided: dict[int, int] = {}
     ended: dict[int, int] = {}
     ran: dict[int, tuple[int, int]] = {}
+    running: deque[int] = deque()  # decided, not known to have ended (in step order)
     for e in entries:
         for c in (e.data or {}).get("calls", []) if hasattr(e, "data") else []:
             t = c.get("t")
@@ -128,12 +130,12 @@ def step_times(entries: list) -> list[tuple[int, int]]:
                 continue
             if c["op"] == "schedule" and c.get("out") and c["out"][2:3] != [[]]:
                 decided[c["out"][0]] = t
+                running.append(c["out"][0])
             elif c["op"] == "finished":
                 if c.get("ran"):
                     ran[c["step"]] = (int(c["ran"][0]), int(c["ran"][1]))
-                for s in decided:
-                    if s <= c["step"] and s not in ended:
-                        ended[s] = t
+                while running and running[0] <= c["step"]:
+                    ended.setdefault(running.popleft(), t)
             elif c["op"] == "update":
                 ended.setdefault(c["step"], t)
     out, prev_end = [], None
@@ -167,7 +169,7 @@ def analyse(results: list, story: dict, runs: dict | None = None) -> dict:
     from control.events import AbortRequested, BlocksReleased, Drained, Final, Tokens
 
     runs = runs or {}
-    past = []  # hang-up → blocks_released, ms beyond the step the release waited for
+    beyond = []  # hang-up → blocks_released, ms beyond the step the release waited for
     ms = {"abort_requested": [], "drained": [], "blocks_released": []}
     steps = {"abort_requested": [], "drained": [], "blocks_released": []}
     after, discarded, tok_after_abort, problems, finished_early = [], [], 0, [], 0
@@ -211,9 +213,9 @@ def analyse(results: list, story: dict, runs: dict | None = None) -> dict:
             steps[name].append(ev.step - last_step)
         rel = marks["blocks_released"]
         if runs.get(rel.engine):
-            past.append(beyond_step(res.wall_close_ms, rel.ts, runs[rel.engine]))
+            beyond.append(beyond_step(res.wall_close_ms, rel.ts, runs[rel.engine]))
         after.append(int(final.usage.get("completion_tokens", 0)) - delivered)
-    return {"ms": ms, "steps": steps, "step_ms": step_ms, "past_step_ms": past, "tokens_after_disconnect": after, "discarded": discarded,
+    return {"ms": ms, "steps": steps, "step_ms": step_ms, "beyond_step_ms": beyond, "tokens_after_disconnect": after, "discarded": discarded,
             "tokens_events_after_abort_requested": tok_after_abort, "problems": problems[:10],
             "num_problems": len(problems), "finished_before_hangup": finished_early}
 
@@ -376,7 +378,7 @@ def main() -> None:
         row = [n, len(d["tokens_after_disconnect"]), float(p50(d["step_ms"]))]
         for name in ("abort_requested", "drained", "blocks_released"):
             row += [p50(d["ms"][name]), p99(d["ms"][name])]
-        row += [p50(d["past_step_ms"]), p99(d["past_step_ms"])]
+        row += [p50(d["beyond_step_ms"]), p99(d["beyond_step_ms"])]
         row += [p50(d["steps"]["abort_requested"]), p99(d["steps"]["abort_requested"]),
                 p99(d["steps"]["blocks_released"]),
                 p50(d["tokens_after_disconnect"]), p99(d["tokens_after_disconnect"]),
