@@ -241,6 +241,11 @@ class Llama:
         eps = self.cfg.rms_norm_eps
         x = paddle.index_select(self.embed, ids)
         cos, sin = paddle.split(paddle.index_select(self.rope, positions), 2, axis=1)  # [T, 1, hd]
+        # Broadcast over the heads once a step, not in each layer's RoPE (a broadcasting
+        # multiply costs several times a same-shape one: 0.3 ms each for a 528-token prefill).
+        heads = [cos.shape[0], self.cfg.num_attention_heads + self.cfg.num_key_value_heads,
+                 self.cfg.head_dim]
+        cos, sin = paddle.expand(cos, heads), paddle.expand(sin, heads)
         residual = None
         for i, layer in enumerate(self.layers):
             if residual is None:
