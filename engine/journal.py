@@ -300,7 +300,7 @@ class JournalRecorder:
         call: dict[str, Any] = {"op": "finished", "step": step}
         if ran is not None:
             call["ran"] = list(ran)
-        return self._record(call, self.scheduler.finished, step)
+        return self._record(call, self.scheduler.finished, step, ran)
 
     def skipped(self, step: int, request_ids) -> list[Event]:
         return self._record({"op": "skip", "step": step, "rids": list(request_ids)},

@@ -516,8 +516,7 @@ class EngineNode:
         clients' writes); but the runner is done with the KV blocks of every step up to this
         one now, so the scheduler hears it now (and the journal has when each step ended):
         an aborted request that only those steps held is released at once."""
-        sched = self.sched
-        evs = sched.finished(step, ran) if isinstance(sched, JournalRecorder) else sched.finished(step)
+        evs = self.sched.finished(step, ran)
         if evs:
             self._emit(evs)
             self._publish_gauges()

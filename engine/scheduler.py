@@ -224,13 +224,14 @@ class Scheduler:
             events.extend(self.abort(rid, source))
         return events
 
-    def finished(self, step: int) -> list[Event]:
+    def finished(self, step: int, ran: tuple[int, int] | None = None) -> list[Event]:
         """The runner has finished every step up to ``step``: their results are in, not yet
         folded back (the engine loop may be busy with the last one's tokens for a while).
         None of them writes KV any more, so an aborting request that no later step holds
         drains and releases now; its tokens from those steps are dropped when ``update()``
         folds them in. Only the release moves: the events of the requests that go on, and
-        their order, are the same as without this call."""
+        their order, are the same as without this call. ``ran`` (when the runner ran ``step``,
+        wall ms) is for the journal; nothing here reads it."""
         events = self._take()
         for rid in [r for r in self._aborting if r in self._in_flight_ids]:
             seq = self._seqs[rid]
