@@ -74,6 +74,20 @@ def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]
     return text
 
 
+def goal(name: str, at: str, value: float, op: str, limit: float) -> dict:
+    """One of an issue's bench goals as this run measured it: ``value op limit`` holds or not.
+    A goal is judged from the figures the run printed, never from a separate timing, so
+    ``bench/repeat.py`` can count over runs how often it held."""
+    held = {"<": value < limit, "<=": value <= limit, ">=": value >= limit, "==": value == limit}[op]
+    return {"goal": name, "at": at, "value": value, "op": op, "limit": limit, "met": bool(held)}
+
+
+def print_goals(title: str, goals: Sequence[dict]) -> str:
+    return print_table(title, ["goal", "at", "measured", "needs", "met"],
+                       [[g["goal"], g["at"], g["value"], f"{g['op']} {fmt(g['limit'], 2)}",
+                         "yes" if g["met"] else "NO"] for g in goals], nd=2)
+
+
 def environment() -> dict:
     return {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "python": platform.python_version(),
             "machine": platform.machine(), "cpus": os.cpu_count(), "loadavg": os.getloadavg(),

@@ -49,8 +49,9 @@ sys.path.insert(0, str(_HERE.parent))
 
 from tqdm import tqdm  # noqa: E402
 
-from bench._common import (RESULTS, entry_le, gauges, http_session, model_dir,  # noqa: E402
-                           on_the_workers_cpu, p50, p99, print_table, prompts, quiet_gc,
+from bench._common import (RESULTS, entry_le, gauges, goal, http_session, model_dir,  # noqa: E402
+                           on_the_workers_cpu, p50, p99, print_goals, print_table, prompts,
+                           quiet_gc,
                            start_redis_server, start_serve,
                            stream_completion, stream_with, wait_idle, write_json)
 
@@ -411,6 +412,21 @@ def main() -> None:
     tables.append(print_table("abort: POST /v1/abort_requests, time to the HTTP answer",
                               ["ids per call", "calls on", "calls", "p50 ms", "p99 ms", "max ms"],
                               rows, nd=2))
+    goals = []
+    for n in conc:
+        d = out["disconnects"][n]
+        step = float(p50(d["step_ms"]))
+        goals += [goal("hang-up → blocks_released p99, ms: one engine step (p50) + 5", f"{n} streams",
+                       p99(d["ms"]["blocks_released"]), "<=", step + 5),
+                  goal("the same, less the step the release waited for", f"{n} streams",
+                       p99(d["beyond_step_ms"]), "<=", 5.0),
+                  goal("tokens events after abort_requested", f"{n} streams",
+                       d["tokens_events_after_abort_requested"], "==", 0)]
+    for name, how in (("abort_endpoint", "one connection"), ("abort_endpoint_new_conn", "a new connection each")):
+        goals.append(goal(f"/v1/abort_requests with {args.bulk_ids:,} ids, p99 ms", how,
+                          MS * p99(out[name]["bulk"]), "<", 5.0))
+    tables.append(print_goals("abort: issue #5's goals, as this run measured them", goals))
+    out["goals"] = goals
     out["tables"] = tables
     write_json(args.output_json, out)
 

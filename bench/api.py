@@ -42,9 +42,11 @@ sys.path.insert(0, str(_HERE.parent))
 
 from tqdm import tqdm  # noqa: E402
 
-from bench._common import (PROMPT_LEN, RESULTS, http_session, model_dir, p50, p99,  # noqa: E402
-                           print_table, prompts, start_serve, stream_completion, stream_with,
-                           wait_idle, write_json)
+from bench._common import (PROMPT_LEN, RESULTS, goal, http_session, model_dir, p50,  # noqa: E402
+                           p99, print_goals, print_table, prompts, start_serve,
+                           stream_completion, stream_with, wait_idle, write_json)
+
+GOAL_STREAMS = 32  # issue #4's goals are stated at 32 concurrent streams
 
 
 def main_thread_cpu_s(pid: int) -> float:
@@ -193,6 +195,12 @@ def main() -> None:
     print(f"failed requests: {errs}; fd serve RSS {out['server_rss_mb']:.0f} MiB "
           f"(peak {out['server_peak_rss_mb']:.0f} MiB)")
     out["table"] = {"headers": headers, "rows": rows, "markdown": text}
+    if GOAL_STREAMS in conc:
+        a, b = out["runs"][GOAL_STREAMS]["api"], out["runs"][GOAL_STREAMS]["inprocess"]
+        at = f"{GOAL_STREAMS} streams"
+        out["goals"] = [goal("output tok/s, api / in-process", at, a["tok_per_s"] / b["tok_per_s"], ">=", 0.9),
+                        goal("added TTFT p50, ms", at, a["ttft_p50_ms"] - b["ttft_p50_ms"], "<", 5.0)]
+        print_goals("api: issue #4's goals, as this run measured them", out["goals"])
     write_json(args.output_json, out)
 
 
