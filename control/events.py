@@ -62,10 +62,21 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    # OpenAI's, on the tokens generated so far: minus frequency_penalty for each time a token
+    # occurred, minus presence_penalty once if it did. vLLM's repetition_penalty, on tokens of
+    # the prompt or the output: a positive logit divided by it, a negative one multiplied.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        """The runner needs the request's tokens so far to sample it."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     def to_dict(self) -> dict[str, Any]:
         # (not dataclasses.asdict: its deep copy of nine plain values was ~10 µs of every
@@ -73,6 +84,12 @@ class SamplingParams:
         d = {name: getattr(self, name) for name in _SAMPLING_NAMES}
         d["stop"] = list(self.stop)
         d["stop_token_ids"] = list(self.stop_token_ids)
+        # Written only when asked for: an engine of a release before them refuses a request
+        # with fields it does not know (a dead letter), and in a rolling upgrade it must still
+        # take every request that does not use them.
+        for name, default in _PENALTY_DEFAULTS:
+            if d[name] == default:
+                del d[name]
         return d
 
     @classmethod
@@ -106,6 +123,12 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if name in kw and not isinstance(kw[name], bool):
                 raise bad(name, "true or false")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if name in kw and not (is_num(kw[name]) and -2 <= kw[name] <= 2):
+                raise bad(name, "a number in [-2, 2]")
+        if "repetition_penalty" in kw and not (is_num(kw["repetition_penalty"])
+                                               and 0 < kw["repetition_penalty"] < float("inf")):
+            raise bad("repetition_penalty", "a finite number > 0")
         if "stop" in kw:
             stop = kw["stop"] or ()
             if isinstance(stop, str):
@@ -122,6 +145,7 @@ class SamplingParams:
 
 
 _SAMPLING_NAMES = tuple(f.name for f in dataclasses.fields(SamplingParams))
+_PENALTY_DEFAULTS = (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0))
 _SAMPLING_FIELDS = frozenset(_SAMPLING_NAMES)
 
 

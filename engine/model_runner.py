@@ -79,13 +79,29 @@ class ModelRunner:
             self._last_sampled = {}
             return RunnerOutput(step=out.step, sampled={})
         n = len(sampled)
-        if all(s.sampling.greedy for s in sampled):
+        if all(s.sampling.greedy and not s.sampling.penalized for s in sampled):
             tokens = paddle.argmax(logits, axis=-1).numpy()[:n].tolist()
         else:
             tokens = self.sampler.sample(logits.numpy()[:n], [s.sampling for s in sampled],
-                                         [s.num_generated for s in sampled])
+                                         [s.num_generated for s in sampled],
+                                         [self._seen(s) if s.sampling.penalized else None
+                                          for s in sampled])
         self._last_sampled = {s.request_id: t for s, t in zip(sampled, tokens)}
         return RunnerOutput(step=out.step, sampled=self._last_sampled)
+
+    def _seen(self, s: ScheduledSeq) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(prompt, output) tokens of a penalized request so far: the scheduler's, plus the one
+        this runner sampled for it in the step just before if the scheduler has not got it yet
+        (async scheduling: then the scheduler counts it in ``num_generated`` only)."""
+        prompt, output = s.history[:s.num_prompt_tokens], s.history[s.num_prompt_tokens:]
+        missing = s.num_generated - len(output)
+        if missing:
+            last = self._last_sampled.get(s.request_id)
+            if missing != 1 or last is None:
+                raise RuntimeError(f"{s.request_id!r}: {missing} generated token(s) neither in its "
+                                   "history nor sampled in the step before (steps out of order?)")
+            output += (last,)
+        return prompt, output
 
     def logits(self, out: SchedulerOutput) -> np.ndarray:
         """The logits [num sampled seqs, vocab] of a step (tests and debugging)."""

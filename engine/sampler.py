@@ -7,6 +7,9 @@ a ``seed`` it is drawn from an RNG keyed by ``(seed, num_generated)`` alone, so 
 seeded request is the same whatever else shares the batch, and across runs and restarts
 (given batch-invariant logits, which the model provides). Unseeded rows use the runner's own
 generator.
+
+Penalties come first, on the row alone (vLLM's order): the repetition penalty on every token
+of the prompt or the output, then frequency and presence penalties on the output's tokens.
 """
 
 from __future__ import annotations
@@ -22,6 +25,21 @@ _U64 = (1 << 64) - 1
 
 def seeded_uniform(seed: int, num_generated: int) -> float:
     return float(np.random.default_rng((seed & _U64, num_generated)).random())
+
+
+def apply_penalties(logits: np.ndarray, sp: SamplingParams, prompt_ids: Sequence[int],
+                    output_ids: Sequence[int]) -> np.ndarray:
+    """A float64 copy of one row of logits, penalized for the tokens the request has seen."""
+    x = logits.astype(np.float64)
+    rp = sp.repetition_penalty
+    if rp != 1.0:
+        seen = np.unique(np.asarray([*prompt_ids, *output_ids], dtype=np.int64))
+        v = x[seen]
+        x[seen] = np.where(v > 0, v / rp, v * rp)
+    if output_ids and (sp.frequency_penalty or sp.presence_penalty):
+        tokens, counts = np.unique(np.asarray(output_ids, dtype=np.int64), return_counts=True)
+        x[tokens] -= sp.frequency_penalty * counts + sp.presence_penalty
+    return x
 
 
 def sample_row(logits: np.ndarray, sp: SamplingParams, u: float) -> int:
@@ -46,13 +64,21 @@ class Sampler:
         self._rng = np.random.default_rng(seed)
 
     def sample(self, logits: np.ndarray, params: Sequence[SamplingParams],
-               num_generated: Sequence[int]) -> list[int]:
+               num_generated: Sequence[int],
+               seen: Sequence[tuple[Sequence[int], Sequence[int]] | None] | None = None) -> list[int]:
         """Tokens for each row of ``logits`` [N, vocab]; ``num_generated[i]`` is how many tokens
-        row i's request had generated before this one."""
+        row i's request had generated before this one; ``seen[i]``, for a row with penalties,
+        its (prompt, output) tokens so far."""
         out = np.argmax(logits, axis=-1).tolist()
         for i, sp in enumerate(params):
+            row = logits[i]
+            if seen is not None and seen[i] is not None:
+                row = apply_penalties(row, sp, *seen[i])
+            elif sp.greedy:
+                continue
             if sp.greedy:
+                out[i] = int(np.argmax(row))
                 continue
             u = seeded_uniform(sp.seed, num_generated[i]) if sp.seed is not None else self._rng.random()
-            out[i] = sample_row(logits[i], sp, u)
+            out[i] = sample_row(row, sp, u)
         return out

@@ -441,6 +441,7 @@ class Scheduler:
         if len(token_ids) < n:  # the pending token: only ever a decode of exactly that one
             token_ids = (PLACEHOLDER,)
         sample = start + n == seq.num_tokens + seq.num_pending
+        penalized = sample and seq.sampling.penalized
         ss = ScheduledSeq(
             request_id=seq.request_id,
             token_ids=token_ids,
@@ -449,6 +450,8 @@ class Scheduler:
             sample=sample,
             sampling=seq.sampling,
             num_generated=seq.num_output_tokens + seq.num_pending,
+            history=tuple(seq.token_ids) if penalized else (),
+            num_prompt_tokens=seq.num_prompt_tokens if penalized else 0,
         )
         seq.num_in_flight += n
         if sample:

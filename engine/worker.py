@@ -58,7 +58,7 @@ class _StepEncoder:
                 self._next += 1
                 new.append((known[0], sp))
             seqs.append((ss.request_id, ss.token_ids, ss.start_pos, ss.block_table, ss.sample,
-                         known[0], ss.num_generated))
+                         known[0], ss.num_generated, ss.history, ss.num_prompt_tokens))
         return ("step", out.step, out.num_batched_tokens, reset, new, seqs)
 
 
@@ -74,8 +74,8 @@ class _StepDecoder:
         for key, sp in new:
             params[key] = sp
         return SchedulerOutput(step=step, num_batched_tokens=num_batched, seqs=tuple(
-            ScheduledSeq(rid, toks, start, table, sample, params[key], gen)
-            for rid, toks, start, table, sample, key, gen in seqs))
+            ScheduledSeq(rid, toks, start, table, sample, params[key], gen, history, num_prompt)
+            for rid, toks, start, table, sample, key, gen, history, num_prompt in seqs))
 
 
 def _worker_main(conn, model_dir: str, kwargs: dict[str, Any],

@@ -15,7 +15,8 @@ TS = 1_700_000_000_123
 REQ_DATA = E.RequestData(
     prompt_token_ids=(1, 2, 3),
     sampling=E.SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=5, seed=42,
-                              stop=("\n\n", "END"), stop_token_ids=(2, 9), ignore_eos=True),
+                              stop=("\n\n", "END"), stop_token_ids=(2, 9), ignore_eos=True,
+                              frequency_penalty=0.25, repetition_penalty=1.1),
     arrival_ts=TS, model="tiny", api="api-1", background=True,
 )
 
@@ -106,6 +107,10 @@ BAD = [
      "data"),
     ("max_tokens 0", _req(data=orjson.dumps({"prompt_token_ids": [1], "sampling": {"max_tokens": 0}}).decode()),
      "data"),
+    ("presence_penalty 3", _req(data=orjson.dumps({"prompt_token_ids": [1],
+                                                   "sampling": {"presence_penalty": 3}}).decode()), "data"),
+    ("repetition_penalty -1", _req(data=orjson.dumps({"prompt_token_ids": [1],
+                                                      "sampling": {"repetition_penalty": -1}}).decode()), "data"),
     ("oversize field", {"type": "abort", "request_id": "r1", "reason": "x" * (E.MAX_FIELD_BYTES + 1)}, "reason"),
     ("binary junk value", {b"type": b"abort", b"request_id": b"\xff\xfe\x00"}, "request_id"),
     ("binary junk name", {b"type": b"abort", b"request_id": b"r1", b"\xc3\x28": b"x"}, "<field name>"),

@@ -77,3 +77,56 @@ def test_async_scheduling_gives_the_same_output_as_one_step_at_a_time(tiny_model
             assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
         assert llm.last_free_blocks == runner.num_blocks
     assert sum(e.TYPE == "preempted" for e in events) >= 1
+
+
+def _penalized_reference(runner, prompt: list[int], out: list[int], sp: SamplingParams) -> list[int]:
+    """What greedy decoding with ``sp``'s penalties must pick after each prefix of ``out``: the
+    model's logits for the whole prefix (one prefill in scratch blocks), penalized here by the
+    formulas themselves, not by the sampler's code."""
+    import numpy as np
+
+    from engine.outputs import ScheduledSeq, SchedulerOutput
+
+    picks = []
+    bs = runner.block_size
+    for k in range(len(out)):
+        toks = tuple(prompt + out[:k])
+        table = tuple(range(-(-len(toks) // bs)))
+        seq = ScheduledSeq("ref", toks, 0, table, True, SamplingParams(temperature=0.0), 0)
+        x = runner.logits(SchedulerOutput(step=-1, seqs=(seq,)))[0].astype(np.float64)
+        seen = set(toks)
+        for t in seen:
+            x[t] = x[t] / sp.repetition_penalty if x[t] > 0 else x[t] * sp.repetition_penalty
+        for t in set(out[:k]):
+            x[t] -= sp.frequency_penalty * out[:k].count(t) + sp.presence_penalty
+        picks.append(int(np.argmax(x)))
+    return picks
+
+
+def test_penalties_reach_the_model_one_step_at_a_time_ahead_and_after_preemption(
+        tiny_model_dir, tiny_runner, tiny_tokenizer, prompts):
+    """frequency/presence/repetition penalties, greedy: each token is the argmax of that step's
+    logits penalized for what the request has seen so far, also when the step was decided
+    before the last token was known (async scheduling) and after a recompute (preemption)."""
+    plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    # penalizing repeats, and (below 0 and 1) rewarding them, which makes a request's newest
+    # token, the one async scheduling feeds as a placeholder, decide what comes next
+    sps = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, frequency_penalty=0.7,
+                          presence_penalty=0.4, repetition_penalty=1.3),
+           SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, frequency_penalty=-0.5,
+                          repetition_penalty=0.8)]
+    batch = [sps[i % 2] for i in range(len(prompts))]
+    base = LLM(tiny_runner, tiny_tokenizer).generate(prompts, plain)
+    sync = LLM(tiny_runner, tiny_tokenizer).generate(prompts, batch)
+    for sp in sps:  # each of them changes some output
+        assert any(a.token_ids != b.token_ids for a, b, s in zip(base, sync, batch) if s is sp)
+    for p, g, sp in list(zip(prompts, sync, batch))[:4]:
+        assert g.token_ids == _penalized_reference(tiny_runner, list(p), list(g.token_ids), sp)
+    tight = ModelRunner(str(tiny_model_dir), num_blocks=10, block_size=16)
+    for runner, async_scheduling in ((tiny_runner, True), (tight, False), (tight, True)):
+        llm = LLM(runner, tiny_tokenizer, async_scheduling=async_scheduling)
+        events = []
+        got = llm.generate(prompts, batch, on_event=events.append)
+        assert [g.token_ids for g in got] == [g.token_ids for g in sync]
+        if runner is tight:
+            assert any(e.TYPE == "preempted" for e in events)

@@ -86,3 +86,38 @@ def test_unseeded_uses_the_runner_generator():
     assert len(set(first)) == 1  # same runner seed, fresh generator: same first draw
     s = Sampler(1)
     assert len({s.sample(x, [sp], [0])[0] for _ in range(50)}) > 1
+
+
+def test_frequency_and_presence_penalties_take_openais_formula_off_the_output_tokens():
+    from engine.sampler import apply_penalties
+
+    row = _logits(1, 11)[0]
+    sp = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)
+    got = apply_penalties(row, sp, prompt_ids=[1, 2], output_ids=[5, 9, 5])
+    want = row.astype(np.float64)
+    want[5] -= 2 * 0.5 + 0.25
+    want[9] -= 1 * 0.5 + 0.25  # the prompt's tokens 1 and 2 are not penalized
+    np.testing.assert_allclose(got, want)
+    assert got is not row and row.dtype == np.float32  # the logits themselves are untouched
+
+
+def test_repetition_penalty_shrinks_every_seen_tokens_logit_whatever_its_sign():
+    from engine.sampler import apply_penalties
+
+    row = np.zeros(V, dtype=np.float32)
+    row[[1, 2, 3, 4]] = [2.0, -1.0, 3.0, 5.0]
+    got = apply_penalties(row, SamplingParams(repetition_penalty=2.0), prompt_ids=[1, 2, 1],
+                          output_ids=[3])
+    assert got[[1, 2, 3, 4]].tolist() == [1.0, -2.0, 1.5, 5.0]  # 4 was never seen
+    # below 1 it rewards repeats instead, as in vLLM
+    assert apply_penalties(row, SamplingParams(repetition_penalty=0.5), [1], [])[1] == 4.0
+
+
+def test_penalties_change_what_greedy_and_seeded_rows_pick():
+    x = np.zeros((2, V), dtype=np.float32)
+    x[:, 10], x[:, 11] = 5.0, 4.5
+    greedy = SamplingParams(temperature=0.0, presence_penalty=1.0)
+    hot = SamplingParams(temperature=0.05, top_k=2, seed=3, frequency_penalty=2.0)
+    seen = [((), (10,)), ((), (10, 10))]
+    assert Sampler().sample(x, [greedy, hot], [1, 2]) == [10, 10]  # (no history: no penalty)
+    assert Sampler().sample(x, [greedy, hot], [1, 2], seen) == [11, 11]

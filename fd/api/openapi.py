@@ -41,6 +41,8 @@ def _sampling_props(model_name: str, max_model_len: int) -> dict[str, Any]:
         "seed": {**_INT_OR_NULL, "minimum": 0, "maximum": 2**63 - 1},
         "presence_penalty": {"type": "number", "nullable": True, "minimum": -2, "maximum": 2},
         "frequency_penalty": {"type": "number", "nullable": True, "minimum": -2, "maximum": 2},
+        "repetition_penalty": {"type": "number", "nullable": True, "exclusiveMinimum": True,
+                               "minimum": 0},
         "n": {"type": "integer", "nullable": True, "enum": [1]},
         "best_of": {"type": "integer", "nullable": True, "enum": [1]},
         "stop": {"nullable": True, "oneOf": [{"type": "string"},

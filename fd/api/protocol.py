@@ -164,10 +164,17 @@ def _sampling(body: dict, prompt_len: int, limits: Limits, default_max: int | No
     seed = _opt(body, "seed", _is_int, "an integer", None)
     if seed is not None and not 0 <= seed < 2**63:  # what an engine accepts (control.events)
         raise bad_request("'seed' must be an integer in [0, 2**63).", "seed", "invalid_value")
+    penalties = {}
     for name in ("presence_penalty", "frequency_penalty"):
         v = _opt(body, name, _is_num, "a number", 0.0)
         if not -2.0 <= v <= 2.0:
             raise bad_request(f"'{name}' must be between -2 and 2.", name, "invalid_value")
+        penalties[name] = float(v)
+    rp = _opt(body, "repetition_penalty", _is_num, "a number", 1.0)
+    if not rp > 0:
+        raise bad_request("'repetition_penalty' must be greater than 0 (1 is off).", "repetition_penalty",
+                          "invalid_value")
+    penalties["repetition_penalty"] = float(rp)
 
     stop_raw = body.get("stop")
     if stop_raw is None:
@@ -185,7 +192,7 @@ def _sampling(body: dict, prompt_len: int, limits: Limits, default_max: int | No
     include_stop = _opt(body, "include_stop_str_in_output", lambda v: isinstance(v, bool), "a boolean", False)
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                           seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
-                          include_stop_str_in_output=include_stop)
+                          include_stop_str_in_output=include_stop, **penalties)
 
 
 def _background(body: dict) -> bool:
