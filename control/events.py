@@ -68,6 +68,12 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # OpenAI's logit_bias: (token id, bias) pairs, sorted, added to those tokens' logits.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # vLLM's: keep only tokens at least min_p times as likely as the likeliest (0: off);
+    # neither EOS nor stop_token_ids can come before min_tokens tokens were generated.
+    min_p: float = 0.0
+    min_tokens: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -78,17 +84,23 @@ class SamplingParams:
         """The runner needs the request's tokens so far to sample it."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
+    @property
+    def plain(self) -> bool:
+        """Nothing but the logits decides a greedy pick (the runner's fast path)."""
+        return not (self.penalized or self.logit_bias or self.min_tokens)
+
     def to_dict(self) -> dict[str, Any]:
         # (not dataclasses.asdict: its deep copy of nine plain values was ~10 µs of every
         # request's way in)
         d = {name: getattr(self, name) for name in _SAMPLING_NAMES}
         d["stop"] = list(self.stop)
         d["stop_token_ids"] = list(self.stop_token_ids)
+        d["logit_bias"] = [list(pair) for pair in self.logit_bias]
         # Written only when asked for: an engine of a release before them refuses a request
         # with fields it does not know (a dead letter), and in a rolling upgrade it must still
         # take every request that does not use them.
-        for name, default in _PENALTY_DEFAULTS:
-            if d[name] == default:
+        for name in _OPTIONAL_NAMES:
+            if getattr(self, name) == _DEFAULTS[name]:
                 del d[name]
         return d
 
@@ -129,6 +141,17 @@ class SamplingParams:
         if "repetition_penalty" in kw and not (is_num(kw["repetition_penalty"])
                                                and 0 < kw["repetition_penalty"] < float("inf")):
             raise bad("repetition_penalty", "a finite number > 0")
+        if "min_p" in kw and not (is_num(kw["min_p"]) and 0 <= kw["min_p"] <= 1):
+            raise bad("min_p", "a number in [0, 1]")
+        if "min_tokens" in kw and not (is_int(kw["min_tokens"]) and kw["min_tokens"] >= 0):
+            raise bad("min_tokens", "an integer >= 0")
+        if "logit_bias" in kw:
+            pairs = kw["logit_bias"] or ()
+            if not (isinstance(pairs, (list, tuple)) and all(
+                    isinstance(p, (list, tuple)) and len(p) == 2 and is_int(p[0]) and p[0] >= 0
+                    and is_num(p[1]) and -100 <= p[1] <= 100 for p in pairs)):
+                raise bad("logit_bias", "a list of [token id, bias in [-100, 100]] pairs")
+            kw["logit_bias"] = tuple(sorted((int(t), float(b)) for t, b in dict(pairs).items()))
         if "stop" in kw:
             stop = kw["stop"] or ()
             if isinstance(stop, str):
@@ -145,7 +168,10 @@ class SamplingParams:
 
 
 _SAMPLING_NAMES = tuple(f.name for f in dataclasses.fields(SamplingParams))
-_PENALTY_DEFAULTS = (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0))
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
+# fields added after the first release: on the wire only when set
+_OPTIONAL_NAMES = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                   "min_p", "min_tokens")
 _SAMPLING_FIELDS = frozenset(_SAMPLING_NAMES)
 
 

@@ -14,13 +14,16 @@ from typing import Iterable
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, stop: tuple[str, ...] = (), include_stop_str_in_output: bool = False):
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), include_stop_str_in_output: bool = False,
+                 min_tokens: int = 0):
         self._tok = tokenizer
         self._is_special = getattr(tokenizer, "is_special", lambda _id: False)
         # "replace" only for bytes that can never become valid; incomplete tails wait
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self._stop = tuple(s for s in stop if s)
         self._include = include_stop_str_in_output
+        self._min_tokens = min_tokens  # before this many tokens no stop string ends it (vLLM's)
+        self._count = 0
         self._held = ""
         self.stop_str: str | None = None  # set once a stop string matched; later pushes are ignored
 
@@ -29,9 +32,11 @@ class IncrementalDetokenizer:
         matched (the text is then what precedes it, plus it if include_stop_str_in_output)."""
         if self.stop_str is not None:
             return "", None
+        token_ids = tuple(token_ids)
+        self._count += len(token_ids)
         data = b"".join(self._tok.id_to_bytes(t) for t in token_ids if not self._is_special(t))
         text = self._held + self._utf8.decode(data)
-        if not self._stop:
+        if not self._stop or self._count < self._min_tokens:
             self._held = ""
             return text, None
         hit = None

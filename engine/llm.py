@@ -53,7 +53,8 @@ class LLM:
             rid = f"r{i}"
             gens[rid] = Generation(rid)
             detoks[rid] = IncrementalDetokenizer(self.tokenizer, stop=sp.stop,
-                                                 include_stop_str_in_output=sp.include_stop_str_in_output)
+                                                 include_stop_str_in_output=sp.include_stop_str_in_output,
+                                                 min_tokens=sp.min_tokens)
             for ev in sched.add(rid, RequestData(prompt_token_ids=tuple(ids), sampling=sp)):
                 fold(gens, detoks, ev, clock)
         # Async scheduling in one thread: step N+1 is decided (and run: the runner takes steps

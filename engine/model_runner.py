@@ -65,7 +65,7 @@ class ModelRunner:
         self.eos_token_ids = _eos_token_ids(model_dir)
         self.max_model_len = self.model.cfg.max_position_embeddings
         self.vocab_size = self.model.cfg.vocab_size
-        self.sampler = Sampler(seed)
+        self.sampler = Sampler(seed, self.eos_token_ids)
         self._last_sampled: dict[str, int] = {}  # what a placeholder in the next step stands for
 
     # ------------------------------------------------------------------ step
@@ -79,7 +79,7 @@ class ModelRunner:
             self._last_sampled = {}
             return RunnerOutput(step=out.step, sampled={})
         n = len(sampled)
-        if all(s.sampling.greedy and not s.sampling.penalized for s in sampled):
+        if all(s.sampling.greedy and s.sampling.plain for s in sampled):
             tokens = paddle.argmax(logits, axis=-1).numpy()[:n].tolist()
         else:
             tokens = self.sampler.sample(logits.numpy()[:n], [s.sampling for s in sampled],

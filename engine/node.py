@@ -682,7 +682,8 @@ class EngineNode:
             return
         sp = data.sampling
         detok = IncrementalDetokenizer(self.tokenizer, stop=sp.stop,
-                                       include_stop_str_in_output=sp.include_stop_str_in_output)
+                                       include_stop_str_in_output=sp.include_stop_str_in_output,
+                                       min_tokens=sp.min_tokens)
         tail = ""
         if hist.tokens:
             # Prime it with what the client already has, so text deltas continue exactly; text

@@ -1,15 +1,17 @@
 """Choosing the next token from a batch of logits.
 
 Greedy rows are an argmax (ties go to the lowest id). Random rows sort the vocabulary by
-logit (stable, so ties again favour the lower id), cut it by top-k and top-p, and invert the
-CDF at one uniform number. That number is what makes sampling reproducible: for a request with
+logit (stable, so ties again favour the lower id), cut it by top-k, min-p and top-p, and invert
+the CDF at one uniform number. That number is what makes sampling reproducible: for a request with
 a ``seed`` it is drawn from an RNG keyed by ``(seed, num_generated)`` alone, so token n of a
 seeded request is the same whatever else shares the batch, and across runs and restarts
 (given batch-invariant logits, which the model provides). Unseeded rows use the runner's own
 generator.
 
-Penalties come first, on the row alone (vLLM's order): the repetition penalty on every token
-of the prompt or the output, then frequency and presence penalties on the output's tokens.
+Before either, a request's own parameters reshape its row alone (:func:`adjust`, vLLM's
+order): the repetition penalty on every token of the prompt or the output, frequency and
+presence penalties on the output's tokens, the logit bias, and, before ``min_tokens`` tokens,
+EOS and the stop token ids ruled out.
 """
 
 from __future__ import annotations
@@ -42,6 +44,20 @@ def apply_penalties(logits: np.ndarray, sp: SamplingParams, prompt_ids: Sequence
     return x
 
 
+def adjust(logits: np.ndarray, sp: SamplingParams, num_generated: int,
+           seen: tuple[Sequence[int], Sequence[int]] | None, eos_token_ids: Sequence[int]) -> np.ndarray:
+    """A float64 copy of one row of logits as the request's parameters reshape it; ``seen``:
+    its (prompt, output) tokens so far, for penalties."""
+    x = logits.astype(np.float64) if seen is None else apply_penalties(logits, sp, *seen)
+    for token, bias in sp.logit_bias:
+        x[token] += bias
+    if num_generated < sp.min_tokens:
+        banned = [*sp.stop_token_ids, *(() if sp.ignore_eos else eos_token_ids)]
+        if banned:
+            x[banned] = -np.inf
+    return x
+
+
 def sample_row(logits: np.ndarray, sp: SamplingParams, u: float) -> int:
     """One token from one row of logits given a uniform ``u`` in [0, 1)."""
     x = logits.astype(np.float64) / sp.temperature
@@ -49,7 +65,10 @@ def sample_row(logits: np.ndarray, sp: SamplingParams, u: float) -> int:
     if 0 < sp.top_k < len(order):
         order = order[:sp.top_k]
     z = x[order]
-    p = np.exp(z - z[0])
+    p = np.exp(z - z[0])  # descending, p[0] == 1: relative to the likeliest token
+    if sp.min_p > 0:
+        keep = int(np.count_nonzero(p >= sp.min_p))
+        order, p = order[:keep], p[:keep]
     cdf = np.cumsum(p)
     if sp.top_p < 1.0:
         # the smallest prefix whose mass reaches top_p (always at least the top token)
@@ -60,8 +79,9 @@ def sample_row(logits: np.ndarray, sp: SamplingParams, u: float) -> int:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, eos_token_ids: Sequence[int] = ()):
         self._rng = np.random.default_rng(seed)
+        self.eos_token_ids = tuple(eos_token_ids)  # what min_tokens holds back, with stop ids
 
     def sample(self, logits: np.ndarray, params: Sequence[SamplingParams],
                num_generated: Sequence[int],
@@ -72,8 +92,9 @@ class Sampler:
         out = np.argmax(logits, axis=-1).tolist()
         for i, sp in enumerate(params):
             row = logits[i]
-            if seen is not None and seen[i] is not None:
-                row = apply_penalties(row, sp, *seen[i])
+            if not sp.plain:
+                row = adjust(row, sp, num_generated[i], seen[i] if seen is not None else None,
+                             self.eos_token_ids)
             elif sp.greedy:
                 continue
             if sp.greedy:

@@ -174,6 +174,10 @@ class Scheduler:
         elif self.config.vocab_size and max(data.prompt_token_ids) >= self.config.vocab_size:
             error = (f"prompt token id {max(data.prompt_token_ids)} is outside the model's "
                      f"vocabulary of {self.config.vocab_size}")
+        elif (self.config.vocab_size and data.sampling.logit_bias
+              and max(t for t, _ in data.sampling.logit_bias) >= self.config.vocab_size):
+            error = (f"logit_bias token id {max(t for t, _ in data.sampling.logit_bias)} is "
+                     f"outside the model's vocabulary of {self.config.vocab_size}")
         elif self.blocks.blocks_for(n + 1) > self.blocks.num_total:
             error = (f"prompt has {n} tokens; the KV cache holds only "
                      f"{self.blocks.num_total * self.blocks.block_size}")

@@ -166,20 +166,23 @@ async def test_completion_non_stream_generated_id_and_length(real_bus):
         assert req.data.model == "tiny"
 
 
-async def test_penalties_reach_the_engine_and_are_left_out_when_not_asked_for(real_bus):
+async def test_sampling_extras_reach_the_engine_and_are_left_out_when_not_asked_for(real_bus):
     async with setup(real_bus, FakeEngine(real_bus)) as client:
-        for rid, extra in (("pen1", {"presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2}),
-                           ("pen0", {"presence_penalty": 0, "frequency_penalty": None})):
+        for rid, extra in (("pen1", {"presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2,
+                                     "logit_bias": {"9": -100, "4": 2.5}, "min_p": 0.1, "min_tokens": 1}),
+                           ("pen0", {"presence_penalty": 0, "frequency_penalty": None, "logit_bias": {}})):
             resp = await client.post("/v1/completions", headers={"X-Request-Id": rid},
                                      json={"model": "tiny", "prompt": "x", "max_tokens": 2, **extra})
             assert resp.status == 200, await resp.text()
         entries = {decode(f).request_id: f for _eid, f in await real_bus.redis.xrange(real_bus.keys.requests)}
         sp = decode(entries["pen1"]).data.sampling
         assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (0.5, -1.0, 1.2)
-        assert decode(entries["pen0"]).data.sampling.penalized is False
-        # an engine of a release before penalties still takes a request that uses none
+        assert (sp.logit_bias, sp.min_p, sp.min_tokens) == (((4, 2.5), (9, -100.0)), 0.1, 1)
+        assert decode(entries["pen0"]).data.sampling.plain is True
+        # an engine of a release before these still takes a request that uses none of them
         raw = orjson.loads(entries["pen0"][b"data"])
-        assert not {"presence_penalty", "frequency_penalty", "repetition_penalty"} & set(raw["sampling"])
+        assert not {"presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p",
+                    "min_tokens"} & set(raw["sampling"])
 
 
 async def test_chat_stream_sse_format(bus):

@@ -98,3 +98,15 @@ def test_flush_of_an_incomplete_character(tok):
     deltas, _ = _stream(d, ids[:-1])
     assert "".join(deltas) == "x"
     assert "x" + d.flush() == tok.decode(ids[:-1]) == "x\ufffd"
+
+
+def test_min_tokens_lets_a_stop_string_through_until_then():
+    from engine.detokenizer import IncrementalDetokenizer
+
+    class Bytes:
+        def id_to_bytes(self, t):
+            return bytes([t])
+
+    d = IncrementalDetokenizer(Bytes(), stop=("b",), min_tokens=3)
+    assert d.push(b"ab") == ("ab", None)  # 2 tokens: too early to stop
+    assert d.push(b"cb") == ("c", "b")  # 4: the stop string ends it

@@ -130,3 +130,21 @@ def test_penalties_reach_the_model_one_step_at_a_time_ahead_and_after_preemption
         assert [g.token_ids for g in got] == [g.token_ids for g in sync]
         if runner is tight:
             assert any(e.TYPE == "preempted" for e in events)
+
+
+def test_logit_bias_and_min_tokens_decide_what_the_user_gets(tiny_runner, tiny_tokenizer, prompts):
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    base = LLM(tiny_runner, tiny_tokenizer).generate(prompts[:2], greedy)
+    forced = SamplingParams(temperature=0.0, max_tokens=5, logit_bias=((77, 100.0),))
+    hot = SamplingParams(temperature=1.0, seed=5, max_tokens=5, logit_bias=((77, 100.0),))
+    for g in LLM(tiny_runner, tiny_tokenizer, async_scheduling=True).generate(prompts[:2], [forced, hot]):
+        assert g.token_ids == [77] * 5
+    # a stop token id the greedy output reaches at its 3rd token: there it stops, unless
+    # min_tokens holds it back
+    stop_id = base[0].token_ids[2]
+    assert stop_id not in base[0].token_ids[:2]
+    stop = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=(stop_id,))
+    held = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=(stop_id,), min_tokens=8)
+    early, late = LLM(tiny_runner, tiny_tokenizer).generate([prompts[0]] * 2, [stop, held])
+    assert early.finish_reason == "stop" and len(early.token_ids) == 3
+    assert len(late.token_ids) >= 8 and stop_id not in late.token_ids[:7]

@@ -121,3 +121,38 @@ def test_penalties_change_what_greedy_and_seeded_rows_pick():
     seen = [((), (10,)), ((), (10, 10))]
     assert Sampler().sample(x, [greedy, hot], [1, 2]) == [10, 10]  # (no history: no penalty)
     assert Sampler().sample(x, [greedy, hot], [1, 2], seen) == [11, 11]
+
+
+def test_logit_bias_moves_a_token_up_or_out():
+    x = _logits(2, 12)
+    top = int(np.argmax(x[0]))
+    sp = SamplingParams(temperature=0.0, logit_bias=((3, 100.0), (top, -100.0)))
+    assert Sampler().sample(x[:1], [sp], [0]) == [3]
+    gone = SamplingParams(temperature=0.0, logit_bias=((top, -100.0),))
+    second = int(np.argsort(-x[0], kind="stable")[1])
+    assert Sampler().sample(x[:1], [gone], [0]) == [second]
+
+
+def test_min_tokens_holds_back_eos_and_stop_token_ids_until_then():
+    x = np.zeros((1, V), dtype=np.float32)
+    x[0, 2], x[0, 7], x[0, 9] = 9.0, 8.0, 7.0  # 2 is EOS, 7 a stop token id
+    s = Sampler(eos_token_ids=(2,))
+    sp = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=(7,))
+    assert [s.sample(x, [sp], [n])[0] for n in range(5)] == [9, 9, 9, 2, 2]
+    keep_eos = SamplingParams(temperature=0.0, min_tokens=3, ignore_eos=True)
+    assert s.sample(x, [keep_eos], [0]) == [2]  # EOS ends nothing here: not held back
+
+
+def test_min_p_drops_tokens_much_less_likely_than_the_top():
+    row = np.log(np.asarray([0.5, 0.3, 0.15, 0.05] + [1e-9] * (V - 4), dtype=np.float32))
+    us = np.linspace(0, 0.999, 400)
+    plain = SamplingParams(temperature=1.0)
+    cut = SamplingParams(temperature=1.0, min_p=0.4)  # keeps p >= 0.2: tokens 0 and 1
+    assert {sample_row_u(row, plain, u) for u in us} >= {0, 1, 2, 3}
+    assert {sample_row_u(row, cut, u) for u in us} == {0, 1}
+
+
+def sample_row_u(row, sp, u):
+    from engine.sampler import sample_row
+
+    return sample_row(row, sp, float(u))

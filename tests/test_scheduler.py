@@ -500,3 +500,15 @@ def test_add_with_generated_tokens_that_already_finished_ends_at_once():
     evs = sched.add("eos", req(4, max_tokens=9), generated=(50, EOS))
     assert evs[-1].finish_reason == "stop"
     assert not sched.has_work() and not sched.knows("done")
+
+
+def test_token_ids_outside_the_vocabulary_end_the_request_before_it_runs():
+    sched, runner = make(vocab_size=100)
+    (f,) = sched.add("p", req(3, start=98))
+    assert f.finish_reason == "error" and "prompt token id 100" in f.error
+    (f,) = sched.add("b", req(3, logit_bias=((5, 1.0), (100, -3.0))))
+    assert f.finish_reason == "error" and "logit_bias token id 100" in f.error
+    assert sched.add("ok", req(3, logit_bias=((99, 1.0),))) == []
+    assert not runner.seen("p") and not runner.seen("b")
+    run_all(sched, runner)
+    assert runner.seen("ok") and not runner.seen("b")

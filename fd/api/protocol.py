@@ -175,6 +175,14 @@ def _sampling(body: dict, prompt_len: int, limits: Limits, default_max: int | No
         raise bad_request("'repetition_penalty' must be greater than 0 (1 is off).", "repetition_penalty",
                           "invalid_value")
     penalties["repetition_penalty"] = float(rp)
+    min_p = _opt(body, "min_p", _is_num, "a number", 0.0)
+    if not 0.0 <= min_p <= 1.0:
+        raise bad_request("'min_p' must be between 0 and 1.", "min_p", "invalid_value")
+    min_tokens = _opt(body, "min_tokens", _is_int, "an integer", 0)
+    if not 0 <= min_tokens <= max_tokens:
+        raise bad_request(f"'min_tokens' must be between 0 and max_tokens ({max_tokens}).", "min_tokens",
+                          "invalid_value")
+    logit_bias = _logit_bias(body, limits)
 
     stop_raw = body.get("stop")
     if stop_raw is None:
@@ -192,7 +200,28 @@ def _sampling(body: dict, prompt_len: int, limits: Limits, default_max: int | No
     include_stop = _opt(body, "include_stop_str_in_output", lambda v: isinstance(v, bool), "a boolean", False)
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                           seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
-                          include_stop_str_in_output=include_stop, **penalties)
+                          include_stop_str_in_output=include_stop, logit_bias=logit_bias,
+                          min_p=float(min_p), min_tokens=min_tokens, **penalties)
+
+
+def _logit_bias(body: dict, limits: Limits) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``{"token id": bias}``, bias in [-100, 100]; as sorted (id, bias) pairs."""
+    raw = _opt(body, "logit_bias", lambda v: isinstance(v, dict), "an object of token id: bias", {})
+    out = []
+    for key, bias in raw.items():
+        try:
+            token = int(key)
+        except ValueError:
+            token = -1
+        if token < 0 or (limits.vocab_size is not None and token >= limits.vocab_size):
+            raise bad_request(f"'logit_bias' has an invalid token id {key!r}"
+                              + (f" (vocabulary size {limits.vocab_size})." if limits.vocab_size else "."),
+                              "logit_bias", "invalid_value")
+        if not _is_num(bias) or not -100 <= bias <= 100:
+            raise bad_request(f"'logit_bias' values must be numbers between -100 and 100, got {bias!r:.20}.",
+                              "logit_bias", "invalid_value")
+        out.append((token, float(bias)))
+    return tuple(sorted(out))
 
 
 def _background(body: dict) -> bool:
