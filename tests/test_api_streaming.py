@@ -174,6 +174,9 @@ async def test_sampling_extras_reach_the_engine_and_are_left_out_when_not_asked_
             resp = await client.post("/v1/completions", headers={"X-Request-Id": rid},
                                      json={"model": "tiny", "prompt": "x", "max_tokens": 2, **extra})
             assert resp.status == 200, await resp.text()
+        # (response_format "text" is what every chat answer is anyway)
+        resp = await client.post("/v1/chat/completions", json={**CHAT_BODY, "response_format": {"type": "text"}})
+        assert resp.status == 200, await resp.text()
         entries = {decode(f).request_id: f for _eid, f in await real_bus.redis.xrange(real_bus.keys.requests)}
         sp = decode(entries["pen1"]).data.sampling
         assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (0.5, -1.0, 1.2)

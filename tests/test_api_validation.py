@@ -84,6 +84,8 @@ CASES = [
     (COMP, {"model": "tiny", "prompt": "x", "logit_bias": {"300": 1}}, 400, "logit_bias", "invalid_value"),
     (CHAT, {"model": "tiny", "messages": MSG, "logit_bias": {"7": 101}}, 400, "logit_bias", "invalid_value"),
     (CHAT, {"model": "tiny", "messages": MSG, "min_p": 1.5}, 400, "min_p", "invalid_value"),
+    (CHAT, {"model": "tiny", "messages": MSG, "response_format": {"type": "json_object"}}, 400,
+     "response_format", "unsupported"),
     (COMP, {"model": "tiny", "prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens", "invalid_value"),
     (CHAT, {"model": "tiny", "messages": MSG, "stream": "yes"}, 400, "stream", "invalid_type"),
     (CHAT, {"model": "tiny", "messages": MSG, "stream_options": {"include_usage": True}}, 400, "stream_options", None),

@@ -123,7 +123,8 @@ SAMPLING_FIELDS = ["model", "max_tokens", "max_completion_tokens", "temperature"
                    "seed", "presence_penalty", "frequency_penalty", "n", "best_of", "stop",
                    "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "stream",
                    "stream_options", "background", "logprobs", "top_logprobs", "tools",
-                   "tool_choice", "response_format", "echo", "suffix", "user", "x_unknown"]
+                   "tool_choice", "response_format", "echo", "suffix", "user", "x_unknown",
+                   "repetition_penalty", "logit_bias", "min_p", "min_tokens"]
 INTERESTING = {
     "model": st.sampled_from(["tiny", "gpt-4", "", None]),
     "stream": st.booleans(),
@@ -133,6 +134,11 @@ INTERESTING = {
     "top_p": st.floats(-0.2, 1.2),
     "stop": st.lists(st.text(max_size=3), max_size=3) | st.text(max_size=3),
     "stop_token_ids": st.lists(st.integers(-1, 300), max_size=3),
+    "logit_bias": st.dictionaries(st.integers(-2, 300).map(str) | JUNK_TEXT, st.floats(-120, 120), max_size=3),
+    "min_tokens": st.integers(-1, MAX_LEN + 2),
+    "min_p": st.floats(-0.5, 1.5),
+    "repetition_penalty": st.floats(-1, 3),
+    "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
 }
 
 

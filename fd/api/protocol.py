@@ -289,7 +289,7 @@ def parse_messages(body: dict) -> list[dict[str, str]]:
 def parse_chat(body: dict, limits: Limits, tokenizer: TokenizerLike) -> GenerationRequest:
     model = _check_model(body, limits)
     _reject_unsupported(body, {"logprobs": None, "top_logprobs": None, "tools": None,
-                               "tool_choice": "none", "response_format": None})
+                               "tool_choice": "none", "response_format": {"type": "text"}})
     messages = parse_messages(body)
     stream, include_usage = _stream_opts(body)
     background = _background(body)
