@@ -49,6 +49,10 @@ def now_ms() -> int:
 # --------------------------------------------------------------------------- payload types
 
 
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
+MAX_REPETITION_PENALTY = 100.0  # (vLLM sets none; 1-2 is the useful range)
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """What the client asked of sampling; vLLM's names where vLLM has one."""
@@ -74,6 +78,10 @@ class SamplingParams:
     # neither EOS nor stop_token_ids can come before min_tokens tokens were generated.
     min_p: float = 0.0
     min_tokens: int = 0
+    # Log-probabilities of each sampled token and of this many likeliest alternatives, from
+    # the model's own distribution (before penalties and temperature, as vLLM's default):
+    # None for none. Chat's logprobs + top_logprobs, completions' logprobs.
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -139,12 +147,15 @@ class SamplingParams:
             if name in kw and not (is_num(kw[name]) and -2 <= kw[name] <= 2):
                 raise bad(name, "a number in [-2, 2]")
         if "repetition_penalty" in kw and not (is_num(kw["repetition_penalty"])
-                                               and 0 < kw["repetition_penalty"] < float("inf")):
-            raise bad("repetition_penalty", "a finite number > 0")
+                                               and 0 < kw["repetition_penalty"] <= MAX_REPETITION_PENALTY):
+            raise bad("repetition_penalty", f"a number in (0, {MAX_REPETITION_PENALTY:g}]")
         if "min_p" in kw and not (is_num(kw["min_p"]) and 0 <= kw["min_p"] <= 1):
             raise bad("min_p", "a number in [0, 1]")
         if "min_tokens" in kw and not (is_int(kw["min_tokens"]) and kw["min_tokens"] >= 0):
             raise bad("min_tokens", "an integer >= 0")
+        if kw.get("logprobs") is not None and not (is_int(kw["logprobs"])
+                                                   and 0 <= kw["logprobs"] <= MAX_LOGPROBS):
+            raise bad("logprobs", f"an integer in [0, {MAX_LOGPROBS}]")
         if "logit_bias" in kw:
             pairs = kw["logit_bias"] or ()
             if not (isinstance(pairs, (list, tuple)) and all(
@@ -171,7 +182,7 @@ _SAMPLING_NAMES = tuple(f.name for f in dataclasses.fields(SamplingParams))
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
 # fields added after the first release: on the wire only when set
 _OPTIONAL_NAMES = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                   "min_p", "min_tokens")
+                   "min_p", "min_tokens", "logprobs")
 _SAMPLING_FIELDS = frozenset(_SAMPLING_NAMES)
 
 
@@ -339,6 +350,9 @@ class Tokens(Event):
     token_ids: tuple[int, ...]
     text: str = ""
     step: int = 0
+    # Only when the request asked (SamplingParams.logprobs): per token of token_ids, in order,
+    # {"lp": [its log-probability, ...], "top": [[[token id, log-probability], ...], ...]}.
+    logprobs: dict | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

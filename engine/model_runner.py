@@ -27,7 +27,7 @@ from engine.model.llama import MASKED, AttnGroup, ForwardBatch, Llama, key_block
 from engine.malloc import pin_thresholds
 from engine.model.loader import load_model
 from engine.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
-from engine.sampler import Sampler
+from engine.sampler import Sampler, token_logprobs
 from engine.sequence import PLACEHOLDER
 
 DEFAULT_KV_CACHE_BYTES = {"cpu": 256 << 20, "gpu": 4 << 30}
@@ -87,7 +87,13 @@ class ModelRunner:
                                          [self._seen(s) if s.sampling.penalized else None
                                           for s in sampled])
         self._last_sampled = {s.request_id: t for s, t in zip(sampled, tokens)}
-        return RunnerOutput(step=out.step, sampled=self._last_sampled)
+        wanted = [i for i, s in enumerate(sampled) if s.sampling.logprobs is not None]
+        if not wanted:
+            return RunnerOutput(step=out.step, sampled=self._last_sampled)
+        rows = logits.numpy()[:n]
+        return RunnerOutput(step=out.step, sampled=self._last_sampled, logprobs={
+            sampled[i].request_id: token_logprobs(rows[i], tokens[i], sampled[i].sampling.logprobs)
+            for i in wanted})
 
     def _seen(self, s: ScheduledSeq) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(prompt, output) tokens of a penalized request so far: the scheduler's, plus the one

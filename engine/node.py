@@ -723,7 +723,7 @@ class EngineNode:
         for ev in evs:
             if type(ev) is Tokens:
                 progress[ev.request_id] = now
-        self._emit(evs, deltas)
+        self._emit(evs, deltas, result.logprobs)
         self._publish_gauges()
 
     # ------------------------------------------------------------------ drain
@@ -898,9 +898,11 @@ class EngineNode:
 
     # ------------------------------------------------------------------ output
 
-    def _emit(self, evs: list[Event], texts: dict[str, str] | None = None) -> None:
+    def _emit(self, evs: list[Event], texts: dict[str, str] | None = None,
+              logprobs: dict[str, tuple[float, tuple]] | None = None) -> None:
         """Stamp and queue events for the next flush; ``texts``: the step's text deltas, by
-        request, for its ``Tokens`` (which the scheduler makes without text)."""
+        request, for its ``Tokens`` (which the scheduler makes without text), and
+        ``logprobs`` the runner's, for those that asked."""
         now = time.time()
         ts = int(now * 1000)
         drop: list[str] = []
@@ -911,8 +913,10 @@ class EngineNode:
             if type(ev) is Tokens:  # the common case: one per request per step
                 if not silent:
                     text = texts.pop(rid, ev.text) if texts else ev.text
+                    lp = logprobs.get(rid) if logprobs else None
                     outbox.append((self.bus.keys.req(rid), Tokens(
-                        request_id=rid, token_ids=ev.token_ids, text=text, step=ev.step, ts=ts)))
+                        request_id=rid, token_ids=ev.token_ids, text=text, step=ev.step, ts=ts,
+                        logprobs=None if lp is None else {"lp": [lp[0]], "top": [lp[1]]})))
                 continue
             if isinstance(ev, (AbortRequested, BlocksReleased, Final)) and rid in self._detok:
                 # The request emits no more tokens: text held back (a possible stop-string

@@ -48,6 +48,9 @@ class RunnerOutput:
     # requests whose new text hit a stop string (found by the node's detokenizer before
     # update(); the scheduler then finishes them with finish_reason="stop")
     stopped: dict[str, str] = field(default_factory=dict)  # request_id -> the stop string
+    # Requests that asked for log-probabilities: request_id -> (the sampled token's, and the
+    # likeliest tokens' as (id, log-probability), likeliest first). Data, never a decision.
+    logprobs: dict[str, tuple[float, tuple[tuple[int, float], ...]]] = field(default_factory=dict)
     # When the runner ran the step, wall-clock ms (start, end), if it says: informational,
     # for the journal (when each step really ran); never part of a decision.
     ran: tuple[int, int] | None = None

@@ -78,6 +78,16 @@ def sample_row(logits: np.ndarray, sp: SamplingParams, u: float) -> int:
     return int(order[min(i, len(cdf) - 1)])
 
 
+def token_logprobs(logits: np.ndarray, token: int, top: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """The log-probability of ``token`` under one row of logits, and the ``top`` likeliest
+    tokens' (ties to the lower id), from the model's distribution as it is."""
+    x = logits.astype(np.float64)
+    m = x.max()
+    lp = x - (m + np.log(np.exp(x - m).sum()))
+    best = np.argsort(-lp, kind="stable")[:top] if top else ()
+    return float(lp[token]), tuple((int(t), float(lp[t])) for t in best)
+
+
 class Sampler:
     def __init__(self, seed: int = 0, eos_token_ids: Sequence[int] = ()):
         self._rng = np.random.default_rng(seed)

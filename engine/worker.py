@@ -146,7 +146,7 @@ def _worker_main(conn, model_dir: str, kwargs: dict[str, Any],
             out = runner.execute(msg)
             dt = time.perf_counter() - t
             ran = (int(wall * 1000), int((wall + dt) * 1000))
-            conn.send(("ok", (out.step, out.sampled, out.stopped, ran), dt))
+            conn.send(("ok", (out.step, out.sampled, out.stopped, ran, out.logprobs), dt))
         except Exception:  # noqa: BLE001
             conn.send(("error", traceback.format_exc()))
 
@@ -199,8 +199,8 @@ class ProcessRunner:
 
     def collect(self) -> RunnerOutput:
         """The result of the oldest submitted step (blocks; run it off the event loop)."""
-        step, sampled, stopped, ran = self._collect()
-        return RunnerOutput(step=step, sampled=sampled, stopped=stopped, ran=ran)
+        step, sampled, stopped, ran, logprobs = self._collect()
+        return RunnerOutput(step=step, sampled=sampled, stopped=stopped, ran=ran, logprobs=logprobs)
 
     def fileno(self) -> int:
         """The pipe's end in this process: readable when a reply has come (for an event loop
@@ -224,8 +224,9 @@ class ProcessRunner:
                 raise WorkerError(reply[1])
             else:
                 self.busy_seconds += reply[2]
-                step, sampled, stopped, ran = reply[1]
-                out.append(RunnerOutput(step=step, sampled=sampled, stopped=stopped, ran=ran))
+                step, sampled, stopped, ran, logprobs = reply[1]
+                out.append(RunnerOutput(step=step, sampled=sampled, stopped=stopped, ran=ran,
+                                        logprobs=logprobs))
         return out
 
     def _died(self) -> WorkerError:

@@ -188,3 +188,41 @@ async def test_sse_events_yield_a_keep_alive_when_quiet_then_the_batch(monkeypat
     assert [eid for eid, _ in await it.__anext__()] == [b"3-0"]
     with pytest.raises(StopAsyncIteration):
         await it.__anext__()
+
+
+def test_logprobs_ride_on_the_next_chunk_with_text_and_the_rest_on_the_last():
+    """A token whose text is held back (half a character) has its log-probability shown with
+    the next chunk that has text; what is left at the end goes on the finishing chunk, and
+    the whole response carries them all, in OpenAI's shapes."""
+    def ev(ids, text, lps):
+        return dict(token_ids=ids, logprobs={"lp": lps, "top": [[[t, lp]] for t, lp in zip(ids, lps)]},
+                    text=text)
+
+    events = [ev((72,), "H", [-0.5]), ev((0xE2,), "", [-1.0]), ev((0x82, 0xAC), "\u20ac", [-2.0, -0.25]),
+              ev((0xE2,), "", [-3.0])]
+    final = E.Final(request_id="cmpl-1", finish_reason="length")
+    for endpoint in ("completion", "chat"):
+        stream = protocol.Renderer("cmpl-1", endpoint, "m", 1, 3, token_bytes=lambda t: bytes([t]))
+        whole = protocol.Renderer("cmpl-1", endpoint, "m", 1, 3, token_bytes=lambda t: bytes([t]))
+        shown = []
+        for e in events:
+            payload = stream.token_json(e["text"], len(e["token_ids"]), e["token_ids"], e["logprobs"])
+            whole.token_chunks(e["text"], len(e["token_ids"]), e["token_ids"], e["logprobs"])
+            shown.append(None if payload is None else orjson.loads(payload)["choices"][0]["logprobs"])
+        last = stream.final_chunks(final)[0]["choices"][0]["logprobs"]
+        body = whole.response(final)["choices"][0]["logprobs"]
+        assert shown[1] is None and shown[3] is None  # no text: no chunk
+        if endpoint == "completion":
+            assert shown[0] == {"tokens": ["H"], "token_logprobs": [-0.5], "top_logprobs": [{"H": -0.5}],
+                                "text_offset": [0]}
+            assert shown[2]["token_logprobs"] == [-1.0, -2.0, -0.25] and shown[2]["text_offset"] == [1, 2, 3]
+            assert last["token_logprobs"] == [-3.0] and last["text_offset"] == [4]
+            assert body["token_logprobs"] == [-0.5, -1.0, -2.0, -0.25, -3.0]
+            assert body["text_offset"] == [0, 1, 2, 3, 4]
+        else:
+            assert [c["logprob"] for c in shown[2]["content"]] == [-1.0, -2.0, -0.25]
+            assert shown[2]["content"][0]["bytes"] == [0xE2]
+            assert shown[0]["content"] == [{"token": "H", "logprob": -0.5, "bytes": [72], "top_logprobs": [
+                {"token": "H", "logprob": -0.5, "bytes": [72]}]}]
+            assert [c["logprob"] for c in last["content"]] == [-3.0]
+            assert [c["logprob"] for c in body["content"]] == [-0.5, -1.0, -2.0, -0.25, -3.0]

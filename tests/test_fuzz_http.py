@@ -388,10 +388,11 @@ def test_openapi_document_is_served_and_schema_bodies_are_accepted(harness):
         body = data.draw(from_schema(schemas[name], doc))
         status, out = harness.call(post(harness, path, dumps(body), {}))
         if status != 200:
-            # the rules no schema can say: prompt + max_tokens within the context, and
-            # stream_options only with stream=true
-            assert status == 400 and (out["code"] == "context_length_exceeded"
-                                      or out["param"] == "stream_options"), (body, out)
+            # the rules no schema can say (openapi.build): prompt + max_tokens within the
+            # context, stream_options only with stream=true, top_logprobs only with logprobs,
+            # min_tokens <= max_tokens, logit_bias keyed by token ids of the vocabulary
+            assert status == 400 and (out["code"] == "context_length_exceeded" or out["param"] in (
+                "stream_options", "top_logprobs", "min_tokens", "logit_bias")), (body, out)
 
     one()
 

@@ -8,6 +8,7 @@ import asyncio
 
 import aiohttp
 import openai
+import pytest
 
 from control.connect import connect
 from control.events import SamplingParams
@@ -261,3 +262,70 @@ async def test_requests_not_announced_in_process_are_still_claimed_while_idle(se
     r = await client.completions.create(model=api.cfg.model_name, prompt="announced", max_tokens=3)
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
     await client.close()
+
+
+def _reference_logprobs(runner, prompt: list[int], out: list[int], top: int):
+    """For each token of a greedy output: its log-probability and the ``top`` likeliest, from
+    the model's logits for the whole prefix (a prefill in scratch blocks, the engine idle)."""
+    import numpy as np
+
+    from engine.outputs import ScheduledSeq, SchedulerOutput
+
+    res = []
+    for k in range(len(out)):
+        toks = tuple(prompt + out[:k])
+        table = tuple(range(-(-len(toks) // runner.block_size)))
+        seq = ScheduledSeq("ref", toks, 0, table, True, SamplingParams(temperature=0.0), 0)
+        x = runner.logits(SchedulerOutput(step=-1, seqs=(seq,)))[0].astype(np.float64)
+        lp = x - np.log(np.exp(x - x.max()).sum()) - x.max()
+        best = np.argsort(-lp, kind="stable")[:top]
+        res.append((float(lp[out[k]]), [(int(t), float(lp[t])) for t in best]))
+    return res
+
+
+async def test_logprobs_through_the_openai_client(served, tiny_runner, tiny_tokenizer):
+    api, _eng = served
+    client = _client(api)
+    model = api.cfg.model_name
+    prompt = "Hello there, how"
+    ids = tiny_tokenizer.encode(prompt)
+    c = await client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0,
+                                        logprobs=3, extra_body={"ignore_eos": True})
+    messages = [{"role": "user", "content": "Say something"}]
+    s = await client.chat.completions.create(model=model, messages=messages, max_tokens=5, temperature=0,
+                                             logprobs=True, top_logprobs=2, stream=True,
+                                             extra_body={"ignore_eos": True})
+    content, text = [], ""
+    async for chunk in s:
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            content += chunk.choices[0].logprobs.content
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+    plain = await client.chat.completions.create(model=model, messages=messages, max_tokens=5,
+                                                 temperature=0, extra_body={"ignore_eos": True})
+    assert plain.choices[0].logprobs is None  # only when asked
+
+    def word(t: int) -> str:
+        return tiny_tokenizer.id_to_bytes(t).decode("utf-8", errors="replace")
+
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    greedy = LLM(tiny_runner, tiny_tokenizer).generate(
+        [ids], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0].token_ids
+    ref = _reference_logprobs(tiny_runner, list(ids), list(greedy), 3)
+    assert lp.tokens == [word(t) for t in greedy]
+    for got, (want, best), top in zip(lp.token_logprobs, ref, lp.top_logprobs):
+        assert abs(got - want) < 1e-4 and got <= 0
+        assert top == {word(t): pytest.approx(v, abs=1e-4) for t, v in best}  # (as the server builds it)
+        assert abs(max(top.values()) - got) < 1e-4  # greedy: the chosen one is the likeliest
+    assert lp.text_offset == [sum(len(word(t)) for t in greedy[:k]) for k in range(6)]
+
+    chat_ids = tiny_tokenizer.encode(tiny_tokenizer.apply_chat_template(messages))
+    greedy = LLM(tiny_runner, tiny_tokenizer).generate(
+        [chat_ids], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))[0].token_ids
+    ref = _reference_logprobs(tiny_runner, list(chat_ids), list(greedy), 2)
+    assert [e.token for e in content] == [word(t) for t in greedy]
+    assert [e.bytes for e in content] == [list(tiny_tokenizer.id_to_bytes(t)) for t in greedy]
+    for e, (want, best) in zip(content, ref):
+        assert abs(e.logprob - want) < 1e-4
+        assert [(x.token, round(x.logprob, 4)) for x in e.top_logprobs] == [(word(t), round(v, 4)) for t, v in best]

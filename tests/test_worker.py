@@ -24,7 +24,11 @@ def test_worker_gives_the_same_tokens_as_in_process(worker, tiny_runner, tiny_to
     prompts = [tiny_tokenizer.encode(t) for t in ("Hello there", "a", "The quick brown fox jumps")]
     greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=20, ignore_eos=True)
-    for sp in (greedy, seeded):
+    # penalties on repeats (the request's history crosses the pipe; the worker adds the token
+    # it sampled a step earlier), a bias, and a floor on the length
+    shaped = SamplingParams(temperature=0.0, max_tokens=20, frequency_penalty=-0.5, repetition_penalty=0.8,
+                            logit_bias=((7, 2.0),), min_tokens=5)
+    for sp in (greedy, seeded, shaped):
         here = LLM(tiny_runner, tiny_tokenizer).generate(prompts, sp)
         there = LLM(worker, tiny_tokenizer).generate(prompts, sp)
         assert [g.token_ids for g in there] == [g.token_ids for g in here]
@@ -34,6 +38,16 @@ def test_worker_gives_the_same_tokens_as_in_process(worker, tiny_runner, tiny_to
         assert [g.token_ids for g in ahead] == [g.token_ids for g in here]
     assert worker.busy_seconds > 0
     assert worker.num_blocks == 256 and worker.vocab_size == tiny_runner.vocab_size
+    # log-probabilities come back over the pipe as the in-process runner makes them
+    from engine.outputs import ScheduledSeq, SchedulerOutput
+
+    want = SamplingParams(temperature=0.0, logprobs=3)
+    step = SchedulerOutput(step=-1, seqs=(ScheduledSeq("lp", tuple(prompts[2]), 0, (0, 1), True, want, 0),))
+    there, here = worker.execute(step), tiny_runner.execute(step)
+    assert there.sampled == here.sampled and set(there.logprobs) == {"lp"}
+    (lp, top), (lp0, top0) = there.logprobs["lp"], here.logprobs["lp"]
+    assert lp == pytest.approx(lp0) and [t for t, _ in top] == [t for t, _ in top0] and len(top) == 3
+    assert top[0][0] == there.sampled["lp"] and top[0][1] == pytest.approx(lp)
     assert worker.eos_token_ids == tuple(tiny_runner.eos_token_ids)
 
 
@@ -123,7 +137,7 @@ def test_the_pipe_form_of_a_step_round_trips_and_sends_sampling_once():
     s1 = step(1, ScheduledSeq("r1", (5, 6, 7), 0, (3,), True, a, 0),
               ScheduledSeq("r2", (8,), 4, (1, 2), True, b, 2))
     s2 = step(2, ScheduledSeq("r1", (-1,), 3, (3,), True, a, 1),
-              ScheduledSeq("r2", (-1,), 5, (1, 2), True, b, 3))
+              ScheduledSeq("r2", (-1,), 5, (1, 2), True, b, 3, (8, 9, 9, 4, 4, 7), 4))
     m1, m2 = enc.encode(s1), enc.encode(s2)
     assert len(m1[4]) == 2 and m2[4] == []  # the params went once
     assert dec.decode(pickle.loads(pickle.dumps(m1))) == s1

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from control.events import MAX_LOGPROBS, MAX_REPETITION_PENALTY
 from control.keys import REQUEST_ID_RE
 from fd.api import protocol
 
@@ -42,7 +43,7 @@ def _sampling_props(model_name: str, max_model_len: int) -> dict[str, Any]:
         "presence_penalty": {"type": "number", "nullable": True, "minimum": -2, "maximum": 2},
         "frequency_penalty": {"type": "number", "nullable": True, "minimum": -2, "maximum": 2},
         "repetition_penalty": {"type": "number", "nullable": True, "exclusiveMinimum": True,
-                               "minimum": 0},
+                               "minimum": 0, "maximum": MAX_REPETITION_PENALTY},
         "logit_bias": {"type": "object", "nullable": True,
                        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
         "min_p": {"type": "number", "nullable": True, "minimum": 0, "maximum": 1},
@@ -87,6 +88,8 @@ def _schemas(model_name: str, max_model_len: int, vocab_size: int | None) -> dic
             "type": "object", "required": ["messages"],
             "properties": {"messages": {"type": "array", "minItems": 1, "items": _ref("ChatMessage")},
                            **sampling,
+                           "logprobs": _NULLABLE_BOOL,
+                           "top_logprobs": {**_INT_OR_NULL, "minimum": 0, "maximum": MAX_LOGPROBS},
                            "tool_choice": {"type": "string", "nullable": True, "enum": ["none"]}}},
         "CompletionRequest": {
             "type": "object", "required": ["prompt"],
@@ -94,7 +97,8 @@ def _schemas(model_name: str, max_model_len: int, vocab_size: int | None) -> dic
                 {"type": "string", "minLength": 1},
                 {"type": "array", "minItems": 1, "items": token_id},
                 {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string", "minLength": 1}}]},
-                **sampling}},
+                **sampling,
+                "logprobs": {**_INT_OR_NULL, "minimum": 0, "maximum": MAX_LOGPROBS}}},
         "AbortRequest": {
             "type": "object",
             "description": "One of req_ids (FastDeploy), request_ids (vLLM) or abort_all.",
@@ -141,8 +145,11 @@ def build(model_name: str, max_model_len: int, max_body_bytes: int,
           vocab_size: int | None = None) -> dict[str, Any]:
     """The document for one API node's configuration.
 
-    One rule no schema can say: prompt tokens plus ``max_tokens`` must fit the context
-    (``max_model_len``); a request past it gets 400 ``context_length_exceeded``."""
+    Rules no schema can say: prompt tokens plus ``max_tokens`` must fit the context
+    (``max_model_len``; past it, 400 ``context_length_exceeded``); ``stream_options`` needs
+    ``stream``, ``top_logprobs`` above 0 needs ``logprobs``, ``min_tokens`` is at most
+    ``max_tokens``, and ``logit_bias`` keys are token ids of the vocabulary (400 naming the
+    parameter)."""
     admin = [{"adminKey": []}]
     return {
         "openapi": "3.0.3",

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import orjson
 
-from control.events import Final, SamplingParams
+from control.events import MAX_LOGPROBS, MAX_REPETITION_PENALTY, Final, SamplingParams
 from fd.api.errors import ApiError, bad_request, not_found, too_large
 
 ROLES = ("system", "developer", "user", "assistant")
@@ -122,7 +122,14 @@ def _stream_opts(body: dict) -> tuple[bool, bool]:
     return stream, include_usage
 
 
-def _sampling(body: dict, prompt_len: int, limits: Limits, default_max: int | None) -> SamplingParams:
+def _top_logprobs(n: int, param: str) -> int:
+    if not 0 <= n <= MAX_LOGPROBS:
+        raise bad_request(f"'{param}' must be between 0 and {MAX_LOGPROBS}.", param, "invalid_value")
+    return n
+
+
+def _sampling(body: dict, prompt_len: int, limits: Limits, default_max: int | None,
+              logprobs: int | None = None) -> SamplingParams:
     n = _opt(body, "n", _is_int, "an integer", 1)
     if n != 1:
         raise bad_request("Only n=1 is supported.", "n", "unsupported")
@@ -171,9 +178,9 @@ def _sampling(body: dict, prompt_len: int, limits: Limits, default_max: int | No
             raise bad_request(f"'{name}' must be between -2 and 2.", name, "invalid_value")
         penalties[name] = float(v)
     rp = _opt(body, "repetition_penalty", _is_num, "a number", 1.0)
-    if not rp > 0:
-        raise bad_request("'repetition_penalty' must be greater than 0 (1 is off).", "repetition_penalty",
-                          "invalid_value")
+    if not 0 < rp <= MAX_REPETITION_PENALTY:
+        raise bad_request(f"'repetition_penalty' must be greater than 0 and at most {MAX_REPETITION_PENALTY:g} "
+                          "(1 is off).", "repetition_penalty", "invalid_value")
     penalties["repetition_penalty"] = float(rp)
     min_p = _opt(body, "min_p", _is_num, "a number", 0.0)
     if not 0.0 <= min_p <= 1.0:
@@ -201,7 +208,7 @@ def _sampling(body: dict, prompt_len: int, limits: Limits, default_max: int | No
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                           seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
                           include_stop_str_in_output=include_stop, logit_bias=logit_bias,
-                          min_p=float(min_p), min_tokens=min_tokens, **penalties)
+                          min_p=float(min_p), min_tokens=min_tokens, logprobs=logprobs, **penalties)
 
 
 def _logit_bias(body: dict, limits: Limits) -> tuple[tuple[int, float], ...]:
@@ -288,8 +295,12 @@ def parse_messages(body: dict) -> list[dict[str, str]]:
 
 def parse_chat(body: dict, limits: Limits, tokenizer: TokenizerLike) -> GenerationRequest:
     model = _check_model(body, limits)
-    _reject_unsupported(body, {"logprobs": None, "top_logprobs": None, "tools": None,
-                               "tool_choice": "none", "response_format": {"type": "text"}})
+    _reject_unsupported(body, {"tools": None, "tool_choice": "none", "response_format": {"type": "text"}})
+    want = _opt(body, "logprobs", lambda v: isinstance(v, bool), "a boolean", False)
+    top = _opt(body, "top_logprobs", _is_int, "an integer", None)
+    if top and not want:
+        raise bad_request("'top_logprobs' needs 'logprobs': true.", "top_logprobs", "invalid_value")
+    logprobs = _top_logprobs(top or 0, "top_logprobs") if want else None
     messages = parse_messages(body)
     stream, include_usage = _stream_opts(body)
     background = _background(body)
@@ -300,13 +311,15 @@ def parse_chat(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Generati
     ids = tuple(tokenizer.encode(text, add_special_tokens=False))
     if not ids:
         raise bad_request("The prompt is empty.", "messages", "invalid_value")
-    sampling = _sampling(body, len(ids), limits, None)
+    sampling = _sampling(body, len(ids), limits, None, logprobs)
     return GenerationRequest("chat", model, ids, sampling, stream, include_usage, background)
 
 
 def parse_completion(body: dict, limits: Limits, tokenizer: TokenizerLike) -> GenerationRequest:
     model = _check_model(body, limits)
-    _reject_unsupported(body, {"logprobs": None, "echo": None, "suffix": None})
+    _reject_unsupported(body, {"echo": None, "suffix": None})
+    top = _opt(body, "logprobs", _is_int, "an integer", None)
+    logprobs = None if top is None else _top_logprobs(top, "logprobs")
     prompt = body.get("prompt")
     if prompt is None:
         raise bad_request("'prompt' is required.", "prompt", "missing_required_parameter")
@@ -325,7 +338,7 @@ def parse_completion(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Ge
         raise bad_request("The prompt is empty.", "prompt", "invalid_value")
     stream, include_usage = _stream_opts(body)
     background = _background(body)
-    sampling = _sampling(body, len(ids), limits, limits.default_max_tokens)
+    sampling = _sampling(body, len(ids), limits, limits.default_max_tokens, logprobs)
     return GenerationRequest("completion", model, ids, sampling, stream, include_usage, background)
 
 
@@ -402,7 +415,7 @@ class Renderer:
     """
 
     def __init__(self, request_id: str, endpoint: str, model: str, created: int, prompt_tokens: int,
-                 include_usage: bool = False):
+                 include_usage: bool = False, token_bytes: Callable[[int], bytes] | None = None):
         self.rid = request_id
         self.endpoint = endpoint
         self.model = model
@@ -412,6 +425,45 @@ class Renderer:
         self.completion_tokens = 0
         self.text: list[str] = []
         self._token_template: tuple[bytes, bytes] | None = None
+        self._token_bytes = token_bytes or (lambda _t: b"")
+        # (token, logprob, top, text offset) of every token, for those who asked
+        self.logprobs: list[tuple[int, float, Any, int]] = []
+        self._lp_shown = 0  # how many of them a chunk carried already
+        self._lp_offset = 0  # completions' text_offset of the next token
+
+    # -- log-probabilities
+    def _add_logprobs(self, token_ids: tuple[int, ...], logprobs: Any) -> None:
+        """A tokens event's ``logprobs`` ({"lp": [...], "top": [...]}, one entry a token)."""
+        try:
+            entries = list(zip(token_ids, logprobs["lp"], logprobs["top"], strict=True))
+        except (TypeError, KeyError, ValueError):
+            return  # not what an engine writes (a hand-typed event): shown without them
+        for t, lp, top in entries:
+            self.logprobs.append((t, lp, top, self._lp_offset))
+            self._lp_offset += len(self._token(t)[0])
+
+    def _token(self, t: int) -> tuple[str, bytes]:
+        b = self._token_bytes(int(t))
+        return b.decode("utf-8", errors="replace"), b
+
+    def _render_logprobs(self, entries: list) -> dict:
+        """OpenAI's shape: chat's ``content`` list, or completions' four parallel lists."""
+        if self.endpoint == "chat":
+            def entry(t: int, lp: float) -> dict:
+                s, b = self._token(t)
+                return {"token": s, "logprob": lp, "bytes": list(b)}
+            return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, c) for a, c in top]}
+                                for t, lp, top, _ in entries]}
+        return {"tokens": [self._token(t)[0] for t, _, _, _ in entries],
+                "token_logprobs": [lp for _, lp, _, _ in entries],
+                "top_logprobs": [{self._token(a)[0]: c for a, c in top} for _, _, top, _ in entries],
+                "text_offset": [off for _, _, _, off in entries]}
+
+    def _unshown_logprobs(self) -> dict | None:
+        if self._lp_shown == len(self.logprobs):
+            return None
+        entries, self._lp_shown = self.logprobs[self._lp_shown:], len(self.logprobs)
+        return self._render_logprobs(entries)
 
     def _template(self) -> tuple[bytes, bytes] | None:
         """The JSON of a text chunk split around its text: ``head + dumps(text) + tail`` is
@@ -438,16 +490,28 @@ class Renderer:
                                None, self.include_usage)]
         return []
 
-    def token_chunks(self, text: str, n_tokens: int) -> list[dict]:
+    def token_chunks(self, text: str, n_tokens: int, token_ids: tuple[int, ...] = (),
+                     logprobs: Any = None) -> list[dict]:
+        """The chunk of a tokens event; its log-probabilities, if the request asked, ride on it
+        (or, for tokens with no text of their own yet, on the next chunk that has some)."""
         self.completion_tokens += n_tokens
         self.text.append(text)
+        if logprobs is not None:
+            self._add_logprobs(token_ids, logprobs)
         if not text:
             return []
-        return [self._text_chunk(text)]
+        chunk = self._text_chunk(text)
+        if self.logprobs:
+            chunk["choices"][0]["logprobs"] = self._unshown_logprobs()
+        return [chunk]
 
-    def token_json(self, text: str, n_tokens: int) -> bytes | None:
+    def token_json(self, text: str, n_tokens: int, token_ids: tuple[int, ...] = (),
+                   logprobs: Any = None) -> bytes | None:
         """:meth:`token_chunks`, already serialised: the one chunk's JSON (``orjson.dumps``
         of it, byte for byte), or ``None`` when there is no chunk (no text)."""
+        if logprobs is not None or self.logprobs:
+            chunks = self.token_chunks(text, n_tokens, token_ids, logprobs)
+            return orjson.dumps(chunks[0]) if chunks else None
         self.completion_tokens += n_tokens
         self.text.append(text)
         if not text:
@@ -467,6 +531,8 @@ class Renderer:
             last = completion_chunk(self.rid, self.created, self.model, "", fr, self.include_usage)
         if final.stop_reason is not None:
             last["choices"][0]["stop_reason"] = final.stop_reason
+        if self.logprobs:
+            last["choices"][0]["logprobs"] = self._unshown_logprobs()
         out = [last]
         if self.include_usage:
             out.append(usage_chunk(self.endpoint, self.rid, self.created, self.model,
@@ -479,8 +545,11 @@ class Renderer:
         if final.finish_reason == "error":
             raise final_error(final)
         build = chat_completion if self.endpoint == "chat" else text_completion
-        return build(self.rid, self.created, self.model, "".join(self.text), final.finish_reason,
+        body = build(self.rid, self.created, self.model, "".join(self.text), final.finish_reason,
                      final_usage(final, self.prompt_tokens, self.completion_tokens), final.stop_reason)
+        if self.logprobs:
+            body["choices"][0]["logprobs"] = self._render_logprobs(self.logprobs)
+        return body
 
 
 # ------------------------------------------------------------------------- abort bodies

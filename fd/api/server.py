@@ -168,6 +168,8 @@ class Api:
         self.bus = bus
         self.mux = mux
         self.tokenizer = tokenizer
+        # what a token is, for log-probabilities (a tokenizer without it: empty strings)
+        self._token_bytes = getattr(tokenizer, "id_to_bytes", None)
         self.metrics = metrics
         self.limits = protocol.Limits(cfg.model_name, cfg.max_model_len, cfg.max_body_bytes,
                                       cfg.default_max_tokens, getattr(tokenizer, "vocab_size", None))
@@ -312,7 +314,7 @@ class Api:
                          endpoint=endpoint, model=gen.model, created=created,
                          include_usage=gen.include_usage))
             renderer = protocol.Renderer(rid, endpoint, gen.model, created, len(gen.prompt_token_ids),
-                                         gen.include_usage)
+                                         gen.include_usage, self._token_bytes)
             timing = _Timing(self.metrics, arrival)
             if gen.stream:
                 return await self._stream(request, rid, self._events(sub), renderer, timing)
@@ -337,7 +339,7 @@ class Api:
         async for _eid, ev in sub:
             if isinstance(ev, Tokens):
                 timing.tokens(len(ev.token_ids))
-                renderer.token_chunks(ev.text, len(ev.token_ids))
+                renderer.token_chunks(ev.text, len(ev.token_ids), ev.token_ids, ev.logprobs)
             elif isinstance(ev, Final):
                 watch.finished = True
                 timing.final(ev)
@@ -374,7 +376,7 @@ class Api:
                     n = len(ev.token_ids)
                     if timing is not None:
                         timing.tokens(n)
-                    payload = renderer.token_json(ev.text, n)
+                    payload = renderer.token_json(ev.text, n, ev.token_ids, ev.logprobs)
                 elif isinstance(ev, Accepted):
                     chunks = renderer.start_chunks()
                 elif isinstance(ev, Final):
@@ -427,7 +429,7 @@ class Api:
             iu = first.include_usage if isinstance(first, Accepted) else True
         if isinstance(first, Accepted):
             renderer = protocol.Renderer(rid, first.endpoint or "completion", first.model, first.created,
-                                         first.prompt_tokens, iu)
+                                         first.prompt_tokens, iu, self._token_bytes)
         else:  # an abort overtook the request: its whole story is the abort (no `accepted`)
             renderer = protocol.Renderer(rid, "completion", self.cfg.model_name, first.ts // 1000, 0, iu)
         finished = any(isinstance(ev, Final) for _, ev in history)
