@@ -31,6 +31,8 @@ SAMPLES = [
     E.Claimed(request_id="r1", engine="e1", attempt=2, ts=TS),
     E.Tokens(request_id="r1", token_ids=(5, 6, 7), text="hé, \"x\"\n", step=12, ts=TS),
     E.Tokens(request_id="r1", token_ids=(), text="", ts=TS),
+    E.Tokens(request_id="r1", token_ids=(9,), text="a", step=3, ts=TS,
+             logprobs={"lp": [-0.25], "top": [[[9, -0.25], [4, -1.5]]]}),
     E.Preempted(request_id="r1", count=4, engine="e1", step=3, ts=TS),
     E.AbortRequested(request_id="r1", source="disconnect", engine="e1", step=3, ts=TS),
     E.Drained(request_id="r1", engine="e1", step=4, discarded_tokens=1, ts=TS),
