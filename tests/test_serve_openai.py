@@ -329,3 +329,27 @@ async def test_logprobs_through_the_openai_client(served, tiny_runner, tiny_toke
     for e, (want, best) in zip(content, ref):
         assert abs(e.logprob - want) < 1e-4
         assert [(x.token, round(x.logprob, 4)) for x in e.top_logprobs] == [(word(t), round(v, 4)) for t, v in best]
+
+
+async def test_tokenize_detokenize_and_version(served, tiny_tokenizer):
+    """vLLM's helpers: the ids the generating endpoints would use, and back."""
+    api, _eng = served
+    messages = [{"role": "user", "content": "Say something"}]
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{api.url}/tokenize", json={"prompt": "Hello there"}) as r:
+            body = await r.json()
+            assert r.status == 200
+            assert body["tokens"] == tiny_tokenizer.encode("Hello there", add_special_tokens=True)
+            assert body["count"] == len(body["tokens"]) and body["max_model_len"] == api.cfg.max_model_len
+        async with s.post(f"{api.url}/tokenize", json={"messages": messages}) as r:
+            chat = (await r.json())["tokens"]
+            assert chat == tiny_tokenizer.encode(tiny_tokenizer.apply_chat_template(messages))
+        async with s.post(f"{api.url}/detokenize", json={"tokens": body["tokens"]}) as r:
+            assert r.status == 200 and "Hello there" in (await r.json())["prompt"]
+        for path, bad, param in (("/tokenize", {"prompt": 5}, "prompt"),
+                                 ("/detokenize", {"tokens": [1, -1]}, "tokens"),
+                                 ("/detokenize", {"model": "gpt-4", "tokens": [1]}, "model")):
+            async with s.post(f"{api.url}{path}", json=bad) as r:
+                assert r.status in (400, 404) and (await r.json())["error"]["param"] == param
+        async with s.get(f"{api.url}/version") as r:
+            assert r.status == 200 and (await r.json())["version"]

@@ -151,6 +151,9 @@ def build(model_name: str, max_model_len: int, max_body_bytes: int,
     ``max_tokens``, and ``logit_bias`` keys are token ids of the vocabulary (400 naming the
     parameter)."""
     admin = [{"adminKey": []}]
+    token_id: dict[str, Any] = {"type": "integer", "format": "int64", "minimum": 0}
+    if vocab_size:
+        token_id["maximum"] = vocab_size - 1
     return {
         "openapi": "3.0.3",
         "info": {"title": "fd API", "version": "1",
@@ -197,5 +200,23 @@ def build(model_name: str, max_model_len: int, max_body_bytes: int,
                                                        "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
             "/openapi.json": {"get": {"summary": "This document (no auth)", "security": [],
                                       "responses": {"200": {"description": "OpenAPI 3 document"}}}},
+            "/tokenize": {"post": {
+                "summary": "vLLM's: a prompt or chat messages as the model's token ids (no auth)",
+                "security": [], "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                    "type": "object", "properties": {
+                        "model": {"type": "string", "nullable": True, "enum": [model_name]},
+                        "prompt": {"type": "string"}, "add_special_tokens": _NULLABLE_BOOL,
+                        "messages": {"type": "array", "minItems": 1, "items": _ref("ChatMessage")},
+                        "add_generation_prompt": _NULLABLE_BOOL}}}}},
+                "responses": {"200": {"description": "{count, max_model_len, tokens}"}, "400": _ERRORS["400"]}}},
+            "/detokenize": {"post": {
+                "summary": "vLLM's: token ids as text (no auth)", "security": [],
+                "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                    "type": "object", "required": ["tokens"], "properties": {
+                        "model": {"type": "string", "nullable": True, "enum": [model_name]},
+                        "tokens": {"type": "array", "items": token_id}}}}}},
+                "responses": {"200": {"description": "{prompt}"}, "400": _ERRORS["400"]}}},
+            "/version": {"get": {"summary": "fd's version (no auth)", "security": [],
+                                 "responses": {"200": {"description": "{version}"}}}},
         },
     }

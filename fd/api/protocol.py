@@ -304,15 +304,46 @@ def parse_chat(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Generati
     messages = parse_messages(body)
     stream, include_usage = _stream_opts(body)
     background = _background(body)
-    try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    except Exception as e:  # a template that rejects the conversation (e.g. role order)
-        raise bad_request(f"The chat template rejected these messages: {e}", "messages") from None
-    ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+    ids = _chat_ids(messages, tokenizer, True)
     if not ids:
         raise bad_request("The prompt is empty.", "messages", "invalid_value")
     sampling = _sampling(body, len(ids), limits, None, logprobs)
     return GenerationRequest("chat", model, ids, sampling, stream, include_usage, background)
+
+
+def _chat_ids(messages: list[dict], tokenizer: TokenizerLike, add_generation_prompt: bool) -> tuple[int, ...]:
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    except Exception as e:  # a template that rejects the conversation (e.g. role order)
+        raise bad_request(f"The chat template rejected these messages: {e}", "messages") from None
+    return tuple(tokenizer.encode(text, add_special_tokens=False))
+
+
+def parse_tokenize(body: dict, limits: Limits, tokenizer: TokenizerLike) -> tuple[int, ...]:
+    """vLLM's ``POST /tokenize``: a completion's ``prompt`` or a chat's ``messages``, as the
+    generating endpoints would tokenize them (``add_special_tokens`` / ``add_generation_prompt``
+    to say otherwise)."""
+    _check_model(body, limits)
+    if body.get("messages") is not None:
+        gen = _opt(body, "add_generation_prompt", lambda v: isinstance(v, bool), "a boolean", True)
+        return _chat_ids(parse_messages(body), tokenizer, gen)
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise bad_request("Give 'prompt' (a string) or 'messages'.", "prompt",
+                          "missing_required_parameter" if prompt is None else "invalid_type")
+    special = _opt(body, "add_special_tokens", lambda v: isinstance(v, bool), "a boolean", True)
+    return tuple(tokenizer.encode(prompt, add_special_tokens=special))
+
+
+def parse_detokenize(body: dict, limits: Limits) -> tuple[int, ...]:
+    """vLLM's ``POST /detokenize``: ``tokens``, ids of this model's vocabulary."""
+    _check_model(body, limits)
+    tokens = body.get("tokens")
+    if tokens is None:
+        raise bad_request("'tokens' is required.", "tokens", "missing_required_parameter")
+    if not isinstance(tokens, list):
+        raise bad_request("'tokens' must be a list of token ids.", "tokens", "invalid_type")
+    return _check_ids(tokens, limits, "tokens")
 
 
 def parse_completion(body: dict, limits: Limits, tokenizer: TokenizerLike) -> GenerationRequest:

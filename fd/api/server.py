@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import importlib.metadata
 import logging
 import math
 import time
@@ -43,6 +44,10 @@ from fd.api.errors import ApiError, bad_request, conflict, not_found, too_large,
 
 log = logging.getLogger("fd.api")
 
+try:
+    _VERSION = importlib.metadata.version("fd")
+except importlib.metadata.PackageNotFoundError:  # (run from a checkout that was not installed)
+    _VERSION = "unknown"
 KEEPALIVE_S = 15.0  # an SSE comment this often while nothing happens, so proxies keep the line
 HEALTH_TIMEOUT_S = 2.0
 MAX_WAIT_S = 300.0
@@ -545,6 +550,17 @@ class Api:
             "id": self.cfg.model_name, "object": "model", "created": self.started, "owned_by": "fd",
             "root": self.cfg.model_name, "max_model_len": self.cfg.max_model_len}]})
 
+    async def tokenize(self, request: web.Request) -> web.Response:
+        ids = protocol.parse_tokenize(await self._body(request), self.limits, self.tokenizer)
+        return _json({"count": len(ids), "max_model_len": self.cfg.max_model_len, "tokens": list(ids)})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        ids = protocol.parse_detokenize(await self._body(request), self.limits)
+        return _json({"prompt": self.tokenizer.decode(ids, skip_special_tokens=False)})
+
+    async def version(self, request: web.Request) -> web.Response:
+        return _json({"version": _VERSION})
+
     async def health(self, request: web.Request) -> web.Response:
         try:
             engines = await asyncio.wait_for(self.bus.engines(), HEALTH_TIMEOUT_S)
@@ -585,6 +601,9 @@ def make_app(cfg: ApiConfig, bus: Bus, mux: StreamMux, tokenizer, metrics: Metri
     app.router.add_get("/v1/requests/{id:[^/]+}/stream", api.stream_request)
     app.router.add_post("/v1/requests/{id:[^/]+}/cancel", api.cancel_request)
     app.router.add_get("/openapi.json", api.openapi)
+    app.router.add_post("/tokenize", api.tokenize)  # vLLM's, outside /v1 as there
+    app.router.add_post("/detokenize", api.detokenize)
+    app.router.add_get("/version", api.version)
     app.on_startup.append(api.on_startup)
     app.on_cleanup.append(api.on_cleanup)
     return app
