@@ -20,7 +20,7 @@ import time
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Mapping, Union
+from typing import Any, ClassVar, Mapping, Sequence, Union
 
 import orjson
 
@@ -351,8 +351,27 @@ class Tokens(Event):
     text: str = ""
     step: int = 0
     # Only when the request asked (SamplingParams.logprobs): per token of token_ids, in order,
-    # {"lp": [its log-probability, ...], "top": [[[token id, log-probability], ...], ...]}.
+    # {"lp": [its log-probability, ...], "top": [[[token id, log-probability], ...], ...]}
+    # (logprobs_field / logprobs_entries).
     logprobs: dict | None = None
+
+
+def logprobs_field(entries: Sequence[tuple[float, Sequence[tuple[int, float]]]]) -> dict:
+    """A tokens event's ``logprobs``: per token, its log-probability and the likeliest
+    alternatives as (token id, log-probability), likeliest first."""
+    return {"lp": [lp for lp, _ in entries], "top": [[list(pair) for pair in top] for _, top in entries]}
+
+
+def logprobs_entries(field: Any, n_tokens: int) -> list[tuple[float, list]] | None:
+    """:func:`logprobs_field` read back, one entry per token; None when it is not that shape
+    (a hand-typed event: its tokens are shown without log-probabilities)."""
+    try:
+        lps, tops = field["lp"], field["top"]
+        if len(lps) != n_tokens or len(tops) != n_tokens:
+            return None
+        return [(float(lp), [(int(t), float(v)) for t, v in top]) for lp, top in zip(lps, tops)]
+    except (TypeError, KeyError, ValueError):
+        return None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -56,6 +56,7 @@ from control.events import (
     Preempted,
     Request,
     Tokens,
+    logprobs_field,
     tombstone_story,
 )
 from control.keys import is_tombstone
@@ -916,7 +917,7 @@ class EngineNode:
                     lp = logprobs.get(rid) if logprobs else None
                     outbox.append((self.bus.keys.req(rid), Tokens(
                         request_id=rid, token_ids=ev.token_ids, text=text, step=ev.step, ts=ts,
-                        logprobs=None if lp is None else {"lp": [lp[0]], "top": [lp[1]]})))
+                        logprobs=None if lp is None else logprobs_field([lp]))))
                 continue
             if isinstance(ev, (AbortRequested, BlocksReleased, Final)) and rid in self._detok:
                 # The request emits no more tokens: text held back (a possible stop-string

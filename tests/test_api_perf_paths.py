@@ -207,7 +207,7 @@ def test_logprobs_ride_on_the_next_chunk_with_text_and_the_rest_on_the_last():
         shown = []
         for e in events:
             payload = stream.token_json(e["text"], len(e["token_ids"]), e["token_ids"], e["logprobs"])
-            whole.token_chunks(e["text"], len(e["token_ids"]), e["token_ids"], e["logprobs"])
+            whole.add_tokens(e["text"], len(e["token_ids"]), e["token_ids"], e["logprobs"])
             shown.append(None if payload is None else orjson.loads(payload)["choices"][0]["logprobs"])
         last = stream.final_chunks(final)[0]["choices"][0]["logprobs"]
         body = whole.response(final)["choices"][0]["logprobs"]

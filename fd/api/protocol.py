@@ -14,7 +14,8 @@ from typing import Any, Callable, Protocol
 
 import orjson
 
-from control.events import MAX_LOGPROBS, MAX_REPETITION_PENALTY, Final, SamplingParams
+from control.events import (MAX_LOGPROBS, MAX_REPETITION_PENALTY, Final, SamplingParams,
+                            logprobs_entries)
 from fd.api.errors import ApiError, bad_request, not_found, too_large
 
 ROLES = ("system", "developer", "user", "assistant")
@@ -464,12 +465,9 @@ class Renderer:
 
     # -- log-probabilities
     def _add_logprobs(self, token_ids: tuple[int, ...], logprobs: Any) -> None:
-        """A tokens event's ``logprobs`` ({"lp": [...], "top": [...]}, one entry a token)."""
-        try:
-            entries = list(zip(token_ids, logprobs["lp"], logprobs["top"], strict=True))
-        except (TypeError, KeyError, ValueError):
-            return  # not what an engine writes (a hand-typed event): shown without them
-        for t, lp, top in entries:
+        """A tokens event's ``logprobs`` (control.events.logprobs_field)."""
+        entries = logprobs_entries(logprobs, len(token_ids))
+        for t, (lp, top) in zip(token_ids, entries or ()):
             self.logprobs.append((t, lp, top, self._lp_offset))
             self._lp_offset += len(self._token(t)[0])
 
@@ -521,14 +519,19 @@ class Renderer:
                                None, self.include_usage)]
         return []
 
-    def token_chunks(self, text: str, n_tokens: int, token_ids: tuple[int, ...] = (),
-                     logprobs: Any = None) -> list[dict]:
-        """The chunk of a tokens event; its log-probabilities, if the request asked, ride on it
-        (or, for tokens with no text of their own yet, on the next chunk that has some)."""
+    def add_tokens(self, text: str, n_tokens: int, token_ids: tuple[int, ...] = (),
+                   logprobs: Any = None) -> None:
+        """A tokens event, taken in (a non-streaming response renders them all at the end)."""
         self.completion_tokens += n_tokens
         self.text.append(text)
         if logprobs is not None:
             self._add_logprobs(token_ids, logprobs)
+
+    def token_chunks(self, text: str, n_tokens: int, token_ids: tuple[int, ...] = (),
+                     logprobs: Any = None) -> list[dict]:
+        """The chunk of a tokens event; its log-probabilities, if the request asked, ride on it
+        (or, for tokens with no text of their own yet, on the next chunk that has some)."""
+        self.add_tokens(text, n_tokens, token_ids, logprobs)
         if not text:
             return []
         chunk = self._text_chunk(text)

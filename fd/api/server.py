@@ -344,7 +344,7 @@ class Api:
         async for _eid, ev in sub:
             if isinstance(ev, Tokens):
                 timing.tokens(len(ev.token_ids))
-                renderer.token_chunks(ev.text, len(ev.token_ids), ev.token_ids, ev.logprobs)
+                renderer.add_tokens(ev.text, len(ev.token_ids), ev.token_ids, ev.logprobs)
             elif isinstance(ev, Final):
                 watch.finished = True
                 timing.final(ev)
