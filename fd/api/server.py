@@ -48,6 +48,7 @@ try:
     _VERSION = importlib.metadata.version("fd")
 except importlib.metadata.PackageNotFoundError:  # (run from a checkout that was not installed)
     _VERSION = "unknown"
+
 KEEPALIVE_S = 15.0  # an SSE comment this often while nothing happens, so proxies keep the line
 HEALTH_TIMEOUT_S = 2.0
 MAX_WAIT_S = 300.0
