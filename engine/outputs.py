@@ -24,8 +24,9 @@ class ScheduledSeq:
     sampling: SamplingParams
     num_generated: int  # tokens generated before this step; keys the seeded RNG per token
     # Only when it samples with penalties (SamplingParams.penalized): the request's tokens the
-    # scheduler knows, prompt then generated, and how many are prompt. A token sampled by the
-    # step just before (async scheduling) is not among them: the runner adds its own.
+    # scheduler knows, prompt (only for a repetition penalty) then generated, and how many are
+    # prompt. A token sampled by the step just before (async scheduling) is not among them:
+    # the runner adds its own.
     history: tuple[int, ...] = ()
     num_prompt_tokens: int = 0
 

@@ -446,6 +446,9 @@ class Scheduler:
             token_ids = (PLACEHOLDER,)
         sample = start + n == seq.num_tokens + seq.num_pending
         penalized = sample and seq.sampling.penalized
+        # (the prompt only for the repetition penalty: the others count the output alone, and
+        # a long prompt would cross the worker's pipe again every step)
+        from_ = 0 if not penalized or seq.sampling.repetition_penalty != 1.0 else seq.num_prompt_tokens
         ss = ScheduledSeq(
             request_id=seq.request_id,
             token_ids=token_ids,
@@ -454,8 +457,8 @@ class Scheduler:
             sample=sample,
             sampling=seq.sampling,
             num_generated=seq.num_output_tokens + seq.num_pending,
-            history=tuple(seq.token_ids) if penalized else (),
-            num_prompt_tokens=seq.num_prompt_tokens if penalized else 0,
+            history=tuple(seq.token_ids[from_:]) if penalized else (),
+            num_prompt_tokens=seq.num_prompt_tokens - from_ if penalized else 0,
         )
         seq.num_in_flight += n
         if sample:

@@ -114,13 +114,16 @@ def test_penalties_reach_the_model_one_step_at_a_time_ahead_and_after_preemption
     sps = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, frequency_penalty=0.7,
                           presence_penalty=0.4, repetition_penalty=1.3),
            SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, frequency_penalty=-0.5,
-                          repetition_penalty=0.8)]
-    batch = [sps[i % 2] for i in range(len(prompts))]
+                          repetition_penalty=0.8),
+           # (without a repetition penalty only the output counts: the prompt is not sent)
+           SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, frequency_penalty=-1.0,
+                          presence_penalty=-0.5)]
+    batch = [sps[i % 3] for i in range(len(prompts))]
     base = LLM(tiny_runner, tiny_tokenizer).generate(prompts, plain)
     sync = LLM(tiny_runner, tiny_tokenizer).generate(prompts, batch)
     for sp in sps:  # each of them changes some output
         assert any(a.token_ids != b.token_ids for a, b, s in zip(base, sync, batch) if s is sp)
-    for p, g, sp in list(zip(prompts, sync, batch))[:4]:
+    for p, g, sp in list(zip(prompts, sync, batch))[:6]:
         assert g.token_ids == _penalized_reference(tiny_runner, list(p), list(g.token_ids), sp)
     tight = ModelRunner(str(tiny_model_dir), num_blocks=10, block_size=16)
     for runner, async_scheduling in ((tiny_runner, True), (tight, False), (tight, True)):
