@@ -99,3 +99,13 @@ def tokens_of(evs) -> list[int]:
 
 def text_of(evs) -> str:
     return "".join(e.text for e in evs if isinstance(e, Tokens))
+
+
+def prefix_logits(runner, tokens: list[int]):
+    """The model's logits after ``tokens`` (float64): one prefill in scratch blocks from 0 up,
+    for a reference computed from the model itself (the runner must be idle)."""
+    from engine.outputs import ScheduledSeq
+
+    table = tuple(range(-(-len(tokens) // runner.block_size)))
+    seq = ScheduledSeq("ref", tuple(tokens), 0, table, True, SamplingParams(temperature=0.0), 0)
+    return runner.logits(SchedulerOutput(step=-1, seqs=(seq,)))[0].astype("float64")

@@ -85,15 +85,12 @@ def _penalized_reference(runner, prompt: list[int], out: list[int], sp: Sampling
     formulas themselves, not by the sampler's code."""
     import numpy as np
 
-    from engine.outputs import ScheduledSeq, SchedulerOutput
+    from tests.enginekit import prefix_logits
 
     picks = []
-    bs = runner.block_size
     for k in range(len(out)):
-        toks = tuple(prompt + out[:k])
-        table = tuple(range(-(-len(toks) // bs)))
-        seq = ScheduledSeq("ref", toks, 0, table, True, SamplingParams(temperature=0.0), 0)
-        x = runner.logits(SchedulerOutput(step=-1, seqs=(seq,)))[0].astype(np.float64)
+        toks = prompt + out[:k]
+        x = prefix_logits(runner, toks)
         seen = set(toks)
         for t in seen:
             x[t] = x[t] / sp.repetition_penalty if x[t] > 0 else x[t] * sp.repetition_penalty

@@ -269,14 +269,11 @@ def _reference_logprobs(runner, prompt: list[int], out: list[int], top: int):
     the model's logits for the whole prefix (a prefill in scratch blocks, the engine idle)."""
     import numpy as np
 
-    from engine.outputs import ScheduledSeq, SchedulerOutput
+    from tests.enginekit import prefix_logits
 
     res = []
     for k in range(len(out)):
-        toks = tuple(prompt + out[:k])
-        table = tuple(range(-(-len(toks) // runner.block_size)))
-        seq = ScheduledSeq("ref", toks, 0, table, True, SamplingParams(temperature=0.0), 0)
-        x = runner.logits(SchedulerOutput(step=-1, seqs=(seq,)))[0].astype(np.float64)
+        x = prefix_logits(runner, prompt + out[:k])
         lp = x - np.log(np.exp(x - x.max()).sum()) - x.max()
         best = np.argsort(-lp, kind="stable")[:top]
         res.append((float(lp[out[k]]), [(int(t), float(lp[t])) for t in best]))
