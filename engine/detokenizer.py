@@ -35,19 +35,26 @@ class IncrementalDetokenizer:
         token_ids = tuple(token_ids)
         self._count += len(token_ids)
         data = b"".join(self._tok.id_to_bytes(t) for t in token_ids if not self._is_special(t))
+        held = len(self._held)
         text = self._held + self._utf8.decode(data)
-        if not self._stop or self._count < self._min_tokens:
+        if not self._stop:
             self._held = ""
             return text, None
-        hit = None
-        for s in self._stop:  # the earliest match wins; at equal starts the longest
-            i = text.find(s)
-            if i >= 0 and (hit is None or i < hit[0] or (i == hit[0] and len(s) > len(hit[1]))):
-                hit = (i, s)
-        if hit is not None:
-            i, s = hit
-            self.stop_str, self._held = s, ""
-            return text[:i] + (s if self._include else ""), s
+        if self._count >= self._min_tokens:
+            # The earliest match wins, at equal starts the longest. A match must end in text
+            # newer than what was held back: one inside it was written before min_tokens
+            # (vLLM's check from then on also sees the stop string that straddles it).
+            hit = None
+            for s in self._stop:
+                i = text.find(s, max(0, held - len(s) + 1))
+                if i >= 0 and (hit is None or i < hit[0] or (i == hit[0] and len(s) > len(hit[1]))):
+                    hit = (i, s)
+            if hit is not None:
+                i, s = hit
+                self.stop_str, self._held = s, ""
+                return text[:i] + (s if self._include else ""), s
+        # Hold back a tail that could begin a stop string, before min_tokens too: it may be
+        # finished by the token that reaches it.
         hold = 0
         for s in self._stop:
             for k in range(min(len(s) - 1, len(text)), hold, -1):
