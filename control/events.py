@@ -331,6 +331,9 @@ class Accepted(Event):
     model: str = ""
     created: int = 0  # seconds, OpenAI's `created`, so every replica renders the same chunks
     include_usage: bool = False  # stream_options.include_usage: a replay renders as the original
+    # vLLM's stream_options.continuous_usage_stats; written only when set (readers of an
+    # earlier release skip a field they do not know)
+    continuous_usage: bool | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -214,6 +214,37 @@ async def test_chat_stream_sse_format(bus):
         assert ids == sorted(ids, key=lambda i: tuple(map(int, i.split("-"))))
 
 
+async def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(real_bus):
+    """vLLM's stream_options.continuous_usage_stats; a replay from the stream renders the same."""
+    async with setup(real_bus, FakeEngine(real_bus)) as client:
+        for path, body in (("/v1/chat/completions", CHAT_BODY),
+                           ("/v1/completions", {"model": "tiny", "prompt": "hey"})):
+            resp = await client.post(path, headers={"X-Request-Id": f"cu{len(path)}"}, json={
+                **body, "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+            original = parse_sse(await resp.read())
+            chunks = [orjson.loads(d) for _, d in original[:-1]]
+            prompt = chunks[-1]["usage"]["prompt_tokens"]
+            assert prompt > 0 and chunks[-1]["choices"] == []
+            counts = [c["usage"]["completion_tokens"] for c in chunks]
+            assert counts == sorted(counts) and counts[-1] == 5
+            assert all(c["usage"] == {"prompt_tokens": prompt, "completion_tokens": n,
+                                      "total_tokens": prompt + n} for c, n in zip(chunks, counts))
+            texts = [c["choices"][0].get("text") or c["choices"][0].get("delta", {}).get("content")
+                     for c in chunks[:-1]]
+            assert "".join(t for t in texts if t) == "Hello, world!"
+            # a token a word (WORDS): each chunk counts the tokens up to its own, the third
+            # (no text, no chunk) too
+            assert [n for t, n in zip(texts, counts) if t] == [1, 2, 4, 5]
+            replay = parse_sse(await (await client.get(f"/v1/requests/cu{len(path)}/stream")).read())
+            assert replay == original
+        # without include_usage it asks for nothing (as in vLLM)
+        resp = await client.post("/v1/completions", json={
+            "model": "tiny", "prompt": "hey", "stream": True,
+            "stream_options": {"continuous_usage_stats": True}})
+        assert all("usage" not in orjson.loads(d) for _, d in parse_sse(await resp.read())[:-1])
+
+
 async def test_completion_stream_without_usage(real_bus):
     async with setup(real_bus, FakeEngine(real_bus)) as client:
         resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": "hey", "stream": True})

@@ -128,7 +128,8 @@ SAMPLING_FIELDS = ["model", "max_tokens", "max_completion_tokens", "temperature"
 INTERESTING = {
     "model": st.sampled_from(["tiny", "gpt-4", "", None]),
     "stream": st.booleans(),
-    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans() | JSON}) | JSON,
+    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans() | JSON,
+                                                          "continuous_usage_stats": st.booleans() | JSON}) | JSON,
     "max_tokens": st.integers(-2, MAX_LEN + 2),
     "temperature": st.floats(-0.5, 2.5),
     "top_p": st.floats(-0.2, 1.2),

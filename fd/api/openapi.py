@@ -59,7 +59,11 @@ def _sampling_props(model_name: str, max_model_len: int) -> dict[str, Any]:
         "stream": _NULLABLE_BOOL,
         "stream_options": {"type": "object", "nullable": True,
                            "description": "Only with stream=true.",
-                           "properties": {"include_usage": _NULLABLE_BOOL}},
+                           "properties": {"include_usage": _NULLABLE_BOOL,
+                                          "continuous_usage_stats": {
+                                              **_NULLABLE_BOOL,
+                                              "description": "vLLM: with include_usage, the "
+                                                             "usage so far on every chunk."}}},
         "background": {**_NULLABLE_BOOL,
                        "description": "fd: a client disconnect does not abort the request; "
                                       "stream it later from GET /v1/requests/{id}/stream."},

@@ -50,6 +50,7 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     background: bool = False
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats
 
 
 # ------------------------------------------------------------------------- body parsing
@@ -106,10 +107,13 @@ def _reject_unsupported(body: dict, names: dict[str, Any]) -> None:
             raise bad_request(f"'{name}' is not supported by this server.", name, "unsupported")
 
 
-def _stream_opts(body: dict) -> tuple[bool, bool]:
+def _stream_opts(body: dict) -> tuple[bool, bool, bool]:
+    """``stream``, ``stream_options.include_usage``, and vLLM's
+    ``stream_options.continuous_usage_stats`` (usage on every chunk; with include_usage only,
+    as in vLLM)."""
     stream = _opt(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
     opts = body.get("stream_options")
-    include_usage = False
+    include_usage = continuous = False
     if opts is not None:
         if not isinstance(opts, dict):
             raise bad_request("'stream_options' must be an object.", "stream_options", "invalid_type")
@@ -120,7 +124,12 @@ def _stream_opts(body: dict) -> tuple[bool, bool]:
             raise bad_request("'stream_options.include_usage' must be a boolean.",
                               "stream_options.include_usage", "invalid_type")
         include_usage = bool(iu)
-    return stream, include_usage
+        cu = opts.get("continuous_usage_stats")
+        if cu is not None and not isinstance(cu, bool):
+            raise bad_request("'stream_options.continuous_usage_stats' must be a boolean.",
+                              "stream_options.continuous_usage_stats", "invalid_type")
+        continuous = include_usage and bool(cu)
+    return stream, include_usage, continuous
 
 
 def _top_logprobs(n: int, param: str) -> int:
@@ -303,13 +312,13 @@ def parse_chat(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Generati
         raise bad_request("'top_logprobs' needs 'logprobs': true.", "top_logprobs", "invalid_value")
     logprobs = _top_logprobs(top or 0, "top_logprobs") if want else None
     messages = parse_messages(body)
-    stream, include_usage = _stream_opts(body)
+    stream, include_usage, continuous = _stream_opts(body)
     background = _background(body)
     ids = _chat_ids(messages, tokenizer, True)
     if not ids:
         raise bad_request("The prompt is empty.", "messages", "invalid_value")
     sampling = _sampling(body, len(ids), limits, None, logprobs)
-    return GenerationRequest("chat", model, ids, sampling, stream, include_usage, background)
+    return GenerationRequest("chat", model, ids, sampling, stream, include_usage, background, continuous)
 
 
 def _chat_ids(messages: list[dict], tokenizer: TokenizerLike, add_generation_prompt: bool) -> tuple[int, ...]:
@@ -368,10 +377,11 @@ def parse_completion(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Ge
         raise bad_request("'prompt' must be a string or a list of token ids.", "prompt", "invalid_type")
     if not ids:
         raise bad_request("The prompt is empty.", "prompt", "invalid_value")
-    stream, include_usage = _stream_opts(body)
+    stream, include_usage, continuous = _stream_opts(body)
     background = _background(body)
     sampling = _sampling(body, len(ids), limits, limits.default_max_tokens, logprobs)
-    return GenerationRequest("completion", model, ids, sampling, stream, include_usage, background)
+    return GenerationRequest("completion", model, ids, sampling, stream, include_usage, background,
+                             continuous)
 
 
 # ------------------------------------------------------------------------- responses
@@ -447,13 +457,16 @@ class Renderer:
     """
 
     def __init__(self, request_id: str, endpoint: str, model: str, created: int, prompt_tokens: int,
-                 include_usage: bool = False, token_bytes: Callable[[int], bytes] | None = None):
+                 include_usage: bool = False, token_bytes: Callable[[int], bytes] | None = None,
+                 continuous_usage: bool = False):
         self.rid = request_id
         self.endpoint = endpoint
         self.model = model
         self.created = created
         self.prompt_tokens = prompt_tokens
         self.include_usage = include_usage
+        # usage so far on every chunk (vLLM's continuous_usage_stats), not null
+        self.continuous_usage = include_usage and continuous_usage
         self.completion_tokens = 0
         self.text: list[str] = []
         self._token_template: tuple[bytes, bytes] | None = None
@@ -508,15 +521,23 @@ class Renderer:
 
     def _text_chunk(self, text: str) -> dict:
         if self.endpoint == "chat":
-            return chat_chunk(self.rid, self.created, self.model, {"content": text}, None, self.include_usage)
-        return completion_chunk(self.rid, self.created, self.model, text, None, self.include_usage)
+            chunk = chat_chunk(self.rid, self.created, self.model, {"content": text}, None, self.include_usage)
+        else:
+            chunk = completion_chunk(self.rid, self.created, self.model, text, None, self.include_usage)
+        return self._with_usage(chunk)
+
+    def _with_usage(self, chunk: dict, final: Final | None = None) -> dict:
+        if self.continuous_usage:
+            chunk["usage"] = (final_usage(final, self.prompt_tokens, self.completion_tokens) if final
+                              else usage(self.prompt_tokens, self.completion_tokens))
+        return chunk
 
     # -- streaming
     def start_chunks(self) -> list[dict]:
         """Rendered for the ``accepted`` event: chat announces the assistant role first."""
         if self.endpoint == "chat":
-            return [chat_chunk(self.rid, self.created, self.model, {"role": "assistant", "content": ""},
-                               None, self.include_usage)]
+            return [self._with_usage(chat_chunk(self.rid, self.created, self.model,
+                                                {"role": "assistant", "content": ""}, None, self.include_usage))]
         return []
 
     def add_tokens(self, text: str, n_tokens: int, token_ids: tuple[int, ...] = (),
@@ -543,7 +564,7 @@ class Renderer:
                    logprobs: Any = None) -> bytes | None:
         """:meth:`token_chunks`, already serialised: the one chunk's JSON (``orjson.dumps``
         of it, byte for byte), or ``None`` when there is no chunk (no text)."""
-        if logprobs is not None or self.logprobs:
+        if logprobs is not None or self.logprobs or self.continuous_usage:
             chunks = self.token_chunks(text, n_tokens, token_ids, logprobs)
             return orjson.dumps(chunks[0]) if chunks else None
         self.completion_tokens += n_tokens
@@ -567,7 +588,7 @@ class Renderer:
             last["choices"][0]["stop_reason"] = final.stop_reason
         if self.logprobs:
             last["choices"][0]["logprobs"] = self._unshown_logprobs()
-        out = [last]
+        out = [self._with_usage(last, final)]
         if self.include_usage:
             out.append(usage_chunk(self.endpoint, self.rid, self.created, self.model,
                                    final_usage(final, self.prompt_tokens, self.completion_tokens)))

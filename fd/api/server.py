@@ -318,9 +318,9 @@ class Api:
                     background=gen.background)),
                 Accepted(request_id=rid, api=self.cfg.api_id, prompt_tokens=len(gen.prompt_token_ids),
                          endpoint=endpoint, model=gen.model, created=created,
-                         include_usage=gen.include_usage))
+                         include_usage=gen.include_usage, continuous_usage=gen.continuous_usage or None))
             renderer = protocol.Renderer(rid, endpoint, gen.model, created, len(gen.prompt_token_ids),
-                                         gen.include_usage, self._token_bytes)
+                                         gen.include_usage, self._token_bytes, gen.continuous_usage)
             timing = _Timing(self.metrics, arrival)
             if gen.stream:
                 return await self._stream(request, rid, self._events(sub), renderer, timing)
@@ -435,7 +435,8 @@ class Api:
             iu = first.include_usage if isinstance(first, Accepted) else True
         if isinstance(first, Accepted):
             renderer = protocol.Renderer(rid, first.endpoint or "completion", first.model, first.created,
-                                         first.prompt_tokens, iu, self._token_bytes)
+                                         first.prompt_tokens, iu, self._token_bytes,
+                                         bool(first.continuous_usage))
         else:  # an abort overtook the request: its whole story is the abort (no `accepted`)
             renderer = protocol.Renderer(rid, "completion", self.cfg.model_name, first.ts // 1000, 0, iu)
         finished = any(isinstance(ev, Final) for _, ev in history)
