@@ -528,7 +528,7 @@ class Renderer:
 
     def _with_usage(self, chunk: dict, final: Final | None = None) -> dict:
         if self.continuous_usage:
-            chunk["usage"] = (final_usage(final, self.prompt_tokens, self.completion_tokens) if final
+            chunk["usage"] = (final_usage(final, self.prompt_tokens, self.completion_tokens) if final is not None
                               else usage(self.prompt_tokens, self.completion_tokens))
         return chunk
 
