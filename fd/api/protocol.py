@@ -521,23 +521,25 @@ class Renderer:
 
     def _text_chunk(self, text: str) -> dict:
         if self.endpoint == "chat":
-            chunk = chat_chunk(self.rid, self.created, self.model, {"content": text}, None, self.include_usage)
+            chunk = chat_chunk(self.rid, self.created, self.model, {"content": text}, None,
+                               self.include_usage)
         else:
             chunk = completion_chunk(self.rid, self.created, self.model, text, None, self.include_usage)
         return self._with_usage(chunk)
 
     def _with_usage(self, chunk: dict, final: Final | None = None) -> dict:
         if self.continuous_usage:
-            chunk["usage"] = (final_usage(final, self.prompt_tokens, self.completion_tokens) if final is not None
-                              else usage(self.prompt_tokens, self.completion_tokens))
+            p, c = self.prompt_tokens, self.completion_tokens
+            chunk["usage"] = usage(p, c) if final is None else final_usage(final, p, c)
         return chunk
 
     # -- streaming
     def start_chunks(self) -> list[dict]:
         """Rendered for the ``accepted`` event: chat announces the assistant role first."""
         if self.endpoint == "chat":
-            return [self._with_usage(chat_chunk(self.rid, self.created, self.model,
-                                                {"role": "assistant", "content": ""}, None, self.include_usage))]
+            role = {"role": "assistant", "content": ""}
+            return [self._with_usage(chat_chunk(self.rid, self.created, self.model, role, None,
+                                                self.include_usage))]
         return []
 
     def add_tokens(self, text: str, n_tokens: int, token_ids: tuple[int, ...] = (),
