@@ -52,7 +52,7 @@ from control.events import (
     decode,
     tombstone_story,
 )
-from control.keys import (ABORT_WRITTEN, GROUP_ENGINES, Keys, is_tombstone, tombstone,
+from control.keys import (ABORT_WRITTEN, GROUP_ENGINES, Keys, choices_owner, is_tombstone, tombstone,
                           pending_tombstone_source, valid_request_id)
 
 log = logging.getLogger("control.bus")
@@ -272,6 +272,26 @@ class Bus:
             await self.publish(self.keys.requests, request)
         else:
             await self.publish_many([(story, accepted), (self.keys.requests, request)], expire=[story])
+        return True
+
+    async def submit_choices(self, accepted: Accepted,
+                             choices: Sequence[tuple[Request, Accepted]]) -> bool:
+        """Accept a response of n > 1 choices: its id is marked ``choices:<n>`` in
+        ``P:owner`` (so an abort of it reaches every choice, see ``Bus`` users in the engine),
+        its story gets ``accepted`` (with ``choices``), then each choice is submitted as a
+        request of its own. Returns False, writing nothing, if the id is taken by another
+        request; an abort that overtook the id aborts every choice before it runs."""
+        rid = accepted.request_id
+        won, current = await self.try_own(rid, choices_owner(len(choices)), self.req_ttl_s)
+        if not won and not is_tombstone(current):
+            return False
+        story = self.keys.req(rid)
+        await self.publish_many([(story, accepted)], expire=[story])
+        if not won:  # the abort came first: each choice meets its tombstone at submit
+            source = pending_tombstone_source(current) or "redis"
+            await self.tombstone_many([req.request_id for req, _ in choices], source, self.req_ttl_s)
+        for req, acc in choices:
+            await self.submit(req, acc)
         return True
 
     # ------------------------------------------------------------------ dead letters

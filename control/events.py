@@ -334,6 +334,12 @@ class Accepted(Event):
     # vLLM's stream_options.continuous_usage_stats; written only when set (readers of an
     # earlier release skip a field they do not know)
     continuous_usage: bool | None = None
+    # A response of n > 1 choices: its own story holds this `accepted` with `choices=n` and
+    # nothing else; each choice is a request `<id>.<k>` whose `accepted` names `parent` and
+    # `index` (written only when set, like continuous_usage).
+    choices: int | None = None
+    parent: str | None = None
+    index: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -45,6 +45,34 @@ def pending_tombstone_source(owner: str | None) -> str | None:
     return None
 
 
+#: The value of ``P:owner:{id}`` for a response of n > 1 choices (``choices:<n>``): nobody
+#: runs the id itself, its choices ``<id>.<k>`` run as requests of their own. An abort of the
+#: id meets it instead of winning a tombstone, and aborts the choices.
+CHOICES_OWNER = "choices"
+
+
+def choices_owner(n: int) -> str:
+    return f"{CHOICES_OWNER}:{n}"
+
+
+def owner_choices(owner: str | None) -> int | None:
+    """n, if ``owner`` marks a response of n choices."""
+    if owner is None or not owner.startswith(CHOICES_OWNER + ":"):
+        return None
+    try:
+        n = int(owner[len(CHOICES_OWNER) + 1:])
+    except ValueError:
+        return None
+    return n if n > 0 else None
+
+
+def choice_ids(request_id: str, n: int) -> tuple[str, ...]:
+    """The requests a response of ``n`` choices runs as: choice ``k`` is ``<id>.<k>``, so
+    whoever holds the response id can name them all (an engine aborting it, a replica
+    replaying it)."""
+    return tuple(f"{request_id}.{k}" for k in range(n))
+
+
 def valid_request_id(request_id: str) -> bool:
     return bool(REQUEST_ID_RE.fullmatch(request_id))
 

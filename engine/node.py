@@ -59,7 +59,7 @@ from control.events import (
     logprobs_field,
     tombstone_story,
 )
-from control.keys import is_tombstone
+from control.keys import choice_ids, is_tombstone, owner_choices
 from engine import failover
 from engine.config import SchedulerConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -863,16 +863,21 @@ class EngineNode:
             results += await self._retry("abort", lambda: self.bus.tombstone_many(
                 batch, source, self.cfg.tombstone_ttl_s))
             await asyncio.sleep(0)  # an in-process Redis runs each batch on this loop: let others in
+        choices: list[str] = []
         for rid, (won, owner, exists) in zip(unknown, results):
             if won:
                 self._count_abort(source)
                 if exists:
                     await self._write_tombstone_story(rid)
+            elif (n := owner_choices(owner)) is not None:
+                choices += choice_ids(rid, n)  # a response of n choices: abort each of them
             elif not is_tombstone(owner):
                 # Owned: by a live engine (which handles it), by a dead one or one handing it
                 # back (whoever continues it must still abort it), or by this engine between
                 # owning it and starting it. Remember it for the case this engine is the one.
                 self._dismiss(rid, source)
+        if choices:
+            await self._abort(tuple(choices), source)
 
     async def _write_tombstone_story(self, rid: str) -> None:
         source = await self._retry("abort", lambda: self.bus.take_abort_story(rid))

@@ -393,7 +393,7 @@ def test_openapi_document_is_served_and_schema_bodies_are_accepted(harness):
             # context, stream_options only with stream=true, top_logprobs only with logprobs,
             # min_tokens <= max_tokens, logit_bias keyed by token ids of the vocabulary
             assert status == 400 and (out["code"] == "context_length_exceeded" or out["param"] in (
-                "stream_options", "top_logprobs", "min_tokens", "logit_bias")), (body, out)
+                "stream_options", "top_logprobs", "min_tokens", "logit_bias", "best_of")), (body, out)
 
     one()
 

@@ -32,6 +32,8 @@ class Watch:
     """What the handler tells the guard about its request, as it goes."""
 
     request_id: str | None = None  # set once the request may have reached Redis
+    # what a disconnect aborts: the request, or a response's choices (n > 1), by their ids
+    abort_ids: tuple[str, ...] = ()
     background: bool = False  # the client asked that a disconnect not abort it
     finished: bool = False  # its final was seen: nothing left to abort
     aborted: bool = False  # a disconnect abort was already published
@@ -61,14 +63,15 @@ def client_disconnected(request: web.Request) -> bool:
 
 
 class Cancellation:
-    """Wraps generating handlers; ``on_disconnect(request_id)`` publishes the abort.
+    """Wraps generating handlers; ``on_disconnect(request_ids)`` publishes the abort (of the
+    watch's ``abort_ids``, else its ``request_id``).
 
-    ``notice(request_id)``, if given, runs at once, inside the cancelled handler, before the
+    ``notice(request_ids)``, if given, runs at once, inside the cancelled handler, before the
     publish gets its own task: ``fd serve`` uses it to tell the engine in this process, a loop
     turn or two before the publish would."""
 
-    def __init__(self, on_disconnect: Callable[[str], Awaitable[None]],
-                 notice: Callable[[str], None] | None = None):
+    def __init__(self, on_disconnect: Callable[[tuple[str, ...]], Awaitable[None]],
+                 notice: Callable[[tuple[str, ...]], None] | None = None):
         self._on_disconnect = on_disconnect
         self._notice = notice
         self._tasks: set[asyncio.Task] = set()
@@ -96,22 +99,23 @@ class Cancellation:
         if watch.request_id is None or watch.background or watch.finished or watch.aborted:
             return
         watch.aborted = True
+        ids = watch.abort_ids or (watch.request_id,)
         if self._notice is not None:
             try:
-                self._notice(watch.request_id)
+                self._notice(ids)
             except Exception:
                 log.exception("disconnect notice for %s failed", watch.request_id)
         # Published from its own task: this one is being cancelled and must re-raise now.
-        task = asyncio.get_running_loop().create_task(self._publish(watch.request_id),
+        task = asyncio.get_running_loop().create_task(self._publish(ids),
                                                       name=f"disconnect-abort:{watch.request_id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _publish(self, request_id: str) -> None:
+    async def _publish(self, request_ids: tuple[str, ...]) -> None:
         try:
-            await self._on_disconnect(request_id)
+            await self._on_disconnect(request_ids)
         except Exception:
-            log.exception("could not publish the disconnect abort of %s", request_id)
+            log.exception("could not publish the disconnect abort of %s", request_ids[0])
 
     async def drain(self) -> None:
         """Wait for aborts still being published (app cleanup)."""

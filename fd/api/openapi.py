@@ -48,8 +48,10 @@ def _sampling_props(model_name: str, max_model_len: int) -> dict[str, Any]:
                        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
         "min_p": {"type": "number", "nullable": True, "minimum": 0, "maximum": 1},
         "min_tokens": {**_INT_OR_NULL, "minimum": 0, "maximum": max_model_len},
-        "n": {"type": "integer", "nullable": True, "enum": [1]},
-        "best_of": {"type": "integer", "nullable": True, "enum": [1]},
+        "n": {"type": "integer", "nullable": True, "minimum": 1, "maximum": protocol.MAX_CHOICES,
+              "description": "Choices; each runs as a request '<id>.<index>' (seeded: seed + index)."},
+        "best_of": {"type": "integer", "nullable": True, "minimum": 1, "maximum": protocol.MAX_CHOICES,
+                    "description": "Only equal to n."},
         "stop": {"nullable": True, "oneOf": [{"type": "string"},
                                              {"type": "array", "items": {"type": "string"}}]},
         "stop_token_ids": {"type": "array", "nullable": True,
@@ -152,8 +154,8 @@ def build(model_name: str, max_model_len: int, max_body_bytes: int,
     Rules no schema can say: prompt tokens plus ``max_tokens`` must fit the context
     (``max_model_len``; past it, 400 ``context_length_exceeded``); ``stream_options`` needs
     ``stream``, ``top_logprobs`` above 0 needs ``logprobs``, ``min_tokens`` is at most
-    ``max_tokens``, and ``logit_bias`` keys are token ids of the vocabulary (400 naming the
-    parameter)."""
+    ``max_tokens``, ``logit_bias`` keys are token ids of the vocabulary, and ``best_of`` equals
+    ``n`` (400 naming the parameter)."""
     admin = [{"adminKey": []}]
     token_id: dict[str, Any] = {"type": "integer", "format": "int64", "minimum": 0}
     if vocab_size:

@@ -8,6 +8,7 @@ server. The only collaborator is the tokenizer, used as a pure function (text ->
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
@@ -16,6 +17,7 @@ import orjson
 
 from control.events import (MAX_LOGPROBS, MAX_REPETITION_PENALTY, Final, SamplingParams,
                             logprobs_entries)
+from control.keys import choice_ids
 from fd.api.errors import ApiError, bad_request, not_found, too_large
 
 ROLES = ("system", "developer", "user", "assistant")
@@ -51,6 +53,18 @@ class GenerationRequest:
     include_usage: bool = False
     background: bool = False
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats
+    n: int = 1  # choices: n > 1 runs as n requests, ``<id>.<index>`` (see :func:`choice_ids`)
+
+
+MAX_CHOICES = 16  # n: each choice is a request of its own on the engines
+
+
+def choice_sampling(sp: SamplingParams, k: int) -> SamplingParams:
+    """Choice ``k``'s sampling: with a seed, ``seed + k`` (as vLLM), so the choices differ and
+    each is reproducible on its own."""
+    if sp.seed is None or k == 0:
+        return sp
+    return dataclasses.replace(sp, seed=(sp.seed + k) % 2**63)
 
 
 # ------------------------------------------------------------------------- body parsing
@@ -107,6 +121,18 @@ def _reject_unsupported(body: dict, names: dict[str, Any]) -> None:
             raise bad_request(f"'{name}' is not supported by this server.", name, "unsupported")
 
 
+def _choices(body: dict) -> int:
+    """``n``, with ``best_of`` equal to it or absent (a best_of that ranks more candidates
+    than it returns is not supported)."""
+    n = _opt(body, "n", _is_int, "an integer", 1)
+    if not 1 <= n <= MAX_CHOICES:
+        raise bad_request(f"'n' must be between 1 and {MAX_CHOICES}.", "n", "invalid_value")
+    best_of = _opt(body, "best_of", _is_int, "an integer", n)
+    if best_of != n:
+        raise bad_request("Only best_of equal to n is supported.", "best_of", "unsupported")
+    return n
+
+
 def _stream_opts(body: dict) -> tuple[bool, bool, bool]:
     """``stream``, ``stream_options.include_usage``, and vLLM's
     ``stream_options.continuous_usage_stats`` (usage on every chunk; with include_usage only,
@@ -140,12 +166,6 @@ def _top_logprobs(n: int, param: str) -> int:
 
 def _sampling(body: dict, prompt_len: int, limits: Limits, default_max: int | None,
               logprobs: int | None = None) -> SamplingParams:
-    n = _opt(body, "n", _is_int, "an integer", 1)
-    if n != 1:
-        raise bad_request("Only n=1 is supported.", "n", "unsupported")
-    best_of = _opt(body, "best_of", _is_int, "an integer", 1)
-    if best_of != 1:
-        raise bad_request("Only best_of=1 is supported.", "best_of", "unsupported")
 
     room = limits.max_model_len - prompt_len
     if room < 1:
@@ -318,7 +338,8 @@ def parse_chat(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Generati
     if not ids:
         raise bad_request("The prompt is empty.", "messages", "invalid_value")
     sampling = _sampling(body, len(ids), limits, None, logprobs)
-    return GenerationRequest("chat", model, ids, sampling, stream, include_usage, background, continuous)
+    return GenerationRequest("chat", model, ids, sampling, stream, include_usage, background, continuous,
+                             _choices(body))
 
 
 def _chat_ids(messages: list[dict], tokenizer: TokenizerLike, add_generation_prompt: bool) -> tuple[int, ...]:
@@ -381,7 +402,7 @@ def parse_completion(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Ge
     background = _background(body)
     sampling = _sampling(body, len(ids), limits, limits.default_max_tokens, logprobs)
     return GenerationRequest("completion", model, ids, sampling, stream, include_usage, background,
-                             continuous)
+                             continuous, _choices(body))
 
 
 # ------------------------------------------------------------------------- responses
@@ -458,8 +479,10 @@ class Renderer:
 
     def __init__(self, request_id: str, endpoint: str, model: str, created: int, prompt_tokens: int,
                  include_usage: bool = False, token_bytes: Callable[[int], bytes] | None = None,
-                 continuous_usage: bool = False):
+                 continuous_usage: bool = False, index: int = 0):
         self.rid = request_id
+        self.index = index  # the choice this renders (n > 1: one renderer a choice)
+        self.usage_chunk = True  # the usage chunk after the final (n > 1: one for all, by Choices)
         self.endpoint = endpoint
         self.model = model
         self.created = created
@@ -528,6 +551,8 @@ class Renderer:
         return self._with_usage(chunk)
 
     def _with_usage(self, chunk: dict, final: Final | None = None) -> dict:
+        if self.index and chunk["choices"]:
+            chunk["choices"][0]["index"] = self.index
         if self.continuous_usage:
             p, c = self.prompt_tokens, self.completion_tokens
             chunk["usage"] = usage(p, c) if final is None else final_usage(final, p, c)
@@ -591,7 +616,7 @@ class Renderer:
         if self.logprobs:
             last["choices"][0]["logprobs"] = self._unshown_logprobs()
         out = [self._with_usage(last, final)]
-        if self.include_usage:
+        if self.include_usage and self.usage_chunk:
             out.append(usage_chunk(self.endpoint, self.rid, self.created, self.model,
                                    final_usage(final, self.prompt_tokens, self.completion_tokens)))
         return out
@@ -606,6 +631,85 @@ class Renderer:
                      final_usage(final, self.prompt_tokens, self.completion_tokens), final.stop_reason)
         if self.logprobs:
             body["choices"][0]["logprobs"] = self._render_logprobs(self.logprobs)
+        return body
+
+
+def choices_cursor(entry_ids: list[bytes]) -> bytes:
+    """The SSE ``id:`` of a response of n choices: each choice's last entry id, in order."""
+    return b",".join(entry_ids)
+
+
+class Choices:
+    """A response of ``n`` choices, each a request of its own (``choice_ids``): one
+    :class:`Renderer` a choice, their chunks under the response's id, one usage for all (the
+    prompt counted once, as OpenAI and vLLM do), and the final chunks once every choice has
+    ended. Like the renderer it needs nothing but the ``accepted`` events' fields, so any
+    replica renders the same bytes."""
+
+    def __init__(self, request_id: str, n: int, endpoint: str, model: str, created: int,
+                 prompt_tokens: int, include_usage: bool = False,
+                 token_bytes: Callable[[int], bytes] | None = None, continuous_usage: bool = False):
+        self.rid = request_id
+        self.request_ids = choice_ids(request_id, n)
+        self.endpoint, self.model, self.created = endpoint, model, created
+        self.prompt_tokens = prompt_tokens
+        self.include_usage = include_usage
+        self.continuous_usage = include_usage and continuous_usage
+        self.parts = [Renderer(request_id, endpoint, model, created, prompt_tokens, include_usage,
+                               token_bytes, False, k) for k in range(n)]
+        for r in self.parts:
+            r.usage_chunk = False
+        self.finals: list[Final | None] = [None] * n
+
+    @property
+    def done(self) -> bool:
+        return all(f is not None for f in self.finals)
+
+    def _usage(self) -> dict[str, int]:
+        # what the engines counted for the choices that ended, this replica's count for the rest
+        c = sum(r.completion_tokens if f is None
+                else final_usage(f, self.prompt_tokens, r.completion_tokens)["completion_tokens"]
+                for f, r in zip(self.finals, self.parts))
+        return usage(self.prompt_tokens, c)
+
+    def _stamp(self, chunks: list[dict]) -> list[dict]:
+        if self.continuous_usage:
+            for c in chunks:
+                if "error" not in c:
+                    c["usage"] = self._usage()
+        return chunks
+
+    def start_chunks(self, k: int) -> list[dict]:
+        return self._stamp(self.parts[k].start_chunks())
+
+    def token_json(self, k: int, text: str, n_tokens: int, token_ids: tuple[int, ...] = (),
+                   logprobs: Any = None) -> bytes | None:
+        if not self.continuous_usage:
+            return self.parts[k].token_json(text, n_tokens, token_ids, logprobs)
+        chunks = self._stamp(self.parts[k].token_chunks(text, n_tokens, token_ids, logprobs))
+        return orjson.dumps(chunks[0]) if chunks else None
+
+    def add_tokens(self, k: int, text: str, n_tokens: int, token_ids: tuple[int, ...] = (),
+                   logprobs: Any = None) -> None:
+        self.parts[k].add_tokens(text, n_tokens, token_ids, logprobs)
+
+    def final_chunks(self, k: int, final: Final) -> list[dict]:
+        """Choice ``k``'s last chunk, and once it is the last choice to end, the usage chunk.
+        An error ends the whole response (the caller aborts the other choices)."""
+        self.finals[k] = final
+        out = self._stamp(self.parts[k].final_chunks(final))
+        if final.finish_reason != "error" and self.done and self.include_usage:
+            out.append(usage_chunk(self.endpoint, self.rid, self.created, self.model, self._usage()))
+        return out
+
+    def response(self) -> dict:
+        """The whole body once every choice ended; raises the first choice's error, if any."""
+        bodies = [r.response(f) for r, f in zip(self.parts, self.finals)]
+        body = bodies[0]
+        body["choices"] = [b["choices"][0] for b in bodies]
+        for k, c in enumerate(body["choices"]):
+            c["index"] = k
+        body["usage"] = self._usage()
         return body
 
 

@@ -35,7 +35,7 @@ from control.events import (
     RequestData,
     Tokens,
 )
-from control.keys import ENGINE_ID_RE, REQUEST_ID_RE, all_valid_request_ids, is_tombstone
+from control.keys import ENGINE_ID_RE, REQUEST_ID_RE, all_valid_request_ids, choice_ids, is_tombstone
 from control.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from control.metrics import Metrics
 from fd.api import openapi, protocol, sse
@@ -250,26 +250,27 @@ class Api:
         request[RID] = given
         return given, True
 
-    def _notice_disconnect(self, request_id: str) -> None:
+    def _notice_disconnect(self, request_ids: tuple[str, ...]) -> None:
         """In the cancelled handler itself: in-process readers of ``P:control`` (``fd serve``'s
         engine) hear of the abort now; the publish follows from its own task."""
         if self.bus.local_control:
-            ev = Abort(request_ids=(request_id,), source="disconnect",
+            ev = Abort(request_ids=request_ids, source="disconnect",
                        abort_id=f"abort-{uuid.uuid4().hex[:16]}")
             self.bus.tell_local(self.bus.keys.control, ev)
-            self._noticed[request_id] = ev
+            self._noticed[request_ids[0]] = ev
 
-    async def _abort_on_disconnect(self, request_id: str) -> None:
-        ev = self._noticed.pop(request_id, None)
+    async def _abort_on_disconnect(self, request_ids: tuple[str, ...]) -> None:
+        ev = self._noticed.pop(request_ids[0], None)
         if ev is not None:
             await self.bus.publish(self.bus.keys.control, ev, tell_local=False)
         else:
             await self.bus.publish(self.bus.keys.control,
-                                   Abort(request_ids=(request_id,), source="disconnect",
+                                   Abort(request_ids=request_ids, source="disconnect",
                                          abort_id=f"abort-{uuid.uuid4().hex[:16]}"))
         # fd_abort_requests_total is counted by the engine where the abort takes effect
         # (every engine reads every abort; exactly one owns the request).
-        self.metrics.requests_total.labels("abort").inc()  # its final goes unseen by this replica
+        # their finals go unseen by this replica (a response of n choices: n requests)
+        self.metrics.requests_total.labels("abort").inc(len(request_ids))
 
     # ------------------------------------------------------------------ generating
 
@@ -299,6 +300,8 @@ class Api:
         arrival = time.monotonic()
         rid, explicit = self._request_id(request, prefix)
         gen: protocol.GenerationRequest = parse(await self._body(request), self.limits, self.tokenizer)
+        if gen.n > 1:
+            return await self._generate_choices(request, rid, explicit, endpoint, gen, arrival)
         if (explicit and await self.bus.request_exists(rid)
                 and not is_tombstone(await self.bus.owner(rid))):
             # (an id whose abort overtook it is not a conflict: its story already ends in an
@@ -328,6 +331,100 @@ class Api:
         finally:
             await sub.close()
 
+    async def _generate_choices(self, request: web.Request, rid: str, explicit: bool, endpoint: str,
+                                gen: protocol.GenerationRequest, arrival: float) -> web.StreamResponse:
+        """``n > 1``: the response's choices run as requests ``<id>.<k>`` (``choice_ids``),
+        each with its own story, its own engine slot and, given a seed, ``seed + k``; their
+        events are merged into one response. A disconnect aborts all of them; so does an abort
+        of the response's id, from anywhere (``P:owner`` marks it, see ``Bus.submit_choices``)."""
+        ids = choice_ids(rid, gen.n)
+        if max(map(len, ids)) > 128:
+            raise bad_request(f"X-Request-Id is too long for n={gen.n}: each choice runs as "
+                              f"'<id>.<index>', at most 128 characters.", "X-Request-Id",
+                              "invalid_request_id")
+        if explicit:
+            owner = await self.bus.owner(rid)
+            taken = [await self.bus.request_exists(r) for r in (rid, *ids)]
+            # (an id whose abort overtook it is not a conflict, as for one choice)
+            if not is_tombstone(owner) and (owner is not None or any(taken)):
+                raise conflict(f"A request with id '{rid}' (or one of its choices) already exists.",
+                               "X-Request-Id")
+        watch = watch_of(request)
+        watch.background = gen.background
+        now = time.time()
+        created = int(now)
+        n_prompt = len(gen.prompt_token_ids)
+        common = dict(api=self.cfg.api_id, prompt_tokens=n_prompt, endpoint=endpoint, model=gen.model,
+                      created=created, include_usage=gen.include_usage,
+                      continuous_usage=gen.continuous_usage or None)
+        subs = [await self.mux.subscribe(c, b"0") for c in ids]  # before submit: nothing missed
+        try:
+            watch.request_id, watch.abort_ids = rid, ids  # from here on a disconnect aborts them
+            items = [(Request(request_id=c, data=RequestData(
+                          prompt_token_ids=gen.prompt_token_ids,
+                          sampling=protocol.choice_sampling(gen.sampling, k),
+                          arrival_ts=int(now * 1000), model=gen.model, api=self.cfg.api_id,
+                          background=gen.background)),
+                      Accepted(request_id=c, parent=rid, index=k, **common))
+                     for k, c in enumerate(ids)]
+            if not await self.bus.submit_choices(Accepted(request_id=rid, choices=gen.n, **common), items):
+                raise conflict(f"A request with id '{rid}' already exists.", "X-Request-Id")
+            choices = protocol.Choices(rid, gen.n, endpoint, gen.model, created, n_prompt,
+                                       gen.include_usage, self._token_bytes, gen.continuous_usage)
+            timing = [_Timing(self.metrics, arrival) for _ in ids]  # latencies are each choice's
+            if gen.stream:
+                return await self._stream(request, rid, self._merged(subs), choices, timing)
+            return await self._collect_choices(rid, subs, choices, timing, watch)
+        finally:
+            for sub in subs:
+                await sub.close()
+
+    async def _merged(self, subs: list) -> AsyncIterator[list[tuple[int, bytes, Any]] | None]:
+        """The choices' events as they come, ``(choice, entry id, event)``, in batches (one
+        write each), ``None`` whenever all were quiet for KEEPALIVE_S; ends once every choice
+        has ended."""
+        while True:
+            batch = [(k, eid, ev) for k, sub in enumerate(subs) for eid, ev in sub.take_ready()]
+            if batch:
+                yield batch
+                continue
+            live = [sub for sub in subs if not sub.done]
+            if not live:
+                return
+            waits = [asyncio.ensure_future(sub.ready(KEEPALIVE_S)) for sub in live]
+            try:
+                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
+            if not any(w.result() for w in done if not w.cancelled()):
+                yield None
+
+    async def _collect_choices(self, rid: str, subs: list, choices: protocol.Choices,
+                               timing: list[_Timing], watch) -> web.Response:
+        async for batch in self._merged(subs):
+            for k, _eid, ev in batch or ():
+                if isinstance(ev, Tokens):
+                    timing[k].tokens(len(ev.token_ids))
+                    choices.add_tokens(k, ev.text, len(ev.token_ids), ev.token_ids, ev.logprobs)
+                elif isinstance(ev, Final):
+                    timing[k].final(ev)
+                    choices.finals[k] = ev
+                    if ev.finish_reason == "error":
+                        watch.finished = True
+                        await self._abort_rest(choices)
+                        raise protocol.final_error(ev)
+            if choices.done:
+                watch.finished = True
+                return _json(choices.response(), headers={"X-Request-Id": rid})
+        raise unavailable("The request's stream ended without a final event.")
+
+    async def _abort_rest(self, choices: protocol.Choices) -> None:
+        """One choice failed: the response has failed, so the others stop too."""
+        rest = tuple(c for c, f in zip(choices.request_ids, choices.finals) if f is None)
+        if rest:
+            await self._publish_abort(rest, f"abort-{uuid.uuid4().hex[:16]}")
+
     async def _events(self, sub) -> AsyncIterator[list[tuple[bytes, Any]] | None]:
         """The subscription's events, in batches of what was delivered together (one write
         each), with ``None`` whenever it was quiet for KEEPALIVE_S."""
@@ -352,19 +449,67 @@ class Api:
                 return _json(renderer.response(ev), headers={"X-Request-Id": rid})
         raise unavailable("The request's stream ended without a final event.")
 
-    async def _stream(self, request: web.Request, rid: str, events: AsyncIterator, renderer: protocol.Renderer,
-                      timing: _Timing | None, skip_until: tuple[int, int] | None = None) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, rid: str, events: AsyncIterator,
+                      renderer: protocol.Renderer | protocol.Choices,
+                      timing: _Timing | list[_Timing] | None, skip_until: Any = None) -> web.StreamResponse:
         """Render events as SSE until the final. Entries at or before ``skip_until`` only update
-        the renderer's state (a resume), the rest are written with their entry id."""
+        the renderer's state (a resume), the rest are written with their entry id. (A response
+        of n choices: a :class:`protocol.Choices`, a timing and a ``skip_until`` per choice.)"""
         resp = web.StreamResponse(headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
             "X-Accel-Buffering": "no", "X-Request-Id": rid})
         await resp.prepare(request)
         watch = watch_of(request)
+        write = self._write_choice_events if isinstance(renderer, protocol.Choices) else self._write_events
         async with contextlib.aclosing(events):
-            await self._write_events(resp, events, renderer, timing, skip_until, watch)
+            await write(resp, events, renderer, timing, skip_until, watch)
         await resp.write_eof()
         return resp
+
+    async def _write_choice_events(self, resp, events, choices: protocol.Choices, timing, skip_until,
+                                   watch) -> None:
+        """:meth:`_write_events` for a response of n choices. A frame's ``id:`` is where every
+        choice's stream stands (``choices_cursor``), so ``Last-Event-ID`` resumes them all."""
+        n = len(choices.parts)
+        cursor = [b"0"] * n
+        skip = skip_until or [(0, 0)] * n
+        async for batch in events:
+            if batch is None:
+                await resp.write(sse.comment("keep-alive"))
+                continue
+            out: list[bytes] = []
+            failed = False
+            for k, eid, ev in batch:
+                cursor[k] = eid
+                payload = None
+                chunks: list[dict] = []
+                if isinstance(ev, Tokens):
+                    if timing is not None:
+                        timing[k].tokens(len(ev.token_ids))
+                    payload = choices.token_json(k, ev.text, len(ev.token_ids), ev.token_ids, ev.logprobs)
+                elif isinstance(ev, Accepted):
+                    chunks = choices.start_chunks(k)
+                elif isinstance(ev, Final):
+                    if timing is not None:
+                        timing[k].final(ev)
+                    chunks = choices.final_chunks(k, ev)
+                    failed = ev.finish_reason == "error"
+                if (payload is not None or chunks) and entry_id_key(eid) > skip[k]:
+                    cid = protocol.choices_cursor(cursor)
+                    out += [sse.json_frame(payload, cid)] if payload is not None else [
+                        sse.frame(c, cid) for c in chunks]
+                if failed or choices.done:
+                    break
+            if failed or choices.done:
+                watch.finished = True
+                if failed:  # the response has failed: the other choices stop too
+                    await self._abort_rest(choices)
+                out.append(sse.DONE)
+            if out:
+                await resp.write(b"".join(out))
+            if failed or choices.done:
+                return
+        await resp.write(sse.frame(unavailable("The request's stream ended without a final event.").body()))
 
     async def _write_events(self, resp, events, renderer, timing, skip_until, watch) -> None:
         """Write each batch of events as one ``write``: the bytes are exactly those of one
@@ -416,13 +561,7 @@ class Api:
         if not valid_request_id(rid):
             raise bad_request("Invalid request id.", "id", "invalid_request_id")
         request[RID] = rid
-        last = request.headers.get("Last-Event-ID") or request.query.get("last_event_id")
-        skip = None
-        if last:
-            try:
-                skip = entry_id_key(last.strip())
-            except ValueError:
-                raise bad_request("Last-Event-ID is not a stream entry id.", "Last-Event-ID") from None
+        last = (request.headers.get("Last-Event-ID") or request.query.get("last_event_id") or "").strip()
         # As the original request asked, unless the replaying client says otherwise.
         asked = request.query.get("include_usage")
         history = await self.bus.read_req(rid, b"0")
@@ -433,6 +572,18 @@ class Api:
             iu = asked.lower() not in ("0", "false", "no")
         else:
             iu = first.include_usage if isinstance(first, Accepted) else True
+        n = first.choices if isinstance(first, Accepted) else None
+        try:
+            if n and n > 1:
+                skip = [entry_id_key(p.strip()) for p in last.split(",")] if last else None
+                if skip is not None and len(skip) != n:
+                    raise ValueError(last)
+            else:
+                skip = entry_id_key(last) if last else None
+        except ValueError:
+            raise bad_request("Last-Event-ID is not an id this request's stream sent.", "Last-Event-ID") from None
+        if n and n > 1:
+            return await self._replay_choices(request, rid, first, iu, skip)
         if isinstance(first, Accepted):
             renderer = protocol.Renderer(rid, first.endpoint or "completion", first.model, first.created,
                                          first.prompt_tokens, iu, self._token_bytes,
@@ -453,6 +604,22 @@ class Api:
                 await sub.close()
 
         return await self._stream(request, rid, events(), renderer, None, skip)
+
+    async def _replay_choices(self, request: web.Request, rid: str, first: Accepted, include_usage: bool,
+                              skip: list[tuple[int, int]] | None) -> web.StreamResponse:
+        """:meth:`stream_request` of a response of n choices: their streams, merged again."""
+        for c in choice_ids(rid, first.choices):
+            if not await self.bus.request_exists(c):
+                raise not_found(f"Choice '{c}' of request '{rid}' has expired.", "id", "request_not_found")
+        choices = protocol.Choices(rid, first.choices, first.endpoint or "completion", first.model,
+                                   first.created, first.prompt_tokens, include_usage, self._token_bytes,
+                                   bool(first.continuous_usage))
+        subs = [await self.mux.subscribe(c, b"0") for c in choices.request_ids]
+        try:
+            return await self._stream(request, rid, self._merged(subs), choices, None, skip)
+        finally:
+            for sub in subs:
+                await sub.close()
 
     # ------------------------------------------------------------------ aborts
 
@@ -517,6 +684,15 @@ class Api:
             history = await self.bus.read_req(rid, b"0")
             if not history:
                 return None
+            first = history[0][1]
+            if isinstance(first, Accepted) and first.choices and first.choices > 1:
+                # a response of n choices: done when every choice is, its tokens theirs summed
+                finals = await asyncio.gather(*(one(c) for c in choice_ids(rid, first.choices)))
+                if any(f is None for f in finals):
+                    return None
+                n = sum(int((f.usage or {}).get("completion_tokens") or 0) for f in finals)
+                return Final(request_id=rid, finish_reason=finals[0].finish_reason,
+                             usage={"completion_tokens": n})
             for _eid, ev in history:
                 if isinstance(ev, Final):
                     return ev
