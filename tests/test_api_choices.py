@@ -185,3 +185,16 @@ async def test_real_engine_choices_and_an_operator_abort_by_the_response_id(serv
 async def _free(eng, total) -> bool:
     await asyncio.sleep(0)
     return eng.node.sched.num_free_blocks == total and not eng.node.sched.has_work()
+
+
+async def test_an_abort_that_overtook_the_response_aborts_every_choice(real_bus):
+    """The id was aborted before the request came (its tombstone is where the mark would go):
+    each choice meets a tombstone of its own at submit, and never reaches P:requests."""
+    async with setup(real_bus, FakeEngine(real_bus)) as client:
+        await real_bus.tombstone_many(["early"], "http", 60)
+        resp = await client.post("/v1/completions", headers={"X-Request-Id": "early"},
+                                 json={"model": "tiny", "prompt": "hey", "n": 2})
+        assert resp.status == 200
+        body = await resp.json()
+        assert [c["finish_reason"] for c in body["choices"]] == ["abort", "abort"]
+        assert await real_bus.redis.xlen(real_bus.keys.requests) == 0
