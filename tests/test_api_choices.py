@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import aiohttp
 import openai
 import orjson
 import pytest
@@ -198,3 +199,53 @@ async def test_an_abort_that_overtook_the_response_aborts_every_choice(real_bus)
         body = await resp.json()
         assert [c["finish_reason"] for c in body["choices"]] == ["abort", "abort"]
         assert await real_bus.redis.xlen(real_bus.keys.requests) == 0
+
+
+async def test_two_engines_share_the_choices_and_an_abort_of_the_id_reaches_both(
+        redis_server, real_bus, keys, tiny_model_dir, tiny_runner, tiny_tokenizer):
+    """Real Redis, two engines with two running slots each, a response of four choices: the
+    choices run on both engines, and `/v1/abort_requests` naming only the response's id (on a
+    replica that did not accept it) ends every one with `abort` and frees both engines' blocks."""
+    from control.connect import connect
+    from fd.compose import ApiOptions, start_api
+    from tests.faultkit import Engines, all_blocks_free, sse_objects
+
+    engines = Engines(redis_server.url, keys, tiny_model_dir, tiny_runner, tiny_tokenizer)
+    apis = []
+    try:
+        a = await engines.start("A", delay=0.005, max_num_seqs=2)
+        b = await engines.start("B", delay=0.005, max_num_seqs=2)
+        for _ in range(2):
+            apis.append(await start_api(lambda: connect(redis_server.url), keys,
+                                        ApiOptions(model_dir=str(tiny_model_dir)), tokenizer=tiny_tokenizer))
+        body = {"model": apis[0].cfg.model_name, "prompt": "four ways", "n": 4, "max_tokens": 400,
+                "ignore_eos": True, "stream": True}
+        reasons: dict[int, str] = {}
+        asked = False
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"{apis[0].url}/v1/completions", json=body,
+                              headers={"X-Request-Id": "four"}) as resp:
+                started: set[int] = set()
+                async for obj in sse_objects(resp):
+                    if obj is None:
+                        break
+                    for ch in obj.get("choices") or ():
+                        if ch.get("text"):
+                            started.add(ch["index"])
+                        if ch.get("finish_reason"):
+                            reasons[ch["index"]] = ch["finish_reason"]
+                    if len(started) == 4 and not asked:
+                        holders = {e.id for e in (a, b) for k in range(4)
+                                   if e.node.sched.knows(f"four.{k}")}
+                        assert holders == {"A", "B"}  # the choices are spread over both
+                        async with s.post(f"{apis[1].url}/v1/abort_requests",
+                                          json={"request_ids": ["four"]}) as r:
+                            assert r.status == 200
+                        asked = True
+        assert asked and reasons == {0: "abort", 1: "abort", 2: "abort", 3: "abort"}
+        for e in (a, b):
+            await all_blocks_free(e.node)
+    finally:
+        for api in apis:
+            await api.stop()
+        await engines.stop_all()
