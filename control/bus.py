@@ -596,6 +596,9 @@ class Subscription:
         self._timer: asyncio.TimerHandle | None = None
         self._ended = False  # nothing more will be queued
         self._closed = False  # the consumer saw the end
+        #: called whenever something is delivered: one consumer waiting on many subscriptions
+        #: (a response of n choices) waits on one event instead of a task per subscription
+        self.on_put: Callable[[], None] | None = None
 
     @property
     def done(self) -> bool:
@@ -689,6 +692,8 @@ class Subscription:
         fut = self._waiter
         if fut is not None and not fut.done():
             fut.set_result(True)
+        if self.on_put is not None:
+            self.on_put()
 
     def _offer(self, entry_id: bytes, idk: tuple[int, int], ev: Event) -> None:
         if self._ended or idk <= self._last:

@@ -249,3 +249,34 @@ async def test_two_engines_share_the_choices_and_an_abort_of_the_id_reaches_both
         for api in apis:
             await api.stop()
         await engines.stop_all()
+
+
+async def test_a_completions_batch_with_n(real_bus):
+    """OpenAI's batch of prompts, each with n choices: prompt i's j-th choice is index i*n + j;
+    usage counts each prompt once."""
+    async with setup(real_bus, FakeEngine(real_bus)) as client:
+        resp = await client.post("/v1/completions", headers={"X-Request-Id": "bt"}, json={
+            "model": "tiny", "prompt": ["hey", [5, 6, 7, 8]], "n": 2, "seed": 3})
+        assert resp.status == 200
+        body = await resp.json()
+        assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+        assert body["usage"]["prompt_tokens"] == len(b"hey") + 4  # FakeTokenizer: a token a byte
+        assert body["usage"]["completion_tokens"] == 20
+        reqs = {decode(f).request_id: decode(f).data
+                for _, f in await real_bus.redis.xrange(real_bus.keys.requests)}
+        assert [reqs[f"bt.{k}"].prompt_token_ids for k in range(4)] == [tuple(b"hey")] * 2 + [(5, 6, 7, 8)] * 2
+        assert [reqs[f"bt.{k}"].sampling.seed for k in range(4)] == [3, 4, 3, 4]
+
+
+async def test_real_engine_batch_equals_one_request_a_prompt(served, tiny_runner, tiny_tokenizer):
+    api, _ = served
+    client = openai.AsyncOpenAI(base_url=f"{api.url}/v1", api_key="none", max_retries=0)
+    prompts = ["The river", "A stone and the lamp"]
+    llm = LLM(tiny_runner, tiny_tokenizer)
+    refs = [g.text for g in llm.generate([tiny_tokenizer.encode(p) for p in prompts],
+                                         SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))]
+    c = await client.completions.create(model=api.cfg.model_name, prompt=prompts, max_tokens=6,
+                                        temperature=0, extra_body={"ignore_eos": True})
+    assert [ch.text for ch in c.choices] == refs
+    assert c.usage.prompt_tokens == sum(len(tiny_tokenizer.encode(p)) for p in prompts)
+    await client.close()

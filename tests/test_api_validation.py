@@ -104,7 +104,12 @@ CASES = [
     (CHAT, {"model": "tiny", "messages": MSG, "background": 1}, 400, "background", "invalid_type"),
     (COMP, {"model": "tiny"}, 400, "prompt", "missing_required_parameter"),
     (COMP, {"model": "tiny", "prompt": 5}, 400, "prompt", "invalid_type"),
-    (COMP, {"model": "tiny", "prompt": ["a", "b"]}, 400, "prompt", "unsupported"),
+    (COMP, {"model": "tiny", "prompt": ["a", ""]}, 400, "prompt", "invalid_value"),  # in a batch
+    (COMP, {"model": "tiny", "prompt": ["a", [1, 999]]}, 400, "prompt", "invalid_value"),
+    (COMP, {"model": "tiny", "prompt": ["a", [1, "b"]]}, 400, "prompt", "invalid_type"),
+    (COMP, {"model": "tiny", "prompt": ["a", "x" * 60], "max_tokens": 5}, 400, "max_tokens",
+     "context_length_exceeded"),  # (the longest prompt decides)
+    (COMP, {"model": "tiny", "prompt": ["a"] * 17, "n": 16}, 400, "prompt", "invalid_value"),  # 272 choices
     (COMP, {"model": "tiny", "prompt": [1, -2]}, 400, "prompt", "invalid_value"),
     (COMP, {"model": "tiny", "prompt": [1, 999]}, 400, "prompt", "invalid_value"),
     (COMP, {"model": "tiny", "prompt": []}, 400, "prompt", "invalid_type"),

@@ -12,6 +12,7 @@ import asyncio
 import gzip
 import json
 import urllib.parse
+import zlib
 from typing import Any
 
 import orjson
@@ -194,6 +195,17 @@ def dumps(body: Any) -> bytes:
     return json.dumps(body, allow_nan=True).encode()
 
 
+def _choices_of(data: bytes, headers: dict) -> int:
+    """How many requests an accepted body puts on P:requests: one a choice (n, times the
+    prompts of a completions batch)."""
+    if headers.get("Content-Encoding") not in (None, "identity"):
+        data = gzip.decompress(data) if headers["Content-Encoding"] == "gzip" else zlib.decompress(data)
+    body = json.loads(data)
+    p = body.get("prompt")
+    batch = len(p) if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p) else 1
+    return (body.get("n") or 1) * batch
+
+
 async def post(h: Harness, path: str, data: bytes, headers: dict) -> tuple[int, Any]:
     before = await h.lens()
     try:
@@ -206,7 +218,7 @@ async def post(h: Harness, path: str, data: bytes, headers: dict) -> tuple[int, 
     if status >= 400:
         assert after == before, (path, status, body, "a rejected request left a trace")
     elif path in (CHAT, COMP):
-        assert after[0] == before[0] + 1
+        assert after[0] == before[0] + _choices_of(data, headers)
         rid = resp.headers["X-Request-Id"]
         if "X-Request-Id" in headers:
             assert rid == headers["X-Request-Id"]

@@ -102,7 +102,10 @@ def _schemas(model_name: str, max_model_len: int, vocab_size: int | None) -> dic
             "properties": {"prompt": {"oneOf": [
                 {"type": "string", "minLength": 1},
                 {"type": "array", "minItems": 1, "items": token_id},
-                {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string", "minLength": 1}}]},
+                {"type": "array", "minItems": 1, "maxItems": protocol.MAX_BATCH,
+                 "description": "A batch: prompt i's j-th choice is choice i * n + j.",
+                 "items": {"oneOf": [{"type": "string", "minLength": 1},
+                                     {"type": "array", "minItems": 1, "items": token_id}]}}]},
                 **sampling,
                 "logprobs": {**_INT_OR_NULL, "minimum": 0, "maximum": MAX_LOGPROBS}}},
         "AbortRequest": {

@@ -54,9 +54,17 @@ class GenerationRequest:
     background: bool = False
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats
     n: int = 1  # choices: n > 1 runs as n requests, ``<id>.<index>`` (see :func:`choice_ids`)
+    prompts: tuple[tuple[int, ...], ...] = ()  # a completions batch (more than one prompt)
+
+    def choices(self) -> list[tuple[tuple[int, ...], SamplingParams]]:
+        """Each choice's prompt and sampling, in OpenAI's order: prompt ``i``'s ``j``-th choice
+        is choice ``i * n + j``."""
+        return [(p, choice_sampling(self.sampling, j))
+                for p in self.prompts or (self.prompt_token_ids,) for j in range(self.n)]
 
 
 MAX_CHOICES = 16  # n: each choice is a request of its own on the engines
+MAX_BATCH = 256  # prompts x n, of one completions request
 
 
 def choice_sampling(sp: SamplingParams, k: int) -> SamplingParams:
@@ -385,24 +393,38 @@ def parse_completion(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Ge
     prompt = body.get("prompt")
     if prompt is None:
         raise bad_request("'prompt' is required.", "prompt", "missing_required_parameter")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        batch = prompt  # OpenAI's batch: a list of strings or of token id lists
+    elif isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)):
+        batch = [prompt]
+    else:
+        raise bad_request("'prompt' must be a string, a list of token ids, or a list of either.",
+                          "prompt", "invalid_type")
+    prompts = tuple(_prompt_ids(p, limits, tokenizer) for p in batch)
+    n = _choices(body)
+    if len(prompts) * n > MAX_BATCH:
+        raise bad_request(f"At most {MAX_BATCH} choices a request (prompts times n).", "prompt",
+                          "invalid_value")
+    stream, include_usage, continuous = _stream_opts(body)
+    background = _background(body)
+    sampling = _sampling(body, max(map(len, prompts)), limits, limits.default_max_tokens, logprobs)
+    return GenerationRequest("completion", model, prompts[0], sampling, stream, include_usage, background,
+                             continuous, n, prompts if len(prompts) > 1 else ())
+
+
+def _prompt_ids(prompt: Any, limits: Limits, tokenizer: TokenizerLike) -> tuple[int, ...]:
     if isinstance(prompt, str):
         ids = tuple(tokenizer.encode(prompt, add_special_tokens=True))
     elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         ids = _check_ids(prompt, limits, "prompt")
-    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise bad_request("Batched prompts are not supported; send one prompt per request.", "prompt",
-                          "unsupported")
+    elif isinstance(prompt, list) and prompt:
+        raise bad_request("'prompt' must be a string, a list of token ids, or a list of either.",
+                          "prompt", "invalid_type")
     else:
-        raise bad_request("'prompt' must be a string or a list of token ids.", "prompt", "invalid_type")
+        ids = ()
     if not ids:
         raise bad_request("The prompt is empty.", "prompt", "invalid_value")
-    stream, include_usage, continuous = _stream_opts(body)
-    background = _background(body)
-    sampling = _sampling(body, len(ids), limits, limits.default_max_tokens, logprobs)
-    return GenerationRequest("completion", model, ids, sampling, stream, include_usage, background,
-                             continuous, _choices(body))
+    return ids
 
 
 # ------------------------------------------------------------------------- responses

@@ -300,7 +300,7 @@ class Api:
         arrival = time.monotonic()
         rid, explicit = self._request_id(request, prefix)
         gen: protocol.GenerationRequest = parse(await self._body(request), self.limits, self.tokenizer)
-        if gen.n > 1:
+        if gen.n > 1 or gen.prompts:
             return await self._generate_choices(request, rid, explicit, endpoint, gen, arrival)
         if (explicit and await self.bus.request_exists(rid)
                 and not is_tombstone(await self.bus.owner(rid))):
@@ -333,13 +333,15 @@ class Api:
 
     async def _generate_choices(self, request: web.Request, rid: str, explicit: bool, endpoint: str,
                                 gen: protocol.GenerationRequest, arrival: float) -> web.StreamResponse:
-        """``n > 1``: the response's choices run as requests ``<id>.<k>`` (``choice_ids``),
-        each with its own story, its own engine slot and, given a seed, ``seed + k``; their
-        events are merged into one response. A disconnect aborts all of them; so does an abort
-        of the response's id, from anywhere (``P:owner`` marks it, see ``Bus.submit_choices``)."""
-        ids = choice_ids(rid, gen.n)
+        """``n > 1``, or a completions batch: the response's choices run as requests
+        ``<id>.<k>`` (``choice_ids``), each with its own story, its own engine slot and, given a
+        seed, ``seed + j`` for a prompt's ``j``-th choice; their events are merged into one
+        response. A disconnect aborts all of them; so does an abort of the response's id, from
+        anywhere (``P:owner`` marks it, see ``Bus.submit_choices``)."""
+        plan = gen.choices()
+        ids = choice_ids(rid, len(plan))
         if max(map(len, ids)) > 128:
-            raise bad_request(f"X-Request-Id is too long for n={gen.n}: each choice runs as "
+            raise bad_request(f"X-Request-Id is too long for {len(plan)} choices: each runs as "
                               f"'<id>.<index>', at most 128 characters.", "X-Request-Id",
                               "invalid_request_id")
         if explicit:
@@ -353,23 +355,21 @@ class Api:
         watch.background = gen.background
         now = time.time()
         created = int(now)
-        n_prompt = len(gen.prompt_token_ids)
-        common = dict(api=self.cfg.api_id, prompt_tokens=n_prompt, endpoint=endpoint, model=gen.model,
-                      created=created, include_usage=gen.include_usage,
-                      continuous_usage=gen.continuous_usage or None)
+        n_prompt = sum(map(len, gen.prompts or (gen.prompt_token_ids,)))  # each prompt once
+        common = dict(api=self.cfg.api_id, endpoint=endpoint, model=gen.model, created=created,
+                      include_usage=gen.include_usage, continuous_usage=gen.continuous_usage or None)
         subs = [await self.mux.subscribe(c, b"0") for c in ids]  # before submit: nothing missed
         try:
             watch.request_id, watch.abort_ids = rid, ids  # from here on a disconnect aborts them
             items = [(Request(request_id=c, data=RequestData(
-                          prompt_token_ids=gen.prompt_token_ids,
-                          sampling=protocol.choice_sampling(gen.sampling, k),
-                          arrival_ts=int(now * 1000), model=gen.model, api=self.cfg.api_id,
-                          background=gen.background)),
-                      Accepted(request_id=c, parent=rid, index=k, **common))
-                     for k, c in enumerate(ids)]
-            if not await self.bus.submit_choices(Accepted(request_id=rid, choices=gen.n, **common), items):
+                          prompt_token_ids=prompt, sampling=sp, arrival_ts=int(now * 1000),
+                          model=gen.model, api=self.cfg.api_id, background=gen.background)),
+                      Accepted(request_id=c, parent=rid, index=k, prompt_tokens=len(prompt), **common))
+                     for k, (c, (prompt, sp)) in enumerate(zip(ids, plan))]
+            parent = Accepted(request_id=rid, choices=len(ids), prompt_tokens=n_prompt, **common)
+            if not await self.bus.submit_choices(parent, items):
                 raise conflict(f"A request with id '{rid}' already exists.", "X-Request-Id")
-            choices = protocol.Choices(rid, gen.n, endpoint, gen.model, created, n_prompt,
+            choices = protocol.Choices(rid, len(ids), endpoint, gen.model, created, n_prompt,
                                        gen.include_usage, self._token_bytes, gen.continuous_usage)
             timing = [_Timing(self.metrics, arrival) for _ in ids]  # latencies are each choice's
             if gen.stream:
@@ -382,22 +382,21 @@ class Api:
     async def _merged(self, subs: list) -> AsyncIterator[list[tuple[int, bytes, Any]] | None]:
         """The choices' events as they come, ``(choice, entry id, event)``, in batches (one
         write each), ``None`` whenever all were quiet for KEEPALIVE_S; ends once every choice
-        has ended."""
+        has ended. One wake-up for any of them (``Subscription.on_put``)."""
+        put = asyncio.Event()
+        for sub in subs:
+            sub.on_put = put.set
         while True:
+            put.clear()
             batch = [(k, eid, ev) for k, sub in enumerate(subs) for eid, ev in sub.take_ready()]
             if batch:
                 yield batch
                 continue
-            live = [sub for sub in subs if not sub.done]
-            if not live:
+            if all(sub.done for sub in subs):
                 return
-            waits = [asyncio.ensure_future(sub.ready(KEEPALIVE_S)) for sub in live]
             try:
-                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for w in waits:
-                    w.cancel()
-            if not any(w.result() for w in done if not w.cancelled()):
+                await asyncio.wait_for(put.wait(), KEEPALIVE_S)
+            except asyncio.TimeoutError:
                 yield None
 
     async def _collect_choices(self, rid: str, subs: list, choices: protocol.Choices,
