@@ -349,26 +349,38 @@ async def _status(args: argparse.Namespace) -> int:
 async def _trace(args: argparse.Namespace) -> int:
     from control.bus import Bus
     from control.connect import connect
-    from control.events import Tokens
+    from control.events import Accepted, Tokens
+    from control.keys import choice_ids
 
     bus = Bus(connect(_need_url(args)), Keys(args.prefix))
-    entries = await bus.read_req(args.request_id)
-    await bus.redis.aclose()
-    if not entries:
-        print(f"no events for request {args.request_id}", file=sys.stderr)
-        return 1
+    try:
+        entries = await bus.read_req(args.request_id)
+        if not entries:
+            print(f"no events for request {args.request_id}", file=sys.stderr)
+            return 1
+        # a response of n choices: its story is one `accepted`; each choice's follows it
+        stories = [(args.request_id, entries)]
+        first = entries[0][1]
+        if isinstance(first, Accepted) and first.choices and first.choices > 1:
+            for rid in choice_ids(args.request_id, first.choices):
+                stories.append((rid, await bus.read_req(rid)))
+    finally:
+        await bus.redis.aclose()
     t0 = entries[0][1].ts
-    rows, ntok = [], 0
-    for eid, ev in entries:
-        if isinstance(ev, Tokens):
-            ntok += len(ev.token_ids)
-        d = {k: v for k, v in ev.encode().items() if k not in ("v", "ts", "request_id")}
-        rows.append({"id": eid.decode(), "ms": ev.ts - t0, "tokens_so_far": ntok, **d})
-    text = "\n".join(
-        f"{r['ms']:>7} ms  {r['type']:<16} tokens={r['tokens_so_far']:<5} "
-        + " ".join(f"{k}={v}" for k, v in r.items() if k not in ("id", "ms", "type", "tokens_so_far"))
-        for r in rows)
-    _print_json_or(args, rows, text)
+    rows, lines = [], []
+    for rid, story in stories:
+        if rid != args.request_id:
+            lines.append(f"-- {rid}")
+        ntok = 0
+        for eid, ev in story:
+            if isinstance(ev, Tokens):
+                ntok += len(ev.token_ids)
+            d = {k: v for k, v in ev.encode().items() if k not in ("v", "ts", "request_id")}
+            r = {"request_id": rid, "id": eid.decode(), "ms": ev.ts - t0, "tokens_so_far": ntok, **d}
+            rows.append(r)
+            lines.append(f"{r['ms']:>7} ms  {r['type']:<16} tokens={r['tokens_so_far']:<5} " + " ".join(
+                f"{k}={v}" for k, v in r.items() if k not in ("request_id", "id", "ms", "type", "tokens_so_far")))
+    _print_json_or(args, rows, "\n".join(lines))
     return 0
 
 
@@ -428,7 +440,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_redis_args(st)
     st.add_argument("--json", action="store_true")
 
-    tr = sub.add_parser("trace", help="a request's events as a timeline")
+    tr = sub.add_parser("trace", help="a request's events as a timeline (a response of n "
+                                      "choices: each choice's too)")
     _add_redis_args(tr)
     tr.add_argument("request_id")
     tr.add_argument("--json", action="store_true")

@@ -98,6 +98,9 @@ async def test_split_deployment_operator_commands(redis_server, keys, tmp_path):
             assert resp.status == 200, body
             assert body["usage"]["completion_tokens"] == 8
             rid_done = body["id"]
+            async with http.post(f"{base}/v1/completions", json={
+                    "model": "tiny", "prompt": "Hello", "max_tokens": 4, "n": 2}) as resp:
+                rid_two = (await resp.json())["id"]
 
             # an operator aborts a long request by hand with redis-cli
             long = {"model": "tiny", "prompt": "Go on", "max_tokens": 1500, "temperature": 0,
@@ -128,6 +131,11 @@ async def test_split_deployment_operator_commands(redis_server, keys, tmp_path):
         assert next(row for row in rows if row["type"] == "abort_requested")["source"] == "cli"
         r = _fd("trace", rid_done, *common)
         assert r.returncode == 0 and "final" in r.stdout and "finish_reason=length" in r.stdout
+        r = _fd("trace", rid_two, *common, "--json")  # a response of two choices: theirs too
+        assert r.returncode == 0, r.stderr
+        rows = json.loads(r.stdout)
+        assert [row["request_id"] for row in rows if row["type"] in ("accepted", "final")] == [
+            rid_two, f"{rid_two}.0", f"{rid_two}.0", f"{rid_two}.1", f"{rid_two}.1"]
 
         for _ in range(20):  # the heartbeat refreshes once a second
             r = _fd("status", *common, "--json")
