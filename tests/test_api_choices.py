@@ -280,3 +280,15 @@ async def test_real_engine_batch_equals_one_request_a_prompt(served, tiny_runner
     assert [ch.text for ch in c.choices] == refs
     assert c.usage.prompt_tokens == sum(len(tiny_tokenizer.encode(p)) for p in prompts)
     await client.close()
+
+
+async def test_a_failed_choice_fails_the_response(real_bus):
+    async with setup(real_bus, FakeEngine(real_bus, fail="CUDA out of memory")) as client:
+        resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "n": 2})
+        assert resp.status == 500
+        assert (await resp.json())["error"]["message"] == "CUDA out of memory"
+        resp = await client.post("/v1/chat/completions", json={**CHAT_BODY, "n": 2, "stream": True})
+        events = parse_sse(await resp.read())
+        assert events[-1] == (None, "[DONE]")
+        assert orjson.loads(events[-2][1])["error"]["message"] == "CUDA out of memory"
+        assert sum("error" in orjson.loads(d) for _, d in events[:-1]) == 1  # one error, then done

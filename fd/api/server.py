@@ -401,21 +401,22 @@ class Api:
 
     async def _collect_choices(self, rid: str, subs: list, choices: protocol.Choices,
                                timing: list[_Timing], watch) -> web.Response:
-        async for batch in self._merged(subs):
-            for k, _eid, ev in batch or ():
-                if isinstance(ev, Tokens):
-                    timing[k].tokens(len(ev.token_ids))
-                    choices.add_tokens(k, ev.text, len(ev.token_ids), ev.token_ids, ev.logprobs)
-                elif isinstance(ev, Final):
-                    timing[k].final(ev)
-                    choices.finals[k] = ev
-                    if ev.finish_reason == "error":
-                        watch.finished = True
-                        await self._abort_rest(choices)
-                        raise protocol.final_error(ev)
-            if choices.done:
-                watch.finished = True
-                return _json(choices.response(), headers={"X-Request-Id": rid})
+        async with contextlib.aclosing(self._merged(subs)) as merged:
+            async for batch in merged:
+                for k, _eid, ev in batch or ():
+                    if isinstance(ev, Tokens):
+                        timing[k].tokens(len(ev.token_ids))
+                        choices.add_tokens(k, ev.text, len(ev.token_ids), ev.token_ids, ev.logprobs)
+                    elif isinstance(ev, Final):
+                        timing[k].final(ev)
+                        choices.finals[k] = ev
+                        if ev.finish_reason == "error":
+                            watch.finished = True
+                            await self._abort_rest(choices)
+                            raise protocol.final_error(ev)
+                if choices.done:
+                    watch.finished = True
+                    return _json(choices.response(), headers={"X-Request-Id": rid})
         raise unavailable("The request's stream ended without a final event.")
 
     async def _abort_rest(self, choices: protocol.Choices) -> None:
