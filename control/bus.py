@@ -277,9 +277,9 @@ class Bus:
     async def submit_choices(self, accepted: Accepted,
                              choices: Sequence[tuple[Request, Accepted]]) -> bool:
         """Accept a response of n > 1 choices: its id is marked ``choices:<n>`` in
-        ``P:owner`` (so an abort of it reaches every choice, see ``Bus`` users in the engine),
-        its story gets ``accepted`` (with ``choices``), then each choice is submitted as a
-        request of its own. Returns False, writing nothing, if the id is taken by another
+        ``P:owner`` (an engine's abort of the id meets the mark and aborts each choice), its
+        story gets ``accepted`` (with ``choices``), then each choice is submitted as a request
+        of its own. Returns False, writing nothing, if the id is taken by another
         request; an abort that overtook the id aborts every choice before it runs."""
         rid = accepted.request_id
         won, current = await self.try_own(rid, choices_owner(len(choices)), self.req_ttl_s)

@@ -49,6 +49,7 @@ def pending_tombstone_source(owner: str | None) -> str | None:
 #: runs the id itself, its choices ``<id>.<k>`` run as requests of their own. An abort of the
 #: id meets it instead of winning a tombstone, and aborts the choices.
 CHOICES_OWNER = "choices"
+MAX_CHOICES_OWNED = 1024  # a hand-written mark above this is not one (the API makes at most 256)
 
 
 def choices_owner(n: int) -> str:
@@ -63,7 +64,7 @@ def owner_choices(owner: str | None) -> int | None:
         n = int(owner[len(CHOICES_OWNER) + 1:])
     except ValueError:
         return None
-    return n if n > 0 else None
+    return n if 0 < n <= MAX_CHOICES_OWNED else None
 
 
 def choice_ids(request_id: str, n: int) -> tuple[str, ...]:

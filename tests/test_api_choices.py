@@ -292,3 +292,13 @@ async def test_a_failed_choice_fails_the_response(real_bus):
         assert events[-1] == (None, "[DONE]")
         assert orjson.loads(events[-2][1])["error"]["message"] == "CUDA out of memory"
         assert sum("error" in orjson.loads(d) for _, d in events[:-1]) == 1  # one error, then done
+
+
+def test_the_choices_mark_and_ids():
+    from control.keys import choice_ids, choices_owner, is_tombstone, owner_choices
+
+    assert choice_ids("r", 3) == ("r.0", "r.1", "r.2")
+    assert owner_choices(choices_owner(3)) == 3 and not is_tombstone(choices_owner(3))
+    # an engine id, a tombstone, or a hand-written value that is no mark: not a response of choices
+    for owner in (None, "e0", "aborted:http", "choices:", "choices:x", "choices:0", "choices:5000"):
+        assert owner_choices(owner) is None, owner
