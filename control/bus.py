@@ -276,7 +276,7 @@ class Bus:
 
     async def submit_choices(self, accepted: Accepted,
                              choices: Sequence[tuple[Request, Accepted]]) -> bool:
-        """Accept a response of n > 1 choices: its id is marked ``choices:<n>`` in
+        """Accept a response of n > 1 choices: its id is marked ``choices=<n>`` in
         ``P:owner`` (an engine's abort of the id meets the mark and aborts each choice), its
         story gets ``accepted`` (with ``choices``), then each choice is submitted as a request
         of its own. Returns False, writing nothing, if the id is taken by another

@@ -45,7 +45,7 @@ def pending_tombstone_source(owner: str | None) -> str | None:
     return None
 
 
-#: The value of ``P:owner:{id}`` for a response of n > 1 choices (``choices:<n>``): nobody
+#: The value of ``P:owner:{id}`` for a response of n > 1 choices (``choices=<n>``): nobody
 #: runs the id itself, its choices ``<id>.<k>`` run as requests of their own. An abort of the
 #: id meets it instead of winning a tombstone, and aborts the choices.
 CHOICES_OWNER = "choices"
@@ -53,12 +53,12 @@ MAX_CHOICES_OWNED = 1024  # a hand-written mark above this is not one (the API m
 
 
 def choices_owner(n: int) -> str:
-    return f"{CHOICES_OWNER}:{n}"
+    return f"{CHOICES_OWNER}={n}"  # ('=' is in no engine id: no engine can be mistaken for it)
 
 
 def owner_choices(owner: str | None) -> int | None:
     """n, if ``owner`` marks a response of n choices."""
-    if owner is None or not owner.startswith(CHOICES_OWNER + ":"):
+    if owner is None or not owner.startswith(CHOICES_OWNER + "="):
         return None
     try:
         n = int(owner[len(CHOICES_OWNER) + 1:])

@@ -300,5 +300,5 @@ def test_the_choices_mark_and_ids():
     assert choice_ids("r", 3) == ("r.0", "r.1", "r.2")
     assert owner_choices(choices_owner(3)) == 3 and not is_tombstone(choices_owner(3))
     # an engine id, a tombstone, or a hand-written value that is no mark: not a response of choices
-    for owner in (None, "e0", "aborted:http", "choices:", "choices:x", "choices:0", "choices:5000"):
+    for owner in (None, "e0", "aborted:http", "choices=", "choices=x", "choices=0", "choices=5000", "choices:3"):
         assert owner_choices(owner) is None, owner
