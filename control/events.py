@@ -82,6 +82,9 @@ class SamplingParams:
     # the model's own distribution (before penalties and temperature, as vLLM's default):
     # None for none. Chat's logprobs + top_logprobs, completions' logprobs.
     logprobs: int | None = None
+    # Log-probabilities of the prompt's tokens (each given the ones before it) and of this many
+    # likeliest alternatives at each position: None for none. Completions' echo + logprobs.
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -153,9 +156,9 @@ class SamplingParams:
             raise bad("min_p", "a number in [0, 1]")
         if "min_tokens" in kw and not (is_int(kw["min_tokens"]) and kw["min_tokens"] >= 0):
             raise bad("min_tokens", "an integer >= 0")
-        if kw.get("logprobs") is not None and not (is_int(kw["logprobs"])
-                                                   and 0 <= kw["logprobs"] <= MAX_LOGPROBS):
-            raise bad("logprobs", f"an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            if kw.get(name) is not None and not (is_int(kw[name]) and 0 <= kw[name] <= MAX_LOGPROBS):
+                raise bad(name, f"an integer in [0, {MAX_LOGPROBS}]")
         if "logit_bias" in kw:
             pairs = kw["logit_bias"] or ()
             if not (isinstance(pairs, (list, tuple)) and all(
@@ -182,7 +185,7 @@ _SAMPLING_NAMES = tuple(f.name for f in dataclasses.fields(SamplingParams))
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
 # fields added after the first release: on the wire only when set
 _OPTIONAL_NAMES = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                   "min_p", "min_tokens", "logprobs")
+                   "min_p", "min_tokens", "logprobs", "prompt_logprobs")
 _SAMPLING_FIELDS = frozenset(_SAMPLING_NAMES)
 
 
@@ -340,6 +343,10 @@ class Accepted(Event):
     choices: int | None = None
     parent: str | None = None
     index: int | None = None
+    # Completions' echo: the prompt's text, shown before the completion; `echo_only` when the
+    # client asked max_tokens=0 (the engine generates one token, which is not shown).
+    echo: str | None = None
+    echo_only: bool | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -363,6 +370,26 @@ class Tokens(Event):
     # {"lp": [its log-probability, ...], "top": [[[token id, log-probability], ...], ...]}
     # (logprobs_field / logprobs_entries).
     logprobs: dict | None = None
+    # Only on the first tokens event of a request that asked (SamplingParams.prompt_logprobs):
+    # {"ids": the prompt, "lp": [...], "top": [...]}, lp and top for its tokens 1.. (the first
+    # has none), shaped as `logprobs` (prompt_logprobs_field / prompt_logprobs_entries).
+    prompt_logprobs: dict | None = None
+
+
+def prompt_logprobs_field(prompt: Sequence[int],
+                          entries: Sequence[tuple[float, Sequence[tuple[int, float]]]]) -> dict:
+    return {"ids": list(prompt), **logprobs_field(entries)}
+
+
+def prompt_logprobs_entries(field: Any) -> tuple[list[int], list[tuple[float, list]]] | None:
+    """:func:`prompt_logprobs_field` read back: the prompt's ids and an entry for each but the
+    first; None when it is not that shape."""
+    try:
+        ids = [int(t) for t in field["ids"]]
+    except (TypeError, KeyError, ValueError):
+        return None
+    entries = logprobs_entries(field, len(ids) - 1)
+    return None if entries is None else (ids, entries)
 
 
 def logprobs_field(entries: Sequence[tuple[float, Sequence[tuple[int, float]]]]) -> dict:

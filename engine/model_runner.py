@@ -73,11 +73,13 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         if not out.seqs:
             return RunnerOutput(step=out.step, sampled={})
-        batch, sampled = self.prepare(out.seqs)
+        scored: list = []
+        batch, sampled = self.prepare(out.seqs, scored)
         logits = self.model.forward(batch)
+        prompt_lp = self._prompt_logprobs(logits, len(sampled), scored) if scored else {}
         if not sampled:
             self._last_sampled = {}
-            return RunnerOutput(step=out.step, sampled={})
+            return RunnerOutput(step=out.step, sampled={}, prompt_logprobs=prompt_lp)
         n = len(sampled)
         if all(s.sampling.greedy and s.sampling.plain for s in sampled):
             tokens = paddle.argmax(logits, axis=-1).numpy()[:n].tolist()
@@ -89,11 +91,23 @@ class ModelRunner:
         self._last_sampled = {s.request_id: t for s, t in zip(sampled, tokens)}
         wanted = [i for i, s in enumerate(sampled) if s.sampling.logprobs is not None]
         if not wanted:
-            return RunnerOutput(step=out.step, sampled=self._last_sampled)
+            return RunnerOutput(step=out.step, sampled=self._last_sampled, prompt_logprobs=prompt_lp)
         rows = logits.numpy()[:n]
         return RunnerOutput(step=out.step, sampled=self._last_sampled, logprobs={
             sampled[i].request_id: token_logprobs(rows[i], tokens[i], sampled[i].sampling.logprobs)
-            for i in wanted})
+            for i in wanted}, prompt_logprobs=prompt_lp)
+
+    @staticmethod
+    def _prompt_logprobs(logits, n: int, scored: list) -> dict[str, tuple[int, tuple]]:
+        """The prompt tokens' log-probabilities of the seqs that asked, from the extra logits
+        rows after the ``n`` sampled ones (:meth:`prepare`'s ``scored``)."""
+        rows = logits.numpy()[n:]
+        out, r = {}, 0
+        for s, first, targets in scored:
+            k = s.sampling.prompt_logprobs
+            out[s.request_id] = (first, tuple(token_logprobs(rows[r + j], t, k) for j, t in enumerate(targets)))
+            r += len(targets)
+        return out
 
     def _seen(self, s: ScheduledSeq) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(prompt, output) tokens of a penalized request so far: the scheduler's, plus the one
@@ -128,8 +142,12 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ batch
 
-    def prepare(self, seqs: Sequence[ScheduledSeq]) -> tuple[ForwardBatch, list[ScheduledSeq]]:
+    def prepare(self, seqs: Sequence[ScheduledSeq],
+                scored: list | None = None) -> tuple[ForwardBatch, list[ScheduledSeq]]:
         """The flattened batch of a step, and the seqs to sample for (in logits-row order).
+        ``scored``, if given, gets ``(seq, position of its first scored prompt token, those
+        tokens)`` for each seq scoring its prompt (``prompt_len``): their rows' logits follow
+        the sampled ones'.
 
         All index arrays travel to the device as one buffer and one split (each upload costs
         ~8 µs, a split of the lot ~2 µs), the masks as another.
@@ -214,6 +232,20 @@ class ModelRunner:
             ints.append(out_index)
         sampled = [s for s in seqs if s.sample]
         rows = [starts[i] + len(s.token_ids) - 1 for i, s in enumerate(seqs) if s.sample]
+        if scored is not None:
+            for i, s in enumerate(seqs):
+                if not s.prompt_len:
+                    continue
+                # position t scores prompt token t + 1: the chunk's own next tokens, then the
+                # one after the chunk; the prompt's last position scores no prompt token
+                end = min(s.start_pos + len(s.token_ids), s.prompt_len - 1)
+                if end <= s.start_pos:
+                    continue
+                targets = list(s.token_ids[1:end - s.start_pos + 1])
+                if len(targets) < end - s.start_pos:
+                    targets.append(s.prompt_next)
+                rows.extend(range(starts[i], starts[i] + end - s.start_pos))
+                scored.append((s, s.start_pos + 1, targets))
         rows.extend([0] * (m.pad_rows(len(rows)) - len(rows)))
         ints.append(np.asarray(rows))
 

@@ -57,6 +57,7 @@ from control.events import (
     Request,
     Tokens,
     logprobs_field,
+    prompt_logprobs_field,
     tombstone_story,
 )
 from control.keys import choice_ids, is_tombstone, owner_choices
@@ -166,6 +167,9 @@ class EngineNode:
         self._entry: dict[str, bytes] = {}  # request id -> its P:requests entry, XACKed at final
         self._request: dict[str, Request] = {}  # what was claimed, for a drain's hand-back
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        # Requests scoring their prompt (SamplingParams.prompt_logprobs), new here: position ->
+        # entry, as the prefill chunks bring them, for the request's first tokens event.
+        self._prompt_lp: dict[str, dict[int, tuple]] = {}
         self._abort_noted_at: dict[str, float] = {}
         # Requests this engine no longer speaks for (handed back, or ownership lost): the
         # scheduler still winds them down, but none of their events is published.
@@ -694,6 +698,8 @@ class EngineNode:
             if primed.startswith(hist.text):
                 tail = primed[len(hist.text):]
         self._detok[rid] = detok
+        if sp.prompt_logprobs is not None and not hist.tokens:  # (a takeover: shown already)
+            self._prompt_lp[rid] = {}
         self._progress[rid] = time.monotonic()
         if hist.claims:
             self.taken_over += 1
@@ -717,6 +723,11 @@ class EngineNode:
                 stopped[rid] = stop
         if stopped:
             result = replace(result, stopped={**result.stopped, **stopped})
+        for rid, (first, entries) in result.prompt_logprobs.items():
+            got = self._prompt_lp.get(rid)
+            if got is not None:  # (a recompute after a preemption scores it again: kept once)
+                for j, e in enumerate(entries):
+                    got.setdefault(first + j, e)
         evs = self.sched.update(out, result)
         self._applied_step = out.step
         now = time.monotonic()
@@ -884,6 +895,19 @@ class EngineNode:
         if source is not None:
             self._emit(tombstone_story(rid, source))
 
+    def _take_prompt_logprobs(self, rid: str) -> dict | None:
+        """The prompt's log-probabilities for the request's first tokens event, once every
+        prompt position was scored (its last prefill chunk samples that first token)."""
+        got = self._prompt_lp.get(rid)
+        req = self._request.get(rid)
+        if got is None or req is None:
+            return None
+        prompt = req.data.prompt_token_ids
+        if len(got) < len(prompt) - 1:
+            return None
+        del self._prompt_lp[rid]
+        return prompt_logprobs_field(prompt, [got[p] for p in range(1, len(prompt))])
+
     def _dismiss(self, rid: str, source: str) -> None:
         now = time.monotonic()
         self._dismissed[rid] = (source, now)
@@ -920,9 +944,10 @@ class EngineNode:
                 if not silent:
                     text = texts.pop(rid, ev.text) if texts else ev.text
                     lp = logprobs.get(rid) if logprobs else None
+                    plp = self._take_prompt_logprobs(rid) if self._prompt_lp and ev.token_ids else None
                     outbox.append((self.bus.keys.req(rid), Tokens(
                         request_id=rid, token_ids=ev.token_ids, text=text, step=ev.step, ts=ts,
-                        logprobs=None if lp is None else logprobs_field([lp]))))
+                        logprobs=None if lp is None else logprobs_field([lp]), prompt_logprobs=plp)))
                 continue
             if isinstance(ev, (AbortRequested, BlocksReleased, Final)) and rid in self._detok:
                 # The request emits no more tokens: text held back (a possible stop-string
@@ -942,6 +967,7 @@ class EngineNode:
                     self.metrics.abort_release_seconds.observe(now - t)
             elif isinstance(ev, Final):
                 self._progress.pop(rid, None)
+                self._prompt_lp.pop(rid, None)
                 self._request.pop(rid, None)
                 entry = self._entry.pop(rid, None)
                 if silent:

@@ -29,6 +29,11 @@ class ScheduledSeq:
     # the runner adds its own.
     history: tuple[int, ...] = ()
     num_prompt_tokens: int = 0
+    # Only when it asked for prompt log-probabilities and this chunk is within its prompt: the
+    # prompt's length, and the prompt token after the chunk (None at the prompt's end): what
+    # the chunk's last position is scored against.
+    prompt_len: int = 0
+    prompt_next: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +57,9 @@ class RunnerOutput:
     # Requests that asked for log-probabilities: request_id -> (the sampled token's, and the
     # likeliest tokens' as (id, log-probability), likeliest first). Data, never a decision.
     logprobs: dict[str, tuple[float, tuple[tuple[int, float], ...]]] = field(default_factory=dict)
+    # Requests that asked for prompt log-probabilities and had prompt in this step:
+    # request_id -> (position of the first prompt token scored, one entry a token as above).
+    prompt_logprobs: dict[str, tuple[int, tuple]] = field(default_factory=dict)
     # When the runner ran the step, wall-clock ms (start, end), if it says: informational,
     # for the journal (when each step really ran); never part of a decision.
     ran: tuple[int, int] | None = None

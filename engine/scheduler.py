@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from dataclasses import replace
 from typing import Any
 
 from control.events import (AbortRequested, BlocksReleased, Drained, Event, Final, Preempted,
@@ -460,6 +461,10 @@ class Scheduler:
             history=tuple(seq.token_ids[from_:]) if penalized else (),
             num_prompt_tokens=seq.num_prompt_tokens - from_ if penalized else 0,
         )
+        if seq.sampling.prompt_logprobs is not None and start < seq.num_prompt_tokens:
+            end = start + n
+            ss = replace(ss, prompt_len=seq.num_prompt_tokens,
+                         prompt_next=seq.token_ids[end] if end < seq.num_prompt_tokens else None)
         seq.num_in_flight += n
         if sample:
             seq.num_pending += 1

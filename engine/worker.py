@@ -58,7 +58,8 @@ class _StepEncoder:
                 self._next += 1
                 new.append((known[0], sp))
             seqs.append((ss.request_id, ss.token_ids, ss.start_pos, ss.block_table, ss.sample,
-                         known[0], ss.num_generated, ss.history, ss.num_prompt_tokens))
+                         known[0], ss.num_generated, ss.history, ss.num_prompt_tokens,
+                         ss.prompt_len, ss.prompt_next))
         return ("step", out.step, out.num_batched_tokens, reset, new, seqs)
 
 
@@ -74,8 +75,10 @@ class _StepDecoder:
         for key, sp in new:
             params[key] = sp
         return SchedulerOutput(step=step, num_batched_tokens=num_batched, seqs=tuple(
-            ScheduledSeq(rid, toks, start, table, sample, params[key], gen, history, num_prompt)
-            for rid, toks, start, table, sample, key, gen, history, num_prompt in seqs))
+            ScheduledSeq(rid, toks, start, table, sample, params[key], gen, history, num_prompt,
+                         prompt_len, prompt_next)
+            for rid, toks, start, table, sample, key, gen, history, num_prompt, prompt_len, prompt_next
+            in seqs))
 
 
 def _worker_main(conn, model_dir: str, kwargs: dict[str, Any],
@@ -146,7 +149,8 @@ def _worker_main(conn, model_dir: str, kwargs: dict[str, Any],
             out = runner.execute(msg)
             dt = time.perf_counter() - t
             ran = (int(wall * 1000), int((wall + dt) * 1000))
-            conn.send(("ok", (out.step, out.sampled, out.stopped, ran, out.logprobs), dt))
+            conn.send(("ok", (out.step, out.sampled, out.stopped, ran, out.logprobs,
+                              out.prompt_logprobs), dt))
         except Exception:  # noqa: BLE001
             conn.send(("error", traceback.format_exc()))
 
@@ -199,8 +203,9 @@ class ProcessRunner:
 
     def collect(self) -> RunnerOutput:
         """The result of the oldest submitted step (blocks; run it off the event loop)."""
-        step, sampled, stopped, ran, logprobs = self._collect()
-        return RunnerOutput(step=step, sampled=sampled, stopped=stopped, ran=ran, logprobs=logprobs)
+        step, sampled, stopped, ran, logprobs, prompt_lp = self._collect()
+        return RunnerOutput(step=step, sampled=sampled, stopped=stopped, ran=ran, logprobs=logprobs,
+                            prompt_logprobs=prompt_lp)
 
     def fileno(self) -> int:
         """The pipe's end in this process: readable when a reply has come (for an event loop
@@ -224,9 +229,9 @@ class ProcessRunner:
                 raise WorkerError(reply[1])
             else:
                 self.busy_seconds += reply[2]
-                step, sampled, stopped, ran, logprobs = reply[1]
+                step, sampled, stopped, ran, logprobs, prompt_lp = reply[1]
                 out.append(RunnerOutput(step=step, sampled=sampled, stopped=stopped, ran=ran,
-                                        logprobs=logprobs))
+                                        logprobs=logprobs, prompt_logprobs=prompt_lp))
         return out
 
     def _died(self) -> WorkerError:

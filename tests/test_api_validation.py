@@ -22,6 +22,9 @@ class FakeTokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(text.encode())
 
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return bytes(ids).decode(errors="replace")
+
     def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
         return "".join(f"{m['role'][0]}:{m['content']}\n" for m in messages) + ("a:" if add_generation_prompt else "")
 
@@ -90,7 +93,8 @@ CASES = [
      "invalid_value"),
     (COMP, {"model": "tiny", "prompt": "x", "logprobs": True}, 400, "logprobs", "invalid_type"),
     (COMP, {"model": "tiny", "prompt": "x", "logprobs": 21}, 400, "logprobs", "invalid_value"),
-    (COMP, {"model": "tiny", "prompt": "x", "echo": True}, 400, "echo", "unsupported"),
+    (COMP, {"model": "tiny", "prompt": "x", "echo": 1}, 400, "echo", "invalid_type"),
+    (COMP, {"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens", "invalid_value"),  # without echo
     (CHAT, {"model": "tiny", "messages": MSG, "response_format": {"type": "json_object"}}, 400,
      "response_format", "unsupported"),
     (COMP, {"model": "tiny", "prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens", "invalid_value"),

@@ -116,7 +116,8 @@ def record_run(sched_cls=Scheduler) -> Run:
     run.step()
     run.call("add", "c", req(9, max_tokens=20, start=70))
     run.call("add", "d", req(5, max_tokens=20, start=90, frequency_penalty=0.5, repetition_penalty=1.1,
-                             logit_bias=((3, 1.0), (7, -2.5)), min_p=0.1, min_tokens=2, logprobs=2))
+                             logit_bias=((3, 1.0), (7, -2.5)), min_p=0.1, min_tokens=2, logprobs=2,
+                             prompt_logprobs=1))
     run.step()
     # 'long' has had one or two 8-token chunks of 20: abort it between steps, mid-prefill
     snap = {r["request_id"]: r for r in s.snapshot()["requests"]}

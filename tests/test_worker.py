@@ -48,6 +48,15 @@ def test_worker_gives_the_same_tokens_as_in_process(worker, tiny_runner, tiny_to
     (lp, top), (lp0, top0) = there.logprobs["lp"], here.logprobs["lp"]
     assert lp == pytest.approx(lp0) and [t for t, _ in top] == [t for t, _ in top0] and len(top) == 3
     assert top[0][0] == there.sampled["lp"] and top[0][1] == pytest.approx(lp)
+    # and the prompt's scores (echo): a chunk that is not the prompt's last, scored up to the
+    # token after it, which crosses the pipe with it
+    score = SamplingParams(temperature=0.0, prompt_logprobs=2)
+    chunk = ScheduledSeq("pl", tuple(prompts[2][:8]), 0, (0, 1), False, score, 0,
+                         prompt_len=len(prompts[2]), prompt_next=prompts[2][8])
+    there, here = (r.execute(SchedulerOutput(step=-1, seqs=(chunk,))) for r in (worker, tiny_runner))
+    (first, entries), (first0, entries0) = there.prompt_logprobs["pl"], here.prompt_logprobs["pl"]
+    assert first == first0 == 1 and len(entries) == len(entries0) == 8
+    assert [lp for lp, _ in entries] == pytest.approx([lp for lp, _ in entries0])
     assert worker.eos_token_ids == tuple(tiny_runner.eos_token_ids)
 
 

@@ -107,7 +107,11 @@ def _schemas(model_name: str, max_model_len: int, vocab_size: int | None) -> dic
                  "items": {"oneOf": [{"type": "string", "minLength": 1},
                                      {"type": "array", "minItems": 1, "items": token_id}]}}]},
                 **sampling,
-                "logprobs": {**_INT_OR_NULL, "minimum": 0, "maximum": MAX_LOGPROBS}}},
+                "logprobs": {**_INT_OR_NULL, "minimum": 0, "maximum": MAX_LOGPROBS},
+                "echo": {**_NULLABLE_BOOL,
+                         "description": "The prompt before the completion; with logprobs, the "
+                                        "prompt's tokens scored too (the first has none). With "
+                                        "echo, max_tokens may be 0: the prompt scored alone."}}},
         "AbortRequest": {
             "type": "object",
             "description": "One of req_ids (FastDeploy), request_ids (vLLM) or abort_all.",

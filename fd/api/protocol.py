@@ -16,7 +16,7 @@ from typing import Any, Callable, Protocol
 import orjson
 
 from control.events import (MAX_LOGPROBS, MAX_REPETITION_PENALTY, Final, SamplingParams,
-                            logprobs_entries)
+                            logprobs_entries, prompt_logprobs_entries)
 from control.keys import choice_ids
 from fd.api.errors import ApiError, bad_request, not_found, too_large
 
@@ -55,6 +55,10 @@ class GenerationRequest:
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats
     n: int = 1  # choices: n > 1 runs as n requests, ``<id>.<index>`` (see :func:`choice_ids`)
     prompts: tuple[tuple[int, ...], ...] = ()  # a completions batch (more than one prompt)
+    # completions' echo: each prompt's text, shown before its completion; echo_only when the
+    # client asked max_tokens=0 (the engine is asked for one token, which is not shown)
+    echo_texts: tuple[str, ...] = ()
+    echo_only: bool = False
 
     def choices(self) -> list[tuple[tuple[int, ...], SamplingParams]]:
         """Each choice's prompt and sampling, in OpenAI's order: prompt ``i``'s ``j``-th choice
@@ -387,9 +391,16 @@ def parse_detokenize(body: dict, limits: Limits) -> tuple[int, ...]:
 
 def parse_completion(body: dict, limits: Limits, tokenizer: TokenizerLike) -> GenerationRequest:
     model = _check_model(body, limits)
-    _reject_unsupported(body, {"echo": None, "suffix": None})
+    _reject_unsupported(body, {"suffix": None})
     top = _opt(body, "logprobs", _is_int, "an integer", None)
     logprobs = None if top is None else _top_logprobs(top, "logprobs")
+    echo = _opt(body, "echo", lambda v: isinstance(v, bool), "a boolean", False)
+    # max_tokens=0 with echo (scoring a text, as evaluation harnesses do): the engine generates
+    # one token, which the response leaves out
+    zero = [k for k in ("max_completion_tokens", "max_tokens") if _is_int(body.get(k)) and body[k] == 0]
+    echo_only = echo and bool(zero)
+    if echo_only:
+        body = {**body, **{k: 1 for k in zero}}
     prompt = body.get("prompt")
     if prompt is None:
         raise bad_request("'prompt' is required.", "prompt", "missing_required_parameter")
@@ -408,8 +419,18 @@ def parse_completion(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Ge
     stream, include_usage, continuous = _stream_opts(body)
     background = _background(body)
     sampling = _sampling(body, max(map(len, prompts)), limits, limits.default_max_tokens, logprobs)
+    echo_texts: tuple[str, ...] = ()
+    if echo:
+        echo_texts = tuple(p if isinstance(p, str) else _decode(ids, tokenizer) for p, ids in zip(batch, prompts))
+        if logprobs is not None:  # the prompt's tokens are scored too
+            sampling = dataclasses.replace(sampling, prompt_logprobs=logprobs)
     return GenerationRequest("completion", model, prompts[0], sampling, stream, include_usage, background,
-                             continuous, n, prompts if len(prompts) > 1 else ())
+                             continuous, n, prompts if len(prompts) > 1 else (), echo_texts, echo_only)
+
+
+def _decode(ids: tuple[int, ...], tokenizer: Any) -> str:
+    decode = getattr(tokenizer, "decode", None)
+    return decode(list(ids)) if decode is not None else ""
 
 
 def _prompt_ids(prompt: Any, limits: Limits, tokenizer: TokenizerLike) -> tuple[int, ...]:
@@ -501,8 +522,14 @@ class Renderer:
 
     def __init__(self, request_id: str, endpoint: str, model: str, created: int, prompt_tokens: int,
                  include_usage: bool = False, token_bytes: Callable[[int], bytes] | None = None,
-                 continuous_usage: bool = False, index: int = 0):
+                 continuous_usage: bool = False, index: int = 0, echo: str | None = None,
+                 echo_only: bool = False):
         self.rid = request_id
+        # completions' echo: the prompt's text goes before the completion's, with the first
+        # tokens event (which brings the prompt's log-probabilities, if asked); echo_only
+        # (max_tokens=0): the one token the engine generated is not shown or counted
+        self.echo = echo
+        self.echo_only = echo_only and echo is not None
         self.index = index  # the choice this renders (n > 1: one renderer a choice)
         self.usage_chunk = True  # the usage chunk after the final (n > 1: one for all, by Choices)
         self.endpoint = endpoint
@@ -522,6 +549,16 @@ class Renderer:
         self._lp_offset = 0  # completions' text_offset of the next token
 
     # -- log-probabilities
+    def _add_prompt_logprobs(self, field: Any) -> None:
+        """A first tokens event's ``prompt_logprobs``: the prompt's tokens, the first with none."""
+        got = prompt_logprobs_entries(field)
+        if got is None:
+            return
+        ids, entries = got
+        for t, (lp, top) in zip(ids, [(None, None), *entries]):
+            self.logprobs.append((t, lp, top, self._lp_offset))
+            self._lp_offset += len(self._token(t)[0])
+
     def _add_logprobs(self, token_ids: tuple[int, ...], logprobs: Any) -> None:
         """A tokens event's ``logprobs`` (control.events.logprobs_field)."""
         entries = logprobs_entries(logprobs, len(token_ids))
@@ -543,8 +580,17 @@ class Renderer:
                                 for t, lp, top, _ in entries]}
         return {"tokens": [self._token(t)[0] for t, _, _, _ in entries],
                 "token_logprobs": [lp for _, lp, _, _ in entries],
-                "top_logprobs": [{self._token(a)[0]: c for a, c in top} for _, _, top, _ in entries],
+                "top_logprobs": [None if top is None else self._top_by_text(top)
+                                 for _, _, top, _ in entries],
                 "text_offset": [off for _, _, _, off in entries]}
+
+    def _top_by_text(self, top) -> dict[str, float]:
+        """Completions' alternatives, keyed by text: where two tokens' texts are the same (byte
+        tokens that each decode to U+FFFD), the likelier one's."""
+        out: dict[str, float] = {}
+        for a, c in top:
+            out.setdefault(self._token(a)[0], c)
+        return out
 
     def _unshown_logprobs(self) -> dict | None:
         if self._lp_shown == len(self.logprobs):
@@ -572,17 +618,32 @@ class Renderer:
             chunk = completion_chunk(self.rid, self.created, self.model, text, None, self.include_usage)
         return self._with_usage(chunk)
 
+    def final_usage(self, final: Final) -> dict[str, int]:
+        """:func:`final_usage`; an echo-only request (max_tokens=0) generated nothing shown."""
+        if self.echo_only:
+            return usage(self.prompt_tokens, 0)
+        return final_usage(final, self.prompt_tokens, self.completion_tokens)
+
     def _with_usage(self, chunk: dict, final: Final | None = None) -> dict:
         if self.index and chunk["choices"]:
             chunk["choices"][0]["index"] = self.index
         if self.continuous_usage:
             p, c = self.prompt_tokens, self.completion_tokens
-            chunk["usage"] = usage(p, c) if final is None else final_usage(final, p, c)
+            chunk["usage"] = usage(p, c) if final is None else self.final_usage(final)
         return chunk
 
     # -- streaming
-    def start_chunks(self) -> list[dict]:
+    def accept(self, accepted: Any) -> None:
+        """What an ``accepted`` event says of the rendering beyond the constructor's: the
+        echo (completions), so every replica echoes as the original did."""
+        if getattr(accepted, "echo", None) is not None:
+            self.echo = accepted.echo
+            self.echo_only = bool(accepted.echo_only)
+
+    def start_chunks(self, accepted: Any = None) -> list[dict]:
         """Rendered for the ``accepted`` event: chat announces the assistant role first."""
+        if accepted is not None:
+            self.accept(accepted)
         if self.endpoint == "chat":
             role = {"role": "assistant", "content": ""}
             return [self._with_usage(chat_chunk(self.rid, self.created, self.model, role, None,
@@ -590,18 +651,33 @@ class Renderer:
         return []
 
     def add_tokens(self, text: str, n_tokens: int, token_ids: tuple[int, ...] = (),
-                   logprobs: Any = None) -> None:
-        """A tokens event, taken in (a non-streaming response renders them all at the end)."""
+                   logprobs: Any = None, prompt_logprobs: Any = None) -> str:
+        """A tokens event, taken in (a non-streaming response renders them all at the end).
+        Returns the text it adds to the response (the echoed prompt first, once)."""
+        if self.echo is not None and token_ids and not self._echoed:
+            self._echoed = True
+            if prompt_logprobs is not None:
+                self._add_prompt_logprobs(prompt_logprobs)
+            text = self.echo + ("" if self.echo_only else text)
+            self.text.append(text)
+            if self.echo_only:
+                return text
+        elif self.echo_only:
+            return ""
+        else:
+            self.text.append(text)
         self.completion_tokens += n_tokens
-        self.text.append(text)
         if logprobs is not None:
             self._add_logprobs(token_ids, logprobs)
+        return text
+
+    _echoed = False
 
     def token_chunks(self, text: str, n_tokens: int, token_ids: tuple[int, ...] = (),
-                     logprobs: Any = None) -> list[dict]:
+                     logprobs: Any = None, prompt_logprobs: Any = None) -> list[dict]:
         """The chunk of a tokens event; its log-probabilities, if the request asked, ride on it
         (or, for tokens with no text of their own yet, on the next chunk that has some)."""
-        self.add_tokens(text, n_tokens, token_ids, logprobs)
+        text = self.add_tokens(text, n_tokens, token_ids, logprobs, prompt_logprobs)
         if not text:
             return []
         chunk = self._text_chunk(text)
@@ -610,11 +686,11 @@ class Renderer:
         return [chunk]
 
     def token_json(self, text: str, n_tokens: int, token_ids: tuple[int, ...] = (),
-                   logprobs: Any = None) -> bytes | None:
+                   logprobs: Any = None, prompt_logprobs: Any = None) -> bytes | None:
         """:meth:`token_chunks`, already serialised: the one chunk's JSON (``orjson.dumps``
         of it, byte for byte), or ``None`` when there is no chunk (no text)."""
-        if logprobs is not None or self.logprobs or self.continuous_usage:
-            chunks = self.token_chunks(text, n_tokens, token_ids, logprobs)
+        if logprobs is not None or self.logprobs or self.continuous_usage or self.echo is not None:
+            chunks = self.token_chunks(text, n_tokens, token_ids, logprobs, prompt_logprobs)
             return orjson.dumps(chunks[0]) if chunks else None
         self.completion_tokens += n_tokens
         self.text.append(text)
@@ -640,7 +716,7 @@ class Renderer:
         out = [self._with_usage(last, final)]
         if self.include_usage and self.usage_chunk:
             out.append(usage_chunk(self.endpoint, self.rid, self.created, self.model,
-                                   final_usage(final, self.prompt_tokens, self.completion_tokens)))
+                                   self.final_usage(final)))
         return out
 
     # -- non-streaming
@@ -650,7 +726,7 @@ class Renderer:
             raise final_error(final)
         build = chat_completion if self.endpoint == "chat" else text_completion
         body = build(self.rid, self.created, self.model, "".join(self.text), final.finish_reason,
-                     final_usage(final, self.prompt_tokens, self.completion_tokens), final.stop_reason)
+                     self.final_usage(final), final.stop_reason)
         if self.logprobs:
             body["choices"][0]["logprobs"] = self._render_logprobs(self.logprobs)
         return body
@@ -690,7 +766,7 @@ class Choices:
     def _usage(self) -> dict[str, int]:
         # what the engines counted for the choices that ended, this replica's count for the rest
         c = sum(r.completion_tokens if f is None
-                else final_usage(f, self.prompt_tokens, r.completion_tokens)["completion_tokens"]
+                else r.final_usage(f)["completion_tokens"]
                 for f, r in zip(self.finals, self.parts))
         return usage(self.prompt_tokens, c)
 
@@ -701,19 +777,20 @@ class Choices:
                     c["usage"] = self._usage()
         return chunks
 
-    def start_chunks(self, k: int) -> list[dict]:
-        return self._stamp(self.parts[k].start_chunks())
+    def start_chunks(self, k: int, accepted: Any = None) -> list[dict]:
+        return self._stamp(self.parts[k].start_chunks(accepted))
 
     def token_json(self, k: int, text: str, n_tokens: int, token_ids: tuple[int, ...] = (),
-                   logprobs: Any = None) -> bytes | None:
+                   logprobs: Any = None, prompt_logprobs: Any = None) -> bytes | None:
         if not self.continuous_usage:
-            return self.parts[k].token_json(text, n_tokens, token_ids, logprobs)
-        chunks = self._stamp(self.parts[k].token_chunks(text, n_tokens, token_ids, logprobs))
+            return self.parts[k].token_json(text, n_tokens, token_ids, logprobs, prompt_logprobs)
+        chunks = self._stamp(self.parts[k].token_chunks(text, n_tokens, token_ids, logprobs,
+                                                        prompt_logprobs))
         return orjson.dumps(chunks[0]) if chunks else None
 
     def add_tokens(self, k: int, text: str, n_tokens: int, token_ids: tuple[int, ...] = (),
-                   logprobs: Any = None) -> None:
-        self.parts[k].add_tokens(text, n_tokens, token_ids, logprobs)
+                   logprobs: Any = None, prompt_logprobs: Any = None) -> None:
+        self.parts[k].add_tokens(text, n_tokens, token_ids, logprobs, prompt_logprobs)
 
     def final_chunks(self, k: int, final: Final) -> list[dict]:
         """Choice ``k``'s last chunk, and once it is the last choice to end, the usage chunk.

@@ -86,6 +86,13 @@ def valid_engine_id(eid: str) -> bool:
     return ENGINE_ID_RE.fullmatch(eid) is not None
 
 
+def _echo(gen: protocol.GenerationRequest, prompt: int) -> dict[str, Any]:
+    """The echo fields of a choice's ``accepted`` event (its prompt's text), if asked."""
+    if not gen.echo_texts:
+        return {}
+    return {"echo": gen.echo_texts[prompt], "echo_only": gen.echo_only or None}
+
+
 def _json(body: Any, status: int = 200, headers: dict | None = None) -> web.Response:
     return web.Response(body=orjson.dumps(body), status=status, content_type="application/json",
                         headers=headers)
@@ -321,7 +328,8 @@ class Api:
                     background=gen.background)),
                 Accepted(request_id=rid, api=self.cfg.api_id, prompt_tokens=len(gen.prompt_token_ids),
                          endpoint=endpoint, model=gen.model, created=created,
-                         include_usage=gen.include_usage, continuous_usage=gen.continuous_usage or None))
+                         include_usage=gen.include_usage, continuous_usage=gen.continuous_usage or None,
+                         **_echo(gen, 0)))
             renderer = protocol.Renderer(rid, endpoint, gen.model, created, len(gen.prompt_token_ids),
                                          gen.include_usage, self._token_bytes, gen.continuous_usage)
             timing = _Timing(self.metrics, arrival)
@@ -364,7 +372,8 @@ class Api:
             items = [(Request(request_id=c, data=RequestData(
                           prompt_token_ids=prompt, sampling=sp, arrival_ts=int(now * 1000),
                           model=gen.model, api=self.cfg.api_id, background=gen.background)),
-                      Accepted(request_id=c, parent=rid, index=k, prompt_tokens=len(prompt), **common))
+                      Accepted(request_id=c, parent=rid, index=k, prompt_tokens=len(prompt), **common,
+                               **_echo(gen, k // gen.n)))
                      for k, (c, (prompt, sp)) in enumerate(zip(ids, plan))]
             parent = Accepted(request_id=rid, choices=len(ids), prompt_tokens=n_prompt, **common)
             if not await self.bus.submit_choices(parent, items):
@@ -406,7 +415,10 @@ class Api:
                 for k, _eid, ev in batch or ():
                     if isinstance(ev, Tokens):
                         timing[k].tokens(len(ev.token_ids))
-                        choices.add_tokens(k, ev.text, len(ev.token_ids), ev.token_ids, ev.logprobs)
+                        choices.add_tokens(k, ev.text, len(ev.token_ids), ev.token_ids, ev.logprobs,
+                                           ev.prompt_logprobs)
+                    elif isinstance(ev, Accepted):
+                        choices.parts[k].accept(ev)
                     elif isinstance(ev, Final):
                         timing[k].final(ev)
                         choices.finals[k] = ev
@@ -442,7 +454,9 @@ class Api:
         async for _eid, ev in sub:
             if isinstance(ev, Tokens):
                 timing.tokens(len(ev.token_ids))
-                renderer.add_tokens(ev.text, len(ev.token_ids), ev.token_ids, ev.logprobs)
+                renderer.add_tokens(ev.text, len(ev.token_ids), ev.token_ids, ev.logprobs, ev.prompt_logprobs)
+            elif isinstance(ev, Accepted):
+                renderer.accept(ev)
             elif isinstance(ev, Final):
                 watch.finished = True
                 timing.final(ev)
@@ -486,9 +500,10 @@ class Api:
                 if isinstance(ev, Tokens):
                     if timing is not None:
                         timing[k].tokens(len(ev.token_ids))
-                    payload = choices.token_json(k, ev.text, len(ev.token_ids), ev.token_ids, ev.logprobs)
+                    payload = choices.token_json(k, ev.text, len(ev.token_ids), ev.token_ids, ev.logprobs,
+                                                 ev.prompt_logprobs)
                 elif isinstance(ev, Accepted):
-                    chunks = choices.start_chunks(k)
+                    chunks = choices.start_chunks(k, ev)
                 elif isinstance(ev, Final):
                     if timing is not None:
                         timing[k].final(ev)
@@ -527,9 +542,9 @@ class Api:
                     n = len(ev.token_ids)
                     if timing is not None:
                         timing.tokens(n)
-                    payload = renderer.token_json(ev.text, n, ev.token_ids, ev.logprobs)
+                    payload = renderer.token_json(ev.text, n, ev.token_ids, ev.logprobs, ev.prompt_logprobs)
                 elif isinstance(ev, Accepted):
-                    chunks = renderer.start_chunks()
+                    chunks = renderer.start_chunks(ev)
                 elif isinstance(ev, Final):
                     watch.finished = True
                     if timing is not None:

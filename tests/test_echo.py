@@ -1,0 +1,124 @@
+"""Completions' ``echo``: the prompt before the completion, and with ``logprobs`` the prompt's
+own tokens scored (each given those before it), ``max_tokens=0`` for scoring alone — what
+evaluation harnesses send. The scores are checked against the model's logits."""
+
+from __future__ import annotations
+
+import numpy as np
+import openai
+import pytest
+
+from control.events import SamplingParams
+from engine.config import SchedulerConfig
+from engine.llm import LLM
+from engine.scheduler import Scheduler
+from tests.enginekit import prefix_logits
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    m = x.max()
+    return x - (m + np.log(np.exp(x - m).sum()))
+
+
+def _client(api) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{api.url}/v1", api_key="none", max_retries=0)
+
+
+async def test_score_a_prompt_with_max_tokens_0(served, tiny_runner, tiny_tokenizer):
+    api, eng = served
+    client = _client(api)
+    prompt = "The river runs by the old stone"
+    ids = tiny_tokenizer.encode(prompt)
+    c = await client.completions.create(model=api.cfg.model_name, prompt=prompt, max_tokens=0, echo=True,
+                                        logprobs=2, temperature=0)
+    ch = c.choices[0]
+    assert ch.text == prompt and ch.finish_reason == "length"
+    assert c.usage.prompt_tokens == len(ids) and c.usage.completion_tokens == 0
+    lp = ch.logprobs
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for t in range(1, len(ids)):  # token t given tokens 0..t-1, from the model's own logits
+        ref = _log_softmax(prefix_logits(tiny_runner, ids[:t]))
+        assert lp.token_logprobs[t] == pytest.approx(ref[ids[t]], abs=1e-4), t
+        best = [ref[b] for b in np.argsort(-ref, kind="stable")[:2]]
+        # (keyed by the token's text, as OpenAI's are: two byte tokens that each decode to
+        # U+FFFD share a key)
+        top = sorted(lp.top_logprobs[t].values(), reverse=True)
+        assert top[0] == pytest.approx(best[0], abs=1e-4)
+        assert all(any(v == pytest.approx(b, abs=1e-4) for b in best) for v in top)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    await client.close()
+
+
+async def test_echo_with_a_completion_streamed_and_not(served, tiny_runner, tiny_tokenizer):
+    api, _ = served
+    client = _client(api)
+    prompt = "A lamp and a bird"
+    ids = tiny_tokenizer.encode(prompt)
+    ref = LLM(tiny_runner, tiny_tokenizer).generate(
+        [ids], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))[0]
+    kw = dict(model=api.cfg.model_name, prompt=prompt, max_tokens=5, temperature=0, echo=True,
+              extra_body={"ignore_eos": True})
+    c = await client.completions.create(**kw)
+    assert c.choices[0].text == prompt + ref.text and c.usage.completion_tokens == 5
+    c = await client.completions.create(**kw, logprobs=0)
+    lp = c.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(ids) + 5 and lp.token_logprobs[0] is None
+    assert all(x is not None for x in lp.token_logprobs[1:])
+
+    text, first = "", None
+    async for chunk in await client.completions.create(**kw, stream=True):
+        for ch in chunk.choices:
+            first = ch.text if first is None else first
+            text += ch.text
+    assert first.startswith(prompt) and text == prompt + ref.text
+    # a token-id prompt echoes its text; a batch echoes each prompt before its own completion
+    b = await client.completions.create(model=api.cfg.model_name, prompt=[ids, "Sand"], max_tokens=0,
+                                        echo=True, temperature=0)
+    assert [ch.text for ch in b.choices] == [tiny_tokenizer.decode(ids), "Sand"]
+    await client.close()
+
+
+def test_prompt_scores_do_not_depend_on_how_the_prompt_was_chunked(tiny_runner):
+    """Chunked prefill: each chunk's last position is scored against the next chunk's first
+    token (ScheduledSeq.prompt_next); the scores equal those of one whole-prompt step."""
+    from control.events import RequestData
+
+    prompt = tuple(range(3, 40))
+    sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=3)
+
+    def scores(budget: int) -> dict[int, tuple]:
+        sched = Scheduler(SchedulerConfig(num_blocks=64, max_num_batched_tokens=budget,
+                                          max_model_len=128))
+        sched.add("r", RequestData(prompt_token_ids=prompt, sampling=sp))
+        got: dict[int, tuple] = {}
+        steps = 0
+        while sched.has_work():
+            out = sched.schedule()
+            res = tiny_runner.execute(out)
+            for first, entries in res.prompt_logprobs.values():
+                for j, e in enumerate(entries):
+                    got[first + j] = e
+            sched.update(out, res)
+            steps += 1
+        return got, steps
+
+    whole, n1 = scores(256)
+    chunked, n2 = scores(8)
+    assert n2 > n1 and sorted(whole) == sorted(chunked) == list(range(1, len(prompt)))
+    for p in whole:
+        assert chunked[p][0] == pytest.approx(whole[p][0], abs=1e-4)
+        assert [t for t, _ in chunked[p][1]] == [t for t, _ in whole[p][1]]
+
+
+async def test_an_echo_replays_the_same_from_the_stream(served):
+    import aiohttp
+
+    api, _ = served
+    body = {"model": api.cfg.model_name, "prompt": "Stone and sand", "max_tokens": 3, "echo": True,
+            "logprobs": 1, "temperature": 0, "stream": True}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{api.url}/v1/completions", json=body, headers={"X-Request-Id": "echo-r"}) as r:
+            original = await r.read()
+        async with s.get(f"{api.url}/v1/requests/echo-r/stream") as r:
+            replay = await r.read()
+    assert replay == original and b"Stone and sand" in original
