@@ -302,3 +302,22 @@ def test_the_choices_mark_and_ids():
     # an engine id, a tombstone, or a hand-written value that is no mark: not a response of choices
     for owner in (None, "e0", "aborted:http", "choices=", "choices=x", "choices=0", "choices=5000", "choices:3"):
         assert owner_choices(owner) is None, owner
+
+
+async def test_the_response_index_lives_as_long_as_its_choices(real_bus):
+    """Its story and mark got the request TTL at accept; a response that generates for long
+    must not lose them before its choices' stories (renewed at their finals): renewed at the end."""
+    async with setup(real_bus, FakeEngine(real_bus, delay=0.1)) as client:
+        post = asyncio.create_task(client.post("/v1/completions", headers={"X-Request-Id": "ttl"},
+                                               json={"model": "tiny", "prompt": "hey", "n": 2}))
+        keys = (real_bus.keys.req("ttl"), real_bus.keys.owner("ttl"))
+        assert await wait_for(lambda: _exists(real_bus, keys))
+        for key in keys:  # as if the response had been running for most of the TTL
+            await real_bus.redis.expire(key, 100)
+        assert (await post).status == 200
+        for key in keys:
+            assert await real_bus.redis.ttl(key) > real_bus.req_ttl_s - 5
+
+
+async def _exists(bus, keys) -> bool:
+    return await bus.redis.exists(*keys) == len(keys)

@@ -382,8 +382,12 @@ class Api:
                                        gen.include_usage, self._token_bytes, gen.continuous_usage)
             timing = [_Timing(self.metrics, arrival) for _ in ids]  # latencies are each choice's
             if gen.stream:
-                return await self._stream(request, rid, self._merged(subs), choices, timing)
-            return await self._collect_choices(rid, subs, choices, timing, watch)
+                resp = await self._stream(request, rid, self._merged(subs), choices, timing)
+            else:
+                resp = await self._collect_choices(rid, subs, choices, timing, watch)
+            if choices.done:  # the response's own story and mark now live as long as its choices'
+                await self.bus.expire_request(rid)
+            return resp
         finally:
             for sub in subs:
                 await sub.close()
