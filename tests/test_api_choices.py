@@ -321,3 +321,16 @@ async def test_the_response_index_lives_as_long_as_its_choices(real_bus):
 
 async def _exists(bus, keys) -> bool:
     return await bus.redis.exists(*keys) == len(keys)
+
+
+async def test_continuous_usage_counts_every_choice(real_bus):
+    async with setup(real_bus, FakeEngine(real_bus)) as client:
+        resp = await client.post("/v1/completions", json={
+            "model": "tiny", "prompt": "hey", "n": 2, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+        chunks = [orjson.loads(d) for _, d in parse_sse(await resp.read())[:-1]]
+        counts = [c["usage"]["completion_tokens"] for c in chunks]
+        assert counts == sorted(counts) and counts[-1] == 10  # both choices' tokens, so far
+        assert {c["usage"]["prompt_tokens"] for c in chunks} == {len(b"hey")}
+        texts = sum(1 for c in chunks for ch in c["choices"] if ch.get("text"))
+        assert texts == 8 and len(chunks) == texts + 2 + 1  # 4 words each, 2 finals, usage
