@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import numpy as np
 import openai
+import orjson
 import pytest
 
 from control.events import SamplingParams
 from engine.config import SchedulerConfig
 from engine.llm import LLM
 from engine.scheduler import Scheduler
+from test_api_streaming import FakeEngine, parse_sse, setup
 from tests.enginekit import prefix_logits
 
 
@@ -122,3 +124,20 @@ async def test_an_echo_replays_the_same_from_the_stream(served):
         async with s.get(f"{api.url}/v1/requests/echo-r/stream") as r:
             replay = await r.read()
     assert replay == original and b"Stone and sand" in original
+
+
+async def test_an_echo_aborted_before_it_ran_still_shows_the_prompt(real_bus):
+    """No tokens event ever comes (the abort overtook the request): the final carries the echo."""
+    async with setup(real_bus, FakeEngine(real_bus)) as client:
+        for stream in (False, True):
+            rid = f"early-echo-{stream}"
+            await real_bus.tombstone_many([rid], "http", 60)
+            resp = await client.post("/v1/completions", headers={"X-Request-Id": rid}, json={
+                "model": "tiny", "prompt": "hey", "echo": True, "max_tokens": 3, "stream": stream})
+            if stream:
+                chunks = [orjson.loads(d) for _, d in parse_sse(await resp.read())[:-1]]
+                assert "".join(c["choices"][0]["text"] for c in chunks) == "hey"
+                assert chunks[-1]["choices"][0]["finish_reason"] == "abort"
+            else:
+                body = await resp.json()
+                assert body["choices"][0]["text"] == "hey" and body["choices"][0]["finish_reason"] == "abort"

@@ -522,14 +522,15 @@ class Renderer:
 
     def __init__(self, request_id: str, endpoint: str, model: str, created: int, prompt_tokens: int,
                  include_usage: bool = False, token_bytes: Callable[[int], bytes] | None = None,
-                 continuous_usage: bool = False, index: int = 0, echo: str | None = None,
-                 echo_only: bool = False):
+                 continuous_usage: bool = False, index: int = 0):
         self.rid = request_id
-        # completions' echo: the prompt's text goes before the completion's, with the first
-        # tokens event (which brings the prompt's log-probabilities, if asked); echo_only
-        # (max_tokens=0): the one token the engine generated is not shown or counted
-        self.echo = echo
-        self.echo_only = echo_only and echo is not None
+        # completions' echo (from the `accepted` event, :meth:`accept`): the prompt's text goes
+        # before the completion's, with the first tokens event (which brings the prompt's
+        # log-probabilities, if asked); echo_only (max_tokens=0): the one token the engine
+        # generated is not shown or counted
+        self.echo: str | None = None
+        self.echo_only = False
+        self._echoed = False
         self.index = index  # the choice this renders (n > 1: one renderer a choice)
         self.usage_chunk = True  # the usage chunk after the final (n > 1: one for all, by Choices)
         self.endpoint = endpoint
@@ -671,7 +672,12 @@ class Renderer:
             self._add_logprobs(token_ids, logprobs)
         return text
 
-    _echoed = False
+    def _owed_echo(self) -> str:
+        """The echo, if no tokens event brought it (a request aborted before it ran)."""
+        if self.echo is None or self._echoed:
+            return ""
+        self._echoed = True
+        return self.echo
 
     def token_chunks(self, text: str, n_tokens: int, token_ids: tuple[int, ...] = (),
                      logprobs: Any = None, prompt_logprobs: Any = None) -> list[dict]:
@@ -707,8 +713,9 @@ class Renderer:
         fr = final.finish_reason
         if self.endpoint == "chat":
             last = chat_chunk(self.rid, self.created, self.model, {}, fr, self.include_usage)
-        else:
-            last = completion_chunk(self.rid, self.created, self.model, "", fr, self.include_usage)
+        else:  # (an echo still owed, if no token ever came: aborted before it ran)
+            last = completion_chunk(self.rid, self.created, self.model, self._owed_echo(), fr,
+                                    self.include_usage)
         if final.stop_reason is not None:
             last["choices"][0]["stop_reason"] = final.stop_reason
         if self.logprobs:
@@ -725,7 +732,8 @@ class Renderer:
         if final.finish_reason == "error":
             raise final_error(final)
         build = chat_completion if self.endpoint == "chat" else text_completion
-        body = build(self.rid, self.created, self.model, "".join(self.text), final.finish_reason,
+        body = build(self.rid, self.created, self.model, self._owed_echo() + "".join(self.text),
+                     final.finish_reason,
                      self.final_usage(final), final.stop_reason)
         if self.logprobs:
             body["choices"][0]["logprobs"] = self._render_logprobs(self.logprobs)
