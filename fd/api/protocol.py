@@ -785,6 +785,10 @@ class Choices:
                     c["usage"] = self._usage()
         return chunks
 
+    def choice(self, k: int) -> "_Choice":
+        """Choice ``k`` with a renderer's streaming methods (the SSE writer's)."""
+        return _Choice(self, k)
+
     def start_chunks(self, k: int, accepted: Any = None) -> list[dict]:
         return self._stamp(self.parts[k].start_chunks(accepted))
 
@@ -818,6 +822,21 @@ class Choices:
             c["index"] = k
         body["usage"] = self._usage()
         return body
+
+
+@dataclass(frozen=True, slots=True)
+class _Choice:
+    choices: Choices
+    k: int
+
+    def start_chunks(self, accepted: Any = None) -> list[dict]:
+        return self.choices.start_chunks(self.k, accepted)
+
+    def token_json(self, *args) -> bytes | None:
+        return self.choices.token_json(self.k, *args)
+
+    def final_chunks(self, final: Final) -> list[dict]:
+        return self.choices.final_chunks(self.k, final)
 
 
 # ------------------------------------------------------------------------- abort bodies

@@ -93,6 +93,23 @@ def _echo(gen: protocol.GenerationRequest, prompt: int) -> dict[str, Any]:
     return {"echo": gen.echo_texts[prompt], "echo_only": gen.echo_only or None}
 
 
+def _render(ev: Any, renderer: Any, timing: "_Timing | None") -> tuple[bytes | None, list[dict]]:
+    """One event of a request's stream as what its SSE frames carry: a token chunk already
+    serialised, or chunks (``accepted``: the start; ``final``: the end), or nothing."""
+    if isinstance(ev, Tokens):
+        n = len(ev.token_ids)
+        if timing is not None:
+            timing.tokens(n)
+        return renderer.token_json(ev.text, n, ev.token_ids, ev.logprobs, ev.prompt_logprobs), []
+    if isinstance(ev, Accepted):
+        return None, renderer.start_chunks(ev)
+    if isinstance(ev, Final):
+        if timing is not None:
+            timing.final(ev)
+        return None, renderer.final_chunks(ev)
+    return None, []
+
+
 def _json(body: Any, status: int = 200, headers: dict | None = None) -> web.Response:
     return web.Response(body=orjson.dumps(body), status=status, content_type="application/json",
                         headers=headers)
@@ -499,20 +516,8 @@ class Api:
             failed = False
             for k, eid, ev in batch:
                 cursor[k] = eid
-                payload = None
-                chunks: list[dict] = []
-                if isinstance(ev, Tokens):
-                    if timing is not None:
-                        timing[k].tokens(len(ev.token_ids))
-                    payload = choices.token_json(k, ev.text, len(ev.token_ids), ev.token_ids, ev.logprobs,
-                                                 ev.prompt_logprobs)
-                elif isinstance(ev, Accepted):
-                    chunks = choices.start_chunks(k, ev)
-                elif isinstance(ev, Final):
-                    if timing is not None:
-                        timing[k].final(ev)
-                    chunks = choices.final_chunks(k, ev)
-                    failed = ev.finish_reason == "error"
+                payload, chunks = _render(ev, choices.choice(k), None if timing is None else timing[k])
+                failed = isinstance(ev, Final) and ev.finish_reason == "error"
                 if (payload is not None or chunks) and entry_id_key(eid) > skip[k]:
                     cid = protocol.choices_cursor(cursor)
                     out += [sse.json_frame(payload, cid)] if payload is not None else [
@@ -540,21 +545,9 @@ class Api:
             out: list[bytes] = []
             done = False
             for eid, ev in batch:
-                payload = None
-                chunks: list[dict] = []
-                if isinstance(ev, Tokens):
-                    n = len(ev.token_ids)
-                    if timing is not None:
-                        timing.tokens(n)
-                    payload = renderer.token_json(ev.text, n, ev.token_ids, ev.logprobs, ev.prompt_logprobs)
-                elif isinstance(ev, Accepted):
-                    chunks = renderer.start_chunks(ev)
-                elif isinstance(ev, Final):
-                    watch.finished = True
-                    if timing is not None:
-                        timing.final(ev)
-                    chunks = renderer.final_chunks(ev)
-                    done = True
+                payload, chunks = _render(ev, renderer, timing)
+                if isinstance(ev, Final):
+                    watch.finished = done = True
                 if (payload is not None or chunks) and (skip_until is None or entry_id_key(eid) > skip_until):
                     if payload is not None:
                         out.append(sse.json_frame(payload, eid))
