@@ -532,12 +532,6 @@ class Bus:
             return direct(self.keys.req(request_id))
         return bool(await self.redis.exists(self.keys.req(request_id)))
 
-    async def expire_request(self, request_id: str) -> None:
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.expire(self.keys.req(request_id), self.req_ttl_s)
-        pipe.expire(self.keys.owner(request_id), self.req_ttl_s)
-        await pipe.execute()
-
     # ------------------------------------------------------------------ engines
 
     async def heartbeat(self, engine_id: str, fields: Mapping[str, str | int | float], ttl_s: int) -> None:

@@ -199,9 +199,14 @@ class RequestData:
     model: str = ""
     api: str = ""  # the API replica that accepted it; informational
     background: bool = False
+    #: A choice of a response of n > 1 (``<parent>.<k>``): the engine renews the response's
+    #: own story and mark with the choice's, at its final, so they live as long as the choices
+    #: even when no handler is left to do it (a ``background`` response whose client went).
+    #: Only written when set; an engine of an earlier release ignores it.
+    parent: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        d = {
             "prompt_token_ids": list(self.prompt_token_ids),
             "sampling": self.sampling.to_dict(),
             "arrival_ts": self.arrival_ts,
@@ -209,6 +214,9 @@ class RequestData:
             "api": self.api,
             "background": self.background,
         }
+        if self.parent:
+            d["parent"] = self.parent
+        return d
 
     @classmethod
     def from_json(cls, d: Any) -> "RequestData":
@@ -234,6 +242,7 @@ class RequestData:
             model=str(d.get("model") or ""),
             api=str(d.get("api") or ""),
             background=bool(d.get("background", False)),
+            parent=str(d.get("parent") or ""),
         )
 
 

@@ -968,7 +968,7 @@ class EngineNode:
             elif isinstance(ev, Final):
                 self._progress.pop(rid, None)
                 self._prompt_lp.pop(rid, None)
-                self._request.pop(rid, None)
+                req = self._request.pop(rid, None)
                 entry = self._entry.pop(rid, None)
                 if silent:
                     self._silent.discard(rid)
@@ -979,6 +979,9 @@ class EngineNode:
                         f"no progress for {self.cfg.request_timeout_s:g} s (request timeout)"))
                 self._expire.append(self.bus.keys.req(rid))
                 self._expire.append(self.bus.keys.owner(rid))
+                if req is not None and req.data.parent:  # see RequestData.parent
+                    self._expire.append(self.bus.keys.req(req.data.parent))
+                    self._expire.append(self.bus.keys.owner(req.data.parent))
                 if entry is not None:
                     self._ack.append(entry)
             if silent:

@@ -502,7 +502,8 @@ def _request_data(d: dict[str, Any]) -> RequestData:
     return RequestData(prompt_token_ids=tuple(d.get("prompt_token_ids") or ()),
                        sampling=SamplingParams.from_dict(d.get("sampling") or {}),
                        arrival_ts=int(d.get("arrival_ts") or 0), model=str(d.get("model") or ""),
-                       api=str(d.get("api") or ""), background=bool(d.get("background", False)))
+                       api=str(d.get("api") or ""), background=bool(d.get("background", False)),
+                       parent=str(d.get("parent") or ""))
 
 
 class _Replayer:

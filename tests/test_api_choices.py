@@ -304,23 +304,36 @@ def test_the_choices_mark_and_ids():
         assert owner_choices(owner) is None, owner
 
 
-async def test_the_response_index_lives_as_long_as_its_choices(real_bus):
+async def test_the_response_index_lives_as_long_as_its_choices(served):
     """Its story and mark got the request TTL at accept; a response that generates for long
-    must not lose them before its choices' stories (renewed at their finals): renewed at the end."""
-    async with setup(real_bus, FakeEngine(real_bus, delay=0.1)) as client:
-        post = asyncio.create_task(client.post("/v1/completions", headers={"X-Request-Id": "ttl"},
-                                               json={"model": "tiny", "prompt": "hey", "n": 2}))
-        keys = (real_bus.keys.req("ttl"), real_bus.keys.owner("ttl"))
-        assert await wait_for(lambda: _exists(real_bus, keys))
-        for key in keys:  # as if the response had been running for most of the TTL
-            await real_bus.redis.expire(key, 100)
-        assert (await post).status == 200
+    must not lose them before its choices' stories. A `background` response whose client left
+    has no handler to renew them: the engine does, with each choice's final, and the client
+    that comes back later replays the whole response."""
+    api, eng = served
+    keys = (api.bus.keys.req("ttl"), api.bus.keys.owner("ttl"))
+    body = {"model": api.cfg.model_name, "prompt": "hey", "n": 2, "max_tokens": 64,
+            "ignore_eos": True, "stream": True, "background": True}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{api.url}/v1/completions", json=body, headers={"X-Request-Id": "ttl"}) as resp:
+            assert resp.status == 200
+            await resp.content.readline()  # the first frame: both choices are running
+            for key in keys:  # as if the response had been running for most of the TTL
+                await api.bus.redis.expire(key, 100)
+        # the client is gone; the choices go on (background)
+        for k in range(2):
+            assert await wait_for(lambda k=k: _ended(api.bus, f"ttl.{k}"))
         for key in keys:
-            assert await real_bus.redis.ttl(key) > real_bus.req_ttl_s - 5
+            assert await api.bus.redis.ttl(key) > api.bus.req_ttl_s - 5
+        assert await control_events(api.bus) == []  # nothing aborted
+        async with s.get(f"{api.url}/v1/requests/ttl/stream") as replay:
+            chunks = [orjson.loads(d) for _, d in parse_sse(await replay.read())[:-1]]
+    reasons = {ch["index"]: ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["finish_reason"]}
+    assert reasons == {0: "length", 1: "length"}
 
 
-async def _exists(bus, keys) -> bool:
-    return await bus.redis.exists(*keys) == len(keys)
+async def _ended(bus, rid) -> bool:
+    story = await bus.read_req(rid)
+    return bool(story) and isinstance(story[-1][1], Final)
 
 
 async def test_continuous_usage_counts_every_choice(real_bus):

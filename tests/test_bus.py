@@ -251,11 +251,11 @@ async def test_try_own_many_matches_try_own_one_by_one(bus):
     assert await bus.try_own_many([], "aborted", 30) == []
 
 
-async def test_expire_request_sets_ttl(bus):
+async def test_publish_many_sets_ttl(bus):
     await bus.publish(bus.keys.req("r1"), E.Accepted(request_id="r1"))
     await bus.try_own("r1", "e1", 10_000_000)
     assert await bus.redis.ttl(bus.keys.req("r1")) == -1
-    await bus.expire_request("r1")
+    await bus.publish_many([], expire=[bus.keys.req("r1"), bus.keys.owner("r1")])
     assert 0 < await bus.redis.ttl(bus.keys.req("r1")) <= bus.req_ttl_s
     assert 0 < await bus.redis.ttl(bus.keys.owner("r1")) <= bus.req_ttl_s
 

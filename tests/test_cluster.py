@@ -173,14 +173,14 @@ async def test_submit_claim_and_ack_with_the_final(cbus):
     assert (await cbus.redis.xpending(cbus.keys.requests, "engines"))["pending"] == 0
 
 
-async def test_try_own_tombstone_and_expire_request(cbus):
+async def test_try_own_tombstone_and_expire(cbus):
     rid = "own-1"
     assert key_slot(cbus.keys.req(rid).encode()) == key_slot(cbus.keys.owner(rid).encode())
     assert await cbus.try_own(rid, "e1", 60) == (True, "e1")
     assert await cbus.try_own(rid, "e2", 60) == (False, "e1")
     assert await cbus.owner(rid) == "e1"
     await cbus.publish(cbus.keys.req(rid), E.Accepted(request_id=rid))
-    await cbus.expire_request(rid)
+    await cbus.publish_many([], expire=[cbus.keys.req(rid), cbus.keys.owner(rid)])  # a final's renewal
     assert 0 < await cbus.redis.ttl(cbus.keys.owner(rid)) <= cbus.req_ttl_s
     assert 0 < await cbus.redis.ttl(cbus.keys.req(rid)) <= cbus.req_ttl_s
     # a tombstoned id is not submitted; its story is written instead (compare-and-set on the

@@ -388,7 +388,7 @@ class Api:
             watch.request_id, watch.abort_ids = rid, ids  # from here on a disconnect aborts them
             items = [(Request(request_id=c, data=RequestData(
                           prompt_token_ids=prompt, sampling=sp, arrival_ts=int(now * 1000),
-                          model=gen.model, api=self.cfg.api_id, background=gen.background)),
+                          model=gen.model, api=self.cfg.api_id, background=gen.background, parent=rid)),
                       Accepted(request_id=c, parent=rid, index=k, prompt_tokens=len(prompt), **common,
                                **_echo(gen, k // gen.n)))
                      for k, (c, (prompt, sp)) in enumerate(zip(ids, plan))]
@@ -402,8 +402,6 @@ class Api:
                 resp = await self._stream(request, rid, self._merged(subs), choices, timing)
             else:
                 resp = await self._collect_choices(rid, subs, choices, timing, watch)
-            if choices.done:  # the response's own story and mark now live as long as its choices'
-                await self.bus.expire_request(rid)
             return resp
         finally:
             for sub in subs:
