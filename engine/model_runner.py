@@ -31,6 +31,9 @@ from engine.sampler import Sampler, token_logprobs
 from engine.sequence import PLACEHOLDER
 
 DEFAULT_KV_CACHE_BYTES = {"cpu": 256 << 20, "gpu": 4 << 30}
+#: Prompt positions whose logits are made at once when a request scores its prompt: 256 rows
+#: of a 152k vocabulary are ~150 MB of float32.
+SCORE_ROWS = 256
 
 
 def _eos_token_ids(model_dir: str) -> tuple[int, ...]:
@@ -75,8 +78,12 @@ class ModelRunner:
             return RunnerOutput(step=out.step, sampled={})
         scored: list = []
         batch, sampled = self.prepare(out.seqs, scored)
-        logits = self.model.forward(batch)
-        prompt_lp = self._prompt_logprobs(logits, len(sampled), scored) if scored else {}
+        if scored:
+            h = self.model.hidden(batch)
+            prompt_lp = self._prompt_logprobs(h, len(sampled), scored)
+            logits = self.model.head(h[:self.model.pad_rows(len(sampled))]) if sampled else None
+        else:
+            logits, prompt_lp = self.model.forward(batch), {}
         if not sampled:
             self._last_sampled = {}
             return RunnerOutput(step=out.step, sampled={}, prompt_logprobs=prompt_lp)
@@ -97,16 +104,21 @@ class ModelRunner:
             sampled[i].request_id: token_logprobs(rows[i], tokens[i], sampled[i].sampling.logprobs)
             for i in wanted}, prompt_logprobs=prompt_lp)
 
-    @staticmethod
-    def _prompt_logprobs(logits, n: int, scored: list) -> dict[str, tuple[int, tuple]]:
-        """The prompt tokens' log-probabilities of the seqs that asked, from the extra logits
-        rows after the ``n`` sampled ones (:meth:`prepare`'s ``scored``)."""
-        rows = logits.numpy()[n:]
+    def _prompt_logprobs(self, h, n: int, scored: list) -> dict[str, tuple[int, tuple]]:
+        """The prompt tokens' log-probabilities of the seqs that asked, from the hidden rows
+        after the ``n`` sampled ones (:meth:`prepare`'s ``scored``). Their logits are made
+        SCORE_ROWS rows at a time: a 2,048-token chunk's at once would be 1.2 GB with a 152k
+        vocabulary (on the device, then again on the host)."""
+        targets = [(s, t) for s, _, ts in scored for t in ts]
+        lps: list = []
+        for a in range(0, len(targets), SCORE_ROWS):
+            part = targets[a:a + SCORE_ROWS]
+            rows = self.model.head(h[n + a:n + a + len(part)]).numpy()
+            lps.extend(token_logprobs(row, t, s.sampling.prompt_logprobs) for row, (s, t) in zip(rows, part))
         out, r = {}, 0
-        for s, first, targets in scored:
-            k = s.sampling.prompt_logprobs
-            out[s.request_id] = (first, tuple(token_logprobs(rows[r + j], t, k) for j, t in enumerate(targets)))
-            r += len(targets)
+        for s, first, ts in scored:
+            out[s.request_id] = (first, tuple(lps[r:r + len(ts)]))
+            r += len(ts)
         return out
 
     def _seen(self, s: ScheduledSeq) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -1,8 +1,9 @@
 """Choosing the next token from a batch of logits.
 
-Greedy rows are an argmax (ties go to the lowest id). Random rows sort the vocabulary by
-logit (stable, so ties again favour the lower id), cut it by top-k, min-p and top-p, and invert
-the CDF at one uniform number. That number is what makes sampling reproducible: for a request with
+Greedy rows are an argmax (ties go to the lowest id). Random rows order the vocabulary by
+logit (ties again favour the lower id), cut it by top-k, min-p and top-p, and invert the CDF at
+one uniform number; only as much of the order is sorted as the cut and the number reach into
+(a real vocabulary's full sort is ~13 ms a row, more than a GPU step). That number is what makes sampling reproducible: for a request with
 a ``seed`` it is drawn from an RNG keyed by ``(seed, num_generated)`` alone, so token n of a
 seeded request is the same whatever else shares the batch, and across runs and restarts
 (given batch-invariant logits, which the model provides). Unseeded rows use the runner's own
@@ -58,23 +59,52 @@ def adjust(logits: np.ndarray, sp: SamplingParams, num_generated: int,
     return x
 
 
+def likeliest(x: np.ndarray, k: int) -> np.ndarray:
+    """The first ``k`` ids of the vocabulary in descending order of ``x``, ties to the lower id:
+    ``np.argsort(-x, kind="stable")[:k]``, in O(V + k log k) instead of O(V log V) — a stable
+    sort of a 152k vocabulary takes ~13 ms, once per sampled row per step."""
+    n = len(x)
+    if k >= n:
+        return np.argsort(-x, kind="stable")
+    kth = np.partition(x, n - k)[n - k]  # the k-th largest value
+    above = np.flatnonzero(x > kth)
+    idx = np.concatenate((above, np.flatnonzero(x == kth)[:k - len(above)]))
+    return idx[np.lexsort((idx, -x[idx]))]
+
+
+#: How many of the likeliest tokens :func:`sample_row` sorts first; it sorts 8x more each time
+#: the mass it needs lies beyond them (rarely: a row's likeliest few dozen tokens usually hold
+#: most of its mass).
+FIRST_PREFIX = 64
+
+
 def sample_row(logits: np.ndarray, sp: SamplingParams, u: float) -> int:
-    """One token from one row of logits given a uniform ``u`` in [0, 1)."""
+    """One token from one row of logits given a uniform ``u`` in [0, 1): the tokens in
+    descending order of logit (ties to the lower id), cut by top-k, min-p and top-p, and the
+    inverse of their CDF at ``u``. Only as long a prefix of that order is sorted as the cut and
+    ``u`` reach into."""
     x = logits.astype(np.float64) / sp.temperature
-    order = np.argsort(-x, kind="stable")
-    if 0 < sp.top_k < len(order):
-        order = order[:sp.top_k]
-    z = x[order]
-    p = np.exp(z - z[0])  # descending, p[0] == 1: relative to the likeliest token
+    n = len(x)
+    p = np.exp(x - x.max())  # relative to the likeliest token: its p is 1
+    k = sp.top_k if 0 < sp.top_k < n else n
     if sp.min_p > 0:
-        keep = int(np.count_nonzero(p >= sp.min_p))
-        order, p = order[:keep], p[:keep]
-    cdf = np.cumsum(p)
-    if sp.top_p < 1.0:
+        k = min(k, int(np.count_nonzero(p >= sp.min_p)))
+    total = float(p.sum()) if k == n else float(p[likeliest(x, k)].sum())
+    nucleus = sp.top_p < 1.0
+    need = (sp.top_p if nucleus else u) * total  # the mass the sorted prefix must reach
+    j = min(k, FIRST_PREFIX)
+    while True:
+        order = likeliest(x, j)
+        cdf = np.cumsum(p[order])
+        if j == k or cdf[-1] > need:
+            break
+        j = min(k, j * 8)
+    if nucleus:
         # the smallest prefix whose mass reaches top_p (always at least the top token)
-        keep = int(np.searchsorted(cdf, sp.top_p * cdf[-1], side="left")) + 1
+        keep = int(np.searchsorted(cdf, need, side="left")) + 1
         cdf = cdf[:keep]
-    i = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+        need = u * cdf[-1]
+    i = int(np.searchsorted(cdf, need, side="right"))
     return int(order[min(i, len(cdf) - 1)])
 
 
@@ -84,7 +114,7 @@ def token_logprobs(logits: np.ndarray, token: int, top: int) -> tuple[float, tup
     x = logits.astype(np.float64)
     m = x.max()
     lp = x - (m + np.log(np.exp(x - m).sum()))
-    best = np.argsort(-lp, kind="stable")[:top] if top else ()
+    best = likeliest(lp, top) if top else ()
     return float(lp[token]), tuple((int(t), float(lp[t])) for t in best)
 
 

@@ -80,9 +80,10 @@ async def test_echo_with_a_completion_streamed_and_not(served, tiny_runner, tiny
     await client.close()
 
 
-def test_prompt_scores_do_not_depend_on_how_the_prompt_was_chunked(tiny_runner):
+def test_prompt_scores_do_not_depend_on_how_the_prompt_was_chunked(tiny_runner, monkeypatch):
     """Chunked prefill: each chunk's last position is scored against the next chunk's first
-    token (ScheduledSeq.prompt_next); the scores equal those of one whole-prompt step."""
+    token (ScheduledSeq.prompt_next); the scores equal those of one whole-prompt step. So do
+    those of a step whose logits the runner makes a few rows at a time (SCORE_ROWS)."""
     from control.events import RequestData
 
     prompt = tuple(range(3, 40))
@@ -106,10 +107,13 @@ def test_prompt_scores_do_not_depend_on_how_the_prompt_was_chunked(tiny_runner):
 
     whole, n1 = scores(256)
     chunked, n2 = scores(8)
-    assert n2 > n1 and sorted(whole) == sorted(chunked) == list(range(1, len(prompt)))
+    monkeypatch.setattr("engine.model_runner.SCORE_ROWS", 5)
+    sliced, n3 = scores(256)
+    assert n2 > n1 == n3 and sorted(whole) == sorted(chunked) == sorted(sliced) == list(range(1, len(prompt)))
     for p in whole:
-        assert chunked[p][0] == pytest.approx(whole[p][0], abs=1e-4)
-        assert [t for t, _ in chunked[p][1]] == [t for t, _ in whole[p][1]]
+        for other in (chunked, sliced):
+            assert other[p][0] == pytest.approx(whole[p][0], abs=1e-4)
+            assert [t for t, _ in other[p][1]] == [t for t, _ in whole[p][1]]
 
 
 async def test_an_echo_replays_the_same_from_the_stream(served):

@@ -259,6 +259,18 @@ class Llama:
     @paddle.no_grad()
     def forward(self, b: ForwardBatch) -> paddle.Tensor:
         """Logits [len(logits_index), vocab] of a paged, flattened batch."""
+        return self.head(self.hidden(b))
+
+    @paddle.no_grad()
+    def head(self, h: paddle.Tensor) -> paddle.Tensor:
+        """Logits [rows, vocab] of final hidden states [rows, hidden]."""
+        return paddle.matmul(h, self.lm_head)
+
+    @paddle.no_grad()
+    def hidden(self, b: ForwardBatch) -> paddle.Tensor:
+        """The final hidden states [len(logits_index), hidden] of a paged, flattened batch:
+        :meth:`forward` without the head, for a caller that takes the logits of many rows a
+        slice at a time (a prompt's scores)."""
 
         c = self.cfg
         # the mask broadcast over heads once per step, not once per layer (a broadcasting add
@@ -282,7 +294,7 @@ class Llama:
             return o if b.out_index is None else paddle.index_select(o, b.out_index)
 
         h = self._layers(b.input_ids, b.positions, paged)
-        return paddle.matmul(paddle.index_select(h, b.logits_index), self.lm_head)
+        return paddle.index_select(h, b.logits_index)
 
     @paddle.no_grad()
     def reference_logits(self, token_ids) -> np.ndarray:
