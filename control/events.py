@@ -356,6 +356,9 @@ class Accepted(Event):
     # client asked max_tokens=0 (the engine generates one token, which is not shown).
     echo: str | None = None
     echo_only: bool | None = None
+    # Chat with tools, on a server started with a tool-call parser (fd.api.tool_calls): the
+    # parser's name; every replica then renders the model's calls as `tool_calls`.
+    tool_parser: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -139,7 +139,18 @@ def _api_opts(args: argparse.Namespace, model_dir: Path):
 
     return ApiOptions(model_dir=str(model_dir), host=args.host, port=args.port,
                       served_model_name=args.served_model_name, api_key=args.api_key,
-                      admin_key=args.admin_key)
+                      admin_key=args.admin_key, tool_parser=args.tool_call_parser)
+
+
+def _add_tool_args(p: argparse.ArgumentParser) -> None:
+    from fd.api.tool_calls import PARSERS
+
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="let chat requests with tools have the model call them (tool_choice "
+                        "\"auto\"); needs --tool-call-parser")
+    p.add_argument("--tool-call-parser", choices=PARSERS, default=None,
+                   help="how the model writes a tool call: hermes = <tool_call>{json}</tool_call> "
+                        "(Qwen 2.5/3, Hermes)")
 
 
 async def _serve(args: argparse.Namespace) -> int:
@@ -409,6 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--api-key", default=os.environ.get("FD_API_KEY"))
     s.add_argument("--admin-key", default=os.environ.get("FD_ADMIN_KEY"))
+    _add_tool_args(s)
     s.add_argument("--fifo-loop", action="store_true",
                    help="run the shared event loop in plain arrival order (by default the "
                         "engine's turns go first while the model waits for them and clients "
@@ -423,6 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--served-model-name", default=None)
     a.add_argument("--api-key", default=os.environ.get("FD_API_KEY"))
     a.add_argument("--admin-key", default=os.environ.get("FD_ADMIN_KEY"))
+    _add_tool_args(a)
 
     e = sub.add_parser("engine", help="an engine node against --redis-url")
     _add_redis_args(e)
@@ -497,6 +510,9 @@ def main(argv: list[str] | None = None) -> int:
             plan(args.worker_cpus)
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
+    if args.cmd in ("serve", "api") and args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        raise SystemExit("error: --enable-auto-tool-choice and --tool-call-parser go together "
+                         "(as in vLLM)")
     from control.logs import setup_logging
 
     setup_logging(getattr(args, "log_level", "warning") if hasattr(args, "log_level") else "warning",

@@ -49,6 +49,7 @@ class ApiOptions:
     served_model_name: str | None = None
     api_key: str | None = None
     admin_key: str | None = None
+    tool_parser: str | None = None  # see fd.api.tool_calls
 
 
 @dataclass
@@ -186,7 +187,7 @@ async def start_api(redis_factory: Callable[[], Any], keys: Keys, opts: ApiOptio
     tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_dir(opts.model_dir)
     name = opts.served_model_name or Path(opts.model_dir).name
     cfg = ApiConfig(model_name=name, max_model_len=tokenizer.max_model_len,
-                    api_key=opts.api_key, admin_key=opts.admin_key)
+                    api_key=opts.api_key, admin_key=opts.admin_key, tool_parser=opts.tool_parser)
     metrics = metrics if metrics is not None else Metrics()
     mux = StreamMux(redis_factory(), keys, cfg.api_id)
     await mux.start()

@@ -25,8 +25,10 @@ class FakeTokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return bytes(ids).decode(errors="replace")
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
-        return "".join(f"{m['role'][0]}:{m['content']}\n" for m in messages) + ("a:" if add_generation_prompt else "")
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tools=None) -> str:
+        offered = "".join(f"tool:{t['function']['name']}\n" for t in tools or ())
+        return offered + "".join(f"{m['role'][0]}:{m['content']}\n" for m in messages) + (
+            "a:" if add_generation_prompt else "")
 
 
 @contextlib.asynccontextmanager

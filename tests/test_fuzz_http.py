@@ -77,7 +77,7 @@ class Harness:
 
 @pytest.fixture
 def harness(redis_server, keys):
-    h = Harness(redis_server.url, keys)
+    h = Harness(redis_server.url, keys, tool_parser="hermes")  # tools' "auto" too
     yield h
     h.close()
 
@@ -118,14 +118,20 @@ ROLES = ["system", "developer", "user", "assistant", "tool", "", "USER"]
 CONTENT = (st.text(max_size=10) | st.lists(st.fixed_dictionaries(
     {"type": st.sampled_from(["text", "image_url", 3]), "text": st.text(max_size=6) | JSON}), max_size=3)
     | JSON)
+FUNCTION = st.fixed_dictionaries({}, optional={"name": st.sampled_from(["f", ""]) | JSON,
+                                               "arguments": st.sampled_from(['{"a": 1}', "{x", ""]) | JSON,
+                                               "parameters": JSON})
+TOOL = st.fixed_dictionaries({}, optional={"type": st.sampled_from(["function"]) | JSON,
+                                           "function": FUNCTION | JSON})
 MESSAGE = st.fixed_dictionaries({}, optional={"role": st.sampled_from(ROLES) | JSON, "content": CONTENT,
-                                              "name": JSON})
+                                              "name": JSON, "tool_call_id": JSON,
+                                              "tool_calls": st.lists(TOOL | JSON, max_size=2) | JSON})
 SAMPLING_FIELDS = ["model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
                    "seed", "presence_penalty", "frequency_penalty", "n", "best_of", "stop",
                    "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "stream",
                    "stream_options", "background", "logprobs", "top_logprobs", "tools",
                    "tool_choice", "response_format", "echo", "suffix", "user", "x_unknown",
-                   "repetition_penalty", "logit_bias", "min_p", "min_tokens"]
+                   "repetition_penalty", "logit_bias", "min_p", "min_tokens", "parallel_tool_calls"]
 INTERESTING = {
     "model": st.sampled_from(["tiny", "gpt-4", "", None]),
     "stream": st.booleans(),
@@ -141,6 +147,9 @@ INTERESTING = {
     "min_p": st.floats(-0.5, 1.5),
     "repetition_penalty": st.floats(-1, 3),
     "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
+    "tools": st.lists(TOOL, max_size=2) | JSON,
+    "tool_choice": st.sampled_from(["none", "auto", "required"]) | JSON,
+    "parallel_tool_calls": st.booleans() | JSON,
 }
 
 
@@ -403,9 +412,11 @@ def test_openapi_document_is_served_and_schema_bodies_are_accepted(harness):
         if status != 200:
             # the rules no schema can say (openapi.build): prompt + max_tokens within the
             # context, stream_options only with stream=true, top_logprobs only with logprobs,
-            # min_tokens <= max_tokens, logit_bias keyed by token ids of the vocabulary
+            # min_tokens <= max_tokens, logit_bias keyed by token ids of the vocabulary, an
+            # earlier tool call's arguments that are JSON text, tool_choice only with tools
             assert status == 400 and (out["code"] == "context_length_exceeded" or out["param"] in (
-                "stream_options", "top_logprobs", "min_tokens", "logit_bias", "best_of")), (body, out)
+                "stream_options", "top_logprobs", "min_tokens", "logit_bias", "best_of", "tool_choice")
+                or str(out["param"]).endswith(".tool_calls")), (body, out)
 
     one()
 

@@ -16,9 +16,24 @@ import numpy as np
 
 SPECIAL_TOKENS = ("<s>", "</s>", "<|im_start|>", "<|im_end|>")
 
+# ChatML; with tools, Qwen 2.5's way of offering them (a system turn listing their JSON) and of
+# writing earlier calls and their results, which fd's hermes tool-call parser reads back.
 CHATML_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\n# Tools\\n<tools>' }}"
+    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\\n</tools>\\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags.<|im_end|>\\n' }}{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% if message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' }}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] }}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{{ '<tool_call>\\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' "
+    "+ (call['function']['arguments'] | tojson) + '}\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )

@@ -75,10 +75,23 @@ def _sampling_props(model_name: str, max_model_len: int) -> dict[str, Any]:
 def _schemas(model_name: str, max_model_len: int, vocab_size: int | None) -> dict[str, Any]:
     text_part = {"type": "object", "required": ["type", "text"],
                  "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
-    message = {"type": "object", "required": ["role", "content"], "properties": {
-        "role": {"type": "string", "enum": list(protocol.ROLES)},
-        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": text_part}]},
-        "name": {"type": "string"}}}
+    function = {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string", "minLength": 1}, "description": {"type": "string"},
+        "parameters": {"type": "object", "description": "A JSON Schema."}}}
+    call = {"type": "object", "required": ["function"], "properties": {
+        "id": {"type": "string"}, "type": {"type": "string", "enum": ["function"]},
+        "function": {"type": "object", "required": ["name"], "properties": {
+            "name": {"type": "string"}, "arguments": {"type": "string", "description": "JSON text."}}}}}
+    content = {"oneOf": [{"type": "string"}, {"type": "array", "items": text_part}]}
+    message = {"oneOf": [
+        {"type": "object", "required": ["role", "content"], "properties": {
+            "role": {"type": "string", "enum": list(protocol.ROLES)}, "content": content,
+            "name": {"type": "string"},
+            "tool_call_id": {"type": "string", "description": "A tool's answer: the call it answers."}}},
+        {"type": "object", "required": ["role", "tool_calls"], "description": "An assistant's earlier calls.",
+         "properties": {"role": {"type": "string", "enum": ["assistant"]},
+                        "content": {**content, "nullable": True},
+                        "tool_calls": {"type": "array", "minItems": 1, "items": call}}}]}
     sampling = _sampling_props(model_name, max_model_len)
     token_id: dict[str, Any] = {"type": "integer", "format": "int64", "minimum": 0}
     if vocab_size:
@@ -96,7 +109,16 @@ def _schemas(model_name: str, max_model_len: int, vocab_size: int | None) -> dic
                            **sampling,
                            "logprobs": _NULLABLE_BOOL,
                            "top_logprobs": {**_INT_OR_NULL, "minimum": 0, "maximum": MAX_LOGPROBS},
-                           "tool_choice": {"type": "string", "nullable": True, "enum": ["none"]}}},
+                           "tools": {"type": "array", "nullable": True, "maxItems": protocol.MAX_TOOLS,
+                                     "items": {"type": "object", "required": ["type", "function"],
+                                               "properties": {"type": {"type": "string", "enum": ["function"]},
+                                                              "function": function}}},
+                           "tool_choice": {
+                               "type": "string", "nullable": True, "enum": ["none", "auto"],
+                               "description": "auto (the default with tools) needs a server started "
+                                              "with --enable-auto-tool-choice --tool-call-parser; "
+                                              "required and named functions are refused."},
+                           "parallel_tool_calls": _NULLABLE_BOOL}},
         "CompletionRequest": {
             "type": "object", "required": ["prompt"],
             "properties": {"prompt": {"oneOf": [

@@ -19,8 +19,10 @@ from control.events import (MAX_LOGPROBS, MAX_REPETITION_PENALTY, Final, Samplin
                             logprobs_entries, prompt_logprobs_entries)
 from control.keys import choice_ids
 from fd.api.errors import ApiError, bad_request, not_found, too_large
+from fd.api.tool_calls import HermesParser, ToolCall, call_id, parse_all
 
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_TOOLS = 128
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
@@ -39,6 +41,7 @@ class Limits:
     max_body_bytes: int = 4 << 20
     default_max_tokens: int = 16  # completions; chat defaults to the rest of the context
     vocab_size: int | None = None
+    tool_parser: str | None = None  # --tool-call-parser (with --enable-auto-tool-choice)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +62,7 @@ class GenerationRequest:
     # client asked max_tokens=0 (the engine is asked for one token, which is not shown)
     echo_texts: tuple[str, ...] = ()
     echo_only: bool = False
+    tool_parser: str | None = None  # chat with tools and tool_choice "auto": read calls with it
 
     def choices(self) -> list[tuple[tuple[int, ...], SamplingParams]]:
         """Each choice's prompt and sampling, in OpenAI's order: prompt ``i``'s ``j``-th choice
@@ -327,17 +331,102 @@ def parse_messages(body: dict) -> list[dict[str, str]]:
         if role not in ROLES:
             raise bad_request(f"messages[{i}].role '{role}' is not one of {', '.join(ROLES)}.",
                               f"messages[{i}].role", "invalid_value")
-        if "content" not in m or (m["content"] is None):
+        calls = _message_tool_calls(m, i) if role == "assistant" else None
+        if m.get("content") is None and not calls:
             raise bad_request(f"messages[{i}].content is required.", f"messages[{i}].content",
                               "missing_required_parameter")
-        out.append({"role": "system" if role == "developer" else role,
-                    "content": _message_text(m["content"], i)})
+        msg: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                               "content": "" if m.get("content") is None else _message_text(m["content"], i)}
+        if calls:
+            msg["tool_calls"] = calls
+        if role == "tool":
+            for key in ("tool_call_id", "name"):
+                if m.get(key) is not None:
+                    if not isinstance(m[key], str):
+                        raise bad_request(f"messages[{i}].{key} must be a string.",
+                                          f"messages[{i}].{key}", "invalid_type")
+                    msg[key] = m[key]
+        out.append(msg)
     return out
+
+
+def _message_tool_calls(m: dict, i: int) -> list[dict] | None:
+    """An assistant message's earlier ``tool_calls``, for the chat template, their arguments
+    as objects (what HF templates expect; OpenAI sends them as JSON text), as vLLM does."""
+    calls = m.get("tool_calls")
+    if calls is None:
+        return None
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise bad_request(f"{where} must be a list.", where, "invalid_type")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request(f"{where}[{j}] must be an object with a 'function' that has a 'name'.",
+                              where, "invalid_type")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = orjson.loads(args) if args.strip() else {}
+            except orjson.JSONDecodeError:
+                raise bad_request(f"{where}[{j}].function.arguments is not JSON.", where,
+                                  "invalid_value") from None
+        out.append({"id": c.get("id"), "type": "function",
+                    "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def _tools(body: dict, limits: Limits) -> tuple[list[dict] | None, str | None]:
+    """``tools`` for the chat template, and the parser that reads the model's calls (when
+    ``tool_choice`` lets it call them). As vLLM: ``auto`` (the default with tools) needs a
+    server started with a parser; ``none`` still shows the model the tools; ``required`` and a
+    named function need constrained decoding, which fd does not have."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if tools is None:
+        if choice not in (None, "none"):
+            raise bad_request("'tool_choice' needs 'tools'.", "tool_choice", "invalid_value")
+        return None, None
+    if not isinstance(tools, list):
+        raise bad_request("'tools' must be a list.", "tools", "invalid_type")
+    if len(tools) > MAX_TOOLS:
+        raise bad_request(f"At most {MAX_TOOLS} tools.", "tools", "invalid_value")
+    for j, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict):
+            raise bad_request(f"tools[{j}] must be {{\"type\": \"function\", \"function\": {{...}}}}.",
+                              "tools", "invalid_type")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad_request(f"tools[{j}].function.name is required.", "tools",
+                              "missing_required_parameter")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise bad_request(f"tools[{j}].function.parameters must be a JSON Schema object.",
+                              "tools", "invalid_type")
+    if not tools:
+        return None, None
+    if choice is None:
+        choice = "auto"
+    if choice == "none":
+        return tools, None
+    if choice == "auto":
+        if limits.tool_parser is None:
+            raise bad_request('"auto" tool choice needs a server started with '
+                              "--enable-auto-tool-choice and --tool-call-parser.", "tool_choice",
+                              "unsupported")
+        return tools, limits.tool_parser
+    if choice == "required" or isinstance(choice, dict):
+        raise bad_request("Only tool_choice \"auto\" and \"none\" are supported (\"required\" and a "
+                          "named function need constrained decoding).", "tool_choice", "unsupported")
+    raise bad_request("'tool_choice' must be \"none\", \"auto\", \"required\" or a named function.",
+                      "tool_choice", "invalid_value")
 
 
 def parse_chat(body: dict, limits: Limits, tokenizer: TokenizerLike) -> GenerationRequest:
     model = _check_model(body, limits)
-    _reject_unsupported(body, {"tools": None, "tool_choice": "none", "response_format": {"type": "text"}})
+    _reject_unsupported(body, {"response_format": {"type": "text"}})
+    tools, parser = _tools(body, limits)
+    _opt(body, "parallel_tool_calls", lambda v: isinstance(v, bool), "a boolean")
     want = _opt(body, "logprobs", lambda v: isinstance(v, bool), "a boolean", False)
     top = _opt(body, "top_logprobs", _is_int, "an integer", None)
     if top and not want:
@@ -346,17 +435,19 @@ def parse_chat(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Generati
     messages = parse_messages(body)
     stream, include_usage, continuous = _stream_opts(body)
     background = _background(body)
-    ids = _chat_ids(messages, tokenizer, True)
+    ids = _chat_ids(messages, tokenizer, True, tools)
     if not ids:
         raise bad_request("The prompt is empty.", "messages", "invalid_value")
     sampling = _sampling(body, len(ids), limits, None, logprobs)
     return GenerationRequest("chat", model, ids, sampling, stream, include_usage, background, continuous,
-                             _choices(body))
+                             _choices(body), tool_parser=parser)
 
 
-def _chat_ids(messages: list[dict], tokenizer: TokenizerLike, add_generation_prompt: bool) -> tuple[int, ...]:
+def _chat_ids(messages: list[dict], tokenizer: TokenizerLike, add_generation_prompt: bool,
+              tools: list[dict] | None = None) -> tuple[int, ...]:
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        kw = {} if tools is None else {"tools": tools}
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kw)
     except Exception as e:  # a template that rejects the conversation (e.g. role order)
         raise bad_request(f"The chat template rejected these messages: {e}", "messages") from None
     return tuple(tokenizer.encode(text, add_special_tokens=False))
@@ -369,7 +460,8 @@ def parse_tokenize(body: dict, limits: Limits, tokenizer: TokenizerLike) -> tupl
     _check_model(body, limits)
     if body.get("messages") is not None:
         gen = _opt(body, "add_generation_prompt", lambda v: isinstance(v, bool), "a boolean", True)
-        return _chat_ids(parse_messages(body), tokenizer, gen)
+        tools, _ = _tools({**body, "tool_choice": "none"}, limits)
+        return _chat_ids(parse_messages(body), tokenizer, gen, tools)
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
         raise bad_request("Give 'prompt' (a string) or 'messages'.", "prompt",
@@ -548,6 +640,9 @@ class Renderer:
         self.logprobs: list[tuple[int, float, Any, int]] = []
         self._lp_shown = 0  # how many of them a chunk carried already
         self._lp_offset = 0  # completions' text_offset of the next token
+        # chat with tools (the `accepted` event's tool_parser): the model's text read for calls
+        self.tools: HermesParser | None = None
+        self._calls = 0  # tool calls rendered so far
 
     # -- log-probabilities
     def _add_prompt_logprobs(self, field: Any) -> None:
@@ -640,6 +735,38 @@ class Renderer:
         if getattr(accepted, "echo", None) is not None:
             self.echo = accepted.echo
             self.echo_only = bool(accepted.echo_only)
+        if getattr(accepted, "tool_parser", None) and self.endpoint == "chat" and self.tools is None:
+            self.tools = HermesParser()
+
+    @property
+    def structured(self) -> bool:
+        """A tokens event may render as several chunks (content, then a tool call): the
+        caller takes :meth:`token_chunks`, not :meth:`token_json`."""
+        return self.tools is not None
+
+    def _call_json(self, i: int, call: ToolCall) -> dict:
+        return {"id": call_id(self.rid, self.index, i), "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments}}
+
+    def _call_delta(self, call: ToolCall) -> dict:
+        i, self._calls = self._calls, self._calls + 1
+        return {"tool_calls": [{"index": i, **self._call_json(i, call)}]}
+
+    def _tool_chunks(self, items: list) -> list[dict]:
+        """Chunks for what the tool-call parser let out: content as text chunks, each call as
+        one delta."""
+        out = []
+        for x in items:
+            if isinstance(x, str):
+                out.append(self._text_chunk(x))
+            else:
+                out.append(self._with_usage(chat_chunk(self.rid, self.created, self.model,
+                                                       self._call_delta(x), None, self.include_usage)))
+        return out
+
+    def _finish_reason(self, fr: str) -> str:
+        # as vLLM: a response that called tools ends with "tool_calls" when it stopped itself
+        return "tool_calls" if self._calls and fr == "stop" else fr
 
     def start_chunks(self, accepted: Any = None) -> list[dict]:
         """Rendered for the ``accepted`` event: chat announces the assistant role first."""
@@ -686,16 +813,17 @@ class Renderer:
         text = self.add_tokens(text, n_tokens, token_ids, logprobs, prompt_logprobs)
         if not text:
             return []
-        chunk = self._text_chunk(text)
-        if self.logprobs:
-            chunk["choices"][0]["logprobs"] = self._unshown_logprobs()
-        return [chunk]
+        chunks = self._tool_chunks(self.tools.feed(text)) if self.tools is not None else [self._text_chunk(text)]
+        if chunks and self.logprobs:
+            chunks[0]["choices"][0]["logprobs"] = self._unshown_logprobs()
+        return chunks
 
     def token_json(self, text: str, n_tokens: int, token_ids: tuple[int, ...] = (),
                    logprobs: Any = None, prompt_logprobs: Any = None) -> bytes | None:
         """:meth:`token_chunks`, already serialised: the one chunk's JSON (``orjson.dumps``
         of it, byte for byte), or ``None`` when there is no chunk (no text)."""
-        if logprobs is not None or self.logprobs or self.continuous_usage or self.echo is not None:
+        if (logprobs is not None or self.logprobs or self.continuous_usage or self.echo is not None
+                or self.tools is not None):
             chunks = self.token_chunks(text, n_tokens, token_ids, logprobs, prompt_logprobs)
             return orjson.dumps(chunks[0]) if chunks else None
         self.completion_tokens += n_tokens
@@ -711,8 +839,10 @@ class Renderer:
         if final.finish_reason == "error":
             return [final_error(final).body()]
         fr = final.finish_reason
+        held = self._tool_chunks(self.tools.finish()) if self.tools is not None else []
         if self.endpoint == "chat":
-            last = chat_chunk(self.rid, self.created, self.model, {}, fr, self.include_usage)
+            last = chat_chunk(self.rid, self.created, self.model, {}, self._finish_reason(fr),
+                              self.include_usage)
         else:  # (an echo still owed, if no token ever came: aborted before it ran)
             last = completion_chunk(self.rid, self.created, self.model, self._owed_echo(), fr,
                                     self.include_usage)
@@ -720,7 +850,7 @@ class Renderer:
             last["choices"][0]["stop_reason"] = final.stop_reason
         if self.logprobs:
             last["choices"][0]["logprobs"] = self._unshown_logprobs()
-        out = [self._with_usage(last, final)]
+        out = [*held, self._with_usage(last, final)]
         if self.include_usage and self.usage_chunk:
             out.append(usage_chunk(self.endpoint, self.rid, self.created, self.model,
                                    self.final_usage(final)))
@@ -732,9 +862,17 @@ class Renderer:
         if final.finish_reason == "error":
             raise final_error(final)
         build = chat_completion if self.endpoint == "chat" else text_completion
-        body = build(self.rid, self.created, self.model, self._owed_echo() + "".join(self.text),
-                     final.finish_reason,
-                     self.final_usage(final), final.stop_reason)
+        text = self._owed_echo() + "".join(self.text)
+        calls: list[ToolCall] = []
+        if self.tools is not None:
+            text, calls = parse_all(text)
+        fr = "tool_calls" if calls and final.finish_reason == "stop" else final.finish_reason
+        body = build(self.rid, self.created, self.model, text, fr, self.final_usage(final),
+                     final.stop_reason)
+        if calls:
+            message = body["choices"][0]["message"]
+            message["content"] = text or None
+            message["tool_calls"] = [self._call_json(i, c) for i, c in enumerate(calls)]
         if self.logprobs:
             body["choices"][0]["logprobs"] = self._render_logprobs(self.logprobs)
         return body
@@ -800,6 +938,9 @@ class Choices:
                                                         prompt_logprobs))
         return orjson.dumps(chunks[0]) if chunks else None
 
+    def token_chunks(self, k: int, *args) -> list[dict]:
+        return self._stamp(self.parts[k].token_chunks(*args))
+
     def add_tokens(self, k: int, text: str, n_tokens: int, token_ids: tuple[int, ...] = (),
                    logprobs: Any = None, prompt_logprobs: Any = None) -> None:
         self.parts[k].add_tokens(text, n_tokens, token_ids, logprobs, prompt_logprobs)
@@ -832,8 +973,15 @@ class _Choice:
     def start_chunks(self, accepted: Any = None) -> list[dict]:
         return self.choices.start_chunks(self.k, accepted)
 
+    @property
+    def structured(self) -> bool:
+        return self.choices.parts[self.k].structured
+
     def token_json(self, *args) -> bytes | None:
         return self.choices.token_json(self.k, *args)
+
+    def token_chunks(self, *args) -> list[dict]:
+        return self.choices.token_chunks(self.k, *args)
 
     def final_chunks(self, final: Final) -> list[dict]:
         return self.choices.final_chunks(self.k, final)

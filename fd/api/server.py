@@ -67,6 +67,7 @@ class ApiConfig:
     max_body_bytes: int = 4 << 20
     api_id: str = field(default_factory=_new_api_id)
     default_max_tokens: int = 16  # completions; chat defaults to the rest of the context
+    tool_parser: str | None = None  # vLLM's --enable-auto-tool-choice --tool-call-parser NAME
 
 
 API_KEY = web.AppKey("fd.api", object)
@@ -100,6 +101,8 @@ def _render(ev: Any, renderer: Any, timing: "_Timing | None") -> tuple[bytes | N
         n = len(ev.token_ids)
         if timing is not None:
             timing.tokens(n)
+        if renderer.structured:  # may be several chunks (content, then a tool call)
+            return None, renderer.token_chunks(ev.text, n, ev.token_ids, ev.logprobs, ev.prompt_logprobs)
         return renderer.token_json(ev.text, n, ev.token_ids, ev.logprobs, ev.prompt_logprobs), []
     if isinstance(ev, Accepted):
         return None, renderer.start_chunks(ev)
@@ -202,7 +205,8 @@ class Api:
         self._token_bytes = getattr(tokenizer, "id_to_bytes", None)
         self.metrics = metrics
         self.limits = protocol.Limits(cfg.model_name, cfg.max_model_len, cfg.max_body_bytes,
-                                      cfg.default_max_tokens, getattr(tokenizer, "vocab_size", None))
+                                      cfg.default_max_tokens, getattr(tokenizer, "vocab_size", None),
+                                      cfg.tool_parser)
         self.cancellation = Cancellation(self._abort_on_disconnect, self._notice_disconnect)
         self._noticed: dict[str, Abort] = {}  # disconnect aborts told in-process, not yet published
         self.started = int(time.time())
@@ -346,7 +350,7 @@ class Api:
                 Accepted(request_id=rid, api=self.cfg.api_id, prompt_tokens=len(gen.prompt_token_ids),
                          endpoint=endpoint, model=gen.model, created=created,
                          include_usage=gen.include_usage, continuous_usage=gen.continuous_usage or None,
-                         **_echo(gen, 0)))
+                         tool_parser=gen.tool_parser, **_echo(gen, 0)))
             renderer = protocol.Renderer(rid, endpoint, gen.model, created, len(gen.prompt_token_ids),
                                          gen.include_usage, self._token_bytes, gen.continuous_usage)
             timing = _Timing(self.metrics, arrival)
@@ -382,7 +386,8 @@ class Api:
         created = int(now)
         n_prompt = sum(map(len, gen.prompts or (gen.prompt_token_ids,)))  # each prompt once
         common = dict(api=self.cfg.api_id, endpoint=endpoint, model=gen.model, created=created,
-                      include_usage=gen.include_usage, continuous_usage=gen.continuous_usage or None)
+                      include_usage=gen.include_usage, continuous_usage=gen.continuous_usage or None,
+                      tool_parser=gen.tool_parser)
         subs = [await self.mux.subscribe(c, b"0") for c in ids]  # before submit: nothing missed
         try:
             watch.request_id, watch.abort_ids = rid, ids  # from here on a disconnect aborts them

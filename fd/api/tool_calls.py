@@ -1,0 +1,130 @@
+"""Tool calls in a chat model's text: what vLLM's ``--tool-call-parser hermes`` reads.
+
+Hermes-format models (Qwen 2.5 and 3, Hermes 2 and 3, and others trained on it) answer a tool
+call as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number of them, with
+free text before. :class:`HermesParser` splits a stream of text deltas into content and
+complete calls, sans I/O: it holds back only what could still be the start of a tag, and a call
+until its closing tag, so content streams as it comes and each call goes out whole (OpenAI's
+clients accumulate ``tool_calls`` deltas by index; one delta with the whole call is a valid
+stream). Whatever the split of the text into deltas, the parse is the same (tested), which is
+what lets any replica's replay render the bytes the original stream did.
+
+Text that does not parse as a call (not JSON, no ``name``) stays content, as in vLLM: the
+client sees what the model wrote rather than losing it. Blank text between or after calls (the
+newlines models put there) is not content. A call the model did not close before
+the request ended (EOS or ``max_tokens``) is taken if what follows its tag parses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+import orjson
+
+PARSERS = ("hermes",)  # the names --tool-call-parser takes
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI's ``function.arguments``
+
+
+def call_id(request_id: str, choice: int, index: int) -> str:
+    """A call's id, made from the response's id, the choice and the call's place: the same on
+    every replica and in every replay (a random id would differ between the original stream
+    and a replay)."""
+    return "call_" + hashlib.sha256(f"{request_id}#{choice}#{index}".encode()).hexdigest()[:24]
+
+
+def _parse_call(body: str) -> ToolCall | None:
+    try:
+        obj = orjson.loads(body.strip())
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+    return ToolCall(obj["name"], text)
+
+
+def _held_prefix(text: str, tag: str) -> int:
+    """How many characters at the end of ``text`` could begin ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+class HermesParser:
+    def __init__(self) -> None:
+        self._buf = ""
+        self._in_call = False
+        self.calls = 0  # calls emitted so far
+        self._space = ""  # blank text after a call: shown only if more content follows
+
+    def feed(self, text: str) -> list[str | ToolCall]:
+        """The content (``str``) and calls that ``text`` completes, in order."""
+        self._buf += text
+        out: list[str | ToolCall] = []
+        while True:
+            if not self._in_call:
+                i = self._buf.find(OPEN)
+                if i < 0:
+                    keep = _held_prefix(self._buf, OPEN)
+                    self._emit_text(out, self._buf[:len(self._buf) - keep])
+                    self._buf = self._buf[len(self._buf) - keep:]
+                    return out
+                self._emit_text(out, self._buf[:i])
+                self._buf = self._buf[i + len(OPEN):]
+                self._in_call = True
+            j = self._buf.find(CLOSE)
+            if j < 0:
+                return out
+            body, self._buf = self._buf[:j], self._buf[j + len(CLOSE):]
+            self._in_call = False
+            self._emit_call(out, body, OPEN + body + CLOSE)
+
+    def finish(self) -> list[str | ToolCall]:
+        """What is still held when the text has ended."""
+        out: list[str | ToolCall] = []
+        if self._in_call:
+            self._emit_call(out, self._buf, OPEN + self._buf)
+        else:
+            self._emit_text(out, self._buf)
+        self._buf, self._in_call = "", False
+        return out
+
+    def _emit_text(self, out: list, text: str) -> None:
+        if not text:
+            return
+        if self.calls:  # the newlines between and after calls are not content
+            text, self._space = self._space + text, ""
+            if text.isspace():
+                self._space = text
+                return
+        if out and isinstance(out[-1], str):
+            out[-1] += text
+        else:
+            out.append(text)
+
+    def _emit_call(self, out: list, body: str, raw: str) -> None:
+        call = _parse_call(body)
+        if call is None:
+            self._emit_text(out, raw)
+        else:
+            self.calls += 1
+            self._space = ""  # blank between two calls: nobody's content
+            out.append(call)
+
+
+def parse_all(text: str) -> tuple[str, list[ToolCall]]:
+    """A whole text's content and calls (a response that is not streamed)."""
+    p = HermesParser()
+    items = p.feed(text) + p.finish()
+    return ("".join(x for x in items if isinstance(x, str)),
+            [x for x in items if isinstance(x, ToolCall)])

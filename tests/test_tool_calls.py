@@ -1,0 +1,271 @@
+"""Tool calling, as vLLM's ``--enable-auto-tool-choice --tool-call-parser hermes``: the tools
+reach the chat template, the model's ``<tool_call>`` text comes back as OpenAI ``tool_calls``
+(streamed and not, replayed the same from the stream), and what fd cannot do is refused."""
+
+from __future__ import annotations
+
+import itertools
+
+import aiohttp
+import openai
+import orjson
+import pytest
+
+from control.events import Accepted, SamplingParams, decode
+from engine.llm import LLM
+from fd.api.tool_calls import HermesParser, ToolCall, call_id, parse_all
+from test_api_streaming import FakeEngine, parse_sse, setup
+from test_api_validation import assert_openai_error
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+# what a hermes model writes: a sentence, then two calls (the first tag split across deltas)
+WORDS = ("Let me look.", "\n<tool", "_call>\n{\"name\": \"get_weather\", ",
+         "\"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n", "<tool_call>{\"name\": \"get_time\", ",
+         "\"arguments\": {}}</tool_call>", "\n")
+CALLS = [ToolCall("get_weather", '{"city": "Paris"}'), ToolCall("get_time", "{}")]
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER]}
+
+
+# ----------------------------------------------------------------------------- the parser
+
+def _feed_all(pieces) -> tuple[str, list[ToolCall]]:
+    p = HermesParser()
+    items = [x for piece in pieces for x in p.feed(piece)] + p.finish()
+    return "".join(x for x in items if isinstance(x, str)), [x for x in items if isinstance(x, ToolCall)]
+
+
+def test_the_parse_is_the_same_however_the_text_is_split():
+    """A replay's deltas need not be the original's; the rendered content and calls must be."""
+    text = "".join(WORDS) + "And <tool this is not a tag. <tool_call>{not json}</tool_call>"
+    want = parse_all(text)
+    assert want == ("Let me look.\n\nAnd <tool this is not a tag. <tool_call>{not json}</tool_call>", CALLS)
+    for a, b in itertools.combinations(range(1, len(text)), 2):
+        if a % 3 and b % 5:  # most pairs of cut points, two-thirds of a second
+            continue
+        assert _feed_all([text[:a], text[a:b], text[b:]]) == want, (a, b)
+    assert _feed_all(list(text)) == want  # a character at a time
+
+
+def test_what_the_parser_lets_out_and_holds():
+    p = HermesParser()
+    assert p.feed("Sure") == ["Sure"]
+    assert p.feed(" <tool") == [" "]  # maybe a tag: held
+    assert p.feed("box>") == ["<toolbox>"]  # not one: let out
+    assert p.feed("<tool_call>{\"name\": \"f\", \"argu") == []  # a call: held until its end
+    assert p.feed("ments\": {\"a\": [1, 2]}}</tool_call>") == [ToolCall("f", '{"a": [1, 2]}')]
+    assert p.feed("\n\n") == []  # blank after a call: not content ...
+    assert p.feed("Done.") == ["\n\nDone."]  # ... unless more content follows
+    assert p.finish() == []
+    # a call the model did not close before it stopped is taken if it parses, else shown
+    assert parse_all('<tool_call>{"name": "f", "arguments": {"x": 1}}') == ("", [ToolCall("f", '{"x": 1}')])
+    assert parse_all('<tool_call>{"name": "f", "argu') == ('<tool_call>{"name": "f", "argu', [])
+    # arguments already given as JSON text, or no arguments
+    assert parse_all('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>')[1] == [
+        ToolCall("f", '{"x": 1}')]
+    assert parse_all('<tool_call>{"name": "f"}</tool_call>')[1] == [ToolCall("f", "{}")]
+    # a call with no name is not a call
+    assert parse_all('<tool_call>{"arguments": {}}</tool_call>')[1] == []
+
+
+# ----------------------------------------------------------------------------- over HTTP
+
+def _accumulate(chunks: list[dict]) -> dict[int, dict]:
+    """What OpenAI's clients do with streamed deltas, per choice."""
+    out: dict[int, dict] = {}
+    for c in chunks:
+        for ch in c["choices"]:
+            o = out.setdefault(ch["index"], {"content": "", "calls": {}, "finish_reason": None})
+            d = ch["delta"]
+            o["content"] += d.get("content") or ""
+            for tc in d.get("tool_calls") or ():
+                call = o["calls"].setdefault(tc["index"], {"id": None, "name": "", "arguments": ""})
+                call["id"] = tc.get("id") or call["id"]
+                call["name"] += tc["function"].get("name") or ""
+                call["arguments"] += tc["function"].get("arguments") or ""
+            o["finish_reason"] = ch["finish_reason"] or o["finish_reason"]
+    return out
+
+
+async def test_calls_streamed_replayed_and_not_streamed(real_bus):
+    async with setup(real_bus, FakeEngine(real_bus, words=WORDS), tool_parser="hermes") as client:
+        resp = await client.post("/v1/chat/completions", json={**CHAT, "stream": True},
+                                 headers={"X-Request-Id": "tc1"})
+        assert resp.status == 200
+        original = await resp.read()
+        events = parse_sse(original)
+        assert events[-1] == (None, "[DONE]")
+        got = _accumulate([orjson.loads(d) for _, d in events[:-1]])
+        assert got == {0: {"content": "Let me look.\n", "finish_reason": "tool_calls", "calls": {
+            0: {"id": call_id("tc1", 0, 0), "name": "get_weather", "arguments": '{"city": "Paris"}'},
+            1: {"id": call_id("tc1", 0, 1), "name": "get_time", "arguments": "{}"}}}}
+        # the story says how to render it, so any replica's replay is the same bytes
+        story = [decode(f) for _, f in await real_bus.redis.xrange(real_bus.keys.req("tc1"))]
+        assert isinstance(story[0], Accepted) and story[0].tool_parser == "hermes"
+        replay = await (await client.get("/v1/requests/tc1/stream")).read()
+        assert replay == original
+        # the prompt offered the tool (the fake template writes "tool:<name>")
+        body = await (await client.post("/v1/chat/completions", json=CHAT)).json()
+        plain = await (await client.post("/v1/chat/completions",
+                                         json={**CHAT, "tools": None})).json()
+        assert body["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"] + len(b"tool:get_weather\n")
+        choice = body["choices"][0]
+        assert choice["finish_reason"] == "tool_calls"
+        rid = body["id"]
+        assert choice["message"] == {"role": "assistant", "content": "Let me look.\n", "tool_calls": [
+            {"id": call_id(rid, 0, 0), "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"id": call_id(rid, 0, 1), "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]}
+        # without tools the same text is just text
+        assert plain["choices"][0]["message"]["content"] == "".join(WORDS)
+        assert plain["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_every_choice_calls_on_its_own(real_bus):
+    async with setup(real_bus, FakeEngine(real_bus, words=WORDS), tool_parser="hermes") as client:
+        resp = await client.post("/v1/chat/completions", json={**CHAT, "n": 2, "stream": True},
+                                 headers={"X-Request-Id": "tc2"})
+        got = _accumulate([orjson.loads(d) for _, d in parse_sse(await resp.read())[:-1]])
+        assert sorted(got) == [0, 1]
+        for k in (0, 1):
+            assert [c["name"] for c in got[k]["calls"].values()] == ["get_weather", "get_time"]
+            assert got[k]["calls"][0]["id"] == call_id("tc2", k, 0)
+        body = await (await client.post("/v1/chat/completions", json={**CHAT, "n": 2})).json()
+        ids = [c["message"]["tool_calls"][0]["id"] for c in body["choices"]]
+        assert len(set(ids)) == 2 and [c["finish_reason"] for c in body["choices"]] == ["tool_calls"] * 2
+
+
+async def test_tool_choice_none_offers_the_tools_but_reads_no_calls(real_bus):
+    async with setup(real_bus, FakeEngine(real_bus, words=WORDS), tool_parser="hermes") as client:
+        body = await (await client.post("/v1/chat/completions",
+                                        json={**CHAT, "tool_choice": "none"})).json()
+        assert body["choices"][0]["message"] == {"role": "assistant", "content": "".join(WORDS)}
+        assert body["usage"]["prompt_tokens"] > len(b"u:Weather in Paris?\na:")
+
+
+async def test_a_conversation_with_calls_and_their_results(real_bus):
+    """The assistant's earlier calls (arguments as JSON text, as OpenAI's clients send them)
+    and the tools' answers are accepted and reach the template."""
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]
+    async with setup(real_bus, FakeEngine(real_bus), tool_parser="hermes") as client:
+        resp = await client.post("/v1/chat/completions", json={**CHAT, "messages": messages})
+        assert resp.status == 200, await resp.text()
+        assert (await resp.json())["choices"][0]["message"]["content"] == "Hello, world!"
+
+
+@pytest.mark.parametrize("extra, param, code", [
+    ({"tool_choice": "required"}, "tool_choice", "unsupported"),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice", "unsupported"),
+    ({"tool_choice": "sometimes"}, "tool_choice", "invalid_value"),
+    ({"tools": {"type": "function"}}, "tools", "invalid_type"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools",
+     "missing_required_parameter"),
+    ({"tools": [{"type": "retrieval"}]}, "tools", "invalid_type"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "tools", "invalid_type"),
+    ({"tools": None, "tool_choice": "auto"}, "tool_choice", "invalid_value"),
+    ({"parallel_tool_calls": "yes"}, "parallel_tool_calls", "invalid_type"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]}]},
+     "messages[0].tool_calls", "invalid_value"),
+    ({"messages": [{"role": "assistant", "tool_calls": "f"}]}, "messages[0].tool_calls", "invalid_type"),
+    ({"messages": [{"role": "tool", "content": "x", "tool_call_id": 5}]}, "messages[0].tool_call_id",
+     "invalid_type"),
+])
+async def test_what_is_refused(real_bus, extra, param, code):
+    async with setup(real_bus, tool_parser="hermes") as client:
+        resp = await client.post("/v1/chat/completions", json={**CHAT, **extra})
+        assert resp.status == 400
+        err = assert_openai_error(await resp.json())
+        assert (err["param"], err["code"]) == (param, code)
+    assert await real_bus.redis.xlen(real_bus.keys.requests) == 0
+
+
+async def test_a_server_without_a_parser_refuses_auto_as_vllm_does(real_bus):
+    async with setup(real_bus, FakeEngine(real_bus)) as client:
+        resp = await client.post("/v1/chat/completions", json=CHAT)  # auto: the default with tools
+        err = assert_openai_error(await resp.json())
+        assert resp.status == 400 and (err["param"], err["code"]) == ("tool_choice", "unsupported")
+        assert "--tool-call-parser" in err["message"]
+        resp = await client.post("/v1/chat/completions", json={**CHAT, "tool_choice": "none"})
+        assert resp.status == 200
+
+
+def test_the_flags_go_together():
+    from fd.cli import main
+
+    with pytest.raises(SystemExit, match="go together"):
+        main(["serve", "--tool-call-parser", "hermes"])
+    with pytest.raises(SystemExit, match="go together"):
+        main(["api", "--enable-auto-tool-choice"])
+
+
+async def test_the_real_model_sees_the_tools(redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer):
+    """The tiny model's template offers tools Qwen's way; through the `openai` client the prompt
+    is that rendering (usage), and greedy output equals the engine's own for it."""
+    from control.connect import connect
+    from fd.compose import ApiOptions, start_api
+    from tests.faultkit import Engines
+
+    engines = Engines(redis_server.url, keys, tiny_model_dir, tiny_runner, tiny_tokenizer)
+    api = None
+    try:
+        await engines.start("E")
+        api = await start_api(lambda: connect(redis_server.url), keys,
+                              ApiOptions(model_dir=str(tiny_model_dir), tool_parser="hermes"),
+                              tokenizer=tiny_tokenizer)
+        messages = [{"role": "user", "content": "Weather in Paris?"},
+                    {"role": "assistant", "content": None, "tool_calls": [
+                        {"id": "call_1", "type": "function",
+                         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                    {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]
+        text = tiny_tokenizer.apply_chat_template(
+            [messages[0], {**messages[1], "content": "", "tool_calls": [
+                {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}, messages[2]],
+            tools=[WEATHER])
+        assert "<tools>" in text and '"get_weather"' in text and "<tool_response>" in text
+        ids = tiny_tokenizer.encode(text)
+        want = LLM(tiny_runner, tiny_tokenizer).generate(
+            [ids], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0].text
+        client = openai.AsyncOpenAI(base_url=f"{api.url}/v1", api_key="none", max_retries=0)
+        c = await client.chat.completions.create(model=api.cfg.model_name, messages=messages,
+                                                 tools=[WEATHER], max_tokens=8, temperature=0,
+                                                 extra_body={"ignore_eos": True})
+        assert c.usage.prompt_tokens == len(ids)
+        assert c.choices[0].message.content == want and not c.choices[0].message.tool_calls
+        async with aiohttp.ClientSession() as s:  # /tokenize takes the tools too, as vLLM's
+            async with s.post(f"{api.url}/tokenize", json={"model": api.cfg.model_name,
+                                                           "messages": messages, "tools": [WEATHER]}) as r:
+                assert (await r.json())["tokens"] == ids
+        await client.close()
+    finally:
+        if api is not None:
+            await api.stop()
+        await engines.stop_all()
+
+
+async def test_the_openai_client_reads_the_calls(real_bus):
+    """The official client's own types, streamed (its deltas by index) and not."""
+    async with setup(real_bus, FakeEngine(real_bus, words=WORDS), tool_parser="hermes") as http:
+        client = openai.AsyncOpenAI(base_url=str(http.make_url("/v1")), api_key="none", max_retries=0)
+        c = await client.chat.completions.create(model="tiny", messages=CHAT["messages"], tools=[WEATHER])
+        msg = c.choices[0].message
+        assert c.choices[0].finish_reason == "tool_calls" and msg.content == "Let me look.\n"
+        assert [(t.type, t.function.name, t.function.arguments) for t in msg.tool_calls] == [
+            ("function", "get_weather", '{"city": "Paris"}'), ("function", "get_time", "{}")]
+        stream = await client.chat.completions.create(model="tiny", messages=CHAT["messages"],
+                                                      tools=[WEATHER], stream=True)
+        calls: dict[int, list] = {}
+        reasons = []
+        async for chunk in stream:
+            for ch in chunk.choices:
+                for t in ch.delta.tool_calls or ():
+                    calls.setdefault(t.index, []).append((t.id, t.function.name, t.function.arguments))
+                reasons.append(ch.finish_reason)
+        assert [v[0][1:] for _, v in sorted(calls.items())] == [("get_weather", '{"city": "Paris"}'),
+                                                               ("get_time", "{}")]
+        assert reasons[-1] == "tool_calls"
+        await client.close()
