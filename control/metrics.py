@@ -29,6 +29,8 @@ HEARTBEAT_GAUGES = {
     "blocks_free": "kv_blocks_free",
     "running": "num_requests_running",
     "waiting": "num_requests_waiting",
+    "cache_queries": "prefix_cache_queries",
+    "cache_hits": "prefix_cache_hits",
 }
 
 
@@ -58,16 +60,26 @@ class Metrics:
         self.e2e_request_latency_seconds = Histogram(
             "fd_e2e_request_latency_seconds", "Arrival at the API -> final event.",
             buckets=_E2E_BUCKETS, registry=r)
+        # vLLM's prefix_cache_queries / _hits; gauges, as sums over the live engines' counts
+        # since each started (an engine that stops takes its share with it)
+        self.prefix_cache_queries = Gauge(
+            "fd_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache "
+            "(at each start or restart of a request), live engines since they started.", registry=r)
+        self.prefix_cache_hits = Gauge(
+            "fd_prefix_cache_hits_tokens", "Of those, tokens found cached (not computed).", registry=r)
         self.dead_letters_total = Counter(
             "fd_dead_letters_total", "Events that did not decode and went to P:dead.", registry=r)
         #: Set by an engine that shares this object and keeps the engine gauges current itself.
         self.engine_in_process = False
 
-    def set_engine_gauges(self, *, blocks_total: int, blocks_free: int, running: int, waiting: int) -> None:
+    def set_engine_gauges(self, *, blocks_total: int, blocks_free: int, running: int, waiting: int,
+                          cache_queries: int = 0, cache_hits: int = 0) -> None:
         self.kv_blocks_total.set(blocks_total)
         self.kv_blocks_free.set(blocks_free)
         self.num_requests_running.set(running)
         self.num_requests_waiting.set(waiting)
+        self.prefix_cache_queries.set(cache_queries)
+        self.prefix_cache_hits.set(cache_hits)
 
     def set_engine_gauges_from(self, engines: Mapping[str, Mapping[str, str]]) -> None:
         """Sum the gauges over the live engines' heartbeat hashes (missing/garbled fields: 0)."""

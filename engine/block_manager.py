@@ -1,19 +1,28 @@
-"""KV-cache blocks: a fixed pool, a free list, and one block table per request.
+"""KV-cache blocks: a fixed pool, a free list, one block table per request, and a cache of the
+full blocks whose contents are known (prefix caching).
 
 The pool is the resource an abort must give back, so ownership is explicit: every block is
-either on the free list or in exactly one request's table, and giving back a table twice
+either free or in one or more requests' tables, counted (``refs``); giving back a table twice
 raises instead of silently putting a block on the free list twice (which would later hand the
 same KV memory to two requests).
 
-The free list is a FIFO deque so allocation is deterministic and a just-freed block is the
-last to be reused; with prefix caching that is the order in which cached blocks should be
-evicted. Prefix caching would add a ref count and a content hash per block; tables would
-still be per request.
+Prefix caching (vLLM's automatic prefix caching): a block that a finished step has filled
+with a known run of tokens is registered under a hash of those tokens and of every token
+before them (:func:`block_hash`), so a request whose prompt begins the same way takes the
+block into its own table instead of computing it again. Such a block is never written again
+(its holders write only after it), so holders share it read-only; it stays in the cache while
+it is free, and is only evicted when the free list hands it out for new contents. Free blocks
+go out oldest-freed first, so the blocks freed last (likeliest to be wanted again) stay
+longest, and a table goes back tail first, so its prefix, which more requests share, stays
+longer than its end. A cached free block counts as free: the pool's accounting is unchanged by caching.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict
+from typing import Sequence
 
 
 class NoFreeBlocks(RuntimeError):
@@ -24,15 +33,25 @@ class DoubleFree(RuntimeError):
     """A table (or block) was given back that is not held."""
 
 
+def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """The identity of a block's contents: its tokens and (through ``parent``, the hash of the
+    block before it, ``b""`` for the first) every token before them. A 128-bit digest, so two
+    different prefixes do not meet by accident (Python's ``hash`` is 64 bits and can be made
+    to collide)."""
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int):
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.block_size = block_size
         self._num_total = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
-        self._owner: list[str | None] = [None] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._refs: list[int] = [0] * num_blocks  # tables holding each block
         self._tables: dict[str, list[int]] = {}
+        self._hash: list[bytes | None] = [None] * num_blocks  # contents of a cached block
+        self._cached: dict[bytes, int] = {}  # hash -> the block holding those contents
 
     # ------------------------------------------------------------------ counts
 
@@ -43,6 +62,10 @@ class BlockManager:
     @property
     def num_total(self) -> int:
         return self._num_total
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens."""
@@ -57,26 +80,65 @@ class BlockManager:
     def num_held(self, request_id: str) -> int:
         return len(self._tables.get(request_id, ()))
 
-    def owner(self, block: int) -> str | None:
-        return self._owner[block]
+    def refs(self, block: int) -> int:
+        """How many tables hold ``block`` (0: free)."""
+        return self._refs[block]
 
     def tables(self) -> dict[str, tuple[int, ...]]:
         return {rid: tuple(t) for rid, t in self._tables.items()}
 
+    # ------------------------------------------------------------------ the cache
+
+    def lookup(self, hashes: Sequence[bytes]) -> list[int]:
+        """The cached blocks holding the leading ``hashes``, up to the first one missing."""
+        out = []
+        for h in hashes:
+            b = self._cached.get(h)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def num_free_among(self, blocks: Sequence[int]) -> int:
+        return sum(1 for b in blocks if self._refs[b] == 0)
+
+    def register(self, request_id: str, index: int, h: bytes) -> None:
+        """Block ``index`` of the request's table now holds the contents ``h`` (a finished step
+        filled it). If another block already holds them, this one stays private."""
+        b = self._tables[request_id][index]
+        if self._hash[b] is None and h not in self._cached:
+            self._hash[b] = h
+            self._cached[h] = b
+
     # ------------------------------------------------------------------ changes
 
     def allocate(self, request_id: str, n: int) -> list[int]:
-        """Append ``n`` blocks to the request's table (creating it). All or nothing."""
+        """Append ``n`` fresh blocks to the request's table (creating it). All or nothing."""
         if n < 0:
             raise ValueError("n must be >= 0")
         if n > len(self._free):
             raise NoFreeBlocks(f"{request_id}: needs {n} blocks, {len(self._free)} free")
         table = self._tables.setdefault(request_id, [])
-        new = [self._free.popleft() for _ in range(n)]
+        new = [self._free.popitem(last=False)[0] for _ in range(n)]
         for b in new:
-            self._owner[b] = request_id
+            h = self._hash[b]
+            if h is not None:  # evicted: it gets new contents
+                del self._cached[h]
+                self._hash[b] = None
+            self._refs[b] = 1
         table.extend(new)
         return new
+
+    def acquire(self, request_id: str, blocks: Sequence[int]) -> None:
+        """Append cached blocks (:meth:`lookup`) to the request's table, shared read-only."""
+        table = self._tables.setdefault(request_id, [])
+        for b in blocks:
+            if self._hash[b] is None:  # pragma: no cover - guarded by construction
+                raise ValueError(f"block {b} is not cached")
+            if self._refs[b] == 0:
+                del self._free[b]
+            self._refs[b] += 1
+        table.extend(blocks)
 
     def shortfall(self, request_id: str, num_tokens: int) -> int:
         """How many blocks beyond the free ones covering ``num_tokens`` would take (0: fits)."""
@@ -89,28 +151,30 @@ class BlockManager:
         return self.allocate(request_id, max(0, missing))
 
     def free(self, request_id: str) -> int:
-        """Give the request's whole table back; returns how many blocks that was."""
+        """Give the request's whole table back; returns how many blocks that was. A block
+        another request still holds stays with it; a cached one stays cached while free."""
         table = self._tables.pop(request_id, None)
         if table is None:
             raise DoubleFree(f"{request_id} holds no block table (already freed?)")
-        for b in table:
-            if self._owner[b] != request_id:  # pragma: no cover - guarded by construction
+        for b in reversed(table):  # its tail is evicted first: a prefix is kept longest
+            if self._refs[b] < 1:  # pragma: no cover - guarded by construction
                 raise DoubleFree(f"block {b} is not held by {request_id}")
-            self._owner[b] = None
-            self._free.append(b)
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                self._free[b] = None
         return len(table)
 
     def check(self) -> None:
-        """Raise AssertionError unless every block is free or held by exactly one table."""
-        seen: dict[int, str] = {}
+        """Raise AssertionError unless every block is free or held, with its count right, and
+        the cache names each block it holds once."""
+        refs = [0] * self._num_total
         for rid, table in self._tables.items():
+            assert len(set(table)) == len(table), f"{rid} holds a block twice"
             for b in table:
-                assert b not in seen, f"block {b} held by {seen[b]} and {rid}"
-                assert self._owner[b] == rid, f"block {b} owner mismatch"
-                seen[b] = rid
-        free = list(self._free)
-        assert len(set(free)) == len(free), "a block is on the free list twice"
-        for b in free:
-            assert b not in seen, f"block {b} is free and held by {seen[b]}"
-            assert self._owner[b] is None
-        assert len(free) + len(seen) == self._num_total, "blocks leaked"
+                refs[b] += 1
+        for b in range(self._num_total):
+            assert refs[b] == self._refs[b], f"block {b}: {self._refs[b]} holders counted, {refs[b]} found"
+            assert (b in self._free) == (refs[b] == 0), f"block {b} is free and held, or neither"
+        for h, b in self._cached.items():
+            assert self._hash[b] == h, f"cache entry for block {b} does not match it"
+        assert sum(h is not None for h in self._hash) == len(self._cached), "a hash outside the cache"

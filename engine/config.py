@@ -30,6 +30,10 @@ class SchedulerConfig:
     # decided while step N runs, its decodes fed placeholders for step N's tokens, so the
     # runner never waits for the engine loop. 1 decides each step after the last one's results.
     max_steps_in_flight: int = 1
+    # Reuse the KV of full blocks whose tokens (and every token before them) another request
+    # already computed (vLLM's automatic prefix caching; engine.block_manager). Off here, so a
+    # bare scheduler's arithmetic is the plain one; the engine turns it on unless told not to.
+    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))

@@ -211,6 +211,14 @@ class JournalRecorder:
         return self.scheduler.num_total_blocks
 
     @property
+    def num_cache_queries(self) -> int:
+        return self.scheduler.num_cache_queries
+
+    @property
+    def num_cache_hits(self) -> int:
+        return self.scheduler.num_cache_hits
+
+    @property
     def num_draining(self) -> int:
         return self.scheduler.num_draining
 

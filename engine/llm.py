@@ -26,14 +26,16 @@ class Generation:
 
 class LLM:
     def __init__(self, runner, tokenizer, *, block_size: int = 16, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 2048, async_scheduling: bool = False):
+                 max_num_batched_tokens: int = 2048, async_scheduling: bool = False,
+                 enable_prefix_caching: bool = True):
         self.runner = runner
         self.tokenizer = tokenizer
         self.cfg = SchedulerConfig(
             num_blocks=runner.num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=runner.max_model_len,
             eos_token_ids=tuple(runner.eos_token_ids),
-            max_steps_in_flight=2 if async_scheduling else 1)
+            max_steps_in_flight=2 if async_scheduling else 1,
+            enable_prefix_caching=enable_prefix_caching)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams],
                  clock=None, on_event=None) -> list[Generation]:
@@ -91,6 +93,7 @@ class LLM:
                     ev = replace(ev, text=deltas.get(ev.request_id, ""))
                 fold(gens, detoks, ev, clock)
         self.last_free_blocks = sched.num_free_blocks
+        self.last_cache_hits = sched.num_cache_hits  # prompt tokens the prefix cache spared
         return [gens[f"r{i}"] for i in range(len(prompts))]
 
     @staticmethod

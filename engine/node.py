@@ -122,6 +122,8 @@ class EngineConfig:
     # the runner never waits for this loop; off, each step is decided after the last one's
     # results are folded in.
     async_scheduling: bool = True
+    # Reuse the KV of prompt prefixes computed before (engine.block_manager); vLLM's default.
+    enable_prefix_caching: bool = True
     # --- faults
     max_attempts: int = 3  # engines a request may fail on before it ends with an error
     drain_timeout_s: float = 30.0  # running requests get this long to finish on a drain
@@ -163,6 +165,7 @@ class EngineNode:
             max_num_waiting=cfg.max_num_waiting,
             vocab_size=int(getattr(runner, "vocab_size", 0) or 0),
             max_steps_in_flight=2 if cfg.async_scheduling else 1,
+            enable_prefix_caching=cfg.enable_prefix_caching,
         )), self.id, enabled=cfg.journal, clock=time.time)
         self._entry: dict[str, bytes] = {}  # request id -> its P:requests entry, XACKed at final
         self._request: dict[str, Request] = {}  # what was claimed, for a drain's hand-back
@@ -1079,7 +1082,8 @@ class EngineNode:
         if self.metrics is not None:
             self.metrics.set_engine_gauges(
                 blocks_total=self.sched.num_total_blocks, blocks_free=self.sched.num_free_blocks,
-                running=self.sched.num_running, waiting=self.sched.num_waiting)
+                running=self.sched.num_running, waiting=self.sched.num_waiting,
+                cache_queries=self.sched.num_cache_queries, cache_hits=self.sched.num_cache_hits)
 
     # ------------------------------------------------------------------ background loops
 
@@ -1183,6 +1187,8 @@ class EngineNode:
             "blocks_free": self.sched.num_free_blocks,
             "running": self.sched.num_running,
             "waiting": self.sched.num_waiting,
+            "cache_queries": self.sched.num_cache_queries,
+            "cache_hits": self.sched.num_cache_hits,
             "step": self.sched.step,
             "draining": int(self._draining),
             "ts": int(time.time() * 1000),

@@ -204,8 +204,9 @@ class _Checker:
         self.total = cfg.num_blocks
         self.bs = cfg.block_size
         self.held: dict[str, list[int]] = {}  # rid -> its block table, per the digests
-        self.owner: dict[int, str] = {}  # block -> the request holding it
-        self.in_use = 0
+        # block -> the requests holding it: one, or several for a cached prefix block, which
+        # they share read-only (each took it wholly before the positions it feeds)
+        self.holders: dict[int, set[str]] = {}
         self.step = 0
         self.ts = 0
         self.kinds: Counter = Counter()
@@ -240,7 +241,7 @@ class _Checker:
             if op == "schedule":
                 self.batch(c["out"])
         free = c.get("free")
-        in_use = self.in_use
+        in_use = len(self.holders)
         if in_use > self.total:
             self.violate("overcommit", f"step {self.step}: {in_use} blocks held, only "
                                        f"{self.total} exist")
@@ -303,9 +304,11 @@ class _Checker:
             return 0
         n = len(table)
         for b in table[keep:]:
-            if self.owner.get(b) == rid:
-                del self.owner[b]
-        self.in_use -= n - keep
+            hs = self.holders.get(b)
+            if hs is not None:
+                hs.discard(rid)
+                if not hs:
+                    del self.holders[b]
         if keep:
             del table[keep:]
         else:
@@ -327,14 +330,20 @@ class _Checker:
             for b in new:
                 if not 0 <= b < self.total:
                     self.violate("range", f"step {step}: {rid} holds block {b}, outside the pool")
-                other = self.owner.setdefault(b, rid)
-                if other != rid:
-                    self.violate("double", f"step {step}: block {b} held by both {other} and {rid}")
+                hs = self.holders.setdefault(b, set())
+                if hs and rid not in hs and (len(table) + 1) * self.bs > start:
+                    # shared, yet not wholly before what this request computes
+                    self.violate("double", f"step {step}: block {b} held by both "
+                                           f"{min(hs)} and {rid}")
+                hs.add(rid)
                 table.append(b)
-            self.in_use += len(new)
             if len(table) * self.bs < start + n:
                 self.violate("short", f"step {step}: {rid} feeds positions up to {start + n} "
                                       f"with only {len(table)} blocks")
+            for b in table[start // self.bs:(start + n - 1) // self.bs + 1] if n else ():
+                if len(self.holders.get(b, ())) > 1:
+                    self.violate("shared_write", f"step {step}: {rid} writes block {b}, which "
+                                                 f"{sorted(self.holders[b] - {rid})} also hold")
             t = self.trace(rid)
             t.scheduled_steps += 1
             if t.first_scheduled_step is None:

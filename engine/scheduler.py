@@ -37,7 +37,7 @@ from typing import Any
 
 from control.events import (AbortRequested, BlocksReleased, Drained, Event, Final, Preempted,
                             RequestData, Tokens)
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, block_hash
 from engine.config import SchedulerConfig
 from engine.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from engine.sequence import PLACEHOLDER, Sequence, Status
@@ -63,6 +63,9 @@ class Scheduler:
         self._pending: list[Event] = []
         self._arrivals = 0
         self.step = 0
+        # prefix caching: prompt tokens looked up in the cache at admission, and found there
+        self.num_cache_queries = 0
+        self.num_cache_hits = 0
 
     # ------------------------------------------------------------------ queries
 
@@ -343,15 +346,25 @@ class Scheduler:
         while (self._waiting and budget > 0 and len(self._running) < cfg.max_num_seqs
                and not self._stalled):
             seq = self._waiting[0]
-            need = seq.num_unscheduled
+            hit = self._cached_prefix(seq)
+            need = seq.num_unscheduled - len(hit) * self.blocks.block_size
             n = self._cap_chunk(min(need, budget))
             # Start a prompt only when the free blocks hold all of it, even if it runs in chunks:
             # one started on the last few blocks would be preempted again as soon as a decode
             # needs one (and a request preempted in this very step would take its own blocks
-            # back). Strict FCFS: nobody overtakes the head of the queue.
-            if self._room(seq) < need or (n < need and not cfg.enable_chunked_prefill):
+            # back). Strict FCFS: nobody overtakes the head of the queue. (Cached blocks it
+            # takes that are free now are not free for the rest of it.)
+            room = self._room(seq) - self.blocks.num_free_among(hit) * self.blocks.block_size
+            if room < need or (n < need and not cfg.enable_chunked_prefill):
                 break
             self._waiting.popleft()
+            if hit:
+                self.blocks.acquire(seq.request_id, hit)
+                seq.num_computed_tokens = seq.num_registered = len(hit)
+                seq.num_computed_tokens *= self.blocks.block_size
+            if cfg.enable_prefix_caching:
+                self.num_cache_queries += seq.num_tokens
+                self.num_cache_hits += seq.num_computed_tokens
             self.blocks.ensure(seq.request_id, seq.num_computed_tokens + n)
             seq.status = Status.RUNNING
             bisect.insort(self._running, seq, key=lambda s: s.arrival)
@@ -407,6 +420,8 @@ class Scheduler:
                     self._release(seq, reason, stop_reason, events, step)
                 continue
             seq.num_computed_tokens += len(ss.token_ids)
+            if self.config.enable_prefix_caching:
+                self._register(seq)
             if not ss.sample:
                 continue
             token = int(result.sampled[rid])
@@ -425,6 +440,34 @@ class Scheduler:
     def _take(self) -> list[Event]:
         events, self._pending = self._pending, []
         return events
+
+    def _hashes(self, seq: Sequence, n: int) -> list[bytes]:
+        """The hashes of the request's first ``n`` full blocks (computed once each)."""
+        hs, bs = seq.block_hashes, self.blocks.block_size
+        while len(hs) < n:
+            i = len(hs)
+            hs.append(block_hash(hs[-1] if hs else b"", seq.token_ids[i * bs:(i + 1) * bs]))
+        return hs[:n]
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks a request about to start can take instead of computing them: its
+        leading full blocks, short of its last token (which must be fed to sample the next).
+        None for a request scoring its prompt: every position's logits are wanted."""
+        if (not self.config.enable_prefix_caching or seq.num_computed_tokens
+                or seq.sampling.prompt_logprobs is not None):
+            return []
+        return self.blocks.lookup(self._hashes(seq, (seq.num_tokens - 1) // self.blocks.block_size))
+
+    def _register(self, seq: Sequence) -> None:
+        """Its blocks that finished steps have filled are cached: nothing writes them again,
+        and a later step can share them (this one is done: no step can be mid-way through
+        writing them)."""
+        full = seq.num_computed_tokens // self.blocks.block_size
+        if full <= seq.num_registered:
+            return
+        for i, h in enumerate(self._hashes(seq, full)[seq.num_registered:], seq.num_registered):
+            self.blocks.register(seq.request_id, i, h)
+        seq.num_registered = full
 
     def _cap_chunk(self, n: int) -> int:
         t = self.config.long_prefill_threshold
@@ -495,7 +538,7 @@ class Scheduler:
         count = self.blocks.free(seq.request_id) if self.blocks.owns(seq.request_id) else 0
         self._running.remove(seq)
         seq.status = Status.WAITING
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_registered = 0
         seq.num_preemptions += 1
         self._waiting.appendleft(seq)  # victims go latest-first, so the front stays FCFS
         self._pending.append(Preempted(request_id=seq.request_id, count=count, step=step))

@@ -31,7 +31,8 @@ class Status(enum.Enum):
 class Sequence:
     __slots__ = ("request_id", "arrival", "sampling", "num_prompt_tokens", "token_ids",
                  "num_computed_tokens", "status", "aborting", "num_preemptions",
-                 "num_in_flight", "num_pending", "finishing", "num_discarded")
+                 "num_in_flight", "num_pending", "finishing", "num_discarded", "block_hashes",
+                 "num_registered")
 
     def __init__(self, request_id: str, prompt_token_ids: tuple[int, ...],
                  sampling: SamplingParams, arrival: int):
@@ -52,6 +53,10 @@ class Sequence:
         # was already in flight: like an abort, its blocks wait for that step.
         self.finishing: tuple[str, str | None] | None = None
         self.num_discarded = 0  # sampled tokens dropped because of the above or an abort
+        # prefix caching: the hashes of its full blocks' contents so far (block_hash, each
+        # chained to the one before), and how many of its table's blocks it has registered
+        self.block_hashes: list[bytes] = []
+        self.num_registered = 0
 
     @property
     def num_tokens(self) -> int:

@@ -66,6 +66,9 @@ def _add_engine_args(p: argparse.ArgumentParser, worker_cpus: str = "none") -> N
     p.add_argument("--journal-maxlen", type=int, default=10_000,
                    help="journal entries kept per engine (one a step; MAXLEN ~) for `fd replay`")
     p.add_argument("--no-journal", action="store_true", help="write no journal")
+    p.add_argument("--no-enable-prefix-caching", action="store_true",
+                   help="compute every prompt in full (by default full KV blocks of prompt "
+                        "prefixes computed before are reused, as vLLM's prefix caching)")
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="decide each step only after the last one's results are in (by default "
                         "step N+1 is decided while step N runs, so the model never waits for "
@@ -119,6 +122,7 @@ def _engine_opts(args: argparse.Namespace, model_dir: Path):
                          request_timeout_s=args.request_timeout,
                          journal=not args.no_journal, journal_maxlen=args.journal_maxlen,
                          async_scheduling=not args.no_async_scheduling,
+                         enable_prefix_caching=not args.no_enable_prefix_caching,
                          executor=args.executor if args.executor != "timed" else "paddle",
                          worker_cpus=args.worker_cpus)
 

@@ -38,6 +38,7 @@ class EngineOptions:
     worker_cpus: str = "none"
     journal: bool = True  # one P:journal:<engine> entry per step, for `fd replay`
     async_scheduling: bool = True  # decide step N+1 while step N runs
+    enable_prefix_caching: bool = True  # reuse the KV of prompt prefixes computed before
     journal_maxlen: int = 10_000  # entries kept (MAXLEN ~)
 
 
@@ -145,7 +146,8 @@ async def start_engine(redis_factory: Callable[[], Any], keys: Keys, opts: Engin
     engine_id = opts.engine_id or f"{socket.gethostname()[:24]}-{secrets.token_hex(3)}"
     kw = dict(max_attempts=opts.max_attempts, drain_timeout_s=opts.drain_timeout_s,
               request_timeout_s=opts.request_timeout_s, journal=opts.journal,
-              async_scheduling=opts.async_scheduling)
+              async_scheduling=opts.async_scheduling,
+              enable_prefix_caching=opts.enable_prefix_caching)
     kw.update(node_kw)
     cfg = EngineConfig(engine_id=engine_id, block_size=opts.block_size,
                        max_num_seqs=opts.max_num_seqs,

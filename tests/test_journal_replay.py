@@ -34,8 +34,9 @@ def model(ctx):
 
 
 class FakeRunner:
-    """Writes fed tokens into their KV slots and samples from what the KV holds, so a wrong
-    block table changes the tokens (and so the journal)."""
+    """Writes fed tokens (with their positions, as RoPE puts them in K) into their KV slots and
+    samples from what the KV holds, so a wrong block table changes the tokens (and so the
+    journal)."""
 
     def __init__(self, cfg: SchedulerConfig):
         self.bs = cfg.block_size
@@ -47,10 +48,11 @@ class FakeRunner:
             end = s.start_pos + len(s.token_ids)
             for i, t in enumerate(s.token_ids):
                 p = s.start_pos + i
-                self.kv[s.block_table[p // self.bs]][p % self.bs] = t
+                self.kv[s.block_table[p // self.bs]][p % self.bs] = (p, t)
             if s.sample:
-                sampled[s.request_id] = model(
-                    [self.kv[s.block_table[p // self.bs]][p % self.bs] for p in range(end)])
+                kv = [self.kv[s.block_table[p // self.bs]][p % self.bs] for p in range(end)]
+                sampled[s.request_id] = model([t if q == p else t + 1000
+                                               for p, (q, t) in enumerate(kv)])
         return RunnerOutput(step=out.step, sampled=sampled, stopped=dict(stopped or {}))
 
 
@@ -423,3 +425,62 @@ async def test_export_all_engines_then_replay_the_file(real_bus, redis_server, t
     assert (tmp_path / "t.e1.html").exists() and (tmp_path / "t.e2.html").exists()
     assert await asyncio.to_thread(export_main, ["--out", str(out), "--engine", "e2"] + base) == 0
     assert {json.loads(x)["engine"] for x in out.read_text().splitlines()} == {"e2"}
+
+
+def _shared_prefix_run(caching: bool, async_: bool) -> Run:
+    """Requests whose prompts share prefixes, coming while others run, in a pool small enough
+    to evict and preempt, one aborted while it shares blocks."""
+    cfg = dataclasses.replace(CFG, num_blocks=12, enable_prefix_caching=caching,
+                              max_steps_in_flight=2 if async_ else 1)
+    run = Run(Scheduler(cfg), "eng-cache")
+    system = tuple(range(20, 29))  # 9 tokens: two full blocks of 4
+    run.call("add", "p0", RequestData(prompt_token_ids=system + (1, 2), sampling=SamplingParams(max_tokens=8)))
+    run.step()
+    for i in range(1, 7):
+        run.call("add", f"p{i}", RequestData(prompt_token_ids=system + (i, i + 1, i + 2),
+                                             sampling=SamplingParams(max_tokens=6 + i)))
+        run.step()
+        if i == 3:
+            run.call("abort", "p2", "http")
+        if i == 4:  # the system prompt's second block's tokens, at the start: other contents
+            run.call("add", "p7", RequestData(prompt_token_ids=system[4:8] * 2 + (9,),
+                                              sampling=SamplingParams(max_tokens=5)))
+    for _ in range(80):
+        if not run.rec.has_work():
+            break
+        run.step()
+    return run
+
+
+@pytest.mark.parametrize("async_", [False, True])
+def test_shared_prefixes_give_the_same_tokens_and_replay_clean(async_, tmp_path):
+    """The fake model samples from what the KV blocks hold, so a block shared before its step
+    filled it, or handed out while shared, would change tokens. With the cache the tokens are
+    the same as without it, fewer prompt tokens are fed, and the journal replays with no
+    violation (shared blocks are read-only, not 'held by two requests')."""
+    plain, cached = _shared_prefix_run(False, async_), _shared_prefix_run(True, async_)
+
+    def tokens(run):
+        out: dict[str, list[int]] = {}
+        for e in run.events:
+            if isinstance(e, Tokens):
+                out.setdefault(e.request_id, []).extend(e.token_ids)
+        return out
+
+    a, b = tokens(cached), tokens(plain)
+    assert sorted(a) == sorted(b) == [f"p{i}" for i in range(8)]
+    # p2 was aborted after as many steps either way, further along with the cache
+    x, y = a.pop("p2"), b.pop("p2")
+    assert x[:len(y)] == y and len(x) >= len(y)
+    assert a == b
+    assert cached.rec.scheduler.num_cache_hits > 0
+    assert cached.rec.num_free_blocks == cached.rec.scheduler.num_total_blocks
+    cached.rec.scheduler.blocks.check()
+
+    def fed(run):  # tokens fed to the model, from the journal's batch digests
+        return sum(c["out"][1] for e in run.entries[1:] for c in e.data["calls"] if c["op"] == "schedule")
+
+    assert fed(cached) < fed(plain)
+    report = replay(cached.entries)
+    assert report.divergence is None, report.divergence.describe()
+    assert report.violations == []

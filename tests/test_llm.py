@@ -148,3 +148,26 @@ def test_logit_bias_and_min_tokens_decide_what_the_user_gets(tiny_runner, tiny_t
     early, late = LLM(tiny_runner, tiny_tokenizer).generate([prompts[0]] * 2, [stop, held])
     assert early.finish_reason == "stop" and len(early.token_ids) == 3
     assert len(late.token_ids) >= 8 and stop_id not in late.token_ids[:7]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_prefix_caching_gives_the_real_models_own_output(tiny_model_dir, tiny_tokenizer, async_scheduling):
+    """Requests whose prompts share a 40-token prefix (two and a half 16-token blocks), one
+    at a time so the later ones find it cached, in a pool that preempts and evicts: greedy
+    output equals a run that computes every prompt whole, and every block comes back."""
+    system = tiny_tokenizer.encode("You are a helpful assistant. Answer briefly and kindly, "
+                                   "and never make things up about the harbour town.")[:40]
+    assert len(system) == 40
+    prompts = [system + tiny_tokenizer.encode(q) for q in (" Who bakes?", " Boats?", " Tide",
+                                                           " Who bakes?", " Nets and fish")]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outs, hits = {}, {}
+    for caching in (False, True):
+        runner = ModelRunner(str(tiny_model_dir), num_blocks=12, block_size=16)
+        llm = LLM(runner, tiny_tokenizer, max_num_seqs=2, async_scheduling=async_scheduling,
+                  enable_prefix_caching=caching)
+        outs[caching] = [g.token_ids for g in llm.generate(prompts, sp)]
+        hits[caching] = llm.last_cache_hits
+        assert llm.last_free_blocks == runner.num_blocks
+    assert outs[True] == outs[False]
+    assert hits[False] == 0 and hits[True] >= 3 * 32  # later prompts took two blocks each

@@ -512,3 +512,103 @@ def test_token_ids_outside_the_vocabulary_end_the_request_before_it_runs():
     assert not runner.seen("p") and not runner.seen("b")
     run_all(sched, runner)
     assert runner.seen("ok") and not runner.seen("b")
+
+
+# ----------------------------------------------------------------------------- prefix caching
+
+def _cached_cfg(**kw):
+    from engine.config import SchedulerConfig
+
+    base = dict(num_blocks=16, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
+                max_model_len=64, enable_prefix_caching=True)
+    return SchedulerConfig(**{**base, **kw})
+
+
+def _run_one_step(s, sampled_token=5):
+    from engine.outputs import RunnerOutput
+
+    out = s.schedule()
+    return out, s.update(out, RunnerOutput(step=out.step, sampled={
+        ss.request_id: sampled_token for ss in out.seqs if ss.sample}))
+
+
+def test_a_prompt_prefix_computed_before_is_shared_not_recomputed():
+    from control.events import RequestData, SamplingParams
+
+    s = Scheduler(_cached_cfg())
+    prompt = tuple(range(10, 20))  # 10 tokens: blocks [10-13] [14-17] and 2 more
+    s.add("a", RequestData(prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=3)))
+    out, _ = _run_one_step(s)
+    assert [(ss.start_pos, len(ss.token_ids)) for ss in out.seqs] == [(0, 10)]
+    # same prompt, and one that shares only its first block
+    s.add("b", RequestData(prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=3)))
+    s.add("c", RequestData(prompt_token_ids=prompt[:4] + (99,) * 6, sampling=SamplingParams(max_tokens=3)))
+    out, _ = _run_one_step(s)
+    fed = {ss.request_id: (ss.start_pos, len(ss.token_ids), ss.block_table) for ss in out.seqs}
+    ta = s.blocks.table("a")
+    assert fed["b"][:2] == (8, 2) and fed["b"][2][:2] == ta[:2]  # two blocks taken, two tokens fed
+    assert fed["c"][:2] == (4, 6) and fed["c"][2][:1] == ta[:1] and fed["c"][2][1] != ta[1]
+    assert s.blocks.refs(ta[0]) == 3 and s.blocks.refs(ta[1]) == 2
+    assert (s.num_cache_queries, s.num_cache_hits) == (30, 12)
+    s.abort("b", "http")  # a sharer's release leaves the shared blocks with the others
+    assert s.blocks.refs(ta[0]) == 2 and s.blocks.refs(ta[1]) == 1
+    while s.has_work():
+        _run_one_step(s)
+    assert s.num_free_blocks == s.num_total_blocks
+    s.blocks.check()
+
+
+def test_a_block_is_shared_only_once_a_finished_step_has_filled_it():
+    """A request that comes while the step computing a prefix is in flight (or in the same
+    batch) computes it itself: that KV is not written yet."""
+    from control.events import RequestData, SamplingParams
+    from engine.outputs import RunnerOutput
+
+    s = Scheduler(_cached_cfg(max_steps_in_flight=2))
+    prompt = tuple(range(10, 19))
+    s.add("a", RequestData(prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=4)))
+    s.add("same-step", RequestData(prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=4)))
+    first = s.schedule()
+    assert {ss.request_id: ss.start_pos for ss in first.seqs} == {"a": 0, "same-step": 0}
+    s.add("next-step", RequestData(prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=4)))
+    second = s.schedule()  # decided while `first` runs: nothing is registered yet
+    assert {ss.request_id: ss.start_pos for ss in second.seqs if ss.request_id == "next-step"} == {"next-step": 0}
+    s.update(first, RunnerOutput(step=first.step, sampled={"a": 5, "same-step": 5}))
+    s.add("after", RequestData(prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=4)))
+    s.update(second, RunnerOutput(step=second.step, sampled={ss.request_id: 5 for ss in second.seqs if ss.sample}))
+    third = s.schedule()
+    assert {ss.request_id: ss.start_pos for ss in third.seqs}["after"] == 8
+    s.blocks.check()
+
+
+def test_a_request_scoring_its_prompt_computes_all_of_it():
+    from control.events import RequestData, SamplingParams
+
+    s = Scheduler(_cached_cfg())
+    prompt = tuple(range(10, 20))
+    s.add("a", RequestData(prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=2)))
+    _run_one_step(s)
+    s.add("score", RequestData(prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=1, prompt_logprobs=0)))
+    out, _ = _run_one_step(s)
+    assert [ss.start_pos for ss in out.seqs if ss.request_id == "score"] == [0]
+
+
+def test_a_preempted_request_takes_its_own_cached_blocks_back():
+    from control.events import Preempted, RequestData, SamplingParams
+
+    s = Scheduler(_cached_cfg(num_blocks=8, max_num_batched_tokens=32))
+    s.add("old", RequestData(prompt_token_ids=tuple(range(10, 22)), sampling=SamplingParams(max_tokens=12, ignore_eos=True)))
+    s.add("new", RequestData(prompt_token_ids=tuple(range(40, 48)), sampling=SamplingParams(max_tokens=12, ignore_eos=True)))
+    events = []
+    resumed = None
+    while s.has_work():
+        out, evs = _run_one_step(s)
+        events += evs + s.take_events()
+        for ss in out.seqs:
+            if ss.request_id == "new" and any(isinstance(e, Preempted) and e.request_id == "new" for e in events) \
+                    and resumed is None and ss.start_pos > 0 and len(ss.token_ids) > 1:
+                resumed = ss.start_pos
+    assert any(isinstance(e, Preempted) for e in events), "the pool is small enough to preempt"
+    assert resumed is not None and resumed % 4 == 0  # its recompute began after cached blocks
+    assert s.num_free_blocks == s.num_total_blocks
+    s.blocks.check()
