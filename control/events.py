@@ -85,6 +85,9 @@ class SamplingParams:
     # Log-probabilities of the prompt's tokens (each given the ones before it) and of this many
     # likeliest alternatives at each position: None for none. Completions' echo + logprobs.
     prompt_logprobs: int | None = None
+    # Structured output: the canonical JSON text of a control.guided spec ("" for none); the
+    # runner masks every token the spec's grammar does not allow next.
+    guided: str = ""
 
     @property
     def greedy(self) -> bool:
@@ -96,9 +99,15 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @property
+    def needs_history(self) -> bool:
+        """The runner needs the request's output so far: for penalties, or to bring a guided
+        request's grammar to where its output stands (after a preemption, on another engine)."""
+        return self.penalized or bool(self.guided)
+
+    @property
     def plain(self) -> bool:
         """Nothing but the logits decides a greedy pick (the runner's fast path)."""
-        return not (self.penalized or self.logit_bias or self.min_tokens)
+        return not (self.penalized or self.logit_bias or self.min_tokens or self.guided)
 
     def to_dict(self) -> dict[str, Any]:
         # (not dataclasses.asdict: its deep copy of nine plain values was ~10 µs of every
@@ -173,6 +182,15 @@ class SamplingParams:
             if not (isinstance(stop, (list, tuple)) and all(isinstance(x, str) and x for x in stop)):
                 raise bad("stop", "a list of non-empty strings")
             kw["stop"] = tuple(stop)
+        if kw.get("guided"):
+            from control.guided import GuidedError, parse
+
+            if not isinstance(kw["guided"], str):
+                raise bad("guided", "a guided-decoding spec as JSON text")
+            try:
+                parse(kw["guided"])
+            except GuidedError as e:
+                raise BadEvent(f"sampling.guided: {e}", "data") from None
         if "stop_token_ids" in kw:
             ids = kw["stop_token_ids"] or ()
             if not (isinstance(ids, (list, tuple)) and all(is_int(t) and t >= 0 for t in ids)):
@@ -185,7 +203,7 @@ _SAMPLING_NAMES = tuple(f.name for f in dataclasses.fields(SamplingParams))
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
 # fields added after the first release: on the wire only when set
 _OPTIONAL_NAMES = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                   "min_p", "min_tokens", "logprobs", "prompt_logprobs")
+                   "min_p", "min_tokens", "logprobs", "prompt_logprobs", "guided")
 _SAMPLING_FIELDS = frozenset(_SAMPLING_NAMES)
 
 

@@ -70,6 +70,8 @@ class ModelRunner:
         self.vocab_size = self.model.cfg.vocab_size
         self.sampler = Sampler(seed, self.eos_token_ids)
         self._last_sampled: dict[str, int] = {}  # what a placeholder in the next step stands for
+        self._model_dir = model_dir
+        self._guides = None  # engine.guided.Guides, made for the first guided request
 
     # ------------------------------------------------------------------ step
 
@@ -88,13 +90,24 @@ class ModelRunner:
             self._last_sampled = {}
             return RunnerOutput(step=out.step, sampled={}, prompt_logprobs=prompt_lp)
         n = len(sampled)
+        guided = [i for i, s in enumerate(sampled) if s.sampling.guided]
         if all(s.sampling.greedy and s.sampling.plain for s in sampled):
             tokens = paddle.argmax(logits, axis=-1).numpy()[:n].tolist()
         else:
-            tokens = self.sampler.sample(logits.numpy()[:n], [s.sampling for s in sampled],
+            rows = logits.numpy()[:n]
+            if guided:
+                rows = rows.copy()  # (log-probabilities below are the model's own)
+            for i in guided:  # what the request's grammar does not allow next is ruled out
+                s = sampled[i]
+                rows[i][~self.guides.allowed(s.request_id, s.sampling.guided, self._seen(s)[1])] = -np.inf
+            tokens = self.sampler.sample(rows, [s.sampling for s in sampled],
                                          [s.num_generated for s in sampled],
                                          [self._seen(s) if s.sampling.penalized else None
                                           for s in sampled])
+        if guided or self._guides is not None:
+            for i in guided:
+                self.guides.took(sampled[i].request_id, tokens[i])
+            self.guides.keep_only({sampled[i].request_id for i in guided})
         self._last_sampled = {s.request_id: t for s, t in zip(sampled, tokens)}
         wanted = [i for i, s in enumerate(sampled) if s.sampling.logprobs is not None]
         if not wanted:
@@ -120,6 +133,15 @@ class ModelRunner:
             out[s.request_id] = (first, tuple(lps[r:r + len(ts)]))
             r += len(ts)
         return out
+
+    @property
+    def guides(self):
+        if self._guides is None:
+            from engine.guided import Guides
+
+            with open(os.path.join(self._model_dir, "tokenizer.json"), encoding="utf-8") as f:
+                self._guides = Guides(f.read(), self.vocab_size, self.eos_token_ids)
+        return self._guides
 
     def _seen(self, s: ScheduledSeq) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(prompt, output) tokens of a penalized request so far: the scheduler's, plus the one

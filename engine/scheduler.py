@@ -489,7 +489,7 @@ class Scheduler:
         if len(token_ids) < n:  # the pending token: only ever a decode of exactly that one
             token_ids = (PLACEHOLDER,)
         sample = start + n == seq.num_tokens + seq.num_pending
-        penalized = sample and seq.sampling.penalized
+        penalized = sample and seq.sampling.needs_history
         # (the prompt only for the repetition penalty: the others count the output alone, and
         # a long prompt would cross the worker's pipe again every step)
         from_ = 0 if not penalized or seq.sampling.repetition_penalty != 1.0 else seq.num_prompt_tokens

@@ -413,9 +413,11 @@ def test_openapi_document_is_served_and_schema_bodies_are_accepted(harness):
             # the rules no schema can say (openapi.build): prompt + max_tokens within the
             # context, stream_options only with stream=true, top_logprobs only with logprobs,
             # min_tokens <= max_tokens, logit_bias keyed by token ids of the vocabulary, an
-            # earlier tool call's arguments that are JSON text, tool_choice only with tools
+            # earlier tool call's arguments that are JSON text, tool_choice only with tools, a
+            # structured output whose regex or schema compiles (and only one of them)
             assert status == 400 and (out["code"] == "context_length_exceeded" or out["param"] in (
-                "stream_options", "top_logprobs", "min_tokens", "logit_bias", "best_of", "tool_choice")
+                "stream_options", "top_logprobs", "min_tokens", "logit_bias", "best_of", "tool_choice",
+                "response_format", "guided_regex", "guided_choice")
                 or str(out["param"]).endswith(".tool_calls")), (body, out)
 
     one()

@@ -66,6 +66,19 @@ def _sampling_props(model_name: str, max_model_len: int) -> dict[str, Any]:
                                               **_NULLABLE_BOOL,
                                               "description": "vLLM: with include_usage, the "
                                                              "usage so far on every chunk."}}},
+        "response_format": {
+            "type": "object", "nullable": True, "required": ["type"],
+            "description": "json_object: any JSON object; json_schema: {name, schema}. The output "
+                           "is constrained to it (guided decoding).",
+            "properties": {"type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+                           "json_schema": {"type": "object", "properties": {
+                               "name": {"type": "string"}, "schema": {"type": "object"},
+                               "strict": _NULLABLE_BOOL}}}},
+        "guided_regex": {"type": "string", "nullable": True, "minLength": 1,
+                         "description": "vLLM: the output matches this regular expression."},
+        "guided_choice": {"type": "array", "nullable": True, "minItems": 1,
+                          "items": {"type": "string", "minLength": 1},
+                          "description": "vLLM: the output is one of these."},
         "background": {**_NULLABLE_BOOL,
                        "description": "fd: a client disconnect does not abort the request; "
                                       "stream it later from GET /v1/requests/{id}/stream."},

@@ -17,6 +17,7 @@ import orjson
 
 from control.events import (MAX_LOGPROBS, MAX_REPETITION_PENALTY, Final, SamplingParams,
                             logprobs_entries, prompt_logprobs_entries)
+from control.guided import GuidedError, canonical, check
 from control.keys import choice_ids
 from fd.api.errors import ApiError, bad_request, not_found, too_large
 from fd.api.tool_calls import HermesParser, ToolCall, call_id, parse_all
@@ -254,7 +255,67 @@ def _sampling(body: dict, prompt_len: int, limits: Limits, default_max: int | No
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                           seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
                           include_stop_str_in_output=include_stop, logit_bias=logit_bias,
-                          min_p=float(min_p), min_tokens=min_tokens, logprobs=logprobs, **penalties)
+                          min_p=float(min_p), min_tokens=min_tokens, logprobs=logprobs,
+                          guided=_guided(body), **penalties)
+
+
+_GUIDED_PARAMS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar"}
+
+
+def _guided(body: dict) -> str:
+    """A structured output, however it was asked: OpenAI's ``response_format`` (``json_object``,
+    ``json_schema``), vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
+    ``guided_grammar``, or vLLM's newer ``structured_outputs`` object. At most one; checked
+    by compiling its grammar here (control.guided), so a bad one is a 400, not a failed request."""
+    asked: list[tuple[str, dict]] = []
+    rf = body.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+            raise bad_request("'response_format' must be an object with a 'type'.", "response_format",
+                              "invalid_type")
+        if rf["type"] == "json_object":
+            asked.append(("response_format", {"json_object": True}))
+        elif rf["type"] == "json_schema":
+            js = rf.get("json_schema")
+            schema = js.get("schema", js.get("json_schema")) if isinstance(js, dict) else None
+            if not isinstance(schema, dict):
+                raise bad_request("'response_format.json_schema.schema' must be a JSON Schema object.",
+                                  "response_format", "invalid_value")
+            asked.append(("response_format", {"json": schema}))
+        elif rf["type"] != "text":
+            raise bad_request(f"'response_format' type {rf['type']!r} is not one of text, json_object, "
+                              "json_schema.", "response_format", "invalid_value")
+    for name, kind in _GUIDED_PARAMS.items():
+        v = body.get(name)
+        if v is not None:
+            if kind == "json" and isinstance(v, str):
+                try:
+                    v = orjson.loads(v)
+                except orjson.JSONDecodeError:
+                    raise bad_request(f"'{name}' is not JSON.", name, "invalid_value") from None
+            asked.append((name, {kind: v}))
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise bad_request("'structured_outputs' must be an object.", "structured_outputs", "invalid_type")
+        for kind in ("json", "regex", "choice", "grammar"):
+            if so.get(kind) is not None:
+                asked.append(("structured_outputs", {kind: so[kind]}))
+        if so.get("json_object"):
+            asked.append(("structured_outputs", {"json_object": True}))
+    if not asked:
+        return ""
+    if len(asked) > 1:
+        raise bad_request(f"Ask for one structured output, not {len(asked)} ("
+                          + ", ".join(sorted({n for n, _ in asked})) + ").", asked[1][0], "invalid_value")
+    name, spec = asked[0]
+    try:
+        text = canonical(spec)
+        check(text)
+    except GuidedError as e:
+        raise bad_request(f"'{name}': {e}", name, "invalid_value") from None
+    return text
 
 
 def _logit_bias(body: dict, limits: Limits) -> tuple[tuple[int, float], ...]:
@@ -424,7 +485,6 @@ def _tools(body: dict, limits: Limits) -> tuple[list[dict] | None, str | None]:
 
 def parse_chat(body: dict, limits: Limits, tokenizer: TokenizerLike) -> GenerationRequest:
     model = _check_model(body, limits)
-    _reject_unsupported(body, {"response_format": {"type": "text"}})
     tools, parser = _tools(body, limits)
     _opt(body, "parallel_tool_calls", lambda v: isinstance(v, bool), "a boolean")
     want = _opt(body, "logprobs", lambda v: isinstance(v, bool), "a boolean", False)

@@ -1,0 +1,88 @@
+"""Guided decoding (structured outputs): what a request's ``sampling.guided`` may say, and the
+grammar it becomes.
+
+The spec is one small JSON object on the request event, so an operator can write one by hand
+and any engine can compile it: ``{"json": <JSON Schema>}``, ``{"json_object": true}`` (any
+JSON object), ``{"regex": "<pattern>"}``, ``{"choice": ["yes", "no"]}`` or ``{"grammar":
+"<Lark>"}`` — OpenAI's ``response_format`` and vLLM's ``guided_*`` parameters map onto it. It
+travels as canonical JSON text (``SamplingParams.guided``), so sampling parameters stay
+hashable and two equal specs compare equal.
+
+Compiling and the token masks are llguidance's (the Rust library vLLM and SGLang use for the
+same): a grammar is checked here, where the API validates a request before anything reaches
+Redis, and each engine's model runner keeps one matcher per guided request
+(:mod:`engine.guided`). JSON is compiled without free whitespace (``", "`` and ``": "``):
+small models otherwise fill the allowed whitespace instead of the object.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+MAX_SPEC_BYTES = 64 << 10
+
+
+class GuidedError(ValueError):
+    """A spec that is malformed or whose grammar does not compile."""
+
+
+def canonical(spec: dict[str, Any]) -> str:
+    """The spec as the text ``SamplingParams.guided`` holds (checked: :func:`parse`)."""
+    text = json.dumps(spec, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    parse(text)
+    return text
+
+
+def parse(text: str) -> tuple[str, Any]:
+    """``(kind, value)`` of a spec's text; raises :class:`GuidedError` for a malformed one."""
+    if len(text.encode()) > MAX_SPEC_BYTES:
+        raise GuidedError(f"at most {MAX_SPEC_BYTES} bytes")
+    try:
+        spec = json.loads(text)
+    except ValueError:
+        raise GuidedError("not JSON") from None
+    if not isinstance(spec, dict) or len(spec) != 1 or next(iter(spec)) not in KINDS:
+        raise GuidedError(f"one of {', '.join(KINDS)}, as an object with that one key")
+    kind, value = next(iter(spec.items()))
+    ok = {"json": isinstance(value, (dict, bool)),
+          "json_object": value is True,
+          "regex": isinstance(value, str) and value != "",
+          "grammar": isinstance(value, str) and value.strip() != "",
+          "choice": isinstance(value, list) and bool(value) and all(isinstance(c, str) and c for c in value)}[kind]
+    if not ok:
+        what = {"json": "a JSON Schema (an object)", "json_object": "true", "regex": "a non-empty pattern",
+                "grammar": "a Lark grammar", "choice": "a non-empty list of non-empty strings"}[kind]
+        raise GuidedError(f"'{kind}' must be {what}")
+    return kind, value
+
+
+def grammar(text: str) -> str:
+    """The llguidance grammar of a spec's text (not yet checked against a vocabulary)."""
+    import llguidance
+
+    kind, value = parse(text)
+    compact = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    if kind in ("json", "json_object"):
+        schema = {"type": "object"} if kind == "json_object" else value
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=compact)
+        except (ValueError, TypeError) as e:
+            raise GuidedError(f"bad JSON Schema: {e}") from None
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(value)
+    if kind == "choice":
+        return llguidance.LLMatcher.grammar_from_lark(
+            "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value))
+    return llguidance.LLMatcher.grammar_from_lark(value)
+
+
+def check(text: str) -> None:
+    """Raise :class:`GuidedError` unless the spec is well formed and its grammar compiles."""
+    import llguidance
+
+    g = grammar(text)
+    error = llguidance.LLMatcher.validate_grammar(g)
+    if error and not error.startswith("WARNING"):
+        raise GuidedError(error.strip().splitlines()[0][:300])
