@@ -159,8 +159,8 @@ async def test_a_conversation_with_calls_and_their_results(real_bus):
 
 
 @pytest.mark.parametrize("extra, param, code", [
-    ({"tool_choice": "required"}, "tool_choice", "unsupported"),
-    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice", "unsupported"),
+    ({"tool_choice": {"type": "function", "function": {"name": "no_such_tool"}}}, "tool_choice", "invalid_value"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice", "invalid_value"),
     ({"tool_choice": "sometimes"}, "tool_choice", "invalid_value"),
     ({"tools": {"type": "function"}}, "tools", "invalid_type"),
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools",
@@ -269,3 +269,65 @@ async def test_the_openai_client_reads_the_calls(real_bus):
                                                                ("get_time", "{}")]
         assert reasons[-1] == "tool_calls"
         await client.close()
+
+
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["zone"],
+    "properties": {"zone": {"enum": ["UTC", "CET"]}}}}}
+CITY = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["city"],
+    "properties": {"city": {"enum": ["Paris", "Rome"]}}}}}
+
+
+async def test_a_forced_call_is_what_the_model_answers(served):
+    """tool_choice "required" or a named function makes the model's whole answer a call
+    (guided decoding to the tools' schemas), with no server flag, as in vLLM: the random
+    tiny model, whose free text is noise, returns calls whose arguments fit the schemas."""
+    api, _ = served
+    client = openai.AsyncOpenAI(base_url=f"{api.url}/v1", api_key="none", max_retries=0)
+    kw = dict(model=api.cfg.model_name, messages=[{"role": "user", "content": "Weather?"}],
+              tools=[CITY, TIME], max_tokens=60)
+    c = await client.chat.completions.create(
+        **kw, temperature=0, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    ch = c.choices[0]
+    assert ch.finish_reason == "stop" and ch.message.content is None  # OpenAI's, for a named one
+    (call,) = ch.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert orjson.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+    for seed in (1, 2, 3):  # (one call each: a random model may well list calls without end)
+        c = await client.chat.completions.create(**kw, temperature=1.0, seed=seed, tool_choice="required",
+                                                 parallel_tool_calls=False)
+        ch = c.choices[0]
+        assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls) == 1
+        for call in ch.message.tool_calls:
+            args = orjson.loads(call.function.arguments)
+            assert (call.function.name, set(args)) in (("get_weather", {"city"}), ("get_time", {"zone"}))
+    # streamed: the calls come whole before the last chunk
+    stream = await client.chat.completions.create(**kw, temperature=0, stream=True, tool_choice="required",
+                                                  parallel_tool_calls=False)
+    calls = [t for chunk in [c async for c in stream] for chx in chunk.choices for t in chx.delta.tool_calls or ()]
+    assert calls and all(t.function.name in ("get_weather", "get_time") for t in calls)
+    await client.close()
+
+
+def test_forced_answers_read_as_calls():
+    from fd.api.tool_calls import forced_calls
+
+    assert forced_calls("required", '[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {}}]') == [
+        ToolCall("f", '{"a": 1}'), ToolCall("g", "{}")]
+    assert forced_calls("named:f", ' {"a": [1, 2]} ') == [ToolCall("f", '{"a": [1, 2]}')]
+    for mode, cut in (("named:f", '{"a": '), ("required", '[{"name": "f", "param'), ("required", "{}")):
+        assert forced_calls(mode, cut) is None
+
+
+async def test_a_forced_answer_cut_short_is_shown_as_text(real_bus):
+    """(The fake engine ignores the grammar: what a max_tokens cut leaves looks the same.)"""
+    async with setup(real_bus, FakeEngine(real_bus)) as client:
+        body = {**CHAT, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+        r = await (await client.post("/v1/chat/completions", json=body)).json()
+        assert r["choices"][0]["message"] == {"role": "assistant", "content": "Hello, world!"}
+        events = parse_sse(await (await client.post("/v1/chat/completions", json={**body, "stream": True})).read())
+        got = _accumulate([orjson.loads(d) for _, d in events[:-1]])
+        assert got[0]["content"] == "Hello, world!" and not got[0]["calls"]
+        sent = [decode(f).data.sampling.guided for _, f in await real_bus.redis.xrange(real_bus.keys.requests)]
+        assert sent and all(orjson.loads(g)["json"] == WEATHER["function"]["parameters"] for g in sent)

@@ -127,10 +127,16 @@ def _schemas(model_name: str, max_model_len: int, vocab_size: int | None) -> dic
                                                "properties": {"type": {"type": "string", "enum": ["function"]},
                                                               "function": function}}},
                            "tool_choice": {
-                               "type": "string", "nullable": True, "enum": ["none", "auto"],
+                               "nullable": True,
+                               "oneOf": [{"type": "string", "enum": ["none", "auto", "required"]},
+                                         {"type": "object", "required": ["type", "function"], "properties": {
+                                             "type": {"type": "string", "enum": ["function"]},
+                                             "function": {"type": "object", "required": ["name"],
+                                                          "properties": {"name": {"type": "string"}}}}}],
                                "description": "auto (the default with tools) needs a server started "
                                               "with --enable-auto-tool-choice --tool-call-parser; "
-                                              "required and named functions are refused."},
+                                              "required and a named function guide the answer to "
+                                              "the tools' schemas."},
                            "parallel_tool_calls": _NULLABLE_BOOL}},
         "CompletionRequest": {
             "type": "object", "required": ["prompt"],

@@ -20,7 +20,7 @@ from control.events import (MAX_LOGPROBS, MAX_REPETITION_PENALTY, Final, Samplin
 from control.guided import GuidedError, canonical, check
 from control.keys import choice_ids
 from fd.api.errors import ApiError, bad_request, not_found, too_large
-from fd.api.tool_calls import HermesParser, ToolCall, call_id, parse_all
+from fd.api.tool_calls import HermesParser, ToolCall, call_id, forced_calls, forced_spec, parse_all
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_TOOLS = 128
@@ -476,9 +476,15 @@ def _tools(body: dict, limits: Limits) -> tuple[list[dict] | None, str | None]:
                               "--enable-auto-tool-choice and --tool-call-parser.", "tool_choice",
                               "unsupported")
         return tools, limits.tool_parser
-    if choice == "required" or isinstance(choice, dict):
-        raise bad_request("Only tool_choice \"auto\" and \"none\" are supported (\"required\" and a "
-                          "named function need constrained decoding).", "tool_choice", "unsupported")
+    if choice == "required":
+        return tools, "required"
+    if isinstance(choice, dict):
+        fn = choice.get("function") if choice.get("type") == "function" else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str) or name not in {t["function"]["name"] for t in tools}:
+            raise bad_request("A named tool_choice must be {\"type\": \"function\", \"function\": "
+                              "{\"name\": <one of the tools>}}.", "tool_choice", "invalid_value")
+        return tools, "named:" + name
     raise bad_request("'tool_choice' must be \"none\", \"auto\", \"required\" or a named function.",
                       "tool_choice", "invalid_value")
 
@@ -486,7 +492,7 @@ def _tools(body: dict, limits: Limits) -> tuple[list[dict] | None, str | None]:
 def parse_chat(body: dict, limits: Limits, tokenizer: TokenizerLike) -> GenerationRequest:
     model = _check_model(body, limits)
     tools, parser = _tools(body, limits)
-    _opt(body, "parallel_tool_calls", lambda v: isinstance(v, bool), "a boolean")
+    parallel = _opt(body, "parallel_tool_calls", lambda v: isinstance(v, bool), "a boolean", True)
     want = _opt(body, "logprobs", lambda v: isinstance(v, bool), "a boolean", False)
     top = _opt(body, "top_logprobs", _is_int, "an integer", None)
     if top and not want:
@@ -499,6 +505,17 @@ def parse_chat(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Generati
     if not ids:
         raise bad_request("The prompt is empty.", "messages", "invalid_value")
     sampling = _sampling(body, len(ids), limits, None, logprobs)
+    forced = forced_spec(parser, tools, parallel) if parser else None
+    if forced is not None:  # tool_choice "required" or a named function: the output is the call
+        if sampling.guided:
+            raise bad_request("A forced tool_choice and a structured output cannot go together.",
+                              "tool_choice", "invalid_value")
+        try:
+            guided = canonical(forced)
+            check(guided)
+        except GuidedError as e:
+            raise bad_request(f"The tools' parameters do not compile: {e}", "tools", "invalid_value") from None
+        sampling = dataclasses.replace(sampling, guided=guided)
     return GenerationRequest("chat", model, ids, sampling, stream, include_usage, background, continuous,
                              _choices(body), tool_parser=parser)
 
@@ -702,6 +719,7 @@ class Renderer:
         self._lp_offset = 0  # completions' text_offset of the next token
         # chat with tools (the `accepted` event's tool_parser): the model's text read for calls
         self.tools: HermesParser | None = None
+        self.forced: str | None = None  # tool_choice required / named (fd.api.tool_calls.forced_calls)
         self._calls = 0  # tool calls rendered so far
 
     # -- log-probabilities
@@ -795,14 +813,24 @@ class Renderer:
         if getattr(accepted, "echo", None) is not None:
             self.echo = accepted.echo
             self.echo_only = bool(accepted.echo_only)
-        if getattr(accepted, "tool_parser", None) and self.endpoint == "chat" and self.tools is None:
-            self.tools = HermesParser()
+        mode = getattr(accepted, "tool_parser", None)
+        if mode and self.endpoint == "chat" and self.tools is None and self.forced is None:
+            if mode == "hermes":
+                self.tools = HermesParser()
+            else:  # "required" / "named:<function>": the whole output is the call(s)
+                self.forced = mode
 
     @property
     def structured(self) -> bool:
         """A tokens event may render as several chunks (content, then a tool call): the
         caller takes :meth:`token_chunks`, not :meth:`token_json`."""
-        return self.tools is not None
+        return self.tools is not None or self.forced is not None
+
+    def _forced(self) -> tuple[str, list[ToolCall]]:
+        """A forced call's output: its calls, or (cut short, not JSON) the text as content."""
+        text = "".join(self.text)
+        calls = forced_calls(self.forced, text)
+        return ("", calls) if calls is not None else (text, [])
 
     def _call_json(self, i: int, call: ToolCall) -> dict:
         return {"id": call_id(self.rid, self.index, i), "type": "function",
@@ -825,7 +853,10 @@ class Renderer:
         return out
 
     def _finish_reason(self, fr: str) -> str:
-        # as vLLM: a response that called tools ends with "tool_calls" when it stopped itself
+        # as vLLM: a response that called tools ends with "tool_calls" when it stopped itself,
+        # but a named tool_choice with "stop", as OpenAI's
+        if self.forced is not None and self.forced.startswith("named:"):
+            return fr
         return "tool_calls" if self._calls and fr == "stop" else fr
 
     def start_chunks(self, accepted: Any = None) -> list[dict]:
@@ -871,7 +902,7 @@ class Renderer:
         """The chunk of a tokens event; its log-probabilities, if the request asked, ride on it
         (or, for tokens with no text of their own yet, on the next chunk that has some)."""
         text = self.add_tokens(text, n_tokens, token_ids, logprobs, prompt_logprobs)
-        if not text:
+        if not text or self.forced is not None:  # (a forced call is rendered whole at the end)
             return []
         chunks = self._tool_chunks(self.tools.feed(text)) if self.tools is not None else [self._text_chunk(text)]
         if chunks and self.logprobs:
@@ -900,6 +931,9 @@ class Renderer:
             return [final_error(final).body()]
         fr = final.finish_reason
         held = self._tool_chunks(self.tools.finish()) if self.tools is not None else []
+        if self.forced is not None:
+            text, calls = self._forced()
+            held = self._tool_chunks([text] if text else calls)
         if self.endpoint == "chat":
             last = chat_chunk(self.rid, self.created, self.model, {}, self._finish_reason(fr),
                               self.include_usage)
@@ -926,7 +960,10 @@ class Renderer:
         calls: list[ToolCall] = []
         if self.tools is not None:
             text, calls = parse_all(text)
-        fr = "tool_calls" if calls and final.finish_reason == "stop" else final.finish_reason
+        elif self.forced is not None:
+            text, calls = self._forced()
+        self._calls = len(calls)
+        fr = self._finish_reason(final.finish_reason)
         body = build(self.rid, self.created, self.model, text, fr, self.final_usage(final),
                      final.stop_reason)
         if calls:

@@ -128,3 +128,36 @@ def parse_all(text: str) -> tuple[str, list[ToolCall]]:
     items = p.feed(text) + p.finish()
     return ("".join(x for x in items if isinstance(x, str)),
             [x for x in items if isinstance(x, ToolCall)])
+
+
+def forced_spec(mode: str, tools: list[dict], parallel: bool = True) -> dict | None:
+    """The structured output (control.guided) that makes the model's whole answer the call:
+    a named function's arguments (its parameters' schema), or for ``required`` a list of
+    ``{"name", "parameters"}`` objects, one of the tools each (vLLM's forms); just one with
+    ``parallel_tool_calls: false``."""
+    def params(t: dict) -> dict:
+        return t["function"].get("parameters") or {"type": "object"}
+
+    if mode.startswith("named:"):
+        name = mode[len("named:"):]
+        return {"json": next(params(t) for t in tools if t["function"]["name"] == name)}
+    if mode == "required":
+        return {"json": {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}), "items": {"anyOf": [
+            {"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
+             "properties": {"name": {"const": t["function"]["name"]}, "parameters": params(t)}}
+            for t in tools]}}}
+    return None
+
+
+def forced_calls(mode: str, text: str) -> list[ToolCall] | None:
+    """The calls of a forced answer (:func:`forced_spec`); None if it is not one (cut short
+    by max_tokens)."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    if mode.startswith("named:"):
+        return [ToolCall(mode[len("named:"):], text.strip())] if isinstance(obj, dict) else None
+    if not isinstance(obj, list) or not all(isinstance(x, dict) and isinstance(x.get("name"), str) for x in obj):
+        return None
+    return [ToolCall(x["name"], json.dumps(x.get("parameters", {}), ensure_ascii=False)) for x in obj]
