@@ -365,6 +365,8 @@ class Scheduler:
             if cfg.enable_prefix_caching:
                 self.num_cache_queries += seq.num_tokens
                 self.num_cache_hits += seq.num_computed_tokens
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = seq.num_computed_tokens
             self.blocks.ensure(seq.request_id, seq.num_computed_tokens + n)
             seq.status = Status.RUNNING
             bisect.insort(self._running, seq, key=lambda s: s.arrival)

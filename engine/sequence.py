@@ -32,7 +32,7 @@ class Sequence:
     __slots__ = ("request_id", "arrival", "sampling", "num_prompt_tokens", "token_ids",
                  "num_computed_tokens", "status", "aborting", "num_preemptions",
                  "num_in_flight", "num_pending", "finishing", "num_discarded", "block_hashes",
-                 "num_registered")
+                 "num_registered", "num_cached_tokens")
 
     def __init__(self, request_id: str, prompt_token_ids: tuple[int, ...],
                  sampling: SamplingParams, arrival: int):
@@ -57,6 +57,7 @@ class Sequence:
         # chained to the one before), and how many of its table's blocks it has registered
         self.block_hashes: list[bytes] = []
         self.num_registered = 0
+        self.num_cached_tokens = -1  # prompt tokens the cache spared at its first start (-1: not yet)
 
     @property
     def num_tokens(self) -> int:
@@ -93,8 +94,11 @@ class Sequence:
         # Every generated token was emitted in a Tokens event (tokens of an aborted in-flight
         # step are never appended), so this is what the client has seen.
         out = self.num_output_tokens
-        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": out,
-                "total_tokens": self.num_prompt_tokens + out}
+        u = {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": out,
+             "total_tokens": self.num_prompt_tokens + out}
+        if self.num_cached_tokens > 0:  # (OpenAI's prompt_tokens_details.cached_tokens)
+            u["cached_tokens"] = min(self.num_cached_tokens, self.num_prompt_tokens)
+        return u
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "

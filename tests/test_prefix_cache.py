@@ -34,12 +34,20 @@ async def test_a_shared_system_prompt_is_computed_once(served, tiny_runner, tiny
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     want = [g.text for g in plain.generate(
         [tiny_tokenizer.encode(tiny_tokenizer.apply_chat_template(m)) for m in msgs], sp)]
-    got = []
+    got, cached = [], []
     for m in msgs:  # one after another: each finds what the ones before computed
         c = await client.chat.completions.create(model=api.cfg.model_name, messages=m, max_tokens=12,
                                                  temperature=0, extra_body={"ignore_eos": True})
         got.append(c.choices[0].message.content)
+        details = c.usage.prompt_tokens_details
+        cached.append(details.cached_tokens if details is not None else 0)
     assert got == want
+    # OpenAI's usage says how much of each prompt the cache spared (whole 16-token blocks)
+    assert cached[0] == 0 and cached[1] >= 32 and cached[2] > cached[1] and all(n % 16 == 0 for n in cached)
+    stream = await client.chat.completions.create(model=api.cfg.model_name, messages=msgs[2], max_tokens=4,
+                                                  stream=True, stream_options={"include_usage": True})
+    last = [chunk async for chunk in stream][-1]
+    assert last.usage.prompt_tokens_details.cached_tokens == cached[2]
     prompt_len = len(tiny_tokenizer.encode(tiny_tokenizer.apply_chat_template(msgs[0])))
     hits = eng.node.sched.num_cache_hits
     assert hits >= 2 * 32 and eng.node.sched.num_cache_queries >= 3 * prompt_len - 16

@@ -625,14 +625,19 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def final_usage(final: Final, prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    """The engine's usage when it sent one, else what this replica counted."""
+def final_usage(final: Final, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """The engine's usage when it sent one, else what this replica counted; with OpenAI's
+    ``prompt_tokens_details.cached_tokens`` when the prefix cache spared some of the prompt."""
     u = final.usage or {}
     p = u.get("prompt_tokens", prompt_tokens)
     c = u.get("completion_tokens", completion_tokens)
-    if _is_int(p) and _is_int(c):
-        return usage(p, c)
-    return usage(prompt_tokens, completion_tokens)
+    if not (_is_int(p) and _is_int(c)):
+        return usage(prompt_tokens, completion_tokens)
+    out: dict[str, Any] = usage(p, c)
+    cached = u.get("cached_tokens")
+    if _is_int(cached) and 0 < cached <= p:
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out
 
 
 def chat_completion(rid: str, created: int, model: str, text: str, finish_reason: str,
