@@ -43,6 +43,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from control.bus import Bus
+from control.guided import GuidedError
+from control.guided import check as check_guided
 from control.events import (
     Abort,
     AbortAll,
@@ -689,6 +691,13 @@ class EngineNode:
                               step=self.sched.step)])
             return
         sp = data.sampling
+        if sp.guided:  # (the API checked it; a hand-written request may not have been)
+            try:
+                check_guided(sp.guided)
+            except GuidedError as e:
+                self._emit([Final(request_id=rid, finish_reason="error", usage=usage,
+                                  error=f"sampling.guided does not compile: {e}", step=self.sched.step)])
+                return
         detok = IncrementalDetokenizer(self.tokenizer, stop=sp.stop,
                                        include_stop_str_in_output=sp.include_stop_str_in_output,
                                        min_tokens=sp.min_tokens)

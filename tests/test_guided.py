@@ -152,3 +152,22 @@ def test_a_hand_written_request_with_a_spec(tiny_runner, tiny_tokenizer):
     from control.events import BadEvent
     with pytest.raises(BadEvent):
         SamplingParams.from_dict({"guided": '{"regex": 5}'})
+
+
+async def test_a_hand_written_spec_that_does_not_compile_ends_with_an_error(served):
+    """`redis-cli XADD fd:requests ...` with a grammar that names an undefined rule: the
+    engine answers with an error final instead of generating unconstrained text."""
+    from control.events import Final, Request, encode
+    from test_api_streaming import wait_for
+
+    api, eng = served
+    bad = json.dumps({"grammar": "start: nothing_defined"})
+    await api.bus.redis.xadd(api.bus.keys.requests, encode(Request(request_id="hw", data=RequestData(
+        prompt_token_ids=(5, 6, 7), sampling=SamplingParams(max_tokens=5, guided=bad)))))
+
+    async def ended():
+        story = await api.bus.read_req("hw")
+        return bool(story) and isinstance(story[-1][1], Final)
+    assert await wait_for(ended)
+    final = (await api.bus.read_req("hw"))[-1][1]
+    assert final.finish_reason == "error" and "does not compile" in final.error
