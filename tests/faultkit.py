@@ -55,6 +55,9 @@ class RunnerSlice:
                                         else s.token_ids))
                      for s in out.seqs)
         with self.lock:
+            # (the shared runner's own idea of the step before is the other engine's: what a
+            # penalized or guided request's history lacks comes from this slice's)
+            self.inner._last_sampled = dict(self.last)
             res = self.inner.execute(replace(out, seqs=seqs))
         self.last = dict(res.sampled)
         return res
