@@ -133,8 +133,11 @@ class Sampler:
         for i, sp in enumerate(params):
             row = logits[i]
             if not sp.plain:
-                row = adjust(row, sp, num_generated[i], seen[i] if seen is not None else None,
-                             self.eos_token_ids)
+                adjusted = adjust(row, sp, num_generated[i], seen[i] if seen is not None else None,
+                                  self.eos_token_ids)
+                # min_tokens can rule out the last token a finished grammar allows (EOS): the
+                # grammar wins, as the request cannot go on validly
+                row = adjusted if np.isfinite(adjusted).any() else row.astype(np.float64)
             elif sp.greedy:
                 continue
             if sp.greedy:

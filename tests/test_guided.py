@@ -171,3 +171,9 @@ async def test_a_hand_written_spec_that_does_not_compile_ends_with_an_error(serv
     assert await wait_for(ended)
     final = (await api.bus.read_req("hw"))[-1][1]
     assert final.finish_reason == "error" and "does not compile" in final.error
+
+
+def test_a_finished_grammar_wins_over_min_tokens(tiny_runner, tiny_tokenizer):
+    sp = SamplingParams(temperature=0.0, max_tokens=40, min_tokens=30, guided=canonical({"choice": ["yes", "no"]}))
+    g = LLM(tiny_runner, tiny_tokenizer).generate([tiny_tokenizer.encode("Answer:")], sp)[0]
+    assert g.text in ("yes", "no") and g.finish_reason == "stop"
