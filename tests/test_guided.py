@@ -177,3 +177,5 @@ def test_a_finished_grammar_wins_over_min_tokens(tiny_runner, tiny_tokenizer):
     sp = SamplingParams(temperature=0.0, max_tokens=40, min_tokens=30, guided=canonical({"choice": ["yes", "no"]}))
     g = LLM(tiny_runner, tiny_tokenizer).generate([tiny_tokenizer.encode("Answer:")], sp)[0]
     assert g.text in ("yes", "no") and g.finish_reason == "stop"
+    # and it ended there, not after min_tokens tokens of whatever an all-banned row gives
+    assert len(g.token_ids) <= len(tiny_tokenizer.encode(g.text)) + 1
