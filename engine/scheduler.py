@@ -358,10 +358,10 @@ class Scheduler:
             if room < need or (n < need and not cfg.enable_chunked_prefill):
                 break
             self._waiting.popleft()
-            if hit:
+            if hit:  # computed already: it starts after them, and they are registered
                 self.blocks.acquire(seq.request_id, hit)
-                seq.num_computed_tokens = seq.num_registered = len(hit)
-                seq.num_computed_tokens *= self.blocks.block_size
+                seq.num_registered = len(hit)
+                seq.num_computed_tokens = len(hit) * self.blocks.block_size
             if cfg.enable_prefix_caching:
                 self.num_cache_queries += seq.num_tokens
                 self.num_cache_hits += seq.num_computed_tokens

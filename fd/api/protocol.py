@@ -63,7 +63,7 @@ class GenerationRequest:
     # client asked max_tokens=0 (the engine is asked for one token, which is not shown)
     echo_texts: tuple[str, ...] = ()
     echo_only: bool = False
-    tool_parser: str | None = None  # chat with tools and tool_choice "auto": read calls with it
+    tool_parser: str | None = None  # chat with tools: how its calls are read (see _tools)
 
     def choices(self) -> list[tuple[tuple[int, ...], SamplingParams]]:
         """Each choice's prompt and sampling, in OpenAI's order: prompt ``i``'s ``j``-th choice
@@ -439,10 +439,11 @@ def _message_tool_calls(m: dict, i: int) -> list[dict] | None:
 
 
 def _tools(body: dict, limits: Limits) -> tuple[list[dict] | None, str | None]:
-    """``tools`` for the chat template, and the parser that reads the model's calls (when
-    ``tool_choice`` lets it call them). As vLLM: ``auto`` (the default with tools) needs a
-    server started with a parser; ``none`` still shows the model the tools; ``required`` and a
-    named function need constrained decoding, which fd does not have."""
+    """``tools`` for the chat template, and how the model's calls are read (the ``accepted``
+    event's ``tool_parser``): the server's parser for ``auto`` (the default with tools; as in
+    vLLM it needs a server started with one), ``required`` or ``named:<function>`` for a forced
+    call (guided to the tools' schemas: :func:`fd.api.tool_calls.forced_spec`), nothing for
+    ``none`` (the model is still shown the tools)."""
     tools = body.get("tools")
     choice = body.get("tool_choice")
     if tools is None:
@@ -857,12 +858,12 @@ class Renderer:
                                                        self._call_delta(x), None, self.include_usage)))
         return out
 
-    def _finish_reason(self, fr: str) -> str:
+    def _finish_reason(self, fr: str, called: bool) -> str:
         # as vLLM: a response that called tools ends with "tool_calls" when it stopped itself,
         # but a named tool_choice with "stop", as OpenAI's
         if self.forced is not None and self.forced.startswith("named:"):
             return fr
-        return "tool_calls" if self._calls and fr == "stop" else fr
+        return "tool_calls" if called and fr == "stop" else fr
 
     def start_chunks(self, accepted: Any = None) -> list[dict]:
         """Rendered for the ``accepted`` event: chat announces the assistant role first."""
@@ -917,9 +918,9 @@ class Renderer:
     def token_json(self, text: str, n_tokens: int, token_ids: tuple[int, ...] = (),
                    logprobs: Any = None, prompt_logprobs: Any = None) -> bytes | None:
         """:meth:`token_chunks`, already serialised: the one chunk's JSON (``orjson.dumps``
-        of it, byte for byte), or ``None`` when there is no chunk (no text)."""
-        if (logprobs is not None or self.logprobs or self.continuous_usage or self.echo is not None
-                or self.tools is not None):
+        of it, byte for byte), or ``None`` when there is no chunk (no text). Not for a
+        :attr:`structured` renderer, whose event may be several chunks."""
+        if logprobs is not None or self.logprobs or self.continuous_usage or self.echo is not None:
             chunks = self.token_chunks(text, n_tokens, token_ids, logprobs, prompt_logprobs)
             return orjson.dumps(chunks[0]) if chunks else None
         self.completion_tokens += n_tokens
@@ -935,13 +936,16 @@ class Renderer:
         if final.finish_reason == "error":
             return [final_error(final).body()]
         fr = final.finish_reason
-        held = self._tool_chunks(self.tools.finish()) if self.tools is not None else []
-        if self.forced is not None:
+        if self.tools is not None:
+            held = self._tool_chunks(self.tools.finish())
+        elif self.forced is not None:
             text, calls = self._forced()
             held = self._tool_chunks([text] if text else calls)
+        else:
+            held = []
         if self.endpoint == "chat":
-            last = chat_chunk(self.rid, self.created, self.model, {}, self._finish_reason(fr),
-                              self.include_usage)
+            last = chat_chunk(self.rid, self.created, self.model, {},
+                              self._finish_reason(fr, self._calls > 0), self.include_usage)
         else:  # (an echo still owed, if no token ever came: aborted before it ran)
             last = completion_chunk(self.rid, self.created, self.model, self._owed_echo(), fr,
                                     self.include_usage)
@@ -967,9 +971,8 @@ class Renderer:
             text, calls = parse_all(text)
         elif self.forced is not None:
             text, calls = self._forced()
-        self._calls = len(calls)
-        fr = self._finish_reason(final.finish_reason)
-        body = build(self.rid, self.created, self.model, text, fr, self.final_usage(final),
+        body = build(self.rid, self.created, self.model, text,
+                     self._finish_reason(final.finish_reason, bool(calls)), self.final_usage(final),
                      final.stop_reason)
         if calls:
             message = body["choices"][0]["message"]
