@@ -368,6 +368,7 @@ class Accepted(Event):
     # nothing else; each choice is a request `<id>.<k>` whose `accepted` names `parent` and
     # `index` (written only when set, like continuous_usage).
     choices: int | None = None
+    n: int | None = None  # (the response's) choices of each prompt: `choices` / number of prompts
     parent: str | None = None
     index: int | None = None
     # Completions' echo: the prompt's text, shown before the completion; `echo_only` when the

@@ -87,3 +87,36 @@ async def _idle(eng) -> bool:
     await asyncio.sleep(0)
     s = eng.node.sched
     return s.num_free_blocks == s.num_total_blocks and not s.has_work()
+
+
+async def test_a_response_of_choices_counts_each_prompts_cached_tokens_once(served):
+    """n > 1 and completions batches: the prompt is counted once in usage, so its cached
+    tokens are one choice's (not n times), summed over the batch's prompts; a replay says
+    the same."""
+    import aiohttp
+
+    api, eng = served
+    client = openai.AsyncOpenAI(base_url=f"{api.url}/v1", api_key="none", max_retries=0)
+    model = api.cfg.model_name
+    prompts = [SYSTEM + " Tell me about the bakery.", SYSTEM + " And the boats?"]
+    single = []
+    for p in prompts:
+        await client.completions.create(model=model, prompt=p, max_tokens=1)  # computes it
+        c = await client.completions.create(model=model, prompt=p, max_tokens=1)
+        single.append(c.usage.prompt_tokens_details.cached_tokens)
+    assert all(n >= 32 for n in single)
+    c = await client.completions.create(model=model, prompt=prompts[0], max_tokens=3, n=3)
+    assert len(c.choices) == 3 and c.usage.prompt_tokens_details.cached_tokens == single[0]
+    c = await client.completions.create(model=model, prompt=prompts, max_tokens=3, n=2)
+    assert len(c.choices) == 4 and c.usage.prompt_tokens_details.cached_tokens == sum(single)
+    stream = await client.completions.create(model=model, prompt=prompts, max_tokens=3, n=2, stream=True,
+                                             stream_options={"include_usage": True})
+    chunks = [chunk async for chunk in stream]
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == sum(single)
+    async with aiohttp.ClientSession() as s:  # any replica's replay renders the same usage
+        async with s.get(f"{api.url}/v1/requests/{chunks[0].id}/stream") as r:
+            body = await r.text()
+    frames = [line[6:] for line in body.splitlines() if line.startswith("data: {")]
+    assert '"cached_tokens":%d' % sum(single) in frames[-1].replace(" ", "")
+    assert await wait_for(lambda: _idle(eng))
+    await client.close()

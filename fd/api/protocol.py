@@ -997,9 +997,12 @@ class Choices:
 
     def __init__(self, request_id: str, n: int, endpoint: str, model: str, created: int,
                  prompt_tokens: int, include_usage: bool = False,
-                 token_bytes: Callable[[int], bytes] | None = None, continuous_usage: bool = False):
+                 token_bytes: Callable[[int], bytes] | None = None, continuous_usage: bool = False,
+                 per_prompt: int | None = None):
         self.rid = request_id
         self.request_ids = choice_ids(request_id, n)
+        # choices of each prompt (a story written before `n` was: all of one prompt)
+        self.per_prompt = per_prompt if _is_int(per_prompt) and 0 < per_prompt <= n else n
         self.endpoint, self.model, self.created = endpoint, model, created
         self.prompt_tokens = prompt_tokens
         self.include_usage = include_usage
@@ -1014,12 +1017,19 @@ class Choices:
     def done(self) -> bool:
         return all(f is not None for f in self.finals)
 
-    def _usage(self) -> dict[str, int]:
+    def _usage(self) -> dict[str, Any]:
         # what the engines counted for the choices that ended, this replica's count for the rest
-        c = sum(r.completion_tokens if f is None
-                else r.final_usage(f)["completion_tokens"]
-                for f, r in zip(self.finals, self.parts))
-        return usage(self.prompt_tokens, c)
+        ended = [None if f is None else r.final_usage(f) for f, r in zip(self.finals, self.parts)]
+        c = sum(r.completion_tokens if u is None else u["completion_tokens"]
+                for u, r in zip(ended, self.parts))
+        out: dict[str, Any] = usage(self.prompt_tokens, c)
+        # Each prompt counted once, so its cached tokens are those of one choice, its first:
+        # its siblings may reuse what it computed, which the prompt did not get for free.
+        cached = sum(u.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+                     for u in ended[::self.per_prompt] if u is not None)
+        if cached:
+            out["prompt_tokens_details"] = {"cached_tokens": cached}
+        return out
 
     def _stamp(self, chunks: list[dict]) -> list[dict]:
         if self.continuous_usage:

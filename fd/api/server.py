@@ -397,11 +397,12 @@ class Api:
                       Accepted(request_id=c, parent=rid, index=k, prompt_tokens=len(prompt), **common,
                                **_echo(gen, k // gen.n)))
                      for k, (c, (prompt, sp)) in enumerate(zip(ids, plan))]
-            parent = Accepted(request_id=rid, choices=len(ids), prompt_tokens=n_prompt, **common)
+            parent = Accepted(request_id=rid, choices=len(ids), n=gen.n, prompt_tokens=n_prompt, **common)
             if not await self.bus.submit_choices(parent, items):
                 raise conflict(f"A request with id '{rid}' already exists.", "X-Request-Id")
             choices = protocol.Choices(rid, len(ids), endpoint, gen.model, created, n_prompt,
-                                       gen.include_usage, self._token_bytes, gen.continuous_usage)
+                                       gen.include_usage, self._token_bytes, gen.continuous_usage,
+                                       gen.n)
             timing = [_Timing(self.metrics, arrival) for _ in ids]  # latencies are each choice's
             if gen.stream:
                 resp = await self._stream(request, rid, self._merged(subs), choices, timing)
@@ -628,7 +629,7 @@ class Api:
                 raise not_found(f"Choice '{c}' of request '{rid}' has expired.", "id", "request_not_found")
         choices = protocol.Choices(rid, first.choices, first.endpoint or "completion", first.model,
                                    first.created, first.prompt_tokens, include_usage, self._token_bytes,
-                                   bool(first.continuous_usage))
+                                   bool(first.continuous_usage), first.n)
         subs = [await self.mux.subscribe(c, b"0") for c in choices.request_ids]
         try:
             return await self._stream(request, rid, self._merged(subs), choices, None, skip)
