@@ -10,6 +10,7 @@ a multi-byte character.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from datetime import datetime
@@ -20,6 +21,19 @@ import jinja2.sandbox
 import tokenizers
 
 DEFAULT_MAX_MODEL_LEN = 2048
+
+
+def served_context(asked: int | None, model: int) -> int:
+    """The context served (prompt + output, in tokens): ``--max-model-len`` when given, else
+    the model's own (``max_position_embeddings``). Here because the API (which refuses longer
+    requests) and the engine (which finishes them with an error) must agree on it. Longer than
+    the model's own is refused, as vLLM does: positions past it were never trained."""
+    if asked is None:
+        return model
+    if asked < 2 or asked > model:
+        raise ValueError(f"--max-model-len {asked} must be between 2 and the model's context of "
+                         f"{model} tokens (max_position_embeddings in config.json)")
+    return asked
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -123,6 +137,17 @@ class Tokenizer:
                    max_model_len=cfg.get("max_position_embeddings") or DEFAULT_MAX_MODEL_LEN,
                    byte_level=is_byte_level(decoder))
 
+    def with_chat_template(self, template: str) -> "Tokenizer":
+        """This tokenizer with another chat template (``--chat-template``), compiled now so a
+        broken one is said at start-up, not at the first chat request."""
+        other = copy.copy(self)
+        other.chat_template, other._template = template, None
+        try:
+            other._compile()
+        except jinja2.exceptions.TemplateError as e:
+            raise ValueError(f"the chat template does not compile: {e}") from None
+        return other
+
     # ------------------------------------------------------------------ text <-> ids
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -172,14 +197,18 @@ class Tokenizer:
                             **kwargs: Any) -> str:
         """Render messages with the model's Jinja chat template, as ``transformers`` does."""
         if self._template is None:
-            if not self.chat_template:
-                raise ValueError(f"model {self.name!r} has no chat_template in tokenizer_config.json")
-            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise_exception
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False,
-                                                                           indent=indent)
-            self._template = env.from_string(self.chat_template)
+            self._compile()
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                      bos_token=self.bos_token or "", eos_token=self.eos_token or "",
                                      **kwargs)
+
+    def _compile(self) -> None:
+        if not self.chat_template:
+            raise ValueError(f"model {self.name!r} has no chat_template in tokenizer_config.json "
+                             "(give one with --chat-template)")
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False,
+                                                                       indent=indent)
+        self._template = env.from_string(self.chat_template)

@@ -63,6 +63,7 @@ from control.events import (
     tombstone_story,
 )
 from control.keys import choice_ids, is_tombstone, owner_choices
+from control.tokenizer import served_context
 from engine import failover
 from engine.config import SchedulerConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -111,6 +112,10 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_num_waiting: int = 16
+    # The longest prompt + output a request may have; None: the model's own
+    # (max_position_embeddings). Over the model's own is refused: positions past it were never
+    # trained.
+    max_model_len: int | None = None
     heartbeat_s: float = 1.0
     heartbeat_ttl_s: int = 5
     tombstone_ttl_s: int = 600
@@ -162,13 +167,18 @@ class EngineNode:
             block_size=cfg.block_size,
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_model_len=runner.max_model_len,
+            max_model_len=served_context(cfg.max_model_len, runner.max_model_len),
             eos_token_ids=tuple(runner.eos_token_ids),
             max_num_waiting=cfg.max_num_waiting,
             vocab_size=int(getattr(runner, "vocab_size", 0) or 0),
             max_steps_in_flight=2 if cfg.async_scheduling else 1,
             enable_prefix_caching=cfg.enable_prefix_caching,
         )), self.id, enabled=cfg.journal, clock=time.time)
+        context, kv = self.sched.config.max_model_len, runner.num_blocks * cfg.block_size
+        if kv < context:  # (vLLM refuses to start; here such a request ends early instead)
+            log.warning("the KV cache holds %d tokens, fewer than the context of %d: a request "
+                        "that outgrows it ends with finish_reason length (give --max-model-len "
+                        "%d, or more --kv-cache-mb)", kv, context, kv, extra={"engine": cfg.engine_id})
         self._entry: dict[str, bytes] = {}  # request id -> its P:requests entry, XACKed at final
         self._request: dict[str, Request] = {}  # what was claimed, for a drain's hand-back
         self._detok: dict[str, IncrementalDetokenizer] = {}

@@ -49,6 +49,7 @@ def _add_engine_args(p: argparse.ArgumentParser, worker_cpus: str = "none") -> N
     p.add_argument("--kv-cache-mb", type=int, default=256)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    _add_max_model_len(p)
     p.add_argument("--executor", choices=("paddle", "paddle-thread", "timed"), default="paddle",
                    help="paddle: the model in a worker process (default); paddle-thread: in this "
                         "process; timed: the real scheduler, blocks and streams with the forward "
@@ -76,6 +77,24 @@ def _add_engine_args(p: argparse.ArgumentParser, worker_cpus: str = "none") -> N
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on drain/SIGTERM: seconds to let running requests finish before handing "
                         "the rest back to other engines")
+
+
+def _add_max_model_len(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="the longest prompt + output a request may have, in tokens (default: "
+                        "the model's max_position_embeddings; at most that). fd serve, fd api "
+                        "and fd engine must be given the same")
+
+
+def _add_chat_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file, or the template itself, instead of the "
+                        "model's (as vLLM's)")
+    p.add_argument("--generation-config", default="auto",
+                   help="auto: a request that leaves out temperature, top_p, top_k, min_p or "
+                        "repetition_penalty gets the model's generation_config.json value, and "
+                        "its max_new_tokens caps every output (vLLM's default); vllm: fd's own "
+                        "defaults; or a dir with another generation_config.json")
 
 
 def _need_url(args: argparse.Namespace) -> str:
@@ -123,6 +142,7 @@ def _engine_opts(args: argparse.Namespace, model_dir: Path):
                          journal=not args.no_journal, journal_maxlen=args.journal_maxlen,
                          async_scheduling=not args.no_async_scheduling,
                          enable_prefix_caching=not args.no_enable_prefix_caching,
+                         max_model_len=args.max_model_len,
                          executor=args.executor if args.executor != "timed" else "paddle",
                          worker_cpus=args.worker_cpus)
 
@@ -143,7 +163,9 @@ def _api_opts(args: argparse.Namespace, model_dir: Path):
 
     return ApiOptions(model_dir=str(model_dir), host=args.host, port=args.port,
                       served_model_name=args.served_model_name, api_key=args.api_key,
-                      admin_key=args.admin_key, tool_parser=args.tool_call_parser)
+                      admin_key=args.admin_key, tool_parser=args.tool_call_parser,
+                      max_model_len=args.max_model_len, chat_template=args.chat_template,
+                      generation_config=args.generation_config)
 
 
 def _add_tool_args(p: argparse.ArgumentParser) -> None:
@@ -422,6 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--embedded-port", type=int, default=0, help="port of the embedded Redis (0: free)")
     s.add_argument("--served-model-name", default=None)
+    _add_chat_args(s)
     s.add_argument("--api-key", default=os.environ.get("FD_API_KEY"))
     s.add_argument("--admin-key", default=os.environ.get("FD_ADMIN_KEY"))
     _add_tool_args(s)
@@ -437,6 +460,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--host", default="127.0.0.1")
     a.add_argument("--port", type=int, default=8000)
     a.add_argument("--served-model-name", default=None)
+    _add_max_model_len(a)
+    _add_chat_args(a)
     a.add_argument("--api-key", default=os.environ.get("FD_API_KEY"))
     a.add_argument("--admin-key", default=os.environ.get("FD_ADMIN_KEY"))
     _add_tool_args(a)

@@ -7,6 +7,8 @@ and ``engine``. Each part gets its own Redis connections, exactly as separate pr
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import secrets
 import socket
 from dataclasses import dataclass
@@ -16,6 +18,8 @@ from typing import Any, Callable
 from control.bus import Bus, StreamMux
 from control.keys import Keys
 from control.metrics import Metrics
+
+log = logging.getLogger("fd.api")
 
 
 @dataclass
@@ -40,6 +44,7 @@ class EngineOptions:
     async_scheduling: bool = True  # decide step N+1 while step N runs
     enable_prefix_caching: bool = True  # reuse the KV of prompt prefixes computed before
     journal_maxlen: int = 10_000  # entries kept (MAXLEN ~)
+    max_model_len: int | None = None  # prompt + output; None: the model's own
 
 
 @dataclass
@@ -51,6 +56,12 @@ class ApiOptions:
     api_key: str | None = None
     admin_key: str | None = None
     tool_parser: str | None = None  # see fd.api.tool_calls
+    max_model_len: int | None = None  # prompt + output; None: the model's own
+    # vLLM's --chat-template: a Jinja file, or the template itself; None: the model's own
+    chat_template: str | None = None
+    # vLLM's --generation-config: "auto" (the model dir's generation_config.json), "vllm"
+    # (none: fd's own defaults), or another dir holding one
+    generation_config: str = "auto"
 
 
 @dataclass
@@ -139,6 +150,9 @@ async def start_engine(redis_factory: Callable[[], Any], keys: Keys, opts: Engin
     from engine.node import EngineConfig, EngineNode
 
     owns_runner = runner is None
+    if owns_runner and opts.max_model_len is not None:  # (a bad value: said before the model loads)
+        from control.tokenizer import served_context
+        served_context(opts.max_model_len, Tokenizer.from_dir(opts.model_dir).max_model_len)
     runner = runner if runner is not None else make_runner(opts)
     tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_dir(opts.model_dir)
     if metrics is not None:
@@ -147,7 +161,7 @@ async def start_engine(redis_factory: Callable[[], Any], keys: Keys, opts: Engin
     kw = dict(max_attempts=opts.max_attempts, drain_timeout_s=opts.drain_timeout_s,
               request_timeout_s=opts.request_timeout_s, journal=opts.journal,
               async_scheduling=opts.async_scheduling,
-              enable_prefix_caching=opts.enable_prefix_caching)
+              enable_prefix_caching=opts.enable_prefix_caching, max_model_len=opts.max_model_len)
     kw.update(node_kw)
     cfg = EngineConfig(engine_id=engine_id, block_size=opts.block_size,
                        max_num_seqs=opts.max_num_seqs,
@@ -179,17 +193,64 @@ def join_in_process(api: "RunningApi", engine: "RunningEngine") -> None:
     engine.node.delivered_step = lambda: api.mux.newest_step
 
 
+def read_chat_template(value: str) -> str:
+    """``--chat-template``: a file's text, or, as vLLM takes it, the template itself when it is
+    not a file and looks like one (it has braces or a line break); else the file is missing."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if any(c in value for c in "{}\n"):
+        return value
+    raise FileNotFoundError(f"--chat-template {value!r}: no such file (and not a template: it "
+                            "has no {{ }} or {% %})")
+
+
+def read_generation_config(value: str, model_dir: str) -> dict[str, Any]:
+    """``--generation-config``: the JSON of ``generation_config.json`` in the model dir
+    ("auto", vLLM's default), in another dir, or nothing ("vllm")."""
+    if value == "vllm":
+        return {}
+    folder = Path(model_dir if value == "auto" else value).expanduser()
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        if value == "auto":
+            return {}  # (a model without one: fd's own defaults)
+        raise FileNotFoundError(f"--generation-config {value!r}: no generation_config.json there")
+    with open(path, encoding="utf-8") as f:
+        try:
+            gen = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"{path}: not JSON ({e})") from None
+    if not isinstance(gen, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    return gen
+
+
 async def start_api(redis_factory: Callable[[], Any], keys: Keys, opts: ApiOptions, *,
                     metrics: Metrics | None = None, tokenizer: Any = None) -> RunningApi:
     from aiohttp import web
 
-    from control.tokenizer import Tokenizer
+    from control.tokenizer import Tokenizer, served_context
+    from fd.api.protocol import generation_defaults
     from fd.api.server import ApiConfig, make_app
 
     tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_dir(opts.model_dir)
+    if opts.chat_template is not None:
+        tokenizer = tokenizer.with_chat_template(read_chat_template(opts.chat_template))
+    defaults, cap, ignored = generation_defaults(
+        read_generation_config(opts.generation_config, opts.model_dir))
+    for why in ignored:
+        log.warning("generation_config.json: %s: left out", why)
+    if defaults or cap is not None:
+        # (as vLLM says it: a request without these gets the model maker's, not fd's)
+        log.warning("default sampling parameters from the model's generation_config.json: %s%s "
+                    "(--generation-config vllm to use fd's own)", defaults,
+                    f", output capped at {cap} tokens" if cap is not None else "")
     name = opts.served_model_name or Path(opts.model_dir).name
-    cfg = ApiConfig(model_name=name, max_model_len=tokenizer.max_model_len,
-                    api_key=opts.api_key, admin_key=opts.admin_key, tool_parser=opts.tool_parser)
+    cfg = ApiConfig(model_name=name,
+                    max_model_len=served_context(opts.max_model_len, tokenizer.max_model_len),
+                    api_key=opts.api_key, admin_key=opts.admin_key, tool_parser=opts.tool_parser,
+                    sampling_defaults=defaults, max_output_tokens=cap)
     metrics = metrics if metrics is not None else Metrics()
     mux = StreamMux(redis_factory(), keys, cfg.api_id)
     await mux.start()

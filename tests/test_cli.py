@@ -276,6 +276,9 @@ def test_start_up_mistakes_are_one_line_errors(tmp_path):
     r = _fd("serve", "--model", str(tmp_path / "nowhere"))
     assert r.returncode != 0 and "is not a model directory" in r.stderr
     assert "Traceback" not in r.stderr
+    r = _fd("serve", "--max-model-len", "1000000", "--port", str(free_port()))
+    assert r.returncode == 1 and "--max-model-len 1000000 must be between 2 and the model's" in r.stderr
+    assert "Traceback" not in r.stderr
     port = free_port()  # nothing listens there
     r = _fd("status", "--redis-url", f"redis://127.0.0.1:{port}")
     assert r.returncode == 1 and r.stderr.startswith("fd status: error:")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 import orjson
@@ -43,6 +43,10 @@ class Limits:
     default_max_tokens: int = 16  # completions; chat defaults to the rest of the context
     vocab_size: int | None = None
     tool_parser: str | None = None  # --tool-call-parser (with --enable-auto-tool-choice)
+    # The model's generation_config.json (--generation-config): sampling defaults for requests
+    # that leave them out, and max_new_tokens as a cap on every request's output (as vLLM).
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    max_output_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,14 +209,17 @@ def _sampling(body: dict, prompt_len: int, limits: Limits, default_max: int | No
             break
     if max_tokens is None:
         max_tokens = room if default_max is None else min(default_max, room)
+    if limits.max_output_tokens is not None:  # (the model's max_new_tokens: a server-wide cap)
+        max_tokens = min(max_tokens, limits.max_output_tokens)
 
-    temperature = float(_opt(body, "temperature", _is_num, "a number", 1.0))
+    defaults = limits.sampling_defaults
+    temperature = float(_opt(body, "temperature", _is_num, "a number", defaults.get("temperature", 1.0)))
     if not 0.0 <= temperature <= 2.0:
         raise bad_request("'temperature' must be between 0 and 2.", "temperature", "invalid_value")
-    top_p = float(_opt(body, "top_p", _is_num, "a number", 1.0))
+    top_p = float(_opt(body, "top_p", _is_num, "a number", defaults.get("top_p", 1.0)))
     if not 0.0 < top_p <= 1.0:
         raise bad_request("'top_p' must be in (0, 1].", "top_p", "invalid_value")
-    top_k = _opt(body, "top_k", _is_int, "an integer", 0)
+    top_k = _opt(body, "top_k", _is_int, "an integer", defaults.get("top_k", 0))
     if top_k < -1:
         raise bad_request("'top_k' must be -1, 0 (off) or a positive integer.", "top_k", "invalid_value")
     seed = _opt(body, "seed", _is_int, "an integer", None)
@@ -224,12 +231,12 @@ def _sampling(body: dict, prompt_len: int, limits: Limits, default_max: int | No
         if not -2.0 <= v <= 2.0:
             raise bad_request(f"'{name}' must be between -2 and 2.", name, "invalid_value")
         penalties[name] = float(v)
-    rp = _opt(body, "repetition_penalty", _is_num, "a number", 1.0)
+    rp = _opt(body, "repetition_penalty", _is_num, "a number", defaults.get("repetition_penalty", 1.0))
     if not 0 < rp <= MAX_REPETITION_PENALTY:
         raise bad_request(f"'repetition_penalty' must be greater than 0 and at most {MAX_REPETITION_PENALTY:g} "
                           "(1 is off).", "repetition_penalty", "invalid_value")
     penalties["repetition_penalty"] = float(rp)
-    min_p = _opt(body, "min_p", _is_num, "a number", 0.0)
+    min_p = _opt(body, "min_p", _is_num, "a number", defaults.get("min_p", 0.0))
     if not 0.0 <= min_p <= 1.0:
         raise bad_request("'min_p' must be between 0 and 1.", "min_p", "invalid_value")
     min_tokens = _opt(body, "min_tokens", _is_int, "an integer", 0)
@@ -257,6 +264,36 @@ def _sampling(body: dict, prompt_len: int, limits: Limits, default_max: int | No
                           include_stop_str_in_output=include_stop, logit_bias=logit_bias,
                           min_p=float(min_p), min_tokens=min_tokens, logprobs=logprobs,
                           guided=_guided(body), **penalties)
+
+
+#: What a model's generation_config.json may set for requests that do not (the keys vLLM reads).
+GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(gen: dict[str, Any]) -> tuple[dict[str, Any], int | None, list[str]]:
+    """A model's ``generation_config.json``, as vLLM's ``--generation-config auto`` reads it:
+    the sampling defaults it recommends, its ``max_new_tokens`` (a cap on every request's
+    output), and what was left out, with why. A value a request could not have (a
+    temperature of 7) is left out, not fatal: the file is the model maker's, not the
+    operator's. ``top_k`` 50 is transformers' own default, which vLLM does not take as the
+    model's; ``do_sample`` is not read (vLLM ignores it too)."""
+    defaults: dict[str, Any] = {}
+    ignored: list[str] = []
+    probe = Limits(model_name="", max_model_len=2)
+    for key in GENERATION_KEYS:
+        if key not in gen or gen[key] is None or (key == "top_k" and gen[key] == 50):
+            continue
+        try:
+            _sampling({key: gen[key]}, 1, probe, None)
+        except ApiError as e:
+            ignored.append(f"{key}: {e.message}")
+            continue
+        defaults[key] = gen[key]
+    cap = gen.get("max_new_tokens")
+    if cap is not None and not (_is_int(cap) and cap >= 1):
+        ignored.append(f"max_new_tokens: {cap!r} is not a positive integer")
+        cap = None
+    return defaults, cap, ignored
 
 
 _GUIDED_PARAMS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",

@@ -68,6 +68,9 @@ class ApiConfig:
     api_id: str = field(default_factory=_new_api_id)
     default_max_tokens: int = 16  # completions; chat defaults to the rest of the context
     tool_parser: str | None = None  # vLLM's --enable-auto-tool-choice --tool-call-parser NAME
+    # --generation-config: the model's recommended sampling defaults and output cap
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    max_output_tokens: int | None = None
 
 
 API_KEY = web.AppKey("fd.api", object)
@@ -206,7 +209,8 @@ class Api:
         self.metrics = metrics
         self.limits = protocol.Limits(cfg.model_name, cfg.max_model_len, cfg.max_body_bytes,
                                       cfg.default_max_tokens, getattr(tokenizer, "vocab_size", None),
-                                      cfg.tool_parser)
+                                      cfg.tool_parser, dict(cfg.sampling_defaults),
+                                      cfg.max_output_tokens)
         self.cancellation = Cancellation(self._abort_on_disconnect, self._notice_disconnect)
         self._noticed: dict[str, Abort] = {}  # disconnect aborts told in-process, not yet published
         self.started = int(time.time())

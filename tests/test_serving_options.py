@@ -1,0 +1,208 @@
+"""vLLM's serving flags an operator reaches for first: ``--max-model-len`` (the context served,
+which the API and the engine both hold requests to), ``--chat-template`` (a model without one,
+or a better one) and ``--generation-config`` (the model maker's sampling defaults and output
+cap). Through the real tiny model, the embedded server and the ``openai`` client."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import aiohttp
+import openai
+import pytest
+
+from control.events import Final, SamplingParams
+from control.tokenizer import served_context
+from engine.llm import LLM
+from fd.api import protocol
+from fd.compose import (ApiOptions, EngineOptions, join_in_process, read_chat_template,
+                        read_generation_config, start_api, start_engine)
+from test_api_streaming import wait_for
+
+CONTEXT = 64
+
+
+async def _serve(embedded_redis, keys, tiny_model_dir, tiny_runner, tiny_tokenizer, *,
+                 engine_max: int | None = None, **api_kw):
+    eng = await start_engine(embedded_redis.client, keys,
+                             EngineOptions(model_dir=str(tiny_model_dir), engine_id="e-opts",
+                                           max_model_len=engine_max),
+                             runner=tiny_runner, tokenizer=tiny_tokenizer)
+    api = await start_api(embedded_redis.client, keys, ApiOptions(model_dir=str(tiny_model_dir), **api_kw),
+                          tokenizer=tiny_tokenizer)
+    join_in_process(api, eng)
+    return api, eng
+
+
+async def _post(url: str, body: dict) -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url, json=body) as r:
+            return r.status, await r.json()
+
+
+def test_the_context_served_is_at_most_the_models():
+    assert served_context(None, 2048) == 2048
+    assert served_context(CONTEXT, 2048) == CONTEXT
+    for bad in (4096, 1, 0):
+        with pytest.raises(ValueError, match="max_position_embeddings"):
+            served_context(bad, 2048)
+
+
+async def test_max_model_len_holds_the_api_and_the_engine_to_a_shorter_context(
+        embedded_redis, keys, tiny_model_dir, tiny_runner, tiny_tokenizer):
+    api, eng = await _serve(embedded_redis, keys, tiny_model_dir, tiny_runner, tiny_tokenizer,
+                            engine_max=CONTEXT, max_model_len=CONTEXT)
+    client = openai.AsyncOpenAI(base_url=f"{api.url}/v1", api_key="none", max_retries=0)
+    try:
+        models = await client.models.list()
+        assert models.data[0].model_extra["max_model_len"] == CONTEXT
+        prompt = list(range(10, 70))  # 60 tokens: 4 left to generate
+        status, body = await _post(f"{api.url}/v1/completions",
+                                   {"prompt": prompt, "max_tokens": 10})
+        assert status == 400 and body["error"]["code"] == "context_length_exceeded"
+        assert f"context is {CONTEXT} tokens" in body["error"]["message"]
+        c = await client.completions.create(model=api.cfg.model_name, prompt=prompt, temperature=0,
+                                            extra_body={"ignore_eos": True})
+        assert c.usage.completion_tokens == CONTEXT - len(prompt) and c.choices[0].finish_reason == "length"
+        # The engine holds a request that never passed an API (a hand-written one) to it too.
+        rid = "hand-written-long"
+        from control.events import Request, RequestData
+        await api.bus.publish(api.bus.keys.requests, Request(request_id=rid, data=RequestData(
+            prompt_token_ids=tuple(range(10, 80)), sampling=SamplingParams(max_tokens=4))))
+        finals = []
+
+        async def final() -> bool:
+            finals[:] = [ev for _, ev in await api.bus.read_req(rid) if isinstance(ev, Final)]
+            return bool(finals)
+        assert await wait_for(final)
+        assert finals[0].finish_reason == "error" and f"max_model_len {CONTEXT}" in finals[0].error
+    finally:
+        await client.close()
+        await api.stop()
+        await eng.stop()
+
+
+async def test_a_longer_context_than_the_model_has_is_refused_at_start(embedded_redis, keys,
+                                                                      tiny_model_dir, tiny_tokenizer):
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        await start_api(embedded_redis.client, keys,
+                        ApiOptions(model_dir=str(tiny_model_dir), max_model_len=10 ** 6),
+                        tokenizer=tiny_tokenizer)
+    with pytest.raises(ValueError, match="max_position_embeddings"):  # before the model loads
+        await start_engine(embedded_redis.client, keys,
+                           EngineOptions(model_dir=str(tiny_model_dir), max_model_len=10 ** 6))
+
+
+async def test_chat_template_replaces_the_models(embedded_redis, keys, tiny_model_dir, tiny_runner,
+                                                 tiny_tokenizer, tmp_path):
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]"
+    path = tmp_path / "plain.jinja"
+    path.write_text(template)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    want = tiny_tokenizer.encode("[system] Be brief.\n[user] Hi there\n[assistant]")
+    assert tiny_tokenizer.encode(tiny_tokenizer.apply_chat_template(messages)) != want
+    for given in (str(path), template):  # a file, or the template itself
+        api, eng = await _serve(embedded_redis, keys, tiny_model_dir, tiny_runner, tiny_tokenizer,
+                                chat_template=given)
+        client = openai.AsyncOpenAI(base_url=f"{api.url}/v1", api_key="none", max_retries=0)
+        try:
+            status, body = await _post(f"{api.url}/tokenize", {"messages": messages})
+            assert status == 200 and body["tokens"] == want
+            c = await client.chat.completions.create(model=api.cfg.model_name, messages=messages,
+                                                     max_tokens=6, temperature=0,
+                                                     extra_body={"ignore_eos": True})
+            greedy = LLM(tiny_runner, tiny_tokenizer).generate(
+                [want], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0]
+            assert c.usage.prompt_tokens == len(want) and c.choices[0].message.content == greedy.text
+        finally:
+            await client.close()
+            await api.stop()
+            await eng.stop()
+    # the shared tokenizer kept the model's own
+    assert tiny_tokenizer.encode(tiny_tokenizer.apply_chat_template(messages)) != want
+
+
+async def test_a_chat_template_that_cannot_be_used_is_said_at_start(embedded_redis, keys,
+                                                                    tiny_model_dir, tiny_tokenizer,
+                                                                    tmp_path):
+    with pytest.raises(ValueError, match="does not compile"):
+        await start_api(embedded_redis.client, keys,
+                        ApiOptions(model_dir=str(tiny_model_dir), chat_template="{% for m in %}"),
+                        tokenizer=tiny_tokenizer)
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        read_chat_template(str(tmp_path / "missing.jinja"))
+
+
+def test_generation_config_gives_defaults_a_cap_and_leaves_out_what_a_request_could_not_have():
+    defaults, cap, ignored = protocol.generation_defaults(
+        {"temperature": 0.6, "top_p": 7, "top_k": 50, "repetition_penalty": 1.05, "min_p": None,
+         "do_sample": True, "max_new_tokens": 5, "eos_token_id": [1]})
+    assert defaults == {"temperature": 0.6, "repetition_penalty": 1.05}  # top_k 50: transformers'
+    assert cap == 5 and len(ignored) == 1 and ignored[0].startswith("top_p")
+    limits = protocol.Limits("m", 2048, sampling_defaults=defaults, max_output_tokens=cap)
+    tok = _Ids()
+    s = protocol.parse_completion({"prompt": [5, 6], "max_tokens": 20}, limits, tok).sampling
+    assert (s.temperature, s.repetition_penalty, s.max_tokens, s.top_p) == (0.6, 1.05, 5, 1.0)
+    s = protocol.parse_completion({"prompt": [5, 6], "temperature": 1.3, "repetition_penalty": 1.0},
+                                  limits, tok).sampling
+    assert (s.temperature, s.repetition_penalty) == (1.3, 1.0)  # a request's own values win
+    assert protocol.generation_defaults({"max_new_tokens": "many"})[2] == [
+        "max_new_tokens: 'many' is not a positive integer"]
+
+
+class _Ids:
+    """Enough of a tokenizer for prompts given as token ids."""
+
+    vocab_size = 512
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        raise AssertionError("token id prompts only")
+
+
+async def test_generation_config_through_the_api(embedded_redis, keys, tiny_model_dir, tiny_runner,
+                                                 tiny_tokenizer, tmp_path, caplog):
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.0, "max_new_tokens": 5, "top_p": 7}))
+    assert read_generation_config("vllm", str(tmp_path)) == {}
+    assert read_generation_config("auto", str(tmp_path / "elsewhere")) == {}  # a model without one
+    with pytest.raises(FileNotFoundError):
+        read_generation_config(str(tmp_path / "elsewhere"), str(tiny_model_dir))
+    prompt = list(range(20, 40))
+    greedy = LLM(tiny_runner, tiny_tokenizer).generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))[0]
+    with caplog.at_level(logging.WARNING, logger="fd.api"):
+        api, eng = await _serve(embedded_redis, keys, tiny_model_dir, tiny_runner, tiny_tokenizer,
+                                generation_config=str(tmp_path))
+    assert any("top_p" in r.getMessage() and "left out" in r.getMessage() for r in caplog.records)
+    assert any("'temperature': 0.0" in r.getMessage() for r in caplog.records)
+    client = openai.AsyncOpenAI(base_url=f"{api.url}/v1", api_key="none", max_retries=0)
+    try:  # no temperature given: the model's 0 (greedy); max_tokens 20 capped at its 5
+        c = await client.completions.create(model=api.cfg.model_name, prompt=prompt, max_tokens=20,
+                                            extra_body={"ignore_eos": True})
+        assert c.choices[0].text == greedy.text and c.usage.completion_tokens == 5
+    finally:
+        await client.close()
+        await api.stop()
+        await eng.stop()
+
+
+async def test_an_engine_whose_kv_cache_is_shorter_than_the_context_says_so(embedded_redis, keys,
+                                                                           tiny_model_dir,
+                                                                           tiny_tokenizer, caplog):
+    from engine.timed_runner import TimedRunner
+
+    for context, warned in ((None, True), (CONTEXT, False)):
+        caplog.clear()
+        runner = TimedRunner.for_tokenizer(tiny_tokenizer, step_ms=1, num_blocks=CONTEXT // 16)
+        with caplog.at_level(logging.WARNING, logger="fd.engine"):
+            eng = await start_engine(embedded_redis.client, keys,
+                                     EngineOptions(model_dir=str(tiny_model_dir), engine_id="e-kv",
+                                                   max_model_len=context),
+                                     runner=runner, tokenizer=tiny_tokenizer)
+        await eng.stop()
+        said = [r.getMessage() for r in caplog.records if "KV cache holds" in r.getMessage()]
+        assert bool(said) == warned, said
+        if warned:
+            assert f"holds {CONTEXT} tokens, fewer than the context of 2048" in said[0]
+            assert f"--max-model-len {CONTEXT}" in said[0]
