@@ -378,6 +378,9 @@ class Accepted(Event):
     # Chat with tools, on a server started with a tool-call parser (fd.api.tool_calls): the
     # parser's name; every replica then renders the model's calls as `tool_calls`.
     tool_parser: str | None = None
+    # Chat on a server with a reasoning parser (fd.api.reasoning): its name; every replica then
+    # renders the model's thinking as `reasoning_content`.
+    reasoning_parser: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

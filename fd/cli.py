@@ -165,7 +165,8 @@ def _api_opts(args: argparse.Namespace, model_dir: Path):
                       served_model_name=args.served_model_name, api_key=args.api_key,
                       admin_key=args.admin_key, tool_parser=args.tool_call_parser,
                       max_model_len=args.max_model_len, chat_template=args.chat_template,
-                      generation_config=args.generation_config)
+                      generation_config=args.generation_config,
+                      reasoning_parser=args.reasoning_parser)
 
 
 def _add_tool_args(p: argparse.ArgumentParser) -> None:
@@ -177,6 +178,13 @@ def _add_tool_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", choices=PARSERS, default=None,
                    help="how the model writes a tool call: hermes = <tool_call>{json}</tool_call> "
                         "(Qwen 2.5/3, Hermes)")
+    from fd.api.reasoning import PARSERS as THINKERS
+
+    p.add_argument("--reasoning-parser", choices=THINKERS, default=None,
+                   help="show a reasoning model's <think>...</think> as reasoning_content in "
+                        "chat responses: deepseek_r1 (R1, QwQ, Qwen3 2507 thinking: the output "
+                        "thinks until </think>) or qwen3 (Qwen3 hybrid: only an output that "
+                        "begins with <think>)")
 
 
 async def _serve(args: argparse.Namespace) -> int:

@@ -56,6 +56,7 @@ class ApiOptions:
     api_key: str | None = None
     admin_key: str | None = None
     tool_parser: str | None = None  # see fd.api.tool_calls
+    reasoning_parser: str | None = None  # see fd.api.reasoning
     max_model_len: int | None = None  # prompt + output; None: the model's own
     # vLLM's --chat-template: a Jinja file, or the template itself; None: the model's own
     chat_template: str | None = None
@@ -232,8 +233,12 @@ async def start_api(redis_factory: Callable[[], Any], keys: Keys, opts: ApiOptio
 
     from control.tokenizer import Tokenizer, served_context
     from fd.api.protocol import generation_defaults
+    from fd.api.reasoning import PARSERS as REASONING_PARSERS
     from fd.api.server import ApiConfig, make_app
 
+    if opts.reasoning_parser is not None and opts.reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"unknown reasoning parser {opts.reasoning_parser!r}: one of "
+                         f"{', '.join(REASONING_PARSERS)}")
     tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_dir(opts.model_dir)
     if opts.chat_template is not None:
         tokenizer = tokenizer.with_chat_template(read_chat_template(opts.chat_template))
@@ -250,7 +255,8 @@ async def start_api(redis_factory: Callable[[], Any], keys: Keys, opts: ApiOptio
     cfg = ApiConfig(model_name=name,
                     max_model_len=served_context(opts.max_model_len, tokenizer.max_model_len),
                     api_key=opts.api_key, admin_key=opts.admin_key, tool_parser=opts.tool_parser,
-                    sampling_defaults=defaults, max_output_tokens=cap)
+                    sampling_defaults=defaults, max_output_tokens=cap,
+                    reasoning_parser=opts.reasoning_parser)
     metrics = metrics if metrics is not None else Metrics()
     mux = StreamMux(redis_factory(), keys, cfg.api_id)
     await mux.start()

@@ -137,7 +137,11 @@ def _schemas(model_name: str, max_model_len: int, vocab_size: int | None) -> dic
                                               "with --enable-auto-tool-choice --tool-call-parser; "
                                               "required and a named function guide the answer to "
                                               "the tools' schemas."},
-                           "parallel_tool_calls": _NULLABLE_BOOL}},
+                           "parallel_tool_calls": _NULLABLE_BOOL,
+                           "chat_template_kwargs": {
+                               "type": "object", "nullable": True,
+                               "description": "More variables for the chat template (vLLM's), such "
+                                              "as Qwen3's enable_thinking."}}},
         "CompletionRequest": {
             "type": "object", "required": ["prompt"],
             "properties": {"prompt": {"oneOf": [

@@ -20,6 +20,7 @@ from control.events import (MAX_LOGPROBS, MAX_REPETITION_PENALTY, Final, Samplin
 from control.guided import GuidedError, canonical, check
 from control.keys import choice_ids
 from fd.api.errors import ApiError, bad_request, not_found, too_large
+from fd.api.reasoning import REASONING, ReasoningParser, split_all
 from fd.api.tool_calls import HermesParser, ToolCall, call_id, forced_calls, forced_spec, parse_all
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -47,6 +48,7 @@ class Limits:
     # that leave them out, and max_new_tokens as a cap on every request's output (as vLLM).
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     max_output_tokens: int | None = None
+    reasoning_parser: str | None = None  # --reasoning-parser (fd.api.reasoning)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +70,7 @@ class GenerationRequest:
     echo_texts: tuple[str, ...] = ()
     echo_only: bool = False
     tool_parser: str | None = None  # chat with tools: how its calls are read (see _tools)
+    reasoning_parser: str | None = None  # chat on a server with --reasoning-parser, unguided
 
     def choices(self) -> list[tuple[tuple[int, ...], SamplingParams]]:
         """Each choice's prompt and sampling, in OpenAI's order: prompt ``i``'s ``j``-th choice
@@ -539,7 +542,7 @@ def parse_chat(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Generati
     messages = parse_messages(body)
     stream, include_usage, continuous = _stream_opts(body)
     background = _background(body)
-    ids = _chat_ids(messages, tokenizer, True, tools)
+    ids = _chat_ids(messages, tokenizer, True, tools, _template_kwargs(body))
     if not ids:
         raise bad_request("The prompt is empty.", "messages", "invalid_value")
     sampling = _sampling(body, len(ids), limits, None, logprobs)
@@ -554,14 +557,31 @@ def parse_chat(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Generati
         except GuidedError as e:
             raise bad_request(f"The tools' parameters do not compile: {e}", "tools", "invalid_value") from None
         sampling = dataclasses.replace(sampling, guided=guided)
+    # A guided answer is the grammar's from its first token: no thinking to read out of it.
+    reasoning = limits.reasoning_parser if not sampling.guided else None
     return GenerationRequest("chat", model, ids, sampling, stream, include_usage, background, continuous,
-                             _choices(body), tool_parser=parser)
+                             _choices(body), tool_parser=parser, reasoning_parser=reasoning)
+
+
+#: What a chat template is given by fd itself, which ``chat_template_kwargs`` may not replace.
+_TEMPLATE_OWN = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+
+
+def _template_kwargs(body: dict) -> dict[str, Any]:
+    """vLLM's ``chat_template_kwargs``: more variables for the chat template, such as Qwen3's
+    ``enable_thinking``."""
+    kw = _opt(body, "chat_template_kwargs", lambda v: isinstance(v, dict), "an object", {})
+    taken = sorted(_TEMPLATE_OWN & kw.keys())
+    if taken:
+        raise bad_request(f"'chat_template_kwargs' may not set {', '.join(taken)}.",
+                          "chat_template_kwargs", "invalid_value")
+    return kw
 
 
 def _chat_ids(messages: list[dict], tokenizer: TokenizerLike, add_generation_prompt: bool,
-              tools: list[dict] | None = None) -> tuple[int, ...]:
+              tools: list[dict] | None = None, extra: dict[str, Any] | None = None) -> tuple[int, ...]:
     try:
-        kw = {} if tools is None else {"tools": tools}
+        kw = {**(extra or {}), **({} if tools is None else {"tools": tools})}
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kw)
     except Exception as e:  # a template that rejects the conversation (e.g. role order)
         raise bad_request(f"The chat template rejected these messages: {e}", "messages") from None
@@ -576,7 +596,7 @@ def parse_tokenize(body: dict, limits: Limits, tokenizer: TokenizerLike) -> tupl
     if body.get("messages") is not None:
         gen = _opt(body, "add_generation_prompt", lambda v: isinstance(v, bool), "a boolean", True)
         tools, _ = _tools({**body, "tool_choice": "none"}, limits)
-        return _chat_ids(parse_messages(body), tokenizer, gen, tools)
+        return _chat_ids(parse_messages(body), tokenizer, gen, tools, _template_kwargs(body))
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
         raise bad_request("Give 'prompt' (a string) or 'messages'.", "prompt",
@@ -764,6 +784,9 @@ class Renderer:
         self.tools: HermesParser | None = None
         self.forced: str | None = None  # tool_choice required / named (fd.api.tool_calls.forced_calls)
         self._calls = 0  # tool calls rendered so far
+        # chat on a server with --reasoning-parser (the `accepted` event's reasoning_parser):
+        # the thinking goes to reasoning_content, the rest on to the tool-call parser or content
+        self.reasoning: ReasoningParser | None = None
 
     # -- log-probabilities
     def _add_prompt_logprobs(self, field: Any) -> None:
@@ -862,12 +885,18 @@ class Renderer:
                 self.tools = HermesParser()
             else:  # "required" / "named:<function>": the whole output is the call(s)
                 self.forced = mode
+        kind = getattr(accepted, "reasoning_parser", None)
+        if kind and self.endpoint == "chat" and self.reasoning is None and self.forced is None:
+            try:
+                self.reasoning = ReasoningParser(kind)
+            except ValueError:  # (a story of a later release, with a parser this one lacks)
+                pass
 
     @property
     def structured(self) -> bool:
         """A tokens event may render as several chunks (content, then a tool call): the
         caller takes :meth:`token_chunks`, not :meth:`token_json`."""
-        return self.tools is not None or self.forced is not None
+        return self.tools is not None or self.forced is not None or self.reasoning is not None
 
     def _forced(self) -> tuple[str, list[ToolCall]]:
         """A forced call's output: its calls, or (cut short, not JSON) the text as content."""
@@ -893,6 +922,23 @@ class Renderer:
             else:
                 out.append(self._with_usage(chat_chunk(self.rid, self.created, self.model,
                                                        self._call_delta(x), None, self.include_usage)))
+        return out
+
+    def _answer_chunks(self, text: str) -> list[dict]:
+        """Chunks of the answer's text: through the tool-call parser, if the request has one."""
+        return self._tool_chunks(self.tools.feed(text)) if self.tools is not None else [self._text_chunk(text)]
+
+    def _reasoned_chunks(self, pieces: list[tuple[str, str]]) -> list[dict]:
+        """Chunks of what the reasoning parser let out: thinking as ``reasoning_content``
+        deltas, the answer as :meth:`_answer_chunks`."""
+        out: list[dict] = []
+        for kind, text in pieces:
+            if kind == REASONING:
+                out.append(self._with_usage(chat_chunk(self.rid, self.created, self.model,
+                                                       {"reasoning_content": text}, None,
+                                                       self.include_usage)))
+            else:
+                out += self._answer_chunks(text)
         return out
 
     def _finish_reason(self, fr: str, called: bool) -> str:
@@ -947,7 +993,10 @@ class Renderer:
         text = self.add_tokens(text, n_tokens, token_ids, logprobs, prompt_logprobs)
         if not text or self.forced is not None:  # (a forced call is rendered whole at the end)
             return []
-        chunks = self._tool_chunks(self.tools.feed(text)) if self.tools is not None else [self._text_chunk(text)]
+        if self.reasoning is not None:
+            chunks = self._reasoned_chunks(self.reasoning.feed(text))
+        else:
+            chunks = self._answer_chunks(text)
         if chunks and self.logprobs:
             chunks[0]["choices"][0]["logprobs"] = self._unshown_logprobs()
         return chunks
@@ -973,13 +1022,12 @@ class Renderer:
         if final.finish_reason == "error":
             return [final_error(final).body()]
         fr = final.finish_reason
+        held = [] if self.reasoning is None else self._reasoned_chunks(self.reasoning.finish())
         if self.tools is not None:
-            held = self._tool_chunks(self.tools.finish())
+            held += self._tool_chunks(self.tools.finish())
         elif self.forced is not None:
             text, calls = self._forced()
-            held = self._tool_chunks([text] if text else calls)
-        else:
-            held = []
+            held += self._tool_chunks([text] if text else calls)
         if self.endpoint == "chat":
             last = chat_chunk(self.rid, self.created, self.model, {},
                               self._finish_reason(fr, self._calls > 0), self.include_usage)
@@ -1003,6 +1051,9 @@ class Renderer:
             raise final_error(final)
         build = chat_completion if self.endpoint == "chat" else text_completion
         text = self._owed_echo() + "".join(self.text)
+        reasoning = None
+        if self.reasoning is not None:
+            reasoning, text = split_all(self.reasoning.kind, text)
         calls: list[ToolCall] = []
         if self.tools is not None:
             text, calls = parse_all(text)
@@ -1015,6 +1066,8 @@ class Renderer:
             message = body["choices"][0]["message"]
             message["content"] = text or None
             message["tool_calls"] = [self._call_json(i, c) for i, c in enumerate(calls)]
+        if self.reasoning is not None:
+            body["choices"][0]["message"]["reasoning_content"] = reasoning or None
         if self.logprobs:
             body["choices"][0]["logprobs"] = self._render_logprobs(self.logprobs)
         return body

@@ -71,6 +71,7 @@ class ApiConfig:
     # --generation-config: the model's recommended sampling defaults and output cap
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     max_output_tokens: int | None = None
+    reasoning_parser: str | None = None  # vLLM's --reasoning-parser NAME (fd.api.reasoning)
 
 
 API_KEY = web.AppKey("fd.api", object)
@@ -210,7 +211,7 @@ class Api:
         self.limits = protocol.Limits(cfg.model_name, cfg.max_model_len, cfg.max_body_bytes,
                                       cfg.default_max_tokens, getattr(tokenizer, "vocab_size", None),
                                       cfg.tool_parser, dict(cfg.sampling_defaults),
-                                      cfg.max_output_tokens)
+                                      cfg.max_output_tokens, cfg.reasoning_parser)
         self.cancellation = Cancellation(self._abort_on_disconnect, self._notice_disconnect)
         self._noticed: dict[str, Abort] = {}  # disconnect aborts told in-process, not yet published
         self.started = int(time.time())
@@ -354,7 +355,8 @@ class Api:
                 Accepted(request_id=rid, api=self.cfg.api_id, prompt_tokens=len(gen.prompt_token_ids),
                          endpoint=endpoint, model=gen.model, created=created,
                          include_usage=gen.include_usage, continuous_usage=gen.continuous_usage or None,
-                         tool_parser=gen.tool_parser, **_echo(gen, 0)))
+                         tool_parser=gen.tool_parser, reasoning_parser=gen.reasoning_parser,
+                         **_echo(gen, 0)))
             renderer = protocol.Renderer(rid, endpoint, gen.model, created, len(gen.prompt_token_ids),
                                          gen.include_usage, self._token_bytes, gen.continuous_usage)
             timing = _Timing(self.metrics, arrival)
@@ -391,7 +393,7 @@ class Api:
         n_prompt = sum(map(len, gen.prompts or (gen.prompt_token_ids,)))  # each prompt once
         common = dict(api=self.cfg.api_id, endpoint=endpoint, model=gen.model, created=created,
                       include_usage=gen.include_usage, continuous_usage=gen.continuous_usage or None,
-                      tool_parser=gen.tool_parser)
+                      tool_parser=gen.tool_parser, reasoning_parser=gen.reasoning_parser)
         subs = [await self.mux.subscribe(c, b"0") for c in ids]  # before submit: nothing missed
         try:
             watch.request_id, watch.abort_ids = rid, ids  # from here on a disconnect aborts them

@@ -52,7 +52,7 @@ def _parse_call(body: str) -> ToolCall | None:
     return ToolCall(obj["name"], text)
 
 
-def _held_prefix(text: str, tag: str) -> int:
+def held_prefix(text: str, tag: str) -> int:
     """How many characters at the end of ``text`` could begin ``tag``."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):
@@ -75,7 +75,7 @@ class HermesParser:
             if not self._in_call:
                 i = self._buf.find(OPEN)
                 if i < 0:
-                    keep = _held_prefix(self._buf, OPEN)
+                    keep = held_prefix(self._buf, OPEN)
                     self._emit_text(out, self._buf[:len(self._buf) - keep])
                     self._buf = self._buf[len(self._buf) - keep:]
                     return out
