@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import functools
 import logging
 import threading
 import time
@@ -35,6 +36,7 @@ from fakeredis._clients._async import FakeAsyncRedisConnection, FakeWriter
 from fakeredis._helpers import NoResponse
 from fakeredis._core._database import Item
 from fakeredis._socket._async import AsyncFakeSocket
+from fakeredis.model import _stream as fake_stream
 from fakeredis.model._stream import MAX_KEY, StreamEntryKey, XStream
 
 from control.connect import MAX_CONNECTIONS, POOL_WAIT_S
@@ -92,6 +94,52 @@ def _append(server, db, key: bytes, values, node_limits: tuple[int, int]) -> byt
     return None if done is None else done[0]
 
 
+#: fakeredis' listpack size of a string element, remembered: an append sizes each of its ~16
+#: fields, and they repeat (field names, event types, request ids, recent timestamps). It was
+#: a sixth of the main thread's time per token at 32 streams (cProfile).
+_lp_str_size = functools.lru_cache(maxsize=1 << 14)(fake_stream._lp_str_size)
+_lp_int_size = fake_stream._lp_int_size
+
+
+def _add(stream: XStream, fields: list[bytes], key: StreamEntryKey, node_max_entries: int,
+         node_max_bytes: int) -> None:
+    """``XStream.add``, the same change to the same structures (nodes and their listpack
+    sizes included: approximate trimming and XINFO read them), with the sizes of repeated
+    strings remembered. tests/test_embedded_xadd.py compares the two."""
+    names = fields[0::2]
+    values = fields[1::2]
+    nodes = stream._nodes
+    node = nodes[-1] if nodes else None
+    if node is not None:
+        max_bytes = (node_max_bytes if 0 < node_max_bytes <= fake_stream._LP_MAX_SIZE
+                     else fake_stream._LP_MAX_SIZE)
+        if node.lp_bytes + sum(map(len, fields)) >= max_bytes or (
+                node_max_entries and node.live + node.deleted >= node_max_entries):
+            node = None
+    if node is None:
+        header = _lp_int_size(0) * 3 + _lp_int_size(len(names)) + sum(map(_lp_str_size, names))
+        node = fake_stream._StreamNode(key, names, key, 0, 0, fake_stream._LP_EMPTY_SIZE + header)
+        nodes.append(node)
+    same = names == node.master_fields
+    master = node.master_id
+    size = (_lp_int_size(fake_stream._ENTRY_SAMEFIELDS if same else 0)
+            + _lp_int_size(key.ts - master.ts) + _lp_int_size(key.seq - master.seq)
+            + sum(map(_lp_str_size, values))
+            + _lp_int_size(len(names) + 3 if same else 2 * len(names) + 4))
+    if not same:
+        size += _lp_int_size(len(names)) + sum(map(_lp_str_size, names))
+    node.lp_bytes += size
+    node.set_counts(node.live + 1, node.deleted)
+    node.last_id = key
+    stream._ids.append(key)
+    # Kept as a tuple of bytes, which the collector stops tracking, instead of fakeredis' list:
+    # a long-running `fd serve` holds an hour of token events, and every full collection
+    # walked each one (500k stored entries: 356 ms a collection).
+    stream._values_dict[key] = tuple(fields)
+    stream._entries_added += 1
+    stream._last_id = key
+
+
 def _append_after(server, db, key: bytes, values,
                   node_limits: tuple[int, int]) -> tuple[bytes, StreamEntryKey] | None:
     """:func:`_append`, also returning the id the stream ended at before the entry (a reader
@@ -115,11 +163,7 @@ def _append_after(server, db, key: bytes, values,
         entry = stream.next_id(None, True)
         if entry is None:
             return None
-        stream.add(values, entry, *node_limits)
-        # Kept as a tuple of bytes, which the collector stops tracking, instead of fakeredis'
-        # list: a long-running `fd serve` holds an hour of token events, and every full
-        # collection walked each one (500k stored entries: 356 ms a collection).
-        stream._values_dict[entry] = tuple(values)
+        _add(stream, values, entry, *node_limits)
         if item is None:
             db[key] = Item(stream)
         db.notify_watch(key)  # WATCHers, and readers blocked on the database

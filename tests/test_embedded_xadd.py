@@ -447,3 +447,37 @@ async def test_an_engine_claims_and_acks_directly_on_the_embedded_client(embedde
         assert [r.request_id for _, r in await bus.claim_requests("e1", 10, None)] == ["d3"]
     finally:
         await client.aclose()
+
+
+@pytest.mark.parametrize("limits", [(100, 4096), (5, 200), (0, 0), (3, 1 << 31)])
+def test_the_direct_add_builds_the_stream_fakeredis_add_would(limits):
+    """control.embedded._add against XStream.add: the same ids, entries, counters and nodes
+    (their master ids and fields, live counts and listpack sizes: what approximate trimming and
+    XINFO read), for numbers that listpacks store as integers, long strings and changing
+    field sets."""
+    import random
+
+    from fakeredis.model._stream import StreamEntryKey, XStream
+
+    from control.embedded import _add
+
+    rnd = random.Random(7)
+    values = [b"0", b"1", b"-5", b"0123", b"9" * 19, b"9" * 25, b"-" , b"", b"x" * 63, b"x" * 64,
+              b"y" * 5000, b"tokens", b"1796012055123", "é".encode()]
+    field_sets = [[b"type", b"v", b"ts", b"text"], [b"type", b"v"], [b"other"]]
+    a, b = XStream(), XStream()
+    ts, seq = 1000, 0
+    for _ in range(400):
+        if rnd.random() < 0.5:
+            ts += rnd.choice((1, 1, 1, 70_000, 2 ** 40))
+            seq = 0
+        else:
+            seq += rnd.choice((1, 1, 300, 2 ** 20))
+        key = StreamEntryKey(ts, seq)
+        names = rnd.choice(field_sets) if rnd.random() < 0.2 else field_sets[0]
+        fields = [x for n in names for x in (n, rnd.choice(values))]
+        a.add(fields, key, *limits)
+        _add(b, fields, key, *limits)
+    assert b._ids == a._ids and b._last_id == a._last_id and b._entries_added == a._entries_added
+    assert {k: list(v) for k, v in b._values_dict.items()} == a._values_dict
+    assert len(a._nodes) > (3 if limits[0] else 0) and [vars(n) for n in b._nodes] == [vars(n) for n in a._nodes]
