@@ -18,6 +18,7 @@ from fd.api.tool_calls import call_id
 from fd.compose import ApiOptions, EngineOptions, join_in_process, start_api, start_engine
 from test_api_streaming import FakeEngine, parse_sse, setup
 from test_api_validation import assert_openai_error
+from test_tool_calls import _accumulate as accumulate_answer
 
 # what a reasoning model writes: its thinking (tags split across deltas), then the answer
 WORDS = ("<thi", "nk>\nTwo and ", "two.</th", "ink>\n\nIt is ", "4.")
@@ -60,16 +61,12 @@ def test_the_parser_lets_out_thinking_as_it_comes_and_holds_only_a_possible_tag(
 # ----------------------------------------------------------------------------- through the API
 
 def _accumulate(chunks: list[dict]) -> dict[int, dict]:
-    out: dict[int, dict] = {}
+    """What OpenAI's clients make of streamed deltas, per choice, with the thinking."""
+    out = accumulate_answer(chunks)
     for c in chunks:
         for ch in c["choices"]:
-            o = out.setdefault(ch["index"], {"reasoning": "", "content": "", "calls": [], "finish_reason": None})
-            d = ch["delta"]
-            o["reasoning"] += d.get("reasoning_content") or ""
-            o["content"] += d.get("content") or ""
-            o["calls"] += [(tc["id"], tc["function"]["name"], tc["function"]["arguments"])
-                           for tc in d.get("tool_calls") or ()]
-            o["finish_reason"] = ch["finish_reason"] or o["finish_reason"]
+            o = out[ch["index"]]
+            o["reasoning"] = o.get("reasoning", "") + (ch["delta"].get("reasoning_content") or "")
     return out
 
 
@@ -82,7 +79,7 @@ async def test_thinking_streamed_replayed_and_not_streamed(real_bus):
         assert events[-1] == (None, "[DONE]")
         chunks = [orjson.loads(d) for _, d in events[:-1]]
         assert _accumulate(chunks) == {0: {"reasoning": "\nTwo and two.", "content": "\n\nIt is 4.",
-                                           "calls": [], "finish_reason": "stop"}}
+                                           "calls": {}, "finish_reason": "stop"}}
         # thinking streams as it comes: before the answer's first chunk
         kinds = [k for c in chunks for k, v in c["choices"][0]["delta"].items()
                  if k in ("reasoning_content", "content") and v]
@@ -113,7 +110,8 @@ async def test_tool_calls_are_read_from_the_answer_not_the_thinking(real_bus):
                                  headers={"X-Request-Id": "r2"})
         got = _accumulate([orjson.loads(d) for _, d in parse_sse(await resp.read())[:-1]])
         assert got == {0: {"reasoning": "I could write <tool_call>{\"name\": \"x\"}</tool_call> here.",
-                           "content": "Checking.", "calls": [(call_id("r2", 0, 0), "get_time", "{}")],
+                           "content": "Checking.",
+                           "calls": {0: {"id": call_id("r2", 0, 0), "name": "get_time", "arguments": "{}"}},
                            "finish_reason": "tool_calls"}}
         body = await (await client.post("/v1/chat/completions", json=chat)).json()
         message = body["choices"][0]["message"]
