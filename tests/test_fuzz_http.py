@@ -77,7 +77,9 @@ class Harness:
 
 @pytest.fixture
 def harness(redis_server, keys):
-    h = Harness(redis_server.url, keys, tool_parser="hermes")  # tools' "auto" too
+    # tools' "auto" too; every chat through the reasoning parser (qwen3: the fake engine's text
+    # does not open with <think>, so it all stays content)
+    h = Harness(redis_server.url, keys, tool_parser="hermes", reasoning_parser="qwen3")
     yield h
     h.close()
 
