@@ -88,6 +88,9 @@ class SamplingParams:
     # Structured output: the canonical JSON text of a control.guided spec ("" for none); the
     # runner masks every token the spec's grammar does not allow next.
     guided: str = ""
+    # vLLM's: leave special tokens' text (<|im_start|>, <s>) out of the output text (True, the
+    # default) or keep it.
+    skip_special_tokens: bool = True
 
     @property
     def greedy(self) -> bool:
@@ -152,7 +155,7 @@ class SamplingParams:
             raise bad("top_k", "an integer >= -1")
         if kw.get("seed") is not None and not (is_int(kw["seed"]) and 0 <= kw["seed"] < 2**63):
             raise bad("seed", "an integer in [0, 2**63)")
-        for name in ("ignore_eos", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if name in kw and not isinstance(kw[name], bool):
                 raise bad(name, "true or false")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -203,7 +206,7 @@ _SAMPLING_NAMES = tuple(f.name for f in dataclasses.fields(SamplingParams))
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
 # fields added after the first release: on the wire only when set
 _OPTIONAL_NAMES = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                   "min_p", "min_tokens", "logprobs", "prompt_logprobs", "guided")
+                   "min_p", "min_tokens", "logprobs", "prompt_logprobs", "guided", "skip_special_tokens")
 _SAMPLING_FIELDS = frozenset(_SAMPLING_NAMES)
 
 

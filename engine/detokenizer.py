@@ -10,14 +10,18 @@ request ends for another reason.
 from __future__ import annotations
 
 import codecs
-from typing import Iterable
+from typing import Any, Iterable
+
+
+def _never(_token_id: int) -> bool:
+    return False
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, stop: tuple[str, ...] = (), include_stop_str_in_output: bool = False,
-                 min_tokens: int = 0):
+                 min_tokens: int = 0, skip_special_tokens: bool = True):
         self._tok = tokenizer
-        self._is_special = getattr(tokenizer, "is_special", lambda _id: False)
+        self._is_special = (getattr(tokenizer, "is_special", _never) if skip_special_tokens else _never)
         # "replace" only for bytes that can never become valid; incomplete tails wait
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self._stop = tuple(s for s in stop if s)
@@ -26,6 +30,12 @@ class IncrementalDetokenizer:
         self._count = 0
         self._held = ""
         self.stop_str: str | None = None  # set once a stop string matched; later pushes are ignored
+
+    @classmethod
+    def for_request(cls, tokenizer, sp: Any) -> "IncrementalDetokenizer":
+        """The detokenizer a request's sampling parameters ask for."""
+        return cls(tokenizer, stop=sp.stop, include_stop_str_in_output=sp.include_stop_str_in_output,
+                   min_tokens=sp.min_tokens, skip_special_tokens=sp.skip_special_tokens)
 
     def push(self, token_ids: Iterable[int]) -> tuple[str, str | None]:
         """The new text of ``token_ids`` that is safe to emit, and the stop string if one

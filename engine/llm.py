@@ -54,9 +54,7 @@ class LLM:
         for i, (ids, sp) in enumerate(zip(prompts, sps)):
             rid = f"r{i}"
             gens[rid] = Generation(rid)
-            detoks[rid] = IncrementalDetokenizer(self.tokenizer, stop=sp.stop,
-                                                 include_stop_str_in_output=sp.include_stop_str_in_output,
-                                                 min_tokens=sp.min_tokens)
+            detoks[rid] = IncrementalDetokenizer.for_request(self.tokenizer, sp)
             for ev in sched.add(rid, RequestData(prompt_token_ids=tuple(ids), sampling=sp)):
                 fold(gens, detoks, ev, clock)
         # Async scheduling in one thread: step N+1 is decided (and run: the runner takes steps

@@ -708,9 +708,7 @@ class EngineNode:
                 self._emit([Final(request_id=rid, finish_reason="error", usage=usage,
                                   error=f"sampling.guided does not compile: {e}", step=self.sched.step)])
                 return
-        detok = IncrementalDetokenizer(self.tokenizer, stop=sp.stop,
-                                       include_stop_str_in_output=sp.include_stop_str_in_output,
-                                       min_tokens=sp.min_tokens)
+        detok = IncrementalDetokenizer.for_request(self.tokenizer, sp)
         tail = ""
         if hist.tokens:
             # Prime it with what the client already has, so text deltas continue exactly; text

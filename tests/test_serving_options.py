@@ -206,3 +206,40 @@ async def test_an_engine_whose_kv_cache_is_shorter_than_the_context_says_so(embe
         if warned:
             assert f"holds {CONTEXT} tokens, fewer than the context of 2048" in said[0]
             assert f"--max-model-len {CONTEXT}" in said[0]
+
+
+async def test_skip_special_tokens_false_keeps_their_text(served):
+    """vLLM's skip_special_tokens: special tokens (the tiny model's <|im_start|> is one) are
+    left out of the text by default; false keeps them, streamed and not."""
+    api, eng = served
+    client = openai.AsyncOpenAI(base_url=f"{api.url}/v1", api_key="none", max_retries=0)
+    force = {"logit_bias": {"2": 100}}  # token 2, <|im_start|>, every step
+    try:
+        c = await client.completions.create(model=api.cfg.model_name, prompt="Hi", max_tokens=3,
+                                            temperature=0, **force)
+        assert c.choices[0].text == "" and c.usage.completion_tokens == 3
+        c = await client.completions.create(model=api.cfg.model_name, prompt="Hi", max_tokens=3,
+                                            temperature=0, extra_body={"skip_special_tokens": False},
+                                            **force)
+        assert c.choices[0].text == "<|im_start|>" * 3
+        stream = await client.chat.completions.create(
+            model=api.cfg.model_name, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+            temperature=0, stream=True, extra_body={"skip_special_tokens": False}, **force)
+        text = "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
+        assert text == "<|im_start|>" * 2
+        status, body = await _post(f"{api.url}/v1/completions",
+                                   {"prompt": "Hi", "skip_special_tokens": "no"})
+        assert status == 400 and body["error"]["param"] == "skip_special_tokens"
+    finally:
+        await client.close()
+
+
+def test_skip_special_tokens_is_on_the_wire_only_when_false():
+    from control.events import BadEvent
+
+    assert "skip_special_tokens" not in SamplingParams().to_dict()
+    d = SamplingParams(skip_special_tokens=False).to_dict()
+    assert d["skip_special_tokens"] is False
+    assert SamplingParams.from_dict(d).skip_special_tokens is False
+    with pytest.raises(BadEvent, match="skip_special_tokens"):
+        SamplingParams.from_dict({"skip_special_tokens": "no"})

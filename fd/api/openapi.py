@@ -58,6 +58,7 @@ def _sampling_props(model_name: str, max_model_len: int) -> dict[str, Any]:
                            "items": {"type": "integer", "format": "int64", "minimum": 0}},
         "ignore_eos": _NULLABLE_BOOL,
         "include_stop_str_in_output": _NULLABLE_BOOL,
+        "skip_special_tokens": {**_NULLABLE_BOOL, "description": "Leave special tokens' text out of the output (the default)."},
         "stream": _NULLABLE_BOOL,
         "stream_options": {"type": "object", "nullable": True,
                            "description": "Only with stream=true.",

@@ -262,11 +262,12 @@ def _sampling(body: dict, prompt_len: int, limits: Limits, default_max: int | No
                                 "a list of token ids", []))
     ignore_eos = _opt(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean", False)
     include_stop = _opt(body, "include_stop_str_in_output", lambda v: isinstance(v, bool), "a boolean", False)
+    skip_special = _opt(body, "skip_special_tokens", lambda v: isinstance(v, bool), "a boolean", True)
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                           seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
                           include_stop_str_in_output=include_stop, logit_bias=logit_bias,
                           min_p=float(min_p), min_tokens=min_tokens, logprobs=logprobs,
-                          guided=_guided(body), **penalties)
+                          guided=_guided(body), skip_special_tokens=skip_special, **penalties)
 
 
 #: What a model's generation_config.json may set for requests that do not (the keys vLLM reads).
