@@ -13,6 +13,10 @@ same): a grammar is checked here, where the API validates a request before anyth
 Redis, and each engine's model runner keeps one matcher per guided request
 (:mod:`engine.guided`). JSON is compiled without free whitespace (``", "`` and ``": "``):
 small models otherwise fill the allowed whitespace instead of the object.
+
+A spec may also say ``"after": <token id>``: the grammar holds only from the token after the
+first time the output has that one (a reasoning model's ``</think>``: it thinks freely, then
+answers in the grammar), as vLLM does with a reasoning parser.
 """
 
 from __future__ import annotations
@@ -38,12 +42,31 @@ def canonical(spec: dict[str, Any]) -> str:
 
 def parse(text: str) -> tuple[str, Any]:
     """``(kind, value)`` of a spec's text; raises :class:`GuidedError` for a malformed one."""
+    return _parse(text)[:2]
+
+
+def after_token(text: str) -> int | None:
+    """The token after whose first appearance in the output the grammar holds (None: from
+    the first token)."""
+    return _parse(text)[2]
+
+
+def starting_after(text: str, token_id: int) -> str:
+    """The spec ``text`` holding only after ``token_id`` (see the module's docstring)."""
+    return canonical({**json.loads(text), "after": token_id})
+
+
+@functools.lru_cache(maxsize=256)
+def _parse(text: str) -> tuple[str, Any, int | None]:
     if len(text.encode()) > MAX_SPEC_BYTES:
         raise GuidedError(f"at most {MAX_SPEC_BYTES} bytes")
     try:
         spec = json.loads(text)
     except ValueError:
         raise GuidedError("not JSON") from None
+    after = spec.pop("after", None) if isinstance(spec, dict) else None
+    if after is not None and not (isinstance(after, int) and not isinstance(after, bool) and after >= 0):
+        raise GuidedError("'after' must be a token id")
     if not isinstance(spec, dict) or len(spec) != 1 or next(iter(spec)) not in KINDS:
         raise GuidedError(f"one of {', '.join(KINDS)}, as an object with that one key")
     kind, value = next(iter(spec.items()))
@@ -56,7 +79,7 @@ def parse(text: str) -> tuple[str, Any]:
         what = {"json": "a JSON Schema (an object)", "json_object": "true", "regex": "a non-empty pattern",
                 "grammar": "a Lark grammar", "choice": "a non-empty list of non-empty strings"}[kind]
         raise GuidedError(f"'{kind}' must be {what}")
-    return kind, value
+    return kind, value, after
 
 
 def grammar(text: str) -> str:

@@ -20,7 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
-from control.guided import GuidedError, grammar
+from control.guided import GuidedError, after_token, grammar
 
 log = logging.getLogger("fd.engine")
 
@@ -48,6 +48,12 @@ class Guides:
                 self._grammars[spec] = None
         return self._grammars[spec]
 
+    def _after(self, spec: str) -> int | None:
+        try:
+            return after_token(spec)
+        except GuidedError:
+            return None  # (a bad spec: its matcher is in an error state, see _matcher)
+
     def _matcher(self, rid: str, spec: str, output: Sequence[int]):
         got = self._matchers.get(rid)
         if got is not None and got[1] == len(output):
@@ -59,9 +65,18 @@ class Guides:
         self._matchers[rid] = (m, len(output))
         return m
 
-    def allowed(self, rid: str, spec: str, output: Sequence[int]) -> np.ndarray:
+    def allowed(self, rid: str, spec: str, output: Sequence[int]) -> np.ndarray | None:
         """Which tokens may come next ([vocab] bool) for a request whose output so far is
-        ``output``."""
+        ``output``; None for any (a spec that holds only after a token not yet generated:
+        a reasoning model still thinking)."""
+        after = self._after(spec)
+        if after is not None:
+            try:
+                start = output.index(after) + 1
+            except ValueError:
+                self._matchers.pop(rid, None)
+                return None
+            output = output[start:]
         m = self._matcher(rid, spec, output)
         if m.is_error() or m.is_stopped():
             mask = np.zeros(self.vocab_size, dtype=bool)

@@ -99,7 +99,9 @@ class ModelRunner:
                 rows = rows.copy()  # (log-probabilities below are the model's own)
             for i in guided:  # what the request's grammar does not allow next is ruled out
                 s = sampled[i]
-                rows[i][~self.guides.allowed(s.request_id, s.sampling.guided, self._seen(s)[1])] = -np.inf
+                allowed = self.guides.allowed(s.request_id, s.sampling.guided, self._seen(s)[1])
+                if allowed is not None:  # (None: its grammar has not begun)
+                    rows[i][~allowed] = -np.inf
             tokens = self.sampler.sample(rows, [s.sampling for s in sampled],
                                          [s.num_generated for s in sampled],
                                          [self._seen(s) if s.sampling.penalized else None

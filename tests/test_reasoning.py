@@ -6,18 +6,24 @@ chat template (Qwen3's ``enable_thinking``)."""
 from __future__ import annotations
 
 import itertools
+import json
+import re
 
 import aiohttp
+import numpy as np
 import openai
 import orjson
 import pytest
 
-from control.events import Accepted, decode
+from control.events import Accepted, SamplingParams, decode
+from control.guided import canonical, starting_after
+from engine.llm import LLM
+from engine.model_runner import ModelRunner
 from fd.api.reasoning import ReasoningParser, split_all
 from fd.api.tool_calls import call_id
 from fd.compose import ApiOptions, EngineOptions, join_in_process, start_api, start_engine
 from test_api_streaming import FakeEngine, parse_sse, setup
-from test_api_validation import assert_openai_error
+from test_api_validation import FakeTokenizer, assert_openai_error
 from test_tool_calls import _accumulate as accumulate_answer
 
 # what a reasoning model writes: its thinking (tags split across deltas), then the answer
@@ -187,3 +193,82 @@ async def test_chat_template_kwargs_reach_the_template(embedded_redis, keys, tin
         await start_api(embedded_redis.client, keys,
                         ApiOptions(model_dir=str(tiny_model_dir), reasoning_parser="nope"),
                         tokenizer=tiny_tokenizer)
+
+
+# ----------------------------------------------------------------------------- structured outputs after thinking
+
+def test_a_spec_may_start_after_a_token():
+    from control.guided import GuidedError, after_token, canonical, grammar, parse, starting_after
+
+    plain = canonical({"regex": "[0-9]{3}"})
+    later = starting_after(plain, 300)
+    assert json.loads(later) == {"regex": "[0-9]{3}", "after": 300} and after_token(later) == 300
+    assert parse(later) == parse(plain) and after_token(plain) is None
+    assert grammar(later) == grammar(plain)
+    for bad in ('{"regex": "a", "after": -1}', '{"regex": "a", "after": true}', '{"after": 3}'):
+        with pytest.raises(GuidedError):
+            parse(bad)
+
+
+def test_the_runner_masks_only_after_the_token(tiny_model_dir, tiny_runner, tiny_tokenizer):
+    """Guides: no mask while the token has not come; from the token after it, the grammar's
+    (the same mask a plain spec gives an output that starts there), rebuilt if forgotten."""
+    from control.guided import canonical, starting_after
+    from engine.guided import Guides
+
+    tj = (tiny_model_dir / "tokenizer.json").read_text()
+    g = Guides(tj, tiny_runner.vocab_size, tiny_runner.eos_token_ids)
+    plain = canonical({"regex": "[0-9]{3}"})
+    later = starting_after(plain, 7)
+    assert g.allowed("r", later, (5, 6)) is None
+    g.took("r", 7)  # (sampled freely: nothing to consume yet)
+    first = g.allowed("r", later, (5, 6, 7))
+    assert (first == g.allowed("ref", plain, ())).all() and 0 < first.sum() < tiny_runner.vocab_size
+    digit = int(next(t for t in np.flatnonzero(first) if tiny_tokenizer.decode([int(t)]).isdigit()))
+    g.took("r", digit)
+    assert (g.allowed("r", later, (5, 6, 7, digit)) == g.allowed("ref2", plain, (digit,))).all()
+    g.keep_only(set())
+    assert (g.allowed("r", later, (5, 6, 7, digit)) == g.allowed("ref3", plain, (digit,))).all()
+
+
+def test_the_model_thinks_freely_then_answers_in_the_grammar(tiny_model_dir, tiny_tokenizer):
+    """With the real tiny model: greedy, the output is the unconstrained model's up to and
+    including the token, then the grammar's (the token stands for </think>)."""
+    runner = ModelRunner(str(tiny_model_dir), num_blocks=64, block_size=16)
+    llm = LLM(runner, tiny_tokenizer)
+    prompt = tiny_tokenizer.encode("The harbour")
+    free = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0].token_ids
+    end = free[2]  # the third token the model writes on its own
+    spec = starting_after(canonical({"regex": "[0-9]{3}"}), end)
+    got = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=20, guided=spec))[0]
+    k = free.index(end) + 1
+    assert got.token_ids[:k] == free[:k] and got.finish_reason == "stop"
+    assert re.fullmatch("[0-9]{3}", tiny_tokenizer.decode(got.token_ids[k:]))
+    assert not re.fullmatch("[0-9]{3}", tiny_tokenizer.decode(free[k:k + 3]))  # (it would not have)
+
+
+class _ThinkTokenizer(FakeTokenizer):
+    """The fake tokenizer, with <think> and </think> as one token each (ids 299 and 300)."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        out: list[int] = []
+        for part in re.split("(</?think>)", text):
+            out += {"<think>": [299], "</think>": [300]}.get(part) or list(part.encode())
+        return out
+
+
+@pytest.mark.parametrize("content,after", [("2+2?", 300), ("2+2? <think>x</think>", None),
+                                           ("<think>x</think> then <think>y", 300)])
+def test_a_guided_chat_on_a_reasoning_server_is_guided_after_the_thinking(content, after):
+    from fd.api import protocol
+
+    limits = protocol.Limits("tiny", 512, reasoning_parser="qwen3")
+    body = {"messages": [{"role": "user", "content": content}], "response_format": {"type": "json_object"}}
+    gen = protocol.parse_chat(body, limits, _ThinkTokenizer())
+    assert json.loads(gen.sampling.guided).get("after") == after
+    assert gen.reasoning_parser == "qwen3"
+    # a forced tool call is the grammar's from its first token: nothing read as thinking
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    gen = protocol.parse_chat({"messages": body["messages"], "tools": [tool], "tool_choice": "required"},
+                              limits, _ThinkTokenizer())
+    assert "after" not in json.loads(gen.sampling.guided) and gen.reasoning_parser is None

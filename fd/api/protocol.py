@@ -17,9 +17,11 @@ import orjson
 
 from control.events import (MAX_LOGPROBS, MAX_REPETITION_PENALTY, Final, SamplingParams,
                             logprobs_entries, prompt_logprobs_entries)
-from control.guided import GuidedError, canonical, check
+from control.guided import GuidedError, canonical, check, starting_after
 from control.keys import choice_ids
 from fd.api.errors import ApiError, bad_request, not_found, too_large
+from fd.api.reasoning import END as REASONING_END
+from fd.api.reasoning import START as REASONING_START
 from fd.api.reasoning import REASONING, ReasoningParser, split_all
 from fd.api.tool_calls import HermesParser, ToolCall, call_id, forced_calls, forced_spec, parse_all
 
@@ -547,8 +549,20 @@ def parse_chat(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Generati
     if not ids:
         raise bad_request("The prompt is empty.", "messages", "invalid_value")
     sampling = _sampling(body, len(ids), limits, None, logprobs)
+    reasoning = limits.reasoning_parser
+    if reasoning and sampling.guided:
+        # As vLLM: the model thinks freely, and its answer after </think> is the grammar's,
+        # unless the prompt closed the thinking already (Qwen3's enable_thinking false). A
+        # tokenizer without </think> as one token: the grammar from the first token, and
+        # nothing to read as thinking.
+        end = tokenizer.encode(REASONING_END)
+        if len(end) != 1:
+            reasoning = None
+        elif not _thinking_closed(ids, tokenizer.encode(REASONING_START), end[0]):
+            sampling = dataclasses.replace(sampling, guided=starting_after(sampling.guided, end[0]))
     forced = forced_spec(parser, tools, parallel) if parser else None
     if forced is not None:  # tool_choice "required" or a named function: the output is the call
+        reasoning = None  # (from its first token: no thinking)
         if sampling.guided:
             raise bad_request("A forced tool_choice and a structured output cannot go together.",
                               "tool_choice", "invalid_value")
@@ -558,10 +572,18 @@ def parse_chat(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Generati
         except GuidedError as e:
             raise bad_request(f"The tools' parameters do not compile: {e}", "tools", "invalid_value") from None
         sampling = dataclasses.replace(sampling, guided=guided)
-    # A guided answer is the grammar's from its first token: no thinking to read out of it.
-    reasoning = limits.reasoning_parser if not sampling.guided else None
     return GenerationRequest("chat", model, ids, sampling, stream, include_usage, background, continuous,
                              _choices(body), tool_parser=parser, reasoning_parser=reasoning)
+
+
+def _thinking_closed(ids: tuple[int, ...], start: list[int], end: int) -> bool:
+    """The prompt ends its thinking itself: a </think> after the last <think> (if any)."""
+    if end not in ids:
+        return False
+    last_end = len(ids) - 1 - ids[::-1].index(end)
+    if len(start) != 1 or start[0] not in ids:
+        return True
+    return last_end > len(ids) - 1 - ids[::-1].index(start[0])
 
 
 #: What a chat template is given by fd itself, which ``chat_template_kwargs`` may not replace.
