@@ -157,7 +157,8 @@ async def test_the_openai_client_reads_the_thinking(real_bus):
 
 async def test_chat_template_kwargs_reach_the_template(embedded_redis, keys, tiny_model_dir, tiny_runner,
                                                        tiny_tokenizer):
-    template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    template = ("{% for m in messages %}{% if m.reasoning_content is defined %}[{{ m.reasoning_content }}]"
+                "{% endif %}{{ m['content'] }}{% endfor %}"
                 "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>{% endif %}")
     eng = await start_engine(embedded_redis.client, keys,
                              EngineOptions(model_dir=str(tiny_model_dir), engine_id="e-think"),
@@ -181,6 +182,15 @@ async def test_chat_template_kwargs_reach_the_template(embedded_redis, keys, tin
                                     "chat_template_kwargs": {"enable_thinking": False}}) as r:
                 body = await r.json()
             assert r.status == 200 and body["usage"]["prompt_tokens"] == len(off["tokens"])
+            # an earlier answer's thinking reaches the template as the client sends it back
+            tpl_msgs = [*msgs, {"role": "assistant", "content": "Hello", "reasoning_content": "greet"}]
+            _, turn = await tokens({"messages": tpl_msgs})
+            assert turn["tokens"] == tiny_tokenizer.encode("Hi[greet]Hello")
+            async with s.post(f"{api.url}/tokenize",
+                              json={"messages": [*msgs, {"role": "assistant", "content": "x",
+                                                         "reasoning_content": 5}]}) as r:
+                err = assert_openai_error(await r.json(), r.status)
+                assert r.status == 400 and err["param"] == "messages[1].reasoning_content"
             for bad, status in (({"messages": []}, 400), ("yes", 400)):
                 async with s.post(f"{api.url}/v1/chat/completions",
                                   json={"messages": msgs, "chat_template_kwargs": bad}) as r:

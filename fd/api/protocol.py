@@ -443,6 +443,13 @@ def parse_messages(body: dict) -> list[dict[str, str]]:
                                "content": "" if m.get("content") is None else _message_text(m["content"], i)}
         if calls:
             msg["tool_calls"] = calls
+        if role == "assistant" and m.get("reasoning_content") is not None:
+            # an earlier answer's thinking, as this server returned it: for the chat template
+            # (Qwen3's keeps the latest turn's), as vLLM passes it
+            if not isinstance(m["reasoning_content"], str):
+                raise bad_request(f"messages[{i}].reasoning_content must be a string.",
+                                  f"messages[{i}].reasoning_content", "invalid_type")
+            msg["reasoning_content"] = m["reasoning_content"]
         if role == "tool":
             for key in ("tool_call_id", "name"):
                 if m.get(key) is not None:
