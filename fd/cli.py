@@ -177,7 +177,8 @@ def _add_tool_args(p: argparse.ArgumentParser) -> None:
                         "\"auto\"); needs --tool-call-parser")
     p.add_argument("--tool-call-parser", choices=PARSERS, default=None,
                    help="how the model writes a tool call: hermes = <tool_call>{json}</tool_call> "
-                        "(Qwen 2.5/3, Hermes)")
+                        "(Qwen 2.5/3, Hermes); llama3_json = an answer that is {json}; {json} "
+                        "(Llama 3.1-3.3)")
     from fd.api.reasoning import PARSERS as THINKERS
 
     p.add_argument("--reasoning-parser", choices=THINKERS, default=None,

@@ -331,3 +331,52 @@ async def test_a_forced_answer_cut_short_is_shown_as_text(real_bus):
         assert got[0]["content"] == "Hello, world!" and not got[0]["calls"]
         sent = [decode(f).data.sampling.guided for _, f in await real_bus.redis.xrange(real_bus.keys.requests)]
         assert sent and all(orjson.loads(g)["json"] == WEATHER["function"]["parameters"] for g in sent)
+
+
+# ----------------------------------------------------------------------------- llama3_json
+
+LLAMA = ('<|python_', 'tag|>{"name": "get_weather", ', '"parameters": {"city": "Paris"}}; ',
+         '{"name": "get_time", "parameters": {}}')
+
+
+@pytest.mark.parametrize("text,want", [
+    ("".join(LLAMA), ("", CALLS)),
+    ('  {"name": "get_time", "arguments": {}}\n', ("", [ToolCall("get_time", "{}")])),
+    ("The weather is fine.", ("The weather is fine.", [])),
+    ("<b>bold</b> {\"name\": \"x\"}", ("<b>bold</b> {\"name\": \"x\"}", [])),  # calls only at the start
+    ('{"name": "f", "parameters": {"a": 1}', ('{"name": "f", "parameters": {"a": 1}', [])),  # cut short
+    ('{"no_name": 1}', ('{"no_name": 1}', [])),
+    ('<|pyth', ('<|pyth', [])),
+])
+def test_llama3_json_reads_an_answer_that_is_the_calls(text, want):
+    from fd.api.tool_calls import Llama3JsonParser
+
+    assert parse_all(text, "llama3_json") == want
+    for cuts in itertools.combinations(range(1, len(text)), min(2, max(0, len(text) - 1))):
+        p = Llama3JsonParser()
+        pieces = [text[a:b] for a, b in zip((0, *cuts), (*cuts, len(text)))]
+        items = [x for piece in pieces for x in p.feed(piece)] + p.finish()
+        got = ("".join(x for x in items if isinstance(x, str)), [x for x in items if isinstance(x, ToolCall)])
+        assert got == want, pieces
+
+
+async def test_llama3_json_calls_through_the_api(real_bus):
+    async with setup(real_bus, FakeEngine(real_bus, words=LLAMA), tool_parser="llama3_json") as client:
+        resp = await client.post("/v1/chat/completions", json={**CHAT, "stream": True},
+                                 headers={"X-Request-Id": "ll1"})
+        original = await resp.read()
+        got = _accumulate([orjson.loads(d) for _, d in parse_sse(original)[:-1]])
+        assert got == {0: {"content": "", "finish_reason": "tool_calls", "calls": {
+            0: {"id": call_id("ll1", 0, 0), "name": "get_weather", "arguments": '{"city": "Paris"}'},
+            1: {"id": call_id("ll1", 0, 1), "name": "get_time", "arguments": "{}"}}}}
+        assert await (await client.get("/v1/requests/ll1/stream")).read() == original
+        body = await (await client.post("/v1/chat/completions", json=CHAT)).json()
+        message = body["choices"][0]["message"]
+        assert message["content"] is None and [c["function"]["name"] for c in message["tool_calls"]] == [
+            "get_weather", "get_time"]
+    async with setup(real_bus, FakeEngine(real_bus, words=("Sunny", " today.")),
+                     tool_parser="llama3_json") as client:  # an answer that is not a call streams
+        resp = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+        chunks = [orjson.loads(d) for _, d in parse_sse(await resp.read())[:-1]]
+        texts = [c["choices"][0]["delta"].get("content") for c in chunks if c["choices"]]
+        assert "".join(t or "" for t in texts) == "Sunny today." and "Sunny" in texts

@@ -23,7 +23,8 @@ from fd.api.errors import ApiError, bad_request, not_found, too_large
 from fd.api.reasoning import END as REASONING_END
 from fd.api.reasoning import START as REASONING_START
 from fd.api.reasoning import REASONING, ReasoningParser, split_all
-from fd.api.tool_calls import HermesParser, ToolCall, call_id, forced_calls, forced_spec, parse_all
+from fd.api.tool_calls import (PARSERS as TOOL_PARSERS, HermesParser, Llama3JsonParser, ToolCall, call_id,
+                               forced_calls, forced_spec, make_parser, parse_all)
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_TOOLS = 128
@@ -811,7 +812,8 @@ class Renderer:
         self._lp_shown = 0  # how many of them a chunk carried already
         self._lp_offset = 0  # completions' text_offset of the next token
         # chat with tools (the `accepted` event's tool_parser): the model's text read for calls
-        self.tools: HermesParser | None = None
+        self.tools: HermesParser | Llama3JsonParser | None = None
+        self._tool_kind = ""  # its --tool-call-parser name
         self.forced: str | None = None  # tool_choice required / named (fd.api.tool_calls.forced_calls)
         self._calls = 0  # tool calls rendered so far
         # chat on a server with --reasoning-parser (the `accepted` event's reasoning_parser):
@@ -911,8 +913,8 @@ class Renderer:
             self.echo_only = bool(accepted.echo_only)
         mode = getattr(accepted, "tool_parser", None)
         if mode and self.endpoint == "chat" and self.tools is None and self.forced is None:
-            if mode == "hermes":
-                self.tools = HermesParser()
+            if mode in TOOL_PARSERS:
+                self.tools, self._tool_kind = make_parser(mode), mode
             else:  # "required" / "named:<function>": the whole output is the call(s)
                 self.forced = mode
         kind = getattr(accepted, "reasoning_parser", None)
@@ -1086,7 +1088,7 @@ class Renderer:
             reasoning, text = split_all(self.reasoning.kind, text)
         calls: list[ToolCall] = []
         if self.tools is not None:
-            text, calls = parse_all(text)
+            text, calls = parse_all(text, self._tool_kind)
         elif self.forced is not None:
             text, calls = self._forced()
         body = build(self.rid, self.created, self.model, text,

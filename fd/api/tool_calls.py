@@ -1,4 +1,5 @@
-"""Tool calls in a chat model's text: what vLLM's ``--tool-call-parser hermes`` reads.
+"""Tool calls in a chat model's text: what vLLM's ``--tool-call-parser hermes`` and
+``llama3_json`` read.
 
 Hermes-format models (Qwen 2.5 and 3, Hermes 2 and 3, and others trained on it) answer a tool
 call as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number of them, with
@@ -13,6 +14,11 @@ Text that does not parse as a call (not JSON, no ``name``) stays content, as in 
 client sees what the model wrote rather than losing it. Blank text between or after calls (the
 newlines models put there) is not content. A call the model did not close before
 the request ended (EOS or ``max_tokens``) is taken if what follows its tag parses.
+
+Llama 3.1-3.3 (:class:`Llama3JsonParser`) answer a call with the call alone: an answer that
+begins with ``<|python_tag|>`` or ``{`` is one or more JSON objects ``{"name", "parameters"}``
+separated by ``;``, any other answer is content (vLLM's rule). Such an answer is held until it
+ends, then goes out as its calls, or, if it does not parse as calls, as content.
 """
 
 from __future__ import annotations
@@ -23,8 +29,9 @@ from dataclasses import dataclass
 
 import orjson
 
-PARSERS = ("hermes",)  # the names --tool-call-parser takes
+PARSERS = ("hermes", "llama3_json")  # the names --tool-call-parser takes
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,9 +129,70 @@ class HermesParser:
             out.append(call)
 
 
-def parse_all(text: str) -> tuple[str, list[ToolCall]]:
+class Llama3JsonParser:
+    def __init__(self) -> None:
+        self._buf = ""
+        self._mode: str | None = None  # "content" or "calls", once the answer's start says
+
+    def feed(self, text: str) -> list[str | ToolCall]:
+        if self._mode == "content":
+            return [text] if text else []
+        self._buf += text
+        if self._mode is None:
+            start = self._buf.lstrip()
+            if not start or (len(start) < len(PYTHON_TAG) and PYTHON_TAG.startswith(start)):
+                return []  # not yet known
+            if start.startswith((PYTHON_TAG, "{")):
+                self._mode = "calls"
+                return []
+            self._mode = "content"
+            out, self._buf = self._buf, ""
+            return [out]
+        return []  # (calls: held until the answer ends)
+
+    def finish(self) -> list[str | ToolCall]:
+        text, self._buf = self._buf, ""
+        if self._mode == "calls":
+            calls = _json_calls(text)
+            if calls:
+                return list(calls)
+        return [text] if text else []
+
+
+def _json_calls(text: str) -> list[ToolCall] | None:
+    """``{...}; {...}`` (after an optional ``<|python_tag|>``) as calls; None if it is not."""
+    text = text.strip()
+    if text.startswith(PYTHON_TAG):
+        text = text[len(PYTHON_TAG):]
+    decoder = json.JSONDecoder()
+    calls, i = [], 0
+    while True:
+        while i < len(text) and (text[i].isspace() or text[i] == ";"):
+            i += 1
+        if i == len(text):
+            return calls or None
+        try:
+            obj, i = decoder.raw_decode(text, i)
+        except ValueError:
+            return None
+        call = _parse_call(json.dumps(obj)) if isinstance(obj, dict) else None
+        if call is None:
+            return None
+        calls.append(call)
+
+
+def make_parser(name: str) -> HermesParser | Llama3JsonParser:
+    """The parser ``--tool-call-parser name`` names."""
+    if name == "llama3_json":
+        return Llama3JsonParser()
+    if name == "hermes":
+        return HermesParser()
+    raise ValueError(f"unknown tool-call parser {name!r}: one of {', '.join(PARSERS)}")
+
+
+def parse_all(text: str, name: str = "hermes") -> tuple[str, list[ToolCall]]:
     """A whole text's content and calls (a response that is not streamed)."""
-    p = HermesParser()
+    p = make_parser(name)
     items = p.feed(text) + p.finish()
     return ("".join(x for x in items if isinstance(x, str)),
             [x for x in items if isinstance(x, ToolCall)])
