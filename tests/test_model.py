@@ -299,12 +299,13 @@ def test_tied_embeddings(tiny_dir, tmp_path):
 
 
 def _numpy_llama(model_dir, ids):
-    """HF's Llama/Qwen2 forward written out in float64 numpy from the checkpoint itself: an
-    independent check of the fused layout, RoPE, GQA head mapping and biases."""
+    """HF's Llama/Qwen2/Qwen3 forward written out in float64 numpy from the checkpoint itself:
+    an independent check of the fused layout, RoPE, GQA head mapping, biases and Qwen3's
+    per-head q/k norms."""
     cfg = json.loads(open(os.path.join(model_dir, "config.json")).read())
     w = {k: v.astype(np.float64) for k, v in load_file(os.path.join(model_dir, "model.safetensors")).items()}
     nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    hd = cfg["hidden_size"] // nh
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // nh
     n = len(ids)
     inv = 1.0 / cfg["rope_theta"] ** (np.arange(0, hd, 2) / hd)
     ang = np.arange(n)[:, None] * np.concatenate([inv, inv])[None]
@@ -324,8 +325,11 @@ def _numpy_llama(model_dir, ids):
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         h = rms(x, w[p + "input_layernorm.weight"])
-        q = rope(proj(h, p + "self_attn.q_proj").reshape(n, nh, hd))
-        k = np.repeat(rope(proj(h, p + "self_attn.k_proj").reshape(n, nkv, hd)), nh // nkv, axis=1)
+        q, k = proj(h, p + "self_attn.q_proj").reshape(n, nh, hd), proj(h, p + "self_attn.k_proj").reshape(n, nkv, hd)
+        if p + "self_attn.q_norm.weight" in w:  # Qwen3
+            q, k = rms(q, w[p + "self_attn.q_norm.weight"]), rms(k, w[p + "self_attn.k_norm.weight"])
+        q = rope(q)
+        k = np.repeat(rope(k), nh // nkv, axis=1)
         v = np.repeat(proj(h, p + "self_attn.v_proj").reshape(n, nkv, hd), nh // nkv, axis=1)
         s = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(hd) + causal
         a = np.exp(s - s.max(-1, keepdims=True))
@@ -364,3 +368,40 @@ def test_fast_mode_is_close_to_the_reference(tiny_dir, runner):
     seq = ScheduledSeq("f", tuple(p), 0, (0,), True, GREEDY, 0)
     got = fast.logits(SchedulerOutput(step=0, seqs=(seq,)))[0]
     np.testing.assert_allclose(got, runner.model.reference_logits(p)[-1], atol=1e-4)
+
+
+def _qwen3(tiny_dir, tmp_path, name: str, head_dim: int = 48):
+    """The tiny model made a Qwen3: per-head q/k norms, and a head_dim that is not
+    hidden_size / heads (as Qwen3-0.6B's 128 against 1024 / 16)."""
+    d = _copy(tiny_dir, tmp_path, name)
+    _edit_config(d, architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=head_dim)
+    w = load_file(str(d / "model.safetensors"))
+    rng = np.random.default_rng(11)
+    for i in range(2):
+        p = f"model.layers.{i}.self_attn."
+        for proj, rows in (("q", 4 * head_dim), ("k", 2 * head_dim), ("v", 2 * head_dim)):
+            w[p + f"{proj}_proj.weight"] = (rng.standard_normal((rows, 128)) * 0.05).astype(np.float32)
+        w[p + "o_proj.weight"] = (rng.standard_normal((128, 4 * head_dim)) * 0.05).astype(np.float32)
+        for norm in ("q_norm", "k_norm"):
+            w[p + f"{norm}.weight"] = rng.uniform(0.5, 1.5, head_dim).astype(np.float32)
+    save_file(w, str(d / "model.safetensors"))
+    return d, w
+
+
+def test_qwen3_matches_numpy_forward_and_its_paged_path(tiny_dir, tmp_path):
+    d, w = _qwen3(tiny_dir, tmp_path, "qwen3")
+    cfg = ModelConfig.from_dir(str(d))
+    assert cfg.qk_norm and cfg.head_dim == 48 and not cfg.qkv_bias
+    prompt = _prompt(12, 30)
+    model = load_model(str(d), progress=False)
+    np.testing.assert_allclose(model.reference_logits(prompt), _numpy_llama(str(d), prompt), atol=2e-3, rtol=0)
+    qwen = ModelRunner(str(d), num_blocks=64)
+    prompts = {f"q{i}": _prompt(300 + i, n) for i, n in enumerate([5, 21, 34])}
+    gen, _ = _run(qwen, prompts, 6, {"q2": 10}, Blocks(64, seed=3))
+    for r, p in prompts.items():
+        assert gen[r] == _greedy_reference(qwen.model, p, 6), r
+    # the norms matter (a Qwen3 read as a Llama would answer differently), and are named when missing
+    del w["model.layers.1.self_attn.k_norm.weight"]
+    save_file(w, str(d / "model.safetensors"))
+    with pytest.raises(WeightError, match=r"model\.layers\.1\.self_attn\.k_norm\.weight"):
+        load_model(str(d), progress=False)

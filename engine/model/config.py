@@ -1,8 +1,9 @@
 """The model's shape, read from an HF ``config.json``.
 
-Only the Llama family is supported (Llama and Qwen2 differ in the q/k/v biases); anything the
-model code does not implement (RoPE scaling, sliding windows, MLP biases) is refused here with
-a clear message rather than producing silently wrong text.
+Only the Llama family is supported (Qwen2 adds q/k/v biases to Llama; Qwen3 instead normalises
+each head's q and k, RMSNorm before RoPE); anything the model code does not implement (RoPE
+scaling, sliding windows, MLP biases) is refused here with a clear message rather than
+producing silently wrong text.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import json
 import os
 from dataclasses import dataclass
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 class UnsupportedModel(ValueError):
@@ -34,6 +35,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     o_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k, before RoPE
     torch_dtype: str = "float32"
 
     @property
@@ -86,9 +88,11 @@ class ModelConfig:
                 rope_theta=float(d.get("rope_theta", 10000.0)),
                 max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                # Qwen2 always has q/k/v biases; Llama's attention_bias adds them to o_proj too
+                # Qwen2 always has q/k/v biases; Llama's attention_bias adds them to o_proj too,
+                # Qwen3's to q/k/v only
                 qkv_bias=arch == "Qwen2ForCausalLM" or bias,
                 o_bias=arch == "LlamaForCausalLM" and bias,
+                qk_norm=arch == "Qwen3ForCausalLM",
                 torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
             )
         except KeyError as e:

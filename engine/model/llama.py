@@ -1,4 +1,4 @@
-"""The Llama-family decoder (Llama, Qwen2) in PaddlePaddle, over a paged KV cache.
+"""The Llama-family decoder (Llama, Qwen2, Qwen3) in PaddlePaddle, over a paged KV cache.
 
 One forward runs a flattened mixed batch: prefill chunks and decode tokens side by side. Each
 token's K/V is written to its cache slot (``block * block_size + offset``); attention gathers a
@@ -71,6 +71,9 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                            p + "self_attn.v_proj.bias": (kv,)})
         if cfg.o_bias:
             shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if cfg.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (cfg.head_dim,),
+                           p + "self_attn.k_norm.weight": (cfg.head_dim,)})
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
     return shapes
@@ -125,18 +128,25 @@ class Llama:
         self.layers = []
         for n in range(cfg.num_hidden_layers):
             p = f"model.layers.{n}."
-            wq = weights[p + "self_attn.q_proj.weight"].T * scale  # softmax scale folded in
+            # The softmax scale folded into q: its projection, or with Qwen3's q_norm (which
+            # undoes any scale of its input) that norm's weight.
+            wq = weights[p + "self_attn.q_proj.weight"].T * (1 if cfg.qk_norm else scale)
             wk = weights[p + "self_attn.k_proj.weight"].T
             wv = weights[p + "self_attn.v_proj.weight"].T
             qkv = np.concatenate([wq, wk, wv], axis=1)
             qkv_b = None
             if cfg.qkv_bias:
-                qkv_b = t(np.concatenate([weights[p + "self_attn.q_proj.bias"] * scale,
+                qkv_b = t(np.concatenate([weights[p + "self_attn.q_proj.bias"] * (1 if cfg.qk_norm else scale),
                                           weights[p + "self_attn.k_proj.bias"],
                                           weights[p + "self_attn.v_proj.bias"]]))
             self.layers.append(dict(
                 in_norm=t(weights[p + "input_layernorm.weight"]),
                 qkv=t(qkv), qkv_b=qkv_b,
+                # Qwen3: one [heads, head_dim] weight for the q heads' norm and the k heads'
+                qk_norm=t(np.concatenate([np.tile(weights[p + "self_attn.q_norm.weight"] * scale,
+                                                  (nh, 1)),
+                                          np.tile(weights[p + "self_attn.k_norm.weight"], (nkv, 1))]))
+                if cfg.qk_norm else None,
                 o=t(weights[p + "self_attn.o_proj.weight"].T),
                 o_b=t(weights[p + "self_attn.o_proj.bias"]) if cfg.o_bias else None,
                 post_norm=t(weights[p + "post_attention_layernorm.weight"]),
@@ -208,6 +218,9 @@ class Llama:
         heads = c.num_attention_heads + c.num_key_value_heads
         qk, v = paddle.split(a, [heads * c.head_dim, c.kv_size], axis=-1)
         qk = qk.reshape([n, heads, c.head_dim])
+        if layer["qk_norm"] is not None:  # Qwen3: each head's q and k RMS-normalised
+            ms = paddle.mean(paddle.square(qk), axis=-1, keepdim=True)
+            qk = paddle.multiply(paddle.multiply(qk, paddle.rsqrt(ms + c.rms_norm_eps)), layer["qk_norm"])
         x1, x2 = paddle.split(qk, 2, axis=-1)
         qk = paddle.add(paddle.multiply(qk, cos),
                         paddle.multiply(paddle.concat([x2, x1], axis=-1), sin))
