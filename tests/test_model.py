@@ -308,6 +308,22 @@ def _numpy_llama(model_dir, ids):
     hd = cfg.get("head_dim") or cfg["hidden_size"] // nh
     n = len(ids)
     inv = 1.0 / cfg["rope_theta"] ** (np.arange(0, hd, 2) / hd)
+    rs = cfg.get("rope_scaling") or {}
+    if rs.get("rope_type") == "llama3":  # Meta's reference, one frequency at a time
+        lo_wl = rs["original_max_position_embeddings"] / rs["low_freq_factor"]
+        hi_wl = rs["original_max_position_embeddings"] / rs["high_freq_factor"]
+        scaled = []
+        for f in inv:
+            wl = 2 * np.pi / f
+            if wl < hi_wl:
+                scaled.append(f)
+            elif wl > lo_wl:
+                scaled.append(f / rs["factor"])
+            else:
+                sm = (rs["original_max_position_embeddings"] / wl - rs["low_freq_factor"]) / (
+                    rs["high_freq_factor"] - rs["low_freq_factor"])
+                scaled.append((1 - sm) * f / rs["factor"] + sm * f)
+        inv = np.array(scaled)
     ang = np.arange(n)[:, None] * np.concatenate([inv, inv])[None]
     cos, sin = np.cos(ang)[:, None], np.sin(ang)[:, None]
 
@@ -405,3 +421,50 @@ def test_qwen3_matches_numpy_forward_and_its_paged_path(tiny_dir, tmp_path):
     save_file(w, str(d / "model.safetensors"))
     with pytest.raises(WeightError, match=r"model\.layers\.1\.self_attn\.k_norm\.weight"):
         load_model(str(d), progress=False)
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+
+
+def test_llama3_rope_scaling_frequencies():
+    """Llama 3.1's own numbers (head_dim 128, theta 500,000): high frequencies untouched, low
+    ones slowed by the factor, the band between blended, the whole still decreasing."""
+    from engine.model.config import rope_inv_freq
+
+    base = dict(architectures=["LlamaForCausalLM"], hidden_size=4096, num_hidden_layers=1,
+                num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
+                vocab_size=128256, rope_theta=500000.0)
+    plain = rope_inv_freq(ModelConfig.from_dict(base))
+    got = rope_inv_freq(ModelConfig.from_dict({**base, "rope_scaling": LLAMA3_ROPE}))
+    wavelen = 2 * np.pi / plain
+    high, low = wavelen < 8192 / 4, wavelen > 8192 / 1
+    assert high.sum() > 10 and low.sum() > 10 and (~high & ~low).sum() > 0
+    np.testing.assert_array_equal(got[high], plain[high])
+    np.testing.assert_allclose(got[low], plain[low] / 8)
+    mid = ~high & ~low
+    assert ((got[mid] < plain[mid]) & (got[mid] > plain[mid] / 8)).all()
+    assert (np.diff(got) < 0).all()
+    lin = rope_inv_freq(ModelConfig.from_dict({**base, "rope_scaling": {"type": "linear", "factor": 2.0}}))
+    np.testing.assert_allclose(lin, plain / 2)
+    for bad in ({"rope_type": "llama3", "factor": 8.0}, {"rope_type": "dynamic", "factor": 2.0}, "x"):
+        with pytest.raises(UnsupportedModel, match="rope_scaling"):
+            ModelConfig.from_dict({**base, "rope_scaling": bad})
+
+
+def test_a_llama3_scaled_model_matches_numpy_forward_and_its_paged_path(tiny_dir, tmp_path):
+    # an original context short enough that the tiny model's 16 frequencies fall in all three bands
+    d = _copy(tiny_dir, tmp_path, "llama31")
+    _edit_config(d, rope_scaling={**LLAMA3_ROPE, "original_max_position_embeddings": 64}, rope_theta=5000.0)
+    prompt = _prompt(13, 40)
+    model = load_model(str(d), progress=False)
+    np.testing.assert_allclose(model.reference_logits(prompt), _numpy_llama(str(d), prompt), atol=2e-3, rtol=0)
+    plain = _copy(tiny_dir, tmp_path, "llama31-plain")
+    _edit_config(plain, rope_theta=5000.0)
+    assert not np.allclose(model.reference_logits(prompt), load_model(str(plain), progress=False)
+                           .reference_logits(prompt), atol=1e-2)
+    runner = ModelRunner(str(d), num_blocks=64)
+    prompts = {f"l{i}": _prompt(400 + i, n) for i, n in enumerate([6, 23, 37])}
+    gen, _ = _run(runner, prompts, 6, {"l2": 10}, Blocks(64, seed=4))
+    for r, p in prompts.items():
+        assert gen[r] == _greedy_reference(runner.model, p, 6), r

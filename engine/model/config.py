@@ -2,15 +2,18 @@
 
 Only the Llama family is supported (Qwen2 adds q/k/v biases to Llama; Qwen3 instead normalises
 each head's q and k, RMSNorm before RoPE); anything the model code does not implement (RoPE
-scaling, sliding windows, MLP biases) is refused here with a clear message rather than
-producing silently wrong text.
+scaling other than Llama 3's and linear, sliding windows, MLP biases) is refused here with a
+clear message rather than producing silently wrong text.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
+
+import numpy as np
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -36,6 +39,8 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k, before RoPE
+    # rope_scaling: () or its items, sorted ("rope_type" llama3 or linear; see rope_inv_freq)
+    rope_scaling: tuple[tuple[str, float | str], ...] = ()
     torch_dtype: str = "float32"
 
     @property
@@ -61,8 +66,7 @@ class ModelConfig:
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModel(f"unsupported architecture {arch!r}; supported: "
                                    f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-        if d.get("rope_scaling"):
-            raise UnsupportedModel(f"rope_scaling {d['rope_scaling']!r} is not supported")
+        scaling = _rope_scaling(d.get("rope_scaling"))
         if d.get("use_sliding_window"):
             raise UnsupportedModel("sliding-window attention is not supported")
         if d.get("mlp_bias"):
@@ -93,7 +97,57 @@ class ModelConfig:
                 qkv_bias=arch == "Qwen2ForCausalLM" or bias,
                 o_bias=arch == "LlamaForCausalLM" and bias,
                 qk_norm=arch == "Qwen3ForCausalLM",
+                rope_scaling=scaling,
                 torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
             )
         except KeyError as e:
             raise UnsupportedModel(f"config.json lacks {e.args[0]!r}") from None
+
+
+ROPE_TYPES = ("llama3", "linear")
+
+
+def _rope_scaling(raw) -> tuple[tuple[str, float | str], ...]:
+    """config.json's ``rope_scaling``, checked: None, ``default``, Llama 3's (every Llama 3.1+
+    checkpoint has one) or linear; anything else refused."""
+    if not raw:
+        return ()
+    if not isinstance(raw, dict):
+        raise UnsupportedModel(f"rope_scaling {raw!r} is not supported")
+    kind = raw.get("rope_type", raw.get("type"))
+    if kind == "default":
+        return ()
+    if kind not in ROPE_TYPES:
+        raise UnsupportedModel(f"rope_scaling {raw!r} is not supported (rope_type: "
+                               f"{', '.join(ROPE_TYPES)})")
+    need = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings") \
+        if kind == "llama3" else ("factor",)
+    try:
+        values = {k: float(raw[k]) for k in need}
+    except (KeyError, TypeError, ValueError):
+        raise UnsupportedModel(f"rope_scaling {raw!r} lacks one of {', '.join(need)}") from None
+    if values["factor"] <= 0 or (kind == "llama3" and values["high_freq_factor"] <= values["low_freq_factor"]):
+        raise UnsupportedModel(f"rope_scaling {raw!r} has impossible factors")
+    return tuple(sorted({"rope_type": kind, **values}.items()))
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """RoPE's inverse frequencies [head_dim / 2] (float64), scaled as the config says.
+
+    Llama 3's scaling (its paper, and HF's ``_compute_llama3_parameters``) leaves the high
+    frequencies alone (wavelength under original_len / high_freq_factor), slows the low ones
+    (wavelength over original_len / low_freq_factor) by ``factor``, and blends the two in
+    between, so positions past the original context stay apart. Linear divides them all."""
+    hd = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+    s = dict(cfg.rope_scaling)
+    if not s:
+        return inv
+    factor = s["factor"]
+    if s["rope_type"] == "linear":
+        return inv / factor
+    low, high, orig = s["low_freq_factor"], s["high_freq_factor"], s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    smooth = (orig / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv / factor + smooth * inv
+    return np.where(wavelen < orig / high, inv, np.where(wavelen > orig / low, inv / factor, blended))

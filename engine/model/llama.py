@@ -29,7 +29,7 @@ import paddle
 import paddle.incubate.nn.functional as IF
 import paddle.nn.functional as F
 
-from engine.model.config import ModelConfig
+from engine.model.config import ModelConfig, rope_inv_freq
 
 ROW_ALIGN = 8  # the CPU GEMM rounds rows outside full 8-row tiles differently
 KEY_ALIGN = 16  # key lengths padded to a multiple of this for the same reason
@@ -154,7 +154,7 @@ class Llama:
                                           weights[p + "mlp.up_proj.weight"].T], axis=1)),
                 down=t(weights[p + "mlp.down_proj.weight"].T),
             ))
-        inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+        inv_freq = rope_inv_freq(cfg)
         ang = np.arange(cfg.max_position_embeddings, dtype=np.float64)[:, None] * np.concatenate(
             [inv_freq, inv_freq])[None, :]
         sign = np.concatenate([-np.ones(hd // 2), np.ones(hd // 2)])
