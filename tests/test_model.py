@@ -468,3 +468,14 @@ def test_a_llama3_scaled_model_matches_numpy_forward_and_its_paged_path(tiny_dir
     gen, _ = _run(runner, prompts, 6, {"l2": 10}, Blocks(64, seed=4))
     for r, p in prompts.items():
         assert gen[r] == _greedy_reference(runner.model, p, 6), r
+
+
+def test_mistral_is_llama_but_for_a_sliding_window(tiny_dir, tmp_path, runner):
+    d = _copy(tiny_dir, tmp_path, "mistral")
+    _edit_config(d, architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None)
+    p = _prompt(14, 20)
+    np.testing.assert_array_equal(load_model(str(d), progress=False).reference_logits(p),
+                                  runner.model.reference_logits(p))
+    _edit_config(d, sliding_window=4096)  # Mistral 7B v0.1's: refused, not silently ignored
+    with pytest.raises(UnsupportedModel, match="sliding-window"):
+        load_model(str(d), progress=False)

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# (Mistral's is Llama's, weights and math, but for the sliding window of its first release)
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM")
 
 
 class UnsupportedModel(ValueError):
@@ -67,7 +69,7 @@ class ModelConfig:
             raise UnsupportedModel(f"unsupported architecture {arch!r}; supported: "
                                    f"{', '.join(SUPPORTED_ARCHITECTURES)}")
         scaling = _rope_scaling(d.get("rope_scaling"))
-        if d.get("use_sliding_window"):
+        if d.get("use_sliding_window") or (arch == "MistralForCausalLM" and d.get("sliding_window")):
             raise UnsupportedModel("sliding-window attention is not supported")
         if d.get("mlp_bias"):
             raise UnsupportedModel("mlp_bias is not supported")
