@@ -52,7 +52,9 @@ class ApiOptions:
     model_dir: str
     host: str = "127.0.0.1"
     port: int = 0  # 0: a free port
-    served_model_name: str | None = None
+    # the name(s) requests use (vLLM's --served-model-name: the first is the one answers
+    # give); None: the model dir's name
+    served_model_name: str | list[str] | None = None
     api_key: str | None = None
     admin_key: str | None = None
     tool_parser: str | None = None  # see fd.api.tool_calls
@@ -251,8 +253,11 @@ async def start_api(redis_factory: Callable[[], Any], keys: Keys, opts: ApiOptio
         log.warning("default sampling parameters from the model's generation_config.json: %s%s "
                     "(--generation-config vllm to use fd's own)", defaults,
                     f", output capped at {cap} tokens" if cap is not None else "")
-    name = opts.served_model_name or Path(opts.model_dir).name
-    cfg = ApiConfig(model_name=name,
+    names = opts.served_model_name or [Path(opts.model_dir).name]
+    if isinstance(names, str):
+        names = [names]
+    name, aliases = names[0], tuple(n for n in names[1:] if n != names[0])
+    cfg = ApiConfig(model_name=name, model_aliases=aliases,
                     max_model_len=served_context(opts.max_model_len, tokenizer.max_model_len),
                     api_key=opts.api_key, admin_key=opts.admin_key, tool_parser=opts.tool_parser,
                     sampling_defaults=defaults, max_output_tokens=cap,

@@ -243,3 +243,29 @@ def test_skip_special_tokens_is_on_the_wire_only_when_false():
     assert SamplingParams.from_dict(d).skip_special_tokens is False
     with pytest.raises(BadEvent, match="skip_special_tokens"):
         SamplingParams.from_dict({"skip_special_tokens": "no"})
+
+
+async def test_several_served_model_names(embedded_redis, keys, tiny_model_dir, tiny_runner, tiny_tokenizer):
+    """vLLM's --served-model-name a b: a request may name either, every answer names the first."""
+    from fd.cli import build_parser
+
+    names = build_parser().parse_args(["serve", "--served-model-name", "main", "gpt-4o-mini"]).served_model_name
+    assert names == ["main", "gpt-4o-mini"]
+    api, eng = await _serve(embedded_redis, keys, tiny_model_dir, tiny_runner, tiny_tokenizer,
+                            served_model_name=names)
+    client = openai.AsyncOpenAI(base_url=f"{api.url}/v1", api_key="none", max_retries=0)
+    try:
+        assert [m.id for m in (await client.models.list()).data] == names
+        for asked in names:
+            c = await client.completions.create(model=asked, prompt="Hi", max_tokens=2)
+            assert c.model == "main"
+        status, body = await _post(f"{api.url}/v1/completions", {"model": "other", "prompt": "Hi"})
+        assert status == 404 and body["error"]["code"] == "model_not_found"
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"{api.url}/openapi.json") as r:
+                doc = await r.json()
+        assert doc["components"]["schemas"]["CompletionRequest"]["properties"]["model"]["enum"] == names
+    finally:
+        await client.close()
+        await api.stop()
+        await eng.stop()

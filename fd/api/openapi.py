@@ -29,9 +29,9 @@ _NULLABLE_BOOL = {"type": "boolean", "nullable": True}
 _INT_OR_NULL = {"type": "integer", "format": "int64", "nullable": True}  # JSON ints past 64 bits are not ints to orjson
 
 
-def _sampling_props(model_name: str, max_model_len: int) -> dict[str, Any]:
+def _sampling_props(model_name: str, max_model_len: int, aliases: tuple[str, ...] = ()) -> dict[str, Any]:
     return {
-        "model": {"type": "string", "nullable": True, "enum": [model_name],
+        "model": {"type": "string", "nullable": True, "enum": [model_name, *aliases],
                   "description": "The served model's name; omitted means the served model."},
         "max_tokens": {**_INT_OR_NULL, "minimum": 1, "maximum": max_model_len},
         "max_completion_tokens": {**_INT_OR_NULL, "minimum": 1, "maximum": max_model_len},
@@ -86,7 +86,8 @@ def _sampling_props(model_name: str, max_model_len: int) -> dict[str, Any]:
     }
 
 
-def _schemas(model_name: str, max_model_len: int, vocab_size: int | None) -> dict[str, Any]:
+def _schemas(model_name: str, max_model_len: int, vocab_size: int | None,
+             aliases: tuple[str, ...] = ()) -> dict[str, Any]:
     text_part = {"type": "object", "required": ["type", "text"],
                  "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
     function = {"type": "object", "required": ["name"], "properties": {
@@ -106,7 +107,7 @@ def _schemas(model_name: str, max_model_len: int, vocab_size: int | None) -> dic
          "properties": {"role": {"type": "string", "enum": ["assistant"]},
                         "content": {**content, "nullable": True},
                         "tool_calls": {"type": "array", "minItems": 1, "items": call}}}]}
-    sampling = _sampling_props(model_name, max_model_len)
+    sampling = _sampling_props(model_name, max_model_len, aliases)
     token_id: dict[str, Any] = {"type": "integer", "format": "int64", "minimum": 0}
     if vocab_size:
         token_id["maximum"] = vocab_size - 1
@@ -201,7 +202,7 @@ def _generating(summary: str, req: str, resp: str) -> dict:
 
 
 def build(model_name: str, max_model_len: int, max_body_bytes: int,
-          vocab_size: int | None = None) -> dict[str, Any]:
+          vocab_size: int | None = None, aliases: tuple[str, ...] = ()) -> dict[str, Any]:
     """The document for one API node's configuration.
 
     Rules no schema can say: prompt tokens plus ``max_tokens`` must fit the context
@@ -219,7 +220,7 @@ def build(model_name: str, max_model_len: int, max_body_bytes: int,
                  "description": f"OpenAI-compatible API serving '{model_name}' (context {max_model_len} "
                                 f"tokens; request bodies up to {max_body_bytes} bytes)."},
         "components": {
-            "schemas": _schemas(model_name, max_model_len, vocab_size),
+            "schemas": _schemas(model_name, max_model_len, vocab_size, aliases),
             "securitySchemes": {
                 "apiKey": {"type": "http", "scheme": "bearer", "description": "--api-key"},
                 "adminKey": {"type": "http", "scheme": "bearer",
@@ -263,7 +264,7 @@ def build(model_name: str, max_model_len: int, max_body_bytes: int,
                 "summary": "vLLM's: a prompt or chat messages as the model's token ids (no auth)",
                 "security": [], "requestBody": {"required": True, "content": {"application/json": {"schema": {
                     "type": "object", "properties": {
-                        "model": {"type": "string", "nullable": True, "enum": [model_name]},
+                        "model": {"type": "string", "nullable": True, "enum": [model_name, *aliases]},
                         "prompt": {"type": "string"}, "add_special_tokens": _NULLABLE_BOOL,
                         "messages": {"type": "array", "minItems": 1, "items": _ref("ChatMessage")},
                         "add_generation_prompt": _NULLABLE_BOOL}}}}},
@@ -272,7 +273,7 @@ def build(model_name: str, max_model_len: int, max_body_bytes: int,
                 "summary": "vLLM's: token ids as text (no auth)", "security": [],
                 "requestBody": {"required": True, "content": {"application/json": {"schema": {
                     "type": "object", "required": ["tokens"], "properties": {
-                        "model": {"type": "string", "nullable": True, "enum": [model_name]},
+                        "model": {"type": "string", "nullable": True, "enum": [model_name, *aliases]},
                         "tokens": {"type": "array", "items": token_id}}}}}},
                 "responses": {"200": {"description": "{prompt}"}, "400": _ERRORS["400"]}}},
             "/version": {"get": {"summary": "fd's version (no auth)", "security": [],

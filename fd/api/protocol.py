@@ -52,6 +52,8 @@ class Limits:
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     max_output_tokens: int | None = None
     reasoning_parser: str | None = None  # --reasoning-parser (fd.api.reasoning)
+    # --served-model-name's other names: a request may use any, the answer says model_name
+    model_aliases: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,9 +138,9 @@ def _check_model(body: dict, limits: Limits) -> str:
         return limits.model_name  # like vLLM: the one served model
     if not isinstance(model, str):
         raise bad_request("'model' must be a string.", "model", "invalid_type")
-    if model != limits.model_name:
+    if model != limits.model_name and model not in limits.model_aliases:
         raise not_found(f"The model '{model}' does not exist.", "model", "model_not_found")
-    return model
+    return limits.model_name  # (as vLLM: an answer names the first of the served names)
 
 
 def _reject_unsupported(body: dict, names: dict[str, Any]) -> None:

@@ -72,6 +72,7 @@ class ApiConfig:
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     max_output_tokens: int | None = None
     reasoning_parser: str | None = None  # vLLM's --reasoning-parser NAME (fd.api.reasoning)
+    model_aliases: tuple[str, ...] = ()  # --served-model-name's names after the first
 
 
 API_KEY = web.AppKey("fd.api", object)
@@ -211,13 +212,14 @@ class Api:
         self.limits = protocol.Limits(cfg.model_name, cfg.max_model_len, cfg.max_body_bytes,
                                       cfg.default_max_tokens, getattr(tokenizer, "vocab_size", None),
                                       cfg.tool_parser, dict(cfg.sampling_defaults),
-                                      cfg.max_output_tokens, cfg.reasoning_parser)
+                                      cfg.max_output_tokens, cfg.reasoning_parser,
+                                      tuple(cfg.model_aliases))
         self.cancellation = Cancellation(self._abort_on_disconnect, self._notice_disconnect)
         self._noticed: dict[str, Abort] = {}  # disconnect aborts told in-process, not yet published
         self.started = int(time.time())
         self._started_mux = False
         self._openapi = openapi.build(cfg.model_name, cfg.max_model_len, cfg.max_body_bytes,
-                                     self.limits.vocab_size)
+                                     self.limits.vocab_size, tuple(cfg.model_aliases))
 
     # ------------------------------------------------------------------ plumbing
 
@@ -747,8 +749,9 @@ class Api:
 
     async def models(self, request: web.Request) -> web.Response:
         return _json({"object": "list", "data": [{
-            "id": self.cfg.model_name, "object": "model", "created": self.started, "owned_by": "fd",
-            "root": self.cfg.model_name, "max_model_len": self.cfg.max_model_len}]})
+            "id": name, "object": "model", "created": self.started, "owned_by": "fd",
+            "root": self.cfg.model_name, "max_model_len": self.cfg.max_model_len}
+            for name in (self.cfg.model_name, *self.cfg.model_aliases)]})
 
     async def tokenize(self, request: web.Request) -> web.Response:
         ids = protocol.parse_tokenize(await self._body(request), self.limits, self.tokenizer)
