@@ -86,6 +86,12 @@ def _add_max_model_len(p: argparse.ArgumentParser) -> None:
                         "and fd engine must be given the same")
 
 
+def _add_served_name(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the model name(s) requests use (default: the model dir's name); "
+                        "answers give the first, as vLLM's")
+
+
 def _add_chat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template file, or the template itself, instead of the "
@@ -452,9 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--embedded-port", type=int, default=0, help="port of the embedded Redis (0: free)")
-    s.add_argument("--served-model-name", nargs="+", default=None,
-                   help="the model name(s) requests use (default: the model dir's name); "
-                        "answers give the first, as vLLM's")
+    _add_served_name(s)
     _add_chat_args(s)
     s.add_argument("--api-key", default=os.environ.get("FD_API_KEY"))
     s.add_argument("--admin-key", default=os.environ.get("FD_ADMIN_KEY"))
@@ -470,9 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--model", default=None, help="model dir (for its tokenizer and name)")
     a.add_argument("--host", default="127.0.0.1")
     a.add_argument("--port", type=int, default=8000)
-    a.add_argument("--served-model-name", nargs="+", default=None,
-                   help="the model name(s) requests use (default: the model dir's name); "
-                        "answers give the first, as vLLM's")
+    _add_served_name(a)
     _add_max_model_len(a)
     _add_chat_args(a)
     a.add_argument("--api-key", default=os.environ.get("FD_API_KEY"))
