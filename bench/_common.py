@@ -309,13 +309,14 @@ def take_payload(res: StreamResult, payload: bytes, now: float, hang_up_after: i
 
 
 async def stream_with(client: str, session, base: str, rid: str, prompt: list[int], max_tokens: int,
-                      hang_up_after: int | None = None) -> StreamResult:
+                      hang_up_after: int | None = None, pool=None) -> StreamResult:
     """:func:`stream_completion` on the benchmarks' ``--client``: ``lean``
     (bench/sse_client.py, a connection of its own; ``session`` unused) or ``aiohttp``."""
     if client == "lean":
         from bench.sse_client import stream_completion_lean
 
-        return await stream_completion_lean(base, rid, prompt, max_tokens, hang_up_after=hang_up_after)
+        return await stream_completion_lean(base, rid, prompt, max_tokens, hang_up_after=hang_up_after,
+                                            pool=pool)
     return await stream_completion(session, base, rid, prompt, max_tokens, hang_up_after=hang_up_after)
 
 

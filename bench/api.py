@@ -19,10 +19,12 @@ come from ``Generation.token_times``. Each concurrency runs the baseline, then t
 
 The clients are bench/sse_client.py's (a new connection per request, as TARGETS.md's): on a
 two-core machine the load generator's CPU is taken from the server it measures, and aiohttp's
-client took ~0.2 ms a connection (``--client aiohttp`` to compare).
+client took ~0.2 ms a connection (``--client aiohttp`` to compare). ``--keepalive``: each client
+keeps one connection for all its requests, as the ``openai`` client's connection pool does,
+opened before the clock starts.
 
 Usage: python bench/api.py [--model DIR] [--concurrency 1,8,32] [--rounds 2] [--min-requests 8]
-                          [--max-tokens 256] [--redis-url URL] [--client lean|aiohttp]
+                          [--max-tokens 256] [--redis-url URL] [--client lean|aiohttp] [--keepalive]
                           [--output-json bench/results/api.json]
 """
 
@@ -77,18 +79,31 @@ def run_inprocess(llm, n: int, rounds: int, max_tokens: int, seed: int) -> dict:
 
 
 async def run_api(base: str, n: int, rounds: int, max_tokens: int, seed: int, tag: str,
-                  bar, client_kind: str = "lean") -> dict:
+                  bar, client_kind: str = "lean", keepalive: bool = False) -> dict:
+    """``n`` clients, ``rounds`` requests each. ``keepalive``: each client's connection stays
+    open between its requests, as the ``openai`` client's connection pool keeps it, and is
+    opened (by a one-token request on another prompt, which no timed prompt shares a block
+    with) before the clock starts; otherwise a new connection per request."""
     ps = prompts(n * rounds, seed=seed)
+    pool = None
+    if keepalive:
+        from bench.sse_client import Pool
+
+        pool = Pool()
     ttft, itl, errors, results = [], [], [], []
 
     async def client(session, c: int) -> None:
         for r in range(rounds):
             res = await stream_with(client_kind, session, base, f"{tag}-c{c}-r{r}", ps[r * n + c],
-                                    max_tokens)
+                                    max_tokens, pool=pool)
             results.append(res)
             bar.update(1)
 
-    async with http_session() as session:
+    async with http_session(keepalive=keepalive) as session:
+        if keepalive:
+            opening = prompts(n, seed=seed + 7_777_777)
+            await asyncio.gather(*(stream_with(client_kind, session, base, f"{tag}-open-c{c}",
+                                               opening[c], 1, pool=pool) for c in range(n)))
         await wait_idle(session, base)
         t0 = time.perf_counter()
         await asyncio.gather(*(client(session, c) for c in range(n)))
@@ -133,6 +148,9 @@ def main() -> None:
     ap.add_argument("--client", choices=("lean", "aiohttp"), default="lean",
                     help="the streaming client: lean (bench/sse_client.py: the least CPU taken "
                          "from the server it measures) or aiohttp's")
+    ap.add_argument("--keepalive", action="store_true",
+                    help="each client keeps its connection open between its requests, as the "
+                         "openai client's connection pool does (opened before the clock starts)")
     ap.add_argument("--output-json", default=str(RESULTS / "api.json"))
     args = ap.parse_args()
     conc = [int(x) for x in args.concurrency.split(",")]
@@ -153,7 +171,7 @@ def main() -> None:
                       extra=["--max-num-seqs", str(max(64, max(conc))), "--num-blocks", "2048",
                              *args.serve_arg], log_dir=tmp)
     out: dict = {"model": mdir, "server": "redis" if args.redis_url else "embedded",
-                 "serve_args": args.serve_arg, "client": args.client,
+                 "serve_args": args.serve_arg, "client": args.client, "keepalive": args.keepalive,
                  "rounds": args.rounds, "max_tokens": args.max_tokens, "runs": {}}
     try:
         asyncio.run(warm(srv.base, max(conc), 8))
@@ -164,7 +182,7 @@ def main() -> None:
                 base_r = run_inprocess(llm, n, rounds[n], args.max_tokens, seed=i)
                 cpu0 = main_thread_cpu_s(srv.proc.pid)
                 api_r = asyncio.run(run_api(srv.base, n, rounds[n], args.max_tokens, i, f"a{i}n{n}", bar,
-                                            args.client))
+                                            args.client, args.keepalive))
                 cpu_us = (main_thread_cpu_s(srv.proc.pid) - cpu0) / max(1, api_r["tokens"]) * 1e6
                 out["runs"][n] = {"requests": n * rounds[n], "inprocess": {**summarize(base_r), "wall_s": base_r["wall_s"]},
                                   "api": {**summarize(api_r), "wall_s": api_r["wall_s"],
@@ -188,7 +206,8 @@ def main() -> None:
     errs = sum(out["runs"][n]["api"]["num_errors"] for n in conc)
     text = print_table(f"api: streaming /v1/completions, {PROMPT_LEN}-token prompt, {args.max_tokens} "
                        f"output tokens, ignore_eos, greedy; closed loop, >= {args.min_requests} requests "
-                       f"and >= {args.rounds} per client ({args.client} client); "
+                       f"and >= {args.rounds} per client ({args.client} client, "
+                       f"{'kept-alive connections' if args.keepalive else 'a connection per request'}); "
                        f"control plane {out['server']}", headers, rows, nd=2)
     print("fd serve main thread CPU per output token (less noisy than tok/s on a shared machine): "
           + ", ".join(f"{n} streams {out['runs'][n]['api']['main_thread_cpu_us_per_token']:.0f} us" for n in conc))

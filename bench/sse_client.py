@@ -29,11 +29,18 @@ class _Exchange(asyncio.Protocol):
     last ``id:`` and its ``data:`` payload; the exchange ends at ``[DONE]``, at the end of the
     body, or when the connection goes."""
 
-    def __init__(self, request: bytes, on_frame: Callable[[bytes | None, bytes], bool]) -> None:
+    def __init__(self, request: bytes, on_frame: Callable[[bytes | None, bytes], str | None],
+                 keep_alive: bool = False) -> None:
+        self.keep_alive = keep_alive
+        self.transport: asyncio.Transport | None = None
+        self.lost = False
+        self._reset(request, on_frame)
+
+    def _reset(self, request: bytes, on_frame) -> None:
         self.request = request
         self.on_frame = on_frame
         self.done: asyncio.Future = asyncio.get_running_loop().create_future()
-        self.transport: asyncio.Transport | None = None
+        self._read_on = True  # False once [DONE] came on a kept-alive connection
         self.status = 0
         self.body = bytearray()  # a non-200 response's body (its error message)
         self._head = bytearray()
@@ -47,7 +54,13 @@ class _Exchange(asyncio.Protocol):
         self.transport = transport
         transport.write(self.request)
 
+    def again(self, request: bytes, on_frame) -> None:
+        """The next exchange on this kept-alive connection."""
+        self._reset(request, on_frame)
+        self.transport.write(request)
+
     def connection_lost(self, exc) -> None:
+        self.lost = True
         if self._sse:
             self._frames(final=True)
         if not self.done.done():
@@ -72,6 +85,8 @@ class _Exchange(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if not self._in_body:
             self._head += data
+            while self._head[:2] == b"\r\n":  # the end of the last body, kept alive
+                del self._head[:2]
             end = self._head.find(b"\r\n\r\n")
             if end < 0:
                 return
@@ -93,6 +108,10 @@ class _Exchange(asyncio.Protocol):
             self._dechunk()
         else:
             self._body(data)
+            if self._left >= 0:  # a Content-Length body: ends with its last byte
+                self._left -= len(data)
+                if self._left <= 0:
+                    self.finish()
 
     def _dechunk(self) -> None:
         raw = self._raw
@@ -104,7 +123,13 @@ class _Exchange(asyncio.Protocol):
                 size = int(bytes(raw[:eol]).split(b";")[0], 16)
                 del raw[:eol + 2]
                 if size == 0:
-                    self.finish()
+                    if self.keep_alive:  # what comes next (the CRLF) is before the next head
+                        self._in_body = False
+                        self._head = raw[:]
+                        if not self.done.done():
+                            self.done.set_result(None)
+                    else:
+                        self.finish()
                     return
                 self._left = size
             take = min(self._left, len(raw))
@@ -129,7 +154,7 @@ class _Exchange(asyncio.Protocol):
 
     def _frames(self, final: bool = False) -> None:
         buf = self._sse
-        while not self.done.done():
+        while not self.done.done() and self._read_on:
             end = buf.find(b"\n\n")
             if end < 0:
                 if not final or not buf:
@@ -144,15 +169,29 @@ class _Exchange(asyncio.Protocol):
                     eid = line[3:].strip()
                 elif line.startswith(b"data:"):
                     payload = line[5:].strip()
-            if payload is not None and self.on_frame(eid, payload):
+            if payload is None:
+                continue
+            took = self.on_frame(eid, payload)
+            if took == "done" and self.keep_alive:
+                self._read_on = False  # the body's last chunk ends the exchange
+            elif took:
                 self.finish()
+
+
+class Pool:
+    """Kept-alive connections to one server, as an HTTP client with a connection pool (the
+    ``openai`` client's httpx) holds them: an exchange takes an idle one or opens one, and
+    gives it back when the response has ended."""
+
+    def __init__(self) -> None:
+        self.idle: list[_Exchange] = []
 
 
 async def stream_completion_lean(base: str, rid: str, prompt: list[int], max_tokens: int,
                                  hang_up_after: int | None = None, model: str | None = None,
-                                 result_type=None):
+                                 result_type=None, pool: Pool | None = None):
     """The same exchange and result as ``bench._common.stream_completion`` (which it stands in
-    for), on a connection of its own."""
+    for), on a connection of its own, or on one of ``pool``'s."""
     from bench._common import StreamResult, take_payload
 
     res = (result_type or StreamResult)(rid)
@@ -165,19 +204,28 @@ async def stream_completion_lean(base: str, rid: str, prompt: list[int], max_tok
     payload = orjson.dumps(body)
     request = (b"POST /v1/completions HTTP/1.1\r\nHost: " + hostport.encode()
                + b"\r\nContent-Type: application/json\r\nX-Request-Id: " + rid.encode()
-               + b"\r\nConnection: close\r\nContent-Length: " + str(len(payload)).encode()
-               + b"\r\n\r\n" + payload)
+               + (b"" if pool is not None else b"\r\nConnection: close")
+               + b"\r\nContent-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
 
-    def on_frame(eid: bytes | None, data: bytes) -> bool:
+    def on_frame(eid: bytes | None, data: bytes) -> str | None:
         now = time.perf_counter()
         if eid is not None:
             res.last_event_id = eid.decode()
-        return take_payload(res, data, now, hang_up_after) is not None
+        return take_payload(res, data, now, hang_up_after)
 
     loop = asyncio.get_running_loop()
     res.t_send = time.perf_counter()
+    ex = None
+    while pool is not None and pool.idle:
+        ex = pool.idle.pop()
+        if not ex.lost:
+            ex.again(request, on_frame)
+            break
+        ex = None
     try:
-        _, ex = await loop.create_connection(lambda: _Exchange(request, on_frame), host, int(port))
+        if ex is None:
+            _, ex = await loop.create_connection(
+                lambda: _Exchange(request, on_frame, keep_alive=pool is not None), host, int(port))
         exc = await ex.done
     except OSError as e:
         res.error = f"{type(e).__name__}: {e}"
@@ -186,4 +234,6 @@ async def stream_completion_lean(base: str, rid: str, prompt: list[int], max_tok
         res.error = f"HTTP {ex.status}: {bytes(ex.body)[:200].decode(errors='replace')}"
     elif exc is not None and res.t_close is None and res.finish_reason is None:
         res.error = f"connection lost: {exc}"
+    elif pool is not None and not ex.lost and res.t_close is None:
+        pool.idle.append(ex)
     return res

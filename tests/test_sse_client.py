@@ -65,3 +65,40 @@ async def test_an_error_response_keeps_its_status_and_body():
     ex.connection_lost(None)
     assert ex.status == 400 and bytes(ex.body) == b'{"error": {"code": 1}}'
     assert (await asyncio.wait_for(ex.done, 1)) is None
+
+
+async def test_a_kept_alive_connection_carries_one_exchange_after_another():
+    """A response's end (its last chunk, whose CRLF may come with the next response's head)
+    ends the exchange without closing the connection; the next request goes down it."""
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+    def response(n: int) -> bytes:
+        body = b'data: {"n": %d}\n\ndata: [DONE]\n\n' % n
+        return head + _chunked(body, [5, 11])
+
+    def on(seen):
+        return lambda i, d: seen.append(d) or ("done" if d == b"[DONE]" else None)
+
+    first: list = []
+    ex = _Exchange(b"GET /1\r\n\r\n", on(first), keep_alive=True)
+    tr = _Transport()
+    ex.connection_made(tr)
+    one = response(1)
+    ex.data_received(one[:-2])  # all but the last chunk's CRLF
+    assert ex.done.done() and first == [b'{"n": 1}', b"[DONE]"] and not tr.closed
+    second: list = []
+    ex.again(b"GET /2\r\n\r\n", on(second))
+    assert not ex.done.done()
+    for b in one[-2:] + response(2):  # the CRLF, then the next response, a byte at a time
+        ex.data_received(bytes([b]))
+    assert ex.done.done() and second == [b'{"n": 2}', b"[DONE]"] and not tr.closed
+    assert ex.status == 200 and tr.written == b"GET /1\r\n\r\nGET /2\r\n\r\n"
+
+
+async def test_a_kept_alive_client_hanging_up_closes_the_connection():
+    ex = _Exchange(b"", lambda i, d: "hang_up", keep_alive=True)
+    tr = _Transport()
+    ex.connection_made(tr)
+    ex.data_received(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     + _chunked(b'data: {"n": 1}\n\n', [100])[:-5])
+    assert ex.done.done() and tr.closed
