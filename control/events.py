@@ -384,6 +384,11 @@ class Accepted(Event):
     # Chat on a server with a reasoning parser (fd.api.reasoning): its name; every replica then
     # renders the model's thinking as `reasoning_content`.
     reasoning_parser: str | None = None
+    # vLLM's include_reasoning false (written only then): the thinking is read and left out.
+    include_reasoning: bool | None = None
+    # vLLM's return_tokens_as_token_ids (written only when set): log-probabilities name their
+    # tokens as "token_id:<id>".
+    tokens_as_ids: bool | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

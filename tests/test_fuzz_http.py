@@ -416,10 +416,11 @@ def test_openapi_document_is_served_and_schema_bodies_are_accepted(harness):
             # context, stream_options only with stream=true, top_logprobs only with logprobs,
             # min_tokens <= max_tokens, logit_bias keyed by token ids of the vocabulary, an
             # earlier tool call's arguments that are JSON text, tool_choice only with tools, a
-            # structured output whose regex or schema compiles (and only one of them)
+            # structured output whose regex or schema compiles (and only one of them), a
+            # final message to continue that is the assistant's (and no generation prompt)
             assert status == 400 and (out["code"] == "context_length_exceeded" or out["param"] in (
                 "stream_options", "top_logprobs", "min_tokens", "logit_bias", "best_of", "tool_choice",
-                "response_format", "guided_regex", "guided_choice")
+                "response_format", "guided_regex", "guided_choice", "continue_final_message")
                 or str(out["param"]).endswith(".tool_calls")), (body, out)
 
     one()

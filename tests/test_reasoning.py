@@ -105,6 +105,31 @@ async def test_thinking_streamed_replayed_and_not_streamed(real_bus):
         assert [got[k]["content"] for k in (0, 1)] == ["\n\nIt is 4."] * 2
 
 
+async def test_include_reasoning_false_leaves_the_thinking_out(real_bus):
+    """vLLM's include_reasoning: false reads the thinking and shows only the answer, streamed,
+    replayed (the story says so) and not, for each choice."""
+    hide = {**CHAT, "include_reasoning": False}
+    async with setup(real_bus, FakeEngine(real_bus, words=WORDS), reasoning_parser="deepseek_r1") as client:
+        resp = await client.post("/v1/chat/completions", json={**hide, "stream": True},
+                                 headers={"X-Request-Id": "r-hide"})
+        original = await resp.read()
+        chunks = [orjson.loads(d) for _, d in parse_sse(original)[:-1]]
+        assert not any("reasoning_content" in c["choices"][0]["delta"] for c in chunks if c["choices"])
+        assert _accumulate(chunks)[0]["content"] == "\n\nIt is 4."
+        story = [decode(f) for _, f in await real_bus.redis.xrange(real_bus.keys.req("r-hide"))]
+        assert story[0].include_reasoning is False
+        assert await (await client.get("/v1/requests/r-hide/stream")).read() == original
+        body = await (await client.post("/v1/chat/completions", json={**hide, "n": 2})).json()
+        assert [c["message"] for c in body["choices"]] == [
+            {"role": "assistant", "content": "\n\nIt is 4.", "reasoning_content": None}] * 2
+        resp = await client.post("/v1/chat/completions", json={**CHAT, "include_reasoning": "no"})
+        assert resp.status == 400 and (await resp.json())["error"]["param"] == "include_reasoning"
+        # the default, and the story of a request that left it as it is
+        await client.post("/v1/chat/completions", json=CHAT, headers={"X-Request-Id": "r-show"})
+        story = [decode(f) for _, f in await real_bus.redis.xrange(real_bus.keys.req("r-show"))]
+        assert story[0].include_reasoning is None
+
+
 async def test_tool_calls_are_read_from_the_answer_not_the_thinking(real_bus):
     words = ("<think>I could write <tool_call>{\"name\": \"x\"}</tool_call> here.</think>",
              "Checking.<tool_call>{\"name\": \"get_time\", \"arguments\": {}}</tool_call>")

@@ -83,6 +83,27 @@ def _sampling_props(model_name: str, max_model_len: int, aliases: tuple[str, ...
         "background": {**_NULLABLE_BOOL,
                        "description": "fd: a client disconnect does not abort the request; "
                                       "stream it later from GET /v1/requests/{id}/stream."},
+        "truncate_prompt_tokens": {
+            "nullable": True, "oneOf": [{"type": "integer", "enum": [-1]},
+                                        {"type": "integer", "minimum": 1, "maximum": max_model_len}],
+            "description": "vLLM: keep only the prompt's last k tokens (-1: as many as the "
+                           "context holds)."},
+        "return_tokens_as_token_ids": {**_NULLABLE_BOOL,
+                                       "description": "vLLM: log-probabilities name their tokens "
+                                                      "'token_id:<id>'."},
+    }
+
+
+def _chat_rendering_props() -> dict[str, Any]:
+    """vLLM's chat extensions on how the messages become the prompt (protocol.ChatRendering)."""
+    return {
+        "add_generation_prompt": {**_NULLABLE_BOOL, "description": "Open the assistant's turn "
+                                                                   "(the default)."},
+        "continue_final_message": {**_NULLABLE_BOOL,
+                                   "description": "Go on with the last message, the assistant's "
+                                                  "(with add_generation_prompt false)."},
+        "add_special_tokens": {**_NULLABLE_BOOL, "description": "The tokenizer's own special "
+                                                                "tokens (BOS) on top of the template's."},
     }
 
 
@@ -143,7 +164,11 @@ def _schemas(model_name: str, max_model_len: int, vocab_size: int | None,
                            "chat_template_kwargs": {
                                "type": "object", "nullable": True,
                                "description": "More variables for the chat template (vLLM's), such "
-                                              "as Qwen3's enable_thinking."}}},
+                                              "as Qwen3's enable_thinking."},
+                           **_chat_rendering_props(),
+                           "include_reasoning": {**_NULLABLE_BOOL,
+                                                 "description": "vLLM: on a server with a reasoning "
+                                                                "parser, false leaves the thinking out."}}},
         "CompletionRequest": {
             "type": "object", "required": ["prompt"],
             "properties": {"prompt": {"oneOf": [
@@ -265,9 +290,9 @@ def build(model_name: str, max_model_len: int, max_body_bytes: int,
                 "security": [], "requestBody": {"required": True, "content": {"application/json": {"schema": {
                     "type": "object", "properties": {
                         "model": {"type": "string", "nullable": True, "enum": [model_name, *aliases]},
-                        "prompt": {"type": "string"}, "add_special_tokens": _NULLABLE_BOOL,
+                        "prompt": {"type": "string"},
                         "messages": {"type": "array", "minItems": 1, "items": _ref("ChatMessage")},
-                        "add_generation_prompt": _NULLABLE_BOOL}}}}},
+                        **_chat_rendering_props()}}}}},
                 "responses": {"200": {"description": "{count, max_model_len, tokens}"}, "400": _ERRORS["400"]}}},
             "/detokenize": {"post": {
                 "summary": "vLLM's: token ids as text (no auth)", "security": [],

@@ -76,6 +76,14 @@ class GenerationRequest:
     echo_only: bool = False
     tool_parser: str | None = None  # chat with tools: how its calls are read (see _tools)
     reasoning_parser: str | None = None  # chat on a server with --reasoning-parser, unguided
+    include_reasoning: bool = True  # vLLM's: false leaves the thinking out of the answer
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:<id>" in logprobs
+
+    def rendering(self) -> dict[str, Any]:
+        """The ``accepted`` event's fields that say how every replica renders the output."""
+        return {"tool_parser": self.tool_parser, "reasoning_parser": self.reasoning_parser,
+                "include_reasoning": None if self.include_reasoning or not self.reasoning_parser else False,
+                "tokens_as_ids": self.tokens_as_ids or None}
 
     def choices(self) -> list[tuple[tuple[int, ...], SamplingParams]]:
         """Each choice's prompt and sampling, in OpenAI's order: prompt ``i``'s ``j``-th choice
@@ -112,6 +120,10 @@ def parse_body(raw: bytes, limits: Limits) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise bad_request("Request body must be a JSON object.")
     return body
+
+
+def _is_bool(v: Any) -> bool:
+    return isinstance(v, bool)
 
 
 def _is_int(x: Any) -> bool:
@@ -166,7 +178,7 @@ def _stream_opts(body: dict) -> tuple[bool, bool, bool]:
     """``stream``, ``stream_options.include_usage``, and vLLM's
     ``stream_options.continuous_usage_stats`` (usage on every chunk; with include_usage only,
     as in vLLM)."""
-    stream = _opt(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
+    stream = _opt(body, "stream", _is_bool, "a boolean", False)
     opts = body.get("stream_options")
     include_usage = continuous = False
     if opts is not None:
@@ -265,9 +277,9 @@ def _sampling(body: dict, prompt_len: int, limits: Limits, default_max: int | No
     stop_token_ids = tuple(_opt(body, "stop_token_ids",
                                 lambda v: isinstance(v, list) and all(_is_int(t) and t >= 0 for t in v),
                                 "a list of token ids", []))
-    ignore_eos = _opt(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean", False)
-    include_stop = _opt(body, "include_stop_str_in_output", lambda v: isinstance(v, bool), "a boolean", False)
-    skip_special = _opt(body, "skip_special_tokens", lambda v: isinstance(v, bool), "a boolean", True)
+    ignore_eos = _opt(body, "ignore_eos", _is_bool, "a boolean", False)
+    include_stop = _opt(body, "include_stop_str_in_output", _is_bool, "a boolean", False)
+    skip_special = _opt(body, "skip_special_tokens", _is_bool, "a boolean", True)
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                           seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
                           include_stop_str_in_output=include_stop, logit_bias=logit_bias,
@@ -385,7 +397,7 @@ def _logit_bias(body: dict, limits: Limits) -> tuple[tuple[int, float], ...]:
 
 
 def _background(body: dict) -> bool:
-    return _opt(body, "background", lambda v: isinstance(v, bool), "a boolean", False)
+    return _opt(body, "background", _is_bool, "a boolean", False)
 
 
 def _check_ids(ids: list, limits: Limits, param: str) -> tuple[int, ...]:
@@ -546,8 +558,8 @@ def _tools(body: dict, limits: Limits) -> tuple[list[dict] | None, str | None]:
 def parse_chat(body: dict, limits: Limits, tokenizer: TokenizerLike) -> GenerationRequest:
     model = _check_model(body, limits)
     tools, parser = _tools(body, limits)
-    parallel = _opt(body, "parallel_tool_calls", lambda v: isinstance(v, bool), "a boolean", True)
-    want = _opt(body, "logprobs", lambda v: isinstance(v, bool), "a boolean", False)
+    parallel = _opt(body, "parallel_tool_calls", _is_bool, "a boolean", True)
+    want = _opt(body, "logprobs", _is_bool, "a boolean", False)
     top = _opt(body, "top_logprobs", _is_int, "an integer", None)
     if top and not want:
         raise bad_request("'top_logprobs' needs 'logprobs': true.", "top_logprobs", "invalid_value")
@@ -555,7 +567,10 @@ def parse_chat(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Generati
     messages = parse_messages(body)
     stream, include_usage, continuous = _stream_opts(body)
     background = _background(body)
-    ids = _chat_ids(messages, tokenizer, True, tools, _template_kwargs(body))
+    ids = _chat_ids(messages, tokenizer, _chat_rendering(body, messages), tools, _template_kwargs(body))
+    keep = _truncation(body, limits)
+    if keep:
+        ids = ids[-keep:]
     if not ids:
         raise bad_request("The prompt is empty.", "messages", "invalid_value")
     sampling = _sampling(body, len(ids), limits, None, logprobs)
@@ -583,7 +598,9 @@ def parse_chat(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Generati
             raise bad_request(f"The tools' parameters do not compile: {e}", "tools", "invalid_value") from None
         sampling = dataclasses.replace(sampling, guided=guided)
     return GenerationRequest("chat", model, ids, sampling, stream, include_usage, background, continuous,
-                             _choices(body), tool_parser=parser, reasoning_parser=reasoning)
+                             _choices(body), tool_parser=parser, reasoning_parser=reasoning,
+                             include_reasoning=_opt(body, "include_reasoning", _is_bool, "a boolean", True),
+                             tokens_as_ids=_tokens_as_ids(body))
 
 
 def _thinking_closed(ids: tuple[int, ...], start: list[int], end: int) -> bool:
@@ -611,14 +628,49 @@ def _template_kwargs(body: dict) -> dict[str, Any]:
     return kw
 
 
-def _chat_ids(messages: list[dict], tokenizer: TokenizerLike, add_generation_prompt: bool,
+@dataclass(frozen=True, slots=True)
+class ChatRendering:
+    """vLLM's chat extensions on how the messages become the prompt."""
+
+    add_generation_prompt: bool = True  # the template's opening of the assistant's turn
+    # the last message, the assistant's, is left open for the model to go on with (a prefill):
+    # the prompt ends where its text ends, with no end-of-turn and no new turn
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # the tokenizer's own (a BOS) on top of the template's
+
+
+def _chat_rendering(body: dict, messages: list[dict]) -> ChatRendering:
+    gen = _opt(body, "add_generation_prompt", _is_bool, "a boolean", True)
+    cont = _opt(body, "continue_final_message", _is_bool, "a boolean", False)
+    special = _opt(body, "add_special_tokens", _is_bool, "a boolean", False)
+    if cont and gen:
+        raise bad_request("Cannot set both 'continue_final_message' and 'add_generation_prompt' "
+                          "to true.", "continue_final_message", "invalid_value")
+    if cont and messages[-1]["role"] != "assistant":
+        raise bad_request("'continue_final_message' needs the last message to be the assistant's.",
+                          "continue_final_message", "invalid_value")
+    return ChatRendering(gen, cont, special)
+
+
+def _chat_ids(messages: list[dict], tokenizer: TokenizerLike, how: ChatRendering,
               tools: list[dict] | None = None, extra: dict[str, Any] | None = None) -> tuple[int, ...]:
     try:
         kw = {**(extra or {}), **({} if tools is None else {"tools": tools})}
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kw)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=how.add_generation_prompt, **kw)
     except Exception as e:  # a template that rejects the conversation (e.g. role order)
         raise bad_request(f"The chat template rejected these messages: {e}", "messages") from None
-    return tuple(tokenizer.encode(text, add_special_tokens=False))
+    if how.continue_final_message:
+        # as transformers does: the text ends with the last message's (its end-of-turn cut)
+        final = messages[-1]["content"].strip()
+        if not final:
+            raise bad_request("'continue_final_message' needs text in the last message.",
+                              "continue_final_message", "invalid_value")
+        at = text.rfind(final)
+        if at < 0:
+            raise bad_request("The chat template does not show the last message's text as it is, "
+                              "so it cannot be continued.", "continue_final_message", "invalid_value")
+        text = text[:at + len(final)]
+    return tuple(tokenizer.encode(text, add_special_tokens=how.add_special_tokens))
 
 
 def parse_tokenize(body: dict, limits: Limits, tokenizer: TokenizerLike) -> tuple[int, ...]:
@@ -627,14 +679,15 @@ def parse_tokenize(body: dict, limits: Limits, tokenizer: TokenizerLike) -> tupl
     to say otherwise)."""
     _check_model(body, limits)
     if body.get("messages") is not None:
-        gen = _opt(body, "add_generation_prompt", lambda v: isinstance(v, bool), "a boolean", True)
         tools, _ = _tools({**body, "tool_choice": "none"}, limits)
-        return _chat_ids(parse_messages(body), tokenizer, gen, tools, _template_kwargs(body))
+        messages = parse_messages(body)
+        return _chat_ids(messages, tokenizer, _chat_rendering(body, messages), tools,
+                         _template_kwargs(body))
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
         raise bad_request("Give 'prompt' (a string) or 'messages'.", "prompt",
                           "missing_required_parameter" if prompt is None else "invalid_type")
-    special = _opt(body, "add_special_tokens", lambda v: isinstance(v, bool), "a boolean", True)
+    special = _opt(body, "add_special_tokens", _is_bool, "a boolean", True)
     return tuple(tokenizer.encode(prompt, add_special_tokens=special))
 
 
@@ -654,7 +707,7 @@ def parse_completion(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Ge
     _reject_unsupported(body, {"suffix": None})
     top = _opt(body, "logprobs", _is_int, "an integer", None)
     logprobs = None if top is None else _top_logprobs(top, "logprobs")
-    echo = _opt(body, "echo", lambda v: isinstance(v, bool), "a boolean", False)
+    echo = _opt(body, "echo", _is_bool, "a boolean", False)
     # max_tokens=0 with echo (scoring a text, as evaluation harnesses do): the engine generates
     # one token, which the response leaves out
     zero = [k for k in ("max_completion_tokens", "max_tokens") if _is_int(body.get(k)) and body[k] == 0]
@@ -671,7 +724,9 @@ def parse_completion(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Ge
     else:
         raise bad_request("'prompt' must be a string, a list of token ids, or a list of either.",
                           "prompt", "invalid_type")
-    prompts = tuple(_prompt_ids(p, limits, tokenizer) for p in batch)
+    keep = _truncation(body, limits)
+    whole = tuple(_prompt_ids(p, limits, tokenizer) for p in batch)
+    prompts = tuple(ids[-keep:] for ids in whole) if keep else whole
     n = _choices(body)
     if len(prompts) * n > MAX_BATCH:
         raise bad_request(f"At most {MAX_BATCH} choices a request (prompts times n).", "prompt",
@@ -681,11 +736,35 @@ def parse_completion(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Ge
     sampling = _sampling(body, max(map(len, prompts)), limits, limits.default_max_tokens, logprobs)
     echo_texts: tuple[str, ...] = ()
     if echo:
-        echo_texts = tuple(p if isinstance(p, str) else _decode(ids, tokenizer) for p, ids in zip(batch, prompts))
+        # (what the model was given: a truncated prompt's kept tokens)
+        echo_texts = tuple(p if isinstance(p, str) and len(ids) == len(w) else _decode(ids, tokenizer)
+                           for p, w, ids in zip(batch, whole, prompts))
         if logprobs is not None:  # the prompt's tokens are scored too
             sampling = dataclasses.replace(sampling, prompt_logprobs=logprobs)
     return GenerationRequest("completion", model, prompts[0], sampling, stream, include_usage, background,
-                             continuous, n, prompts if len(prompts) > 1 else (), echo_texts, echo_only)
+                             continuous, n, prompts if len(prompts) > 1 else (), echo_texts, echo_only,
+                             tokens_as_ids=_tokens_as_ids(body))
+
+
+def _truncation(body: dict, limits: Limits) -> int | None:
+    """vLLM's ``truncate_prompt_tokens``: keep only a prompt's last k tokens (-1: as many as
+    the context holds). None: leave prompts whole."""
+    k = _opt(body, "truncate_prompt_tokens", _is_int, "an integer", None)
+    if k is None:
+        return None
+    if k == -1:
+        return limits.max_model_len
+    if k < 1:
+        raise bad_request("'truncate_prompt_tokens' must be -1 or at least 1.", "truncate_prompt_tokens",
+                          "invalid_value")
+    if k > limits.max_model_len:
+        raise bad_request(f"'truncate_prompt_tokens' ({k}) is more than the model's context "
+                          f"({limits.max_model_len} tokens).", "truncate_prompt_tokens", "invalid_value")
+    return k
+
+
+def _tokens_as_ids(body: dict) -> bool:
+    return _opt(body, "return_tokens_as_token_ids", _is_bool, "a boolean", False)
 
 
 def _decode(ids: tuple[int, ...], tokenizer: Any) -> str:
@@ -821,6 +900,8 @@ class Renderer:
         # chat on a server with --reasoning-parser (the `accepted` event's reasoning_parser):
         # the thinking goes to reasoning_content, the rest on to the tool-call parser or content
         self.reasoning: ReasoningParser | None = None
+        self.show_reasoning = True  # (include_reasoning false: the thinking is read, not shown)
+        self.tokens_as_ids = False  # return_tokens_as_token_ids (the `accepted` event's)
 
     # -- log-probabilities
     def _add_prompt_logprobs(self, field: Any) -> None:
@@ -841,6 +922,9 @@ class Renderer:
             self._lp_offset += len(self._token(t)[0])
 
     def _token(self, t: int) -> tuple[str, bytes]:
+        if self.tokens_as_ids:  # (vLLM's return_tokens_as_token_ids: ids that say which token)
+            s = f"token_id:{int(t)}"
+            return s, s.encode()
         b = self._token_bytes(int(t))
         return b.decode("utf-8", errors="replace"), b
 
@@ -925,6 +1009,8 @@ class Renderer:
                 self.reasoning = ReasoningParser(kind)
             except ValueError:  # (a story of a later release, with a parser this one lacks)
                 pass
+        self.show_reasoning = getattr(accepted, "include_reasoning", None) is not False
+        self.tokens_as_ids = bool(getattr(accepted, "tokens_as_ids", None))
 
     @property
     def structured(self) -> bool:
@@ -968,6 +1054,8 @@ class Renderer:
         out: list[dict] = []
         for kind, text in pieces:
             if kind == REASONING:
+                if not self.show_reasoning:
+                    continue
                 out.append(self._with_usage(chat_chunk(self.rid, self.created, self.model,
                                                        {"reasoning_content": text}, None,
                                                        self.include_usage)))
@@ -1101,7 +1189,7 @@ class Renderer:
             message["content"] = text or None
             message["tool_calls"] = [self._call_json(i, c) for i, c in enumerate(calls)]
         if self.reasoning is not None:
-            body["choices"][0]["message"]["reasoning_content"] = reasoning or None
+            body["choices"][0]["message"]["reasoning_content"] = (reasoning or None) if self.show_reasoning else None
         if self.logprobs:
             body["choices"][0]["logprobs"] = self._render_logprobs(self.logprobs)
         return body

@@ -357,8 +357,7 @@ class Api:
                 Accepted(request_id=rid, api=self.cfg.api_id, prompt_tokens=len(gen.prompt_token_ids),
                          endpoint=endpoint, model=gen.model, created=created,
                          include_usage=gen.include_usage, continuous_usage=gen.continuous_usage or None,
-                         tool_parser=gen.tool_parser, reasoning_parser=gen.reasoning_parser,
-                         **_echo(gen, 0)))
+                         **gen.rendering(), **_echo(gen, 0)))
             renderer = protocol.Renderer(rid, endpoint, gen.model, created, len(gen.prompt_token_ids),
                                          gen.include_usage, self._token_bytes, gen.continuous_usage)
             timing = _Timing(self.metrics, arrival)
@@ -395,7 +394,7 @@ class Api:
         n_prompt = sum(map(len, gen.prompts or (gen.prompt_token_ids,)))  # each prompt once
         common = dict(api=self.cfg.api_id, endpoint=endpoint, model=gen.model, created=created,
                       include_usage=gen.include_usage, continuous_usage=gen.continuous_usage or None,
-                      tool_parser=gen.tool_parser, reasoning_parser=gen.reasoning_parser)
+                      **gen.rendering())
         subs = [await self.mux.subscribe(c, b"0") for c in ids]  # before submit: nothing missed
         try:
             watch.request_id, watch.abort_ids = rid, ids  # from here on a disconnect aborts them

@@ -1,0 +1,140 @@
+"""vLLM's per-request extensions a client of vLLM sends and expects to work: how chat messages
+become the prompt (``add_generation_prompt``, ``continue_final_message``,
+``add_special_tokens``), ``truncate_prompt_tokens`` and ``return_tokens_as_token_ids``.
+Through the real tiny model, the embedded server and the ``openai`` client, whose greedy
+output must equal the engine's own on the prompt the option describes."""
+
+from __future__ import annotations
+
+import aiohttp
+import openai
+import pytest
+
+from control.events import Accepted, SamplingParams, decode
+from engine.llm import LLM
+
+USER = {"role": "user", "content": "Name a colour."}
+PARTIAL = {"role": "assistant", "content": "The colour is"}
+
+
+async def _post(url: str, body: dict) -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url, json=body) as r:
+            return r.status, await r.json()
+
+
+def _greedy(runner, tokenizer, ids, n: int = 4):
+    return LLM(runner, tokenizer).generate(
+        [list(ids)], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))[0]
+
+
+@pytest.fixture
+async def client(served):
+    api, _ = served
+    c = openai.AsyncOpenAI(base_url=f"{api.url}/v1", api_key="none", max_retries=0)
+    yield api, c
+    await c.close()
+
+
+async def test_continue_final_message_goes_on_with_the_assistants_text(client, tiny_runner, tiny_tokenizer):
+    api, oa = client
+    whole = tiny_tokenizer.apply_chat_template([USER, PARTIAL], add_generation_prompt=False)
+    cut = whole[:whole.rindex(PARTIAL["content"]) + len(PARTIAL["content"])]
+    assert cut != whole  # (the template closes the turn: what continuing leaves out)
+    want = tiny_tokenizer.encode(cut, add_special_tokens=False)
+    status, body = await _post(f"{api.url}/tokenize", {"messages": [USER, PARTIAL],
+                                                       "continue_final_message": True,
+                                                       "add_generation_prompt": False})
+    assert status == 200 and body["tokens"] == want
+    c = await oa.chat.completions.create(
+        model=api.cfg.model_name, messages=[USER, PARTIAL], max_tokens=4, temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False, "ignore_eos": True})
+    assert c.usage.prompt_tokens == len(want)
+    assert c.choices[0].message.content == _greedy(tiny_runner, tiny_tokenizer, want).text
+    # without it the same messages are a finished turn, and a new one is opened
+    c = await oa.chat.completions.create(model=api.cfg.model_name, messages=[USER, PARTIAL], max_tokens=1)
+    assert c.usage.prompt_tokens == len(tiny_tokenizer.encode(
+        tiny_tokenizer.apply_chat_template([USER, PARTIAL]), add_special_tokens=False))
+    for body, param in (
+            ({"continue_final_message": True}, "continue_final_message"),  # with the generation prompt
+            ({"continue_final_message": True, "add_generation_prompt": False,
+              "messages": [PARTIAL, USER]}, "continue_final_message"),  # the last is not the assistant's
+            ({"continue_final_message": True, "add_generation_prompt": False,
+              "messages": [USER, {"role": "assistant", "content": " "}]}, "continue_final_message"),
+            ({"add_generation_prompt": "yes"}, "add_generation_prompt")):
+        status, out = await _post(f"{api.url}/v1/chat/completions", {"messages": [USER, PARTIAL], **body})
+        assert status == 400 and out["error"]["param"] == param, (body, out)
+
+
+async def test_add_generation_prompt_and_add_special_tokens(client, tiny_tokenizer):
+    api, oa = client
+    bare = tiny_tokenizer.encode(tiny_tokenizer.apply_chat_template([USER], add_generation_prompt=False),
+                                 add_special_tokens=False)
+    c = await oa.chat.completions.create(model=api.cfg.model_name, messages=[USER], max_tokens=1,
+                                         extra_body={"add_generation_prompt": False})
+    assert c.usage.prompt_tokens == len(bare)
+    opened = tiny_tokenizer.encode(tiny_tokenizer.apply_chat_template([USER]), add_special_tokens=False)
+    status, body = await _post(f"{api.url}/tokenize", {"messages": [USER], "add_special_tokens": True})
+    assert status == 200 and body["tokens"] == tiny_tokenizer.encode(
+        tiny_tokenizer.apply_chat_template([USER]), add_special_tokens=True)
+    status, body = await _post(f"{api.url}/tokenize", {"messages": [USER]})
+    assert status == 200 and body["tokens"] == opened
+
+
+async def test_truncate_prompt_tokens_keeps_the_prompts_end(client, tiny_runner, tiny_tokenizer):
+    api, oa = client
+    prompt = list(range(20, 60))
+    c = await oa.completions.create(model=api.cfg.model_name, prompt=prompt, max_tokens=4, temperature=0,
+                                    extra_body={"truncate_prompt_tokens": 8, "ignore_eos": True})
+    assert c.usage.prompt_tokens == 8
+    assert c.choices[0].text == _greedy(tiny_runner, tiny_tokenizer, prompt[-8:]).text
+    # echo shows what the model was given
+    text = "one two three four five six seven eight nine ten"
+    kept = tiny_tokenizer.encode(text, add_special_tokens=True)[-3:]
+    c = await oa.completions.create(model=api.cfg.model_name, prompt=text, max_tokens=1, echo=True,
+                                    extra_body={"truncate_prompt_tokens": 3})
+    assert c.choices[0].text.startswith(tiny_tokenizer.decode(kept)) and c.usage.prompt_tokens == 3
+    # a prompt shorter than k, and -1 (the whole context), leave it whole
+    for k in (100, -1):
+        c = await oa.completions.create(model=api.cfg.model_name, prompt=prompt, max_tokens=1,
+                                        extra_body={"truncate_prompt_tokens": k})
+        assert c.usage.prompt_tokens == len(prompt)
+    # chat: the rendered prompt's end
+    ids = tiny_tokenizer.encode(tiny_tokenizer.apply_chat_template([USER]), add_special_tokens=False)
+    c = await oa.chat.completions.create(model=api.cfg.model_name, messages=[USER], max_tokens=4,
+                                         temperature=0,
+                                         extra_body={"truncate_prompt_tokens": 5, "ignore_eos": True})
+    assert c.usage.prompt_tokens == 5
+    assert c.choices[0].message.content == _greedy(tiny_runner, tiny_tokenizer, ids[-5:]).text
+    for k in (0, -2, api.cfg.max_model_len + 1, "8"):
+        status, out = await _post(f"{api.url}/v1/completions", {"prompt": prompt, "truncate_prompt_tokens": k})
+        assert status == 400 and out["error"]["param"] == "truncate_prompt_tokens", (k, out)
+
+
+async def test_return_tokens_as_token_ids(client):
+    api, oa = client
+    c = await oa.completions.create(model=api.cfg.model_name, prompt=[30, 31, 32], max_tokens=3,
+                                    temperature=0, logprobs=2,
+                                    extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == 3 and all(t.startswith("token_id:") for t in lp.tokens)
+    ids = [int(t.split(":")[1]) for t in lp.tokens]
+    plain = await oa.completions.create(model=api.cfg.model_name, prompt=[30, 31, 32], max_tokens=3,
+                                        temperature=0, logprobs=2, extra_body={"ignore_eos": True})
+    assert lp.token_logprobs == plain.choices[0].logprobs.token_logprobs
+    assert all(f"token_id:{i}" in top for i, top in zip(ids, lp.top_logprobs))
+    story = [decode(f) for _, f in await api.bus.redis.xrange(api.bus.keys.req(c.id))]
+    assert isinstance(story[0], Accepted) and story[0].tokens_as_ids
+    # the story says so: any replica renders the same
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{api.url}/v1/requests/{c.id}/stream") as r:
+            replay = (await r.read()).decode()
+    assert '"tokens":["token_id:' in replay
+    chat = await oa.chat.completions.create(model=api.cfg.model_name, messages=[USER], max_tokens=2,
+                                            logprobs=True, top_logprobs=1,
+                                            extra_body={"return_tokens_as_token_ids": True})
+    for t in chat.choices[0].logprobs.content:
+        assert t.token.startswith("token_id:") and bytes(t.bytes).decode() == t.token
+        assert t.top_logprobs[0].token.startswith("token_id:")
+    status, out = await _post(f"{api.url}/v1/completions", {"prompt": "x", "return_tokens_as_token_ids": 1})
+    assert status == 400 and out["error"]["param"] == "return_tokens_as_token_ids"
