@@ -138,3 +138,26 @@ async def test_return_tokens_as_token_ids(client):
         assert t.top_logprobs[0].token.startswith("token_id:")
     status, out = await _post(f"{api.url}/v1/completions", {"prompt": "x", "return_tokens_as_token_ids": 1})
     assert status == 400 and out["error"]["param"] == "return_tokens_as_token_ids"
+
+
+async def test_a_model_retrieved_by_name_and_the_liveness_route(client):
+    api, oa = client
+    m = await oa.models.retrieve(api.cfg.model_name)
+    assert m.id == api.cfg.model_name and m.model_extra["max_model_len"] == api.cfg.max_model_len
+    with pytest.raises(openai.NotFoundError) as e:
+        await oa.models.retrieve("org/other-model")
+    assert e.value.body["code"] == "model_not_found"
+    async with aiohttp.ClientSession() as s:
+        for method in ("GET", "POST"):
+            async with s.request(method, f"{api.url}/ping") as r:
+                assert r.status == 200 and (await r.json())["status"] == "ok"
+
+
+async def test_priority_is_refused_as_vllm_without_priority_scheduling(client):
+    api, oa = client
+    for path, body in (("/v1/completions", {"prompt": "x"}),
+                       ("/v1/chat/completions", {"messages": [USER]})):
+        status, out = await _post(f"{api.url}{path}", {**body, "priority": 1, "max_tokens": 1})
+        assert status == 400 and out["error"]["param"] == "priority", out
+        status, _ = await _post(f"{api.url}{path}", {**body, "priority": 0, "max_tokens": 1})
+        assert status == 200

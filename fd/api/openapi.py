@@ -257,6 +257,11 @@ def build(model_name: str, max_model_len: int, max_body_bytes: int,
                                    "responses": {"200": {"description": "Model list", "content": {
                                        "application/json": {"schema": _ref("ModelList")}}},
                                        "401": _ERRORS["401"]}}},
+            "/v1/models/{model}": {"get": {
+                "summary": "One served name's model card (OpenAI's retrieve)", "security": [{"apiKey": []}],
+                "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "responses": {"200": {"description": "Model card"}, "401": _ERRORS["401"],
+                              "404": _err("Not a served name")}}},
             "/v1/abort_requests": {"post": {
                 "summary": "Abort requests by id, or all; answers at once", "security": admin,
                 "parameters": [{"name": "wait", "in": "query", "required": False,
@@ -280,6 +285,10 @@ def build(model_name: str, max_model_len: int, max_body_bytes: int,
             "/health": {"get": {"summary": "Ready when Redis answers and an engine is alive (no auth)",
                                 "security": [], "responses": {"200": {"description": "ok"},
                                                               "503": _err("Redis or engines unavailable")}}},
+            "/ping": {m: {"summary": "vLLM's (SageMaker's) liveness route: /health's answer (no auth)",
+                          "security": [], "responses": {"200": {"description": "ok"},
+                                                        "503": _err("Redis or engines unavailable")}}
+                      for m in ("get", "post")},
             "/metrics": {"get": {"summary": "Prometheus metrics (no auth)", "security": [],
                                  "responses": {"200": {"description": "text exposition format",
                                                        "content": {"text/plain": {"schema": {"type": "string"}}}}}}},

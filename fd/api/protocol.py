@@ -557,6 +557,7 @@ def _tools(body: dict, limits: Limits) -> tuple[list[dict] | None, str | None]:
 
 def parse_chat(body: dict, limits: Limits, tokenizer: TokenizerLike) -> GenerationRequest:
     model = _check_model(body, limits)
+    _reject_unsupported(body, {"priority": 0})  # (vLLM's, without --scheduling-policy priority)
     tools, parser = _tools(body, limits)
     parallel = _opt(body, "parallel_tool_calls", _is_bool, "a boolean", True)
     want = _opt(body, "logprobs", _is_bool, "a boolean", False)
@@ -704,7 +705,7 @@ def parse_detokenize(body: dict, limits: Limits) -> tuple[int, ...]:
 
 def parse_completion(body: dict, limits: Limits, tokenizer: TokenizerLike) -> GenerationRequest:
     model = _check_model(body, limits)
-    _reject_unsupported(body, {"suffix": None})
+    _reject_unsupported(body, {"suffix": None, "priority": 0})
     top = _opt(body, "logprobs", _is_int, "an integer", None)
     logprobs = None if top is None else _top_logprobs(top, "logprobs")
     echo = _opt(body, "echo", _is_bool, "a boolean", False)

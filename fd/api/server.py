@@ -746,11 +746,21 @@ class Api:
     async def openapi(self, request: web.Request) -> web.Response:
         return _json(self._openapi)
 
+    def _model_cards(self) -> list[dict[str, Any]]:
+        return [{"id": name, "object": "model", "created": self.started, "owned_by": "fd",
+                 "root": self.cfg.model_name, "max_model_len": self.cfg.max_model_len}
+                for name in (self.cfg.model_name, *self.cfg.model_aliases)]
+
     async def models(self, request: web.Request) -> web.Response:
-        return _json({"object": "list", "data": [{
-            "id": name, "object": "model", "created": self.started, "owned_by": "fd",
-            "root": self.cfg.model_name, "max_model_len": self.cfg.max_model_len}
-            for name in (self.cfg.model_name, *self.cfg.model_aliases)]})
+        return _json({"object": "list", "data": self._model_cards()})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """OpenAI's retrieve (``client.models.retrieve``): one served name's card."""
+        name = request.match_info["model"]
+        for card in self._model_cards():
+            if card["id"] == name:
+                return _json(card)
+        raise not_found(f"The model '{name}' does not exist.", "model", "model_not_found")
 
     async def tokenize(self, request: web.Request) -> web.Response:
         ids = protocol.parse_tokenize(await self._body(request), self.limits, self.tokenizer)
@@ -797,7 +807,10 @@ def make_app(cfg: ApiConfig, bus: Bus, mux: StreamMux, tokenizer, metrics: Metri
     for path, handler in generating.items():  # every generating endpoint is guarded, by construction
         app.router.add_post(path, api.cancellation.guard(handler))
     app.router.add_get("/v1/models", api.models)
+    app.router.add_get("/v1/models/{model:.+}", api.model)  # (names like "org/model")
     app.router.add_get("/health", api.health)
+    for method in ("GET", "POST"):  # vLLM's (SageMaker's) liveness route: /health's answer
+        app.router.add_route(method, "/ping", api.health)
     app.router.add_get("/metrics", api.metrics_endpoint)
     app.router.add_post("/v1/abort_requests", api.abort_requests)
     app.router.add_get("/v1/requests/{id:[^/]+}/stream", api.stream_request)
