@@ -91,6 +91,8 @@ class SamplingParams:
     # vLLM's: leave special tokens' text (<|im_start|>, <s>) out of the output text (True, the
     # default) or keep it.
     skip_special_tokens: bool = True
+    # vLLM's allowed_token_ids: only these may be sampled (empty: any).
+    allowed_token_ids: tuple[int, ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -110,7 +112,8 @@ class SamplingParams:
     @property
     def plain(self) -> bool:
         """Nothing but the logits decides a greedy pick (the runner's fast path)."""
-        return not (self.penalized or self.logit_bias or self.min_tokens or self.guided)
+        return not (self.penalized or self.logit_bias or self.min_tokens or self.guided
+                    or self.allowed_token_ids)
 
     def to_dict(self) -> dict[str, Any]:
         # (not dataclasses.asdict: its deep copy of nine plain values was ~10 µs of every
@@ -119,6 +122,7 @@ class SamplingParams:
         d["stop"] = list(self.stop)
         d["stop_token_ids"] = list(self.stop_token_ids)
         d["logit_bias"] = [list(pair) for pair in self.logit_bias]
+        d["allowed_token_ids"] = list(self.allowed_token_ids)
         # Written only when asked for: an engine of a release before them refuses a request
         # with fields it does not know (a dead letter), and in a rolling upgrade it must still
         # take every request that does not use them.
@@ -194,11 +198,12 @@ class SamplingParams:
                 parse(kw["guided"])
             except GuidedError as e:
                 raise BadEvent(f"sampling.guided: {e}", "data") from None
-        if "stop_token_ids" in kw:
-            ids = kw["stop_token_ids"] or ()
-            if not (isinstance(ids, (list, tuple)) and all(is_int(t) and t >= 0 for t in ids)):
-                raise bad("stop_token_ids", "a list of token ids")
-            kw["stop_token_ids"] = tuple(ids)
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            if name in kw:
+                ids = kw[name] or ()
+                if not (isinstance(ids, (list, tuple)) and all(is_int(t) and t >= 0 for t in ids)):
+                    raise bad(name, "a list of token ids")
+                kw[name] = tuple(ids)
         return cls(**kw)
 
 
@@ -206,7 +211,8 @@ _SAMPLING_NAMES = tuple(f.name for f in dataclasses.fields(SamplingParams))
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
 # fields added after the first release: on the wire only when set
 _OPTIONAL_NAMES = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                   "min_p", "min_tokens", "logprobs", "prompt_logprobs", "guided", "skip_special_tokens")
+                   "min_p", "min_tokens", "logprobs", "prompt_logprobs", "guided", "skip_special_tokens",
+                   "allowed_token_ids")
 _SAMPLING_FIELDS = frozenset(_SAMPLING_NAMES)
 
 
@@ -389,6 +395,9 @@ class Accepted(Event):
     # vLLM's return_tokens_as_token_ids (written only when set): log-probabilities name their
     # tokens as "token_id:<id>".
     tokens_as_ids: bool | None = None
+    # vLLM's prompt_logprobs=k (written only when asked): the response carries the prompt's
+    # log-probabilities, ranks and k alternatives, as vLLM's `prompt_logprobs` field.
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -418,9 +427,22 @@ class Tokens(Event):
     prompt_logprobs: dict | None = None
 
 
-def prompt_logprobs_field(prompt: Sequence[int],
-                          entries: Sequence[tuple[float, Sequence[tuple[int, float]]]]) -> dict:
-    return {"ids": list(prompt), **logprobs_field(entries)}
+def prompt_logprobs_field(prompt: Sequence[int], entries: Sequence[tuple]) -> dict:
+    """Entries of (log-probability, alternatives[, rank]): the rank (1: the likeliest token of
+    its position) rides as ``rank`` when every entry has one."""
+    out = {"ids": list(prompt), **logprobs_field([e[:2] for e in entries])}
+    if entries and all(len(e) > 2 for e in entries):
+        out["rank"] = [int(e[2]) for e in entries]
+    return out
+
+
+def prompt_logprob_ranks(field: Any, n: int) -> list[int] | None:
+    """:func:`prompt_logprobs_field`'s ranks read back (``n`` of them), or None."""
+    try:
+        ranks = [int(r) for r in field["rank"]]
+    except (TypeError, KeyError, ValueError):
+        return None
+    return ranks if len(ranks) == n else None
 
 
 def prompt_logprobs_entries(field: Any) -> tuple[list[int], list[tuple[float, list]]] | None:

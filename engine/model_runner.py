@@ -129,7 +129,9 @@ class ModelRunner:
         for a in range(0, len(targets), SCORE_ROWS):
             part = targets[a:a + SCORE_ROWS]
             rows = self.model.head(h[n + a:n + a + len(part)]).numpy()
-            lps.extend(token_logprobs(row, t, s.sampling.prompt_logprobs) for row, (s, t) in zip(rows, part))
+            # each with the token's rank in its row, 1 the likeliest (vLLM's prompt_logprobs)
+            lps.extend((*token_logprobs(row, t, s.sampling.prompt_logprobs), int((row > row[t]).sum()) + 1)
+                       for row, (s, t) in zip(rows, part))
         out, r = {}, 0
         for s, first, ts in scored:
             out[s.request_id] = (first, tuple(lps[r:r + len(ts)]))

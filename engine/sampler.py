@@ -52,6 +52,10 @@ def adjust(logits: np.ndarray, sp: SamplingParams, num_generated: int,
     x = logits.astype(np.float64) if seen is None else apply_penalties(logits, sp, *seen)
     for token, bias in sp.logit_bias:
         x[token] += bias
+    if sp.allowed_token_ids:
+        keep = x[list(sp.allowed_token_ids)]
+        x[:] = -np.inf
+        x[list(sp.allowed_token_ids)] = keep
     if num_generated < sp.min_tokens:
         banned = [*sp.stop_token_ids, *(() if sp.ignore_eos else eos_token_ids)]
         if banned:

@@ -145,3 +145,45 @@ async def test_an_echo_aborted_before_it_ran_still_shows_the_prompt(real_bus):
             else:
                 body = await resp.json()
                 assert body["choices"][0]["text"] == "hey" and body["choices"][0]["finish_reason"] == "abort"
+
+
+async def test_vllm_prompt_logprobs_with_ranks(served, tiny_runner, tiny_tokenizer):
+    """vLLM's ``prompt_logprobs=k``: per prompt token (the first has none) its log-probability
+    and rank in its position's distribution, with the k likeliest; in each completions choice,
+    beside the choices for chat; refused on a stream and with echo (as vLLM refuses the
+    first)."""
+    import aiohttp
+
+    api, _ = served
+    client = _client(api)
+    ids = [40, 41, 300, 7, 41]
+    c = await client.completions.create(model=api.cfg.model_name, prompt=ids, max_tokens=1,
+                                        extra_body={"prompt_logprobs": 2})
+    got = c.choices[0].model_extra["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(ids)
+    for t in range(1, len(ids)):
+        ref = _log_softmax(prefix_logits(tiny_runner, ids[:t]))
+        d = got[t]
+        mine = d[str(ids[t])]
+        assert mine["logprob"] == pytest.approx(ref[ids[t]], abs=1e-4)
+        assert mine["rank"] == 1 + int((ref > ref[ids[t]] + 1e-6).sum())
+        assert mine["decoded_token"] == tiny_tokenizer.decode([ids[t]])
+        order = np.argsort(-ref, kind="stable")[:2]
+        for j, b in enumerate(order):
+            if int(b) != ids[t]:
+                assert d[str(int(b))]["rank"] == j + 1
+                assert d[str(int(b))]["logprob"] == pytest.approx(ref[b], abs=1e-4)
+        assert len(d) == 2 + (str(ids[t]) not in {str(int(b)) for b in order})
+    messages = [{"role": "user", "content": "Hi there"}]
+    chat = await client.chat.completions.create(model=api.cfg.model_name, messages=messages, max_tokens=1,
+                                                n=2, extra_body={"prompt_logprobs": 0})
+    chat_ids = tiny_tokenizer.encode(tiny_tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    plp = chat.model_extra["prompt_logprobs"]
+    assert len(plp) == len(chat_ids) and [list(d) for d in plp[1:]] == [[str(t)] for t in chat_ids[1:]]
+    async with aiohttp.ClientSession() as s:
+        for body in ({"stream": True}, {"echo": True}, {"prompt_logprobs": 21}):
+            async with s.post(f"{api.url}/v1/completions",
+                              json={"prompt": ids, "prompt_logprobs": 1, **body}) as r:
+                out = await r.json()
+                assert r.status == 400 and out["error"]["param"] == "prompt_logprobs", (body, out)
+    await client.close()

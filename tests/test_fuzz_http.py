@@ -414,13 +414,16 @@ def test_openapi_document_is_served_and_schema_bodies_are_accepted(harness):
         if status != 200:
             # the rules no schema can say (openapi.build): prompt + max_tokens within the
             # context, stream_options only with stream=true, top_logprobs only with logprobs,
-            # min_tokens <= max_tokens, logit_bias keyed by token ids of the vocabulary, an
+            # min_tokens <= max_tokens, logit_bias keyed by token ids of the vocabulary (and
+            # allowed_token_ids' ids in it), an
             # earlier tool call's arguments that are JSON text, tool_choice only with tools, a
             # structured output whose regex or schema compiles (and only one of them), a
-            # final message to continue that is the assistant's (and no generation prompt)
+            # final message to continue that is the assistant's (and no generation prompt),
+            # prompt_logprobs neither on a stream nor with echo
             assert status == 400 and (out["code"] == "context_length_exceeded" or out["param"] in (
                 "stream_options", "top_logprobs", "min_tokens", "logit_bias", "best_of", "tool_choice",
-                "response_format", "guided_regex", "guided_choice", "continue_final_message")
+                "response_format", "guided_regex", "guided_choice", "continue_final_message",
+                "prompt_logprobs", "allowed_token_ids")
                 or str(out["param"]).endswith(".tool_calls")), (body, out)
 
     one()

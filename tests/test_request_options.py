@@ -161,3 +161,35 @@ async def test_priority_is_refused_as_vllm_without_priority_scheduling(client):
         assert status == 400 and out["error"]["param"] == "priority", out
         status, _ = await _post(f"{api.url}{path}", {**body, "priority": 0, "max_tokens": 1})
         assert status == 200
+
+
+async def test_allowed_token_ids_is_all_that_is_sampled(client, tiny_runner, tiny_tokenizer):
+    api, oa = client
+    allowed = [7, 100, 250, 401]
+    prompt = [20, 21, 22]
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, allowed_token_ids=tuple(allowed))
+    want = LLM(tiny_runner, tiny_tokenizer).generate([prompt], sp)[0]
+    free = _greedy(tiny_runner, tiny_tokenizer, prompt, 6)
+    assert set(want.token_ids) <= set(allowed) and not set(free.token_ids) <= set(allowed)
+    c = await oa.completions.create(model=api.cfg.model_name, prompt=prompt, max_tokens=6, temperature=0,
+                                    logprobs=0, extra_body={"allowed_token_ids": allowed, "ignore_eos": True,
+                                                            "return_tokens_as_token_ids": True})
+    assert [int(t.split(":")[1]) for t in c.choices[0].logprobs.tokens] == want.token_ids
+    for seed in range(3):  # sampled too
+        c = await oa.completions.create(model=api.cfg.model_name, prompt=prompt, max_tokens=8, seed=seed,
+                                        logprobs=0, extra_body={"allowed_token_ids": allowed, "ignore_eos": True,
+                                                                "return_tokens_as_token_ids": True})
+        assert {int(t.split(":")[1]) for t in c.choices[0].logprobs.tokens} <= set(allowed)
+    for bad in ([], [-1], [tiny_runner.vocab_size], "7", [7, "x"]):
+        status, out = await _post(f"{api.url}/v1/completions", {"prompt": "x", "allowed_token_ids": bad})
+        assert status == 400 and out["error"]["param"] == "allowed_token_ids", (bad, out)
+
+
+def test_allowed_token_ids_on_the_wire_only_when_set():
+    from control.events import BadEvent
+
+    assert "allowed_token_ids" not in SamplingParams().to_dict()
+    d = SamplingParams(allowed_token_ids=(3, 9)).to_dict()
+    assert SamplingParams.from_dict(d).allowed_token_ids == (3, 9)
+    with pytest.raises(BadEvent, match="allowed_token_ids"):
+        SamplingParams.from_dict({"allowed_token_ids": [1, -2]})

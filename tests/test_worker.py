@@ -56,7 +56,8 @@ def test_worker_gives_the_same_tokens_as_in_process(worker, tiny_runner, tiny_to
     there, here = (r.execute(SchedulerOutput(step=-1, seqs=(chunk,))) for r in (worker, tiny_runner))
     (first, entries), (first0, entries0) = there.prompt_logprobs["pl"], here.prompt_logprobs["pl"]
     assert first == first0 == 1 and len(entries) == len(entries0) == 8
-    assert [lp for lp, _ in entries] == pytest.approx([lp for lp, _ in entries0])
+    assert [e[0] for e in entries] == pytest.approx([e[0] for e in entries0])
+    assert [e[2] for e in entries] == [e[2] for e in entries0]  # (each token's rank)
     assert worker.eos_token_ids == tuple(tiny_runner.eos_token_ids)
 
 

@@ -56,6 +56,9 @@ def _sampling_props(model_name: str, max_model_len: int, aliases: tuple[str, ...
                                              {"type": "array", "items": {"type": "string"}}]},
         "stop_token_ids": {"type": "array", "nullable": True,
                            "items": {"type": "integer", "format": "int64", "minimum": 0}},
+        "allowed_token_ids": {"type": "array", "nullable": True, "minItems": 1,
+                              "items": {"type": "integer", "format": "int64", "minimum": 0},
+                              "description": "vLLM: only these tokens may be sampled."},
         "ignore_eos": _NULLABLE_BOOL,
         "include_stop_str_in_output": _NULLABLE_BOOL,
         "skip_special_tokens": {**_NULLABLE_BOOL, "description": "Leave special tokens' text out of the output (the default)."},
@@ -88,6 +91,10 @@ def _sampling_props(model_name: str, max_model_len: int, aliases: tuple[str, ...
                                         {"type": "integer", "minimum": 1, "maximum": max_model_len}],
             "description": "vLLM: keep only the prompt's last k tokens (-1: as many as the "
                            "context holds)."},
+        "prompt_logprobs": {**_INT_OR_NULL, "minimum": 0, "maximum": MAX_LOGPROBS,
+                            "description": "vLLM: each prompt token's log-probability and rank, "
+                                           "with this many alternatives (not with stream, nor "
+                                           "with echo)."},
         "return_tokens_as_token_ids": {**_NULLABLE_BOOL,
                                        "description": "vLLM: log-probabilities name their tokens "
                                                       "'token_id:<id>'."},

@@ -16,7 +16,7 @@ from typing import Any, Callable, Protocol
 import orjson
 
 from control.events import (MAX_LOGPROBS, MAX_REPETITION_PENALTY, Final, SamplingParams,
-                            logprobs_entries, prompt_logprobs_entries)
+                            logprobs_entries, prompt_logprob_ranks, prompt_logprobs_entries)
 from control.guided import GuidedError, canonical, check, starting_after
 from control.keys import choice_ids
 from fd.api.errors import ApiError, bad_request, not_found, too_large
@@ -78,12 +78,13 @@ class GenerationRequest:
     reasoning_parser: str | None = None  # chat on a server with --reasoning-parser, unguided
     include_reasoning: bool = True  # vLLM's: false leaves the thinking out of the answer
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:<id>" in logprobs
+    prompt_logprobs: int | None = None  # vLLM's: the response's `prompt_logprobs`, k alternatives
 
     def rendering(self) -> dict[str, Any]:
         """The ``accepted`` event's fields that say how every replica renders the output."""
         return {"tool_parser": self.tool_parser, "reasoning_parser": self.reasoning_parser,
                 "include_reasoning": None if self.include_reasoning or not self.reasoning_parser else False,
-                "tokens_as_ids": self.tokens_as_ids or None}
+                "tokens_as_ids": self.tokens_as_ids or None, "prompt_logprobs": self.prompt_logprobs}
 
     def choices(self) -> list[tuple[tuple[int, ...], SamplingParams]]:
         """Each choice's prompt and sampling, in OpenAI's order: prompt ``i``'s ``j``-th choice
@@ -277,6 +278,12 @@ def _sampling(body: dict, prompt_len: int, limits: Limits, default_max: int | No
     stop_token_ids = tuple(_opt(body, "stop_token_ids",
                                 lambda v: isinstance(v, list) and all(_is_int(t) and t >= 0 for t in v),
                                 "a list of token ids", []))
+    allowed = body.get("allowed_token_ids")
+    if allowed is not None:
+        if not isinstance(allowed, list) or not allowed:
+            raise bad_request("'allowed_token_ids' must be a non-empty list of token ids.",
+                              "allowed_token_ids", "invalid_type")
+        allowed = tuple(sorted(set(_check_ids(allowed, limits, "allowed_token_ids"))))
     ignore_eos = _opt(body, "ignore_eos", _is_bool, "a boolean", False)
     include_stop = _opt(body, "include_stop_str_in_output", _is_bool, "a boolean", False)
     skip_special = _opt(body, "skip_special_tokens", _is_bool, "a boolean", True)
@@ -284,7 +291,8 @@ def _sampling(body: dict, prompt_len: int, limits: Limits, default_max: int | No
                           seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
                           include_stop_str_in_output=include_stop, logit_bias=logit_bias,
                           min_p=float(min_p), min_tokens=min_tokens, logprobs=logprobs,
-                          guided=_guided(body), skip_special_tokens=skip_special, **penalties)
+                          guided=_guided(body), skip_special_tokens=skip_special,
+                          allowed_token_ids=allowed or (), **penalties)
 
 
 #: What a model's generation_config.json may set for requests that do not (the keys vLLM reads).
@@ -575,6 +583,9 @@ def parse_chat(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Generati
     if not ids:
         raise bad_request("The prompt is empty.", "messages", "invalid_value")
     sampling = _sampling(body, len(ids), limits, None, logprobs)
+    scored = _prompt_scores(body, stream)
+    if scored is not None:
+        sampling = dataclasses.replace(sampling, prompt_logprobs=scored)
     reasoning = limits.reasoning_parser
     if reasoning and sampling.guided:
         # As vLLM: the model thinks freely, and its answer after </think> is the grammar's,
@@ -601,7 +612,7 @@ def parse_chat(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Generati
     return GenerationRequest("chat", model, ids, sampling, stream, include_usage, background, continuous,
                              _choices(body), tool_parser=parser, reasoning_parser=reasoning,
                              include_reasoning=_opt(body, "include_reasoning", _is_bool, "a boolean", True),
-                             tokens_as_ids=_tokens_as_ids(body))
+                             tokens_as_ids=_tokens_as_ids(body), prompt_logprobs=scored)
 
 
 def _thinking_closed(ids: tuple[int, ...], start: list[int], end: int) -> bool:
@@ -735,6 +746,12 @@ def parse_completion(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Ge
     stream, include_usage, continuous = _stream_opts(body)
     background = _background(body)
     sampling = _sampling(body, max(map(len, prompts)), limits, limits.default_max_tokens, logprobs)
+    scored = _prompt_scores(body, stream)
+    if scored is not None:
+        if echo:
+            raise bad_request("'prompt_logprobs' cannot go with 'echo' (echo with 'logprobs' scores "
+                              "the prompt too).", "prompt_logprobs", "invalid_value")
+        sampling = dataclasses.replace(sampling, prompt_logprobs=scored)
     echo_texts: tuple[str, ...] = ()
     if echo:
         # (what the model was given: a truncated prompt's kept tokens)
@@ -744,7 +761,19 @@ def parse_completion(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Ge
             sampling = dataclasses.replace(sampling, prompt_logprobs=logprobs)
     return GenerationRequest("completion", model, prompts[0], sampling, stream, include_usage, background,
                              continuous, n, prompts if len(prompts) > 1 else (), echo_texts, echo_only,
-                             tokens_as_ids=_tokens_as_ids(body))
+                             tokens_as_ids=_tokens_as_ids(body), prompt_logprobs=scored)
+
+
+def _prompt_scores(body: dict, stream: bool) -> int | None:
+    """vLLM's ``prompt_logprobs``: each prompt token's log-probability and rank, with this many
+    alternatives; as in vLLM, not on a stream."""
+    k = _opt(body, "prompt_logprobs", _is_int, "an integer", None)
+    if k is None:
+        return None
+    if stream:
+        raise bad_request("'prompt_logprobs' is not available when 'stream' is true.",
+                          "prompt_logprobs", "invalid_value")
+    return _top_logprobs(k, "prompt_logprobs")
 
 
 def _truncation(body: dict, limits: Limits) -> int | None:
@@ -903,17 +932,36 @@ class Renderer:
         self.reasoning: ReasoningParser | None = None
         self.show_reasoning = True  # (include_reasoning false: the thinking is read, not shown)
         self.tokens_as_ids = False  # return_tokens_as_token_ids (the `accepted` event's)
+        self.prompt_scores_k: int | None = None  # vLLM's prompt_logprobs (the `accepted` event's)
+        self.prompt_scores: list[dict | None] | None = None  # what the response shows of them
 
     # -- log-probabilities
     def _add_prompt_logprobs(self, field: Any) -> None:
-        """A first tokens event's ``prompt_logprobs``: the prompt's tokens, the first with none."""
+        """A first tokens event's ``prompt_logprobs``: the prompt's tokens, the first with none;
+        as vLLM's ``prompt_logprobs`` when the request asked for those, else echo's."""
         got = prompt_logprobs_entries(field)
         if got is None:
             return
         ids, entries = got
+        if self.prompt_scores_k is not None:
+            self.prompt_scores = self._prompt_scores(ids, entries, prompt_logprob_ranks(field, len(entries)))
+            return
         for t, (lp, top) in zip(ids, [(None, None), *entries]):
             self.logprobs.append((t, lp, top, self._lp_offset))
             self._lp_offset += len(self._token(t)[0])
+
+    def _prompt_scores(self, ids: list[int], entries: list, ranks: list[int] | None) -> list[dict | None]:
+        """vLLM's shape: per prompt token (the first has none) ``{id: {logprob, rank,
+        decoded_token}}`` for the token and its position's likeliest ``prompt_logprobs``."""
+        out: list[dict | None] = [None]
+        for i, (t, (lp, top)) in enumerate(zip(ids[1:], entries)):
+            rank = ranks[i] if ranks is not None else next(
+                (j + 1 for j, (a, _) in enumerate(top) if a == t), None)
+            d = {str(t): {"logprob": lp, "rank": rank, "decoded_token": self._token(t)[0]}}
+            for j, (a, c) in enumerate(top[:self.prompt_scores_k]):
+                d.setdefault(str(a), {"logprob": c, "rank": j + 1, "decoded_token": self._token(a)[0]})
+            out.append(d)
+        return out
 
     def _add_logprobs(self, token_ids: tuple[int, ...], logprobs: Any) -> None:
         """A tokens event's ``logprobs`` (control.events.logprobs_field)."""
@@ -1012,6 +1060,7 @@ class Renderer:
                 pass
         self.show_reasoning = getattr(accepted, "include_reasoning", None) is not False
         self.tokens_as_ids = bool(getattr(accepted, "tokens_as_ids", None))
+        self.prompt_scores_k = getattr(accepted, "prompt_logprobs", None)
 
     @property
     def structured(self) -> bool:
@@ -1085,6 +1134,8 @@ class Renderer:
                    logprobs: Any = None, prompt_logprobs: Any = None) -> str:
         """A tokens event, taken in (a non-streaming response renders them all at the end).
         Returns the text it adds to the response (the echoed prompt first, once)."""
+        if self.prompt_scores_k is not None and prompt_logprobs is not None:
+            self._add_prompt_logprobs(prompt_logprobs)  # (vLLM's, beside the output)
         if self.echo is not None and token_ids and not self._echoed:
             self._echoed = True
             if prompt_logprobs is not None:
@@ -1193,6 +1244,8 @@ class Renderer:
             body["choices"][0]["message"]["reasoning_content"] = (reasoning or None) if self.show_reasoning else None
         if self.logprobs:
             body["choices"][0]["logprobs"] = self._render_logprobs(self.logprobs)
+        if self.prompt_scores_k is not None:  # (vLLM: chat's beside the choices, completions' in each)
+            (body if self.endpoint == "chat" else body["choices"][0])["prompt_logprobs"] = self.prompt_scores
         return body
 
 
