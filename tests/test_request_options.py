@@ -193,3 +193,29 @@ def test_allowed_token_ids_on_the_wire_only_when_set():
     assert SamplingParams.from_dict(d).allowed_token_ids == (3, 9)
     with pytest.raises(BadEvent, match="allowed_token_ids"):
         SamplingParams.from_dict({"allowed_token_ids": [1, -2]})
+
+
+async def test_fields_nothing_read_are_said_to_be_ignored(client, caplog):
+    """As vLLM's "present in the request but ignored": a misspelt or unsupported field is
+    named in the log (once a name), and every field the OpenAPI document lists is read."""
+    import logging
+
+    api, oa = client
+    with caplog.at_level(logging.WARNING, logger="fd.api"):
+        for _ in range(2):
+            status, _ = await _post(f"{api.url}/v1/completions",
+                                    {"prompt": "x", "max_tokens": 1, "max_new_tokens": 5, "user": "u1"})
+            assert status == 200
+    said = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    assert len(said) == 1 and "'max_new_tokens'" in said[0] and "user" not in said[0], said
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{api.url}/openapi.json") as r:
+            schemas = (await r.json())["components"]["schemas"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fd.api"):
+        for path, name, given in (("/v1/completions", "CompletionRequest", {"prompt": "x"}),
+                                  ("/v1/chat/completions", "ChatCompletionRequest", {"messages": [USER]})):
+            body = {**{k: None for k in schemas[name]["properties"]}, **given, "max_tokens": 1}
+            status, out = await _post(f"{api.url}{path}", body)
+            assert status == 200, out
+    assert not [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]

@@ -108,7 +108,43 @@ def choice_sampling(sp: SamplingParams, k: int) -> SamplingParams:
 # ------------------------------------------------------------------------- body parsing
 
 
-def parse_body(raw: bytes, limits: Limits) -> dict[str, Any]:
+#: OpenAI's fields that ask for nothing a server does (bookkeeping on OpenAI's side): taken
+#: without a word, where other fields the parse never looked at are said to be ignored.
+QUIET_FIELDS = frozenset({"user", "store", "metadata", "service_tier"})
+
+
+class Body(dict):
+    """A request's JSON object that remembers which fields its parse looked at: the others
+    were ignored, which the API says in its log as vLLM does (a misspelt or unsupported
+    field otherwise changes nothing, silently)."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.seen: set[str] = set(QUIET_FIELDS)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.seen.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key: str) -> Any:
+        self.seen.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key: object) -> bool:
+        self.seen.add(key)  # type: ignore[arg-type]
+        return super().__contains__(key)
+
+    def replaced(self, changes: dict[str, Any]) -> "Body":
+        """A copy with ``changes``, whose reads count as this one's."""
+        out = Body({**self, **changes})
+        out.seen = self.seen
+        return out
+
+    def ignored(self) -> list[str]:
+        return sorted(k for k in self if k not in self.seen)
+
+
+def parse_body(raw: bytes, limits: Limits) -> Body:
     """The JSON object of a request body, or the error a client should see."""
     if len(raw) > limits.max_body_bytes:
         raise too_large(limits.max_body_bytes)
@@ -120,7 +156,7 @@ def parse_body(raw: bytes, limits: Limits) -> dict[str, Any]:
         raise bad_request(f"Request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise bad_request("Request body must be a JSON object.")
-    return body
+    return Body(body)
 
 
 def _is_bool(v: Any) -> bool:
@@ -725,7 +761,7 @@ def parse_completion(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Ge
     zero = [k for k in ("max_completion_tokens", "max_tokens") if _is_int(body.get(k)) and body[k] == 0]
     echo_only = echo and bool(zero)
     if echo_only:
-        body = {**body, **{k: 1 for k in zero}}
+        body = body.replaced({k: 1 for k in zero}) if isinstance(body, Body) else {**body, **{k: 1 for k in zero}}
     prompt = body.get("prompt")
     if prompt is None:
         raise bad_request("'prompt' is required.", "prompt", "missing_required_parameter")

@@ -76,6 +76,7 @@ class ApiConfig:
 
 
 API_KEY = web.AppKey("fd.api", object)
+IGNORED_NAMES = 256  # distinct ignored request fields remembered, each said once
 REDIS_SUSPECT_S = 30.0  # after a Redis error, check with a quick ping before each new request
 REDIS_PING_TIMEOUT_S = 0.5
 ADMIN_PATHS = ("/v1/abort_requests",)
@@ -202,6 +203,7 @@ class Api:
 
     def __init__(self, cfg: ApiConfig, bus: Bus, mux: StreamMux, tokenizer, metrics: Metrics):
         self._redis_suspect_until = 0.0  # see redis_failed()
+        self._ignored_said: set[str] = set()  # request fields said to be ignored (_say_ignored)
         self.cfg = cfg
         self.bus = bus
         self.mux = mux
@@ -315,6 +317,18 @@ class Api:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "completion", "cmpl", protocol.parse_completion)
 
+    def _say_ignored(self, names: list[str], rid: str) -> None:
+        """Fields of a request that nothing read, in the log (as vLLM's "present in the request
+        but ignored"): once for each name, so a client that always sends one does not fill
+        the log (past IGNORED_NAMES names, each time)."""
+        new = [n for n in names if n not in self._ignored_said]
+        if not new:
+            return
+        if len(self._ignored_said) < IGNORED_NAMES:
+            self._ignored_said.update(new)
+        log.warning("request fields ignored (not supported, or misspelt): %s", ", ".join(map(repr, new)),
+                    extra={"request_id": rid})
+
     def redis_failed(self) -> None:
         """Remember that Redis just failed: until a quick ping succeeds again, new requests get
         their 503 at once instead of after the client's seconds of connection retries."""
@@ -334,7 +348,9 @@ class Api:
         await self._check_redis()
         arrival = time.monotonic()
         rid, explicit = self._request_id(request, prefix)
-        gen: protocol.GenerationRequest = parse(await self._body(request), self.limits, self.tokenizer)
+        body = await self._body(request)
+        gen: protocol.GenerationRequest = parse(body, self.limits, self.tokenizer)
+        self._say_ignored(body.ignored(), rid)
         if gen.n > 1 or gen.prompts:
             return await self._generate_choices(request, rid, explicit, endpoint, gen, arrival)
         if (explicit and await self.bus.request_exists(rid)
