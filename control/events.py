@@ -366,7 +366,7 @@ class Accepted(Event):
     request_id: str
     api: str = ""
     prompt_tokens: int = 0
-    endpoint: str = ""  # "chat" or "completion": how any replica should render a replay
+    endpoint: str = ""  # "chat", "completion" or "responses": how any replica renders a replay
     model: str = ""
     created: int = 0  # seconds, OpenAI's `created`, so every replica renders the same chunks
     include_usage: bool = False  # stream_options.include_usage: a replay renders as the original

@@ -191,6 +191,36 @@ def _schemas(model_name: str, max_model_len: int, vocab_size: int | None,
                          "description": "The prompt before the completion; with logprobs, the "
                                         "prompt's tokens scored too (the first has none). With "
                                         "echo, max_tokens may be 0: the prompt scored alone."}}},
+        "ResponsesRequest": {
+            "type": "object", "required": ["input"],
+            "description": "OpenAI's Responses API over the chat template: text in, text out. "
+                           "tools, previous_response_id and non-text input are refused.",
+            "properties": {
+                "model": sampling["model"],
+                "input": {"oneOf": [
+                    {"type": "string", "minLength": 1},
+                    {"type": "array", "minItems": 1, "items": {
+                        "type": "object", "required": ["role", "content"], "properties": {
+                            "type": {"type": "string", "enum": ["message"]},
+                            "role": {"type": "string", "enum": list(protocol.ROLES)},
+                            "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {
+                                "type": "object", "required": ["type", "text"], "properties": {
+                                    "type": {"type": "string", "enum": ["input_text", "output_text", "text"]},
+                                    "text": {"type": "string"}}}}]}}}}]},
+                "instructions": {"type": "string", "nullable": True,
+                                 "description": "A system message before the input."},
+                "max_output_tokens": {**_INT_OR_NULL, "minimum": 1, "maximum": max_model_len},
+                **{k: sampling[k] for k in ("temperature", "top_p", "stream", "background", "seed",
+                                            "top_k", "min_p", "ignore_eos")},
+                "text": {"type": "object", "nullable": True, "properties": {"format": {
+                    "type": "object", "required": ["type"], "properties": {
+                        "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+                        "name": {"type": "string"}, "schema": {"type": "object"},
+                        "strict": _NULLABLE_BOOL}}}},
+                "previous_response_id": {"type": "string", "nullable": True,
+                                         "description": "Not supported (this server keeps no responses)."},
+                "tools": {"type": "array", "nullable": True, "maxItems": 0,
+                          "description": "Not supported here: use /v1/chat/completions."}}},
         "AbortRequest": {
             "type": "object",
             "description": "One of req_ids (FastDeploy), request_ids (vLLM) or abort_all.",
@@ -206,6 +236,8 @@ def _schemas(model_name: str, max_model_len: int, vocab_size: int | None,
                            "properties": {"object": {"type": "string", "enum": ["chat.completion"]}}},
         "Completion": {"type": "object", "required": ["id", "object", "choices"],
                        "properties": {"object": {"type": "string", "enum": ["text_completion"]}}},
+        "Response": {"type": "object", "required": ["id", "object", "status", "output"],
+                     "properties": {"object": {"type": "string", "enum": ["response"]}}},
         "ModelList": {"type": "object", "properties": {"object": {"type": "string"},
                                                        "data": {"type": "array", "items": {"type": "object"}}}},
     }
@@ -260,6 +292,9 @@ def build(model_name: str, max_model_len: int, max_body_bytes: int,
         "paths": {
             "/v1/chat/completions": _generating("Chat completion", "ChatCompletionRequest", "ChatCompletion"),
             "/v1/completions": _generating("Text completion", "CompletionRequest", "Completion"),
+            "/v1/responses": _generating("OpenAI's Responses API (text); stream=true sends its typed "
+                                         "events, each frame naming its type", "ResponsesRequest",
+                                         "Response"),
             "/v1/models": {"get": {"summary": "The served model", "security": [{"apiKey": []}],
                                    "responses": {"200": {"description": "Model list", "content": {
                                        "application/json": {"schema": _ref("ModelList")}}},

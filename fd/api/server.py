@@ -41,6 +41,8 @@ from control.metrics import Metrics
 from fd.api import openapi, protocol, sse
 from fd.api.cancellation import Cancellation, watch_of
 from fd.api.errors import ApiError, bad_request, conflict, not_found, too_large, unauthorized, unavailable
+from fd.api.responses import ResponsesRenderer
+from fd.api.responses import parse as parse_responses
 
 log = logging.getLogger("fd.api")
 
@@ -317,6 +319,10 @@ class Api:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "completion", "cmpl", protocol.parse_completion)
 
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI's Responses API (fd.api.responses): a chat request rendered as a Response."""
+        return await self._generate(request, "responses", "resp", parse_responses)
+
     def _say_ignored(self, names: list[str], rid: str) -> None:
         """Fields of a request that nothing read, in the log (as vLLM's "present in the request
         but ignored"): once for each name, so a client that always sends one does not fill
@@ -374,8 +380,8 @@ class Api:
                          endpoint=endpoint, model=gen.model, created=created,
                          include_usage=gen.include_usage, continuous_usage=gen.continuous_usage or None,
                          **gen.rendering(), **_echo(gen, 0)))
-            renderer = protocol.Renderer(rid, endpoint, gen.model, created, len(gen.prompt_token_ids),
-                                         gen.include_usage, self._token_bytes, gen.continuous_usage)
+            renderer = self._renderer(rid, endpoint, gen.model, created, len(gen.prompt_token_ids),
+                                      gen.include_usage, gen.continuous_usage)
             timing = _Timing(self.metrics, arrival)
             if gen.stream:
                 return await self._stream(request, rid, self._events(sub), renderer, timing)
@@ -498,6 +504,14 @@ class Api:
             elif sub.done:
                 return
 
+    def _renderer(self, rid: str, endpoint: str, model: str, created: int, prompt_tokens: int,
+                  include_usage: bool, continuous_usage: bool) -> protocol.Renderer | ResponsesRenderer:
+        """What renders a request's events, by the endpoint its ``accepted`` event names."""
+        if endpoint == "responses":
+            return ResponsesRenderer(rid, model, created, prompt_tokens, self._token_bytes)
+        return protocol.Renderer(rid, endpoint, model, created, prompt_tokens, include_usage,
+                                 self._token_bytes, continuous_usage)
+
     async def _collect(self, rid: str, sub, renderer: protocol.Renderer, timing: _Timing, watch) -> web.Response:
         async for _eid, ev in sub:
             if isinstance(ev, Tokens):
@@ -564,7 +578,10 @@ class Api:
 
     async def _write_events(self, resp, events, renderer, timing, skip_until, watch) -> None:
         """Write each batch of events as one ``write``: the bytes are exactly those of one
-        write per event, in order; only the number of sends (and wake-ups) shrinks."""
+        write per event, in order; only the number of sends (and wake-ups) shrinks. (A
+        renderer with ``named_events``, the Responses API's, names each frame's event type and
+        sends no ``[DONE]``.)"""
+        named = getattr(renderer, "named_events", False)
         async for batch in events:
             if batch is None:
                 await resp.write(sse.comment("keep-alive"))
@@ -578,10 +595,13 @@ class Api:
                 if (payload is not None or chunks) and (skip_until is None or entry_id_key(eid) > skip_until):
                     if payload is not None:
                         out.append(sse.json_frame(payload, eid))
+                    elif named:
+                        out += [sse.frame(c, eid, c["type"]) for c in chunks]
                     else:
                         out += [sse.frame(c, eid) for c in chunks]
                 if done:
-                    out.append(sse.DONE)
+                    if not named:
+                        out.append(sse.DONE)
                     break
             if out:
                 await resp.write(b"".join(out))
@@ -624,9 +644,8 @@ class Api:
         if n and n > 1:
             return await self._replay_choices(request, rid, first, iu, skip)
         if isinstance(first, Accepted):
-            renderer = protocol.Renderer(rid, first.endpoint or "completion", first.model, first.created,
-                                         first.prompt_tokens, iu, self._token_bytes,
-                                         bool(first.continuous_usage))
+            renderer = self._renderer(rid, first.endpoint or "completion", first.model, first.created,
+                                      first.prompt_tokens, iu, bool(first.continuous_usage))
         else:  # an abort overtook the request: its whole story is the abort (no `accepted`)
             renderer = protocol.Renderer(rid, "completion", self.cfg.model_name, first.ts // 1000, 0, iu)
         finished = any(isinstance(ev, Final) for _, ev in history)
@@ -819,7 +838,8 @@ def make_app(cfg: ApiConfig, bus: Bus, mux: StreamMux, tokenizer, metrics: Metri
     app = web.Application(middlewares=[_errors, api.auth], client_max_size=cfg.max_body_bytes + 1,
                           handler_args={"handler_cancellation": True})
     app[API_KEY] = api
-    generating = {"/v1/chat/completions": api.chat, "/v1/completions": api.completions}
+    generating = {"/v1/chat/completions": api.chat, "/v1/completions": api.completions,
+                  "/v1/responses": api.responses}
     for path, handler in generating.items():  # every generating endpoint is guarded, by construction
         app.router.add_post(path, api.cancellation.guard(handler))
     app.router.add_get("/v1/models", api.models)

@@ -14,8 +14,9 @@ import orjson
 DONE = b"data: [DONE]\n\n"
 
 
-def frame(data: Any, event_id: bytes | str | None = None) -> bytes:
-    """One ``data:`` event; ``data`` is JSON-encoded unless already bytes/str."""
+def frame(data: Any, event_id: bytes | str | None = None, event: str | None = None) -> bytes:
+    """One ``data:`` event; ``data`` is JSON-encoded unless already bytes/str. ``event``: its
+    type, on an ``event:`` line (the Responses API's frames say theirs)."""
     if isinstance(data, str):
         payload = data.encode()
     elif isinstance(data, bytes):
@@ -26,6 +27,8 @@ def frame(data: Any, event_id: bytes | str | None = None) -> bytes:
     if event_id is not None:
         eid = event_id if isinstance(event_id, bytes) else event_id.encode()
         head = b"id: " + _one_line(eid) + b"\n"
+    if event is not None:
+        head += b"event: " + _one_line(event.encode()) + b"\n"
     # JSON never contains a raw newline; a str payload might, and each line needs its prefix.
     body = b"".join(b"data: " + line + b"\n" for line in payload.split(b"\n"))
     return head + body + b"\n"

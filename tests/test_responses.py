@@ -1,0 +1,171 @@
+"""OpenAI's Responses API (``POST /v1/responses``) through the ``openai`` client's own
+``responses.create``: text in and out on the real tiny model (greedy output equal to the
+engine's own on the chat-templated prompt), its typed stream with sequence numbers, a replay
+from the request's stream that sends the same bytes, structured output by ``text.format``,
+and a 400 for what it does not serve."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import aiohttp
+import openai
+import pytest
+
+from control.events import Abort, Accepted, SamplingParams, decode
+from engine.llm import LLM
+
+
+@pytest.fixture
+async def client(served):
+    api, _ = served
+    c = openai.AsyncOpenAI(base_url=f"{api.url}/v1", api_key="none", max_retries=0)
+    yield api, c
+    await c.close()
+
+
+def _prompt(tokenizer, messages):
+    return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+
+
+def _greedy(runner, tokenizer, ids, n):
+    return LLM(runner, tokenizer).generate(
+        [list(ids)], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))[0]
+
+
+async def test_text_in_text_out(client, tiny_runner, tiny_tokenizer):
+    api, oa = client
+    ids = _prompt(tiny_tokenizer, [{"role": "user", "content": "Hello there"}])
+    want = _greedy(tiny_runner, tiny_tokenizer, ids, 5)
+    r = await oa.responses.create(model=api.cfg.model_name, input="Hello there", max_output_tokens=5,
+                                  temperature=0, extra_body={"ignore_eos": True})
+    assert r.object == "response" and r.output_text == want.text
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert (r.usage.input_tokens, r.usage.output_tokens, r.usage.total_tokens) == (len(ids), 5, len(ids) + 5)
+    assert r.output[0].type == "message" and r.output[0].role == "assistant"
+    # instructions and messages (text parts too) are the chat's system and turns
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Again"}]
+    ids = _prompt(tiny_tokenizer, messages)
+    r = await oa.responses.create(
+        model=api.cfg.model_name, instructions="Be brief.", max_output_tokens=3, temperature=0,
+        input=[{"role": "user", "content": "Hi"},
+               {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello."}]},
+               {"role": "user", "content": [{"type": "input_text", "text": "Again"}]}],
+        extra_body={"ignore_eos": True})
+    assert r.usage.input_tokens == len(ids) and r.output_text == _greedy(tiny_runner, tiny_tokenizer, ids, 3).text
+    # a response that ended by itself is completed
+    r = await oa.responses.create(model=api.cfg.model_name, input="Hi", max_output_tokens=4,
+                                  extra_body={"logit_bias": {str(tiny_runner.eos_token_ids[0]): 100}})
+    assert r.status == "completed" and r.incomplete_details is None and r.usage.output_tokens == 1
+
+
+async def test_the_stream_its_sequence_and_a_replay(client, tiny_runner, tiny_tokenizer):
+    api, oa = client
+    ids = _prompt(tiny_tokenizer, [{"role": "user", "content": "Stream it"}])
+    want = _greedy(tiny_runner, tiny_tokenizer, ids, 6)
+    stream = await oa.responses.create(model=api.cfg.model_name, input="Stream it", max_output_tokens=6,
+                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
+    events = [ev async for ev in stream]
+    kinds = [ev.type for ev in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.incomplete"]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert [ev.sequence_number for ev in events] == list(range(len(events)))
+    text = "".join(ev.delta for ev in events if ev.type == "response.output_text.delta")
+    assert text == want.text == events[-4].text
+    last = events[-1].response
+    assert last.output_text == want.text and last.usage.output_tokens == 6 and last.id == events[0].response.id
+    # the stream's bytes: typed frames, no [DONE]; a replay from the request's stream is the same
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{api.url}/v1/responses", headers={"X-Request-Id": "resp-bytes"},
+                          json={"input": "Stream it", "max_output_tokens": 3, "stream": True}) as r:
+            original = await r.read()
+        async with s.get(f"{api.url}/v1/requests/resp-bytes/stream") as r:
+            assert await r.read() == original
+    frames = original.decode().strip().split("\n\n")
+    assert all(f.split("\n")[1] == "event: " + json.loads(f.split("\n")[2][6:])["type"] for f in frames)
+    assert b"[DONE]" not in original
+    story = [decode(f) for _, f in await api.bus.redis.xrange(api.bus.keys.req("resp-bytes"))]
+    assert isinstance(story[0], Accepted) and story[0].endpoint == "responses"
+
+
+async def test_structured_output_by_text_format(client):
+    api, oa = client
+    schema = {"type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"],
+              "additionalProperties": False}
+    r = await oa.responses.create(model=api.cfg.model_name, input="x", max_output_tokens=30,
+                                  text={"format": {"type": "json_schema", "name": "a", "schema": schema}})
+    assert r.status == "completed" and json.loads(r.output_text)["a"] in (1, 2)
+
+
+async def test_an_abort_ends_the_stream_as_incomplete(client):
+    api, oa = client
+    stream = await oa.responses.create(model=api.cfg.model_name, input="go on", max_output_tokens=2000,
+                                       stream=True, extra_body={"ignore_eos": True})
+    rid, events = None, []
+    async for ev in stream:
+        events.append(ev)
+        if ev.type == "response.created":
+            rid = ev.response.id
+        if ev.type == "response.output_text.delta" and rid is not None:
+            await api.bus.publish(api.bus.keys.control, Abort(request_ids=(rid,)))
+            rid = None  # (once)
+    assert events[-1].type == "response.incomplete" and events[-1].response.status == "cancelled"
+    assert events[-1].response.incomplete_details.reason == "cancelled"
+    assert events[-1].response.usage.output_tokens < 2000
+
+
+async def test_what_it_does_not_serve_is_a_400(client, caplog):
+    api, _ = client
+    for body, param in (({"input": "x", "tools": [{"type": "function", "name": "f"}]}, "tools"),
+                        ({"input": "x", "previous_response_id": "resp-1"}, "previous_response_id"),
+                        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+                         "input[0].content[0]"),
+                        ({"input": [{"type": "function_call_output", "output": "1"}]}, "input[0]"),
+                        ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
+                        ({}, "input"), ({"input": 3}, "input"),
+                        ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+                        ({"input": "x", "max_output_tokens": api.cfg.max_model_len}, "max_output_tokens"),
+                        ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format")):
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"{api.url}/v1/responses", json=body) as r:
+                out = await r.json()
+        assert r.status == 400 and out["error"]["param"] == param, (body, out)
+    # every field its OpenAPI schema lists is read
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{api.url}/openapi.json") as r:
+            props = (await r.json())["components"]["schemas"]["ResponsesRequest"]["properties"]
+        with caplog.at_level(logging.WARNING, logger="fd.api"):
+            async with s.post(f"{api.url}/v1/responses",
+                              json={**{k: None for k in props}, "input": "x", "max_output_tokens": 1}) as r:
+                assert r.status == 200, await r.text()
+    assert not [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+
+
+async def test_a_client_that_hangs_up_aborts_its_response(client):
+    """/v1/responses is a generating endpoint like the others: a hang-up mid-stream runs the
+    abort protocol, and the story ends with the abort's final."""
+    import asyncio
+
+    from control.events import Final
+
+    api, _ = client
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{api.url}/v1/responses", headers={"X-Request-Id": "resp-gone"},
+                          json={"input": "x", "max_output_tokens": 2000, "stream": True,
+                                "ignore_eos": True}) as r:
+            async for line in r.content:
+                if line.startswith(b"event: response.output_text.delta"):
+                    break
+    for _ in range(200):
+        story = [decode(f) for _, f in await api.bus.redis.xrange(api.bus.keys.req("resp-gone"))]
+        finals = [ev for ev in story if isinstance(ev, Final)]
+        if finals:
+            break
+        await asyncio.sleep(0.02)
+    assert finals and finals[0].finish_reason == "abort"
+    assert [type(ev).__name__ for ev in story][-3:] == ["Drained", "BlocksReleased", "Final"]
