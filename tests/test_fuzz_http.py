@@ -29,6 +29,7 @@ from test_api_streaming import FakeEngine, parse_sse
 from test_api_validation import MAX_LEN, FakeTokenizer, assert_openai_error
 
 CHAT, COMP, ABORT = "/v1/chat/completions", "/v1/completions", "/v1/abort_requests"
+RESP = "/v1/responses"
 MAX_BODY = 16 << 10
 TIMEOUT_S = 10.0  # per call: a call that takes longer is a hang
 FUZZ = settings(max_examples=200, deadline=None, derandomize=True, database=None,
@@ -100,6 +101,11 @@ async def check(resp, *, wire_error_ok: bool = False) -> tuple[int, Any]:
         return resp.status, assert_openai_error(orjson.loads(raw))
     if ctype.startswith("text/event-stream"):
         events = parse_sse(raw)
+        if events and events[0][1].startswith('{"type":"response.'):  # the Responses API's
+            chunks = [orjson.loads(d) for _, d in events]
+            assert chunks[-1]["type"] in ("response.completed", "response.incomplete"), chunks[-1]
+            assert [c["sequence_number"] for c in chunks] == list(range(len(chunks)))
+            return resp.status, events
         assert events and events[-1][1] == "[DONE]", raw[-300:]
         for _eid, data in events[:-1]:
             chunk = orjson.loads(data)
@@ -185,6 +191,25 @@ COMP_BODIES = st.one_of(
               st.dictionaries(st.sampled_from(SAMPLING_FIELDS), JSON, max_size=2)),
     JSON,
 )
+RESP_FIELDS = ["model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
+               "text", "tools", "previous_response_id", "background", "seed", "store", "x_unknown"]
+RESP_ITEM = st.fixed_dictionaries({}, optional={
+    "type": st.sampled_from(["message", "function_call_output"]) | JSON,
+    "role": st.sampled_from(ROLES) | JSON,
+    "content": st.text(max_size=8) | st.lists(st.fixed_dictionaries(
+        {"type": st.sampled_from(["input_text", "output_text", "input_image"]) | JSON,
+         "text": st.text(max_size=6) | JSON}), max_size=2) | JSON})
+RESP_BASE = {"model": "tiny", "input": "hi", "max_output_tokens": 3}
+RESP_BODIES = st.one_of(
+    st.builds(lambda extra: {**RESP_BASE, **extra}, st.fixed_dictionaries({}, optional={
+        "stream": st.booleans(), "instructions": st.text(max_size=5) | JSON,
+        "max_output_tokens": st.integers(-1, MAX_LEN + 2),
+        "text": st.sampled_from([{"format": {"type": "text"}}, {"format": {"type": "json_object"}},
+                                 {"format": {"type": "xml"}}]) | JSON,
+        "input": st.lists(RESP_ITEM, max_size=3) | JSON})),
+    st.builds(lambda extra: {**RESP_BASE, **extra}, st.dictionaries(st.sampled_from(RESP_FIELDS), JSON, max_size=3)),
+    JSON,
+)
 ABORT_BODIES = st.one_of(
     st.fixed_dictionaries({}, optional={
         "req_ids": st.lists(st.text(max_size=6) | JSON, max_size=4) | JSON,
@@ -239,7 +264,8 @@ async def post(h: Harness, path: str, data: bytes, headers: dict) -> tuple[int, 
 # --------------------------------------------------------------------------- tests
 
 
-@pytest.mark.parametrize("path,bodies", [(CHAT, CHAT_BODIES), (COMP, COMP_BODIES)], ids=["chat", "completions"])
+@pytest.mark.parametrize("path,bodies", [(CHAT, CHAT_BODIES), (COMP, COMP_BODIES), (RESP, RESP_BODIES)],
+                         ids=["chat", "completions", "responses"])
 def test_generating_bodies_and_headers(harness, path, bodies):
     seen: set[int] = set()
 
@@ -254,8 +280,11 @@ def test_generating_bodies_and_headers(harness, path, bodies):
         status, out = harness.call(post(harness, path, dumps(body), headers))
         seen.add(status)
         if status == 200 and isinstance(out, dict):
-            assert out["object"] in ("chat.completion", "text_completion")
-            assert out["choices"][0]["finish_reason"] in ("stop", "length")
+            if out["object"] == "response":
+                assert out["status"] in ("completed", "incomplete") and out["output"][0]["type"] == "message"
+            else:
+                assert out["object"] in ("chat.completion", "text_completion")
+                assert out["choices"][0]["finish_reason"] in ("stop", "length")
 
     one()
     assert 200 in seen and 400 in seen, seen  # the generator reaches both sides of validation
