@@ -192,10 +192,13 @@ COMP_BODIES = st.one_of(
     JSON,
 )
 RESP_FIELDS = ["model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
-               "text", "tools", "previous_response_id", "background", "seed", "store", "x_unknown"]
+               "text", "tools", "tool_choice", "parallel_tool_calls", "previous_response_id", "background",
+               "seed", "store", "x_unknown"]
 RESP_ITEM = st.fixed_dictionaries({}, optional={
-    "type": st.sampled_from(["message", "function_call_output"]) | JSON,
-    "role": st.sampled_from(ROLES) | JSON,
+    "type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning"]) | JSON,
+    "role": st.sampled_from(ROLES) | JSON, "call_id": st.sampled_from(["c1"]) | JSON,
+    "name": st.sampled_from(["f"]) | JSON, "arguments": st.sampled_from(["{}", "{x"]) | JSON,
+    "output": st.text(max_size=4) | JSON,
     "content": st.text(max_size=8) | st.lists(st.fixed_dictionaries(
         {"type": st.sampled_from(["input_text", "output_text", "input_image"]) | JSON,
          "text": st.text(max_size=6) | JSON}), max_size=2) | JSON})
@@ -206,7 +209,10 @@ RESP_BODIES = st.one_of(
         "max_output_tokens": st.integers(-1, MAX_LEN + 2),
         "text": st.sampled_from([{"format": {"type": "text"}}, {"format": {"type": "json_object"}},
                                  {"format": {"type": "xml"}}]) | JSON,
-        "input": st.lists(RESP_ITEM, max_size=3) | JSON})),
+        "input": st.lists(RESP_ITEM, max_size=3) | JSON,
+        "tools": st.lists(st.fixed_dictionaries({"type": st.sampled_from(["function", "web_search"]),
+                                                 "name": st.sampled_from(["f", ""]) | JSON}), max_size=2),
+        "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function", "name": "f"}]) | JSON})),
     st.builds(lambda extra: {**RESP_BASE, **extra}, st.dictionaries(st.sampled_from(RESP_FIELDS), JSON, max_size=3)),
     JSON,
 )

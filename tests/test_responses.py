@@ -121,12 +121,19 @@ async def test_an_abort_ends_the_stream_as_incomplete(client):
 
 async def test_what_it_does_not_serve_is_a_400(client, caplog):
     api, _ = client
-    for body, param in (({"input": "x", "tools": [{"type": "function", "name": "f"}]}, "tools"),
+    for body, param in (({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0]"),
+                        # (auto, the default, needs a server with a tool-call parser, as chat's)
+                        ({"input": "x", "tools": [{"type": "function", "name": "f"}]}, "tool_choice"),
+                        ({"input": "x", "tools": [{"type": "function", "name": "f"}],
+                          "tool_choice": {"type": "function", "name": "g"}}, "tool_choice"),
                         ({"input": "x", "previous_response_id": "resp-1"}, "previous_response_id"),
                         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
                          "input[0].content[0]"),
-                        ({"input": [{"type": "function_call_output", "output": "1"}]}, "input[0]"),
+                        ({"input": [{"type": "file_search_call", "id": "1"}]}, "input[0]"),
                         ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
+                        ({"instructions": "Be brief.", "input": [{"role": "user", "content": "a"},
+                                                                 {"role": "robot", "content": "x"}]},
+                         "input[1].role"),
                         ({}, "input"), ({"input": 3}, "input"),
                         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
                         ({"input": "x", "max_output_tokens": api.cfg.max_model_len}, "max_output_tokens"),
@@ -169,3 +176,89 @@ async def test_a_client_that_hangs_up_aborts_its_response(client):
         await asyncio.sleep(0.02)
     assert finals and finals[0].finish_reason == "abort"
     assert [type(ev).__name__ for ev in story][-3:] == ["Drained", "BlocksReleased", "Final"]
+
+
+# ------------------------------------------------------------------ tools and thinking (scripted text)
+
+WORDS = ("<think>I could", " call it.</th", "ink>Checking.",
+         '<tool_call>{"name": "get_time", "arguments": {"tz": "UTC"}}</tool_call>')
+TOOL = {"type": "function", "name": "get_time", "parameters": {"type": "object"}}
+
+
+async def test_thinking_text_and_calls_are_items_in_order(real_bus):
+    from fd.api.tool_calls import call_id
+    from test_api_streaming import FakeEngine, parse_sse, setup
+
+    want = [{"type": "reasoning", "text": "I could call it."},
+            {"type": "message", "text": "Checking."},
+            {"type": "function_call", "name": "get_time", "arguments": '{"tz": "UTC"}'}]
+
+    def items(output: list[dict]) -> list[dict]:
+        out = []
+        for it in output:
+            if it["type"] == "function_call":
+                out.append({k: it[k] for k in ("type", "name", "arguments")})
+            else:
+                out.append({"type": it["type"], "text": it["content"][0]["text"]})
+        return out
+
+    body = {"model": "tiny", "input": "What time is it?", "tools": [TOOL]}
+    async with setup(real_bus, FakeEngine(real_bus, words=WORDS), reasoning_parser="qwen3",
+                     tool_parser="hermes") as client:
+        r = await client.post("/v1/responses", json=body, headers={"X-Request-Id": "resp-t1"})
+        out = await r.json()
+        assert r.status == 200 and items(out["output"]) == want, out
+        assert out["output"][2]["call_id"] == call_id("resp-t1", 0, 0) and out["status"] == "completed"
+        r = await client.post("/v1/responses", json={**body, "stream": True}, headers={"X-Request-Id": "resp-t2"})
+        original = await r.read()
+        chunks = [json.loads(d) for _, d in parse_sse(original)]
+        assert [c["sequence_number"] for c in chunks] == list(range(len(chunks)))
+        kinds = [c["type"] for c in chunks]
+        assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+        assert items(chunks[-1]["response"]["output"]) == want
+        thought = "".join(c["delta"] for c in chunks if c["type"] == "response.reasoning_text.delta")
+        said = "".join(c["delta"] for c in chunks if c["type"] == "response.output_text.delta")
+        assert (thought, said) == ("I could call it.", "Checking.")
+        # each item added before its deltas and done after them, one item at a time
+        added = [c["output_index"] for c in chunks if c["type"] == "response.output_item.added"]
+        done = [c["output_index"] for c in chunks if c["type"] == "response.output_item.done"]
+        assert added == done == [0, 1, 2]
+        assert kinds.index("response.function_call_arguments.done") < kinds.index("response.completed")
+        assert await (await client.get("/v1/requests/resp-t2/stream")).read() == original
+        # the openai client reads the same
+        oa = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="none", max_retries=0)
+        res = await oa.responses.create(model="tiny", input="What time is it?", tools=[TOOL])
+        assert [it.type for it in res.output] == ["reasoning", "message", "function_call"]
+        assert res.output_text == "Checking." and res.output[2].name == "get_time"
+        await oa.close()
+
+
+async def test_earlier_calls_and_their_outputs_reach_the_template(client, tiny_tokenizer):
+    api, oa = client
+    tool = {"type": "function", "name": "get_time", "parameters": {"type": "object"}}
+    messages = [{"role": "user", "content": "Time?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "12:00"}]
+    chat_tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    async with aiohttp.ClientSession() as s:  # the same conversation as chat's
+        async with s.post(f"{api.url}/tokenize", json={"messages": messages, "tools": chat_tools}) as t:
+            ids = (await t.json())["tokens"]
+    assert "12:00" in tiny_tokenizer.decode(ids) and "get_time" in tiny_tokenizer.decode(ids)
+    r = await oa.responses.create(
+        model=api.cfg.model_name, max_output_tokens=1, tools=[tool], tool_choice="none",
+        input=[{"role": "user", "content": "Time?"},
+               {"type": "function_call", "call_id": "c1", "name": "get_time", "arguments": "{}"},
+               {"type": "function_call_output", "call_id": "c1", "output": "12:00"}])
+    assert r.usage.input_tokens == len(ids)
+
+
+async def test_a_named_tool_choice_answers_with_the_call(client):
+    api, oa = client
+    tool = {"type": "function", "name": "pick", "parameters": {
+        "type": "object", "properties": {"n": {"enum": [1, 2, 3]}}, "required": ["n"],
+        "additionalProperties": False}}
+    r = await oa.responses.create(model=api.cfg.model_name, input="Pick one", max_output_tokens=30,
+                                  tools=[tool], tool_choice={"type": "function", "name": "pick"})
+    (call,) = r.output
+    assert call.type == "function_call" and call.name == "pick" and json.loads(call.arguments)["n"] in (1, 2, 3)

@@ -193,20 +193,29 @@ def _schemas(model_name: str, max_model_len: int, vocab_size: int | None,
                                         "echo, max_tokens may be 0: the prompt scored alone."}}},
         "ResponsesRequest": {
             "type": "object", "required": ["input"],
-            "description": "OpenAI's Responses API over the chat template: text in, text out. "
-                           "tools, previous_response_id and non-text input are refused.",
+            "description": "OpenAI's Responses API over the chat template: text in, text out, "
+                           "function tools as chat's. previous_response_id, other tools and "
+                           "non-text input are refused.",
             "properties": {
                 "model": sampling["model"],
                 "input": {"oneOf": [
                     {"type": "string", "minLength": 1},
-                    {"type": "array", "minItems": 1, "items": {
-                        "type": "object", "required": ["role", "content"], "properties": {
+                    {"type": "array", "minItems": 1, "items": {"oneOf": [
+                        {"type": "object", "required": ["role", "content"], "properties": {
                             "type": {"type": "string", "enum": ["message"]},
                             "role": {"type": "string", "enum": list(protocol.ROLES)},
                             "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {
                                 "type": "object", "required": ["type", "text"], "properties": {
                                     "type": {"type": "string", "enum": ["input_text", "output_text", "text"]},
-                                    "text": {"type": "string"}}}}]}}}}]},
+                                    "text": {"type": "string"}}}}]}}},
+                        {"type": "object", "required": ["type", "call_id", "name", "arguments"],
+                         "description": "An earlier answer's call.", "properties": {
+                             "type": {"type": "string", "enum": ["function_call"]}, "call_id": {"type": "string"},
+                             "name": {"type": "string"}, "arguments": {"type": "string"}}},
+                        {"type": "object", "required": ["type", "call_id", "output"],
+                         "description": "A call's result.", "properties": {
+                             "type": {"type": "string", "enum": ["function_call_output"]},
+                             "call_id": {"type": "string"}, "output": {"type": "string"}}}]}}]},
                 "instructions": {"type": "string", "nullable": True,
                                  "description": "A system message before the input."},
                 "max_output_tokens": {**_INT_OR_NULL, "minimum": 1, "maximum": max_model_len},
@@ -219,8 +228,17 @@ def _schemas(model_name: str, max_model_len: int, vocab_size: int | None,
                         "strict": _NULLABLE_BOOL}}}},
                 "previous_response_id": {"type": "string", "nullable": True,
                                          "description": "Not supported (this server keeps no responses)."},
-                "tools": {"type": "array", "nullable": True, "maxItems": 0,
-                          "description": "Not supported here: use /v1/chat/completions."}}},
+                "tools": {"type": "array", "nullable": True, "maxItems": protocol.MAX_TOOLS, "items": {
+                    "type": "object", "required": ["type", "name"], "properties": {
+                        "type": {"type": "string", "enum": ["function"]}, "name": {"type": "string", "minLength": 1},
+                        "description": {"type": "string"}, "parameters": {"type": "object"}}}},
+                "tool_choice": {"nullable": True, "oneOf": [
+                    {"type": "string", "enum": ["none", "auto", "required"]},
+                    {"type": "object", "required": ["type", "name"], "properties": {
+                        "type": {"type": "string", "enum": ["function"]}, "name": {"type": "string"}}}],
+                    "description": "As chat's: auto (the default with tools) needs a server with "
+                                   "--enable-auto-tool-choice --tool-call-parser."},
+                "parallel_tool_calls": _NULLABLE_BOOL}},
         "AbortRequest": {
             "type": "object",
             "description": "One of req_ids (FastDeploy), request_ids (vLLM) or abort_all.",

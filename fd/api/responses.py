@@ -1,71 +1,116 @@
 """OpenAI's Responses API (``POST /v1/responses``), as vLLM serves it: the request becomes a
 chat request, and its events render as a Response object or its stream of typed events.
 
-Sans-IO, like :mod:`fd.api.protocol`: :func:`parse` turns a body into a
-:class:`~fd.api.protocol.GenerationRequest` (endpoint ``responses``) and
-:class:`ResponsesRenderer` turns the request's events into what the client sees. Everything
-the rendering needs is in the ``accepted`` event (the endpoint says which renderer), so a
-replay from any replica (``GET /v1/requests/<id>/stream``) sends the same events, sequence
-numbers included.
+Sans-IO, like :mod:`fd.api.protocol`: :func:`parse` turns a body into the
+:class:`~fd.api.protocol.GenerationRequest` of the chat request it stands for (endpoint
+``responses``), and :class:`ResponsesRenderer` turns the request's events into what the client
+sees. Everything the rendering needs is in the ``accepted`` event (the endpoint, the tool and
+reasoning parsers), so a replay from any replica (``GET /v1/requests/<id>/stream``) sends the
+same events, sequence numbers included.
 
-Served: text input (a string, or messages whose content is text), ``instructions``,
-``max_output_tokens``, ``temperature``, ``top_p``, ``text.format`` (structured outputs), vLLM's
-sampling extensions, fd's ``background``. Refused with a 400, not ignored: tools,
-``previous_response_id`` and non-text input, which need what this server does not keep or
-read.
+Served: text input (a string, or messages whose content is text, earlier ``function_call``
+and ``function_call_output`` items), ``instructions``, ``max_output_tokens``, ``temperature``,
+``top_p``, ``text.format`` (structured outputs), function ``tools`` with ``tool_choice`` (as
+chat's: ``auto`` needs a server with a tool-call parser), a reasoning model's thinking as a
+``reasoning`` item (``--reasoning-parser``), vLLM's sampling extensions, fd's ``background``.
+Refused with a 400, not ignored: ``previous_response_id`` (this server keeps no responses),
+tools other than functions, and input other than text.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from typing import Any, Callable
 
 from control.events import Final
 from fd.api import protocol
 from fd.api.errors import ApiError, bad_request
-from fd.api.protocol import (ChatRendering, GenerationRequest, Limits, TokenizerLike, _background,
-                             _chat_ids, _check_model, _opt, _sampling, _template_kwargs, final_error,
-                             final_usage, parse_messages)
+from fd.api.protocol import GenerationRequest, Limits, TokenizerLike, _opt, final_error, final_usage
+from fd.api.reasoning import REASONING, ReasoningParser
+from fd.api.tool_calls import PARSERS, ToolCall, call_id, forced_calls, make_parser
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
+#: chat's fields that mean nothing here (several choices, chat's log-probabilities): left out
+#: of the chat request, and said to be ignored if sent
+_CHAT_ONLY = ("messages", "n", "best_of", "logprobs", "top_logprobs", "prompt_logprobs",
+              "stream_options", "max_tokens", "max_completion_tokens", "response_format")
 
 
-def _messages(body: protocol.Body | dict) -> list[dict]:
-    """``instructions`` and ``input`` as chat messages (validated as chat's are)."""
+def _text(content: Any, where: str) -> Any:
+    if not isinstance(content, list):
+        return content
+    out = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS:
+            raise bad_request(f"{where}.content[{j}] must be a text part ({', '.join(_TEXT_PARTS)}).",
+                              f"{where}.content[{j}]", "unsupported")
+        out.append({"type": "text", "text": part.get("text")})
+    return out
+
+
+def _messages(body: protocol.Body | dict) -> tuple[list[dict], list[str]]:
+    """``instructions`` and ``input`` as chat's ``messages`` (validated by chat's parse), and
+    where each came from (``input[i]``, ``instructions``), for naming what chat's parse finds
+    wrong with one."""
     given = body.get("input")
     if given is None:
         raise bad_request("'input' is required.", "input", "missing_required_parameter")
+    origin: list[str] = []
     if isinstance(given, str):
-        items: list = [{"role": "user", "content": given}]
+        out: list[dict] = [{"role": "user", "content": given}]
+        origin.append("input")
     elif isinstance(given, list) and given:
-        items = []
+        out = []
         for i, item in enumerate(given):
-            if not isinstance(item, dict) or item.get("type", "message") != "message":
-                kind = item.get("type") if isinstance(item, dict) else type(item).__name__
-                raise bad_request(f"input[{i}] is a {kind!r} item; only messages are supported here.",
-                                  f"input[{i}]", "unsupported")
-            content = item.get("content")
-            if isinstance(content, list):
-                texts = []
-                for j, part in enumerate(content):
-                    if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS:
-                        raise bad_request(f"input[{i}].content[{j}] must be a text part "
-                                          f"({', '.join(_TEXT_PARTS)}).", f"input[{i}].content[{j}]",
-                                          "unsupported")
-                    texts.append({"type": "text", "text": part.get("text")})
-                content = texts
-            items.append({"role": item.get("role"), "content": content})
+            if len(origin) < len(out):
+                origin.append(f"input[{i - 1}]")
+            kind = item.get("type", "message") if isinstance(item, dict) else type(item).__name__
+            where = f"input[{i}]"
+            if kind == "message":
+                out.append({"role": item.get("role"), "content": _text(item.get("content"), where)})
+            elif kind == "function_call":  # an earlier answer's call: the assistant's
+                call = {"id": item.get("call_id"), "type": "function",
+                        "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+                last = out[-1] if out else None
+                if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                    last["tool_calls"].append(call)
+                else:
+                    out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            elif kind == "function_call_output":
+                out.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                            "content": _text(item.get("output"), where)})
+            elif kind == "reasoning":
+                continue  # an earlier answer's thinking: the template shows the answers only
+            else:
+                raise bad_request(f"{where} is a {kind!r} item; messages, function_call and "
+                                  "function_call_output items are supported here.", where, "unsupported")
+        if len(origin) < len(out):
+            origin.append(f"input[{len(given) - 1}]")
     else:
-        raise bad_request("'input' must be a string or a non-empty list of messages.", "input",
-                          "invalid_type")
+        raise bad_request("'input' must be a string or a non-empty list of items.", "input", "invalid_type")
     instructions = _opt(body, "instructions", lambda v: isinstance(v, str), "a string", None)
     if instructions:
-        items.insert(0, {"role": "system", "content": instructions})
-    try:
-        return parse_messages({"messages": items})
-    except ApiError as e:  # (named as the client wrote it: input, not messages)
-        e.param = (e.param or "").replace("messages", "input", 1) or "input"
-        e.message = e.message.replace("messages", "input", 1)
-        raise
+        out.insert(0, {"role": "system", "content": instructions})
+        origin.insert(0, "instructions")
+    return out, origin
+
+
+def _tools(body: protocol.Body | dict) -> tuple[Any, Any]:
+    """``tools`` and ``tool_choice`` in chat's shape (functions are flat here)."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if isinstance(tools, list):
+        chat_tools = []
+        for j, t in enumerate(tools):
+            if not isinstance(t, dict) or t.get("type") != "function":
+                raise bad_request(f"tools[{j}]: only function tools are supported here.", f"tools[{j}]",
+                                  "unsupported")
+            chat_tools.append({"type": "function", "function": {
+                k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}})
+        tools = chat_tools or None
+    if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    return tools, choice
 
 
 def _format(body: protocol.Body | dict) -> dict | None:
@@ -82,40 +127,61 @@ def _format(body: protocol.Body | dict) -> dict | None:
     return {"type": fmt["type"]}
 
 
+_RENAMED = {"max_tokens": "max_output_tokens", "response_format": "text.format"}
+
+
+def _rename(e: ApiError, origin: list[str]) -> None:
+    """An error of chat's parse, named in this request's terms."""
+    param = e.param or ""
+    m = re.match(r"messages\[(\d+)\]", param)
+    if m is not None and int(m.group(1)) < len(origin):
+        e.param = origin[int(m.group(1))] + param[m.end():]
+        e.message = e.message.replace(m.group(0), origin[int(m.group(1))], 1)
+    elif param == "messages":
+        e.param = "input"
+    else:
+        for chat_name, name in _RENAMED.items():
+            if param.startswith(chat_name):
+                e.param = name + param[len(chat_name):]
+                e.message = e.message.replace(f"'{chat_name}'", f"'{name}'")
+                break
+
+
 def parse(body: protocol.Body | dict, limits: Limits, tokenizer: TokenizerLike) -> GenerationRequest:
-    model = _check_model(body, limits)
+    """The chat request a Responses body stands for, answered as a Response."""
     if body.get("previous_response_id") is not None:
         raise bad_request("'previous_response_id' is not supported: this server keeps no responses; "
                           "send the conversation as 'input'.", "previous_response_id", "unsupported")
-    if body.get("tools"):
-        raise bad_request("'tools' are not supported on /v1/responses here; use "
-                          "/v1/chat/completions.", "tools", "unsupported")
-    messages = _messages(body)
-    ids = _chat_ids(messages, tokenizer, ChatRendering(), None, _template_kwargs(body))
     cap = _opt(body, "max_output_tokens", protocol._is_int, "an integer", None)
     if cap is not None and cap < 1:
         raise bad_request("'max_output_tokens' must be at least 1.", "max_output_tokens", "invalid_value")
-    changes: dict[str, Any] = {"max_tokens": cap, "response_format": _format(body)}
-    shaped = body.replaced(changes) if isinstance(body, protocol.Body) else {**body, **changes}
+    tools, choice = _tools(body)
+    messages, origin = _messages(body)
+    chat = {**{k: None for k in _CHAT_ONLY}, "messages": messages, "max_tokens": cap,
+            "response_format": _format(body), "tools": tools, "tool_choice": choice}
+    sent = [k for k in _CHAT_ONLY if k in body]
+    shaped = body.replaced(chat) if isinstance(body, protocol.Body) else {**body, **chat}
     try:
-        sampling = _sampling(shaped, len(ids), limits, None)
+        gen = protocol.parse_chat(shaped, limits, tokenizer)
     except ApiError as e:  # (named as the client wrote it)
-        if e.param == "max_tokens":
-            e.param, e.message = "max_output_tokens", e.message.replace("'max_tokens'", "'max_output_tokens'")
+        _rename(e, origin)
         raise
-    stream = _opt(body, "stream", protocol._is_bool, "a boolean", False)
-    return GenerationRequest("responses", model, ids, sampling, stream, background=_background(body))
+    finally:
+        if isinstance(body, protocol.Body):
+            body.seen.difference_update(sent)  # (chat's, sent here: ignored, and said so)
+    return dataclasses.replace(gen, endpoint="responses")
 
 
-_STATUS = {"stop": "completed", "length": "incomplete", "abort": "cancelled"}
+_STATUS = {"stop": "completed", "tool_calls": "completed", "length": "incomplete", "abort": "cancelled"}
 
 
 class ResponsesRenderer:
-    """A request's events as a Response object, or as the Responses API's stream: created,
-    in progress, the message item and its text part opened, the text's deltas, then each
-    closed and the terminal event (``response.completed``, ``response.incomplete`` — cut by
-    ``max_output_tokens``, or aborted — or ``response.failed``). Each event carries its
-    ``sequence_number``; frames name their event type, and no ``[DONE]`` follows."""
+    """A request's events as a Response object, or as the Responses API's stream: created and
+    in progress; then each output item in turn (the thinking as a ``reasoning`` item, the
+    answer's text as a ``message``, each call as a ``function_call``), added, filled by its
+    deltas and done; then the terminal event (``response.completed``, ``response.incomplete``
+    — cut by ``max_output_tokens``, or aborted — or ``response.failed``). Each event carries
+    its ``sequence_number``; frames name their event type, and no ``[DONE]`` follows."""
 
     structured = True  # (the server takes token_chunks, not a pre-serialised token chunk)
     named_events = True
@@ -128,36 +194,150 @@ class ResponsesRenderer:
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
         self.text: list[str] = []
-        self.item_id = f"msg_{request_id}"
+        self.items: list[dict] = []  # the output items closed so far
+        self._open: dict | None = None  # the item being filled: reasoning or message
+        self._calls = 0
         self._seq = 0
+        self.reasoning: ReasoningParser | None = None
+        self.tools = None  # a tool-call parser (fd.api.tool_calls)
+        self.forced: str | None = None  # tool_choice required / named: the answer is the call(s)
 
     def accept(self, accepted: Any) -> None:
-        """(Nothing beyond the constructor's: the interface of :class:`protocol.Renderer`.)"""
+        """The parsers the ``accepted`` event names (as :meth:`protocol.Renderer.accept`)."""
+        if accepted is None:
+            return
+        mode = getattr(accepted, "tool_parser", None)
+        if mode and self.tools is None and self.forced is None:
+            if mode in PARSERS:
+                self.tools = make_parser(mode)
+            else:
+                self.forced = mode
+        kind = getattr(accepted, "reasoning_parser", None)
+        if kind and self.reasoning is None and self.forced is None:
+            try:
+                self.reasoning = ReasoningParser(kind)
+            except ValueError:  # (a story of a later release)
+                pass
 
+    # -- events
     def _event(self, kind: str, **fields: Any) -> dict:
         ev = {"type": kind, "sequence_number": self._seq, **fields}
         self._seq += 1
         return ev
 
-    def _part(self, text: str) -> dict:
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    def _opened(self, kind: str) -> list[dict]:
+        """Close what is open, unless it is ``kind``; open a ``kind`` item."""
+        if self._open is not None and self._open["type"] == kind:
+            return []
+        out = self._close()
+        n = len(self.items)
+        if kind == "message":
+            self._open = {"id": f"msg_{self.rid}_{n}", "type": "message", "role": "assistant", "text": []}
+            out += [self._event("response.output_item.added", output_index=n,
+                                item=self._item(self._open, "in_progress")),
+                    self._event("response.content_part.added", item_id=self._open["id"], output_index=n,
+                                content_index=0, part=_part("output_text", ""))]
+        else:
+            self._open = {"id": f"rs_{self.rid}_{n}", "type": "reasoning", "text": []}
+            out += [self._event("response.output_item.added", output_index=n,
+                                item=self._item(self._open, "in_progress")),
+                    self._event("response.content_part.added", item_id=self._open["id"], output_index=n,
+                                content_index=0, part=_part("reasoning_text", ""))]
+        return out
 
-    def _item(self, status: str, content: list) -> dict:
-        return {"id": self.item_id, "type": "message", "status": status, "role": "assistant",
-                "content": content}
+    def _item(self, it: dict, status: str) -> dict:
+        text = "".join(it["text"])
+        if it["type"] == "message":
+            content = [_part("output_text", text)] if status != "in_progress" else []
+            return {"id": it["id"], "type": "message", "status": status, "role": "assistant",
+                    "content": content}
+        return {"id": it["id"], "type": "reasoning", "status": status, "summary": [],
+                "content": [_part("reasoning_text", text)] if status != "in_progress" else []}
+
+    def _close(self) -> list[dict]:
+        it, self._open = self._open, None
+        if it is None:
+            return []
+        n, text = len(self.items), "".join(it["text"])
+        done = self._item(it, "completed")
+        self.items.append(done)
+        kind = "output_text" if it["type"] == "message" else "reasoning_text"
+        return [self._event(f"response.{kind}.done", item_id=it["id"], output_index=n, content_index=0,
+                            text=text, **({"logprobs": []} if kind == "output_text" else {})),
+                self._event("response.content_part.done", item_id=it["id"], output_index=n,
+                            content_index=0, part=done["content"][0]),
+                self._event("response.output_item.done", output_index=n, item=done)]
+
+    def _delta(self, kind: str, text: str) -> list[dict]:
+        if not text:
+            return []
+        out = self._opened(kind)
+        self._open["text"].append(text)
+        n = len(self.items)
+        if kind == "message":
+            return out + [self._event("response.output_text.delta", item_id=self._open["id"], output_index=n,
+                                      content_index=0, delta=text, logprobs=[])]
+        return out + [self._event("response.reasoning_text.delta", item_id=self._open["id"],
+                                  output_index=n, content_index=0, delta=text)]
+
+    def _call(self, call: ToolCall) -> list[dict]:
+        out = self._close()
+        n, i = len(self.items), self._calls
+        self._calls += 1
+        item = {"id": f"fc_{self.rid}_{i}", "type": "function_call", "status": "in_progress",
+                "call_id": call_id(self.rid, 0, i), "name": call.name, "arguments": ""}
+        done = {**item, "status": "completed", "arguments": call.arguments}
+        self.items.append(done)
+        return out + [self._event("response.output_item.added", output_index=n, item=item),
+                      self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                  output_index=n, delta=call.arguments),
+                      self._event("response.function_call_arguments.done", item_id=item["id"],
+                                  output_index=n, arguments=call.arguments),
+                      self._event("response.output_item.done", output_index=n, item=done)]
+
+    def _answer(self, items: list) -> list[dict]:
+        out: list[dict] = []
+        for x in items:
+            out += self._call(x) if isinstance(x, ToolCall) else self._delta("message", x)
+        return out
+
+    def _feed(self, text: str) -> list[dict]:
+        """The events of the model's next text."""
+        if self.forced is not None or not text:
+            return []  # (a forced call is rendered whole at the end)
+        pieces = self.reasoning.feed(text) if self.reasoning is not None else [("content", text)]
+        out: list[dict] = []
+        for kind, t in pieces:
+            if kind == REASONING:
+                out += self._delta("reasoning", t)
+            else:
+                out += self._answer(self.tools.feed(t) if self.tools is not None else [t])
+        return out
+
+    def _finish(self) -> list[dict]:
+        """What the parsers held back, then the last item closed."""
+        out: list[dict] = []
+        if self.reasoning is not None:
+            for kind, t in self.reasoning.finish():
+                out += self._delta("reasoning", t) if kind == REASONING else self._answer(
+                    self.tools.feed(t) if self.tools is not None else [t])
+        if self.tools is not None:
+            out += self._answer(self.tools.finish())
+        elif self.forced is not None:
+            text = "".join(self.text)
+            calls = forced_calls(self.forced, text)
+            out += self._answer(calls if calls is not None else [text])
+        return out + self._close()
 
     def _response(self, status: str, final: Final | None = None) -> dict:
         body: dict[str, Any] = {
             "id": self.rid, "object": "response", "created_at": self.created, "status": status,
-            "model": self.model, "output": [], "error": None, "incomplete_details": None,
-            "instructions": None, "metadata": None, "parallel_tool_calls": False,
-            "temperature": None, "top_p": None, "max_output_tokens": None, "tool_choice": "none",
+            "model": self.model, "output": list(self.items), "error": None, "incomplete_details": None,
+            "instructions": None, "metadata": None, "parallel_tool_calls": True,
+            "temperature": None, "top_p": None, "max_output_tokens": None, "tool_choice": "auto",
             "tools": [], "text": {"format": {"type": "text"}}, "usage": None}
         if final is None:
             return body
-        text = "".join(self.text)
-        body["output"] = [self._item("completed" if status == "completed" else "incomplete",
-                                     [self._part(text)])]
         if status == "incomplete":
             body["incomplete_details"] = {"reason": "max_output_tokens"}
         elif status == "cancelled":
@@ -170,13 +350,15 @@ class ResponsesRenderer:
             "total_tokens": u["total_tokens"]}
         return body
 
+    def _status(self, final: Final) -> str:
+        return _STATUS.get(final.finish_reason, "completed")
+
+    # -- the interface of protocol.Renderer
     def start_chunks(self, accepted: Any = None) -> list[dict]:
+        self.accept(accepted)
         opened = self._response("in_progress")
         return [self._event("response.created", response=opened),
-                self._event("response.in_progress", response=opened),
-                self._event("response.output_item.added", output_index=0, item=self._item("in_progress", [])),
-                self._event("response.content_part.added", item_id=self.item_id, output_index=0,
-                            content_index=0, part=self._part(""))]
+                self._event("response.in_progress", response=opened)]
 
     def add_tokens(self, text: str, n_tokens: int, token_ids: tuple[int, ...] = (),
                    logprobs: Any = None, prompt_logprobs: Any = None) -> str:
@@ -187,10 +369,7 @@ class ResponsesRenderer:
 
     def token_chunks(self, text: str, n_tokens: int, token_ids: tuple[int, ...] = (),
                      logprobs: Any = None, prompt_logprobs: Any = None) -> list[dict]:
-        if not self.add_tokens(text, n_tokens):
-            return []
-        return [self._event("response.output_text.delta", item_id=self.item_id, output_index=0,
-                            content_index=0, delta=text, logprobs=[])]
+        return self._feed(self.add_tokens(text, n_tokens))
 
     def final_chunks(self, final: Final) -> list[dict]:
         if final.finish_reason == "error":
@@ -198,19 +377,19 @@ class ResponsesRenderer:
             err = final_error(final).body()["error"]
             failed["error"] = {"code": err.get("code") or "server_error", "message": err["message"]}
             return [self._event("response.failed", response=failed)]
-        status = _STATUS.get(final.finish_reason, "completed")
-        text = "".join(self.text)
-        done = self._response(status, final)
-        return [self._event("response.output_text.done", item_id=self.item_id, output_index=0,
-                            content_index=0, text=text, logprobs=[]),
-                self._event("response.content_part.done", item_id=self.item_id, output_index=0,
-                            content_index=0, part=self._part(text)),
-                self._event("response.output_item.done", output_index=0, item=done["output"][0]),
-                self._event("response.completed" if status == "completed" else "response.incomplete",
-                            response=done)]
+        out = self._finish()
+        status = self._status(final)
+        return out + [self._event("response.completed" if status == "completed" else "response.incomplete",
+                                  response=self._response(status, final))]
 
     def response(self, final: Final) -> dict:
         """The whole Response object; raises the error a failed request answers with."""
         if final.finish_reason == "error":
             raise final_error(final)
-        return self._response(_STATUS.get(final.finish_reason, "completed"), final)
+        self._feed("".join(self.text))
+        self._finish()
+        return self._response(self._status(final), final)
+
+
+def _part(kind: str, text: str) -> dict:
+    return {"type": kind, "text": text, **({"annotations": [], "logprobs": []} if kind == "output_text" else {})}
