@@ -262,3 +262,56 @@ async def test_a_named_tool_choice_answers_with_the_call(client):
                                   tools=[tool], tool_choice={"type": "function", "name": "pick"})
     (call,) = r.output
     assert call.type == "function_call" and call.name == "pick" and json.loads(call.arguments)["n"] in (1, 2, 3)
+
+
+# ------------------------------------------------------------------ retrieve, resume, cancel
+
+async def test_retrieve_a_response_and_resume_its_stream(client):
+    """The output lives in the request's stream, so a response can be retrieved (OpenAI's
+    ``responses.retrieve``) and its stream picked up after the last event a client saw
+    (``starting_after``), from any replica, while it runs (fd's ``background``) or after."""
+    api, oa = client
+    r = await oa.responses.create(model=api.cfg.model_name, input="Keep this", max_output_tokens=4)
+    got = await oa.responses.retrieve(r.id)
+    assert got.model_dump() == r.model_dump()
+    stream = await oa.responses.create(model=api.cfg.model_name, input="Go on", max_output_tokens=40,
+                                       stream=True, extra_body={"background": True, "ignore_eos": True})
+    seen = []
+    async for ev in stream:
+        seen.append(ev)
+        if ev.type == "response.output_text.delta":
+            break  # the client goes away; the response runs on
+    await stream.close()
+    rid = seen[0].response.id
+    rest = [ev async for ev in await oa.responses.retrieve(rid, stream=True,
+                                                           starting_after=seen[-1].sequence_number)]
+    assert [ev.sequence_number for ev in seen + rest] == list(range(len(seen) + len(rest)))
+    assert rest[-1].type == "response.incomplete" and rest[-1].response.usage.output_tokens == 40
+    text = "".join(ev.delta for ev in seen + rest if ev.type == "response.output_text.delta")
+    assert text == rest[-1].response.output_text == (await oa.responses.retrieve(rid)).output_text
+    for missing in ("resp-none", seen[0].response.id + "x"):
+        with pytest.raises(openai.NotFoundError):
+            await oa.responses.retrieve(missing)
+    chat = await oa.chat.completions.create(model=api.cfg.model_name, max_tokens=1,
+                                            messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.NotFoundError):  # a chat completion is not a response
+        await oa.responses.retrieve(chat.id)
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{api.url}/v1/responses/{rid}?stream=true&starting_after=x") as resp:
+            assert resp.status == 400
+
+
+async def test_cancel_a_running_response(client):
+    api, oa = client
+    stream = await oa.responses.create(model=api.cfg.model_name, input="Go on", max_output_tokens=2000,
+                                       stream=True, extra_body={"background": True, "ignore_eos": True})
+    async for ev in stream:
+        if ev.type == "response.created":
+            rid = ev.response.id
+        if ev.type == "response.output_text.delta":
+            break
+    await stream.close()
+    r = await oa.responses.cancel(rid)
+    assert r.status == "cancelled" and r.usage.output_tokens < 2000
+    assert (await oa.responses.retrieve(rid)).status == "cancelled"
+    assert (await oa.responses.cancel(rid)).status == "cancelled"  # (again: as it ended)

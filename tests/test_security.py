@@ -51,8 +51,12 @@ ROUTES = [  # (method, path, body) of every /v1 route
     ("POST", "/v1/abort_requests", {"req_ids": ["r1"]}),
     ("GET", "/v1/requests/r1/stream", None),
     ("POST", "/v1/requests/r1/cancel", None),
+    ("POST", "/v1/responses", {"input": "hi", "max_output_tokens": 2}),
+    ("GET", "/v1/responses/r1", None),
+    ("POST", "/v1/responses/r1/cancel", None),
+    ("GET", "/v1/models/tiny", None),
 ]
-ADMIN_ROUTES = {"/v1/abort_requests", "/v1/requests/r1/cancel"}
+ADMIN_ROUTES = {"/v1/abort_requests", "/v1/requests/r1/cancel", "/v1/responses/r1/cancel"}
 
 
 async def lens(bus) -> tuple[int, int]:

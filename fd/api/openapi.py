@@ -337,6 +337,24 @@ def build(model_name: str, max_model_len: int, max_body_bytes: int,
                 "responses": {"200": {"description": "SSE stream", "content": {
                     "text/event-stream": {"schema": {"type": "string"}}}},
                     "400": _ERRORS["400"], "401": _ERRORS["401"], "404": _err("Unknown or expired request")}}},
+            "/v1/responses/{id}": {"get": {
+                "summary": "A response as it stands (OpenAI's retrieve), for its story's TTL; "
+                           "stream=true: its events, after starting_after, then live",
+                "security": [{"apiKey": []}],
+                "parameters": [_RID_PATH, {"name": "stream", "in": "query", "required": False,
+                                           "schema": {"type": "boolean"}},
+                               {"name": "starting_after", "in": "query", "required": False,
+                                "schema": {"type": "integer"}}],
+                "responses": {"200": {"description": "The Response, or its SSE stream", "content": {
+                    "application/json": {"schema": _ref("Response")},
+                    "text/event-stream": {"schema": {"type": "string"}}}},
+                    "400": _ERRORS["400"], "401": _ERRORS["401"], "404": _err("Unknown or expired response")}}},
+            "/v1/responses/{id}/cancel": {"post": {
+                "summary": "Abort a response; answers with it once the abort's final is in",
+                "security": admin, "parameters": [_RID_PATH],
+                "responses": {"200": {"description": "The Response", "content": {
+                    "application/json": {"schema": _ref("Response")}}},
+                    "400": _ERRORS["400"], "401": _ERRORS["401"], "404": _err("Unknown or expired response")}}},
             "/v1/requests/{id}/cancel": {"post": {
                 "summary": "Abort one request; answers at once", "security": admin, "parameters": [_RID_PATH],
                 "responses": {"200": {"description": "Abort published", "content": {

@@ -201,6 +201,7 @@ class ResponsesRenderer:
         self.reasoning: ReasoningParser | None = None
         self.tools = None  # a tool-call parser (fd.api.tool_calls)
         self.forced: str | None = None  # tool_choice required / named: the answer is the call(s)
+        self.starting_after = -1  # OpenAI's: a resumed stream sends the events after this one
 
     def accept(self, accepted: Any) -> None:
         """The parsers the ``accepted`` event names (as :meth:`protocol.Renderer.accept`)."""
@@ -353,12 +354,17 @@ class ResponsesRenderer:
     def _status(self, final: Final) -> str:
         return _STATUS.get(final.finish_reason, "completed")
 
+    def _shown(self, events: list[dict]) -> list[dict]:
+        if self.starting_after < 0:
+            return events
+        return [e for e in events if e["sequence_number"] > self.starting_after]
+
     # -- the interface of protocol.Renderer
     def start_chunks(self, accepted: Any = None) -> list[dict]:
         self.accept(accepted)
         opened = self._response("in_progress")
-        return [self._event("response.created", response=opened),
-                self._event("response.in_progress", response=opened)]
+        return self._shown([self._event("response.created", response=opened),
+                            self._event("response.in_progress", response=opened)])
 
     def add_tokens(self, text: str, n_tokens: int, token_ids: tuple[int, ...] = (),
                    logprobs: Any = None, prompt_logprobs: Any = None) -> str:
@@ -369,18 +375,21 @@ class ResponsesRenderer:
 
     def token_chunks(self, text: str, n_tokens: int, token_ids: tuple[int, ...] = (),
                      logprobs: Any = None, prompt_logprobs: Any = None) -> list[dict]:
-        return self._feed(self.add_tokens(text, n_tokens))
+        return self._shown(self._feed(self.add_tokens(text, n_tokens)))
+
+    def _failed(self, final: Final) -> dict:
+        failed = self._response("failed", final)
+        err = final_error(final).body()["error"]
+        failed["error"] = {"code": err.get("code") or "server_error", "message": err["message"]}
+        return failed
 
     def final_chunks(self, final: Final) -> list[dict]:
         if final.finish_reason == "error":
-            failed = self._response("failed", final)
-            err = final_error(final).body()["error"]
-            failed["error"] = {"code": err.get("code") or "server_error", "message": err["message"]}
-            return [self._event("response.failed", response=failed)]
+            return self._shown([self._event("response.failed", response=self._failed(final))])
         out = self._finish()
         status = self._status(final)
-        return out + [self._event("response.completed" if status == "completed" else "response.incomplete",
-                                  response=self._response(status, final))]
+        return self._shown(out + [self._event("response.completed" if status == "completed"
+                                              else "response.incomplete", response=self._response(status, final))])
 
     def response(self, final: Final) -> dict:
         """The whole Response object; raises the error a failed request answers with."""
@@ -389,6 +398,16 @@ class ResponsesRenderer:
         self._feed("".join(self.text))
         self._finish()
         return self._response(self._status(final), final)
+
+    def snapshot(self, final: Final | None) -> dict:
+        """The Response object as it stands (OpenAI's retrieve): in progress with the items
+        finished so far, or as it ended (a failed one too, with its error)."""
+        if final is not None and final.finish_reason == "error":
+            return self._failed(final)
+        if final is not None:
+            return self.response(final)
+        self._feed("".join(self.text))
+        return self._response("in_progress")
 
 
 def _part(kind: str, text: str) -> dict:

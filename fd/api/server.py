@@ -78,6 +78,7 @@ class ApiConfig:
 
 
 API_KEY = web.AppKey("fd.api", object)
+CANCEL_WAIT_S = 2.0  # POST /v1/responses/{id}/cancel waits this long for the abort's final
 IGNORED_NAMES = 256  # distinct ignored request fields remembered, each said once
 REDIS_SUSPECT_S = 30.0  # after a Redis error, check with a quick ping before each new request
 REDIS_PING_TIMEOUT_S = 0.5
@@ -170,7 +171,7 @@ def _key_ok(given: str | None, expected: str) -> bool:
 
 def _is_admin_path(request: web.Request) -> bool:
     p = request.path
-    return p in ADMIN_PATHS or (p.startswith("/v1/requests/") and p.endswith("/cancel"))
+    return p in ADMIN_PATHS or (p.startswith(("/v1/requests/", "/v1/responses/")) and p.endswith("/cancel"))
 
 
 class _Timing:
@@ -648,20 +649,19 @@ class Api:
                                       first.prompt_tokens, iu, bool(first.continuous_usage))
         else:  # an abort overtook the request: its whole story is the abort (no `accepted`)
             renderer = protocol.Renderer(rid, "completion", self.cfg.model_name, first.ts // 1000, 0, iu)
-        finished = any(isinstance(ev, Final) for _, ev in history)
+        return await self._stream(request, rid, self._story_then_live(rid, history), renderer, None, skip)
 
-        async def events():
-            yield history
-            if finished:
-                return
-            sub = await self.mux.subscribe(rid, history[-1][0])
-            try:
-                async for batch in self._events(sub):
-                    yield batch
-            finally:
-                await sub.close()
-
-        return await self._stream(request, rid, events(), renderer, None, skip)
+    async def _story_then_live(self, rid: str, history: list) -> AsyncIterator:
+        """A request's events so far, then (unless it has ended) the rest as they come."""
+        yield history
+        if any(isinstance(ev, Final) for _, ev in history):
+            return
+        sub = await self.mux.subscribe(rid, history[-1][0])
+        try:
+            async for batch in self._events(sub):
+                yield batch
+        finally:
+            await sub.close()
 
     async def _replay_choices(self, request: web.Request, rid: str, first: Accepted, include_usage: bool,
                               skip: list[tuple[int, int]] | None) -> web.StreamResponse:
@@ -706,6 +706,64 @@ class Api:
             return _json(await self._wait_final(body.request_ids, timeout))
         return _json({"abort_id": abort_id, "accepted": list(body.request_ids),
                       "rejected": [{"request_id": r, "reason": why} for r, why in body.rejected]})
+
+    # ------------------------------------------------------------------ stored responses
+
+    async def _response_story(self, request: web.Request) -> tuple[str, list]:
+        """The story of a Responses API request (``/v1/responses/{id}``), or a 404: the output
+        lives in its stream for the story's TTL, which is how long it can be retrieved."""
+        rid = request.match_info["id"]
+        if not valid_request_id(rid):
+            raise bad_request("Invalid response id.", "id", "invalid_request_id")
+        request[RID] = rid
+        history = await self.bus.read_req(rid, b"0")
+        first = history[0][1] if history else None
+        if not isinstance(first, Accepted) or first.endpoint != "responses":
+            raise not_found(f"No response with id '{rid}' (never made here, or expired).", "id",
+                            "response_not_found")
+        return rid, history
+
+    def _response_renderer(self, rid: str, first: Accepted) -> ResponsesRenderer:
+        return ResponsesRenderer(rid, first.model, first.created, first.prompt_tokens, self._token_bytes)
+
+    def _snapshot(self, rid: str, history: list) -> dict:
+        r = self._response_renderer(rid, history[0][1])
+        final = None
+        for _eid, ev in history:
+            if isinstance(ev, Accepted):
+                r.accept(ev)
+            elif isinstance(ev, Tokens):
+                r.add_tokens(ev.text, len(ev.token_ids))
+            elif isinstance(ev, Final):
+                final = ev
+        return r.snapshot(final)
+
+    async def get_response(self, request: web.Request) -> web.StreamResponse:
+        """``GET /v1/responses/{id}`` (OpenAI's retrieve): the Response as it stands; with
+        ``?stream=true`` its events from the start, or after ``starting_after`` (a sequence
+        number), then live until it ends, from any replica."""
+        rid, history = await self._response_story(request)
+        if request.query.get("stream", "").lower() not in ("true", "1"):
+            return _json(self._snapshot(rid, history), headers={"X-Request-Id": rid})
+        renderer = self._response_renderer(rid, history[0][1])
+        after = request.query.get("starting_after")
+        if after is not None:
+            try:
+                renderer.starting_after = int(after)
+            except ValueError:
+                raise bad_request("'starting_after' must be a sequence number.", "starting_after",
+                                  "invalid_value") from None
+        return await self._stream(request, rid, self._story_then_live(rid, history), renderer, None, None)
+
+    async def cancel_response(self, request: web.Request) -> web.Response:
+        """``POST /v1/responses/{id}/cancel``: abort it and answer with the Response once the
+        abort's final is in (or, past CANCEL_WAIT_S, as it stands)."""
+        rid, history = await self._response_story(request)
+        if not any(isinstance(ev, Final) for _eid, ev in history):
+            await self._publish_abort((rid,), f"abort-{uuid.uuid4().hex[:16]}")
+            await self._wait_final((rid,), CANCEL_WAIT_S)
+            history = await self.bus.read_req(rid, b"0")
+        return _json(self._snapshot(rid, history), headers={"X-Request-Id": rid})
 
     async def cancel_request(self, request: web.Request) -> web.Response:
         """``POST /v1/requests/{id}/cancel``: abort one request; answers at once."""
@@ -851,6 +909,8 @@ def make_app(cfg: ApiConfig, bus: Bus, mux: StreamMux, tokenizer, metrics: Metri
     app.router.add_post("/v1/abort_requests", api.abort_requests)
     app.router.add_get("/v1/requests/{id:[^/]+}/stream", api.stream_request)
     app.router.add_post("/v1/requests/{id:[^/]+}/cancel", api.cancel_request)
+    app.router.add_get("/v1/responses/{id:[^/]+}", api.get_response)
+    app.router.add_post("/v1/responses/{id:[^/]+}/cancel", api.cancel_response)
     app.router.add_get("/openapi.json", api.openapi)
     app.router.add_post("/tokenize", api.tokenize)  # vLLM's, outside /v1 as there
     app.router.add_post("/detokenize", api.detokenize)
