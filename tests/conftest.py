@@ -23,7 +23,7 @@ from control.bus import Bus
 from control.connect import connect
 from control.embedded import EmbeddedRedis
 from control.keys import Keys
-from tests.engine_fixtures import served, tiny_model_dir, tiny_runner, tiny_tokenizer  # noqa: F401
+from tests.engine_fixtures import openai_client, served, tiny_model_dir, tiny_runner, tiny_tokenizer  # noqa: F401
 
 
 # Property tests that do not fix their examples draw new ones each run here, where a failure is

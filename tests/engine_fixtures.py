@@ -47,3 +47,14 @@ async def served(embedded_redis, keys, tiny_model_dir, tiny_runner, tiny_tokeniz
     yield api, eng
     await api.stop()
     await eng.stop()
+
+
+@pytest.fixture
+async def openai_client(served):
+    """``served``'s API node and an ``openai`` client of it: (api, client)."""
+    import openai
+
+    api, _ = served
+    client = openai.AsyncOpenAI(base_url=f"{api.url}/v1", api_key="none", max_retries=0)
+    yield api, client
+    await client.close()

@@ -28,16 +28,9 @@ def _greedy(runner, tokenizer, ids, n: int = 4):
         [list(ids)], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))[0]
 
 
-@pytest.fixture
-async def client(served):
-    api, _ = served
-    c = openai.AsyncOpenAI(base_url=f"{api.url}/v1", api_key="none", max_retries=0)
-    yield api, c
-    await c.close()
 
-
-async def test_continue_final_message_goes_on_with_the_assistants_text(client, tiny_runner, tiny_tokenizer):
-    api, oa = client
+async def test_continue_final_message_goes_on_with_the_assistants_text(openai_client, tiny_runner, tiny_tokenizer):
+    api, oa = openai_client
     whole = tiny_tokenizer.apply_chat_template([USER, PARTIAL], add_generation_prompt=False)
     cut = whole[:whole.rindex(PARTIAL["content"]) + len(PARTIAL["content"])]
     assert cut != whole  # (the template closes the turn: what continuing leaves out)
@@ -66,8 +59,8 @@ async def test_continue_final_message_goes_on_with_the_assistants_text(client, t
         assert status == 400 and out["error"]["param"] == param, (body, out)
 
 
-async def test_add_generation_prompt_and_add_special_tokens(client, tiny_tokenizer):
-    api, oa = client
+async def test_add_generation_prompt_and_add_special_tokens(openai_client, tiny_tokenizer):
+    api, oa = openai_client
     bare = tiny_tokenizer.encode(tiny_tokenizer.apply_chat_template([USER], add_generation_prompt=False),
                                  add_special_tokens=False)
     c = await oa.chat.completions.create(model=api.cfg.model_name, messages=[USER], max_tokens=1,
@@ -81,8 +74,8 @@ async def test_add_generation_prompt_and_add_special_tokens(client, tiny_tokeniz
     assert status == 200 and body["tokens"] == opened
 
 
-async def test_truncate_prompt_tokens_keeps_the_prompts_end(client, tiny_runner, tiny_tokenizer):
-    api, oa = client
+async def test_truncate_prompt_tokens_keeps_the_prompts_end(openai_client, tiny_runner, tiny_tokenizer):
+    api, oa = openai_client
     prompt = list(range(20, 60))
     c = await oa.completions.create(model=api.cfg.model_name, prompt=prompt, max_tokens=4, temperature=0,
                                     extra_body={"truncate_prompt_tokens": 8, "ignore_eos": True})
@@ -111,8 +104,8 @@ async def test_truncate_prompt_tokens_keeps_the_prompts_end(client, tiny_runner,
         assert status == 400 and out["error"]["param"] == "truncate_prompt_tokens", (k, out)
 
 
-async def test_return_tokens_as_token_ids(client):
-    api, oa = client
+async def test_return_tokens_as_token_ids(openai_client):
+    api, oa = openai_client
     c = await oa.completions.create(model=api.cfg.model_name, prompt=[30, 31, 32], max_tokens=3,
                                     temperature=0, logprobs=2,
                                     extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
@@ -140,8 +133,8 @@ async def test_return_tokens_as_token_ids(client):
     assert status == 400 and out["error"]["param"] == "return_tokens_as_token_ids"
 
 
-async def test_a_model_retrieved_by_name_and_the_liveness_route(client):
-    api, oa = client
+async def test_a_model_retrieved_by_name_and_the_liveness_route(openai_client):
+    api, oa = openai_client
     m = await oa.models.retrieve(api.cfg.model_name)
     assert m.id == api.cfg.model_name and m.model_extra["max_model_len"] == api.cfg.max_model_len
     with pytest.raises(openai.NotFoundError) as e:
@@ -153,8 +146,8 @@ async def test_a_model_retrieved_by_name_and_the_liveness_route(client):
                 assert r.status == 200 and (await r.json())["status"] == "ok"
 
 
-async def test_priority_is_refused_as_vllm_without_priority_scheduling(client):
-    api, oa = client
+async def test_priority_is_refused_as_vllm_without_priority_scheduling(openai_client):
+    api, oa = openai_client
     for path, body in (("/v1/completions", {"prompt": "x"}),
                        ("/v1/chat/completions", {"messages": [USER]})):
         status, out = await _post(f"{api.url}{path}", {**body, "priority": 1, "max_tokens": 1})
@@ -163,8 +156,8 @@ async def test_priority_is_refused_as_vllm_without_priority_scheduling(client):
         assert status == 200
 
 
-async def test_allowed_token_ids_is_all_that_is_sampled(client, tiny_runner, tiny_tokenizer):
-    api, oa = client
+async def test_allowed_token_ids_is_all_that_is_sampled(openai_client, tiny_runner, tiny_tokenizer):
+    api, oa = openai_client
     allowed = [7, 100, 250, 401]
     prompt = [20, 21, 22]
     sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, allowed_token_ids=tuple(allowed))
@@ -195,12 +188,12 @@ def test_allowed_token_ids_on_the_wire_only_when_set():
         SamplingParams.from_dict({"allowed_token_ids": [1, -2]})
 
 
-async def test_fields_nothing_read_are_said_to_be_ignored(client, caplog):
+async def test_fields_nothing_read_are_said_to_be_ignored(openai_client, caplog):
     """As vLLM's "present in the request but ignored": a misspelt or unsupported field is
     named in the log (once a name), and every field the OpenAPI document lists is read."""
     import logging
 
-    api, oa = client
+    api, oa = openai_client
     with caplog.at_level(logging.WARNING, logger="fd.api"):
         for _ in range(2):
             status, _ = await _post(f"{api.url}/v1/completions",

@@ -17,13 +17,6 @@ from control.events import Abort, Accepted, SamplingParams, decode
 from engine.llm import LLM
 
 
-@pytest.fixture
-async def client(served):
-    api, _ = served
-    c = openai.AsyncOpenAI(base_url=f"{api.url}/v1", api_key="none", max_retries=0)
-    yield api, c
-    await c.close()
-
 
 def _prompt(tokenizer, messages):
     return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
@@ -34,8 +27,8 @@ def _greedy(runner, tokenizer, ids, n):
         [list(ids)], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))[0]
 
 
-async def test_text_in_text_out(client, tiny_runner, tiny_tokenizer):
-    api, oa = client
+async def test_text_in_text_out(openai_client, tiny_runner, tiny_tokenizer):
+    api, oa = openai_client
     ids = _prompt(tiny_tokenizer, [{"role": "user", "content": "Hello there"}])
     want = _greedy(tiny_runner, tiny_tokenizer, ids, 5)
     r = await oa.responses.create(model=api.cfg.model_name, input="Hello there", max_output_tokens=5,
@@ -61,8 +54,8 @@ async def test_text_in_text_out(client, tiny_runner, tiny_tokenizer):
     assert r.status == "completed" and r.incomplete_details is None and r.usage.output_tokens == 1
 
 
-async def test_the_stream_its_sequence_and_a_replay(client, tiny_runner, tiny_tokenizer):
-    api, oa = client
+async def test_the_stream_its_sequence_and_a_replay(openai_client, tiny_runner, tiny_tokenizer):
+    api, oa = openai_client
     ids = _prompt(tiny_tokenizer, [{"role": "user", "content": "Stream it"}])
     want = _greedy(tiny_runner, tiny_tokenizer, ids, 6)
     stream = await oa.responses.create(model=api.cfg.model_name, input="Stream it", max_output_tokens=6,
@@ -93,8 +86,8 @@ async def test_the_stream_its_sequence_and_a_replay(client, tiny_runner, tiny_to
     assert isinstance(story[0], Accepted) and story[0].endpoint == "responses"
 
 
-async def test_structured_output_by_text_format(client):
-    api, oa = client
+async def test_structured_output_by_text_format(openai_client):
+    api, oa = openai_client
     schema = {"type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"],
               "additionalProperties": False}
     r = await oa.responses.create(model=api.cfg.model_name, input="x", max_output_tokens=30,
@@ -102,8 +95,8 @@ async def test_structured_output_by_text_format(client):
     assert r.status == "completed" and json.loads(r.output_text)["a"] in (1, 2)
 
 
-async def test_an_abort_ends_the_stream_as_incomplete(client):
-    api, oa = client
+async def test_an_abort_ends_the_stream_as_incomplete(openai_client):
+    api, oa = openai_client
     stream = await oa.responses.create(model=api.cfg.model_name, input="go on", max_output_tokens=2000,
                                        stream=True, extra_body={"ignore_eos": True})
     rid, events = None, []
@@ -119,8 +112,8 @@ async def test_an_abort_ends_the_stream_as_incomplete(client):
     assert events[-1].response.usage.output_tokens < 2000
 
 
-async def test_what_it_does_not_serve_is_a_400(client, caplog):
-    api, _ = client
+async def test_what_it_does_not_serve_is_a_400(openai_client, caplog):
+    api, _ = openai_client
     for body, param in (({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0]"),
                         # (auto, the default, needs a server with a tool-call parser, as chat's)
                         ({"input": "x", "tools": [{"type": "function", "name": "f"}]}, "tool_choice"),
@@ -153,14 +146,14 @@ async def test_what_it_does_not_serve_is_a_400(client, caplog):
     assert not [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
 
 
-async def test_a_client_that_hangs_up_aborts_its_response(client):
+async def test_a_client_that_hangs_up_aborts_its_response(openai_client):
     """/v1/responses is a generating endpoint like the others: a hang-up mid-stream runs the
     abort protocol, and the story ends with the abort's final."""
     import asyncio
 
     from control.events import Final
 
-    api, _ = client
+    api, _ = openai_client
     async with aiohttp.ClientSession() as s:
         async with s.post(f"{api.url}/v1/responses", headers={"X-Request-Id": "resp-gone"},
                           json={"input": "x", "max_output_tokens": 2000, "stream": True,
@@ -233,8 +226,8 @@ async def test_thinking_text_and_calls_are_items_in_order(real_bus):
         await oa.close()
 
 
-async def test_earlier_calls_and_their_outputs_reach_the_template(client, tiny_tokenizer):
-    api, oa = client
+async def test_earlier_calls_and_their_outputs_reach_the_template(openai_client, tiny_tokenizer):
+    api, oa = openai_client
     tool = {"type": "function", "name": "get_time", "parameters": {"type": "object"}}
     messages = [{"role": "user", "content": "Time?"},
                 {"role": "assistant", "content": "", "tool_calls": [
@@ -253,8 +246,8 @@ async def test_earlier_calls_and_their_outputs_reach_the_template(client, tiny_t
     assert r.usage.input_tokens == len(ids)
 
 
-async def test_a_named_tool_choice_answers_with_the_call(client):
-    api, oa = client
+async def test_a_named_tool_choice_answers_with_the_call(openai_client):
+    api, oa = openai_client
     tool = {"type": "function", "name": "pick", "parameters": {
         "type": "object", "properties": {"n": {"enum": [1, 2, 3]}}, "required": ["n"],
         "additionalProperties": False}}
@@ -266,11 +259,11 @@ async def test_a_named_tool_choice_answers_with_the_call(client):
 
 # ------------------------------------------------------------------ retrieve, resume, cancel
 
-async def test_retrieve_a_response_and_resume_its_stream(client):
+async def test_retrieve_a_response_and_resume_its_stream(openai_client):
     """The output lives in the request's stream, so a response can be retrieved (OpenAI's
     ``responses.retrieve``) and its stream picked up after the last event a client saw
     (``starting_after``), from any replica, while it runs (fd's ``background``) or after."""
-    api, oa = client
+    api, oa = openai_client
     r = await oa.responses.create(model=api.cfg.model_name, input="Keep this", max_output_tokens=4)
     got = await oa.responses.retrieve(r.id)
     assert got.model_dump() == r.model_dump()
@@ -301,8 +294,8 @@ async def test_retrieve_a_response_and_resume_its_stream(client):
             assert resp.status == 400
 
 
-async def test_cancel_a_running_response(client):
-    api, oa = client
+async def test_cancel_a_running_response(openai_client):
+    api, oa = openai_client
     stream = await oa.responses.create(model=api.cfg.model_name, input="Go on", max_output_tokens=2000,
                                        stream=True, extra_body={"background": True, "ignore_eos": True})
     async for ev in stream:
