@@ -31,6 +31,7 @@ import time
 from collections import OrderedDict, deque
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+import orjson
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -524,6 +525,14 @@ class Bus:
         got = direct(self.keys.owner(request_id)) if direct is not None else None
         v = got[0] if got is not None else await self.redis.get(self.keys.owner(request_id))
         return v.decode() if v is not None else None
+
+    async def save_conversation(self, request_id: str, items: list) -> None:
+        await self.redis.set(self.keys.conversation(request_id), orjson.dumps(items), ex=self.req_ttl_s)
+
+    async def conversation(self, request_id: str) -> list | None:
+        """What :meth:`save_conversation` kept, or None (never kept, or expired)."""
+        raw = await self.redis.get(self.keys.conversation(request_id))
+        return None if raw is None else orjson.loads(raw)
 
     async def request_exists(self, request_id: str) -> bool:
         """Whether ``P:req:<id>`` exists (a request id already taken)."""

@@ -123,6 +123,12 @@ class Keys:
         """Which engine owns a request, or the abort tombstone; SET NX decides the race."""
         return f"{self.prefix}:owner:{{{request_id}}}"
 
+    def conversation(self, request_id: str) -> str:
+        """A Responses API request's conversation (the input items it was given, after those of
+        the response it continued), JSON: what ``previous_response_id`` goes on from. Kept as
+        long as the story."""
+        return f"{self.prefix}:conv:{{{request_id}}}"
+
     def journal(self, engine_id: str) -> str:
         return f"{self.prefix}:journal:{engine_id}"
 

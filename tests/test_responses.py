@@ -119,7 +119,6 @@ async def test_what_it_does_not_serve_is_a_400(openai_client, caplog):
                         ({"input": "x", "tools": [{"type": "function", "name": "f"}]}, "tool_choice"),
                         ({"input": "x", "tools": [{"type": "function", "name": "f"}],
                           "tool_choice": {"type": "function", "name": "g"}}, "tool_choice"),
-                        ({"input": "x", "previous_response_id": "resp-1"}, "previous_response_id"),
                         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
                          "input[0].content[0]"),
                         ({"input": [{"type": "file_search_call", "id": "1"}]}, "input[0]"),
@@ -308,3 +307,56 @@ async def test_cancel_a_running_response(openai_client):
     assert r.status == "cancelled" and r.usage.output_tokens < 2000
     assert (await oa.responses.retrieve(rid)).status == "cancelled"
     assert (await oa.responses.cancel(rid)).status == "cancelled"  # (again: as it ended)
+
+
+# ------------------------------------------------------------------ previous_response_id
+
+async def test_a_conversation_goes_on_from_a_stored_response(openai_client, tiny_runner, tiny_tokenizer):
+    api, oa = openai_client
+    r1 = await oa.responses.create(model=api.cfg.model_name, input="Hi there", max_output_tokens=3,
+                                   temperature=0, instructions="Be brief.")
+    r2 = await oa.responses.create(model=api.cfg.model_name, previous_response_id=r1.id, input="And then?",
+                                   max_output_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    # (instructions are not carried over, as OpenAI's)
+    messages = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": r1.output_text},
+                {"role": "user", "content": "And then?"}]
+    ids = _prompt(tiny_tokenizer, messages)
+    assert r2.usage.input_tokens == len(ids)
+    assert r2.output_text == _greedy(tiny_runner, tiny_tokenizer, ids, 3).text
+    kept = await oa.responses.input_items.list(r2.id)
+    assert [it.role for it in kept.data] == ["user", "assistant", "user"]
+    # a chain goes on from the last link
+    r3 = await oa.responses.create(model=api.cfg.model_name, previous_response_id=r2.id, input="Ok.",
+                                   max_output_tokens=1)
+    ids = _prompt(tiny_tokenizer, [*messages, {"role": "assistant", "content": r2.output_text},
+                                   {"role": "user", "content": "Ok."}])
+    assert r3.usage.input_tokens == len(ids)
+    # store false keeps nothing to go on from
+    r4 = await oa.responses.create(model=api.cfg.model_name, input="x", max_output_tokens=1, store=False)
+    for prev in (r4.id, "resp-unknown"):
+        with pytest.raises(openai.NotFoundError) as e:
+            await oa.responses.create(model=api.cfg.model_name, previous_response_id=prev, input="y")
+        assert e.value.body["param"] == "previous_response_id"
+    with pytest.raises(openai.BadRequestError):
+        await oa.responses.create(model=api.cfg.model_name, previous_response_id="bad id!", input="y")
+
+
+async def test_a_call_and_its_output_go_on_from_a_stored_response(openai_client, tiny_tokenizer):
+    api, oa = openai_client
+    tool = {"type": "function", "name": "pick", "parameters": {
+        "type": "object", "properties": {"n": {"enum": [1, 2]}}, "required": ["n"], "additionalProperties": False}}
+    r1 = await oa.responses.create(model=api.cfg.model_name, input="Pick", max_output_tokens=30, tools=[tool],
+                                   tool_choice={"type": "function", "name": "pick"})
+    (call,) = r1.output
+    r2 = await oa.responses.create(model=api.cfg.model_name, previous_response_id=r1.id, max_output_tokens=1,
+                                   tools=[tool], tool_choice="none",
+                                   input=[{"type": "function_call_output", "call_id": call.call_id, "output": "ok"}])
+    chat = {"messages": [{"role": "user", "content": "Pick"},
+                         {"role": "assistant", "content": None, "tool_calls": [{
+                             "id": call.call_id, "type": "function",
+                             "function": {"name": "pick", "arguments": call.arguments}}]},
+                         {"role": "tool", "tool_call_id": call.call_id, "content": "ok"}],
+            "tools": [{"type": "function", "function": {k: tool[k] for k in ("name", "parameters")}}]}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{api.url}/tokenize", json=chat) as t:
+            assert r2.usage.input_tokens == len((await t.json())["tokens"])

@@ -194,8 +194,7 @@ def _schemas(model_name: str, max_model_len: int, vocab_size: int | None,
         "ResponsesRequest": {
             "type": "object", "required": ["input"],
             "description": "OpenAI's Responses API over the chat template: text in, text out, "
-                           "function tools as chat's. previous_response_id, other tools and "
-                           "non-text input are refused.",
+                           "function tools as chat's. Other tools and non-text input are refused.",
             "properties": {
                 "model": sampling["model"],
                 "input": {"oneOf": [
@@ -226,8 +225,10 @@ def _schemas(model_name: str, max_model_len: int, vocab_size: int | None,
                         "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
                         "name": {"type": "string"}, "schema": {"type": "object"},
                         "strict": _NULLABLE_BOOL}}}},
-                "previous_response_id": {"type": "string", "nullable": True,
-                                         "description": "Not supported (this server keeps no responses)."},
+                "previous_response_id": {"type": "string", "nullable": True, "pattern": REQUEST_ID_PATTERN,
+                                         "description": "Go on from a stored response (its input and "
+                                                        "output come before this input)."},
+                "store": {**_NULLABLE_BOOL, "description": "false: keep no conversation to go on from."},
                 "tools": {"type": "array", "nullable": True, "maxItems": protocol.MAX_TOOLS, "items": {
                     "type": "object", "required": ["type", "name"], "properties": {
                         "type": {"type": "string", "enum": ["function"]}, "name": {"type": "string", "minLength": 1},
@@ -349,6 +350,11 @@ def build(model_name: str, max_model_len: int, max_body_bytes: int,
                     "application/json": {"schema": _ref("Response")},
                     "text/event-stream": {"schema": {"type": "string"}}}},
                     "400": _ERRORS["400"], "401": _ERRORS["401"], "404": _err("Unknown or expired response")}}},
+            "/v1/responses/{id}/input_items": {"get": {
+                "summary": "The conversation a response was given (after the one it went on from)",
+                "security": [{"apiKey": []}], "parameters": [_RID_PATH],
+                "responses": {"200": {"description": "{object: list, data: [items]}"}, "400": _ERRORS["400"],
+                              "401": _ERRORS["401"], "404": _err("Unknown, expired or not stored")}}},
             "/v1/responses/{id}/cancel": {"post": {
                 "summary": "Abort a response; answers with it once the abort's final is in",
                 "security": admin, "parameters": [_RID_PATH],

@@ -13,8 +13,9 @@ and ``function_call_output`` items), ``instructions``, ``max_output_tokens``, ``
 ``top_p``, ``text.format`` (structured outputs), function ``tools`` with ``tool_choice`` (as
 chat's: ``auto`` needs a server with a tool-call parser), a reasoning model's thinking as a
 ``reasoning`` item (``--reasoning-parser``), vLLM's sampling extensions, fd's ``background``.
-Refused with a 400, not ignored: ``previous_response_id`` (this server keeps no responses),
-tools other than functions, and input other than text.
+``previous_response_id`` goes on from a stored response (the server keeps each response's
+conversation beside its story, :func:`input_items` and :func:`output_as_input`). Refused with
+a 400, not ignored: tools other than functions, and input other than text.
 """
 
 from __future__ import annotations
@@ -147,11 +148,33 @@ def _rename(e: ApiError, origin: list[str]) -> None:
                 break
 
 
+def input_items(body: protocol.Body | dict) -> list:
+    """``input`` as a list of items (a string is one user message), as it is kept for a
+    response that continues this one."""
+    given = body.get("input")
+    if isinstance(given, str):
+        return [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": given}]}]
+    return list(given) if isinstance(given, list) else []
+
+
+def output_as_input(output: list[dict]) -> list[dict]:
+    """A response's output as the input items of the conversation that goes on from it: its
+    messages and calls (its thinking is not shown again, as chat templates leave it out)."""
+    out: list[dict] = []
+    for it in output:
+        if it.get("type") == "message":
+            out.append({"type": "message", "role": "assistant",
+                        "content": [{"type": "output_text", "text": c.get("text", "")} for c in it["content"]]})
+        elif it.get("type") == "function_call":
+            out.append({k: it[k] for k in ("type", "call_id", "name", "arguments")})
+    return out
+
+
 def parse(body: protocol.Body | dict, limits: Limits, tokenizer: TokenizerLike) -> GenerationRequest:
     """The chat request a Responses body stands for, answered as a Response."""
-    if body.get("previous_response_id") is not None:
-        raise bad_request("'previous_response_id' is not supported: this server keeps no responses; "
-                          "send the conversation as 'input'.", "previous_response_id", "unsupported")
+    if body.get("previous_response_id") is not None:  # (the server puts it into `input` first)
+        raise bad_request("'previous_response_id' is not supported here.", "previous_response_id",
+                          "unsupported")
     cap = _opt(body, "max_output_tokens", protocol._is_int, "an integer", None)
     if cap is not None and cap < 1:
         raise bad_request("'max_output_tokens' must be at least 1.", "max_output_tokens", "invalid_value")

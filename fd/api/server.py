@@ -41,7 +41,7 @@ from control.metrics import Metrics
 from fd.api import openapi, protocol, sse
 from fd.api.cancellation import Cancellation, watch_of
 from fd.api.errors import ApiError, bad_request, conflict, not_found, too_large, unauthorized, unavailable
-from fd.api.responses import ResponsesRenderer
+from fd.api.responses import ResponsesRenderer, input_items, output_as_input
 from fd.api.responses import parse as parse_responses
 
 log = logging.getLogger("fd.api")
@@ -321,8 +321,30 @@ class Api:
         return await self._generate(request, "completion", "cmpl", protocol.parse_completion)
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
-        """OpenAI's Responses API (fd.api.responses): a chat request rendered as a Response."""
-        return await self._generate(request, "responses", "resp", parse_responses)
+        """OpenAI's Responses API (fd.api.responses): a chat request rendered as a Response.
+        Its conversation is kept beside its story (unless ``store`` is false), so a later
+        request can go on from it with ``previous_response_id``."""
+        body = await self._body(request)
+        prev = body.get("previous_response_id")
+        if prev is not None:
+            if not isinstance(prev, str) or not valid_request_id(prev):
+                raise bad_request("'previous_response_id' must be a response id.", "previous_response_id",
+                                  "invalid_value")
+            before = await self.bus.conversation(prev)
+            history = await self.bus.read_req(prev, b"0") if before is not None else []
+            if not history:
+                raise not_found(f"No stored response with id '{prev}' (never made here, made with "
+                                "store false, or expired).", "previous_response_id", "previous_response_not_found")
+            if not any(isinstance(ev, Final) for _eid, ev in history):
+                raise bad_request(f"Response '{prev}' is still running.", "previous_response_id", "invalid_value")
+            done = self._snapshot(prev, history)
+            if done["status"] == "failed":
+                raise bad_request(f"Response '{prev}' failed.", "previous_response_id", "invalid_value")
+            body = body.replaced({"input": before + output_as_input(done["output"]) + input_items(body),
+                                  "previous_response_id": None})
+        store = protocol._opt(body, "store", protocol._is_bool, "a boolean", True)
+        return await self._generate(request, "responses", "resp", parse_responses, body=body,
+                                    keep=input_items(body) if store else None)
 
     def _say_ignored(self, names: list[str], rid: str) -> None:
         """Fields of a request that nothing read, in the log (as vLLM's "present in the request
@@ -351,11 +373,15 @@ class Api:
             raise unavailable(f"The control plane (Redis) is unavailable: {e or type(e).__name__}") from None
         self._redis_suspect_until = 0.0
 
-    async def _generate(self, request: web.Request, endpoint: str, prefix: str, parse) -> web.StreamResponse:
+    async def _generate(self, request: web.Request, endpoint: str, prefix: str, parse,
+                        body: protocol.Body | None = None, keep: list | None = None) -> web.StreamResponse:
+        """A generating request, from its body (read here unless given) to its answer. ``keep``:
+        a Responses API conversation to store beside the story (``previous_response_id``)."""
         await self._check_redis()
         arrival = time.monotonic()
         rid, explicit = self._request_id(request, prefix)
-        body = await self._body(request)
+        if body is None:
+            body = await self._body(request)
         gen: protocol.GenerationRequest = parse(body, self.limits, self.tokenizer)
         self._say_ignored(body.ignored(), rid)
         if gen.n > 1 or gen.prompts:
@@ -369,6 +395,8 @@ class Api:
         watch.background = gen.background
         now = time.time()
         created = int(now)
+        if keep is not None:
+            await self.bus.save_conversation(rid, keep)
         sub = await self.mux.subscribe(rid, b"0")  # before submit: nothing can be missed
         try:
             watch.request_id = rid  # from here on a disconnect aborts it
@@ -755,6 +783,16 @@ class Api:
                                   "invalid_value") from None
         return await self._stream(request, rid, self._story_then_live(rid, history), renderer, None, None)
 
+    async def response_input_items(self, request: web.Request) -> web.Response:
+        """``GET /v1/responses/{id}/input_items``: the conversation it was given (after that of
+        the response it continued), as kept for ``previous_response_id``."""
+        rid, _history = await self._response_story(request)
+        items = await self.bus.conversation(rid)
+        if items is None:
+            raise not_found(f"Response '{rid}' was made with store false, or its input expired.", "id",
+                            "response_not_found")
+        return _json({"object": "list", "data": items, "has_more": False}, headers={"X-Request-Id": rid})
+
     async def cancel_response(self, request: web.Request) -> web.Response:
         """``POST /v1/responses/{id}/cancel``: abort it and answer with the Response once the
         abort's final is in (or, past CANCEL_WAIT_S, as it stands)."""
@@ -911,6 +949,7 @@ def make_app(cfg: ApiConfig, bus: Bus, mux: StreamMux, tokenizer, metrics: Metri
     app.router.add_post("/v1/requests/{id:[^/]+}/cancel", api.cancel_request)
     app.router.add_get("/v1/responses/{id:[^/]+}", api.get_response)
     app.router.add_post("/v1/responses/{id:[^/]+}/cancel", api.cancel_response)
+    app.router.add_get("/v1/responses/{id:[^/]+}/input_items", api.response_input_items)
     app.router.add_get("/openapi.json", api.openapi)
     app.router.add_post("/tokenize", api.tokenize)  # vLLM's, outside /v1 as there
     app.router.add_post("/detokenize", api.detokenize)
