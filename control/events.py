@@ -398,6 +398,9 @@ class Accepted(Event):
     # vLLM's prompt_logprobs=k (written only when asked): the response carries the prompt's
     # log-probabilities, ranks and k alternatives, as vLLM's `prompt_logprobs` field.
     prompt_logprobs: int | None = None
+    # vLLM's return_token_ids (written only when asked): the prompt's token ids, which the
+    # answer shows beside the output's.
+    prompt_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

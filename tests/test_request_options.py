@@ -212,3 +212,40 @@ async def test_fields_nothing_read_are_said_to_be_ignored(openai_client, caplog)
             status, out = await _post(f"{api.url}{path}", body)
             assert status == 200, out
     assert not [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+
+
+async def test_return_token_ids(openai_client, tiny_runner, tiny_tokenizer):
+    """vLLM's return_token_ids (what RL trainers read): the prompt's ids once, each choice's
+    output ids — streamed, a token whose text is held back rides with the next chunk."""
+    api, oa = openai_client
+    prompt = [30, 31, 32]
+    want = _greedy(tiny_runner, tiny_tokenizer, prompt, 8)
+    c = await oa.completions.create(model=api.cfg.model_name, prompt=prompt, max_tokens=8, temperature=0,
+                                    extra_body={"return_token_ids": True, "ignore_eos": True})
+    ch = c.choices[0].model_extra
+    assert ch["prompt_token_ids"] == prompt and ch["token_ids"] == want.token_ids
+    messages = [USER]
+    ids = tiny_tokenizer.encode(tiny_tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    want = _greedy(tiny_runner, tiny_tokenizer, ids, 12)
+    stream = await oa.chat.completions.create(model=api.cfg.model_name, messages=messages, max_tokens=12,
+                                              temperature=0, stream=True,
+                                              extra_body={"return_token_ids": True, "ignore_eos": True})
+    chunks = [ch async for ch in stream]
+    assert chunks[0].model_extra["prompt_token_ids"] == ids
+    assert not any("prompt_token_ids" in ch.model_extra for ch in chunks[1:])
+    got = [t for ch in chunks for t in ch.choices[0].model_extra["token_ids"]]
+    assert got == want.token_ids
+    # n > 1: each choice its own ids, the prompt's with each (completions) / once (chat)
+    c = await oa.chat.completions.create(model=api.cfg.model_name, messages=messages, max_tokens=3, n=2,
+                                         seed=1, extra_body={"return_token_ids": True})
+    assert c.model_extra["prompt_token_ids"] == ids
+    assert [len(x.model_extra["token_ids"]) for x in c.choices] == [3, 3]
+    # the story says so: a replay shows them too
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{api.url}/v1/completions", headers={"X-Request-Id": "ids-1"},
+                          json={"prompt": prompt, "max_tokens": 3, "stream": True, "return_token_ids": True}) as r:
+            original = await r.read()
+        async with s.get(f"{api.url}/v1/requests/ids-1/stream") as r:
+            assert await r.read() == original and b'"prompt_token_ids":[30,31,32]' in original
+    status, out = await _post(f"{api.url}/v1/completions", {"prompt": "x", "return_token_ids": "yes"})
+    assert status == 400 and out["error"]["param"] == "return_token_ids"

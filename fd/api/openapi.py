@@ -95,6 +95,9 @@ def _sampling_props(model_name: str, max_model_len: int, aliases: tuple[str, ...
                             "description": "vLLM: each prompt token's log-probability and rank, "
                                            "with this many alternatives (not with stream, nor "
                                            "with echo)."},
+        "return_token_ids": {**_NULLABLE_BOOL,
+                             "description": "vLLM: the prompt's token ids and each choice's output ids "
+                                            "in the answer (streamed: each chunk its tokens')."},
         "return_tokens_as_token_ids": {**_NULLABLE_BOOL,
                                        "description": "vLLM: log-probabilities name their tokens "
                                                       "'token_id:<id>'."},

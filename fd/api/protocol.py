@@ -79,12 +79,17 @@ class GenerationRequest:
     include_reasoning: bool = True  # vLLM's: false leaves the thinking out of the answer
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:<id>" in logprobs
     prompt_logprobs: int | None = None  # vLLM's: the response's `prompt_logprobs`, k alternatives
+    return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids in the answer
 
     def rendering(self) -> dict[str, Any]:
         """The ``accepted`` event's fields that say how every replica renders the output."""
         return {"tool_parser": self.tool_parser, "reasoning_parser": self.reasoning_parser,
                 "include_reasoning": None if self.include_reasoning or not self.reasoning_parser else False,
                 "tokens_as_ids": self.tokens_as_ids or None, "prompt_logprobs": self.prompt_logprobs}
+
+    def prompt_ids_field(self, prompt: tuple[int, ...]) -> dict[str, Any]:
+        """The ``accepted`` event's ``prompt_ids``: the prompt, when the answer shows it."""
+        return {"prompt_ids": prompt} if self.return_token_ids else {}
 
     def choices(self) -> list[tuple[tuple[int, ...], SamplingParams]]:
         """Each choice's prompt and sampling, in OpenAI's order: prompt ``i``'s ``j``-th choice
@@ -648,7 +653,8 @@ def parse_chat(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Generati
     return GenerationRequest("chat", model, ids, sampling, stream, include_usage, background, continuous,
                              _choices(body), tool_parser=parser, reasoning_parser=reasoning,
                              include_reasoning=_opt(body, "include_reasoning", _is_bool, "a boolean", True),
-                             tokens_as_ids=_tokens_as_ids(body), prompt_logprobs=scored)
+                             tokens_as_ids=_tokens_as_ids(body), prompt_logprobs=scored,
+                             return_token_ids=_opt(body, "return_token_ids", _is_bool, "a boolean", False))
 
 
 def _thinking_closed(ids: tuple[int, ...], start: list[int], end: int) -> bool:
@@ -797,7 +803,8 @@ def parse_completion(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Ge
             sampling = dataclasses.replace(sampling, prompt_logprobs=logprobs)
     return GenerationRequest("completion", model, prompts[0], sampling, stream, include_usage, background,
                              continuous, n, prompts if len(prompts) > 1 else (), echo_texts, echo_only,
-                             tokens_as_ids=_tokens_as_ids(body), prompt_logprobs=scored)
+                             tokens_as_ids=_tokens_as_ids(body), prompt_logprobs=scored,
+                             return_token_ids=_opt(body, "return_token_ids", _is_bool, "a boolean", False))
 
 
 def _prompt_scores(body: dict, stream: bool) -> int | None:
@@ -970,6 +977,12 @@ class Renderer:
         self.tokens_as_ids = False  # return_tokens_as_token_ids (the `accepted` event's)
         self.prompt_scores_k: int | None = None  # vLLM's prompt_logprobs (the `accepted` event's)
         self.prompt_scores: list[dict | None] | None = None  # what the response shows of them
+        # vLLM's return_token_ids (the `accepted` event's prompt_ids): the prompt's ids once,
+        # each chunk the ids of its tokens (a token held back for its text rides with the next)
+        self.prompt_ids: list[int] | None = None
+        self.out_ids: list[int] = []
+        self._ids_shown = 0
+        self._prompt_ids_shown = False
 
     # -- log-probabilities
     def _add_prompt_logprobs(self, field: Any) -> None:
@@ -998,6 +1011,18 @@ class Renderer:
                 d.setdefault(str(a), {"logprob": c, "rank": j + 1, "decoded_token": self._token(a)[0]})
             out.append(d)
         return out
+
+    def _with_ids(self, chunk: dict) -> dict:
+        """return_token_ids: the chunk carries the ids not shown yet (and, the first time, the
+        prompt's: chat's beside the choices, completions' in the choice, as vLLM)."""
+        if self.prompt_ids is None or not chunk.get("choices"):
+            return chunk
+        if not self._prompt_ids_shown:
+            self._prompt_ids_shown = True
+            (chunk if self.endpoint == "chat" else chunk["choices"][0])["prompt_token_ids"] = self.prompt_ids
+        chunk["choices"][0]["token_ids"] = self.out_ids[self._ids_shown:]
+        self._ids_shown = len(self.out_ids)
+        return chunk
 
     def _add_logprobs(self, token_ids: tuple[int, ...], logprobs: Any) -> None:
         """A tokens event's ``logprobs`` (control.events.logprobs_field)."""
@@ -1097,6 +1122,9 @@ class Renderer:
         self.show_reasoning = getattr(accepted, "include_reasoning", None) is not False
         self.tokens_as_ids = bool(getattr(accepted, "tokens_as_ids", None))
         self.prompt_scores_k = getattr(accepted, "prompt_logprobs", None)
+        ids = getattr(accepted, "prompt_ids", None)
+        if ids is not None:
+            self.prompt_ids = list(ids)
 
     @property
     def structured(self) -> bool:
@@ -1162,8 +1190,8 @@ class Renderer:
             self.accept(accepted)
         if self.endpoint == "chat":
             role = {"role": "assistant", "content": ""}
-            return [self._with_usage(chat_chunk(self.rid, self.created, self.model, role, None,
-                                                self.include_usage))]
+            return [self._with_ids(self._with_usage(chat_chunk(self.rid, self.created, self.model, role,
+                                                               None, self.include_usage)))]
         return []
 
     def add_tokens(self, text: str, n_tokens: int, token_ids: tuple[int, ...] = (),
@@ -1185,6 +1213,8 @@ class Renderer:
         else:
             self.text.append(text)
         self.completion_tokens += n_tokens
+        if self.prompt_ids is not None:
+            self.out_ids.extend(token_ids)
         if logprobs is not None:
             self._add_logprobs(token_ids, logprobs)
         return text
@@ -1209,6 +1239,8 @@ class Renderer:
             chunks = self._answer_chunks(text)
         if chunks and self.logprobs:
             chunks[0]["choices"][0]["logprobs"] = self._unshown_logprobs()
+        if chunks and self.prompt_ids is not None:
+            self._with_ids(chunks[0])
         return chunks
 
     def token_json(self, text: str, n_tokens: int, token_ids: tuple[int, ...] = (),
@@ -1216,7 +1248,8 @@ class Renderer:
         """:meth:`token_chunks`, already serialised: the one chunk's JSON (``orjson.dumps``
         of it, byte for byte), or ``None`` when there is no chunk (no text). Not for a
         :attr:`structured` renderer, whose event may be several chunks."""
-        if logprobs is not None or self.logprobs or self.continuous_usage or self.echo is not None:
+        if (logprobs is not None or self.logprobs or self.continuous_usage or self.echo is not None
+                or self.prompt_ids is not None):
             chunks = self.token_chunks(text, n_tokens, token_ids, logprobs, prompt_logprobs)
             return orjson.dumps(chunks[0]) if chunks else None
         self.completion_tokens += n_tokens
@@ -1248,7 +1281,7 @@ class Renderer:
             last["choices"][0]["stop_reason"] = final.stop_reason
         if self.logprobs:
             last["choices"][0]["logprobs"] = self._unshown_logprobs()
-        out = [*held, self._with_usage(last, final)]
+        out = [*held, self._with_ids(self._with_usage(last, final))]
         if self.include_usage and self.usage_chunk:
             out.append(usage_chunk(self.endpoint, self.rid, self.created, self.model,
                                    self.final_usage(final)))
@@ -1280,8 +1313,12 @@ class Renderer:
             body["choices"][0]["message"]["reasoning_content"] = (reasoning or None) if self.show_reasoning else None
         if self.logprobs:
             body["choices"][0]["logprobs"] = self._render_logprobs(self.logprobs)
-        if self.prompt_scores_k is not None:  # (vLLM: chat's beside the choices, completions' in each)
-            (body if self.endpoint == "chat" else body["choices"][0])["prompt_logprobs"] = self.prompt_scores
+        where = body if self.endpoint == "chat" else body["choices"][0]  # (vLLM's places)
+        if self.prompt_scores_k is not None:
+            where["prompt_logprobs"] = self.prompt_scores
+        if self.prompt_ids is not None:
+            where["prompt_token_ids"] = self.prompt_ids
+            body["choices"][0]["token_ids"] = self.out_ids
         return body
 
 

@@ -35,7 +35,7 @@ _TEXT_PARTS = ("input_text", "output_text", "text")
 #: chat's fields that mean nothing here (several choices, chat's log-probabilities): left out
 #: of the chat request, and said to be ignored if sent
 _CHAT_ONLY = ("messages", "n", "best_of", "logprobs", "top_logprobs", "prompt_logprobs",
-              "stream_options", "max_tokens", "max_completion_tokens", "response_format")
+              "stream_options", "max_tokens", "max_completion_tokens", "response_format", "return_token_ids")
 
 
 def _text(content: Any, where: str) -> Any:

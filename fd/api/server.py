@@ -408,7 +408,7 @@ class Api:
                 Accepted(request_id=rid, api=self.cfg.api_id, prompt_tokens=len(gen.prompt_token_ids),
                          endpoint=endpoint, model=gen.model, created=created,
                          include_usage=gen.include_usage, continuous_usage=gen.continuous_usage or None,
-                         **gen.rendering(), **_echo(gen, 0)))
+                         **gen.rendering(), **gen.prompt_ids_field(gen.prompt_token_ids), **_echo(gen, 0)))
             renderer = self._renderer(rid, endpoint, gen.model, created, len(gen.prompt_token_ids),
                                       gen.include_usage, gen.continuous_usage)
             timing = _Timing(self.metrics, arrival)
@@ -453,7 +453,7 @@ class Api:
                           prompt_token_ids=prompt, sampling=sp, arrival_ts=int(now * 1000),
                           model=gen.model, api=self.cfg.api_id, background=gen.background, parent=rid)),
                       Accepted(request_id=c, parent=rid, index=k, prompt_tokens=len(prompt), **common,
-                               **_echo(gen, k // gen.n)))
+                               **gen.prompt_ids_field(prompt), **_echo(gen, k // gen.n)))
                      for k, (c, (prompt, sp)) in enumerate(zip(ids, plan))]
             parent = Accepted(request_id=rid, choices=len(ids), n=gen.n, prompt_tokens=n_prompt, **common)
             if not await self.bus.submit_choices(parent, items):
