@@ -93,6 +93,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # vLLM's allowed_token_ids: only these may be sampled (empty: any).
     allowed_token_ids: tuple[int, ...] = ()
+    # vLLM's bad_words, as token id sequences (the API tokenizes the words): the last token of
+    # one may not come where it would complete it.
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -107,13 +110,13 @@ class SamplingParams:
     def needs_history(self) -> bool:
         """The runner needs the request's output so far: for penalties, or to bring a guided
         request's grammar to where its output stands (after a preemption, on another engine)."""
-        return self.penalized or bool(self.guided)
+        return self.penalized or bool(self.guided) or bool(self.bad_words_ids)
 
     @property
     def plain(self) -> bool:
         """Nothing but the logits decides a greedy pick (the runner's fast path)."""
         return not (self.penalized or self.logit_bias or self.min_tokens or self.guided
-                    or self.allowed_token_ids)
+                    or self.allowed_token_ids or self.bad_words_ids)
 
     def to_dict(self) -> dict[str, Any]:
         # (not dataclasses.asdict: its deep copy of nine plain values was ~10 µs of every
@@ -123,6 +126,7 @@ class SamplingParams:
         d["stop_token_ids"] = list(self.stop_token_ids)
         d["logit_bias"] = [list(pair) for pair in self.logit_bias]
         d["allowed_token_ids"] = list(self.allowed_token_ids)
+        d["bad_words_ids"] = [list(w) for w in self.bad_words_ids]
         # Written only when asked for: an engine of a release before them refuses a request
         # with fields it does not know (a dead letter), and in a rolling upgrade it must still
         # take every request that does not use them.
@@ -198,6 +202,12 @@ class SamplingParams:
                 parse(kw["guided"])
             except GuidedError as e:
                 raise BadEvent(f"sampling.guided: {e}", "data") from None
+        if "bad_words_ids" in kw:
+            words = kw["bad_words_ids"] or ()
+            if not (isinstance(words, (list, tuple)) and all(
+                    isinstance(w, (list, tuple)) and w and all(is_int(t) and t >= 0 for t in w) for w in words)):
+                raise bad("bad_words_ids", "a list of non-empty token id lists")
+            kw["bad_words_ids"] = tuple(tuple(w) for w in words)
         for name in ("stop_token_ids", "allowed_token_ids"):
             if name in kw:
                 ids = kw[name] or ()
@@ -212,7 +222,7 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
 # fields added after the first release: on the wire only when set
 _OPTIONAL_NAMES = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
                    "min_p", "min_tokens", "logprobs", "prompt_logprobs", "guided", "skip_special_tokens",
-                   "allowed_token_ids")
+                   "allowed_token_ids", "bad_words_ids")
 _SAMPLING_FIELDS = frozenset(_SAMPLING_NAMES)
 
 

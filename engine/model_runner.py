@@ -104,7 +104,8 @@ class ModelRunner:
                     rows[i][~allowed] = -np.inf
             tokens = self.sampler.sample(rows, [s.sampling for s in sampled],
                                          [s.num_generated for s in sampled],
-                                         [self._seen(s) if s.sampling.penalized else None
+                                         [self._seen(s) if s.sampling.penalized or s.sampling.bad_words_ids
+                                          else None
                                           for s in sampled])
         if guided or self._guides is not None:
             for i in guided:

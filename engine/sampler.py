@@ -52,6 +52,12 @@ def adjust(logits: np.ndarray, sp: SamplingParams, num_generated: int,
     x = logits.astype(np.float64) if seen is None else apply_penalties(logits, sp, *seen)
     for token, bias in sp.logit_bias:
         x[token] += bias
+    if sp.bad_words_ids and seen is not None:
+        out = tuple(seen[1])
+        for w in sp.bad_words_ids:  # the word's last token, where it would complete the word
+            k = len(w) - 1
+            if k == 0 or (len(out) >= k and out[-k:] == w[:-1]):
+                x[w[-1]] = -np.inf
     if sp.allowed_token_ids:
         keep = x[list(sp.allowed_token_ids)]
         x[:] = -np.inf

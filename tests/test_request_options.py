@@ -249,3 +249,37 @@ async def test_return_token_ids(openai_client, tiny_runner, tiny_tokenizer):
             assert await r.read() == original and b'"prompt_token_ids":[30,31,32]' in original
     status, out = await _post(f"{api.url}/v1/completions", {"prompt": "x", "return_token_ids": "yes"})
     assert status == 400 and out["error"]["param"] == "return_token_ids"
+
+
+def test_a_bad_words_last_token_is_banned_only_where_it_completes_it():
+    import numpy as np
+
+    from engine.sampler import adjust
+
+    sp = SamplingParams(bad_words_ids=((5,), (7, 8)))
+    row = np.zeros(16, dtype=np.float32)
+    x = adjust(row, sp, 2, ((), (3, 7)), ())
+    assert x[5] == -np.inf and x[8] == -np.inf and np.isfinite(x[7])
+    x = adjust(row, sp, 2, ((), (7, 3)), ())
+    assert x[5] == -np.inf and np.isfinite(x[8])
+
+
+async def test_bad_words_through_the_api(openai_client, tiny_runner, tiny_tokenizer):
+    api, oa = openai_client
+    prompt = [40, 41, 42]
+    free = _greedy(tiny_runner, tiny_tokenizer, prompt, 10).token_ids
+    word = next(tiny_tokenizer.decode([t]) for t in free
+                if tiny_tokenizer.decode([t]).strip()
+                and tiny_tokenizer.encode(tiny_tokenizer.decode([t]), add_special_tokens=False) == [t])
+    seqs = [tuple(tiny_tokenizer.encode(w, add_special_tokens=False)) for w in (word, " " + word)]
+    c = await oa.completions.create(model=api.cfg.model_name, prompt=prompt, max_tokens=10, temperature=0,
+                                    extra_body={"bad_words": [word], "ignore_eos": True, "return_token_ids": True})
+    out = c.choices[0].model_extra["token_ids"]
+    assert out != free
+    for seq in seqs:  # no window of the output is a bad word
+        assert all(tuple(out[i:i + len(seq)]) != seq for i in range(len(out))), (seq, out)
+    for bad in ("x", [1], ["ok"] * 65):
+        status, body = await _post(f"{api.url}/v1/completions", {"prompt": "x", "bad_words": bad})
+        assert status == 400 and body["error"]["param"] == "bad_words", (bad, body)
+    assert SamplingParams.from_dict(SamplingParams(bad_words_ids=((1, 2),)).to_dict()).bad_words_ids == ((1, 2),)
+    assert "bad_words_ids" not in SamplingParams().to_dict()

@@ -623,7 +623,7 @@ def parse_chat(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Generati
         ids = ids[-keep:]
     if not ids:
         raise bad_request("The prompt is empty.", "messages", "invalid_value")
-    sampling = _sampling(body, len(ids), limits, None, logprobs)
+    sampling = _with_bad_words(body, _sampling(body, len(ids), limits, None, logprobs), tokenizer)
     scored = _prompt_scores(body, stream)
     if scored is not None:
         sampling = dataclasses.replace(sampling, prompt_logprobs=scored)
@@ -787,7 +787,8 @@ def parse_completion(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Ge
                           "invalid_value")
     stream, include_usage, continuous = _stream_opts(body)
     background = _background(body)
-    sampling = _sampling(body, max(map(len, prompts)), limits, limits.default_max_tokens, logprobs)
+    sampling = _with_bad_words(body, _sampling(body, max(map(len, prompts)), limits,
+                                               limits.default_max_tokens, logprobs), tokenizer)
     scored = _prompt_scores(body, stream)
     if scored is not None:
         if echo:
@@ -834,6 +835,27 @@ def _truncation(body: dict, limits: Limits) -> int | None:
         raise bad_request(f"'truncate_prompt_tokens' ({k}) is more than the model's context "
                           f"({limits.max_model_len} tokens).", "truncate_prompt_tokens", "invalid_value")
     return k
+
+
+MAX_BAD_WORDS = 64
+
+
+def _with_bad_words(body: dict, sampling: SamplingParams, tokenizer: TokenizerLike) -> SamplingParams:
+    """vLLM's ``bad_words``: each word as its tokens, alone and after a space (as it is
+    written at the start of a text and within one), for the engine to keep from completing."""
+    words = _opt(body, "bad_words", lambda v: isinstance(v, list) and all(isinstance(w, str) for w in v),
+                 "a list of strings", None)
+    if not words:
+        return sampling
+    if len(words) > MAX_BAD_WORDS:
+        raise bad_request(f"At most {MAX_BAD_WORDS} bad words.", "bad_words", "invalid_value")
+    seqs: list[tuple[int, ...]] = []
+    for w in words:
+        for text in (w, " " + w):
+            ids = tuple(tokenizer.encode(text, add_special_tokens=False)) if w.strip() else ()
+            if ids and ids not in seqs:
+                seqs.append(ids)
+    return dataclasses.replace(sampling, bad_words_ids=tuple(seqs)) if seqs else sampling
 
 
 def _tokens_as_ids(body: dict) -> bool:
