@@ -86,6 +86,28 @@ def _add_max_model_len(p: argparse.ArgumentParser) -> None:
                         "and fd engine must be given the same")
 
 
+def _json_list(text: str) -> list[str]:
+    """A flag given as vLLM takes it: a JSON list of strings (``'["https://a.example"]'``)."""
+    try:
+        value = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        raise argparse.ArgumentTypeError(f"not a JSON list: {text!r}") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"not a JSON list of strings: {text!r}")
+    return value
+
+
+def _add_http_args(p: argparse.ArgumentParser) -> None:
+    """Who may call the API node: keys, and (vLLM's flags and defaults) CORS."""
+    p.add_argument("--api-key", default=os.environ.get("FD_API_KEY"))
+    p.add_argument("--admin-key", default=os.environ.get("FD_ADMIN_KEY"))
+    p.add_argument("--allowed-origins", type=_json_list, default=["*"],
+                   help='origins a browser page may call the API from, a JSON list (default ["*"])')
+    p.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS methods (JSON list)")
+    p.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS headers (JSON list)")
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+
+
 def _add_served_name(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="the model name(s) requests use (default: the model dir's name); "
@@ -167,12 +189,16 @@ def _runner(args: argparse.Namespace, model_dir: Path):
 def _api_opts(args: argparse.Namespace, model_dir: Path):
     from fd.compose import ApiOptions
 
+    from fd.api.cors import Cors
+
     return ApiOptions(model_dir=str(model_dir), host=args.host, port=args.port,
                       served_model_name=args.served_model_name, api_key=args.api_key,
                       admin_key=args.admin_key, tool_parser=args.tool_call_parser,
                       max_model_len=args.max_model_len, chat_template=args.chat_template,
                       generation_config=args.generation_config,
-                      reasoning_parser=args.reasoning_parser)
+                      reasoning_parser=args.reasoning_parser,
+                      cors=Cors(tuple(args.allowed_origins), tuple(args.allowed_methods),
+                                tuple(args.allowed_headers), args.allow_credentials))
 
 
 def _add_tool_args(p: argparse.ArgumentParser) -> None:
@@ -460,8 +486,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--embedded-port", type=int, default=0, help="port of the embedded Redis (0: free)")
     _add_served_name(s)
     _add_chat_args(s)
-    s.add_argument("--api-key", default=os.environ.get("FD_API_KEY"))
-    s.add_argument("--admin-key", default=os.environ.get("FD_ADMIN_KEY"))
+    _add_http_args(s)
     _add_tool_args(s)
     s.add_argument("--fifo-loop", action="store_true",
                    help="run the shared event loop in plain arrival order (by default the "
@@ -477,8 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_served_name(a)
     _add_max_model_len(a)
     _add_chat_args(a)
-    a.add_argument("--api-key", default=os.environ.get("FD_API_KEY"))
-    a.add_argument("--admin-key", default=os.environ.get("FD_ADMIN_KEY"))
+    _add_http_args(a)
     _add_tool_args(a)
 
     e = sub.add_parser("engine", help="an engine node against --redis-url")

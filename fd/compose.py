@@ -11,13 +11,14 @@ import json
 import logging
 import secrets
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from control.bus import Bus, StreamMux
 from control.keys import Keys
 from control.metrics import Metrics
+from fd.api.cors import Cors
 
 log = logging.getLogger("fd.api")
 
@@ -65,6 +66,7 @@ class ApiOptions:
     # vLLM's --generation-config: "auto" (the model dir's generation_config.json), "vllm"
     # (none: fd's own defaults), or another dir holding one
     generation_config: str = "auto"
+    cors: Cors | None = field(default_factory=Cors)  # vLLM's --allowed-origins etc. (fd.api.cors)
 
 
 @dataclass
@@ -261,7 +263,7 @@ async def start_api(redis_factory: Callable[[], Any], keys: Keys, opts: ApiOptio
                     max_model_len=served_context(opts.max_model_len, tokenizer.max_model_len),
                     api_key=opts.api_key, admin_key=opts.admin_key, tool_parser=opts.tool_parser,
                     sampling_defaults=defaults, max_output_tokens=cap,
-                    reasoning_parser=opts.reasoning_parser)
+                    reasoning_parser=opts.reasoning_parser, cors=opts.cors)
     metrics = metrics if metrics is not None else Metrics()
     mux = StreamMux(redis_factory(), keys, cfg.api_id)
     await mux.start()

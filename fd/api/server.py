@@ -40,6 +40,7 @@ from control.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from control.metrics import Metrics
 from fd.api import openapi, protocol, sse
 from fd.api.cancellation import Cancellation, watch_of
+from fd.api.cors import Cors
 from fd.api.errors import ApiError, bad_request, conflict, not_found, too_large, unauthorized, unavailable
 from fd.api.responses import ResponsesRenderer, input_items, output_as_input
 from fd.api.responses import parse as parse_responses
@@ -75,6 +76,7 @@ class ApiConfig:
     max_output_tokens: int | None = None
     reasoning_parser: str | None = None  # vLLM's --reasoning-parser NAME (fd.api.reasoning)
     model_aliases: tuple[str, ...] = ()  # --served-model-name's names after the first
+    cors: Cors | None = field(default_factory=Cors)  # vLLM's --allowed-origins etc.; None: no CORS
 
 
 API_KEY = web.AppKey("fd.api", object)
@@ -83,6 +85,7 @@ IGNORED_NAMES = 256  # distinct ignored request fields remembered, each said onc
 REDIS_SUSPECT_S = 30.0  # after a Redis error, check with a quick ping before each new request
 REDIS_PING_TIMEOUT_S = 0.5
 ADMIN_PATHS = ("/v1/abort_requests",)
+CORS_REFUSED = web.RequestKey("fd.cors_refused", bool)
 RID = web.RequestKey("fd.rid", str)  # the request id, echoed in X-Request-Id even on errors
 
 
@@ -130,6 +133,32 @@ def _json(body: Any, status: int = 200, headers: dict | None = None) -> web.Resp
 def _error_response(err: ApiError, request: web.Request) -> web.Response:
     rid = request.get(RID)
     return _json(err.body(), err.status, {"X-Request-Id": rid} if rid else None)
+
+
+def _preflight(cors: Cors):
+    """A browser's CORS preflight, answered before the key check and the router (it carries
+    no key, and asks of routes that take no OPTIONS)."""
+    @web.middleware
+    async def preflight(request: web.Request, handler):
+        origin = request.headers.get("Origin")
+        method = request.headers.get("Access-Control-Request-Method")
+        if request.method != "OPTIONS" or origin is None or method is None:
+            return await handler(request)
+        headers = cors.preflight_headers(origin, method, request.headers.get("Access-Control-Request-Headers"))
+        if headers is None:
+            request[CORS_REFUSED] = True  # (its answer says nothing a page could read)
+            return _json(bad_request("Disallowed CORS request (origin, method or header).").body(), 400)
+        return web.Response(status=200, headers=headers)
+    return preflight
+
+
+def _cors_headers(cors: Cors):
+    async def on_prepare(request: web.Request, response: web.StreamResponse) -> None:
+        if request.get(CORS_REFUSED):
+            return
+        for name, value in cors.response_headers(request.headers.get("Origin")).items():
+            response.headers.setdefault(name, value)
+    return on_prepare
 
 
 @web.middleware
@@ -931,8 +960,13 @@ def make_app(cfg: ApiConfig, bus: Bus, mux: StreamMux, tokenizer, metrics: Metri
     its request is still queued; it is set here, on the app, so every runner gets it.
     """
     api = Api(cfg, bus, mux, tokenizer, metrics)
-    app = web.Application(middlewares=[_errors, api.auth], client_max_size=cfg.max_body_bytes + 1,
+    middlewares = [_errors, api.auth]
+    if cfg.cors is not None:
+        middlewares.insert(0, _preflight(cfg.cors))
+    app = web.Application(middlewares=middlewares, client_max_size=cfg.max_body_bytes + 1,
                           handler_args={"handler_cancellation": True})
+    if cfg.cors is not None:
+        app.on_response_prepare.append(_cors_headers(cfg.cors))
     app[API_KEY] = api
     generating = {"/v1/chat/completions": api.chat, "/v1/completions": api.completions,
                   "/v1/responses": api.responses}
