@@ -45,6 +45,8 @@ def _add_engine_args(p: argparse.ArgumentParser, worker_cpus: str = "none") -> N
     p.add_argument("--device", default="cpu", help="cpu | gpu | gpu:N")
     p.add_argument("--engine-id", default=None)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0,
+                   help="the sampler's seed for requests that give none (vLLM's; default 0)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from --kv-cache-mb)")
     p.add_argument("--kv-cache-mb", type=int, default=256)
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -172,7 +174,7 @@ def _engine_opts(args: argparse.Namespace, model_dir: Path):
                          enable_prefix_caching=not args.no_enable_prefix_caching,
                          max_model_len=args.max_model_len,
                          executor=args.executor if args.executor != "timed" else "paddle",
-                         worker_cpus=args.worker_cpus)
+                         worker_cpus=args.worker_cpus, seed=args.seed)
 
 
 def _runner(args: argparse.Namespace, model_dir: Path):

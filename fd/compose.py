@@ -41,6 +41,9 @@ class EngineOptions:
     executor: str = "paddle"
     # Where the model worker runs (engine/affinity.py): "auto", a CPU list, or "none".
     worker_cpus: str = "none"
+    # vLLM's --seed: where the sampler's random stream starts, for requests that give no seed
+    # (a request's own seed draws from a stream of its own, engine or not)
+    seed: int = 0
     journal: bool = True  # one P:journal:<engine> entry per step, for `fd replay`
     async_scheduling: bool = True  # decide step N+1 while step N runs
     enable_prefix_caching: bool = True  # reuse the KV of prompt prefixes computed before
@@ -129,7 +132,7 @@ def _no_retries(client):
 
 def make_runner(opts: EngineOptions, progress: bool = True):
     kw = dict(device=opts.device, num_blocks=opts.num_blocks, block_size=opts.block_size,
-              kv_cache_bytes=opts.kv_cache_mb << 20, progress=progress)
+              kv_cache_bytes=opts.kv_cache_mb << 20, progress=progress, seed=opts.seed)
     if opts.executor == "paddle":
         from engine import affinity
         from engine.worker import ProcessRunner

@@ -269,3 +269,27 @@ async def test_several_served_model_names(embedded_redis, keys, tiny_model_dir, 
         await client.close()
         await api.stop()
         await eng.stop()
+
+
+def test_seed_starts_the_samplers_stream_for_unseeded_requests(tiny_model_dir):
+    """vLLM's --seed: two engines with the same seed sample an unseeded request alike, with
+    another seed not (a request's own seed is its own stream either way)."""
+    from engine.llm import LLM
+    from fd.cli import _engine_opts, build_parser
+    from fd.compose import make_runner
+
+    args = build_parser().parse_args(["serve", "--seed", "7", "--executor", "paddle"])
+    assert _engine_opts(args, tiny_model_dir).seed == 7
+
+    def sample(seed: int, sp: SamplingParams) -> list[list[int]]:
+        opts = _engine_opts(build_parser().parse_args(["serve", "--seed", str(seed)]), tiny_model_dir)
+        opts.executor, opts.num_blocks = "paddle-thread", 64
+        runner = make_runner(opts, progress=False)
+        from control.tokenizer import Tokenizer
+        return [g.token_ids for g in LLM(runner, Tokenizer.from_dir(str(tiny_model_dir))).generate(
+            [[20, 21, 22], [30, 31]], sp)]
+
+    free = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    assert sample(1, free) == sample(1, free) != sample(2, free)
+    own = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=5)
+    assert sample(1, own) == sample(2, own)
