@@ -156,6 +156,11 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_strs(self, ids: Sequence[int]) -> list[str]:
+        """The vocabulary's own pieces of ``ids`` (``Ġthe``, ``<|im_end|>``), as transformers'
+        ``convert_ids_to_tokens`` gives them: vLLM's /tokenize ``return_token_strs``."""
+        return [self._tok.id_to_token(int(t)) or "" for t in ids]
+
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special_ids
 

@@ -283,3 +283,13 @@ async def test_bad_words_through_the_api(openai_client, tiny_runner, tiny_tokeni
         assert status == 400 and body["error"]["param"] == "bad_words", (bad, body)
     assert SamplingParams.from_dict(SamplingParams(bad_words_ids=((1, 2),)).to_dict()).bad_words_ids == ((1, 2),)
     assert "bad_words_ids" not in SamplingParams().to_dict()
+
+
+async def test_tokenize_returns_the_vocabularys_pieces_when_asked(openai_client, tiny_tokenizer):
+    api, _ = openai_client
+    status, body = await _post(f"{api.url}/tokenize", {"prompt": "Hello world", "return_token_strs": True})
+    assert status == 200 and len(body["token_strs"]) == body["count"]
+    assert body["token_strs"] == [tiny_tokenizer._tok.id_to_token(t) for t in body["tokens"]]
+    assert "".join(body["token_strs"]).replace("\u0120", " ").endswith("world")
+    status, body = await _post(f"{api.url}/tokenize", {"prompt": "Hello"})
+    assert "token_strs" not in body

@@ -391,7 +391,9 @@ def build(model_name: str, max_model_len: int, max_body_bytes: int,
                         "model": {"type": "string", "nullable": True, "enum": [model_name, *aliases]},
                         "prompt": {"type": "string"},
                         "messages": {"type": "array", "minItems": 1, "items": _ref("ChatMessage")},
-                        **_chat_rendering_props()}}}}},
+                        **_chat_rendering_props(),
+                        "return_token_strs": {**_NULLABLE_BOOL, "description": "the vocabulary's "
+                                                                               "pieces too (token_strs)"}}}}}},
                 "responses": {"200": {"description": "{count, max_model_len, tokens}"}, "400": _ERRORS["400"]}}},
             "/detokenize": {"post": {
                 "summary": "vLLM's: token ids as text (no auth)", "security": [],

@@ -923,8 +923,12 @@ class Api:
         raise not_found(f"The model '{name}' does not exist.", "model", "model_not_found")
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        ids = protocol.parse_tokenize(await self._body(request), self.limits, self.tokenizer)
-        return _json({"count": len(ids), "max_model_len": self.cfg.max_model_len, "tokens": list(ids)})
+        body = await self._body(request)
+        ids = protocol.parse_tokenize(body, self.limits, self.tokenizer)
+        out = {"count": len(ids), "max_model_len": self.cfg.max_model_len, "tokens": list(ids)}
+        if protocol._opt(body, "return_token_strs", protocol._is_bool, "a boolean", False):
+            out["token_strs"] = self.tokenizer.token_strs(ids)  # (vLLM's)
+        return _json(out)
 
     async def detokenize(self, request: web.Request) -> web.Response:
         ids = protocol.parse_detokenize(await self._body(request), self.limits)
