@@ -380,3 +380,47 @@ async def test_llama3_json_calls_through_the_api(real_bus):
         chunks = [orjson.loads(d) for _, d in parse_sse(await resp.read())[:-1]]
         texts = [c["choices"][0]["delta"].get("content") for c in chunks if c["choices"]]
         assert "".join(t or "" for t in texts) == "Sunny today." and "Sunny" in texts
+
+
+# ----------------------------------------------------------------------------- pythonic
+
+PY = ('[get_weather(city="Par', 'is"), get_time()]')
+
+
+@pytest.mark.parametrize("text,want", [
+    ("".join(PY), ("", [ToolCall("get_weather", '{"city": "Paris"}'), ToolCall("get_time", "{}")])),
+    ('<|python_start|>[f(a=1, b=[1, 2], c={"k": None})]<|python_end|>',
+     ("", [ToolCall("f", '{"a": 1, "b": [1, 2], "c": {"k": null}}')])),
+    ("The weather is fine.", ("The weather is fine.", [])),
+    ("[1, 2, 3]", ("[1, 2, 3]", [])),  # a list, but not of calls
+    ('[f(x)]', ('[f(x)]', [])),  # a positional argument: not a call fd can name
+    ('[f(a=open("x"))]', ('[f(a=open("x"))]', [])),  # not a literal: never run
+    ('[f(a=1)', ('[f(a=1)', [])),  # cut short
+    ('[f(a={1, 2})]', ('[f(a={1, 2})]', [])),  # no JSON for a set
+    ('<|python_st', ('<|python_st', [])),
+])
+def test_pythonic_reads_an_answer_that_is_a_list_of_calls(text, want):
+    from fd.api.tool_calls import PythonicParser
+
+    assert parse_all(text, "pythonic") == want
+    for cuts in itertools.combinations(range(1, len(text)), min(2, max(0, len(text) - 1))):
+        p = PythonicParser()
+        pieces = [text[a:b] for a, b in zip((0, *cuts), (*cuts, len(text)))]
+        items = [x for piece in pieces for x in p.feed(piece)] + p.finish()
+        got = ("".join(x for x in items if isinstance(x, str)), [x for x in items if isinstance(x, ToolCall)])
+        assert got == want, pieces
+
+
+async def test_pythonic_calls_through_the_api(real_bus):
+    async with setup(real_bus, FakeEngine(real_bus, words=PY), tool_parser="pythonic") as client:
+        resp = await client.post("/v1/chat/completions", json={**CHAT, "stream": True},
+                                 headers={"X-Request-Id": "py1"})
+        original = await resp.read()
+        got = _accumulate([orjson.loads(d) for _, d in parse_sse(original)[:-1]])
+        assert got == {0: {"content": "", "finish_reason": "tool_calls", "calls": {
+            0: {"id": call_id("py1", 0, 0), "name": "get_weather", "arguments": '{"city": "Paris"}'},
+            1: {"id": call_id("py1", 0, 1), "name": "get_time", "arguments": "{}"}}}}
+        assert await (await client.get("/v1/requests/py1/stream")).read() == original
+    from fd.cli import build_parser
+    assert build_parser().parse_args(["serve", "--enable-auto-tool-choice",
+                                      "--tool-call-parser", "pythonic"]).tool_call_parser == "pythonic"

@@ -1,5 +1,5 @@
-"""Tool calls in a chat model's text: what vLLM's ``--tool-call-parser hermes`` and
-``llama3_json`` read.
+"""Tool calls in a chat model's text: what vLLM's ``--tool-call-parser hermes``,
+``llama3_json`` and ``pythonic`` read.
 
 Hermes-format models (Qwen 2.5 and 3, Hermes 2 and 3, and others trained on it) answer a tool
 call as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number of them, with
@@ -23,15 +23,17 @@ ends, then goes out as its calls, or, if it does not parse as calls, as content.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 from dataclasses import dataclass
 
 import orjson
 
-PARSERS = ("hermes", "llama3_json")  # the names --tool-call-parser takes
+PARSERS = ("hermes", "llama3_json", "pythonic")  # the names --tool-call-parser takes
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +131,13 @@ class HermesParser:
             out.append(call)
 
 
-class Llama3JsonParser:
+class _WholeAnswerParser:
+    """An answer that is nothing but its calls, told by how it begins: held until it ends,
+    then its calls (or, if it does not parse as calls, its text); any other answer streams as
+    content."""
+
+    STARTS: tuple[str, ...] = ()
+
     def __init__(self) -> None:
         self._buf = ""
         self._mode: str | None = None  # "content" or "calls", once the answer's start says
@@ -140,9 +148,9 @@ class Llama3JsonParser:
         self._buf += text
         if self._mode is None:
             start = self._buf.lstrip()
-            if not start or (len(start) < len(PYTHON_TAG) and PYTHON_TAG.startswith(start)):
+            if not start or any(len(start) < len(s) and s.startswith(start) for s in self.STARTS):
                 return []  # not yet known
-            if start.startswith((PYTHON_TAG, "{")):
+            if start.startswith(self.STARTS):
                 self._mode = "calls"
                 return []
             self._mode = "content"
@@ -153,10 +161,63 @@ class Llama3JsonParser:
     def finish(self) -> list[str | ToolCall]:
         text, self._buf = self._buf, ""
         if self._mode == "calls":
-            calls = _json_calls(text)
+            calls = self.calls_of(text)
             if calls:
                 return list(calls)
         return [text] if text else []
+
+    @staticmethod
+    def calls_of(text: str) -> list[ToolCall] | None:
+        raise NotImplementedError
+
+
+class Llama3JsonParser(_WholeAnswerParser):
+    STARTS = (PYTHON_TAG, "{")
+
+    @staticmethod
+    def calls_of(text: str) -> list[ToolCall] | None:
+        return _json_calls(text)
+
+
+class PythonicParser(_WholeAnswerParser):
+    """vLLM's ``pythonic`` (Llama 3.2 and 4, and others): the answer is a Python list of calls,
+    ``[get_weather(city="Paris"), get_time()]``, keyword arguments with literal values (Llama
+    4 wraps it in ``<|python_start|>`` ... ``<|python_end|>``)."""
+
+    STARTS = (PYTHON_START, "[")
+
+    @staticmethod
+    def calls_of(text: str) -> list[ToolCall] | None:
+        return _pythonic_calls(text)
+
+
+def _pythonic_calls(text: str) -> list[ToolCall] | None:
+    """``[f(a=1), g()]`` as calls; None if it is not that (read by ``ast``, never run)."""
+    text = text.strip()
+    if text.startswith(PYTHON_START):
+        text = text[len(PYTHON_START):]
+    if text.endswith(PYTHON_END):
+        text = text[:-len(PYTHON_END)]
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except (SyntaxError, ValueError):
+        return None
+    if not isinstance(tree.body, ast.List) or not tree.body.elts:
+        return None
+    calls = []
+    for node in tree.body.elts:
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args
+                and all(k.arg is not None for k in node.keywords)):
+            return None
+        try:
+            args = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+        except (ValueError, SyntaxError, TypeError):
+            return None
+        try:
+            calls.append(ToolCall(node.func.id, json.dumps(args, ensure_ascii=False)))
+        except TypeError:  # (a literal JSON has no form for: a set, bytes, a complex number)
+            return None
+    return calls
 
 
 def _json_calls(text: str) -> list[ToolCall] | None:
@@ -181,10 +242,12 @@ def _json_calls(text: str) -> list[ToolCall] | None:
         calls.append(call)
 
 
-def make_parser(name: str) -> HermesParser | Llama3JsonParser:
+def make_parser(name: str) -> HermesParser | _WholeAnswerParser:
     """The parser ``--tool-call-parser name`` names."""
     if name == "llama3_json":
         return Llama3JsonParser()
+    if name == "pythonic":
+        return PythonicParser()
     if name == "hermes":
         return HermesParser()
     raise ValueError(f"unknown tool-call parser {name!r}: one of {', '.join(PARSERS)}")
