@@ -349,27 +349,37 @@ LLAMA = ('<|python_', 'tag|>{"name": "get_weather", ', '"parameters": {"city": "
     ('<|pyth', ('<|pyth', [])),
 ])
 def test_llama3_json_reads_an_answer_that_is_the_calls(text, want):
-    from fd.api.tool_calls import Llama3JsonParser
+    _same_parse_at_every_cut(text, "llama3_json", want)
 
-    assert parse_all(text, "llama3_json") == want
+
+def _same_parse_at_every_cut(text: str, name: str, want) -> None:
+    """The whole text's parse, and the same however it is cut in three deltas."""
+    from fd.api.tool_calls import make_parser
+
+    assert parse_all(text, name) == want
     for cuts in itertools.combinations(range(1, len(text)), min(2, max(0, len(text) - 1))):
-        p = Llama3JsonParser()
+        p = make_parser(name)
         pieces = [text[a:b] for a, b in zip((0, *cuts), (*cuts, len(text)))]
         items = [x for piece in pieces for x in p.feed(piece)] + p.finish()
         got = ("".join(x for x in items if isinstance(x, str)), [x for x in items if isinstance(x, ToolCall)])
         assert got == want, pieces
 
 
+async def _two_calls_streamed_and_replayed(client, rid: str) -> None:
+    """The scripted answer's two calls (get_weather for Paris, get_time), streamed as
+    tool_calls, and replayed byte for byte."""
+    resp = await client.post("/v1/chat/completions", json={**CHAT, "stream": True}, headers={"X-Request-Id": rid})
+    original = await resp.read()
+    got = _accumulate([orjson.loads(d) for _, d in parse_sse(original)[:-1]])
+    assert got == {0: {"content": "", "finish_reason": "tool_calls", "calls": {
+        0: {"id": call_id(rid, 0, 0), "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        1: {"id": call_id(rid, 0, 1), "name": "get_time", "arguments": "{}"}}}}
+    assert await (await client.get(f"/v1/requests/{rid}/stream")).read() == original
+
+
 async def test_llama3_json_calls_through_the_api(real_bus):
     async with setup(real_bus, FakeEngine(real_bus, words=LLAMA), tool_parser="llama3_json") as client:
-        resp = await client.post("/v1/chat/completions", json={**CHAT, "stream": True},
-                                 headers={"X-Request-Id": "ll1"})
-        original = await resp.read()
-        got = _accumulate([orjson.loads(d) for _, d in parse_sse(original)[:-1]])
-        assert got == {0: {"content": "", "finish_reason": "tool_calls", "calls": {
-            0: {"id": call_id("ll1", 0, 0), "name": "get_weather", "arguments": '{"city": "Paris"}'},
-            1: {"id": call_id("ll1", 0, 1), "name": "get_time", "arguments": "{}"}}}}
-        assert await (await client.get("/v1/requests/ll1/stream")).read() == original
+        await _two_calls_streamed_and_replayed(client, "ll1")
         body = await (await client.post("/v1/chat/completions", json=CHAT)).json()
         message = body["choices"][0]["message"]
         assert message["content"] is None and [c["function"]["name"] for c in message["tool_calls"]] == [
@@ -400,27 +410,12 @@ PY = ('[get_weather(city="Par', 'is"), get_time()]')
     ('<|python_st', ('<|python_st', [])),
 ])
 def test_pythonic_reads_an_answer_that_is_a_list_of_calls(text, want):
-    from fd.api.tool_calls import PythonicParser
-
-    assert parse_all(text, "pythonic") == want
-    for cuts in itertools.combinations(range(1, len(text)), min(2, max(0, len(text) - 1))):
-        p = PythonicParser()
-        pieces = [text[a:b] for a, b in zip((0, *cuts), (*cuts, len(text)))]
-        items = [x for piece in pieces for x in p.feed(piece)] + p.finish()
-        got = ("".join(x for x in items if isinstance(x, str)), [x for x in items if isinstance(x, ToolCall)])
-        assert got == want, pieces
+    _same_parse_at_every_cut(text, "pythonic", want)
 
 
 async def test_pythonic_calls_through_the_api(real_bus):
     async with setup(real_bus, FakeEngine(real_bus, words=PY), tool_parser="pythonic") as client:
-        resp = await client.post("/v1/chat/completions", json={**CHAT, "stream": True},
-                                 headers={"X-Request-Id": "py1"})
-        original = await resp.read()
-        got = _accumulate([orjson.loads(d) for _, d in parse_sse(original)[:-1]])
-        assert got == {0: {"content": "", "finish_reason": "tool_calls", "calls": {
-            0: {"id": call_id("py1", 0, 0), "name": "get_weather", "arguments": '{"city": "Paris"}'},
-            1: {"id": call_id("py1", 0, 1), "name": "get_time", "arguments": "{}"}}}}
-        assert await (await client.get("/v1/requests/py1/stream")).read() == original
+        await _two_calls_streamed_and_replayed(client, "py1")
     from fd.cli import build_parser
     assert build_parser().parse_args(["serve", "--enable-auto-tool-choice",
                                       "--tool-call-parser", "pythonic"]).tool_call_parser == "pythonic"
