@@ -360,3 +360,20 @@ async def test_a_call_and_its_output_go_on_from_a_stored_response(openai_client,
     async with aiohttp.ClientSession() as s:
         async with s.post(f"{api.url}/tokenize", json=chat) as t:
             assert r2.usage.input_tokens == len((await t.json())["tokens"])
+
+
+async def test_background_is_answered_at_once_and_polled(openai_client):
+    """OpenAI's background mode: the create call answers queued at once; the response runs on
+    and is polled with retrieve."""
+    import asyncio
+
+    api, oa = openai_client
+    r = await oa.responses.create(model=api.cfg.model_name, input="Go", max_output_tokens=40,
+                                  background=True, extra_body={"ignore_eos": True})
+    assert r.status == "queued" and r.output == []
+    for _ in range(200):
+        r = await oa.responses.retrieve(r.id)
+        if r.status not in ("queued", "in_progress"):
+            break
+        await asyncio.sleep(0.02)
+    assert r.status == "incomplete" and r.usage.output_tokens == 40 and r.output_text

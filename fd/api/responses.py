@@ -422,6 +422,10 @@ class ResponsesRenderer:
         self._finish()
         return self._response(self._status(final), final)
 
+    def queued(self) -> dict:
+        """The Response a background request is answered with at once (OpenAI's)."""
+        return self._response("queued")
+
     def snapshot(self, final: Final | None) -> dict:
         """The Response object as it stands (OpenAI's retrieve): in progress with the items
         finished so far, or as it ended (a failed one too, with its error)."""

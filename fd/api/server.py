@@ -30,6 +30,7 @@ from control.events import (
     Abort,
     AbortAll,
     Accepted,
+    Claimed,
     Final,
     Request,
     RequestData,
@@ -443,6 +444,10 @@ class Api:
             timing = _Timing(self.metrics, arrival)
             if gen.stream:
                 return await self._stream(request, rid, self._events(sub), renderer, timing)
+            if gen.background and isinstance(renderer, ResponsesRenderer):
+                # OpenAI's background mode: answered at once, queued; the client polls
+                # GET /v1/responses/<id> (or streams it from there)
+                return _json(renderer.queued(), headers={"X-Request-Id": rid})
             return await self._collect(rid, sub, renderer, timing, watch)
         finally:
             await sub.close()
@@ -785,15 +790,17 @@ class Api:
 
     def _snapshot(self, rid: str, history: list) -> dict:
         r = self._response_renderer(rid, history[0][1])
-        final = None
+        final, started = None, False
         for _eid, ev in history:
             if isinstance(ev, Accepted):
                 r.accept(ev)
             elif isinstance(ev, Tokens):
                 r.add_tokens(ev.text, len(ev.token_ids))
+            elif isinstance(ev, Claimed):
+                started = True
             elif isinstance(ev, Final):
                 final = ev
-        return r.snapshot(final)
+        return r.snapshot(final) if final is not None or started else r.queued()
 
     async def get_response(self, request: web.Request) -> web.StreamResponse:
         """``GET /v1/responses/{id}`` (OpenAI's retrieve): the Response as it stands; with
