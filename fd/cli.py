@@ -110,6 +110,14 @@ def _add_http_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
 
 
+def _add_response_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's server-wide defaults for what an answer shows."""
+    p.add_argument("--enable-force-include-usage", action="store_true",
+                   help="every stream ends with its usage chunk, asked for or not")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help='log-probabilities name their tokens "token_id:<id>" unless a request says otherwise')
+
+
 def _add_served_name(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="the model name(s) requests use (default: the model dir's name); "
@@ -200,7 +208,9 @@ def _api_opts(args: argparse.Namespace, model_dir: Path):
                       generation_config=args.generation_config,
                       reasoning_parser=args.reasoning_parser,
                       cors=Cors(tuple(args.allowed_origins), tuple(args.allowed_methods),
-                                tuple(args.allowed_headers), args.allow_credentials))
+                                tuple(args.allowed_headers), args.allow_credentials),
+                      force_include_usage=args.enable_force_include_usage,
+                      tokens_as_ids=args.return_tokens_as_token_ids)
 
 
 def _add_tool_args(p: argparse.ArgumentParser) -> None:
@@ -488,6 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--embedded-port", type=int, default=0, help="port of the embedded Redis (0: free)")
     _add_served_name(s)
     _add_chat_args(s)
+    _add_response_args(s)
     _add_http_args(s)
     _add_tool_args(s)
     s.add_argument("--fifo-loop", action="store_true",
@@ -504,6 +515,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_served_name(a)
     _add_max_model_len(a)
     _add_chat_args(a)
+    _add_response_args(a)
     _add_http_args(a)
     _add_tool_args(a)
 

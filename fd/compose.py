@@ -70,6 +70,8 @@ class ApiOptions:
     # (none: fd's own defaults), or another dir holding one
     generation_config: str = "auto"
     cors: Cors | None = field(default_factory=Cors)  # vLLM's --allowed-origins etc. (fd.api.cors)
+    force_include_usage: bool = False  # vLLM's --enable-force-include-usage
+    tokens_as_ids: bool = False  # vLLM's --return-tokens-as-token-ids
 
 
 @dataclass
@@ -266,7 +268,8 @@ async def start_api(redis_factory: Callable[[], Any], keys: Keys, opts: ApiOptio
                     max_model_len=served_context(opts.max_model_len, tokenizer.max_model_len),
                     api_key=opts.api_key, admin_key=opts.admin_key, tool_parser=opts.tool_parser,
                     sampling_defaults=defaults, max_output_tokens=cap,
-                    reasoning_parser=opts.reasoning_parser, cors=opts.cors)
+                    reasoning_parser=opts.reasoning_parser, cors=opts.cors,
+                    force_include_usage=opts.force_include_usage, tokens_as_ids=opts.tokens_as_ids)
     metrics = metrics if metrics is not None else Metrics()
     mux = StreamMux(redis_factory(), keys, cfg.api_id)
     await mux.start()

@@ -293,3 +293,31 @@ def test_seed_starts_the_samplers_stream_for_unseeded_requests(tiny_model_dir):
     assert sample(1, free) == sample(1, free) != sample(2, free)
     own = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=5)
     assert sample(1, own) == sample(2, own)
+
+
+async def test_server_wide_usage_and_token_id_defaults(embedded_redis, keys, tiny_model_dir, tiny_runner,
+                                                       tiny_tokenizer):
+    """vLLM's --enable-force-include-usage (every stream ends with its usage) and
+    --return-tokens-as-token-ids (unless a request says otherwise)."""
+    from fd.cli import _api_opts, build_parser
+
+    args = build_parser().parse_args(["serve", "--enable-force-include-usage", "--return-tokens-as-token-ids"])
+    opts = _api_opts(args, tiny_model_dir)
+    assert opts.force_include_usage and opts.tokens_as_ids
+    api, eng = await _serve(embedded_redis, keys, tiny_model_dir, tiny_runner, tiny_tokenizer,
+                            force_include_usage=True, tokens_as_ids=True)
+    client = openai.AsyncOpenAI(base_url=f"{api.url}/v1", api_key="none", max_retries=0)
+    try:
+        stream = await client.completions.create(model=api.cfg.model_name, prompt="Hi", max_tokens=3,
+                                                 stream=True, logprobs=0)
+        chunks = [c async for c in stream]
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
+        named = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+        assert len(named) == 3 and all(t.startswith("token_id:") for t in named)
+        c = await client.completions.create(model=api.cfg.model_name, prompt="Hi", max_tokens=2, logprobs=0,
+                                            extra_body={"return_tokens_as_token_ids": False})
+        assert not any(t.startswith("token_id:") for t in c.choices[0].logprobs.tokens)
+    finally:
+        await client.close()
+        await api.stop()
+        await eng.stop()

@@ -54,6 +54,10 @@ class Limits:
     reasoning_parser: str | None = None  # --reasoning-parser (fd.api.reasoning)
     # --served-model-name's other names: a request may use any, the answer says model_name
     model_aliases: tuple[str, ...] = ()
+    # vLLM's server-wide defaults: --enable-force-include-usage (every stream ends with its
+    # usage chunk) and --return-tokens-as-token-ids (unless a request says otherwise)
+    force_include_usage: bool = False
+    tokens_as_ids: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,7 +220,7 @@ def _choices(body: dict) -> int:
     return n
 
 
-def _stream_opts(body: dict) -> tuple[bool, bool, bool]:
+def _stream_opts(body: dict, limits: Limits | None = None) -> tuple[bool, bool, bool]:
     """``stream``, ``stream_options.include_usage``, and vLLM's
     ``stream_options.continuous_usage_stats`` (usage on every chunk; with include_usage only,
     as in vLLM)."""
@@ -238,6 +242,8 @@ def _stream_opts(body: dict) -> tuple[bool, bool, bool]:
             raise bad_request("'stream_options.continuous_usage_stats' must be a boolean.",
                               "stream_options.continuous_usage_stats", "invalid_type")
         continuous = include_usage and bool(cu)
+    if stream and limits is not None and limits.force_include_usage:
+        include_usage = True
     return stream, include_usage, continuous
 
 
@@ -615,7 +621,7 @@ def parse_chat(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Generati
         raise bad_request("'top_logprobs' needs 'logprobs': true.", "top_logprobs", "invalid_value")
     logprobs = _top_logprobs(top or 0, "top_logprobs") if want else None
     messages = parse_messages(body)
-    stream, include_usage, continuous = _stream_opts(body)
+    stream, include_usage, continuous = _stream_opts(body, limits)
     background = _background(body)
     ids = _chat_ids(messages, tokenizer, _chat_rendering(body, messages), tools, _template_kwargs(body))
     keep = _truncation(body, limits)
@@ -653,7 +659,7 @@ def parse_chat(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Generati
     return GenerationRequest("chat", model, ids, sampling, stream, include_usage, background, continuous,
                              _choices(body), tool_parser=parser, reasoning_parser=reasoning,
                              include_reasoning=_opt(body, "include_reasoning", _is_bool, "a boolean", True),
-                             tokens_as_ids=_tokens_as_ids(body), prompt_logprobs=scored,
+                             tokens_as_ids=_tokens_as_ids(body, limits), prompt_logprobs=scored,
                              return_token_ids=_opt(body, "return_token_ids", _is_bool, "a boolean", False))
 
 
@@ -785,7 +791,7 @@ def parse_completion(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Ge
     if len(prompts) * n > MAX_BATCH:
         raise bad_request(f"At most {MAX_BATCH} choices a request (prompts times n).", "prompt",
                           "invalid_value")
-    stream, include_usage, continuous = _stream_opts(body)
+    stream, include_usage, continuous = _stream_opts(body, limits)
     background = _background(body)
     sampling = _with_bad_words(body, _sampling(body, max(map(len, prompts)), limits,
                                                limits.default_max_tokens, logprobs), tokenizer)
@@ -804,7 +810,7 @@ def parse_completion(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Ge
             sampling = dataclasses.replace(sampling, prompt_logprobs=logprobs)
     return GenerationRequest("completion", model, prompts[0], sampling, stream, include_usage, background,
                              continuous, n, prompts if len(prompts) > 1 else (), echo_texts, echo_only,
-                             tokens_as_ids=_tokens_as_ids(body), prompt_logprobs=scored,
+                             tokens_as_ids=_tokens_as_ids(body, limits), prompt_logprobs=scored,
                              return_token_ids=_opt(body, "return_token_ids", _is_bool, "a boolean", False))
 
 
@@ -858,8 +864,8 @@ def _with_bad_words(body: dict, sampling: SamplingParams, tokenizer: TokenizerLi
     return dataclasses.replace(sampling, bad_words_ids=tuple(seqs)) if seqs else sampling
 
 
-def _tokens_as_ids(body: dict) -> bool:
-    return _opt(body, "return_tokens_as_token_ids", _is_bool, "a boolean", False)
+def _tokens_as_ids(body: dict, limits: Limits) -> bool:
+    return _opt(body, "return_tokens_as_token_ids", _is_bool, "a boolean", limits.tokens_as_ids)
 
 
 def _decode(ids: tuple[int, ...], tokenizer: Any) -> str:

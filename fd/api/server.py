@@ -78,6 +78,8 @@ class ApiConfig:
     reasoning_parser: str | None = None  # vLLM's --reasoning-parser NAME (fd.api.reasoning)
     model_aliases: tuple[str, ...] = ()  # --served-model-name's names after the first
     cors: Cors | None = field(default_factory=Cors)  # vLLM's --allowed-origins etc.; None: no CORS
+    force_include_usage: bool = False  # vLLM's --enable-force-include-usage
+    tokens_as_ids: bool = False  # vLLM's --return-tokens-as-token-ids
 
 
 API_KEY = web.AppKey("fd.api", object)
@@ -248,7 +250,8 @@ class Api:
                                       cfg.default_max_tokens, getattr(tokenizer, "vocab_size", None),
                                       cfg.tool_parser, dict(cfg.sampling_defaults),
                                       cfg.max_output_tokens, cfg.reasoning_parser,
-                                      tuple(cfg.model_aliases))
+                                      tuple(cfg.model_aliases), cfg.force_include_usage,
+                                      cfg.tokens_as_ids)
         self.cancellation = Cancellation(self._abort_on_disconnect, self._notice_disconnect)
         self._noticed: dict[str, Abort] = {}  # disconnect aborts told in-process, not yet published
         self.started = int(time.time())
