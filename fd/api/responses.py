@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Callable
+from typing import Any
 
 from control.events import Final
 from fd.api import protocol
@@ -195,7 +195,7 @@ def parse(body: protocol.Body | dict, limits: Limits, tokenizer: TokenizerLike) 
     return dataclasses.replace(gen, endpoint="responses")
 
 
-_STATUS = {"stop": "completed", "tool_calls": "completed", "length": "incomplete", "abort": "cancelled"}
+_STATUS = {"stop": "completed", "length": "incomplete", "abort": "cancelled"}
 
 
 class ResponsesRenderer:
@@ -209,8 +209,7 @@ class ResponsesRenderer:
     structured = True  # (the server takes token_chunks, not a pre-serialised token chunk)
     named_events = True
 
-    def __init__(self, request_id: str, model: str, created: int, prompt_tokens: int,
-                 token_bytes: Callable[[int], bytes] | None = None) -> None:
+    def __init__(self, request_id: str, model: str, created: int, prompt_tokens: int) -> None:
         self.rid = request_id
         self.model = model
         self.created = created

@@ -574,7 +574,7 @@ class Api:
                   include_usage: bool, continuous_usage: bool) -> protocol.Renderer | ResponsesRenderer:
         """What renders a request's events, by the endpoint its ``accepted`` event names."""
         if endpoint == "responses":
-            return ResponsesRenderer(rid, model, created, prompt_tokens, self._token_bytes)
+            return ResponsesRenderer(rid, model, created, prompt_tokens)
         return protocol.Renderer(rid, endpoint, model, created, prompt_tokens, include_usage,
                                  self._token_bytes, continuous_usage)
 
@@ -789,7 +789,7 @@ class Api:
         return rid, history
 
     def _response_renderer(self, rid: str, first: Accepted) -> ResponsesRenderer:
-        return ResponsesRenderer(rid, first.model, first.created, first.prompt_tokens, self._token_bytes)
+        return ResponsesRenderer(rid, first.model, first.created, first.prompt_tokens)
 
     def _snapshot(self, rid: str, history: list) -> dict:
         r = self._response_renderer(rid, history[0][1])
