@@ -81,6 +81,56 @@ def _add_engine_args(p: argparse.ArgumentParser, worker_cpus: str = "none") -> N
                         "the rest back to other engines")
 
 
+def _add_vllm_compat_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's command line, so a ``vllm serve`` line runs here: the model as the first
+    argument, and the flags that mean nothing for fd taken and said so at start (never
+    silently): see :func:`vllm_compat`."""
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model dir, as `vllm serve MODEL` takes it (the same as --model)")
+    p.add_argument("--dtype", choices=("auto", "float32"), default="auto",
+                   help="fd runs models in float32 (bf16 and fp16 checkpoints are widened)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="1: an engine runs its model on one device (scale with more engines)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="taken and ignored: fd runs no code from a model dir")
+    p.add_argument("--enforce-eager", action="store_true", help="taken and ignored: fd has no graphs")
+    p.add_argument("--enable-chunked-prefill", action="store_true",
+                   help="taken and ignored: prompts are always chunked")
+    p.add_argument("--enable-prefix-caching", action="store_true",
+                   help="taken: prefix caching is on by default (--no-enable-prefix-caching)")
+    p.add_argument("--disable-log-requests", action="store_true",
+                   help="taken and ignored: fd does not log requests' contents")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="on a CPU, taken and ignored (the KV cache is --kv-cache-mb); on a GPU, "
+                        "not supported: give --kv-cache-mb")
+
+
+def vllm_compat(args: argparse.Namespace) -> list[str]:
+    """What a vLLM command line's flags come to here: raises SystemExit for one fd cannot
+    honour, returns the notes for those it takes and ignores (logged at start)."""
+    tag = getattr(args, "model_tag", None)
+    if tag is not None:
+        if args.model is not None and args.model != tag:
+            raise SystemExit(f"error: the model is given twice: {tag} and --model {args.model}")
+        args.model = tag
+    if getattr(args, "tensor_parallel_size", 1) != 1:
+        raise SystemExit("error: --tensor-parallel-size: an fd engine runs its model on one device; "
+                         "run more engines to scale out")
+    if getattr(args, "enable_prefix_caching", False) and args.no_enable_prefix_caching:
+        raise SystemExit("error: --enable-prefix-caching and --no-enable-prefix-caching together")
+    notes = [f"--{name.replace('_', '-')} ({why})" for name, why in (
+        ("trust_remote_code", "fd runs no code from a model dir"),
+        ("enforce_eager", "fd has no graphs to capture"),
+        ("enable_chunked_prefill", "prompts are always chunked"),
+        ("disable_log_requests", "fd does not log requests' contents")) if getattr(args, name, False)]
+    if getattr(args, "gpu_memory_utilization", None) is not None:
+        if args.device != "cpu":
+            raise SystemExit("error: --gpu-memory-utilization is not supported: size the KV cache "
+                             "with --kv-cache-mb")
+        notes.append("--gpu-memory-utilization (a CPU: the KV cache is --kv-cache-mb)")
+    return notes
+
+
 def _add_max_model_len(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="the longest prompt + output a request may have, in tokens (default: "
@@ -492,6 +542,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="API + engine + embedded control plane in one process")
     _add_redis_args(s)
     _add_engine_args(s, worker_cpus="auto")  # (one engine by construction: no CPU to share)
+    _add_vllm_compat_args(s)
     _add_log_args(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
@@ -522,6 +573,7 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("engine", help="an engine node against --redis-url")
     _add_redis_args(e)
     _add_engine_args(e)
+    _add_vllm_compat_args(e)
     _add_log_args(e)
 
     ab = sub.add_parser("abort", help="abort requests by id, or --all")
@@ -581,6 +633,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return export_main(argv[2:])
     args = build_parser().parse_args(argv)
+    compat_notes = vllm_compat(args) if args.cmd in ("serve", "engine") else []
     if args.cmd in ("serve", "engine"):
         # The model step runs in a worker thread beside the event loop. Its many short paddle
         # ops each re-take the GIL; at Python's default 5 ms switch interval the loop's I/O keeps
@@ -599,6 +652,8 @@ def main(argv: list[str] | None = None) -> int:
 
     setup_logging(getattr(args, "log_level", "warning") if hasattr(args, "log_level") else "warning",
                   getattr(args, "log_format", "text"))
+    if compat_notes:
+        logging.getLogger("fd").info("vLLM flags taken and ignored: %s", "; ".join(compat_notes))
     if args.cmd == "make-tiny-model":
         return _make_tiny(args)
     global _USER_ERRORS

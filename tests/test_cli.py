@@ -307,3 +307,28 @@ async def test_servers_run_full_collections_on_a_timer_not_on_heap_growth():
             cli._gc_task.cancel()
         gc.unfreeze()
         gc.set_threshold(*before)
+
+
+def test_a_vllm_command_line_runs_here():
+    """`vllm serve MODEL` with the flags people paste: the model as the first argument, flags
+    that mean nothing here taken and named at start, the ones fd cannot honour refused."""
+    from fd.cli import build_parser, vllm_compat
+
+    args = build_parser().parse_args(
+        ["serve", "/models/qwen", "--trust-remote-code", "--dtype", "auto", "-tp", "1", "--enforce-eager",
+         "--enable-chunked-prefill", "--enable-prefix-caching", "--gpu-memory-utilization", "0.9",
+         "--disable-log-requests", "--port", "8001"])
+    notes = vllm_compat(args)
+    assert args.model == "/models/qwen" and args.port == 8001
+    assert [n.split(" ")[0] for n in notes] == ["--trust-remote-code", "--enforce-eager",
+                                                "--enable-chunked-prefill", "--disable-log-requests",
+                                                "--gpu-memory-utilization"]
+    assert vllm_compat(build_parser().parse_args(["serve"])) == []  # (nothing pasted: nothing said)
+    for argv, says in ((["serve", "-tp", "2"], "one device"),
+                       (["serve", "m1", "--model", "m2"], "given twice"),
+                       (["serve", "--enable-prefix-caching", "--no-enable-prefix-caching"], "together"),
+                       (["engine", "--device", "gpu", "--gpu-memory-utilization", "0.9"], "--kv-cache-mb")):
+        with pytest.raises(SystemExit, match=says):
+            vllm_compat(build_parser().parse_args(argv))
+    with pytest.raises(SystemExit):  # fd runs float32: argparse names the choices
+        build_parser().parse_args(["serve", "--dtype", "bfloat16"])
