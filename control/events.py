@@ -241,6 +241,9 @@ class RequestData:
     #: even when no handler is left to do it (a ``background`` response whose client went).
     #: Only written when set; an engine of an earlier release ignores it.
     parent: str = ""
+    #: vLLM's priority (lower runs first), for an engine with --scheduling-policy priority; the
+    #: rest take requests in arrival order. Only written when not 0.
+    priority: int = 0
 
     def to_json(self) -> dict[str, Any]:
         d = {
@@ -253,6 +256,8 @@ class RequestData:
         }
         if self.parent:
             d["parent"] = self.parent
+        if self.priority:
+            d["priority"] = self.priority
         return d
 
     @classmethod
@@ -272,6 +277,9 @@ class RequestData:
         arrival = d.get("arrival_ts") or 0
         if not isinstance(arrival, int) or isinstance(arrival, bool):
             raise BadEvent("arrival_ts must be an integer (ms)", "data")
+        priority = d.get("priority") or 0
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise BadEvent("priority must be an integer", "data")
         return cls(
             prompt_token_ids=tuple(ids),
             sampling=sp,
@@ -280,6 +288,7 @@ class RequestData:
             api=str(d.get("api") or ""),
             background=bool(d.get("background", False)),
             parent=str(d.get("parent") or ""),
+            priority=priority,
         )
 
 

@@ -34,6 +34,10 @@ class SchedulerConfig:
     # already computed (vLLM's automatic prefix caching; engine.block_manager). Off here, so a
     # bare scheduler's arithmetic is the plain one; the engine turns it on unless told not to.
     enable_prefix_caching: bool = False
+    # vLLM's --scheduling-policy: "fcfs" (arrival order) or "priority": waiting requests start
+    # by (priority, arrival), lower first, and the running request preempted first is the one
+    # with the greatest (priority, arrival). An older journal, without it, replays fcfs.
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
@@ -45,6 +49,8 @@ class SchedulerConfig:
         if self.max_steps_in_flight not in (1, 2):
             raise ValueError("SchedulerConfig.max_steps_in_flight must be 1 or 2 (a placeholder "
                              "stands only for the token of the step just before)")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError("SchedulerConfig.scheduling_policy must be fcfs or priority")
         if self.long_prefill_threshold < 0:
             raise ValueError("SchedulerConfig.long_prefill_threshold must be >= 0")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

@@ -131,6 +131,7 @@ class EngineConfig:
     async_scheduling: bool = True
     # Reuse the KV of prompt prefixes computed before (engine.block_manager); vLLM's default.
     enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"  # vLLM's --scheduling-policy (SchedulerConfig)
     # --- faults
     max_attempts: int = 3  # engines a request may fail on before it ends with an error
     drain_timeout_s: float = 30.0  # running requests get this long to finish on a drain
@@ -173,6 +174,7 @@ class EngineNode:
             vocab_size=int(getattr(runner, "vocab_size", 0) or 0),
             max_steps_in_flight=2 if cfg.async_scheduling else 1,
             enable_prefix_caching=cfg.enable_prefix_caching,
+            scheduling_policy=cfg.scheduling_policy,
         )), self.id, enabled=cfg.journal, clock=time.time)
         context, kv = self.sched.config.max_model_len, runner.num_blocks * cfg.block_size
         if kv < context:  # (vLLM refuses to start; here such a request ends early instead)

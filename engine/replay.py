@@ -512,7 +512,7 @@ def _request_data(d: dict[str, Any]) -> RequestData:
                        sampling=SamplingParams.from_dict(d.get("sampling") or {}),
                        arrival_ts=int(d.get("arrival_ts") or 0), model=str(d.get("model") or ""),
                        api=str(d.get("api") or ""), background=bool(d.get("background", False)),
-                       parent=str(d.get("parent") or ""))
+                       parent=str(d.get("parent") or ""), priority=int(d.get("priority") or 0))
 
 
 class _Replayer:

@@ -49,6 +49,7 @@ class Scheduler:
         self.blocks = BlockManager(config.num_blocks, config.block_size)
         self._seqs: dict[str, Sequence] = {}  # every unfinished request, in arrival order
         self._waiting: deque[Sequence] = deque()
+        self._by_priority = config.scheduling_policy == "priority"
         self._running: list[Sequence] = []  # sorted by arrival: the last is preempted first
         self._in_flight: deque[SchedulerOutput] = deque()  # oldest first
         self._in_flight_ids: dict[str, int] = {}  # request id -> in-flight steps holding it
@@ -191,7 +192,8 @@ class Scheduler:
             events.append(Final(request_id=request_id, finish_reason="error", usage=usage,
                                 error=error))
             return events
-        seq = Sequence(request_id, tuple(data.prompt_token_ids), data.sampling, self._arrivals)
+        seq = Sequence(request_id, tuple(data.prompt_token_ids), data.sampling, self._arrivals,
+                       data.priority)
         self._arrivals += 1
         if generated:
             seq.token_ids.extend(int(t) for t in generated)
@@ -207,7 +209,7 @@ class Scheduler:
                                     usage=seq.usage(), stop_reason=stop_reason))
                 return events
         self._seqs[request_id] = seq
-        self._waiting.append(seq)
+        self._wait(seq)
         return events
 
     # ------------------------------------------------------------------ aborts
@@ -369,7 +371,7 @@ class Scheduler:
                 seq.num_cached_tokens = seq.num_computed_tokens
             self.blocks.ensure(seq.request_id, seq.num_computed_tokens + n)
             seq.status = Status.RUNNING
-            bisect.insort(self._running, seq, key=lambda s: s.arrival)
+            bisect.insort(self._running, seq, key=self._order)
             batch.append((seq, n))
             scheduled[seq.request_id] = None
             budget -= n
@@ -536,13 +538,31 @@ class Scheduler:
                               discarded_tokens=seq.num_discarded))
         self._release(seq, "abort", None, events, step)
 
+    def _order(self, seq: Sequence) -> tuple[int, int]:
+        """Who starts first and is preempted last: by arrival, or with the priority policy by
+        (priority, arrival)."""
+        return (seq.priority if self._by_priority else 0, seq.arrival)
+
+    def _wait(self, seq: Sequence) -> None:
+        """Into the waiting queue: at its end (fcfs: the newest arrival), or in its place by
+        :meth:`_order`."""
+        if not self._by_priority:
+            self._waiting.append(seq)
+            return
+        key = self._order(seq)
+        at = next((i for i, s in enumerate(self._waiting) if self._order(s) > key), len(self._waiting))
+        self._waiting.insert(at, seq)
+
     def _preempt(self, seq: Sequence, step: int) -> None:
         count = self.blocks.free(seq.request_id) if self.blocks.owns(seq.request_id) else 0
         self._running.remove(seq)
         seq.status = Status.WAITING
         seq.num_computed_tokens = seq.num_registered = 0
         seq.num_preemptions += 1
-        self._waiting.appendleft(seq)  # victims go latest-first, so the front stays FCFS
+        if self._by_priority:
+            self._wait(seq)
+        else:
+            self._waiting.appendleft(seq)  # victims go latest-first, so the front stays FCFS
         self._pending.append(Preempted(request_id=seq.request_id, count=count, step=step))
 
     def _finish_reason(self, seq: Sequence, token: int, stop_string: str | None):

@@ -32,12 +32,13 @@ class Sequence:
     __slots__ = ("request_id", "arrival", "sampling", "num_prompt_tokens", "token_ids",
                  "num_computed_tokens", "status", "aborting", "num_preemptions",
                  "num_in_flight", "num_pending", "finishing", "num_discarded", "block_hashes",
-                 "num_registered", "num_cached_tokens")
+                 "num_registered", "num_cached_tokens", "priority")
 
     def __init__(self, request_id: str, prompt_token_ids: tuple[int, ...],
-                 sampling: SamplingParams, arrival: int):
+                 sampling: SamplingParams, arrival: int, priority: int = 0):
         self.request_id = request_id
         self.arrival = arrival  # admission order: FCFS priority, and who gets preempted first
+        self.priority = priority  # (only with the priority policy: lower first, then arrival)
         self.sampling = sampling
         self.num_prompt_tokens = len(prompt_token_ids)
         self.token_ids: list[int] = list(prompt_token_ids)

@@ -72,6 +72,7 @@ def _add_engine_args(p: argparse.ArgumentParser, worker_cpus: str = "none") -> N
     p.add_argument("--no-enable-prefix-caching", action="store_true",
                    help="compute every prompt in full (by default full KV blocks of prompt "
                         "prefixes computed before are reused, as vLLM's prefix caching)")
+    _add_scheduling_policy(p)
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="decide each step only after the last one's results are in (by default "
                         "step N+1 is decided while step N runs, so the model never waits for "
@@ -129,6 +130,13 @@ def vllm_compat(args: argparse.Namespace) -> list[str]:
                              "with --kv-cache-mb")
         notes.append("--gpu-memory-utilization (a CPU: the KV cache is --kv-cache-mb)")
     return notes
+
+
+def _add_scheduling_policy(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="fcfs: requests start in arrival order; priority: by the request's "
+                        "`priority` (lower first), then arrival, and the lowest is preempted "
+                        "first (vLLM's). fd serve, fd api and fd engine must be given the same")
 
 
 def _add_max_model_len(p: argparse.ArgumentParser) -> None:
@@ -232,7 +240,8 @@ def _engine_opts(args: argparse.Namespace, model_dir: Path):
                          enable_prefix_caching=not args.no_enable_prefix_caching,
                          max_model_len=args.max_model_len,
                          executor=args.executor if args.executor != "timed" else "paddle",
-                         worker_cpus=args.worker_cpus, seed=args.seed)
+                         worker_cpus=args.worker_cpus, seed=args.seed,
+                         scheduling_policy=args.scheduling_policy)
 
 
 def _runner(args: argparse.Namespace, model_dir: Path):
@@ -260,7 +269,8 @@ def _api_opts(args: argparse.Namespace, model_dir: Path):
                       cors=Cors(tuple(args.allowed_origins), tuple(args.allowed_methods),
                                 tuple(args.allowed_headers), args.allow_credentials),
                       force_include_usage=args.enable_force_include_usage,
-                      tokens_as_ids=args.return_tokens_as_token_ids)
+                      tokens_as_ids=args.return_tokens_as_token_ids,
+                      priority_scheduling=args.scheduling_policy == "priority")
 
 
 def _add_tool_args(p: argparse.ArgumentParser) -> None:
@@ -565,6 +575,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--port", type=int, default=8000)
     _add_served_name(a)
     _add_max_model_len(a)
+    _add_scheduling_policy(a)
     _add_chat_args(a)
     _add_response_args(a)
     _add_http_args(a)

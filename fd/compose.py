@@ -47,6 +47,7 @@ class EngineOptions:
     journal: bool = True  # one P:journal:<engine> entry per step, for `fd replay`
     async_scheduling: bool = True  # decide step N+1 while step N runs
     enable_prefix_caching: bool = True  # reuse the KV of prompt prefixes computed before
+    scheduling_policy: str = "fcfs"  # vLLM's --scheduling-policy: fcfs or priority
     journal_maxlen: int = 10_000  # entries kept (MAXLEN ~)
     max_model_len: int | None = None  # prompt + output; None: the model's own
 
@@ -72,6 +73,7 @@ class ApiOptions:
     cors: Cors | None = field(default_factory=Cors)  # vLLM's --allowed-origins etc. (fd.api.cors)
     force_include_usage: bool = False  # vLLM's --enable-force-include-usage
     tokens_as_ids: bool = False  # vLLM's --return-tokens-as-token-ids
+    priority_scheduling: bool = False  # --scheduling-policy priority: requests may carry a priority
 
 
 @dataclass
@@ -171,7 +173,8 @@ async def start_engine(redis_factory: Callable[[], Any], keys: Keys, opts: Engin
     kw = dict(max_attempts=opts.max_attempts, drain_timeout_s=opts.drain_timeout_s,
               request_timeout_s=opts.request_timeout_s, journal=opts.journal,
               async_scheduling=opts.async_scheduling,
-              enable_prefix_caching=opts.enable_prefix_caching, max_model_len=opts.max_model_len)
+              enable_prefix_caching=opts.enable_prefix_caching, max_model_len=opts.max_model_len,
+              scheduling_policy=opts.scheduling_policy)
     kw.update(node_kw)
     cfg = EngineConfig(engine_id=engine_id, block_size=opts.block_size,
                        max_num_seqs=opts.max_num_seqs,
@@ -269,7 +272,8 @@ async def start_api(redis_factory: Callable[[], Any], keys: Keys, opts: ApiOptio
                     api_key=opts.api_key, admin_key=opts.admin_key, tool_parser=opts.tool_parser,
                     sampling_defaults=defaults, max_output_tokens=cap,
                     reasoning_parser=opts.reasoning_parser, cors=opts.cors,
-                    force_include_usage=opts.force_include_usage, tokens_as_ids=opts.tokens_as_ids)
+                    force_include_usage=opts.force_include_usage, tokens_as_ids=opts.tokens_as_ids,
+                    priority_scheduling=opts.priority_scheduling)
     metrics = metrics if metrics is not None else Metrics()
     mux = StreamMux(redis_factory(), keys, cfg.api_id)
     await mux.start()

@@ -458,7 +458,7 @@ def test_openapi_document_is_served_and_schema_bodies_are_accepted(harness):
             assert status == 400 and (out["code"] == "context_length_exceeded" or out["param"] in (
                 "stream_options", "top_logprobs", "min_tokens", "logit_bias", "best_of", "tool_choice",
                 "response_format", "guided_regex", "guided_choice", "continue_final_message",
-                "prompt_logprobs", "allowed_token_ids")
+                "prompt_logprobs", "allowed_token_ids", "priority")
                 or str(out["param"]).endswith(".tool_calls")), (body, out)
 
     one()

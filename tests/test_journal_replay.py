@@ -484,3 +484,28 @@ def test_shared_prefixes_give_the_same_tokens_and_replay_clean(async_, tmp_path)
     report = replay(cached.entries)
     assert report.divergence is None, report.divergence.describe()
     assert report.violations == []
+
+
+def test_a_priority_policy_replays_clean(tmp_path):
+    """The policy is in the journal's config and each request's priority in its data: the
+    log replays to the same decisions, preemptions by priority included."""
+    cfg = dataclasses.replace(CFG, num_blocks=8, scheduling_policy="priority")
+    run = Run(Scheduler(cfg), "eng-prio")
+    for i, p in enumerate((3, 0, 2, 0, 1)):
+        run.call("add", f"r{i}", RequestData(prompt_token_ids=tuple(range(20 * i, 20 * i + 6)),
+                                             sampling=SamplingParams(max_tokens=10), priority=p))
+        run.step()
+    for _ in range(200):
+        if not run.rec.has_work():
+            break
+        run.step()
+    assert any(isinstance(e, Preempted) for e in run.events)
+    starts = [e.request_id for e in run.events if isinstance(e, Tokens)]
+    assert list(dict.fromkeys(starts))[:2] == ["r0", "r1"]  # (r0 ran alone before r1 came)
+    assert run.entries[0].config["scheduling_policy"] == "priority"
+    report = replay(run.entries)
+    assert report.divergence is None, report.divergence.describe()
+    assert report.violations == []
+    tampered = [dataclasses.replace(run.entries[0], config={**run.entries[0].config, "scheduling_policy": "fcfs"}),
+                *run.entries[1:]]
+    assert replay(tampered).divergence is not None  # (the policy is what decided)

@@ -612,3 +612,41 @@ def test_a_preempted_request_takes_its_own_cached_blocks_back():
     assert resumed is not None and resumed % 4 == 0  # its recompute began after cached blocks
     assert s.num_free_blocks == s.num_total_blocks
     s.blocks.check()
+
+
+# --------------------------------------------------------------------------- priority
+
+
+def _prio(n, priority, max_tokens=4, start=10):
+    d = req(n, max_tokens=max_tokens, start=start)
+    return RequestData(prompt_token_ids=d.prompt_token_ids, sampling=d.sampling, priority=priority)
+
+
+@pytest.mark.parametrize("policy,order", [("fcfs", ["a", "b", "c"]), ("priority", ["b", "c", "a"])])
+def test_the_policy_says_who_starts_first(policy, order):
+    """vLLM's --scheduling-policy: fcfs starts requests in arrival order; priority by
+    (priority, arrival), lower first (each finishing before the next: one slot)."""
+    sched, runner = make(max_num_seqs=1, scheduling_policy=policy)
+    for rid, p in (("a", 5), ("b", 0), ("c", 1)):
+        sched.add(rid, _prio(4, p, start=10 + 10 * ord(rid)))
+    evs = run_all(sched, runner)
+    firsts = [e.request_id for e in evs if isinstance(e, Tokens)]
+    assert list(dict.fromkeys(firsts)) == order
+    for rid in "abc":
+        assert final_of(evs, rid).finish_reason == "length"
+    assert sched.num_free_blocks == sched.num_total_blocks
+
+
+@pytest.mark.parametrize("policy,victim", [("fcfs", "b"), ("priority", "a")])
+def test_the_policy_says_who_is_preempted_first(policy, victim):
+    """Out of blocks, fcfs preempts the latest arrival; priority the greatest (priority,
+    arrival): here the earlier request with the lower priority. Tokens stay the reference's."""
+    sched, runner = make(num_blocks=4, block_size=4, scheduling_policy=policy)
+    sched.add("a", _prio(5, 9, max_tokens=10))
+    sched.add("b", _prio(5, 0, max_tokens=10, start=40))
+    evs = run_all(sched, runner)
+    preempted = [e.request_id for e in evs if isinstance(e, Preempted)]
+    assert preempted and preempted[0] == victim
+    assert tokens_of(evs, "a") == reference(range(10, 15), 10)
+    assert tokens_of(evs, "b") == reference(range(40, 45), 10)
+    assert sched.num_free_blocks == sched.num_total_blocks

@@ -24,10 +24,10 @@ CONTEXT = 64
 
 
 async def _serve(embedded_redis, keys, tiny_model_dir, tiny_runner, tiny_tokenizer, *,
-                 engine_max: int | None = None, **api_kw):
+                 engine_max: int | None = None, policy: str = "fcfs", **api_kw):
     eng = await start_engine(embedded_redis.client, keys,
                              EngineOptions(model_dir=str(tiny_model_dir), engine_id="e-opts",
-                                           max_model_len=engine_max),
+                                           max_model_len=engine_max, scheduling_policy=policy),
                              runner=tiny_runner, tokenizer=tiny_tokenizer)
     api = await start_api(embedded_redis.client, keys, ApiOptions(model_dir=str(tiny_model_dir), **api_kw),
                           tokenizer=tiny_tokenizer)
@@ -319,5 +319,37 @@ async def test_server_wide_usage_and_token_id_defaults(embedded_redis, keys, tin
         assert not any(t.startswith("token_id:") for t in c.choices[0].logprobs.tokens)
     finally:
         await client.close()
+        await api.stop()
+        await eng.stop()
+
+
+async def test_scheduling_policy_priority(embedded_redis, keys, tiny_model_dir, tiny_runner, tiny_tokenizer):
+    """vLLM's --scheduling-policy priority: the API takes a request's `priority` and the
+    engine's scheduler orders by it (tests/test_scheduler.py); the request event and the
+    journal carry it, so a replay decides the same."""
+    from fd.cli import _api_opts, _engine_opts, build_parser
+
+    args = build_parser().parse_args(["serve", "--scheduling-policy", "priority"])
+    assert _api_opts(args, tiny_model_dir).priority_scheduling
+    assert _engine_opts(args, tiny_model_dir).scheduling_policy == "priority"
+    assert build_parser().parse_args(["api", "--scheduling-policy", "priority"]).scheduling_policy == "priority"
+    api, eng = await _serve(embedded_redis, keys, tiny_model_dir, tiny_runner, tiny_tokenizer,
+                            policy="priority", priority_scheduling=True)
+    try:
+        assert eng.node.sched.config.scheduling_policy == "priority"
+        status, body = await _post(f"{api.url}/v1/completions", {"prompt": "Hi", "max_tokens": 2, "priority": -3})
+        assert status == 200, body
+        adds: list = []
+
+        async def journaled() -> bool:
+            journal = [json.loads(f[b"data"]) for _, f in await api.bus.redis.xrange(
+                keys.journal(eng.id)) if f.get(b"type") == b"step"]
+            adds[:] = [c["data"] for e in journal for c in e["calls"] if c["op"] == "add"]
+            return bool(adds)
+        assert await wait_for(journaled)
+        assert adds[-1]["priority"] == -3
+        status, body = await _post(f"{api.url}/v1/completions", {"prompt": "Hi", "priority": 2**40})
+        assert status == 400 and body["error"]["param"] == "priority"
+    finally:
         await api.stop()
         await eng.stop()

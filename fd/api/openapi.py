@@ -59,6 +59,8 @@ def _sampling_props(model_name: str, max_model_len: int, aliases: tuple[str, ...
         "allowed_token_ids": {"type": "array", "nullable": True, "minItems": 1,
                               "items": {"type": "integer", "format": "int64", "minimum": 0},
                               "description": "vLLM: only these tokens may be sampled."},
+        "priority": {**_INT_OR_NULL, "description": "vLLM: on a server with --scheduling-policy "
+                                                    "priority, lower starts first (elsewhere only 0)"},
         "bad_words": {"type": "array", "nullable": True, "maxItems": protocol.MAX_BAD_WORDS,
                       "items": {"type": "string"},
                       "description": "vLLM: words the output may not complete."},

@@ -58,6 +58,7 @@ class Limits:
     # usage chunk) and --return-tokens-as-token-ids (unless a request says otherwise)
     force_include_usage: bool = False
     tokens_as_ids: bool = False
+    priority_scheduling: bool = False  # --scheduling-policy priority: `priority` is taken
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +85,7 @@ class GenerationRequest:
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:<id>" in logprobs
     prompt_logprobs: int | None = None  # vLLM's: the response's `prompt_logprobs`, k alternatives
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids in the answer
+    priority: int = 0  # vLLM's (with --scheduling-policy priority): lower starts first
 
     def rendering(self) -> dict[str, Any]:
         """The ``accepted`` event's fields that say how every replica renders the output."""
@@ -612,7 +614,7 @@ def _tools(body: dict, limits: Limits) -> tuple[list[dict] | None, str | None]:
 
 def parse_chat(body: dict, limits: Limits, tokenizer: TokenizerLike) -> GenerationRequest:
     model = _check_model(body, limits)
-    _reject_unsupported(body, {"priority": 0})  # (vLLM's, without --scheduling-policy priority)
+    priority = _priority(body, limits)
     tools, parser = _tools(body, limits)
     parallel = _opt(body, "parallel_tool_calls", _is_bool, "a boolean", True)
     want = _opt(body, "logprobs", _is_bool, "a boolean", False)
@@ -660,7 +662,8 @@ def parse_chat(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Generati
                              _choices(body), tool_parser=parser, reasoning_parser=reasoning,
                              include_reasoning=_opt(body, "include_reasoning", _is_bool, "a boolean", True),
                              tokens_as_ids=_tokens_as_ids(body, limits), prompt_logprobs=scored,
-                             return_token_ids=_opt(body, "return_token_ids", _is_bool, "a boolean", False))
+                             return_token_ids=_opt(body, "return_token_ids", _is_bool, "a boolean", False),
+                             priority=priority)
 
 
 def _thinking_closed(ids: tuple[int, ...], start: list[int], end: int) -> bool:
@@ -764,7 +767,8 @@ def parse_detokenize(body: dict, limits: Limits) -> tuple[int, ...]:
 
 def parse_completion(body: dict, limits: Limits, tokenizer: TokenizerLike) -> GenerationRequest:
     model = _check_model(body, limits)
-    _reject_unsupported(body, {"suffix": None, "priority": 0})
+    _reject_unsupported(body, {"suffix": None})
+    priority = _priority(body, limits)
     top = _opt(body, "logprobs", _is_int, "an integer", None)
     logprobs = None if top is None else _top_logprobs(top, "logprobs")
     echo = _opt(body, "echo", _is_bool, "a boolean", False)
@@ -811,7 +815,8 @@ def parse_completion(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Ge
     return GenerationRequest("completion", model, prompts[0], sampling, stream, include_usage, background,
                              continuous, n, prompts if len(prompts) > 1 else (), echo_texts, echo_only,
                              tokens_as_ids=_tokens_as_ids(body, limits), prompt_logprobs=scored,
-                             return_token_ids=_opt(body, "return_token_ids", _is_bool, "a boolean", False))
+                             return_token_ids=_opt(body, "return_token_ids", _is_bool, "a boolean", False),
+                             priority=priority)
 
 
 def _prompt_scores(body: dict, stream: bool) -> int | None:
@@ -862,6 +867,18 @@ def _with_bad_words(body: dict, sampling: SamplingParams, tokenizer: TokenizerLi
             if ids and ids not in seqs:
                 seqs.append(ids)
     return dataclasses.replace(sampling, bad_words_ids=tuple(seqs)) if seqs else sampling
+
+
+def _priority(body: dict, limits: Limits) -> int:
+    """vLLM's ``priority``: taken on a server with ``--scheduling-policy priority``, refused
+    (other than 0) elsewhere, as vLLM refuses it."""
+    p = _opt(body, "priority", _is_int, "an integer", 0)
+    if p and not limits.priority_scheduling:
+        raise bad_request("'priority' needs a server started with --scheduling-policy priority.",
+                          "priority", "unsupported")
+    if not -2**31 <= p < 2**31:
+        raise bad_request("'priority' must be a 32-bit integer.", "priority", "invalid_value")
+    return p
 
 
 def _tokens_as_ids(body: dict, limits: Limits) -> bool:

@@ -80,6 +80,7 @@ class ApiConfig:
     cors: Cors | None = field(default_factory=Cors)  # vLLM's --allowed-origins etc.; None: no CORS
     force_include_usage: bool = False  # vLLM's --enable-force-include-usage
     tokens_as_ids: bool = False  # vLLM's --return-tokens-as-token-ids
+    priority_scheduling: bool = False  # --scheduling-policy priority (the engines' too)
 
 
 API_KEY = web.AppKey("fd.api", object)
@@ -251,7 +252,7 @@ class Api:
                                       cfg.tool_parser, dict(cfg.sampling_defaults),
                                       cfg.max_output_tokens, cfg.reasoning_parser,
                                       tuple(cfg.model_aliases), cfg.force_include_usage,
-                                      cfg.tokens_as_ids)
+                                      cfg.tokens_as_ids, cfg.priority_scheduling)
         self.cancellation = Cancellation(self._abort_on_disconnect, self._notice_disconnect)
         self._noticed: dict[str, Abort] = {}  # disconnect aborts told in-process, not yet published
         self.started = int(time.time())
@@ -437,7 +438,7 @@ class Api:
                 Request(request_id=rid, data=RequestData(
                     prompt_token_ids=gen.prompt_token_ids, sampling=gen.sampling,
                     arrival_ts=int(now * 1000), model=gen.model, api=self.cfg.api_id,
-                    background=gen.background)),
+                    background=gen.background, priority=gen.priority)),
                 Accepted(request_id=rid, api=self.cfg.api_id, prompt_tokens=len(gen.prompt_token_ids),
                          endpoint=endpoint, model=gen.model, created=created,
                          include_usage=gen.include_usage, continuous_usage=gen.continuous_usage or None,
@@ -488,7 +489,8 @@ class Api:
             watch.request_id, watch.abort_ids = rid, ids  # from here on a disconnect aborts them
             items = [(Request(request_id=c, data=RequestData(
                           prompt_token_ids=prompt, sampling=sp, arrival_ts=int(now * 1000),
-                          model=gen.model, api=self.cfg.api_id, background=gen.background, parent=rid)),
+                          model=gen.model, api=self.cfg.api_id, background=gen.background, parent=rid,
+                          priority=gen.priority)),
                       Accepted(request_id=c, parent=rid, index=k, prompt_tokens=len(prompt), **common,
                                **gen.prompt_ids_field(prompt), **_echo(gen, k // gen.n)))
                      for k, (c, (prompt, sp)) in enumerate(zip(ids, plan))]
