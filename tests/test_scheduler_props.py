@@ -95,8 +95,9 @@ class Harness:
         rid = f"r{self.n}"
         self.n += 1
         prompt = tuple((self.n * 7 + i) % 19 + 1 for i in range(plen))
-        data = RequestData(prompt_token_ids=prompt,
-                           sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos))
+        data = RequestData(prompt_token_ids=prompt,  # (a priority only the priority policy reads)
+                           sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos),
+                           priority=(self.n * 5) % 3)
         evs = self.sched.add(rid, data)
         if evs:
             assert [type(e) for e in evs] == [Final] and evs[0].finish_reason == "error"
@@ -233,13 +234,13 @@ class Harness:
 
 def configs(depth):
     return st.builds(
-        lambda nb, bs, seqs, budget, mml, chunked, thr: SchedulerConfig(
+        lambda nb, bs, seqs, budget, mml, chunked, thr, policy: SchedulerConfig(
             num_blocks=nb, block_size=bs, max_num_seqs=seqs,
             max_num_batched_tokens=budget if chunked else max(budget, mml), max_model_len=mml,
             eos_token_ids=(EOS,), enable_chunked_prefill=chunked, long_prefill_threshold=thr,
-            max_num_waiting=4, max_steps_in_flight=depth),
+            max_num_waiting=4, max_steps_in_flight=depth, scheduling_policy=policy),
         st.integers(4, 10), st.integers(1, 3), st.integers(1, 4), st.integers(1, 16),
-        st.integers(8, 40), st.booleans(), st.sampled_from([0, 0, 3]))
+        st.integers(8, 40), st.booleans(), st.sampled_from([0, 0, 3]), st.sampled_from(["fcfs", "priority"]))
 
 add = st.tuples(st.just("add"), st.integers(1, 7), st.integers(1, 12), st.booleans())
 step = st.tuples(st.just("step"), st.just([]))
