@@ -37,6 +37,7 @@ async def test_text_in_text_out(openai_client, tiny_runner, tiny_tokenizer):
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert (r.usage.input_tokens, r.usage.output_tokens, r.usage.total_tokens) == (len(ids), 5, len(ids) + 5)
     assert r.output[0].type == "message" and r.output[0].role == "assistant"
+    assert r.output[0].status == "incomplete"  # (cut with the response, as OpenAI marks it)
     # instructions and messages (text parts too) are the chat's system and turns
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
                 {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Again"}]
@@ -52,6 +53,7 @@ async def test_text_in_text_out(openai_client, tiny_runner, tiny_tokenizer):
     r = await oa.responses.create(model=api.cfg.model_name, input="Hi", max_output_tokens=4,
                                   extra_body={"logit_bias": {str(tiny_runner.eos_token_ids[0]): 100}})
     assert r.status == "completed" and r.incomplete_details is None and r.usage.output_tokens == 1
+    assert all(it.status == "completed" for it in r.output)
 
 
 async def test_the_stream_its_sequence_and_a_replay(openai_client, tiny_runner, tiny_tokenizer):

@@ -277,12 +277,12 @@ class ResponsesRenderer:
         return {"id": it["id"], "type": "reasoning", "status": status, "summary": [],
                 "content": [_part("reasoning_text", text)] if status != "in_progress" else []}
 
-    def _close(self) -> list[dict]:
+    def _close(self, status: str = "completed") -> list[dict]:
         it, self._open = self._open, None
         if it is None:
             return []
         n, text = len(self.items), "".join(it["text"])
-        done = self._item(it, "completed")
+        done = self._item(it, status)
         self.items.append(done)
         kind = "output_text" if it["type"] == "message" else "reasoning_text"
         return [self._event(f"response.{kind}.done", item_id=it["id"], output_index=n, content_index=0,
@@ -337,8 +337,9 @@ class ResponsesRenderer:
                 out += self._answer(self.tools.feed(t) if self.tools is not None else [t])
         return out
 
-    def _finish(self) -> list[dict]:
-        """What the parsers held back, then the last item closed."""
+    def _finish(self, status: str) -> list[dict]:
+        """What the parsers held back, then the last item closed: cut short with the response
+        (``incomplete`` by max_output_tokens or an abort, as OpenAI marks it) or completed."""
         out: list[dict] = []
         if self.reasoning is not None:
             for kind, t in self.reasoning.finish():
@@ -350,7 +351,7 @@ class ResponsesRenderer:
             text = "".join(self.text)
             calls = forced_calls(self.forced, text)
             out += self._answer(calls if calls is not None else [text])
-        return out + self._close()
+        return out + self._close("completed" if status == "completed" else "incomplete")
 
     def _response(self, status: str, final: Final | None = None) -> dict:
         body: dict[str, Any] = {
@@ -408,8 +409,8 @@ class ResponsesRenderer:
     def final_chunks(self, final: Final) -> list[dict]:
         if final.finish_reason == "error":
             return self._shown([self._event("response.failed", response=self._failed(final))])
-        out = self._finish()
         status = self._status(final)
+        out = self._finish(status)
         return self._shown(out + [self._event("response.completed" if status == "completed"
                                               else "response.incomplete", response=self._response(status, final))])
 
@@ -417,9 +418,10 @@ class ResponsesRenderer:
         """The whole Response object; raises the error a failed request answers with."""
         if final.finish_reason == "error":
             raise final_error(final)
+        status = self._status(final)
         self._feed("".join(self.text))
-        self._finish()
-        return self._response(self._status(final), final)
+        self._finish(status)
+        return self._response(status, final)
 
     def queued(self) -> dict:
         """The Response a background request is answered with at once (OpenAI's)."""
