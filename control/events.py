@@ -15,6 +15,7 @@ Events a person types may omit ``v`` and ``ts``: ``v`` defaults to the current v
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import time
 import types
@@ -96,6 +97,10 @@ class SamplingParams:
     # vLLM's bad_words, as token id sequences (the API tokenizes the words): the last token of
     # one may not come where it would complete it.
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    # An embeddings request (/v1/embeddings): besides its one token, the runner returns the
+    # model's final hidden state at the prompt's last position (what vLLM's LAST pooling
+    # takes), which the request's first tokens event carries as `embedding`.
+    embed: bool = False
 
     @property
     def greedy(self) -> bool:
@@ -163,7 +168,7 @@ class SamplingParams:
             raise bad("top_k", "an integer >= -1")
         if kw.get("seed") is not None and not (is_int(kw["seed"]) and 0 <= kw["seed"] < 2**63):
             raise bad("seed", "an integer in [0, 2**63)")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "embed"):
             if name in kw and not isinstance(kw[name], bool):
                 raise bad(name, "true or false")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -222,7 +227,7 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
 # fields added after the first release: on the wire only when set
 _OPTIONAL_NAMES = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
                    "min_p", "min_tokens", "logprobs", "prompt_logprobs", "guided", "skip_special_tokens",
-                   "allowed_token_ids", "bad_words_ids")
+                   "allowed_token_ids", "bad_words_ids", "embed")
 _SAMPLING_FIELDS = frozenset(_SAMPLING_NAMES)
 
 
@@ -447,6 +452,29 @@ class Tokens(Event):
     # {"ids": the prompt, "lp": [...], "top": [...]}, lp and top for its tokens 1.. (the first
     # has none), shaped as `logprobs` (prompt_logprobs_field / prompt_logprobs_entries).
     prompt_logprobs: dict | None = None
+    # Only on the first tokens event of an embeddings request (SamplingParams.embed): the
+    # final hidden state at the prompt's last position, float32 little-endian, base64
+    # (embedding_field / embedding_vector).
+    embedding: str | None = None
+
+
+def embedding_field(vector: bytes) -> str:
+    """A tokens event's ``embedding``: the runner's float32 bytes, as base64 text."""
+    return base64.b64encode(vector).decode("ascii")
+
+
+def embedding_vector(field: Any) -> Any:
+    """:func:`embedding_field` read back, a float32 numpy array; None when it is not that
+    shape (a hand-typed event)."""
+    import numpy as np
+
+    try:
+        raw = base64.b64decode(field, validate=True)
+    except (TypeError, ValueError):
+        return None
+    if not raw or len(raw) % 4:
+        return None
+    return np.frombuffer(raw, dtype="<f4")
 
 
 def prompt_logprobs_field(prompt: Sequence[int], entries: Sequence[tuple]) -> dict:

@@ -79,7 +79,7 @@ class Tokenizer:
     def __init__(self, tok: tokenizers.Tokenizer, *, name: str = "", chat_template: str | None = None,
                  bos_token: str | None = None, eos_token: str | None = None,
                  eos_token_ids: Sequence[int] = (), max_model_len: int = DEFAULT_MAX_MODEL_LEN,
-                 byte_level: bool = True):
+                 byte_level: bool = True, matryoshka: tuple[int, ...] | bool = False):
         self._tok = tok
         self.name = name
         self.chat_template = chat_template
@@ -87,6 +87,10 @@ class Tokenizer:
         self.eos_token = eos_token
         self.eos_token_ids: tuple[int, ...] = tuple(eos_token_ids)
         self.max_model_len = int(max_model_len)
+        # config.json's is_matryoshka / matryoshka_dimensions (an embedding model trained so a
+        # leading part of its vector is an embedding too): which `dimensions` /v1/embeddings
+        # may cut its vectors to (True: any).
+        self.matryoshka = matryoshka
         self.vocab_size: int = tok.get_vocab_size(with_added_tokens=True)
         self._byte_level = byte_level
         self._special_ids = frozenset(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
@@ -128,6 +132,12 @@ class Tokenizer:
         if not eos_ids and eos_token is not None and tok.token_to_id(eos_token) is not None:
             eos_ids.append(tok.token_to_id(eos_token))
 
+        dims = cfg.get("matryoshka_dimensions")
+        if isinstance(dims, list) and dims and all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
+            matryoshka: tuple[int, ...] | bool = tuple(dims)
+        else:
+            matryoshka = cfg.get("is_matryoshka") is True
+
         def is_byte_level(d: dict) -> bool:
             return d.get("type") == "ByteLevel" or any(is_byte_level(x) for x in d.get("decoders") or [])
 
@@ -135,7 +145,7 @@ class Tokenizer:
                    bos_token=_token_text(tcfg.get("bos_token")), eos_token=eos_token,
                    eos_token_ids=eos_ids,
                    max_model_len=cfg.get("max_position_embeddings") or DEFAULT_MAX_MODEL_LEN,
-                   byte_level=is_byte_level(decoder))
+                   byte_level=is_byte_level(decoder), matryoshka=matryoshka)
 
     def with_chat_template(self, template: str) -> "Tokenizer":
         """This tokenizer with another chat template (``--chat-template``), compiled now so a

@@ -22,6 +22,8 @@ class Generation:
     finish_reason: str | None = None
     # wall time (perf_counter) of each Tokens event, for latency baselines
     token_times: list[float] = field(default_factory=list)
+    # an embeddings request's (SamplingParams.embed): the runner's float32 bytes
+    embedding: bytes | None = None
 
 
 class LLM:
@@ -75,6 +77,8 @@ class LLM:
             if len(flying) < self.cfg.max_steps_in_flight and not out.empty:
                 continue
             out, res = flying.pop(0)
+            for rid, vec in res.embeddings.items():
+                gens[rid].embedding = vec
             stopped = {}
             deltas = {}
             for rid, tok in res.sampled.items():
@@ -93,6 +97,12 @@ class LLM:
         self.last_free_blocks = sched.num_free_blocks
         self.last_cache_hits = sched.num_cache_hits  # prompt tokens the prefix cache spared
         return [gens[f"r{i}"] for i in range(len(prompts))]
+
+    def embed(self, prompts: list[list[int]]) -> list[bytes]:
+        """Each prompt's final hidden state at its last position (float32 bytes, not
+        normalized): what ``/v1/embeddings`` returns, before its normalization."""
+        sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, embed=True)
+        return [g.embedding for g in self.generate(prompts, sp)]
 
     @staticmethod
     def _fold(gens, detoks, ev, clock) -> None:

@@ -80,10 +80,15 @@ class ModelRunner:
             return RunnerOutput(step=out.step, sampled={})
         scored: list = []
         batch, sampled = self.prepare(out.seqs, scored)
-        if scored:
+        embed = [i for i, s in enumerate(sampled) if s.sampling.embed]
+        embeddings: dict[str, bytes] = {}
+        if scored or embed:
             h = self.model.hidden(batch)
-            prompt_lp = self._prompt_logprobs(h, len(sampled), scored)
+            prompt_lp = self._prompt_logprobs(h, len(sampled), scored) if scored else {}
             logits = self.model.head(h[:self.model.pad_rows(len(sampled))]) if sampled else None
+            if embed:  # (row i: sampled[i]'s last token, here its prompt's last)
+                rows = h[:len(sampled)].numpy().astype("<f4", copy=False)
+                embeddings = {sampled[i].request_id: rows[i].tobytes() for i in embed}
         else:
             logits, prompt_lp = self.model.forward(batch), {}
         if not sampled:
@@ -114,11 +119,12 @@ class ModelRunner:
         self._last_sampled = {s.request_id: t for s, t in zip(sampled, tokens)}
         wanted = [i for i, s in enumerate(sampled) if s.sampling.logprobs is not None]
         if not wanted:
-            return RunnerOutput(step=out.step, sampled=self._last_sampled, prompt_logprobs=prompt_lp)
+            return RunnerOutput(step=out.step, sampled=self._last_sampled, prompt_logprobs=prompt_lp,
+                                embeddings=embeddings)
         rows = logits.numpy()[:n]
         return RunnerOutput(step=out.step, sampled=self._last_sampled, logprobs={
             sampled[i].request_id: token_logprobs(rows[i], tokens[i], sampled[i].sampling.logprobs)
-            for i in wanted}, prompt_logprobs=prompt_lp)
+            for i in wanted}, prompt_logprobs=prompt_lp, embeddings=embeddings)
 
     def _prompt_logprobs(self, h, n: int, scored: list) -> dict[str, tuple[int, tuple]]:
         """The prompt tokens' log-probabilities of the seqs that asked, from the hidden rows

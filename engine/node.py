@@ -58,6 +58,7 @@ from control.events import (
     Preempted,
     Request,
     Tokens,
+    embedding_field,
     logprobs_field,
     prompt_logprobs_field,
     tombstone_story,
@@ -757,7 +758,7 @@ class EngineNode:
         for ev in evs:
             if type(ev) is Tokens:
                 progress[ev.request_id] = now
-        self._emit(evs, deltas, result.logprobs)
+        self._emit(evs, deltas, result.logprobs, result.embeddings)
         self._publish_gauges()
 
     # ------------------------------------------------------------------ drain
@@ -951,10 +952,11 @@ class EngineNode:
     # ------------------------------------------------------------------ output
 
     def _emit(self, evs: list[Event], texts: dict[str, str] | None = None,
-              logprobs: dict[str, tuple[float, tuple]] | None = None) -> None:
+              logprobs: dict[str, tuple[float, tuple]] | None = None,
+              embeddings: dict[str, bytes] | None = None) -> None:
         """Stamp and queue events for the next flush; ``texts``: the step's text deltas, by
         request, for its ``Tokens`` (which the scheduler makes without text), and
-        ``logprobs`` the runner's, for those that asked."""
+        ``logprobs`` and ``embeddings`` the runner's, for those that asked."""
         now = time.time()
         ts = int(now * 1000)
         drop: list[str] = []
@@ -967,9 +969,11 @@ class EngineNode:
                     text = texts.pop(rid, ev.text) if texts else ev.text
                     lp = logprobs.get(rid) if logprobs else None
                     plp = self._take_prompt_logprobs(rid) if self._prompt_lp and ev.token_ids else None
+                    emb = embeddings.get(rid) if embeddings else None
                     outbox.append((self.bus.keys.req(rid), Tokens(
                         request_id=rid, token_ids=ev.token_ids, text=text, step=ev.step, ts=ts,
-                        logprobs=None if lp is None else logprobs_field([lp]), prompt_logprobs=plp)))
+                        logprobs=None if lp is None else logprobs_field([lp]), prompt_logprobs=plp,
+                        embedding=None if emb is None else embedding_field(emb))))
                 continue
             if isinstance(ev, (AbortRequested, BlocksReleased, Final)) and rid in self._detok:
                 # The request emits no more tokens: text held back (a possible stop-string

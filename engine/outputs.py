@@ -60,6 +60,9 @@ class RunnerOutput:
     # Requests that asked for prompt log-probabilities and had prompt in this step:
     # request_id -> (position of the first prompt token scored, one entry a token as above).
     prompt_logprobs: dict[str, tuple[int, tuple]] = field(default_factory=dict)
+    # Embeddings requests (SamplingParams.embed) whose prompt ended in this step: request_id ->
+    # the model's final hidden state at the prompt's last position, float32 little-endian.
+    embeddings: dict[str, bytes] = field(default_factory=dict)
     # When the runner ran the step, wall-clock ms (start, end), if it says: informational,
     # for the journal (when each step really ran); never part of a decision.
     ran: tuple[int, int] | None = None

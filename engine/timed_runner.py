@@ -20,9 +20,12 @@ import hashlib
 import time
 from typing import Any, Sequence
 
+import numpy as np
+
 from engine.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 
 DEFAULT_NUM_BLOCKS = 4096  # no memory behind them: sized so blocks never limit a benchmark
+EMBED_DIM = 16  # an embeddings request's made-up vector
 
 
 def _text_token_ids(tokenizer: Any, eos: Sequence[int]) -> list[int]:
@@ -99,7 +102,15 @@ class TimedRunner:
             time.sleep(left)
         self.steps += 1
         self.busy_s += time.perf_counter() - t0
-        return RunnerOutput(step=out.step, sampled=sampled)
+        embeddings = {s.request_id: self.embedding_of(s.request_id) for s in out.seqs
+                      if s.sample and s.sampling.embed}
+        return RunnerOutput(step=out.step, sampled=sampled, embeddings=embeddings)
+
+    def embedding_of(self, request_id: str) -> bytes:
+        """An embeddings request's vector (float32 bytes, EMBED_DIM of them): made up, like the
+        tokens, but the same for the same request id."""
+        h = hashlib.blake2b(request_id.encode(), digest_size=EMBED_DIM).digest()
+        return np.frombuffer(h, dtype=np.uint8).astype("<f4").tobytes()
 
     def warmup(self) -> None:
         """Nothing to warm up; here so callers can treat it like ``ModelRunner``."""

@@ -150,7 +150,7 @@ def _worker_main(conn, model_dir: str, kwargs: dict[str, Any],
             dt = time.perf_counter() - t
             ran = (int(wall * 1000), int((wall + dt) * 1000))
             conn.send(("ok", (out.step, out.sampled, out.stopped, ran, out.logprobs,
-                              out.prompt_logprobs), dt))
+                              out.prompt_logprobs, out.embeddings), dt))
         except Exception:  # noqa: BLE001
             conn.send(("error", traceback.format_exc()))
 
@@ -203,9 +203,9 @@ class ProcessRunner:
 
     def collect(self) -> RunnerOutput:
         """The result of the oldest submitted step (blocks; run it off the event loop)."""
-        step, sampled, stopped, ran, logprobs, prompt_lp = self._collect()
+        step, sampled, stopped, ran, logprobs, prompt_lp, embeddings = self._collect()
         return RunnerOutput(step=step, sampled=sampled, stopped=stopped, ran=ran, logprobs=logprobs,
-                            prompt_logprobs=prompt_lp)
+                            prompt_logprobs=prompt_lp, embeddings=embeddings)
 
     def fileno(self) -> int:
         """The pipe's end in this process: readable when a reply has come (for an event loop
@@ -229,9 +229,10 @@ class ProcessRunner:
                 raise WorkerError(reply[1])
             else:
                 self.busy_seconds += reply[2]
-                step, sampled, stopped, ran, logprobs, prompt_lp = reply[1]
+                step, sampled, stopped, ran, logprobs, prompt_lp, embeddings = reply[1]
                 out.append(RunnerOutput(step=step, sampled=sampled, stopped=stopped, ran=ran,
-                                        logprobs=logprobs, prompt_logprobs=prompt_lp))
+                                        logprobs=logprobs, prompt_logprobs=prompt_lp,
+                                        embeddings=embeddings))
         return out
 
     def _died(self) -> WorkerError:

@@ -15,7 +15,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from control.bus import StreamMux
-from control.events import Abort, Claimed, Final, Tokens, decode
+from control.events import Abort, Claimed, Final, Tokens, decode, embedding_field
 from control.metrics import Metrics
 from fd.api import ApiConfig, make_app
 from test_api_validation import FakeTokenizer
@@ -26,8 +26,10 @@ WORDS = ("Hello", ",", "", " world", "!")  # an empty delta: no chunk, ids still
 class FakeEngine:
     """Claims requests and writes a scripted story; ``hold`` keeps them running until aborted."""
 
-    def __init__(self, bus, *, hold: bool = False, words=WORDS, delay: float = 0.0, fail: str | None = None):
+    def __init__(self, bus, *, hold: bool = False, words=WORDS, delay: float = 0.0, fail: str | None = None,
+                 vectors: bool = True):
         self.bus = bus
+        self.vectors = vectors  # an embeddings request's first tokens carry a (made-up) vector
         self.fail = fail
         self.hold = hold
         self.words = words
@@ -62,7 +64,9 @@ class FakeEngine:
         for i, w in enumerate(words):
             if self.aborted[rid].is_set():
                 break
-            await bus.publish(key, Tokens(request_id=rid, token_ids=(100 + i,), text=w, step=i))
+            vector = (embedding_field(bytes(4 * (1 + len(rid) % 5)))
+                      if i == 0 and self.vectors and req.data.sampling.embed else None)
+            await bus.publish(key, Tokens(request_id=rid, token_ids=(100 + i,), text=w, step=i, embedding=vector))
             if self.delay:
                 await asyncio.sleep(self.delay)
         if self.hold:

@@ -30,6 +30,7 @@ from test_api_validation import MAX_LEN, FakeTokenizer, assert_openai_error
 
 CHAT, COMP, ABORT = "/v1/chat/completions", "/v1/completions", "/v1/abort_requests"
 RESP = "/v1/responses"
+EMB = "/v1/embeddings"
 MAX_BODY = 16 << 10
 TIMEOUT_S = 10.0  # per call: a call that takes longer is a hang
 FUZZ = settings(max_examples=200, deadline=None, derandomize=True, database=None,
@@ -216,6 +217,19 @@ RESP_BODIES = st.one_of(
     st.builds(lambda extra: {**RESP_BASE, **extra}, st.dictionaries(st.sampled_from(RESP_FIELDS), JSON, max_size=3)),
     JSON,
 )
+EMB_FIELDS = ["model", "input", "encoding_format", "dimensions", "normalize", "add_special_tokens",
+              "truncate_prompt_tokens", "priority", "user", "x_unknown"]
+EMB_BODIES = st.one_of(
+    st.builds(lambda extra: {"model": "tiny", "input": "hi", **extra}, st.fixed_dictionaries({}, optional={
+        "input": st.text(max_size=6) | st.lists(st.text(max_size=4), max_size=3)
+        | st.lists(st.integers(-2, 300), max_size=5) | st.lists(st.lists(st.integers(-1, 300), max_size=3), max_size=2)
+        | st.sampled_from(["y" * (MAX_LEN - 1), "y" * MAX_LEN]) | JSON,
+        "encoding_format": st.sampled_from(["float", "base64", "hex"]) | JSON,
+        "dimensions": st.integers(-1, 9) | JSON, "normalize": st.booleans() | JSON,
+        "truncate_prompt_tokens": st.integers(-2, MAX_LEN + 2) | JSON})),
+    st.builds(lambda extra: {"input": "hi", **extra}, st.dictionaries(st.sampled_from(EMB_FIELDS), JSON, max_size=3)),
+    JSON,
+)
 ABORT_BODIES = st.one_of(
     st.fixed_dictionaries({}, optional={
         "req_ids": st.lists(st.text(max_size=6) | JSON, max_size=4) | JSON,
@@ -243,6 +257,9 @@ def _choices_of(data: bytes, headers: dict) -> int:
     if headers.get("Content-Encoding") not in (None, "identity"):
         data = gzip.decompress(data) if headers["Content-Encoding"] == "gzip" else zlib.decompress(data)
     body = json.loads(data)
+    if "input" in body and "prompt" not in body and "messages" not in body:  # (embeddings: one an input)
+        x = body["input"]
+        return len(x) if isinstance(x, list) and all(isinstance(i, (str, list)) for i in x) else 1
     p = body.get("prompt")
     batch = len(p) if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p) else 1
     return (body.get("n") or 1) * batch
@@ -259,7 +276,7 @@ async def post(h: Harness, path: str, data: bytes, headers: dict) -> tuple[int, 
     after = await h.lens()
     if status >= 400:
         assert after == before, (path, status, body, "a rejected request left a trace")
-    elif path in (CHAT, COMP):
+    elif path in (CHAT, COMP, EMB):
         assert after[0] == before[0] + _choices_of(data, headers)
         rid = resp.headers["X-Request-Id"]
         if "X-Request-Id" in headers:
@@ -270,8 +287,9 @@ async def post(h: Harness, path: str, data: bytes, headers: dict) -> tuple[int, 
 # --------------------------------------------------------------------------- tests
 
 
-@pytest.mark.parametrize("path,bodies", [(CHAT, CHAT_BODIES), (COMP, COMP_BODIES), (RESP, RESP_BODIES)],
-                         ids=["chat", "completions", "responses"])
+@pytest.mark.parametrize("path,bodies", [(CHAT, CHAT_BODIES), (COMP, COMP_BODIES), (RESP, RESP_BODIES),
+                                        (EMB, EMB_BODIES)],
+                         ids=["chat", "completions", "responses", "embeddings"])
 def test_generating_bodies_and_headers(harness, path, bodies):
     seen: set[int] = set()
 
@@ -286,7 +304,9 @@ def test_generating_bodies_and_headers(harness, path, bodies):
         status, out = harness.call(post(harness, path, dumps(body), headers))
         seen.add(status)
         if status == 200 and isinstance(out, dict):
-            if out["object"] == "response":
+            if out["object"] == "list":  # embeddings: one a vector each input, in order
+                assert [d["index"] for d in out["data"]] == list(range(len(out["data"]))) and out["data"]
+            elif out["object"] == "response":
                 assert out["status"] in ("completed", "incomplete") and out["output"][0]["type"] == "message"
             else:
                 assert out["object"] in ("chat.completion", "text_completion")

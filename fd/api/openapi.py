@@ -17,6 +17,7 @@ from typing import Any
 from control.events import MAX_LOGPROBS, MAX_REPETITION_PENALTY
 from control.keys import REQUEST_ID_RE
 from fd.api import protocol
+from fd.api.embeddings import ENCODINGS, MAX_INPUTS
 
 REQUEST_ID_PATTERN = REQUEST_ID_RE.pattern  # ECMA-262 as JSON Schema wants: "$" is the very end there
 
@@ -248,6 +249,37 @@ def _schemas(model_name: str, max_model_len: int, vocab_size: int | None,
                     "description": "As chat's: auto (the default with tools) needs a server with "
                                    "--enable-auto-tool-choice --tool-call-parser."},
                 "parallel_tool_calls": _NULLABLE_BOOL}},
+        "EmbeddingRequest": {
+            "type": "object", "required": ["input"],
+            "description": "Each input's embedding: the model's final hidden state at its last token "
+                           "(vLLM's LAST pooling), L2-normalized unless normalize is false.",
+            "properties": {
+                "model": sampling["model"],
+                "input": {"oneOf": [
+                    {"type": "string", "minLength": 1},
+                    {"type": "array", "minItems": 1, "maxItems": MAX_INPUTS, "items": {"oneOf": [
+                        {"type": "string", "minLength": 1},
+                        {"type": "array", "minItems": 1, "items": token_id}]}},
+                    {"type": "array", "minItems": 1, "items": token_id}],
+                    "description": f"Each input at most {max_model_len - 1} tokens."},
+                "encoding_format": {"type": "string", "enum": list(ENCODINGS), "default": "float",
+                                    "description": "base64: the float32 values' little-endian bytes."},
+                "dimensions": {**_INT_OR_NULL, "minimum": 1,
+                               "description": "Only for a model whose config.json says is_matryoshka "
+                                              "or matryoshka_dimensions: the vector cut to its first "
+                                              "values (then normalized)."},
+                "normalize": {**_NULLABLE_BOOL, "description": "vLLM's: false returns the hidden state "
+                                                               "as it is."},
+                "add_special_tokens": {**_NULLABLE_BOOL, "description": "vLLM's (default true)."},
+                "truncate_prompt_tokens": sampling["truncate_prompt_tokens"],
+                "priority": sampling["priority"],
+                "user": {"type": "string"}}},
+        "EmbeddingList": {"type": "object", "required": ["object", "data", "usage"], "properties": {
+            "object": {"type": "string", "enum": ["list"]},
+            "data": {"type": "array", "items": {"type": "object", "properties": {
+                "object": {"type": "string", "enum": ["embedding"]}, "index": {"type": "integer"},
+                "embedding": {"oneOf": [{"type": "array", "items": {"type": "number"}},
+                                        {"type": "string"}]}}}}}},
         "AbortRequest": {
             "type": "object",
             "description": "One of req_ids (FastDeploy), request_ids (vLLM) or abort_all.",
@@ -322,6 +354,13 @@ def build(model_name: str, max_model_len: int, max_body_bytes: int,
             "/v1/responses": _generating("OpenAI's Responses API (text); stream=true sends its typed "
                                          "events, each frame naming its type", "ResponsesRequest",
                                          "Response"),
+            "/v1/embeddings": {"post": {
+                "summary": "Embeddings (OpenAI's)", "security": [{"apiKey": []}], "parameters": [_RID_HEADER],
+                "requestBody": {"required": True, "content": {"application/json": {
+                    "schema": _ref("EmbeddingRequest")}}},
+                "responses": {"200": {"description": "The inputs' embeddings, in order", "content": {
+                    "application/json": {"schema": _ref("EmbeddingList")}}},
+                    **_ERRORS, "404": _err("Unknown model"), "409": _err("X-Request-Id already used")}}},
             "/v1/models": {"get": {"summary": "The served model", "security": [{"apiKey": []}],
                                    "responses": {"200": {"description": "Model list", "content": {
                                        "application/json": {"schema": _ref("ModelList")}}},

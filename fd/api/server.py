@@ -35,6 +35,7 @@ from control.events import (
     Request,
     RequestData,
     Tokens,
+    embedding_vector,
 )
 from control.keys import ENGINE_ID_RE, REQUEST_ID_RE, all_valid_request_ids, choice_ids, is_tombstone
 from control.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -42,6 +43,10 @@ from control.metrics import Metrics
 from fd.api import openapi, protocol, sse
 from fd.api.cancellation import Cancellation, watch_of
 from fd.api.cors import Cors
+from fd.api.embeddings import SAMPLING as EMBED_SAMPLING
+from fd.api.embeddings import finish as embedding_finish
+from fd.api.embeddings import parse_embeddings
+from fd.api.embeddings import response as embedding_response
 from fd.api.errors import ApiError, bad_request, conflict, not_found, too_large, unauthorized, unavailable
 from fd.api.responses import ResponsesRenderer, input_items, output_as_input
 from fd.api.responses import parse as parse_responses
@@ -380,6 +385,86 @@ class Api:
         return await self._generate(request, "responses", "resp", parse_responses, body=body,
                                     keep=input_items(body) if store else None)
 
+    async def embeddings(self, request: web.Request) -> web.Response:
+        """OpenAI's embeddings (fd.api.embeddings): each input a request on the engines,
+        ``<id>.<k>`` when there are several (as a completions batch's prompts), whose first
+        tokens event carries its vector. A hang-up aborts them; so does an abort of the id."""
+        await self._check_redis()
+        arrival = time.monotonic()
+        rid, explicit = self._request_id(request, "embd")
+        body = await self._body(request)
+        req = parse_embeddings(body, self.limits, self.tokenizer)
+        self._say_ignored(body.ignored(), rid)
+        many = len(req.inputs) > 1
+        if many:
+            ids = await self._choice_ids(rid, explicit, len(req.inputs))
+        else:
+            ids = (rid,)
+            if (explicit and await self.bus.request_exists(rid)
+                    and not is_tombstone(await self.bus.owner(rid))):
+                raise conflict(f"A request with id '{rid}' already exists.", "X-Request-Id")
+        watch = watch_of(request)
+        now = time.time()
+        created = int(now)
+        common = dict(api=self.cfg.api_id, endpoint="embeddings", model=req.model, created=created)
+        requests = [(Request(request_id=c, data=RequestData(
+                         prompt_token_ids=ids_, sampling=EMBED_SAMPLING, arrival_ts=int(now * 1000),
+                         model=req.model, api=self.cfg.api_id, parent=rid if many else "",
+                         priority=req.priority)),
+                     Accepted(request_id=c, prompt_tokens=len(ids_), **common,
+                              **(dict(parent=rid, index=k) if many else {})))
+                    for k, (c, ids_) in enumerate(zip(ids, req.inputs))]
+        subs = [await self.mux.subscribe(c, b"0") for c in ids]  # before submit: nothing missed
+        try:
+            watch.request_id = rid  # from here on a disconnect aborts them
+            if many:
+                watch.abort_ids = ids
+                parent = Accepted(request_id=rid, choices=len(ids), n=1,
+                                  prompt_tokens=sum(map(len, req.inputs)), **common)
+                if not await self.bus.submit_choices(parent, requests):
+                    raise conflict(f"A request with id '{rid}' already exists.", "X-Request-Id")
+            else:
+                await self.bus.submit(*requests[0])
+            vectors = await self._collect_embeddings(ids, subs, [_Timing(self.metrics, arrival) for _ in ids])
+            watch.finished = True
+            return _json(embedding_response(rid, created, req, [embedding_finish(v, req) for v in vectors]),
+                         headers={"X-Request-Id": rid})
+        finally:
+            for sub in subs:
+                await sub.close()
+
+    async def _collect_embeddings(self, ids: tuple[str, ...], subs: list, timing: list[_Timing]) -> list:
+        """Each input's vector, from its first tokens event, once every input has ended. An
+        input that failed or was aborted fails the whole answer (and stops the others)."""
+        vectors: list = [None] * len(ids)
+        finals: list[Final | None] = [None] * len(ids)
+        async with contextlib.aclosing(self._merged(subs)) as merged:
+            async for batch in merged:
+                for k, _eid, ev in batch or ():
+                    if isinstance(ev, Tokens):
+                        timing[k].tokens(len(ev.token_ids))
+                        if ev.embedding is not None and vectors[k] is None:
+                            vectors[k] = embedding_vector(ev.embedding)
+                    elif isinstance(ev, Final):
+                        timing[k].final(ev)
+                        finals[k] = ev
+                        if ev.finish_reason in ("error", "abort"):
+                            rest = tuple(c for c, f in zip(ids, finals) if f is None)
+                            if rest:
+                                await self._publish_abort(rest, f"abort-{uuid.uuid4().hex[:16]}")
+                            if ev.finish_reason == "error":
+                                raise protocol.final_error(ev)
+                            raise ApiError(503, f"Input {k} was aborted before its embedding was made.",
+                                           "server_error", None, "request_aborted")
+                if all(f is not None for f in finals):
+                    missing = [k for k, v in enumerate(vectors) if v is None]
+                    if missing:
+                        raise ApiError(500, f"The engine returned no embedding for input {missing[0]} (an "
+                                       "engine that cannot make embeddings?).", "server_error", None,
+                                       "engine_error")
+                    return vectors
+        raise unavailable("The request's stream ended without a final event.")
+
     def _say_ignored(self, names: list[str], rid: str) -> None:
         """Fields of a request that nothing read, in the log (as vLLM's "present in the request
         but ignored"): once for each name, so a client that always sends one does not fill
@@ -464,18 +549,7 @@ class Api:
         response. A disconnect aborts all of them; so does an abort of the response's id, from
         anywhere (``P:owner`` marks it, see ``Bus.submit_choices``)."""
         plan = gen.choices()
-        ids = choice_ids(rid, len(plan))
-        if max(map(len, ids)) > 128:
-            raise bad_request(f"X-Request-Id is too long for {len(plan)} choices: each runs as "
-                              f"'<id>.<index>', at most 128 characters.", "X-Request-Id",
-                              "invalid_request_id")
-        if explicit:
-            owner = await self.bus.owner(rid)
-            taken = [await self.bus.request_exists(r) for r in (rid, *ids)]
-            # (an id whose abort overtook it is not a conflict, as for one choice)
-            if not is_tombstone(owner) and (owner is not None or any(taken)):
-                raise conflict(f"A request with id '{rid}' (or one of its choices) already exists.",
-                               "X-Request-Id")
+        ids = await self._choice_ids(rid, explicit, len(plan))
         watch = watch_of(request)
         watch.background = gen.background
         now = time.time()
@@ -509,6 +583,23 @@ class Api:
         finally:
             for sub in subs:
                 await sub.close()
+
+    async def _choice_ids(self, rid: str, explicit: bool, n: int) -> tuple[str, ...]:
+        """The ids ``<id>.<k>`` of a response's ``n`` parts, checked: not too long, and (for
+        a client's own id) none taken."""
+        ids = choice_ids(rid, n)
+        if max(map(len, ids)) > 128:
+            raise bad_request(f"X-Request-Id is too long for {n} choices: each runs as "
+                              f"'<id>.<index>', at most 128 characters.", "X-Request-Id",
+                              "invalid_request_id")
+        if explicit:
+            owner = await self.bus.owner(rid)
+            taken = [await self.bus.request_exists(r) for r in (rid, *ids)]
+            # (an id whose abort overtook it is not a conflict, as for one choice)
+            if not is_tombstone(owner) and (owner is not None or any(taken)):
+                raise conflict(f"A request with id '{rid}' (or one of its choices) already exists.",
+                               "X-Request-Id")
+        return ids
 
     async def _merged(self, subs: list) -> AsyncIterator[list[tuple[int, bytes, Any]] | None]:
         """The choices' events as they come, ``(choice, entry id, event)``, in batches (one
@@ -695,6 +786,9 @@ class Api:
         if not history:
             raise not_found(f"No request with id '{rid}' (never accepted, or expired).", "id", "request_not_found")
         first = history[0][1]
+        if isinstance(first, Accepted) and first.endpoint == "embeddings":
+            raise bad_request(f"Request '{rid}' is an embeddings request: its answer is not a stream.",
+                              "id", "invalid_value")
         if asked is not None:
             iu = asked.lower() not in ("0", "false", "no")
         else:
@@ -985,7 +1079,7 @@ def make_app(cfg: ApiConfig, bus: Bus, mux: StreamMux, tokenizer, metrics: Metri
         app.on_response_prepare.append(_cors_headers(cfg.cors))
     app[API_KEY] = api
     generating = {"/v1/chat/completions": api.chat, "/v1/completions": api.completions,
-                  "/v1/responses": api.responses}
+                  "/v1/responses": api.responses, "/v1/embeddings": api.embeddings}
     for path, handler in generating.items():  # every generating endpoint is guarded, by construction
         app.router.add_post(path, api.cancellation.guard(handler))
     app.router.add_get("/v1/models", api.models)

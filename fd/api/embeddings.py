@@ -1,0 +1,131 @@
+"""OpenAI's embeddings API (``POST /v1/embeddings``), as vLLM serves it for a decoder model:
+an input's embedding is the model's final hidden state at the input's last token (vLLM's LAST
+pooling), L2-normalized unless the request says ``normalize: false``.
+
+Each input runs on the engines as a request of its own, asking for one token it never shows
+(``SamplingParams.embed``); the runner hands back the hidden state with it, and the request's
+first ``tokens`` event carries it. Not a side path, because an input takes an engine slot and
+KV blocks like any prompt: it is claimed, batched, aborted and released the same way (a client
+that hangs up stops its inputs), and its story is in the event log like every other request's.
+
+This module is the sans-IO part: the body's parse, and the answer's body from the vectors.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from control.events import SamplingParams
+from fd.api.errors import bad_request
+from fd.api.protocol import (
+    Limits,
+    TokenizerLike,
+    _check_ids,
+    _check_model,
+    _is_bool,
+    _is_int,
+    _opt,
+    _priority,
+    _truncation,
+)
+
+MAX_INPUTS = 2048  # OpenAI's limit on one request's inputs
+ENCODINGS = ("float", "base64")
+#: What each input asks of the engine: its prompt and the one token that comes with the
+#: hidden state (never shown; ignore_eos, so it is always a token and always comes).
+SAMPLING = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, embed=True)
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingRequest:
+    model: str
+    inputs: tuple[tuple[int, ...], ...]
+    encoding_format: str = "float"
+    dimensions: int | None = None  # a matryoshka model's vectors cut to their first d values
+    normalize: bool = True
+    priority: int = 0
+
+
+def parse_embeddings(body: dict, limits: Limits, tokenizer: TokenizerLike) -> EmbeddingRequest:
+    model = _check_model(body, limits)
+    raw = body.get("input")
+    if raw is None:
+        raise bad_request("'input' is required.", "input", "missing_required_parameter")
+    if isinstance(raw, str) or (isinstance(raw, list) and raw and all(_is_int(t) for t in raw)):
+        batch = [raw]
+    elif isinstance(raw, list) and raw and all(isinstance(x, (str, list)) for x in raw):
+        batch = raw
+    else:
+        raise bad_request("'input' must be a string, a list of token ids, or a non-empty list of either.",
+                          "input", "invalid_type")
+    if len(batch) > MAX_INPUTS:
+        raise bad_request(f"At most {MAX_INPUTS} inputs a request.", "input", "invalid_value")
+    special = _opt(body, "add_special_tokens", _is_bool, "a boolean", True)
+    keep = _truncation(body, limits)
+    inputs = []
+    for k, x in enumerate(batch):
+        if isinstance(x, str):
+            ids = tuple(tokenizer.encode(x, add_special_tokens=special)) if x else ()
+        elif x and all(_is_int(t) for t in x):
+            ids = _check_ids(x, limits, "input")
+        else:
+            raise bad_request("Each input must be a non-empty string or a non-empty list of token ids.",
+                              "input", "invalid_value")
+        if not ids:
+            raise bad_request(f"Input {k} is empty.", "input", "invalid_value")
+        if keep:
+            ids = ids[-keep:]
+        if len(ids) >= limits.max_model_len:
+            raise bad_request(f"This model's maximum context length is {limits.max_model_len} tokens; "
+                              f"input {k} has {len(ids)} (at most {limits.max_model_len - 1}). Shorten it, "
+                              "or set 'truncate_prompt_tokens'.", "input", "context_length_exceeded")
+        inputs.append(ids)
+    fmt = _opt(body, "encoding_format", lambda v: v in ENCODINGS, "'float' or 'base64'", "float")
+    dims = _dimensions(body, tokenizer)
+    return EmbeddingRequest(model, tuple(inputs), fmt, dims,
+                            _opt(body, "normalize", _is_bool, "a boolean", True), _priority(body, limits))
+
+
+def _dimensions(body: dict, tokenizer: TokenizerLike) -> int | None:
+    """OpenAI's ``dimensions``, for a model trained for it (vLLM's rule and messages): any
+    other model's leading values are not an embedding of their own."""
+    d = _opt(body, "dimensions", _is_int, "an integer", None)
+    if d is None:
+        return None
+    if d < 1:
+        raise bad_request("'dimensions' must be greater than 0.", "dimensions", "invalid_value")
+    m = getattr(tokenizer, "matryoshka", False)
+    if not m:
+        raise bad_request("The model does not support matryoshka representation: changing the output "
+                          "dimensions would give poor embeddings.", "dimensions", "unsupported")
+    if isinstance(m, tuple) and d not in m:
+        raise bad_request(f"The model supports only {list(m)} as 'dimensions', not {d}.", "dimensions",
+                          "invalid_value")
+    return d
+
+
+def finish(vector: np.ndarray, req: EmbeddingRequest) -> np.ndarray:
+    """The hidden state an engine returned, as the request asked for it: cut to its
+    ``dimensions``, then normalized (both as vLLM: the cut first), in float32."""
+    v = vector[:req.dimensions] if req.dimensions else vector
+    if req.normalize:
+        v = v / max(float(np.linalg.norm(v)), 1e-12)
+    return v.astype(np.float32)
+
+
+def response(rid: str, created: int, req: EmbeddingRequest, vectors: list[np.ndarray]) -> dict[str, Any]:
+    """OpenAI's answer: a list of ``embedding`` objects, in the inputs' order. ``base64`` is
+    the float32 values' little-endian bytes (what the ``openai`` client asks for by default
+    and decodes itself)."""
+    if req.encoding_format == "base64":
+        values: list[Any] = [base64.b64encode(v.astype("<f4").tobytes()).decode("ascii") for v in vectors]
+    else:
+        values = [v.tolist() for v in vectors]
+    n = sum(map(len, req.inputs))
+    return {"id": rid, "object": "list", "created": created, "model": req.model,
+            "data": [{"object": "embedding", "index": k, "embedding": e} for k, e in enumerate(values)],
+            "usage": {"prompt_tokens": n, "total_tokens": n}}
