@@ -1,4 +1,5 @@
-"""OpenAI's embeddings API (``POST /v1/embeddings``), as vLLM serves it for a decoder model:
+"""OpenAI's embeddings API (``POST /v1/embeddings``), as vLLM serves it for a decoder model,
+and vLLM's score and rerank over it:
 each input's vector is the model's final hidden state at its last token, normalized. Checked
 through the ``openai`` client against the engine's own hidden state, and against the model's
 head (the raw vector times the LM head picks the token greedy decoding picks next); each input
@@ -223,11 +224,15 @@ async def test_every_documented_field_is_read(openai_client, caplog):
     async with aiohttp.ClientSession() as s:
         async with s.get(f"{api.url}/openapi.json") as r:
             doc = await r.json()
-    props = doc["components"]["schemas"]["EmbeddingRequest"]["properties"]
-    assert "/v1/embeddings" in doc["paths"]
+    schemas = doc["components"]["schemas"]
     with caplog.at_level(logging.WARNING, logger="fd.api"):
-        status, out = await _post(f"{api.url}/v1/embeddings", {**{k: None for k in props}, "input": "x"})
-        assert status == 200, out
+        for path, name, given in (("/v1/embeddings", "EmbeddingRequest", {"input": "x"}),
+                                  ("/score", "ScoreRequest", {"text_1": "x", "text_2": "y"}),
+                                  ("/v2/rerank", "RerankRequest", {"query": "x", "documents": ["y"]})):
+            assert path in doc["paths"]
+            status, out = await _post(f"{api.url}{path}", {**{k: None for k in schemas[name]["properties"]},
+                                                           **given})
+            assert status == 200, out
     assert not [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
 
 
@@ -243,3 +248,69 @@ def test_timed_runner_vectors_are_the_same_for_the_same_request():
     assert step("a") == step("a") != step("b")
     assert len(np.frombuffer(step("a"), dtype="<f4")) == EMBED_DIM
     assert base64.b64encode(step("a"))  # (bytes, as the worker's pipe and the event carry them)
+
+
+def _cos(a: bytes, b: bytes) -> float:
+    return float(np.dot(_unit(np.frombuffer(a, dtype="<f4")), _unit(np.frombuffer(b, dtype="<f4"))))
+
+
+async def test_score_and_rerank_are_cosine_similarities_of_the_embeddings(served, tiny_runner, tiny_tokenizer):
+    """vLLM's /score and /rerank over an embedding model: each pair's cosine similarity,
+    each distinct text embedded once (a request of its own on the engines)."""
+    api, eng = served
+    q, docs = "capital of France", ["Bananas are yellow", "Paris is the capital", "capital of France"]
+    vec = dict(zip([q, *docs], LLM(tiny_runner, tiny_tokenizer).embed(
+        [tiny_tokenizer.encode(t, add_special_tokens=True) for t in [q, *docs]])))
+    status, body = await _post(f"{api.url}/score", {"text_1": q, "text_2": docs}, {"X-Request-Id": "sc"})
+    assert status == 200 and body["object"] == "list" and body["id"] == "sc"
+    assert [d["index"] for d in body["data"]] == [0, 1, 2]
+    np.testing.assert_allclose([d["score"] for d in body["data"]], [_cos(vec[q], vec[d]) for d in docs], atol=1e-6)
+    assert body["data"][2]["score"] == pytest.approx(1.0, abs=1e-9)  # the query itself
+    # the query is among the documents: three texts, three requests, not four
+    parent = await _story(api.bus, "sc")
+    assert parent[0].choices == 3 and await _story(api.bus, "sc.2") and not await _story(api.bus, "sc.3")
+    assert body["usage"]["prompt_tokens"] == sum(len(tiny_tokenizer.encode(t, add_special_tokens=True))
+                                                  for t in [q, *docs[:2]])
+    # pairwise: as many text_1 as text_2
+    status, body = await _post(f"{api.url}/v1/score", {"text_1": [q, docs[0]], "text_2": [docs[1], docs[0]]})
+    assert status == 200
+    np.testing.assert_allclose([d["score"] for d in body["data"]], [_cos(vec[q], vec[docs[1]]), 1.0], atol=1e-6)
+
+    status, body = await _post(f"{api.url}/v1/rerank", {"query": q, "documents": docs, "top_n": 2})
+    assert status == 200, body
+    want = sorted(range(3), key=lambda k: -_cos(vec[q], vec[docs[k]]))[:2]
+    assert [r["index"] for r in body["results"]] == want and want[0] == 2
+    assert [r["document"]["text"] for r in body["results"]] == [docs[k] for k in want]
+    np.testing.assert_allclose([r["relevance_score"] for r in body["results"]],
+                               [_cos(vec[q], vec[docs[k]]) for k in want], atol=1e-6)
+    for path in ("/rerank", "/v2/rerank"):
+        status, body = await _post(f"{api.url}{path}", {"query": q, "documents": docs})
+        assert status == 200 and len(body["results"]) == 3  # (no top_n: every document)
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/score", {"text_2": "x"}, "text_1"),
+    ("/score", {"text_1": ["a", "b"], "text_2": ["a", "b", "c"]}, "text_1"),
+    ("/score", {"text_1": "a", "text_2": [1, 2]}, "text_2"),
+    ("/score", {"text_1": "a", "text_2": ""}, "text_2"),
+    ("/rerank", {"documents": ["a"]}, "query"),
+    ("/rerank", {"query": ["a"], "documents": ["a"]}, "query"),
+    ("/rerank", {"query": "a", "documents": []}, "documents"),
+    ("/v1/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n"),
+    ("/v2/rerank", {"query": "a", "documents": ["y" * MAX_LEN]}, "documents"),
+])
+async def test_bad_score_and_rerank_requests_reach_no_engine(real_bus, path, body, param):
+    async with api_client(real_bus) as client:
+        resp = await client.post(path, json=body)
+        assert resp.status == 400
+        assert assert_openai_error(await resp.json())["param"] == param
+        assert await real_bus.redis.xlen(real_bus.keys.requests) == 0
+
+
+async def test_scoring_routes_outside_v1_need_the_api_key(real_bus):
+    async with api_client(real_bus, api_key="k") as client:
+        for path in ("/score", "/rerank", "/v2/rerank"):
+            resp = await client.post(path, json={"text_1": "a", "text_2": "b", "query": "a", "documents": ["b"]})
+            assert resp.status == 401, path
+            assert assert_openai_error(await resp.json())["type"] == "authentication_error"
+        assert await real_bus.redis.xlen(real_bus.keys.requests) == 0

@@ -230,6 +230,14 @@ EMB_BODIES = st.one_of(
     st.builds(lambda extra: {"input": "hi", **extra}, st.dictionaries(st.sampled_from(EMB_FIELDS), JSON, max_size=3)),
     JSON,
 )
+TEXTS = st.sampled_from(["a", "b", "", "y" * MAX_LEN]) | st.lists(st.sampled_from(["a", "b", "c", ""]), max_size=3)
+SCORE_BODIES = st.one_of(
+    st.fixed_dictionaries({"text_1": TEXTS | JSON, "text_2": TEXTS | JSON}, optional={
+        "model": st.sampled_from(["tiny", "other"]), "truncate_prompt_tokens": st.integers(-2, 3) | JSON}),
+    st.fixed_dictionaries({"query": TEXTS | JSON, "documents": TEXTS | JSON}, optional={
+        "top_n": st.integers(-1, 4) | JSON, "add_special_tokens": st.booleans() | JSON}),
+    JSON,
+)
 ABORT_BODIES = st.one_of(
     st.fixed_dictionaries({}, optional={
         "req_ids": st.lists(st.text(max_size=6) | JSON, max_size=4) | JSON,
@@ -257,6 +265,10 @@ def _choices_of(data: bytes, headers: dict) -> int:
     if headers.get("Content-Encoding") not in (None, "identity"):
         data = gzip.decompress(data) if headers["Content-Encoding"] == "gzip" else zlib.decompress(data)
     body = json.loads(data)
+    if "text_1" in body or "query" in body:  # (score, rerank: one a distinct text)
+        texts = [t for name in ("text_1", "text_2", "query", "documents")
+                 for t in ([body[name]] if isinstance(body.get(name), str) else body.get(name) or [])]
+        return len(set(texts))
     if "input" in body and "prompt" not in body and "messages" not in body:  # (embeddings: one an input)
         x = body["input"]
         return len(x) if isinstance(x, list) and all(isinstance(i, (str, list)) for i in x) else 1
@@ -276,7 +288,7 @@ async def post(h: Harness, path: str, data: bytes, headers: dict) -> tuple[int, 
     after = await h.lens()
     if status >= 400:
         assert after == before, (path, status, body, "a rejected request left a trace")
-    elif path in (CHAT, COMP, EMB):
+    elif path in (CHAT, COMP, EMB, "/score", "/v1/rerank"):
         assert after[0] == before[0] + _choices_of(data, headers)
         rid = resp.headers["X-Request-Id"]
         if "X-Request-Id" in headers:
@@ -288,8 +300,8 @@ async def post(h: Harness, path: str, data: bytes, headers: dict) -> tuple[int, 
 
 
 @pytest.mark.parametrize("path,bodies", [(CHAT, CHAT_BODIES), (COMP, COMP_BODIES), (RESP, RESP_BODIES),
-                                        (EMB, EMB_BODIES)],
-                         ids=["chat", "completions", "responses", "embeddings"])
+                                        (EMB, EMB_BODIES), ("/score", SCORE_BODIES), ("/v1/rerank", SCORE_BODIES)],
+                         ids=["chat", "completions", "responses", "embeddings", "score", "rerank"])
 def test_generating_bodies_and_headers(harness, path, bodies):
     seen: set[int] = set()
 
@@ -304,7 +316,10 @@ def test_generating_bodies_and_headers(harness, path, bodies):
         status, out = harness.call(post(harness, path, dumps(body), headers))
         seen.add(status)
         if status == 200 and isinstance(out, dict):
-            if out["object"] == "list":  # embeddings: one a vector each input, in order
+            if "results" in out:  # rerank: best first
+                assert [r["relevance_score"] for r in out["results"]] == sorted(
+                    (r["relevance_score"] for r in out["results"]), reverse=True)
+            elif out["object"] == "list":  # embeddings: one a vector each input, in order
                 assert [d["index"] for d in out["data"]] == list(range(len(out["data"]))) and out["data"]
             elif out["object"] == "response":
                 assert out["status"] in ("completed", "incomplete") and out["output"][0]["type"] == "message"

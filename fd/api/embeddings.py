@@ -62,32 +62,39 @@ def parse_embeddings(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Em
     else:
         raise bad_request("'input' must be a string, a list of token ids, or a non-empty list of either.",
                           "input", "invalid_type")
+    inputs = _inputs(body, batch, "input", limits, tokenizer)
+    fmt = _opt(body, "encoding_format", lambda v: v in ENCODINGS, "'float' or 'base64'", "float")
+    dims = _dimensions(body, tokenizer)
+    return EmbeddingRequest(model, inputs, fmt, dims,
+                            _opt(body, "normalize", _is_bool, "a boolean", True), _priority(body, limits))
+
+
+def _inputs(body: dict, batch: list, param: str, limits: Limits,
+            tokenizer: TokenizerLike) -> tuple[tuple[int, ...], ...]:
+    """Each text (or token id list) of ``batch`` as the prompt its engine request embeds."""
     if len(batch) > MAX_INPUTS:
-        raise bad_request(f"At most {MAX_INPUTS} inputs a request.", "input", "invalid_value")
+        raise bad_request(f"At most {MAX_INPUTS} inputs a request.", param, "invalid_value")
     special = _opt(body, "add_special_tokens", _is_bool, "a boolean", True)
     keep = _truncation(body, limits)
     inputs = []
     for k, x in enumerate(batch):
         if isinstance(x, str):
             ids = tuple(tokenizer.encode(x, add_special_tokens=special)) if x else ()
-        elif x and all(_is_int(t) for t in x):
-            ids = _check_ids(x, limits, "input")
+        elif isinstance(x, list) and x and all(_is_int(t) for t in x):
+            ids = _check_ids(x, limits, param)
         else:
             raise bad_request("Each input must be a non-empty string or a non-empty list of token ids.",
-                              "input", "invalid_value")
+                              param, "invalid_value")
         if not ids:
-            raise bad_request(f"Input {k} is empty.", "input", "invalid_value")
+            raise bad_request(f"Input {k} is empty.", param, "invalid_value")
         if keep:
             ids = ids[-keep:]
         if len(ids) >= limits.max_model_len:
             raise bad_request(f"This model's maximum context length is {limits.max_model_len} tokens; "
                               f"input {k} has {len(ids)} (at most {limits.max_model_len - 1}). Shorten it, "
-                              "or set 'truncate_prompt_tokens'.", "input", "context_length_exceeded")
+                              "or set 'truncate_prompt_tokens'.", param, "context_length_exceeded")
         inputs.append(ids)
-    fmt = _opt(body, "encoding_format", lambda v: v in ENCODINGS, "'float' or 'base64'", "float")
-    dims = _dimensions(body, tokenizer)
-    return EmbeddingRequest(model, tuple(inputs), fmt, dims,
-                            _opt(body, "normalize", _is_bool, "a boolean", True), _priority(body, limits))
+    return tuple(inputs)
 
 
 def _dimensions(body: dict, tokenizer: TokenizerLike) -> int | None:
@@ -129,3 +136,81 @@ def response(rid: str, created: int, req: EmbeddingRequest, vectors: list[np.nda
     return {"id": rid, "object": "list", "created": created, "model": req.model,
             "data": [{"object": "embedding", "index": k, "embedding": e} for k, e in enumerate(values)],
             "usage": {"prompt_tokens": n, "total_tokens": n}}
+
+
+# ------------------------------------------------------------------ scores and reranking
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreRequest:
+    """vLLM's score and rerank over an embedding model: each pair's score is the cosine
+    similarity of its two texts' embeddings. Each distinct text is embedded once."""
+
+    embed: EmbeddingRequest  # the distinct texts, in first-seen order
+    pairs: tuple[tuple[int, int], ...]  # (first, second) as indexes of embed.inputs, in answer order
+    documents: tuple[str, ...] = ()  # rerank: the documents, returned with their scores
+    top_n: int | None = None  # rerank: only the best this many
+
+
+def _texts(body: dict, name: str, one: bool = False) -> list[str]:
+    v = body.get(name)
+    if v is None:
+        raise bad_request(f"'{name}' is required.", name, "missing_required_parameter")
+    if isinstance(v, str) and v:
+        return [v]
+    if not one and isinstance(v, list) and v and all(isinstance(x, str) and x for x in v):
+        return v
+    what = "a non-empty string" if one else "a non-empty string or a non-empty list of them"
+    raise bad_request(f"'{name}' must be {what}.", name, "invalid_type")
+
+
+def _score_request(body: dict, limits: Limits, tokenizer: TokenizerLike, firsts: list[str],
+                   seconds: list[str], param: str, **extra: Any) -> ScoreRequest:
+    texts = list(dict.fromkeys(firsts + seconds))
+    at = {t: i for i, t in enumerate(texts)}
+    if len(firsts) == 1:
+        firsts = firsts * len(seconds)
+    elif len(firsts) != len(seconds):
+        raise bad_request(f"'text_1' has {len(firsts)} texts and 'text_2' {len(seconds)}: give one "
+                          "'text_1', or as many as 'text_2'.", "text_1", "invalid_value")
+    embed = EmbeddingRequest(_check_model(body, limits), _inputs(body, texts, param, limits, tokenizer),
+                             priority=_priority(body, limits))
+    return ScoreRequest(embed, tuple((at[a], at[b]) for a, b in zip(firsts, seconds)), **extra)
+
+
+def parse_score(body: dict, limits: Limits, tokenizer: TokenizerLike) -> ScoreRequest:
+    """vLLM's ``/score``: ``text_1`` against each of ``text_2`` (one or as many as it)."""
+    return _score_request(body, limits, tokenizer, _texts(body, "text_1"), _texts(body, "text_2"), "text_2")
+
+
+def parse_rerank(body: dict, limits: Limits, tokenizer: TokenizerLike) -> ScoreRequest:
+    """vLLM's ``/rerank`` (Jina's and Cohere's shape): ``documents`` by relevance to
+    ``query``, the best ``top_n`` (all by default)."""
+    query = _texts(body, "query", one=True)
+    docs = _texts(body, "documents")
+    top = _opt(body, "top_n", _is_int, "an integer", None)
+    if top is not None and top < 0:
+        raise bad_request("'top_n' must be at least 0 (0: every document).", "top_n", "invalid_value")
+    return _score_request(body, limits, tokenizer, query, docs, "documents", documents=tuple(docs),
+                          top_n=top or None)
+
+
+def pair_scores(vectors: list[np.ndarray], req: ScoreRequest) -> list[float]:
+    """Each pair's cosine similarity (in float64: a text and itself score 1, not 1 + 1e-7)."""
+    wide = [v.astype(np.float64) for v in vectors]
+    unit = [v / max(float(np.linalg.norm(v)), 1e-12) for v in wide]
+    return [float(np.dot(unit[a], unit[b])) for a, b in req.pairs]
+
+
+def score_response(rid: str, created: int, req: ScoreRequest, scores: list[float]) -> dict[str, Any]:
+    n = sum(map(len, req.embed.inputs))
+    return {"id": rid, "object": "list", "created": created, "model": req.embed.model,
+            "data": [{"index": k, "object": "score", "score": s} for k, s in enumerate(scores)],
+            "usage": {"prompt_tokens": n, "total_tokens": n}}
+
+
+def rerank_response(rid: str, req: ScoreRequest, scores: list[float]) -> dict[str, Any]:
+    order = sorted(range(len(scores)), key=lambda k: -scores[k])[:req.top_n]
+    return {"id": rid, "model": req.embed.model, "usage": {"total_tokens": sum(map(len, req.embed.inputs))},
+            "results": [{"index": k, "document": {"text": req.documents[k]}, "relevance_score": scores[k]}
+                        for k in order]}

@@ -148,6 +148,30 @@ def _schemas(model_name: str, max_model_len: int, vocab_size: int | None,
     token_id: dict[str, Any] = {"type": "integer", "format": "int64", "minimum": 0}
     if vocab_size:
         token_id["maximum"] = vocab_size - 1
+    # (/v1/embeddings' fields; the scoring routes take those that are not about vectors)
+    embedding_props = {
+        "model": sampling["model"],
+        "input": {"oneOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "minItems": 1, "maxItems": MAX_INPUTS, "items": {"oneOf": [
+                {"type": "string", "minLength": 1},
+                {"type": "array", "minItems": 1, "items": token_id}]}},
+            {"type": "array", "minItems": 1, "items": token_id}],
+            "description": f"Each input at most {max_model_len - 1} tokens."},
+        "encoding_format": {"type": "string", "enum": list(ENCODINGS), "default": "float",
+                            "description": "base64: the float32 values' little-endian bytes."},
+        "dimensions": {**_INT_OR_NULL, "minimum": 1,
+                       "description": "Only for a model whose config.json says is_matryoshka "
+                                      "or matryoshka_dimensions: the vector cut to its first "
+                                      "values (then normalized)."},
+        "normalize": {**_NULLABLE_BOOL, "description": "vLLM's: false returns the hidden state "
+                                                       "as it is."},
+        "add_special_tokens": {**_NULLABLE_BOOL, "description": "vLLM's (default true)."},
+        "truncate_prompt_tokens": sampling["truncate_prompt_tokens"],
+        "priority": sampling["priority"],
+        "user": {"type": "string"}}
+    texts = {"oneOf": [{"type": "string", "minLength": 1},
+                       {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}}]}
     return {
         "Error": {"type": "object", "required": ["error"], "properties": {"error": {
             "type": "object", "required": ["message", "type", "param", "code"], "properties": {
@@ -253,33 +277,29 @@ def _schemas(model_name: str, max_model_len: int, vocab_size: int | None,
             "type": "object", "required": ["input"],
             "description": "Each input's embedding: the model's final hidden state at its last token "
                            "(vLLM's LAST pooling), L2-normalized unless normalize is false.",
-            "properties": {
-                "model": sampling["model"],
-                "input": {"oneOf": [
-                    {"type": "string", "minLength": 1},
-                    {"type": "array", "minItems": 1, "maxItems": MAX_INPUTS, "items": {"oneOf": [
-                        {"type": "string", "minLength": 1},
-                        {"type": "array", "minItems": 1, "items": token_id}]}},
-                    {"type": "array", "minItems": 1, "items": token_id}],
-                    "description": f"Each input at most {max_model_len - 1} tokens."},
-                "encoding_format": {"type": "string", "enum": list(ENCODINGS), "default": "float",
-                                    "description": "base64: the float32 values' little-endian bytes."},
-                "dimensions": {**_INT_OR_NULL, "minimum": 1,
-                               "description": "Only for a model whose config.json says is_matryoshka "
-                                              "or matryoshka_dimensions: the vector cut to its first "
-                                              "values (then normalized)."},
-                "normalize": {**_NULLABLE_BOOL, "description": "vLLM's: false returns the hidden state "
-                                                               "as it is."},
-                "add_special_tokens": {**_NULLABLE_BOOL, "description": "vLLM's (default true)."},
-                "truncate_prompt_tokens": sampling["truncate_prompt_tokens"],
-                "priority": sampling["priority"],
-                "user": {"type": "string"}}},
+            "properties": embedding_props},
         "EmbeddingList": {"type": "object", "required": ["object", "data", "usage"], "properties": {
             "object": {"type": "string", "enum": ["list"]},
             "data": {"type": "array", "items": {"type": "object", "properties": {
                 "object": {"type": "string", "enum": ["embedding"]}, "index": {"type": "integer"},
                 "embedding": {"oneOf": [{"type": "array", "items": {"type": "number"}},
                                         {"type": "string"}]}}}}}},
+        "ScoreRequest": {
+            "type": "object", "required": ["text_1", "text_2"],
+            "description": "vLLM's score over an embedding model: the cosine similarity of text_1 and "
+                           "each text_2 (one text_1, or as many as text_2: pairwise).",
+            "properties": {"model": sampling["model"], "text_1": texts, "text_2": texts,
+                           **{k: embedding_props[k] for k in ("add_special_tokens", "truncate_prompt_tokens",
+                                                      "priority", "user")}}},
+        "RerankRequest": {
+            "type": "object", "required": ["query", "documents"],
+            "description": "vLLM's rerank (Jina's and Cohere's API) over an embedding model: documents "
+                           "by the cosine similarity of their embedding to the query's, best first.",
+            "properties": {"model": sampling["model"], "query": {"type": "string", "minLength": 1},
+                           "documents": {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+                           "top_n": {**_INT_OR_NULL, "minimum": 0, "description": "0 or absent: every document"},
+                           **{k: embedding_props[k] for k in ("add_special_tokens", "truncate_prompt_tokens",
+                                                      "priority", "user")}}},
         "AbortRequest": {
             "type": "object",
             "description": "One of req_ids (FastDeploy), request_ids (vLLM) or abort_all.",
@@ -324,6 +344,15 @@ def _generating(summary: str, req: str, resp: str) -> dict:
                       **_ERRORS, "404": _err("Unknown model"), "409": _err("X-Request-Id already used")}}}
 
 
+def _embedding(summary: str, req: str, answer: str, resp: str | None = None) -> dict:
+    schema = _ref(resp) if resp else {"type": "object"}
+    return {"post": {
+        "summary": summary, "security": [{"apiKey": []}], "parameters": [_RID_HEADER],
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(req)}}},
+        "responses": {"200": {"description": answer, "content": {"application/json": {"schema": schema}}},
+                      **_ERRORS, "404": _err("Unknown model"), "409": _err("X-Request-Id already used")}}}
+
+
 def build(model_name: str, max_model_len: int, max_body_bytes: int,
           vocab_size: int | None = None, aliases: tuple[str, ...] = ()) -> dict[str, Any]:
     """The document for one API node's configuration.
@@ -354,13 +383,13 @@ def build(model_name: str, max_model_len: int, max_body_bytes: int,
             "/v1/responses": _generating("OpenAI's Responses API (text); stream=true sends its typed "
                                          "events, each frame naming its type", "ResponsesRequest",
                                          "Response"),
-            "/v1/embeddings": {"post": {
-                "summary": "Embeddings (OpenAI's)", "security": [{"apiKey": []}], "parameters": [_RID_HEADER],
-                "requestBody": {"required": True, "content": {"application/json": {
-                    "schema": _ref("EmbeddingRequest")}}},
-                "responses": {"200": {"description": "The inputs' embeddings, in order", "content": {
-                    "application/json": {"schema": _ref("EmbeddingList")}}},
-                    **_ERRORS, "404": _err("Unknown model"), "409": _err("X-Request-Id already used")}}},
+            "/v1/embeddings": _embedding("Embeddings (OpenAI's)", "EmbeddingRequest",
+                                         "The inputs' embeddings, in order", "EmbeddingList"),
+            **{p: _embedding("vLLM's score: cosine similarities of embeddings", "ScoreRequest",
+                             "One score a pair, in text_2's order") for p in ("/score", "/v1/score")},
+            **{p: _embedding("vLLM's rerank (Jina's and Cohere's API) by embeddings", "RerankRequest",
+                             "results: the documents best first, each with its index and relevance_score")
+               for p in ("/rerank", "/v1/rerank", "/v2/rerank")},
             "/v1/models": {"get": {"summary": "The served model", "security": [{"apiKey": []}],
                                    "responses": {"200": {"description": "Model list", "content": {
                                        "application/json": {"schema": _ref("ModelList")}}},

@@ -45,7 +45,8 @@ from fd.api.cancellation import Cancellation, watch_of
 from fd.api.cors import Cors
 from fd.api.embeddings import SAMPLING as EMBED_SAMPLING
 from fd.api.embeddings import finish as embedding_finish
-from fd.api.embeddings import parse_embeddings
+from fd.api.embeddings import pair_scores, parse_embeddings, parse_rerank, parse_score, rerank_response
+from fd.api.embeddings import score_response
 from fd.api.embeddings import response as embedding_response
 from fd.api.errors import ApiError, bad_request, conflict, not_found, too_large, unauthorized, unavailable
 from fd.api.responses import ResponsesRenderer, input_items, output_as_input
@@ -94,6 +95,7 @@ IGNORED_NAMES = 256  # distinct ignored request fields remembered, each said onc
 REDIS_SUSPECT_S = 30.0  # after a Redis error, check with a quick ping before each new request
 REDIS_PING_TIMEOUT_S = 0.5
 ADMIN_PATHS = ("/v1/abort_requests",)
+KEYED_PATHS = ("/score", "/rerank", "/v2/rerank")  # vLLM's, outside /v1: they run the model
 CORS_REFUSED = web.RequestKey("fd.cors_refused", bool)
 RID = web.RequestKey("fd.rid", str)  # the request id, echoed in X-Request-Id even on errors
 
@@ -269,12 +271,13 @@ class Api:
 
     @web.middleware
     async def auth(self, request: web.Request, handler):
-        """``/v1/*`` needs the API key; the abort routes need the admin key when there is one
+        """``/v1/*`` (and vLLM's scoring routes outside it, which run the model) needs the API
+        key; the abort routes need the admin key when there is one
         (which also opens every other ``/v1`` route). Both answer 401 with OpenAI's
         ``authentication_error``: a client cannot tell "wrong key" from "not enough key",
         which leaks nothing about which keys exist. ``/health``, ``/metrics`` and
         ``/openapi.json`` stay open (see :mod:`fd.api.openapi`)."""
-        if request.path.startswith("/v1/"):
+        if request.path.startswith("/v1/") or request.path in KEYED_PATHS:
             token = _bearer(request)
             admin = self.cfg.admin_key
             if _is_admin_path(request) and admin:
@@ -386,14 +389,31 @@ class Api:
                                     keep=input_items(body) if store else None)
 
     async def embeddings(self, request: web.Request) -> web.Response:
-        """OpenAI's embeddings (fd.api.embeddings): each input a request on the engines,
-        ``<id>.<k>`` when there are several (as a completions batch's prompts), whose first
-        tokens event carries its vector. A hang-up aborts them; so does an abort of the id."""
+        """OpenAI's embeddings (fd.api.embeddings)."""
+        rid, created, req, vectors = await self._embed(request, parse_embeddings)
+        return _json(embedding_response(rid, created, req, [embedding_finish(v, req) for v in vectors]),
+                     headers={"X-Request-Id": rid})
+
+    async def score(self, request: web.Request) -> web.Response:
+        """vLLM's ``/score`` over an embedding model: cosine similarities (fd.api.embeddings)."""
+        rid, created, req, vectors = await self._embed(request, parse_score, "score")
+        return _json(score_response(rid, created, req, pair_scores(vectors, req)), headers={"X-Request-Id": rid})
+
+    async def rerank(self, request: web.Request) -> web.Response:
+        """vLLM's ``/rerank`` (Jina's and Cohere's API) over an embedding model."""
+        rid, _, req, vectors = await self._embed(request, parse_rerank, "rerank")
+        return _json(rerank_response(rid, req, pair_scores(vectors, req)), headers={"X-Request-Id": rid})
+
+    async def _embed(self, request: web.Request, parse, prefix: str = "embd") -> tuple[str, int, Any, list]:
+        """The vectors of a request's texts: each a request on the engines, ``<id>.<k>`` when
+        there are several (as a completions batch's prompts), whose first tokens event carries
+        its vector. A hang-up aborts them; so does an abort of the id."""
         await self._check_redis()
         arrival = time.monotonic()
-        rid, explicit = self._request_id(request, "embd")
+        rid, explicit = self._request_id(request, prefix)
         body = await self._body(request)
-        req = parse_embeddings(body, self.limits, self.tokenizer)
+        parsed = parse(body, self.limits, self.tokenizer)
+        req = getattr(parsed, "embed", parsed)  # (a score's: the texts it embeds)
         self._say_ignored(body.ignored(), rid)
         many = len(req.inputs) > 1
         if many:
@@ -427,8 +447,7 @@ class Api:
                 await self.bus.submit(*requests[0])
             vectors = await self._collect_embeddings(ids, subs, [_Timing(self.metrics, arrival) for _ in ids])
             watch.finished = True
-            return _json(embedding_response(rid, created, req, [embedding_finish(v, req) for v in vectors]),
-                         headers={"X-Request-Id": rid})
+            return rid, created, parsed, vectors
         finally:
             for sub in subs:
                 await sub.close()
@@ -1080,6 +1099,9 @@ def make_app(cfg: ApiConfig, bus: Bus, mux: StreamMux, tokenizer, metrics: Metri
     app[API_KEY] = api
     generating = {"/v1/chat/completions": api.chat, "/v1/completions": api.completions,
                   "/v1/responses": api.responses, "/v1/embeddings": api.embeddings}
+    # vLLM's scoring routes, by each name it serves them under
+    generating.update({path: api.score for path in ("/score", "/v1/score")})
+    generating.update({path: api.rerank for path in ("/rerank", "/v1/rerank", "/v2/rerank")})
     for path, handler in generating.items():  # every generating endpoint is guarded, by construction
         app.router.add_post(path, api.cancellation.guard(handler))
     app.router.add_get("/v1/models", api.models)
