@@ -102,6 +102,12 @@ class SamplingParams:
     # takes), which the request's first tokens event carries as `embedding`.
     embed: bool = False
 
+    def ends_on(self, token: int, eos_token_ids: Sequence[int]) -> bool:
+        """Whether sampling ``token`` ends the request (finish_reason "stop"): one of its
+        ``stop_token_ids``, or an EOS of the model unless ``ignore_eos``. Such a token counts
+        as output but its text is not shown (vLLM's rule), unless include_stop_str_in_output."""
+        return token in self.stop_token_ids or (not self.ignore_eos and token in eos_token_ids)
+
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0 or self.top_k == 1
@@ -583,6 +589,9 @@ class Final(Event):
     step: int = 0
     error: str | None = None
     stop_reason: str | None = None  # the stop string or token that ended it, like vLLM
+    # The stop_token_ids token that ended it (then also stop_reason, as text), written only
+    # then: what vLLM's answer gives as an integer stop_reason.
+    stop_token: int | None = None
 
 
 def tombstone_story(request_id: str, source: str, engine: str = "") -> list[Event]:

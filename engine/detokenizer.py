@@ -19,9 +19,12 @@ def _never(_token_id: int) -> bool:
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, stop: tuple[str, ...] = (), include_stop_str_in_output: bool = False,
-                 min_tokens: int = 0, skip_special_tokens: bool = True):
+                 min_tokens: int = 0, skip_special_tokens: bool = True, ending: frozenset[int] = frozenset()):
         self._tok = tokenizer
         self._is_special = (getattr(tokenizer, "is_special", _never) if skip_special_tokens else _never)
+        # Tokens that end the request (EOS, stop_token_ids): counted, never shown (vLLM's
+        # rule; include_stop_str_in_output shows them), even when special tokens are.
+        self._ending = frozenset() if include_stop_str_in_output else ending
         # "replace" only for bytes that can never become valid; incomplete tails wait
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self._stop = tuple(s for s in stop if s)
@@ -32,10 +35,13 @@ class IncrementalDetokenizer:
         self.stop_str: str | None = None  # set once a stop string matched; later pushes are ignored
 
     @classmethod
-    def for_request(cls, tokenizer, sp: Any) -> "IncrementalDetokenizer":
-        """The detokenizer a request's sampling parameters ask for."""
+    def for_request(cls, tokenizer, sp: Any, eos_token_ids: Iterable[int] = ()) -> "IncrementalDetokenizer":
+        """The detokenizer a request's sampling parameters ask for, on a model whose EOS
+        tokens are ``eos_token_ids``."""
+        eos = tuple(eos_token_ids)
+        ending = frozenset(t for t in (*sp.stop_token_ids, *eos) if sp.ends_on(t, eos))
         return cls(tokenizer, stop=sp.stop, include_stop_str_in_output=sp.include_stop_str_in_output,
-                   min_tokens=sp.min_tokens, skip_special_tokens=sp.skip_special_tokens)
+                   min_tokens=sp.min_tokens, skip_special_tokens=sp.skip_special_tokens, ending=ending)
 
     def push(self, token_ids: Iterable[int]) -> tuple[str, str | None]:
         """The new text of ``token_ids`` that is safe to emit, and the stop string if one
@@ -44,7 +50,9 @@ class IncrementalDetokenizer:
             return "", None
         token_ids = tuple(token_ids)
         self._count += len(token_ids)
-        data = b"".join(self._tok.id_to_bytes(t) for t in token_ids if not self._is_special(t))
+        ending = self._ending
+        data = b"".join(self._tok.id_to_bytes(t) for t in token_ids
+                        if not self._is_special(t) and t not in ending)
         held = len(self._held)
         text = self._held + self._utf8.decode(data)
         if not self._stop:

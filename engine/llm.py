@@ -56,7 +56,7 @@ class LLM:
         for i, (ids, sp) in enumerate(zip(prompts, sps)):
             rid = f"r{i}"
             gens[rid] = Generation(rid)
-            detoks[rid] = IncrementalDetokenizer.for_request(self.tokenizer, sp)
+            detoks[rid] = IncrementalDetokenizer.for_request(self.tokenizer, sp, self.cfg.eos_token_ids)
             for ev in sched.add(rid, RequestData(prompt_token_ids=tuple(ids), sampling=sp)):
                 fold(gens, detoks, ev, clock)
         # Async scheduling in one thread: step N+1 is decided (and run: the runner takes steps

@@ -711,7 +711,7 @@ class EngineNode:
                 self._emit([Final(request_id=rid, finish_reason="error", usage=usage,
                                   error=f"sampling.guided does not compile: {e}", step=self.sched.step)])
                 return
-        detok = IncrementalDetokenizer.for_request(self.tokenizer, sp)
+        detok = IncrementalDetokenizer.for_request(self.tokenizer, sp, self.sched.config.eos_token_ids)
         tail = ""
         if hist.tokens:
             # Prime it with what the client already has, so text deltas continue exactly; text

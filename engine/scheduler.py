@@ -43,6 +43,14 @@ from engine.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from engine.sequence import PLACEHOLDER, Sequence, Status
 
 
+
+def _final(request_id: str, reason: str, usage: dict, stop: str | int | None) -> Final:
+    """A request's Final; ``stop``: the stop string, or the stop token (an int) that ended it."""
+    if isinstance(stop, int):  # (stop_reason is a string on the wire: the token rides apart too)
+        return Final(request_id=request_id, finish_reason=reason, usage=usage, stop_reason=str(stop),
+                     stop_token=stop)
+    return Final(request_id=request_id, finish_reason=reason, usage=usage, stop_reason=stop)
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
@@ -205,8 +213,7 @@ class Scheduler:
             if reason is not None:
                 seq.status = Status.FINISHED
                 events.append(BlocksReleased(request_id=request_id, count=0, step=self.step))
-                events.append(Final(request_id=request_id, finish_reason=reason,
-                                    usage=seq.usage(), stop_reason=stop_reason))
+                events.append(_final(request_id, reason, seq.usage(), stop_reason))
                 return events
         self._seqs[request_id] = seq
         self._wait(seq)
@@ -567,17 +574,15 @@ class Scheduler:
 
     def _finish_reason(self, seq: Sequence, token: int, stop_string: str | None):
         sp = seq.sampling
-        if token in sp.stop_token_ids:
-            return "stop", str(token)
-        if not sp.ignore_eos and token in self.config.eos_token_ids:
-            return "stop", None
+        if sp.ends_on(token, self.config.eos_token_ids):
+            return "stop", token if token in sp.stop_token_ids else None
         if stop_string is not None:
             return "stop", stop_string
         if seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.config.max_model_len:
             return "length", None
         return None, None
 
-    def _release(self, seq: Sequence, reason: str, stop_reason: str | None,
+    def _release(self, seq: Sequence, reason: str, stop_reason: str | int | None,
                  events: list[Event], step: int) -> None:
         """Give the blocks back, then say so, then the request's one Final."""
         count = self.blocks.free(seq.request_id) if self.blocks.owns(seq.request_id) else 0
@@ -588,5 +593,4 @@ class Scheduler:
         seq.status = Status.FINISHED
         del self._seqs[seq.request_id]
         events.append(BlocksReleased(request_id=seq.request_id, count=count, step=step))
-        events.append(Final(request_id=seq.request_id, finish_reason=reason, usage=seq.usage(),
-                            stop_reason=stop_reason))
+        events.append(_final(seq.request_id, reason, seq.usage(), stop_reason))

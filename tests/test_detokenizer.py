@@ -141,3 +141,25 @@ def test_a_stop_string_that_straddles_min_tokens_ends_the_request_unleaked():
     d = IncrementalDetokenizer(Bytes(), stop=("STOP",), min_tokens=2)
     assert d.push(b"S") == ("", None)
     assert d.push(b"TX") == ("STX", None)
+
+
+def test_the_token_that_ends_a_request_is_counted_but_not_shown(tok):
+    """vLLM's rule: an EOS or stop_token_ids token ends the request without its text, even
+    with skip_special_tokens false, unless include_stop_str_in_output."""
+    from control.events import SamplingParams
+
+    ids = tok.encode("The harbour town")
+    stop = ids[-1]
+    eos = tok.eos_token_ids[0]
+    d = IncrementalDetokenizer.for_request(tok, SamplingParams(stop_token_ids=(stop,)), tok.eos_token_ids)
+    assert "".join(_stream(d, ids)[0]) + d.flush() == tok.decode(ids[:-1])
+    shown = IncrementalDetokenizer.for_request(
+        tok, SamplingParams(stop_token_ids=(stop,), include_stop_str_in_output=True), tok.eos_token_ids)
+    assert "".join(_stream(shown, ids)[0]) + shown.flush() == tok.decode(ids)
+    raw = SamplingParams(skip_special_tokens=False)
+    d = IncrementalDetokenizer.for_request(tok, raw, tok.eos_token_ids)
+    assert "".join(_stream(d, [*ids, eos])[0]) == tok.decode(ids)  # the EOS: not shown
+    assert tok.decode([eos], skip_special_tokens=False)  # (though it has text)
+    kept = IncrementalDetokenizer.for_request(tok, SamplingParams(skip_special_tokens=False, ignore_eos=True),
+                                              tok.eos_token_ids)  # (ignored, it ends nothing)
+    assert "".join(_stream(kept, [*ids, eos])[0]) == tok.decode([*ids, eos], skip_special_tokens=False)

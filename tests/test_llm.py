@@ -147,6 +147,8 @@ def test_logit_bias_and_min_tokens_decide_what_the_user_gets(tiny_runner, tiny_t
     held = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=(stop_id,), min_tokens=8)
     early, late = LLM(tiny_runner, tiny_tokenizer).generate([prompts[0]] * 2, [stop, held])
     assert early.finish_reason == "stop" and len(early.token_ids) == 3
+    # (the stop token is output, but its text is not shown: vLLM's rule)
+    assert early.text == tiny_tokenizer.decode(base[0].token_ids[:2])
     assert len(late.token_ids) >= 8 and stop_id not in late.token_ids[:7]
 
 

@@ -293,3 +293,35 @@ async def test_tokenize_returns_the_vocabularys_pieces_when_asked(openai_client,
     assert "".join(body["token_strs"]).replace("\u0120", " ").endswith("world")
     status, body = await _post(f"{api.url}/tokenize", {"prompt": "Hello"})
     assert "token_strs" not in body
+
+
+async def test_the_token_that_stops_a_request_is_counted_not_shown(openai_client, tiny_runner, tiny_tokenizer):
+    """As vLLM: a stop_token_ids token (or an EOS, even with skip_special_tokens false) ends
+    the answer without its text, and counts as a completion token; stop_reason names it."""
+    api, oa = openai_client
+    ids = tiny_tokenizer.encode("Hello there")
+    base = _greedy(tiny_runner, tiny_tokenizer, ids, 4)
+    stop = base.token_ids[2]
+    assert stop not in base.token_ids[:2]
+    for stream in (False, True):
+        c = await oa.completions.create(model=api.cfg.model_name, prompt=ids, max_tokens=8, temperature=0,
+                                        stream=stream, extra_body={"stop_token_ids": [stop]},
+                                        **({"stream_options": {"include_usage": True}} if stream else {}))
+        if stream:
+            chunks = [x async for x in c]
+            text = "".join(ch.text for x in chunks for ch in x.choices)
+            reason = [ch.finish_reason for x in chunks for ch in x.choices if ch.finish_reason]
+            assert [ch.model_extra["stop_reason"] for x in chunks for ch in x.choices if ch.finish_reason] == [stop]
+            usage = chunks[-1].usage
+        else:
+            text, reason, usage = c.choices[0].text, [c.choices[0].finish_reason], c.usage
+            assert c.choices[0].model_extra["stop_reason"] == stop
+        assert text == tiny_tokenizer.decode(base.token_ids[:2]) and reason == ["stop"]
+        assert usage.completion_tokens == 3
+    c = await oa.completions.create(model=api.cfg.model_name, prompt=ids, max_tokens=8, temperature=0,
+                                    extra_body={"stop_token_ids": [stop], "include_stop_str_in_output": True})
+    assert c.choices[0].text == tiny_tokenizer.decode(base.token_ids[:3])
+    eos = tiny_tokenizer.eos_token_ids[0]
+    c = await oa.completions.create(model=api.cfg.model_name, prompt=ids, max_tokens=8, temperature=0,
+                                    logit_bias={str(eos): 100}, extra_body={"skip_special_tokens": False})
+    assert c.choices[0].finish_reason == "stop" and c.choices[0].text == "" and c.usage.completion_tokens == 1

@@ -929,7 +929,7 @@ def final_usage(final: Final, prompt_tokens: int, completion_tokens: int) -> dic
 
 
 def chat_completion(rid: str, created: int, model: str, text: str, finish_reason: str,
-                    usage_: dict, stop_reason: str | None = None) -> dict[str, Any]:
+                    usage_: dict, stop_reason: str | int | None = None) -> dict[str, Any]:
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                          "logprobs": None, "finish_reason": finish_reason, "stop_reason": stop_reason}],
@@ -937,7 +937,7 @@ def chat_completion(rid: str, created: int, model: str, text: str, finish_reason
 
 
 def text_completion(rid: str, created: int, model: str, text: str, finish_reason: str,
-                    usage_: dict, stop_reason: str | None = None) -> dict[str, Any]:
+                    usage_: dict, stop_reason: str | int | None = None) -> dict[str, Any]:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
                          "stop_reason": stop_reason}],
@@ -965,6 +965,11 @@ def completion_chunk(rid: str, created: int, model: str, text: str, finish_reaso
 def usage_chunk(endpoint: str, rid: str, created: int, model: str, usage_: dict) -> dict[str, Any]:
     obj = "chat.completion.chunk" if endpoint == "chat" else "text_completion"
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage_}
+
+
+def _stop_reason(final: Final) -> str | int | None:
+    """vLLM's ``stop_reason``: the stop token as an integer, else the stop string."""
+    return final.stop_token if final.stop_token is not None else final.stop_reason
 
 
 def final_error(final: Final) -> ApiError:
@@ -1323,7 +1328,7 @@ class Renderer:
             last = completion_chunk(self.rid, self.created, self.model, self._owed_echo(), fr,
                                     self.include_usage)
         if final.stop_reason is not None:
-            last["choices"][0]["stop_reason"] = final.stop_reason
+            last["choices"][0]["stop_reason"] = _stop_reason(final)
         if self.logprobs:
             last["choices"][0]["logprobs"] = self._unshown_logprobs()
         out = [*held, self._with_ids(self._with_usage(last, final))]
@@ -1349,7 +1354,7 @@ class Renderer:
             text, calls = self._forced()
         body = build(self.rid, self.created, self.model, text,
                      self._finish_reason(final.finish_reason, bool(calls)), self.final_usage(final),
-                     final.stop_reason)
+                     _stop_reason(final))
         if calls:
             message = body["choices"][0]["message"]
             message["content"] = text or None
