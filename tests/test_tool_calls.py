@@ -419,3 +419,46 @@ async def test_pythonic_calls_through_the_api(real_bus):
     from fd.cli import build_parser
     assert build_parser().parse_args(["serve", "--enable-auto-tool-choice",
                                       "--tool-call-parser", "pythonic"]).tool_call_parser == "pythonic"
+
+
+# ----------------------------------------------------------------------------- mistral
+
+MISTRAL = ("Let me check. ", "[TOOL_", 'CALLS][{"name": "get_weather", "arguments": {"city": "Par',
+           'is"}}, {"name": "get_time", "arguments": {}}]')
+CALLS_2 = [ToolCall("get_weather", '{"city": "Paris"}'), ToolCall("get_time", "{}")]
+
+
+@pytest.mark.parametrize("text,want", [
+    ("".join(MISTRAL), ("Let me check. ", CALLS_2)),
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}', ("", CALLS_2)),
+    ('[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Paris"}', ("", CALLS_2[:1])),
+    ('[TOOL_CALLS]get_time{}', ("", CALLS_2[1:])),  # ([ARGS] skipped as special: split at the brace)
+    ("The weather is fine [TOOL_ nope].", ("The weather is fine [TOOL_ nope].", [])),
+    ('[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}', ('[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}', [])),
+    ("[TOOL_CALLS][1, 2]", ("[TOOL_CALLS][1, 2]", [])),
+    ("[TOOL_CALLS]f[ARGS]not json", ("[TOOL_CALLS]f[ARGS]not json", [])),
+    ("[TOOL_CAL", ("[TOOL_CAL", [])),
+])
+def test_mistral_reads_content_then_the_calls(text, want):
+    _same_parse_at_every_cut(text, "mistral", want)
+
+
+async def test_mistral_calls_through_the_api(real_bus):
+    """Calls read as vLLM's mistral parser reads them, with 9-character ids (what Mistral's
+    chat templates take back), and the request keeps special tokens' text for the parser."""
+    async with setup(real_bus, FakeEngine(real_bus, words=MISTRAL), tool_parser="mistral") as client:
+        resp = await client.post("/v1/chat/completions", json={**CHAT, "stream": True}, headers={"X-Request-Id": "mi"})
+        original = await resp.read()
+        got = _accumulate([orjson.loads(d) for _, d in parse_sse(original)[:-1]])
+        assert got[0]["content"] == "Let me check. " and got[0]["finish_reason"] == "tool_calls"
+        calls = got[0]["calls"]
+        assert [(c["name"], c["arguments"]) for c in calls.values()] == [("get_weather", '{"city": "Paris"}'),
+                                                                          ("get_time", "{}")]
+        assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in calls.values())
+        assert [c["id"] for c in calls.values()] == [call_id("mi", 0, k, "mistral") for k in range(2)]
+        assert await (await client.get("/v1/requests/mi/stream")).read() == original
+        body = await (await client.post("/v1/chat/completions", json=CHAT, headers={"X-Request-Id": "mi2"})).json()
+        assert [c["id"] for c in body["choices"][0]["message"]["tool_calls"]] == [
+            call_id("mi2", 0, k, "mistral") for k in range(2)]
+    reqs = [decode(f, e) for e, f in await real_bus.redis.xrange(real_bus.keys.requests)]
+    assert reqs and all(r.data.sampling.skip_special_tokens is False for r in reqs)

@@ -646,6 +646,8 @@ def parse_chat(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Generati
             reasoning = None
         elif not _thinking_closed(ids, tokenizer.encode(REASONING_START), end[0]):
             sampling = dataclasses.replace(sampling, guided=starting_after(sampling.guided, end[0]))
+    if parser == "mistral":  # (its tags are special tokens: their text must reach the parser)
+        sampling = dataclasses.replace(sampling, skip_special_tokens=False)
     forced = forced_spec(parser, tools, parallel) if parser else None
     if forced is not None:  # tool_choice "required" or a named function: the output is the call
         reasoning = None  # (from its first token: no thinking)
@@ -1189,7 +1191,7 @@ class Renderer:
         return ("", calls) if calls is not None else (text, [])
 
     def _call_json(self, i: int, call: ToolCall) -> dict:
-        return {"id": call_id(self.rid, self.index, i), "type": "function",
+        return {"id": call_id(self.rid, self.index, i, self._tool_kind), "type": "function",
                 "function": {"name": call.name, "arguments": call.arguments}}
 
     def _call_delta(self, call: ToolCall) -> dict:

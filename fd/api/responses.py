@@ -222,6 +222,7 @@ class ResponsesRenderer:
         self._seq = 0
         self.reasoning: ReasoningParser | None = None
         self.tools = None  # a tool-call parser (fd.api.tool_calls)
+        self._tool_kind = ""  # its name
         self.forced: str | None = None  # tool_choice required / named: the answer is the call(s)
         self.starting_after = -1  # OpenAI's: a resumed stream sends the events after this one
 
@@ -232,7 +233,7 @@ class ResponsesRenderer:
         mode = getattr(accepted, "tool_parser", None)
         if mode and self.tools is None and self.forced is None:
             if mode in PARSERS:
-                self.tools = make_parser(mode)
+                self.tools, self._tool_kind = make_parser(mode), mode
             else:
                 self.forced = mode
         kind = getattr(accepted, "reasoning_parser", None)
@@ -308,7 +309,7 @@ class ResponsesRenderer:
         n, i = len(self.items), self._calls
         self._calls += 1
         item = {"id": f"fc_{self.rid}_{i}", "type": "function_call", "status": "in_progress",
-                "call_id": call_id(self.rid, 0, i), "name": call.name, "arguments": ""}
+                "call_id": call_id(self.rid, 0, i, self._tool_kind), "name": call.name, "arguments": ""}
         done = {**item, "status": "completed", "arguments": call.arguments}
         self.items.append(done)
         return out + [self._event("response.output_item.added", output_index=n, item=item),

@@ -1,5 +1,5 @@
 """Tool calls in a chat model's text: what vLLM's ``--tool-call-parser hermes``,
-``llama3_json`` and ``pythonic`` read.
+``llama3_json``, ``pythonic`` and ``mistral`` read.
 
 Hermes-format models (Qwen 2.5 and 3, Hermes 2 and 3, and others trained on it) answer a tool
 call as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number of them, with
@@ -30,10 +30,11 @@ from dataclasses import dataclass
 
 import orjson
 
-PARSERS = ("hermes", "llama3_json", "pythonic")  # the names --tool-call-parser takes
+PARSERS = ("hermes", "llama3_json", "pythonic", "mistral")  # the names --tool-call-parser takes
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
+TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"  # Mistral's (special tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,11 +43,12 @@ class ToolCall:
     arguments: str  # JSON text, as OpenAI's ``function.arguments``
 
 
-def call_id(request_id: str, choice: int, index: int) -> str:
+def call_id(request_id: str, choice: int, index: int, parser: str = "") -> str:
     """A call's id, made from the response's id, the choice and the call's place: the same on
     every replica and in every replay (a random id would differ between the original stream
-    and a replay)."""
-    return "call_" + hashlib.sha256(f"{request_id}#{choice}#{index}".encode()).hexdigest()[:24]
+    and a replay). Mistral's chat templates take back only ids of 9 letters and digits."""
+    digest = hashlib.sha256(f"{request_id}#{choice}#{index}".encode()).hexdigest()
+    return digest[:9] if parser == "mistral" else "call_" + digest[:24]
 
 
 def _parse_call(body: str) -> ToolCall | None:
@@ -191,6 +193,73 @@ class PythonicParser(_WholeAnswerParser):
         return _pythonic_calls(text)
 
 
+class MistralParser:
+    """vLLM's ``mistral``: content, then ``[TOOL_CALLS]`` and the calls to the end of the
+    answer: a JSON list of ``{"name", "arguments"}`` (Mistral 7B v0.3 and the v3 tokenizers),
+    or ``name[ARGS]{...}`` after each ``[TOOL_CALLS]`` (the v11 tokenizers and later: Mistral
+    Small 3.1+, Magistral, Devstral). Content streams, holding back only what could begin the
+    tag; the calls are held until the answer ends, and shown as text if they do not parse.
+    The tags are special tokens: a request read by this parser keeps their text
+    (``skip_special_tokens`` false, as vLLM sets it)."""
+
+    def __init__(self) -> None:
+        self._buf = ""
+        self._calls = False  # the tag came: the rest is held until the end
+
+    def feed(self, text: str) -> list[str | ToolCall]:
+        text = self._buf + text
+        if self._calls:
+            self._buf = text
+            return []
+        i = text.find(TOOL_CALLS)
+        if i >= 0:
+            self._calls, self._buf = True, text[i:]
+            return [text[:i]] if i else []
+        keep = held_prefix(text, TOOL_CALLS)
+        out, self._buf = text[:len(text) - keep], text[len(text) - keep:]
+        return [out] if out else []
+
+    def finish(self) -> list[str | ToolCall]:
+        text, self._buf = self._buf, ""
+        if self._calls:
+            calls = _mistral_calls(text)
+            if calls:
+                return list(calls)
+        return [text] if text else []
+
+
+def _mistral_calls(text: str) -> list[ToolCall] | None:
+    """``[TOOL_CALLS][{...}, ...]`` or ``[TOOL_CALLS]f[ARGS]{...}[TOOL_CALLS]g[ARGS]{...}`` (a
+    ``[CALL_ID]id`` after a name is dropped) as calls; None if it is not that."""
+    parts = [p.strip() for p in text.split(TOOL_CALLS)[1:]]
+    if len(parts) == 1 and parts[0].startswith("["):
+        try:
+            listed = json.loads(parts[0])
+        except ValueError:
+            return None
+        if not isinstance(listed, list) or not listed or not all(isinstance(o, dict) for o in listed):
+            return None
+        calls = [_parse_call(json.dumps(o)) for o in listed]
+        return None if None in calls else calls  # type: ignore[return-value]
+    calls = []
+    for part in parts:
+        if ARGS in part:
+            name, args = part.split(ARGS, 1)
+        elif "{" in part:
+            name, args = part[:part.index("{")], part[part.index("{"):]
+        else:
+            return None
+        name = name.split(CALL_ID, 1)[0].strip()
+        try:
+            obj = json.loads(args)
+        except ValueError:
+            return None
+        if not name or not isinstance(obj, dict):
+            return None
+        calls.append(ToolCall(name, json.dumps(obj, ensure_ascii=False)))
+    return calls or None
+
+
 def _pythonic_calls(text: str) -> list[ToolCall] | None:
     """``[f(a=1), g()]`` as calls; None if it is not that (read by ``ast``, never run)."""
     text = text.strip()
@@ -242,8 +311,10 @@ def _json_calls(text: str) -> list[ToolCall] | None:
         calls.append(call)
 
 
-def make_parser(name: str) -> HermesParser | _WholeAnswerParser:
+def make_parser(name: str) -> HermesParser | _WholeAnswerParser | MistralParser:
     """The parser ``--tool-call-parser name`` names."""
+    if name == "mistral":
+        return MistralParser()
     if name == "llama3_json":
         return Llama3JsonParser()
     if name == "pythonic":
