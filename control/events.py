@@ -101,6 +101,9 @@ class SamplingParams:
     # model's final hidden state at the prompt's last position (what vLLM's LAST pooling
     # takes), which the request's first tokens event carries as `embedding`.
     embed: bool = False
+    # vLLM's LoRA: the adapter (a name of the engines' --lora-modules) the request runs with;
+    # "" for the base model.
+    lora: str = ""
 
     def ends_on(self, token: int, eos_token_ids: Sequence[int]) -> bool:
         """Whether sampling ``token`` ends the request (finish_reason "stop"): one of its
@@ -204,6 +207,8 @@ class SamplingParams:
             if not (isinstance(stop, (list, tuple)) and all(isinstance(x, str) and x for x in stop)):
                 raise bad("stop", "a list of non-empty strings")
             kw["stop"] = tuple(stop)
+        if "lora" in kw and not (isinstance(kw["lora"], str) and len(kw["lora"]) <= 128):
+            raise bad("lora", "an adapter name")
         if kw.get("guided"):
             from control.guided import GuidedError, parse
 
@@ -233,7 +238,7 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
 # fields added after the first release: on the wire only when set
 _OPTIONAL_NAMES = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
                    "min_p", "min_tokens", "logprobs", "prompt_logprobs", "guided", "skip_special_tokens",
-                   "allowed_token_ids", "bad_words_ids", "embed")
+                   "allowed_token_ids", "bad_words_ids", "embed", "lora")
 _SAMPLING_FIELDS = frozenset(_SAMPLING_NAMES)
 
 

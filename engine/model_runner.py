@@ -53,7 +53,8 @@ def _eos_token_ids(model_dir: str) -> tuple[int, ...]:
 class ModelRunner:
     def __init__(self, model_dir: str, *, device: str = "cpu", num_blocks: int | None = None,
                  block_size: int = 16, kv_cache_bytes: int | None = None, seed: int = 0,
-                 batch_invariant: bool = True, progress: bool = False):
+                 batch_invariant: bool = True, progress: bool = False,
+                 lora_modules: dict[str, str] | None = None, max_lora_rank: int | None = None):
         pin_thresholds()  # step buffers on the heap, not fresh mmaps (engine/malloc.py)
         paddle.set_device(device)
         self.device = device
@@ -72,6 +73,15 @@ class ModelRunner:
         self._last_sampled: dict[str, int] = {}  # what a placeholder in the next step stands for
         self._model_dir = model_dir
         self._guides = None  # engine.guided.Guides, made for the first guided request
+        # LoRA adapters (vLLM's --lora-modules name=path): loaded now, each in a slot of its own
+        self.lora_slots: dict[str, int] = {}
+        if lora_modules:
+            from engine.model.lora import load_adapter
+
+            for slot, (name, path) in enumerate(lora_modules.items()):
+                self.model.add_lora(slot, load_adapter(name, path, self.model.cfg, max_lora_rank))
+                self.lora_slots[name] = slot
+        self.lora_names = tuple(self.lora_slots)
 
     # ------------------------------------------------------------------ step
 
@@ -305,5 +315,20 @@ class ModelRunner:
                                     mask=next(mt).reshape([S, 1, qmax, 1, L])))
         out_idx = None if identity else next(it)
         batch = ForwardBatch(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
-                             groups=groups, out_index=out_idx, logits_index=next(it))
+                             groups=groups, out_index=out_idx, logits_index=next(it),
+                             lora=self._lora_rows(seqs, starts))
         return batch, sampled
+
+    def _lora_rows(self, seqs: Sequence[ScheduledSeq], starts: list[int]) -> tuple:
+        """Each adapter of the batch and its requests' token rows (none: the base model only)."""
+        rows: dict[int, list[int]] = {}
+        for s, start in zip(seqs, starts):
+            if s.sampling.lora:
+                try:
+                    slot = self.lora_slots[s.sampling.lora]
+                except KeyError:
+                    raise RuntimeError(f"{s.request_id!r}: no LoRA adapter {s.sampling.lora!r} here") from None
+                rows.setdefault(slot, []).extend(range(start, start + len(s.token_ids)))
+        if not rows:
+            return ()
+        return tuple(zip(rows, self.model.upload([np.asarray(r) for r in rows.values()], np.int64)))

@@ -704,6 +704,10 @@ class EngineNode:
                               step=self.sched.step)])
             return
         sp = data.sampling
+        if sp.lora and sp.lora not in getattr(self.runner, "lora_names", ()):
+            self._emit([Final(request_id=rid, finish_reason="error", usage=usage, step=self.sched.step,
+                              error=f"this engine has no LoRA adapter {sp.lora!r} (see --lora-modules)")])
+            return
         if sp.guided:  # (the API checked it; a hand-written request may not have been)
             try:
                 check_guided(sp.guided)

@@ -455,9 +455,11 @@ class Scheduler:
     def _hashes(self, seq: Sequence, n: int) -> list[bytes]:
         """The hashes of the request's first ``n`` full blocks (computed once each)."""
         hs, bs = seq.block_hashes, self.blocks.block_size
+        # (a LoRA adapter's KV differs from the base model's: its chain starts from its name)
+        first = block_hash(b"lora\0" + seq.sampling.lora.encode(), ()) if seq.sampling.lora else b""
         while len(hs) < n:
             i = len(hs)
-            hs.append(block_hash(hs[-1] if hs else b"", seq.token_ids[i * bs:(i + 1) * bs]))
+            hs.append(block_hash(hs[-1] if hs else first, seq.token_ids[i * bs:(i + 1) * bs]))
         return hs[:n]
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:

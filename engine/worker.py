@@ -104,7 +104,7 @@ def _worker_main(conn, model_dir: str, kwargs: dict[str, Any],
     conn.send(("ready", {"num_blocks": runner.num_blocks,
                          "eos_token_ids": tuple(runner.eos_token_ids),
                          "max_model_len": runner.max_model_len,
-                         "vocab_size": runner.vocab_size}))
+                         "vocab_size": runner.vocab_size, "lora_names": runner.lora_names}))
     queue: deque = deque()  # steps (and other requests) received, not yet run
     drops: dict[str, int] = {}  # aborting request -> the last step it may be left out of
     steps = _StepDecoder()
@@ -177,6 +177,7 @@ class ProcessRunner:
         self.eos_token_ids: tuple[int, ...] = info["eos_token_ids"]
         self.max_model_len: int = info["max_model_len"]
         self.vocab_size: int = info["vocab_size"]
+        self.lora_names: tuple[str, ...] = info["lora_names"]
         # Seconds the worker spent inside execute (the model step itself, without the pipe):
         # what bench/engine.py compares the engine loop's wall time with.
         self.busy_seconds = 0.0

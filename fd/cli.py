@@ -129,7 +129,45 @@ def vllm_compat(args: argparse.Namespace) -> list[str]:
             raise SystemExit("error: --gpu-memory-utilization is not supported: size the KV cache "
                              "with --kv-cache-mb")
         notes.append("--gpu-memory-utilization (a CPU: the KV cache is --kv-cache-mb)")
+    if getattr(args, "max_loras", None) is not None:
+        notes.append("--max-loras (every adapter is loaded, any mix of them in a batch)")
     return notes
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    """vLLM's ``--lora-modules`` item: ``name=path`` (or its JSON ``{"name", "path"}``)."""
+    if text.startswith("{"):
+        try:
+            d = orjson.loads(text)
+            return str(d["name"]), str(d["path"])
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            raise argparse.ArgumentTypeError(f"not a LoRA module: {text!r} (name=path)") from None
+    name, eq, path = text.partition("=")
+    if not eq or not name or not path:
+        raise argparse.ArgumentTypeError(f"not a LoRA module: {text!r} (name=path)")
+    return name, path
+
+
+def _add_lora_args(p: argparse.ArgumentParser, engine: bool = True) -> None:
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (vLLM's; with --lora-modules)")
+    p.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT's format) a request names as its model (vLLM's). "
+                        "fd serve, fd api and fd engine must be given the same names")
+    if engine:
+        p.add_argument("--max-lora-rank", type=int, default=None,
+                       help="refuse adapters of a higher rank at start (default: any)")
+        p.add_argument("--max-loras", type=int, default=None,
+                       help="vLLM's; taken and ignored: every adapter is loaded, any mix in a batch")
+
+
+def lora_modules(args: argparse.Namespace) -> dict[str, str]:
+    """The adapters the flags name (vLLM's rule: --lora-modules needs --enable-lora)."""
+    mods = dict(args.lora_modules)
+    if mods and not args.enable_lora:
+        raise SystemExit("error: --lora-modules needs --enable-lora (as vLLM's)")
+    if len(mods) != len(args.lora_modules):
+        raise SystemExit("error: --lora-modules names an adapter twice")
+    return mods
 
 
 def _add_scheduling_policy(p: argparse.ArgumentParser) -> None:
@@ -241,7 +279,8 @@ def _engine_opts(args: argparse.Namespace, model_dir: Path):
                          max_model_len=args.max_model_len,
                          executor=args.executor if args.executor != "timed" else "paddle",
                          worker_cpus=args.worker_cpus, seed=args.seed,
-                         scheduling_policy=args.scheduling_policy)
+                         scheduling_policy=args.scheduling_policy, lora_modules=lora_modules(args),
+                         max_lora_rank=args.max_lora_rank)
 
 
 def _runner(args: argparse.Namespace, model_dir: Path):
@@ -270,7 +309,8 @@ def _api_opts(args: argparse.Namespace, model_dir: Path):
                                 tuple(args.allowed_headers), args.allow_credentials),
                       force_include_usage=args.enable_force_include_usage,
                       tokens_as_ids=args.return_tokens_as_token_ids,
-                      priority_scheduling=args.scheduling_policy == "priority")
+                      priority_scheduling=args.scheduling_policy == "priority",
+                      lora_modules=lora_modules(args))
 
 
 def _add_tool_args(p: argparse.ArgumentParser) -> None:
@@ -552,6 +592,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="API + engine + embedded control plane in one process")
     _add_redis_args(s)
     _add_engine_args(s, worker_cpus="auto")  # (one engine by construction: no CPU to share)
+    _add_lora_args(s)
     _add_vllm_compat_args(s)
     _add_log_args(s)
     s.add_argument("--host", default="127.0.0.1")
@@ -576,6 +617,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_served_name(a)
     _add_max_model_len(a)
     _add_scheduling_policy(a)
+    _add_lora_args(a, engine=False)
     _add_chat_args(a)
     _add_response_args(a)
     _add_http_args(a)
@@ -584,6 +626,7 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("engine", help="an engine node against --redis-url")
     _add_redis_args(e)
     _add_engine_args(e)
+    _add_lora_args(e)
     _add_vllm_compat_args(e)
     _add_log_args(e)
 

@@ -50,6 +50,8 @@ class EngineOptions:
     scheduling_policy: str = "fcfs"  # vLLM's --scheduling-policy: fcfs or priority
     journal_maxlen: int = 10_000  # entries kept (MAXLEN ~)
     max_model_len: int | None = None  # prompt + output; None: the model's own
+    lora_modules: dict[str, str] = field(default_factory=dict)  # vLLM's --lora-modules: name -> path
+    max_lora_rank: int | None = None
 
 
 @dataclass
@@ -74,6 +76,7 @@ class ApiOptions:
     force_include_usage: bool = False  # vLLM's --enable-force-include-usage
     tokens_as_ids: bool = False  # vLLM's --return-tokens-as-token-ids
     priority_scheduling: bool = False  # --scheduling-policy priority: requests may carry a priority
+    lora_modules: dict[str, str] = field(default_factory=dict)  # the adapters' names (and where)
 
 
 @dataclass
@@ -136,7 +139,8 @@ def _no_retries(client):
 
 def make_runner(opts: EngineOptions, progress: bool = True):
     kw = dict(device=opts.device, num_blocks=opts.num_blocks, block_size=opts.block_size,
-              kv_cache_bytes=opts.kv_cache_mb << 20, progress=progress, seed=opts.seed)
+              kv_cache_bytes=opts.kv_cache_mb << 20, progress=progress, seed=opts.seed,
+              lora_modules=dict(opts.lora_modules) or None, max_lora_rank=opts.max_lora_rank)
     if opts.executor == "paddle":
         from engine import affinity
         from engine.worker import ProcessRunner
@@ -273,7 +277,7 @@ async def start_api(redis_factory: Callable[[], Any], keys: Keys, opts: ApiOptio
                     sampling_defaults=defaults, max_output_tokens=cap,
                     reasoning_parser=opts.reasoning_parser, cors=opts.cors,
                     force_include_usage=opts.force_include_usage, tokens_as_ids=opts.tokens_as_ids,
-                    priority_scheduling=opts.priority_scheduling)
+                    priority_scheduling=opts.priority_scheduling, lora_modules=dict(opts.lora_modules))
     metrics = metrics if metrics is not None else Metrics()
     mux = StreamMux(redis_factory(), keys, cfg.api_id)
     await mux.start()

@@ -99,6 +99,8 @@ class ForwardBatch:
     groups: list[AttnGroup]
     out_index: paddle.Tensor | None  # [Tp] rows of the concatenated group outputs, or None
     logits_index: paddle.Tensor  # [Np] rows to compute logits for, Np a multiple of ROW_ALIGN
+    # LoRA adapters of the batch: (slot, the token rows of its requests); empty: the base only
+    lora: tuple[tuple[int, paddle.Tensor], ...] = ()
 
 
 class Llama:
@@ -159,12 +161,63 @@ class Llama:
             [inv_freq, inv_freq])[None, :]
         sign = np.concatenate([-np.ones(hd // 2), np.ones(hd // 2)])
         self.rope = t(np.stack([np.cos(ang), np.sin(ang) * sign], axis=1))  # [P, 2, hd]
+        self._scale = scale
+        # LoRA adapters (add_lora): per slot, per layer, fused projection -> (A [in, R], B [R, out])
+        self.loras: dict[int, list[dict[str, tuple[paddle.Tensor, paddle.Tensor]]]] = {}
+        self._active: tuple[tuple[list, paddle.Tensor], ...] = ()  # this forward's (layers, rows)
         self.k_blocks: list[paddle.Tensor] = []  # [num_blocks + 1, block_size, kvh, hd]
         self.v_blocks: list[paddle.Tensor] = []
         self.k_slots: list[paddle.Tensor] = []  # the same memory as [slots, kvh, hd]
         self.v_slots: list[paddle.Tensor] = []
         self.block_size = 0
         self.trash_slot = 0
+
+    # ------------------------------------------------------------------ LoRA
+
+    def add_lora(self, slot: int, adapter) -> None:
+        """An adapter (engine.model.lora.Adapter) as ``slot``: for each of the fused projections
+        (q|k|v, o, gate|up, down) one ``A`` [in, R] and one block-diagonal ``B`` [R, out], so a
+        batch's rows of that adapter cost two small GEMMs a projection. The scale is in ``B``,
+        and so is the softmax scale q's columns carry (as the base q weights do)."""
+        c = self.cfg
+        q_scale = 1.0 if c.qk_norm else float(self._scale)
+        fused = {"qkv": (("q_proj", q_scale), ("k_proj", 1.0), ("v_proj", 1.0)), "o": (("o_proj", 1.0),),
+                 "gate_up": (("gate_proj", 1.0), ("up_proj", 1.0)), "down": (("down_proj", 1.0),)}
+        from engine.model.lora import module_shape
+
+        layers = []
+        for mods in adapter.layers:
+            out: dict[str, tuple[paddle.Tensor, paddle.Tensor]] = {}
+            for name, parts in fused.items():
+                taken = [(m, s) for m, s in parts if m in mods]
+                if not taken:
+                    continue
+                fan_in = module_shape(c, parts[0][0])[0]
+                widths = [module_shape(c, m)[1] for m, _ in parts]
+                r = sum(mods[m][0].shape[0] for m, _ in taken)
+                a = np.zeros((fan_in, r), dtype=np.float32)
+                b = np.zeros((r, sum(widths)), dtype=np.float32)
+                row = 0
+                for (m, s), col, width in zip(parts, np.cumsum([0, *widths[:-1]]), widths):
+                    if m not in mods:
+                        continue
+                    am, bm = mods[m]
+                    k = am.shape[0]
+                    a[:, row:row + k] = am.T
+                    b[row:row + k, col:col + width] = bm.T * (adapter.scale * s)
+                    row += k
+                out[name] = (self.tensor(a), self.tensor(b))
+            layers.append(out)
+        self.loras[slot] = layers
+
+    def _lora(self, y: paddle.Tensor, x: paddle.Tensor, layer: int, name: str) -> paddle.Tensor:
+        """``y`` (the base projection of ``x``) plus each active adapter's on its rows."""
+        for layers, rows in self._active:
+            ab = layers[layer].get(name)
+            if ab is not None:
+                d = paddle.matmul(paddle.matmul(paddle.index_select(x, rows), ab[0]), ab[1])
+                y = paddle.index_add(y, rows, 0, d)
+        return y
 
     # ------------------------------------------------------------------ cache
 
@@ -204,7 +257,7 @@ class Llama:
 
     # ------------------------------------------------------------------ forward
 
-    def _qkv(self, layer: dict, h: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor):
+    def _qkv(self, layer: dict, h: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor, i: int = 0):
         """Projections with RoPE applied (q already scaled by 1/sqrt(head_dim)).
 
         rotate_half(x) is ``concat(x2, x1)`` with the sign folded into the sin table: two cheap
@@ -213,6 +266,8 @@ class Llama:
         c = self.cfg
         n = h.shape[0]
         a = paddle.matmul(h, layer["qkv"])
+        if self._active:
+            a = self._lora(a, h, i, "qkv")
         if layer["qkv_b"] is not None:
             a = paddle.add(a, layer["qkv_b"])
         heads = c.num_attention_heads + c.num_key_value_heads
@@ -239,14 +294,18 @@ class Llama:
         o = paddle.matmul(p, v).reshape([s, kvh, qmax, g, hd]).transpose([0, 2, 1, 3, 4])
         return o.reshape([s * qmax, c.q_size])
 
-    def _mlp_block(self, layer: dict, attn: paddle.Tensor, residual: paddle.Tensor):
+    def _mlp_block(self, layer: dict, attn: paddle.Tensor, residual: paddle.Tensor, i: int = 0):
         eps = self.cfg.rms_norm_eps
         x = paddle.matmul(attn, layer["o"])
+        if self._active:
+            x = self._lora(x, attn, i, "o")
         if layer["o_b"] is not None:
             x = paddle.add(x, layer["o_b"])
         h, residual = IF.fused_rms_norm(x, layer["post_norm"], None, eps, 1, residual=residual)
-        x = paddle.matmul(F.swiglu(paddle.matmul(h, layer["gate_up"])), layer["down"])
-        return x, residual
+        if not self._active:
+            return paddle.matmul(F.swiglu(paddle.matmul(h, layer["gate_up"])), layer["down"]), residual
+        g = F.swiglu(self._lora(paddle.matmul(h, layer["gate_up"]), h, i, "gate_up"))
+        return self._lora(paddle.matmul(g, layer["down"]), g, i, "down"), residual
 
     def _layers(self, ids: paddle.Tensor, positions: paddle.Tensor, attention) -> paddle.Tensor:
         """The decoder stack; ``attention(i, q, k, v)`` supplies the context. Returns the final
@@ -265,8 +324,8 @@ class Llama:
                 h, residual = IF.fused_rms_norm(x, layer["in_norm"], None, eps, 1)[0], x
             else:
                 h, residual = IF.fused_rms_norm(x, layer["in_norm"], None, eps, 1, residual=residual)
-            q, k, v = self._qkv(layer, h, cos, sin)
-            x, residual = self._mlp_block(layer, attention(i, q, k, v), residual)
+            q, k, v = self._qkv(layer, h, cos, sin, i)
+            x, residual = self._mlp_block(layer, attention(i, q, k, v), residual, i)
         return IF.fused_rms_norm(x, self.norm, None, eps, 1, residual=residual)[0]
 
     @paddle.no_grad()
@@ -306,12 +365,17 @@ class Llama:
             o = outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
             return o if b.out_index is None else paddle.index_select(o, b.out_index)
 
-        h = self._layers(b.input_ids, b.positions, paged)
+        self._active = tuple((self.loras[slot], rows) for slot, rows in b.lora)
+        try:
+            h = self._layers(b.input_ids, b.positions, paged)
+        finally:
+            self._active = ()
         return paddle.index_select(h, b.logits_index)
 
     @paddle.no_grad()
-    def reference_logits(self, token_ids) -> np.ndarray:
-        """Logits [len, vocab] by plain full recompute: no cache, no block tables, one sequence.
+    def reference_logits(self, token_ids, lora: int | None = None) -> np.ndarray:
+        """Logits [len, vocab] by plain full recompute: no cache, no block tables, one sequence
+        (with LoRA adapter ``lora`` on every row, if given).
 
         The ground truth the paged path is tested against; it shares only the per-token math.
         """
@@ -333,5 +397,10 @@ class Llama:
             vv = paddle.concat([v[:n], kv_pad]).transpose([1, 0, 2]).unsqueeze(0)
             return paddle.concat([self._attend(q[:n], k_t, vv, mask_t, 1, n), row_pad])
 
-        h = self._layers(self.tensor(ids), self.tensor(pos), full)
+        if lora is not None:
+            self._active = ((self.loras[lora], self.tensor(np.arange(n, dtype=np.int64))),)
+        try:
+            h = self._layers(self.tensor(ids), self.tensor(pos), full)
+        finally:
+            self._active = ()
         return paddle.matmul(h, self.lm_head).numpy()[:n]

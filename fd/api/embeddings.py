@@ -14,6 +14,7 @@ This module is the sans-IO part: the body's parse, and the answer's body from th
 from __future__ import annotations
 
 import base64
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,7 @@ from fd.api.protocol import (
     _opt,
     _priority,
     _truncation,
+    lora_of,
 )
 
 MAX_INPUTS = 2048  # OpenAI's limit on one request's inputs
@@ -48,6 +50,11 @@ class EmbeddingRequest:
     dimensions: int | None = None  # a matryoshka model's vectors cut to their first d values
     normalize: bool = True
     priority: int = 0
+    lora: str = ""  # a LoRA adapter the request's model names
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return dataclasses.replace(SAMPLING, lora=self.lora) if self.lora else SAMPLING
 
 
 def parse_embeddings(body: dict, limits: Limits, tokenizer: TokenizerLike) -> EmbeddingRequest:
@@ -66,7 +73,8 @@ def parse_embeddings(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Em
     fmt = _opt(body, "encoding_format", lambda v: v in ENCODINGS, "'float' or 'base64'", "float")
     dims = _dimensions(body, tokenizer)
     return EmbeddingRequest(model, inputs, fmt, dims,
-                            _opt(body, "normalize", _is_bool, "a boolean", True), _priority(body, limits))
+                            _opt(body, "normalize", _is_bool, "a boolean", True), _priority(body, limits),
+                            lora_of(body, limits))
 
 
 def _inputs(body: dict, batch: list, param: str, limits: Limits,
@@ -174,7 +182,7 @@ def _score_request(body: dict, limits: Limits, tokenizer: TokenizerLike, firsts:
         raise bad_request(f"'text_1' has {len(firsts)} texts and 'text_2' {len(seconds)}: give one "
                           "'text_1', or as many as 'text_2'.", "text_1", "invalid_value")
     embed = EmbeddingRequest(_check_model(body, limits), _inputs(body, texts, param, limits, tokenizer),
-                             priority=_priority(body, limits))
+                             priority=_priority(body, limits), lora=lora_of(body, limits))
     return ScoreRequest(embed, tuple((at[a], at[b]) for a, b in zip(firsts, seconds)), **extra)
 
 

@@ -59,6 +59,7 @@ class Limits:
     force_include_usage: bool = False
     tokens_as_ids: bool = False
     priority_scheduling: bool = False  # --scheduling-policy priority: `priority` is taken
+    lora_names: tuple[str, ...] = ()  # vLLM's --lora-modules: a request's `model` may name one
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +199,8 @@ def _check_model(body: dict, limits: Limits) -> str:
         return limits.model_name  # like vLLM: the one served model
     if not isinstance(model, str):
         raise bad_request("'model' must be a string.", "model", "invalid_type")
+    if model in limits.lora_names:
+        return model  # a LoRA adapter (as vLLM: the answer names it)
     if model != limits.model_name and model not in limits.model_aliases:
         raise not_found(f"The model '{model}' does not exist.", "model", "model_not_found")
     return limits.model_name  # (as vLLM: an answer names the first of the served names)
@@ -341,7 +344,13 @@ def _sampling(body: dict, prompt_len: int, limits: Limits, default_max: int | No
                           include_stop_str_in_output=include_stop, logit_bias=logit_bias,
                           min_p=float(min_p), min_tokens=min_tokens, logprobs=logprobs,
                           guided=_guided(body), skip_special_tokens=skip_special,
-                          allowed_token_ids=allowed or (), **penalties)
+                          allowed_token_ids=allowed or (), lora=lora_of(body, limits), **penalties)
+
+
+def lora_of(body: dict, limits: Limits) -> str:
+    """The LoRA adapter a request's ``model`` names (vLLM's --lora-modules), "" for the base."""
+    model = body.get("model")
+    return model if isinstance(model, str) and model in limits.lora_names else ""
 
 
 #: What a model's generation_config.json may set for requests that do not (the keys vLLM reads).

@@ -43,7 +43,6 @@ from control.metrics import Metrics
 from fd.api import openapi, protocol, sse
 from fd.api.cancellation import Cancellation, watch_of
 from fd.api.cors import Cors
-from fd.api.embeddings import SAMPLING as EMBED_SAMPLING
 from fd.api.embeddings import finish as embedding_finish
 from fd.api.embeddings import pair_scores, parse_embeddings, parse_rerank, parse_score, rerank_response
 from fd.api.embeddings import score_response
@@ -87,6 +86,7 @@ class ApiConfig:
     force_include_usage: bool = False  # vLLM's --enable-force-include-usage
     tokens_as_ids: bool = False  # vLLM's --return-tokens-as-token-ids
     priority_scheduling: bool = False  # --scheduling-policy priority (the engines' too)
+    lora_modules: dict[str, str] = field(default_factory=dict)  # vLLM's --lora-modules: name -> path
 
 
 API_KEY = web.AppKey("fd.api", object)
@@ -259,7 +259,7 @@ class Api:
                                       cfg.tool_parser, dict(cfg.sampling_defaults),
                                       cfg.max_output_tokens, cfg.reasoning_parser,
                                       tuple(cfg.model_aliases), cfg.force_include_usage,
-                                      cfg.tokens_as_ids, cfg.priority_scheduling)
+                                      cfg.tokens_as_ids, cfg.priority_scheduling, tuple(cfg.lora_modules))
         self.cancellation = Cancellation(self._abort_on_disconnect, self._notice_disconnect)
         self._noticed: dict[str, Abort] = {}  # disconnect aborts told in-process, not yet published
         self.started = int(time.time())
@@ -428,7 +428,7 @@ class Api:
         created = int(now)
         common = dict(api=self.cfg.api_id, endpoint="embeddings", model=req.model, created=created)
         requests = [(Request(request_id=c, data=RequestData(
-                         prompt_token_ids=ids_, sampling=EMBED_SAMPLING, arrival_ts=int(now * 1000),
+                         prompt_token_ids=ids_, sampling=req.sampling, arrival_ts=int(now * 1000),
                          model=req.model, api=self.cfg.api_id, parent=rid if many else "",
                          priority=req.priority)),
                      Accepted(request_id=c, prompt_tokens=len(ids_), **common,
@@ -1032,9 +1032,12 @@ class Api:
         return _json(self._openapi)
 
     def _model_cards(self) -> list[dict[str, Any]]:
-        return [{"id": name, "object": "model", "created": self.started, "owned_by": "fd",
-                 "root": self.cfg.model_name, "max_model_len": self.cfg.max_model_len}
-                for name in (self.cfg.model_name, *self.cfg.model_aliases)]
+        cards = [{"id": name, "object": "model", "created": self.started, "owned_by": "fd",
+                  "root": self.cfg.model_name, "parent": None, "max_model_len": self.cfg.max_model_len}
+                 for name in (self.cfg.model_name, *self.cfg.model_aliases)]
+        # each LoRA adapter as vLLM lists it: its path as root, the base as parent
+        return cards + [{**cards[0], "id": name, "root": path, "parent": self.cfg.model_name}
+                        for name, path in self.cfg.lora_modules.items()]
 
     async def models(self, request: web.Request) -> web.Response:
         return _json({"object": "list", "data": self._model_cards()})
