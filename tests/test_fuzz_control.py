@@ -53,6 +53,8 @@ sampling = st.fixed_dictionaries(
               "seed": st.sampled_from([None, 0, -5, 2**63]), "stop": st.sampled_from([[], ["a"], "a"]),
               "stop_token_ids": st.sampled_from([[], [3], [-1], ["x"], [10**6]]),
               "ignore_eos": st.sampled_from([True, False, "yes"]),
+              # an embeddings request, a LoRA adapter this engine lacks, and their wrong types
+              "embed": st.sampled_from([True, False, "yes"]), "lora": st.sampled_from(["", "missing", 5]),
               "bogus_param": st.just(1)})
 request_data = st.fixed_dictionaries(
     {"prompt_token_ids": st.one_of(*[st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12)] * 3,
@@ -246,6 +248,10 @@ POISON = {
     # decode() raised ValueError/TypeError instead of BadEvent, which the bus does not catch
     "arrival_ts-not-a-number": {"prompt_token_ids": [5], "arrival_ts": "x"},
     "arrival_ts-a-list": {"prompt_token_ids": [5], "arrival_ts": [1]},
+    # fields of later releases, typed wrong or naming what this engine lacks
+    "lora-unknown": {"prompt_token_ids": [5], "sampling": {"max_tokens": 2, "lora": "missing"}},
+    "lora-not-a-name": {"prompt_token_ids": [5], "sampling": {"max_tokens": 2, "lora": ["x"]}},
+    "embed-not-a-boolean": {"prompt_token_ids": [5], "sampling": {"max_tokens": 2, "embed": "yes"}},
 }
 
 

@@ -352,10 +352,103 @@ def _numpy_llama(model_dir, ids):
         a /= a.sum(-1, keepdims=True)
         x = x + proj(np.einsum("hqk,khd->qhd", a, v).reshape(n, nh * hd), p + "self_attn.o_proj")
         h = rms(x, w[p + "post_attention_layernorm.weight"])
+        if p + "mlp.gate.weight" in w or p + "block_sparse_moe.gate.weight" in w:
+            x = x + _numpy_moe(cfg, w, p, h, proj)
+            continue
         g = proj(h, p + "mlp.gate_proj")
         x = x + proj(g / (1 + np.exp(-g)) * proj(h, p + "mlp.up_proj"), p + "mlp.down_proj")
     head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
     return rms(x, w["model.norm.weight"]) @ head.T
+
+
+def _numpy_moe(cfg, w, p, h, proj):
+    """transformers' Qwen3MoeSparseMoeBlock / MixtralSparseMoeBlock, token by token: softmax
+    over the router's logits, the top k, renormalised (Mixtral always; Qwen3-MoE with
+    norm_topk_prob), each chosen expert's SwiGLU MLP weighted by its probability."""
+    mixtral = p + "block_sparse_moe.gate.weight" in w
+    router = w[p + ("block_sparse_moe.gate.weight" if mixtral else "mlp.gate.weight")]
+    k = cfg["num_experts_per_tok"]
+    out = np.zeros_like(h)
+    for t in range(len(h)):
+        logits = router @ h[t]
+        prob = np.exp(logits - logits.max())
+        prob /= prob.sum()
+        top = np.argsort(-prob, kind="stable")[:k]
+        weight = prob[top] / (prob[top].sum() if mixtral or cfg.get("norm_topk_prob") else 1.0)
+        for e, wt in zip(top, weight):
+            names = ((f"block_sparse_moe.experts.{e}.w1", f"block_sparse_moe.experts.{e}.w3",
+                      f"block_sparse_moe.experts.{e}.w2") if mixtral else
+                     (f"mlp.experts.{e}.gate_proj", f"mlp.experts.{e}.up_proj", f"mlp.experts.{e}.down_proj"))
+            g = proj(h[t:t + 1], p + names[0])
+            out[t] += wt * proj(g / (1 + np.exp(-g)) * proj(h[t:t + 1], p + names[1]), p + names[2])[0]
+    return out
+
+
+def _moe(tiny_dir, tmp_path, arch: str):
+    """The tiny model made a mixture of experts: 4 experts of 64, 2 a token. Qwen3-MoE with its
+    second layer dense (mlp_only_layers) and q/k norms; Mixtral sparse throughout."""
+    d = _copy(tiny_dir, tmp_path, arch)
+    rng = np.random.default_rng(21)
+    w = load_file(str(d / "model.safetensors"))
+    if arch == "qwen3_moe":
+        _edit_config(d, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=4,
+                     num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+                     decoder_sparse_step=1, mlp_only_layers=[1])
+        for i in range(2):
+            for norm in ("q_norm", "k_norm"):
+                w[f"model.layers.{i}.self_attn.{norm}.weight"] = rng.uniform(0.5, 1.5, 32).astype(np.float32)
+        sparse, router, names = [0], "mlp.gate", ("mlp.experts.{}.gate_proj", "mlp.experts.{}.up_proj",
+                                                  "mlp.experts.{}.down_proj")
+    else:
+        _edit_config(d, architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=4,
+                     num_experts_per_tok=2, intermediate_size=64, sliding_window=None)
+        sparse, router, names = [0, 1], "block_sparse_moe.gate", ("block_sparse_moe.experts.{}.w1",
+                                                                  "block_sparse_moe.experts.{}.w3",
+                                                                  "block_sparse_moe.experts.{}.w2")
+    for i in sparse:
+        p = f"model.layers.{i}."
+        for m in ("gate_proj", "up_proj", "down_proj"):
+            del w[p + f"mlp.{m}.weight"]
+        w[p + router + ".weight"] = (rng.standard_normal((4, 128)) * 0.3).astype(np.float32)
+        for e in range(4):
+            w[p + names[0].format(e) + ".weight"] = (rng.standard_normal((64, 128)) / np.sqrt(128)).astype(np.float32)
+            w[p + names[1].format(e) + ".weight"] = (rng.standard_normal((64, 128)) / np.sqrt(128)).astype(np.float32)
+            w[p + names[2].format(e) + ".weight"] = (rng.standard_normal((128, 64)) * 2 / 8).astype(np.float32)
+    save_file(w, str(d / "model.safetensors"))
+    return d, w
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_mixture_of_experts_matches_numpy_forward_and_its_paged_path(tiny_dir, tmp_path, arch):
+    d, w = _moe(tiny_dir, tmp_path, arch)
+    cfg = ModelConfig.from_dir(str(d))
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (4, 2, 64)
+    assert cfg.sparse_layers == ((0,) if arch == "qwen3_moe" else (0, 1))
+    prompt = _prompt(13, 30)
+    model = load_model(str(d), progress=False)
+    np.testing.assert_allclose(model.reference_logits(prompt), _numpy_llama(str(d), prompt), atol=2e-3, rtol=0)
+    # the router matters: every expert is chosen by some token of the prompt
+    h = np.random.default_rng(0).standard_normal((64, 128))
+    router = w["model.layers.0." + ("mlp.gate" if arch == "qwen3_moe" else "block_sparse_moe.gate") + ".weight"]
+    assert len(set(np.argsort(-(h @ router.T), axis=1)[:, :2].ravel())) == 4
+    # batched with chunks and decodes: each request's tokens are what it gets alone and what
+    # full recompute gives
+    moe = ModelRunner(str(d), num_blocks=64)
+    prompts = {f"m{i}": _prompt(400 + i, n) for i, n in enumerate([3, 9, 21, 34])}
+    blocks = Blocks(64, seed=4)
+    batched, batched_logits = _run(moe, prompts, 6, {"m3": 10}, blocks)
+    for r, p in prompts.items():
+        alone, alone_logits = _run(moe, {r: p}, 6, {}, blocks)
+        _assert_same_tokens(batched[r], alone[r], batched_logits[r], alone_logits[r], f"{r} alone")
+        np.testing.assert_allclose(np.stack(batched_logits[r]), np.stack(alone_logits[r][:len(batched_logits[r])]),
+                                   atol=1e-4, err_msg=r)
+        assert batched[r] == _greedy_reference(moe.model, p, 6), r
+    # an expert missing is named
+    del w["model.layers.0." + ("mlp.experts.3.down_proj" if arch == "qwen3_moe" else "block_sparse_moe.experts.3.w2")
+          + ".weight"]
+    save_file(w, str(d / "model.safetensors"))
+    with pytest.raises(WeightError, match="experts.3"):
+        load_model(str(d), progress=False)
 
 
 def test_matches_an_independent_numpy_forward(tiny_dir, runner):

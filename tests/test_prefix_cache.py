@@ -64,10 +64,12 @@ async def test_aborting_a_request_that_shares_blocks_leaves_the_others_whole(ser
     model = api.cfg.model_name
     prompt = SYSTEM + " Tell me about the tide."
     want = LLM(tiny_runner, tiny_tokenizer, enable_prefix_caching=False).generate(
-        [tiny_tokenizer.encode(prompt)], SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))[0].text
+        [tiny_tokenizer.encode(prompt)], SamplingParams(temperature=0.0, max_tokens=240, ignore_eos=True))[0].text
     await client.completions.create(model=model, prompt=prompt, max_tokens=1)  # computes the prefix
     keeper = asyncio.create_task(client.completions.create(
-        model=model, prompt=prompt, max_tokens=60, temperature=0, extra_body={"ignore_eos": True}))
+        model=model, prompt=prompt, max_tokens=240, temperature=0, extra_body={"ignore_eos": True}))
+    # (long enough to be still running when the doomed one's first token comes, however loaded
+    # the machine: 60 tokens were once all done before it)
     doomed = await client.completions.create(model=model, prompt=prompt, max_tokens=400, stream=True,
                                              extra_body={"ignore_eos": True})
     first = await doomed.__anext__()

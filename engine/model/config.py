@@ -1,7 +1,8 @@
 """The model's shape, read from an HF ``config.json``.
 
 Only the Llama family is supported (Qwen2 adds q/k/v biases to Llama; Qwen3 instead normalises
-each head's q and k, RMSNorm before RoPE); anything the model code does not implement (RoPE
+each head's q and k, RMSNorm before RoPE; Qwen3-MoE and Mixtral replace the MLP of their
+sparse layers by experts, a token going to its top-k); anything the model code does not implement (RoPE
 scaling other than Llama 3's and linear, sliding windows, MLP biases) is refused here with a
 clear message rather than producing silently wrong text.
 """
@@ -17,7 +18,7 @@ import numpy as np
 
 # (Mistral's is Llama's, weights and math, but for the sliding window of its first release)
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM")
+                           "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 
 
 class UnsupportedModel(ValueError):
@@ -44,6 +45,15 @@ class ModelConfig:
     # rope_scaling: () or its items, sorted ("rope_type" llama3 or linear; see rope_inv_freq)
     rope_scaling: tuple[tuple[str, float | str], ...] = ()
     torch_dtype: str = "float32"
+    # Mixture of experts (Qwen3-MoE, Mixtral): in the layers listed, the MLP is num_experts
+    # experts of moe_intermediate_size; a token goes to the num_experts_per_tok likeliest by the
+    # router's softmax, weighted by their probabilities (renormalised over the chosen with
+    # norm_topk_prob). Weights are named the Qwen way, or Mixtral's (block_sparse_moe, w1/w2/w3).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    sparse_layers: tuple[int, ...] = ()
 
     @property
     def q_size(self) -> int:
@@ -69,7 +79,8 @@ class ModelConfig:
             raise UnsupportedModel(f"unsupported architecture {arch!r}; supported: "
                                    f"{', '.join(SUPPORTED_ARCHITECTURES)}")
         scaling = _rope_scaling(d.get("rope_scaling"))
-        if d.get("use_sliding_window") or (arch == "MistralForCausalLM" and d.get("sliding_window")):
+        if d.get("use_sliding_window") or (arch in ("MistralForCausalLM", "MixtralForCausalLM")
+                                           and d.get("sliding_window")):
             raise UnsupportedModel("sliding-window attention is not supported")
         if d.get("mlp_bias"):
             raise UnsupportedModel("mlp_bias is not supported")
@@ -81,10 +92,12 @@ class ModelConfig:
             if heads % kv_heads:
                 raise UnsupportedModel(f"{heads} attention heads do not share {kv_heads} KV heads evenly")
             bias = bool(d.get("attention_bias", False))
+            layers = int(d["num_hidden_layers"])
+            moe = _experts(arch, d, layers)
             return cls(
                 architecture=arch,
                 hidden_size=hidden,
-                num_hidden_layers=int(d["num_hidden_layers"]),
+                num_hidden_layers=layers,
                 num_attention_heads=heads,
                 num_key_value_heads=kv_heads,
                 head_dim=int(d.get("head_dim") or hidden // heads),
@@ -98,12 +111,32 @@ class ModelConfig:
                 # Qwen3's to q/k/v only
                 qkv_bias=arch == "Qwen2ForCausalLM" or bias,
                 o_bias=arch == "LlamaForCausalLM" and bias,
-                qk_norm=arch == "Qwen3ForCausalLM",
+                qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
                 rope_scaling=scaling,
                 torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
+                **moe,
             )
         except KeyError as e:
             raise UnsupportedModel(f"config.json lacks {e.args[0]!r}") from None
+
+
+def _experts(arch: str, d: dict, layers: int) -> dict:
+    """The MoE fields of a Qwen3-MoE or Mixtral config (as transformers reads them)."""
+    if arch == "MixtralForCausalLM":  # every layer sparse, experts of intermediate_size, renormalised
+        n = int(d.get("num_local_experts", 8))
+        return dict(num_experts=n, num_experts_per_tok=int(d.get("num_experts_per_tok", 2)),
+                    moe_intermediate_size=int(d["intermediate_size"]), norm_topk_prob=True,
+                    sparse_layers=tuple(range(layers)))
+    if arch != "Qwen3MoeForCausalLM":
+        return {}
+    n, step = int(d.get("num_experts", 0)), int(d.get("decoder_sparse_step", 1))
+    dense = set(d.get("mlp_only_layers") or ())
+    sparse = tuple(i for i in range(layers) if i not in dense and n > 0 and (i + 1) % step == 0)
+    k = int(d.get("num_experts_per_tok", 0))
+    if sparse and not 0 < k <= n:
+        raise UnsupportedModel(f"num_experts_per_tok {k} with {n} experts")
+    return dict(num_experts=n, num_experts_per_tok=k, moe_intermediate_size=int(d.get("moe_intermediate_size", 0)),
+                norm_topk_prob=bool(d.get("norm_topk_prob", False)), sparse_layers=sparse)
 
 
 ROPE_TYPES = ("llama3", "linear")

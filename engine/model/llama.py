@@ -62,10 +62,12 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.weight": (kv, h),
             p + "self_attn.v_proj.weight": (kv, h),
             p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (i, h),
-            p + "mlp.up_proj.weight": (i, h),
-            p + "mlp.down_proj.weight": (h, i),
         })
+        if n in cfg.sparse_layers:
+            shapes.update(expert_shapes(cfg, n))
+        else:
+            shapes.update({p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                           p + "mlp.down_proj.weight": (h, i)})
         if cfg.qkv_bias:
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)})
@@ -76,6 +78,29 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                            p + "self_attn.k_norm.weight": (cfg.head_dim,)})
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    return shapes
+
+
+def expert_names(cfg: ModelConfig, layer: int) -> tuple[str, list[tuple[str, str, str]]]:
+    """A sparse layer's router weight and each expert's (gate, up, down) weights, by HF name:
+    Qwen's ``mlp.gate`` / ``mlp.experts.E.{gate,up,down}_proj``, or Mixtral's
+    ``block_sparse_moe.gate`` / ``block_sparse_moe.experts.E.{w1,w3,w2}``."""
+    p = f"model.layers.{layer}."
+    if cfg.architecture == "MixtralForCausalLM":
+        e = p + "block_sparse_moe.experts."
+        return p + "block_sparse_moe.gate.weight", [
+            (f"{e}{k}.w1.weight", f"{e}{k}.w3.weight", f"{e}{k}.w2.weight") for k in range(cfg.num_experts)]
+    e = p + "mlp.experts."
+    return p + "mlp.gate.weight", [(f"{e}{k}.gate_proj.weight", f"{e}{k}.up_proj.weight", f"{e}{k}.down_proj.weight")
+                                   for k in range(cfg.num_experts)]
+
+
+def expert_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    h, mi = cfg.hidden_size, cfg.moe_intermediate_size
+    router, experts = expert_names(cfg, layer)
+    shapes: dict[str, tuple[int, ...]] = {router: (cfg.num_experts, h)}
+    for gate, up, down in experts:
+        shapes.update({gate: (mi, h), up: (mi, h), down: (h, mi)})
     return shapes
 
 
@@ -152,10 +177,17 @@ class Llama:
                 o=t(weights[p + "self_attn.o_proj.weight"].T),
                 o_b=t(weights[p + "self_attn.o_proj.bias"]) if cfg.o_bias else None,
                 post_norm=t(weights[p + "post_attention_layernorm.weight"]),
-                gate_up=t(np.concatenate([weights[p + "mlp.gate_proj.weight"].T,
-                                          weights[p + "mlp.up_proj.weight"].T], axis=1)),
-                down=t(weights[p + "mlp.down_proj.weight"].T),
             ))
+            if n in cfg.sparse_layers:
+                router, experts = expert_names(cfg, n)
+                self.layers[-1]["moe"] = dict(router=t(weights[router].T), experts=[
+                    (t(np.concatenate([weights[g].T, weights[u].T], axis=1)), t(weights[d].T))
+                    for g, u, d in experts])
+            else:
+                self.layers[-1].update(
+                    gate_up=t(np.concatenate([weights[p + "mlp.gate_proj.weight"].T,
+                                              weights[p + "mlp.up_proj.weight"].T], axis=1)),
+                    down=t(weights[p + "mlp.down_proj.weight"].T))
         inv_freq = rope_inv_freq(cfg)
         ang = np.arange(cfg.max_position_embeddings, dtype=np.float64)[:, None] * np.concatenate(
             [inv_freq, inv_freq])[None, :]
@@ -302,10 +334,41 @@ class Llama:
         if layer["o_b"] is not None:
             x = paddle.add(x, layer["o_b"])
         h, residual = IF.fused_rms_norm(x, layer["post_norm"], None, eps, 1, residual=residual)
+        if "moe" in layer:
+            return self._moe(layer["moe"], h), residual
         if not self._active:
             return paddle.matmul(F.swiglu(paddle.matmul(h, layer["gate_up"])), layer["down"]), residual
         g = F.swiglu(self._lora(paddle.matmul(h, layer["gate_up"]), h, i, "gate_up"))
         return self._lora(paddle.matmul(g, layer["down"]), g, i, "down"), residual
+
+    def _moe(self, moe: dict, h: paddle.Tensor) -> paddle.Tensor:
+        """A sparse layer's MLP: each token through its top-k experts by the router's softmax,
+        weighted by their probabilities (renormalised over the k with norm_topk_prob), summed
+        in expert order (as transformers does). An expert's rows are gathered and padded to whole
+        8-row tiles (weight 0), as the dense GEMMs' rows are (see the module doc)."""
+        c = self.cfg
+        k = c.num_experts_per_tok
+        probs = F.softmax(paddle.matmul(h, moe["router"]), axis=-1)
+        w, idx = paddle.topk(probs, k, axis=-1)
+        if c.norm_topk_prob:
+            w = paddle.divide(w, paddle.sum(w, axis=-1, keepdim=True))
+        chosen = idx.numpy()
+        flat = w.reshape([-1])
+        out = paddle.zeros_like(h)
+        for e in np.unique(chosen):
+            tok, j = np.nonzero(chosen == e)
+            n = len(tok)
+            pad = self.pad_rows(n) - n
+            rows = np.concatenate([tok, np.zeros(pad, dtype=tok.dtype)])
+            at = np.concatenate([tok * k + j, np.zeros(pad, dtype=tok.dtype)])
+            rows_t, at_t = self.upload([rows, at], np.int64)
+            gate_up, down = moe["experts"][e]
+            y = paddle.matmul(F.swiglu(paddle.matmul(paddle.index_select(h, rows_t), gate_up)), down)
+            scale = paddle.index_select(flat, at_t)
+            if pad:
+                scale = paddle.multiply(scale, self.tensor(np.r_[np.ones(n), np.zeros(pad)].astype(np.float32)))
+            out = paddle.index_add(out, rows_t, 0, paddle.multiply(y, scale.unsqueeze(-1)))
+        return out
 
     def _layers(self, ids: paddle.Tensor, positions: paddle.Tensor, attention) -> paddle.Tensor:
         """The decoder stack; ``attention(i, q, k, v)`` supplies the context. Returns the final

@@ -77,6 +77,9 @@ def load_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int | None = 
         layer, module, which = int(m.group(1)), m.group(2), m.group(3)
         if module not in MODULES or layer >= cfg.num_hidden_layers:
             raise WeightError(f"LoRA adapter {name!r}: tensor {key} names no projection of this model")
+        if layer in cfg.sparse_layers and module in ("gate_proj", "up_proj", "down_proj"):
+            raise WeightError(f"LoRA adapter {name!r}: tensor {key} adapts an MLP that is experts in this "
+                              "model (LoRA of experts is not supported)")
         fan_in, fan_out = module_shape(cfg, module)
         want = (rank, fan_in) if which == "A" else (fan_out, rank)
         if tuple(info["shape"]) != want:
