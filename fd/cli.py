@@ -332,7 +332,8 @@ def _add_tool_args(p: argparse.ArgumentParser) -> None:
                         "begins with <think>)")
 
 
-async def _serve(args: argparse.Namespace) -> int:
+async def _start_serving(args: argparse.Namespace):
+    """What ``fd serve`` runs: (the embedded server or None, the engine, the API)."""
     from control.connect import connect
     from control.metrics import Metrics
     from fd.compose import join_in_process, start_api, start_engine
@@ -354,6 +355,40 @@ async def _serve(args: argparse.Namespace) -> int:
                                 runner=_runner(args, model_dir))
     api = await start_api(factory, keys, _api_opts(args, model_dir), metrics=metrics)
     join_in_process(api, engine)
+    return embedded, engine, api
+
+
+async def _run_batch(args: argparse.Namespace) -> int:
+    """vLLM's ``run-batch``: a file of OpenAI batch requests through an fd server (fd.batch)."""
+    from fd.batch import run_batch
+
+    src = sys.stdin.buffer if args.input_file == "-" else open(args.input_file, "rb")
+    with src:
+        lines = src.readlines()
+    started = None
+    base = args.base_url
+    if base is None:
+        started = await _start_serving(args)
+        base = started[2].url
+    base = base.rstrip("/").removesuffix("/v1")
+    try:
+        dst = sys.stdout.buffer if args.output_file == "-" else open(args.output_file, "wb")
+        with dst:
+            ok, failed = await run_batch(base, lines, dst, concurrency=args.max_concurrency,
+                                         api_key=args.api_key, progress=args.output_file != "-")
+    finally:
+        if started is not None:
+            embedded, engine, api = started
+            await api.stop()
+            await engine.stop()
+            if embedded is not None:
+                embedded.stop()
+    print(f"fd run-batch: {ok} succeeded, {failed} failed", file=sys.stderr)
+    return 0
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    embedded, engine, api = await _start_serving(args)
     _tune_gc()
     print(f"fd serving {api.cfg.model_name} on {api.url}/v1", flush=True)
     if embedded is not None:
@@ -608,6 +643,27 @@ def build_parser() -> argparse.ArgumentParser:
                         "engine's turns go first while the model waits for them and clients "
                         "keep up; see fd/eventloop.py)")
 
+    rb = sub.add_parser("run-batch", help="a file of OpenAI batch requests (JSONL) through fd (vLLM's run-batch)")
+    rb.add_argument("-i", "--input-file", required=True, help="JSONL, one request a line ('-': stdin)")
+    rb.add_argument("-o", "--output-file", required=True, help="JSONL, one answer a line, in order ('-': stdout)")
+    rb.add_argument("--base-url", default=None,
+                    help="an fd (or OpenAI-compatible) server to send them to; default: fd serve in "
+                         "this process, with the flags below")
+    rb.add_argument("--max-concurrency", type=int, default=64, help="requests in flight at once")
+    _add_redis_args(rb)
+    _add_engine_args(rb, worker_cpus="auto")
+    _add_lora_args(rb)
+    _add_vllm_compat_args(rb)
+    _add_log_args(rb)
+    rb.add_argument("--host", default="127.0.0.1")
+    rb.add_argument("--port", type=int, default=0)
+    rb.add_argument("--embedded-port", type=int, default=0)
+    _add_served_name(rb)
+    _add_chat_args(rb)
+    _add_response_args(rb)
+    _add_http_args(rb)
+    _add_tool_args(rb)
+
     a = sub.add_parser("api", help="an API node against --redis-url")
     _add_redis_args(a)
     _add_log_args(a)
@@ -687,8 +743,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return export_main(argv[2:])
     args = build_parser().parse_args(argv)
-    compat_notes = vllm_compat(args) if args.cmd in ("serve", "engine") else []
-    if args.cmd in ("serve", "engine"):
+    compat_notes = vllm_compat(args) if args.cmd in ("serve", "engine", "run-batch") else []
+    if args.cmd in ("serve", "engine", "run-batch"):
         # The model step runs in a worker thread beside the event loop. Its many short paddle
         # ops each re-take the GIL; at Python's default 5 ms switch interval the loop's I/O keeps
         # the step waiting. 0.5 ms: +12-15% tokens/s at 32 streams in `fd serve` (one run).
@@ -699,7 +755,7 @@ def main(argv: list[str] | None = None) -> int:
             plan(args.worker_cpus)
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
-    if args.cmd in ("serve", "api") and args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+    if args.cmd in ("serve", "api", "run-batch") and args.enable_auto_tool_choice != (args.tool_call_parser is not None):
         raise SystemExit("error: --enable-auto-tool-choice and --tool-call-parser go together "
                          "(as in vLLM)")
     from control.logs import setup_logging
@@ -713,7 +769,7 @@ def main(argv: list[str] | None = None) -> int:
     global _USER_ERRORS
     _USER_ERRORS = _user_errors()
     fn = {"serve": _serve, "api": _api, "engine": _engine, "abort": _abort,
-          "status": _status, "trace": _trace}[args.cmd]
+          "status": _status, "trace": _trace, "run-batch": _run_batch}[args.cmd]
     try:
         if args.cmd == "serve" and not args.fifo_loop:  # API and engine on one loop
             from fd.eventloop import EngineFirstLoop
