@@ -194,3 +194,25 @@ def test_a_dead_worker_is_an_error_for_a_reader_too(tiny_model_dir):
             runner.take_ready()
     finally:
         runner.close()
+
+
+def test_vectors_and_adapters_cross_the_pipe(tiny_model_dir, tiny_runner, tiny_tokenizer, tmp_path):
+    """An embeddings request's vector comes back from the worker as from an in-process
+    runner, and adapters given to the worker are loaded there and named to the engine."""
+    from engine.model.config import ModelConfig
+    from engine.model.lora import save_adapter
+    from engine.model_runner import ModelRunner
+
+    ids = [tiny_tokenizer.encode("Hello there"), tiny_tokenizer.encode("The quick brown fox")]
+    save_adapter(str(tmp_path / "ad"), ModelConfig.from_dir(str(tiny_model_dir)), rank=4, alpha=8)
+    mods = {"ad": str(tmp_path / "ad")}
+    runner = ProcessRunner(str(tiny_model_dir), num_blocks=64, block_size=16, lora_modules=mods)
+    try:
+        assert runner.lora_names == ("ad",)
+        assert LLM(runner, tiny_tokenizer).embed(ids) == LLM(tiny_runner, tiny_tokenizer).embed(ids)
+        sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, lora="ad")
+        here = ModelRunner(str(tiny_model_dir), num_blocks=64, lora_modules=mods)
+        assert ([g.token_ids for g in LLM(runner, tiny_tokenizer).generate(ids, sp)]
+                == [g.token_ids for g in LLM(here, tiny_tokenizer).generate(ids, sp)])
+    finally:
+        runner.close()
