@@ -551,6 +551,18 @@ class Bus:
         pipe.expire(key, ttl_s)
         await pipe.execute()
 
+    async def register_lora(self, name: str, path: str) -> bool:
+        """Add a run-time LoRA adapter to ``P:loras``; False if the name is taken."""
+        return bool(await self.redis.hsetnx(self.keys.loras, name, path))
+
+    async def forget_lora(self, name: str) -> bool:
+        return bool(await self.redis.hdel(self.keys.loras, name))
+
+    async def loras(self) -> dict[str, str]:
+        """The run-time LoRA adapters, name -> path."""
+        got = await self.redis.hgetall(self.keys.loras)
+        return {_b(k).decode(): _b(v).decode() for k, v in got.items()}
+
     async def engines(self) -> dict[str, dict[str, str]]:
         """Every engine with a live heartbeat, by id."""
         keys = [k async for k in self.redis.scan_iter(match=self.keys.engine_pattern(), count=1000)]

@@ -379,6 +379,25 @@ class Drain(Event):
     engine: str
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoadLora(Event):
+    """Every engine loads a LoRA adapter (vLLM's /v1/load_lora_adapter); ``P:loras`` holds the
+    adapters loaded this way, for engines that start later. Each engine says what it has in
+    its heartbeat (``loras``, ``lora_errors``)."""
+
+    TYPE: ClassVar[str] = "load_lora"
+    name: str
+    path: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UnloadLora(Event):
+    """Every engine stops taking requests for the adapter, and forgets it once none runs."""
+
+    TYPE: ClassVar[str] = "unload_lora"
+    name: str
+
+
 # requests stream --------------------------------------------------------------
 
 
@@ -612,12 +631,12 @@ def tombstone_story(request_id: str, source: str, engine: str = "") -> list[Even
 
 REQ_STREAM_TYPES = (Accepted, Claimed, Tokens, Preempted, AbortRequested, Drained, BlocksReleased,
                     Final)
-CONTROL_TYPES = (Abort, AbortAll, Drain)
+CONTROL_TYPES = (Abort, AbortAll, Drain, LoadLora, UnloadLora)
 
 for _cls in (*CONTROL_TYPES, Request, *REQ_STREAM_TYPES):
     _REGISTRY[_cls.TYPE] = _cls
 
-AnyEvent = Union[Abort, AbortAll, Drain, Request, Accepted, Claimed, Tokens, Preempted, AbortRequested,
+AnyEvent = Union[Abort, AbortAll, Drain, LoadLora, UnloadLora, Request, Accepted, Claimed, Tokens, Preempted, AbortRequested,
                  Drained, BlocksReleased, Final]
 
 
@@ -800,6 +819,10 @@ def _validate(ev: Event) -> None:
         e = getattr(ev, name, None)
         if e and not ENGINE_ID_RE.fullmatch(e):
             raise BadEvent(f"invalid engine id {e[:40]!r}", name)
+    if isinstance(ev, (LoadLora, UnloadLora)) and not valid_request_id(ev.name):
+        raise BadEvent(f"invalid adapter name {ev.name[:40]!r} (letters, digits, '_.:@-', 1-128)", "name")
+    if isinstance(ev, LoadLora) and not ev.path:
+        raise BadEvent("empty", "path")
     if isinstance(ev, Final) and ev.finish_reason not in FINISH_REASONS:
         raise BadEvent(f"must be one of {FINISH_REASONS}", "finish_reason")
 

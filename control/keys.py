@@ -132,6 +132,11 @@ class Keys:
     def journal(self, engine_id: str) -> str:
         return f"{self.prefix}:journal:{engine_id}"
 
+    @property
+    def loras(self) -> str:
+        """Hash: LoRA adapters loaded at run time (name -> path), for engines that start later."""
+        return f"{self.prefix}:loras"
+
     def engine(self, engine_id: str) -> str:
         """Heartbeat hash of one engine, with an EXPIRE a few heartbeats long."""
         return f"{self.prefix}:engine:{engine_id}"

@@ -73,15 +73,31 @@ class ModelRunner:
         self._last_sampled: dict[str, int] = {}  # what a placeholder in the next step stands for
         self._model_dir = model_dir
         self._guides = None  # engine.guided.Guides, made for the first guided request
-        # LoRA adapters (vLLM's --lora-modules name=path): loaded now, each in a slot of its own
+        # LoRA adapters (vLLM's --lora-modules name=path): loaded now, each in a slot of its own;
+        # more at run time (load_lora)
         self.lora_slots: dict[str, int] = {}
-        if lora_modules:
-            from engine.model.lora import load_adapter
+        self._max_lora_rank = max_lora_rank
+        for name, path in (lora_modules or {}).items():
+            self.load_lora(name, path)
 
-            for slot, (name, path) in enumerate(lora_modules.items()):
-                self.model.add_lora(slot, load_adapter(name, path, self.model.cfg, max_lora_rank))
-                self.lora_slots[name] = slot
-        self.lora_names = tuple(self.lora_slots)
+    @property
+    def lora_names(self) -> tuple[str, ...]:
+        return tuple(self.lora_slots)
+
+    def load_lora(self, name: str, path: str) -> None:
+        """An adapter into a free slot (raises, loading nothing, if it cannot be served)."""
+        from engine.model.lora import load_adapter
+
+        adapter = load_adapter(name, path, self.model.cfg, self._max_lora_rank)
+        slot = min(set(range(len(self.lora_slots) + 1)) - set(self.lora_slots.values()))
+        self.model.add_lora(slot, adapter)
+        self.lora_slots[name] = slot
+
+    def unload_lora(self, name: str) -> None:
+        """Forget an adapter (no step to come may name it: the engine makes sure)."""
+        slot = self.lora_slots.pop(name, None)
+        if slot is not None:
+            self.model.loras.pop(slot, None)
 
     # ------------------------------------------------------------------ step
 

@@ -55,9 +55,11 @@ from control.events import (
     Drained,
     Event,
     Final,
+    LoadLora,
     Preempted,
     Request,
     Tokens,
+    UnloadLora,
     embedding_field,
     logprobs_field,
     prompt_logprobs_field,
@@ -66,6 +68,7 @@ from control.events import (
 from control.keys import choice_ids, is_tombstone, owner_choices
 from control.tokenizer import served_context
 from engine import failover
+from engine.adapters import Adapters
 from engine.config import SchedulerConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.failover import History, OrphanFinder
@@ -235,6 +238,8 @@ class EngineNode:
         self.redis_errors = 0  # Redis calls that failed and were retried
         self._cursor: bytes | None = None
         self._started_ms = int(time.time() * 1000)
+        self.adapters = Adapters(tuple(getattr(runner, "lora_names", ())))  # LoRA (engine.adapters)
+        self._beats: set[asyncio.Task] = set()  # heartbeats written at once (an adapter loaded)
         # Since when Redis calls have been succeeding (0: since forever). After an outage the
         # failover waits a heartbeat TTL, so live peers can renew heartbeats that expired
         # while nobody could write them, before their requests look orphaned.
@@ -247,6 +252,7 @@ class EngineNode:
         """Create the consumer group and fix the control cursor, before ``run``: anything
         published after this returns is seen by this engine."""
         await self.bus.ensure_group()
+        await self._load_registered()
         newest = await self.control_bus.control_cursor()
         since = int(time.time() * 1000) - self.cfg.control_lookback_ms
         newest_ms = int(newest.split(b"-")[0])
@@ -528,6 +534,8 @@ class EngineNode:
                 if not fut.done():
                     fut.set_result(reply)
                     self._finished(reply.step, reply.ran)
+            elif reply[0] == "lora":
+                self._lora_done(reply[1], reply[2])
             else:
                 self._on_skipped(reply[1], reply[2])
         if replies:
@@ -704,7 +712,7 @@ class EngineNode:
                               step=self.sched.step)])
             return
         sp = data.sampling
-        if sp.lora and sp.lora not in getattr(self.runner, "lora_names", ()):
+        if sp.lora and sp.lora not in self.adapters.ready:
             self._emit([Final(request_id=rid, finish_reason="error", usage=usage, step=self.sched.step,
                               error=f"this engine has no LoRA adapter {sp.lora!r} (see --lora-modules)")])
             return
@@ -847,6 +855,74 @@ class EngineNode:
             # the look-back must not replay a drain meant for an earlier life of this id
             if ev.engine == self.id and ev.ts >= self._started_ms:
                 self.drain()
+        elif isinstance(ev, LoadLora):
+            if self.adapters.want_load(ev.name):
+                self._runner_lora("load", ev.name, ev.path)
+        elif isinstance(ev, UnloadLora):
+            if self.adapters.unload(ev.name, self._lora_in_use(ev.name)):
+                self._runner_lora("unload", ev.name)
+            self._beat_now()
+
+    # ------------------------------------------------------------------ LoRA at run time
+
+    async def _load_registered(self) -> None:
+        """At start: the adapters loaded at run time before this engine came (``P:loras``)."""
+        for name, path in (await self.bus.loras()).items():
+            if not self.adapters.want_load(name):
+                continue
+            if hasattr(self.runner, "on_lora"):  # a worker process, no step in flight yet
+                error = self.runner.load_lora(name, path, wait=True)
+            elif hasattr(self.runner, "load_lora"):
+                try:
+                    await asyncio.wrap_future(self._pool.submit(self.runner.load_lora, name, path))
+                    error = None
+                except Exception as e:  # noqa: BLE001 - said in the heartbeat
+                    error = f"{type(e).__name__}: {e}"
+            else:
+                error = "this engine's executor cannot load LoRA adapters"
+            self._lora_done(name, error)
+
+    def _runner_lora(self, what: str, name: str, path: str = "") -> None:
+        """Load or forget an adapter in the runner, between steps; a load's outcome comes to
+        :meth:`_lora_done` (from the worker's replies, or from the step thread)."""
+        runner = self.runner
+        if hasattr(runner, "on_lora"):  # the worker process: down the pipe, after the steps sent
+            runner.load_lora(name, path) if what == "load" else runner.unload_lora(name)
+            return
+        fn = getattr(runner, f"{what}_lora", None)
+        if fn is None:
+            if what == "load":
+                self._lora_done(name, "this engine's executor cannot load LoRA adapters")
+            return
+        loop = asyncio.get_running_loop()
+        work = self._pool.submit(fn, *((name, path) if what == "load" else (name,)))
+
+        def done(w) -> None:  # on the step thread
+            e = w.exception()
+            try:
+                loop.call_soon_threadsafe(self._lora_done, name, None if e is None else f"{type(e).__name__}: {e}")
+            except RuntimeError:
+                pass  # the loop is closed: the engine stopped
+        work.add_done_callback(done)
+
+    def _lora_done(self, name: str, error: str | None) -> None:
+        if not self.adapters.loaded(name, error):
+            return
+        if error is None:
+            log.info("LoRA adapter %r loaded", name, extra={"engine": self.id})
+        else:
+            log.warning("LoRA adapter %r could not be loaded: %s", name, error, extra={"engine": self.id})
+        self._beat_now()
+
+    def _lora_in_use(self, name: str) -> bool:
+        return any(req.data.sampling.lora == name for req in self._request.values())
+
+    def _beat_now(self) -> None:
+        """Write the heartbeat now (an API node waits on it for an adapter's load)."""
+        task = asyncio.get_running_loop().create_task(
+            self.bus.heartbeat(self.id, self.status(), self.cfg.heartbeat_ttl_s))
+        self._beats.add(task)
+        task.add_done_callback(self._beats.discard)
 
     def on_local_arrival(self) -> None:
         """This process's API put requests on ``P:requests`` (``fd serve``). From the first
@@ -999,6 +1075,9 @@ class EngineNode:
                 self._progress.pop(rid, None)
                 self._prompt_lp.pop(rid, None)
                 req = self._request.pop(rid, None)
+                if self.adapters.unloading and req is not None and req.data.sampling.lora and \
+                        self.adapters.done_with(req.data.sampling.lora, self._lora_in_use(req.data.sampling.lora)):
+                    self._runner_lora("unload", req.data.sampling.lora)
                 entry = self._entry.pop(rid, None)
                 if silent:
                     self._silent.discard(rid)
@@ -1219,4 +1298,5 @@ class EngineNode:
             "step": self.sched.step,
             "draining": int(self._draining),
             "ts": int(time.time() * 1000),
+            **self.adapters.status(),
         }

@@ -136,6 +136,17 @@ def _worker_main(conn, model_dir: str, kwargs: dict[str, Any],
                 runner.warmup()
                 conn.send(("ok", None, 0.0))
                 continue
+            if isinstance(msg, tuple) and msg[0] in ("lora_load", "lora_unload"):
+                # (between steps, in the order sent: a step sent before an unload still has it)
+                try:
+                    if msg[0] == "lora_load":
+                        runner.load_lora(msg[1], msg[2])
+                    else:
+                        runner.unload_lora(msg[1])
+                    conn.send(("lora", msg[1], None))
+                except Exception as e:  # noqa: BLE001 - said to the engine, which goes on
+                    conn.send(("lora", msg[1], f"{type(e).__name__}: {e}"))
+                continue
             if drops:
                 left = [s.request_id for s in msg.seqs if drops.get(s.request_id, -1) >= msg.step]
                 if left:
@@ -177,7 +188,10 @@ class ProcessRunner:
         self.eos_token_ids: tuple[int, ...] = info["eos_token_ids"]
         self.max_model_len: int = info["max_model_len"]
         self.vocab_size: int = info["vocab_size"]
-        self.lora_names: tuple[str, ...] = info["lora_names"]
+        self.lora_names: tuple[str, ...] = info["lora_names"]  # (at start; the engine keeps the rest)
+        # Called with (name, error or None) when the worker is done loading or unloading an
+        # adapter asked for while steps ran (the engine's loop reads it among the replies).
+        self.on_lora: Callable[[str, str | None], None] | None = None
         # Seconds the worker spent inside execute (the model step itself, without the pipe):
         # what bench/engine.py compares the engine loop's wall time with.
         self.busy_seconds = 0.0
@@ -202,6 +216,24 @@ class ProcessRunner:
         (``on_skipped``), so their blocks can go back without waiting for it."""
         self._conn.send(("drop", step, tuple(request_ids)))
 
+    def load_lora(self, name: str, path: str, wait: bool = False) -> str | None:
+        """Load an adapter in the worker, between two steps. ``wait`` (no step in flight: at
+        start) returns its error or None; otherwise the answer comes as an ``("lora", name,
+        error)`` reply, after the steps sent before."""
+        self._conn.send(("lora_load", name, path))
+        return self._lora_reply(name) if wait else None
+
+    def unload_lora(self, name: str) -> None:
+        self._conn.send(("lora_unload", name))
+
+    def _lora_reply(self, name: str) -> str | None:
+        while True:
+            reply = self._conn.recv()
+            if reply[0] == "lora" and reply[1] == name:
+                return reply[2]
+            if reply[0] == "error":
+                raise WorkerError(reply[1])
+
     def collect(self) -> RunnerOutput:
         """The result of the oldest submitted step (blocks; run it off the event loop)."""
         step, sampled, stopped, ran, logprobs, prompt_lp, embeddings = self._collect()
@@ -224,7 +256,7 @@ class ProcessRunner:
                 reply = conn.recv()
             except (EOFError, OSError):  # (a killed worker's pipe may say "reset by peer")
                 raise self._died() from None
-            if reply[0] == "skipped":
+            if reply[0] in ("skipped", "lora"):
                 out.append(reply)
             elif reply[0] == "error":
                 raise WorkerError(reply[1])
@@ -246,6 +278,10 @@ class ProcessRunner:
                 reply = self._conn.recv()
             except (EOFError, OSError):
                 raise self._died() from None
+            if reply[0] == "lora":
+                if self.on_lora is not None:
+                    self.on_lora(reply[1], reply[2])
+                continue
             if reply[0] != "skipped":
                 break
             if self.on_skipped is not None:

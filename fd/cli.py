@@ -148,8 +148,14 @@ def _lora_module(text: str) -> tuple[str, str]:
     return name, path
 
 
-def _add_lora_args(p: argparse.ArgumentParser, engine: bool = True) -> None:
+def _add_lora_args(p: argparse.ArgumentParser, engine: bool = True, api: bool = True) -> None:
     p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (vLLM's; with --lora-modules)")
+    if api:
+        p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                       default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
+                       help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (admin key) "
+                            "to load adapters on every engine at run time (vLLM's "
+                            "VLLM_ALLOW_RUNTIME_LORA_UPDATING, which also turns it on)")
     p.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH",
                    help="LoRA adapters (PEFT's format) a request names as its model (vLLM's). "
                         "fd serve, fd api and fd engine must be given the same names")
@@ -310,7 +316,7 @@ def _api_opts(args: argparse.Namespace, model_dir: Path):
                       force_include_usage=args.enable_force_include_usage,
                       tokens_as_ids=args.return_tokens_as_token_ids,
                       priority_scheduling=args.scheduling_policy == "priority",
-                      lora_modules=lora_modules(args))
+                      lora_modules=lora_modules(args), runtime_lora=args.allow_runtime_lora_updating)
 
 
 def _add_tool_args(p: argparse.ArgumentParser) -> None:
@@ -682,7 +688,7 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("engine", help="an engine node against --redis-url")
     _add_redis_args(e)
     _add_engine_args(e)
-    _add_lora_args(e)
+    _add_lora_args(e, api=False)
     _add_vllm_compat_args(e)
     _add_log_args(e)
 

@@ -77,6 +77,7 @@ class ApiOptions:
     tokens_as_ids: bool = False  # vLLM's --return-tokens-as-token-ids
     priority_scheduling: bool = False  # --scheduling-policy priority: requests may carry a priority
     lora_modules: dict[str, str] = field(default_factory=dict)  # the adapters' names (and where)
+    runtime_lora: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter
 
 
 @dataclass
@@ -277,7 +278,8 @@ async def start_api(redis_factory: Callable[[], Any], keys: Keys, opts: ApiOptio
                     sampling_defaults=defaults, max_output_tokens=cap,
                     reasoning_parser=opts.reasoning_parser, cors=opts.cors,
                     force_include_usage=opts.force_include_usage, tokens_as_ids=opts.tokens_as_ids,
-                    priority_scheduling=opts.priority_scheduling, lora_modules=dict(opts.lora_modules))
+                    priority_scheduling=opts.priority_scheduling, lora_modules=dict(opts.lora_modules),
+                    runtime_lora=opts.runtime_lora)
     metrics = metrics if metrics is not None else Metrics()
     mux = StreamMux(redis_factory(), keys, cfg.api_id)
     await mux.start()

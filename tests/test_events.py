@@ -26,6 +26,8 @@ SAMPLES = [
     E.AbortAll(engine="e1", source="http", reason="maintenance", abort_id="a2", ts=TS),
     E.AbortAll(ts=TS),
     E.Drain(engine="e-2", ts=TS),
+    E.LoadLora(name="sql-adapter", path="/adapters/sql", ts=TS),
+    E.UnloadLora(name="sql-adapter", ts=TS),
     E.Request(request_id="r1", data=REQ_DATA, ts=TS),
     E.Accepted(request_id="r1", api="api-1", prompt_tokens=3, ts=TS),
     E.Claimed(request_id="r1", engine="e1", attempt=2, ts=TS),
@@ -139,3 +141,12 @@ def test_bad_events_raise_bad_event_naming_the_field(fields, field):
 def test_events_are_immutable():
     with pytest.raises(dataclasses.FrozenInstanceError):
         SAMPLES[0].ts = 1  # type: ignore[misc]
+
+
+def test_lora_commands_as_an_operator_types_them():
+    assert decode({"type": "load_lora", "name": "sql", "path": "/a"}, "5-0") == E.LoadLora(name="sql", path="/a", ts=5)
+    for fields, field in (({"type": "load_lora", "name": "sql"}, "path"), ({"type": "load_lora", "name": "a b", "path": "/a"}, "name"),
+                          ({"type": "load_lora", "name": "sql", "path": ""}, "path"), ({"type": "unload_lora"}, "name")):
+        with pytest.raises(BadEvent) as e:
+            decode(fields)
+        assert e.value.field == field, fields

@@ -198,3 +198,124 @@ def test_the_flags(tmp_path):
 
     notes = vllm_compat(build_parser().parse_args(["serve", "--enable-lora", "--max-loras", "4"]))
     assert any("--max-loras" in n for n in notes)
+
+
+# ----------------------------------------------------------------------------- at run time
+
+
+async def test_adapters_loaded_and_unloaded_at_run_time(embedded_redis, keys, tiny_model_dir, tiny_tokenizer,
+                                                        adapters, tmp_path):
+    """vLLM's /v1/load_lora_adapter over the event log: every engine loads it (one told by the
+    control stream, one started later from P:loras), requests to any replica may then name it
+    and get the merged model's output; a load that fails anywhere is taken back everywhere;
+    an unloaded adapter takes no new request, and one running with it finishes."""
+    import asyncio
+
+    import aiohttp
+
+    from control.metrics import Metrics
+    from fd.compose import ApiOptions, EngineOptions, join_in_process, start_api, start_engine
+
+    def runner():
+        return ModelRunner(str(tiny_model_dir), num_blocks=256, block_size=16)
+
+    e1 = await start_engine(embedded_redis.client, keys, EngineOptions(model_dir=str(tiny_model_dir), engine_id="rt1"),
+                            runner=runner(), tokenizer=tiny_tokenizer, metrics=Metrics())
+    api = await start_api(embedded_redis.client, keys, ApiOptions(model_dir=str(tiny_model_dir), runtime_lora=True,
+                                                                  admin_key="adm"), tokenizer=tiny_tokenizer)
+    other = await start_api(embedded_redis.client, keys, ApiOptions(model_dir=str(tiny_model_dir)),
+                            tokenizer=tiny_tokenizer)  # (a replica without the routes)
+    join_in_process(api, e1)
+    engines = [e1]
+    admin = {"Authorization": "Bearer adm"}
+    client = openai.AsyncOpenAI(base_url=f"{other.url}/v1", api_key="none", max_retries=0)
+    try:
+        async with aiohttp.ClientSession() as s:
+            async def post(path, body, headers=admin, base=api.url):
+                async with s.post(f"{base}{path}", json=body, headers=headers) as r:
+                    return r.status, await r.text()
+
+            ids = tiny_tokenizer.encode("Once upon a time")
+            sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+            want = LLM(ModelRunner(adapters["full"][1], num_blocks=64), tiny_tokenizer).generate([ids], sp)[0].text
+            with pytest.raises(openai.NotFoundError):
+                await client.completions.create(model="live", prompt=ids, max_tokens=1)
+            assert (await post("/v1/load_lora_adapter", {"lora_name": "live", "lora_path": adapters["full"][0]},
+                               headers={}))[0] == 401  # the admin key's
+            status, text = await post("/v1/load_lora_adapter", {"lora_name": "live", "lora_path": adapters["full"][0]})
+            assert status == 200 and text == "Success: LoRA adapter 'live' added successfully."
+            assert "live" in (await api.bus.engines())["rt1"]["loras"].split(",")
+            # through the other replica, which learns the name from P:loras
+            c = await client.completions.create(model="live", prompt=ids, max_tokens=8, temperature=0,
+                                                extra_body={"ignore_eos": True})
+            assert c.model == "live" and c.choices[0].text == want
+            assert "live" in {m.id for m in (await client.models.list()).data}
+            assert (await post("/v1/load_lora_adapter", {"lora_name": "live", "lora_path": adapters["attn"][0]}))[0] == 400
+
+            # an engine that starts now loads what P:loras holds
+            e2 = await start_engine(embedded_redis.client, keys,
+                                    EngineOptions(model_dir=str(tiny_model_dir), engine_id="rt2"),
+                                    runner=runner(), tokenizer=tiny_tokenizer, metrics=Metrics())
+            engines.append(e2)
+            assert "live" in e2.node.adapters.ready
+
+            # a load one engine cannot make is taken back from all
+            bad = tmp_path / "bad"
+            shutil.copytree(adapters["full"][0], bad)
+            (bad / "adapter_config.json").write_text(json.dumps({"r": 8, "use_dora": True}))
+            status, text = await post("/v1/load_lora_adapter", {"lora_name": "broken", "lora_path": str(bad)})
+            assert status == 400 and "use_dora" in text
+            assert "broken" not in await api.bus.loras()
+            assert status == 400 and (await post("/v1/load_lora_adapter", {"lora_name": "x y", "lora_path": "/p"}))[0] == 400
+
+            # unloading: a request running with it finishes; new ones are refused
+            running = asyncio.create_task(client.completions.create(
+                model="live", prompt=ids, max_tokens=200, temperature=0, extra_body={"ignore_eos": True}))
+            for _ in range(200):
+                if any(e.node.adapters and e.node._lora_in_use("live") for e in engines):
+                    break
+                await asyncio.sleep(0.01)
+            status, text = await post("/v1/unload_lora_adapter", {"lora_name": "live"})
+            assert status == 200 and text == "Success: LoRA adapter 'live' removed successfully."
+            done = await running
+            long_want = LLM(ModelRunner(adapters["full"][1], num_blocks=64), tiny_tokenizer).generate(
+                [ids], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))[0].text
+            assert done.choices[0].finish_reason == "length" and done.choices[0].text == long_want
+            await asyncio.sleep(0.05)  # (the other replica reads P:loras again after REFRESH_S)
+            with pytest.raises(openai.NotFoundError):
+                await client.completions.create(model="live", prompt=ids, max_tokens=1)
+            for e in engines:
+                for _ in range(100):
+                    if "live" not in getattr(e.node.runner, "lora_slots", {}):
+                        break
+                    await asyncio.sleep(0.02)
+                assert "live" not in e.node.adapters.ready and "live" not in e.node.runner.lora_slots
+            assert (await post("/v1/unload_lora_adapter", {"lora_name": "live"}))[0] == 404
+        # without --allow-runtime-lora-updating the routes are not there (as vLLM's), nor in
+        # the OpenAPI document
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"{other.url}/v1/load_lora_adapter", json={}) as r:
+                assert r.status == 404
+            for base, there in ((api.url, True), (other.url, False)):
+                async with s.get(f"{base}/openapi.json") as r:
+                    assert ("/v1/load_lora_adapter" in (await r.json())["paths"]) == there
+    finally:
+        await client.close()
+        await other.stop()
+        await api.stop()
+        for e in engines:
+            await e.stop()
+
+
+def test_an_engines_adapters_as_the_control_stream_changes_them():
+    from engine.adapters import Adapters
+
+    a = Adapters(("static",))
+    assert a.want_load("x") and not a.want_load("x") and not a.want_load("static")  # (once; not twice)
+    assert a.loaded("x", None) and "x" in a.ready and not a.loaded("x", None)  # (an unload's answer: ignored)
+    assert a.want_load("bad") and a.loaded("bad", "no such file") and "bad" not in a.ready
+    assert a.status() == {"loras": "static,x", "lora_errors": '{"bad":"no such file"}'}
+    assert not a.unload("static", in_use=False) and "static" in a.ready  # given at start: stays
+    assert not a.unload("x", in_use=True) and "x" not in a.ready  # no new request; the worker keeps it...
+    assert not a.done_with("x", in_use=True) and a.done_with("x", in_use=False)  # ...until the last one ends
+    assert not a.unload("bad", in_use=False) and a.status()["lora_errors"] == ""

@@ -214,5 +214,22 @@ def test_vectors_and_adapters_cross_the_pipe(tiny_model_dir, tiny_runner, tiny_t
         here = ModelRunner(str(tiny_model_dir), num_blocks=64, lora_modules=mods)
         assert ([g.token_ids for g in LLM(runner, tiny_tokenizer).generate(ids, sp)]
                 == [g.token_ids for g in LLM(here, tiny_tokenizer).generate(ids, sp)])
+        # at run time: at start (nothing in flight) the answer is waited for; while steps run
+        # it comes among the replies, after the steps sent before it
+        assert runner.load_lora("late", mods["ad"], wait=True) is None
+        assert "FileNotFoundError" in runner.load_lora("nowhere", str(tmp_path / "nowhere"), wait=True)
+        from engine.outputs import ScheduledSeq, SchedulerOutput
+
+        step = SchedulerOutput(step=1, seqs=(ScheduledSeq("s", tuple(ids[0]), 0, (1,), True,
+                                                          SamplingParams(temperature=0.0, lora="late"), 0),))
+        runner.submit(step)
+        runner.unload_lora("late")
+        runner.load_lora("again", mods["ad"])
+        got = []
+        deadline = time.monotonic() + 10
+        while len(got) < 3 and time.monotonic() < deadline:
+            got += runner.take_ready()
+            time.sleep(0.01)
+        assert got[0].step == 1 and got[1:] == [("lora", "late", None), ("lora", "again", None)]
     finally:
         runner.close()

@@ -354,7 +354,7 @@ def _embedding(summary: str, req: str, answer: str, resp: str | None = None) -> 
 
 
 def build(model_name: str, max_model_len: int, max_body_bytes: int,
-          vocab_size: int | None = None, aliases: tuple[str, ...] = ()) -> dict[str, Any]:
+          vocab_size: int | None = None, aliases: tuple[str, ...] = (), runtime_lora: bool = False) -> dict[str, Any]:
     """The document for one API node's configuration.
 
     Rules no schema can say: prompt tokens plus ``max_tokens`` must fit the context
@@ -442,6 +442,18 @@ def build(model_name: str, max_model_len: int, max_body_bytes: int,
                 "responses": {"200": {"description": "Abort published", "content": {
                     "application/json": {"schema": _ref("AbortResponse")}}},
                     "400": _ERRORS["400"], "401": _ERRORS["401"]}}},
+            **({path: {"post": {
+                "summary": summary, "security": admin,
+                "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                    "type": "object", "required": required, "properties": {
+                        k: {"type": "string"} for k in ("lora_name", "lora_path")[:len(required)]}}}}},
+                "responses": {"200": {"description": "Success: ... (text)", "content": {"text/plain": {
+                    "schema": {"type": "string"}}}}, "400": _ERRORS["400"], "401": _ERRORS["401"],
+                    "404": _err("No such adapter"), "503": _err("Not every engine loaded it in time")}}}
+                for path, summary, required in (
+                    ("/v1/load_lora_adapter", "vLLM's: load a LoRA adapter on every engine", ["lora_name", "lora_path"]),
+                    ("/v1/unload_lora_adapter", "vLLM's: unload a LoRA adapter loaded at run time", ["lora_name"]))}
+               if runtime_lora else {}),
             "/health": {"get": {"summary": "Ready when Redis answers and an engine is alive (no auth)",
                                 "security": [], "responses": {"200": {"description": "ok"},
                                                               "503": _err("Redis or engines unavailable")}}},

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import importlib.metadata
 import logging
@@ -40,14 +41,15 @@ from control.events import (
 from control.keys import ENGINE_ID_RE, REQUEST_ID_RE, all_valid_request_ids, choice_ids, is_tombstone
 from control.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from control.metrics import Metrics
-from fd.api import openapi, protocol, sse
+from fd.api import lora_admin, openapi, protocol, sse
 from fd.api.cancellation import Cancellation, watch_of
 from fd.api.cors import Cors
 from fd.api.embeddings import finish as embedding_finish
 from fd.api.embeddings import pair_scores, parse_embeddings, parse_rerank, parse_score, rerank_response
-from fd.api.embeddings import score_response
 from fd.api.embeddings import response as embedding_response
+from fd.api.embeddings import score_response
 from fd.api.errors import ApiError, bad_request, conflict, not_found, too_large, unauthorized, unavailable
+from fd.api.lora_admin import LoraNames
 from fd.api.responses import ResponsesRenderer, input_items, output_as_input
 from fd.api.responses import parse as parse_responses
 
@@ -87,6 +89,8 @@ class ApiConfig:
     tokens_as_ids: bool = False  # vLLM's --return-tokens-as-token-ids
     priority_scheduling: bool = False  # --scheduling-policy priority (the engines' too)
     lora_modules: dict[str, str] = field(default_factory=dict)  # vLLM's --lora-modules: name -> path
+    # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING: /v1/load_lora_adapter and /v1/unload_lora_adapter
+    runtime_lora: bool = False
 
 
 API_KEY = web.AppKey("fd.api", object)
@@ -94,7 +98,7 @@ CANCEL_WAIT_S = 2.0  # POST /v1/responses/{id}/cancel waits this long for the ab
 IGNORED_NAMES = 256  # distinct ignored request fields remembered, each said once
 REDIS_SUSPECT_S = 30.0  # after a Redis error, check with a quick ping before each new request
 REDIS_PING_TIMEOUT_S = 0.5
-ADMIN_PATHS = ("/v1/abort_requests",)
+ADMIN_PATHS = ("/v1/abort_requests", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 KEYED_PATHS = ("/score", "/rerank", "/v2/rerank")  # vLLM's, outside /v1: they run the model
 CORS_REFUSED = web.RequestKey("fd.cors_refused", bool)
 RID = web.RequestKey("fd.rid", str)  # the request id, echoed in X-Request-Id even on errors
@@ -261,11 +265,13 @@ class Api:
                                       tuple(cfg.model_aliases), cfg.force_include_usage,
                                       cfg.tokens_as_ids, cfg.priority_scheduling, tuple(cfg.lora_modules))
         self.cancellation = Cancellation(self._abort_on_disconnect, self._notice_disconnect)
+        self.runtime_loras = LoraNames(bus)  # adapters loaded at run time, from any replica
+        self._served = {cfg.model_name, *cfg.model_aliases}
         self._noticed: dict[str, Abort] = {}  # disconnect aborts told in-process, not yet published
         self.started = int(time.time())
         self._started_mux = False
         self._openapi = openapi.build(cfg.model_name, cfg.max_model_len, cfg.max_body_bytes,
-                                     self.limits.vocab_size, tuple(cfg.model_aliases))
+                                     self.limits.vocab_size, tuple(cfg.model_aliases), cfg.runtime_lora)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -412,6 +418,7 @@ class Api:
         arrival = time.monotonic()
         rid, explicit = self._request_id(request, prefix)
         body = await self._body(request)
+        await self._know_adapters(body)
         parsed = parse(body, self.limits, self.tokenizer)
         req = getattr(parsed, "embed", parsed)  # (a score's: the texts it embeds)
         self._say_ignored(body.ignored(), rid)
@@ -484,6 +491,27 @@ class Api:
                     return vectors
         raise unavailable("The request's stream ended without a final event.")
 
+    async def _know_adapters(self, body: dict) -> None:
+        """A model name that is not the served model's: an adapter loaded at run time, maybe
+        through another replica (``P:loras``, read at most every REFRESH_S)."""
+        model = body.get("model")
+        if not isinstance(model, str) or model in self._served or model in self.cfg.lora_modules:
+            return
+        runtime = await self.runtime_loras.refresh()
+        names = (*self.cfg.lora_modules, *runtime)
+        if names != self.limits.lora_names:
+            self.limits = dataclasses.replace(self.limits, lora_names=names)
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's, on every engine (fd.api.lora_admin)."""
+        taken = self._served | set(self.cfg.lora_modules)
+        return web.Response(text=await lora_admin.load(self.bus, await self._body(request), taken,
+                                                       self.runtime_loras))
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        return web.Response(text=await lora_admin.unload(self.bus, await self._body(request),
+                                                         set(self.cfg.lora_modules), self.runtime_loras))
+
     def _say_ignored(self, names: list[str], rid: str) -> None:
         """Fields of a request that nothing read, in the log (as vLLM's "present in the request
         but ignored"): once for each name, so a client that always sends one does not fill
@@ -520,6 +548,7 @@ class Api:
         rid, explicit = self._request_id(request, prefix)
         if body is None:
             body = await self._body(request)
+        await self._know_adapters(body)
         gen: protocol.GenerationRequest = parse(body, self.limits, self.tokenizer)
         self._say_ignored(body.ignored(), rid)
         if gen.n > 1 or gen.prompts:
@@ -1036,14 +1065,17 @@ class Api:
                   "root": self.cfg.model_name, "parent": None, "max_model_len": self.cfg.max_model_len}
                  for name in (self.cfg.model_name, *self.cfg.model_aliases)]
         # each LoRA adapter as vLLM lists it: its path as root, the base as parent
+        adapters = {**self.cfg.lora_modules, **self.runtime_loras.names}
         return cards + [{**cards[0], "id": name, "root": path, "parent": self.cfg.model_name}
-                        for name, path in self.cfg.lora_modules.items()]
+                        for name, path in adapters.items()]
 
     async def models(self, request: web.Request) -> web.Response:
+        await self.runtime_loras.refresh()
         return _json({"object": "list", "data": self._model_cards()})
 
     async def model(self, request: web.Request) -> web.Response:
         """OpenAI's retrieve (``client.models.retrieve``): one served name's card."""
+        await self.runtime_loras.refresh()
         name = request.match_info["model"]
         for card in self._model_cards():
             if card["id"] == name:
@@ -1107,6 +1139,9 @@ def make_app(cfg: ApiConfig, bus: Bus, mux: StreamMux, tokenizer, metrics: Metri
     generating.update({path: api.rerank for path in ("/rerank", "/v1/rerank", "/v2/rerank")})
     for path, handler in generating.items():  # every generating endpoint is guarded, by construction
         app.router.add_post(path, api.cancellation.guard(handler))
+    if cfg.runtime_lora:  # (as vLLM: the routes exist only when allowed)
+        app.router.add_post("/v1/load_lora_adapter", api.load_lora_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", api.unload_lora_adapter)
     app.router.add_get("/v1/models", api.models)
     app.router.add_get("/v1/models/{model:.+}", api.model)  # (names like "org/model")
     app.router.add_get("/health", api.health)

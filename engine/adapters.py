@@ -1,0 +1,66 @@
+"""What LoRA adapters an engine serves, as the control stream changes them (``load_lora``,
+``unload_lora``): the bookkeeping, with no I/O; the engine node does the loading (in its model
+worker) and says the outcome in its heartbeat (``loras``, ``lora_errors``), which is what an
+API node waits on before it answers ``/v1/load_lora_adapter``.
+
+An adapter given at start (``--lora-modules``) stays for the engine's life. One loaded at run
+time can be unloaded: from then on no request may start with it, and the worker forgets it
+once the last request running with it has ended (a step in flight may still use it).
+"""
+
+from __future__ import annotations
+
+import orjson
+
+
+class Adapters:
+    def __init__(self, static: tuple[str, ...] = ()) -> None:
+        self.static = frozenset(static)
+        self.ready: set[str] = set(static)  # requests may start with these
+        self.pending: set[str] = set()  # being loaded
+        self.errors: dict[str, str] = {}  # failed loads, until unloaded
+        self.unloading: set[str] = set()  # unloaded, still in use by running requests
+
+    def want_load(self, name: str) -> bool:
+        """A ``load_lora``: True when the worker should load it (not had, not on its way)."""
+        if name in self.ready or name in self.pending:
+            return False
+        self.errors.pop(name, None)
+        self.unloading.discard(name)  # (loaded again before the old copy went: a fresh load)
+        self.pending.add(name)
+        return True
+
+    def loaded(self, name: str, error: str | None) -> bool:
+        """The worker's answer to a load; False if none was asked (an unload's answer)."""
+        if name not in self.pending:
+            return False
+        self.pending.discard(name)
+        if error is None:
+            self.ready.add(name)
+        else:
+            self.errors[name] = error
+        return True
+
+    def unload(self, name: str, in_use: bool) -> bool:
+        """An ``unload_lora``: True when the worker should forget it now (nothing runs with
+        it); else it is forgotten once :meth:`done_with` says the last user ended."""
+        self.errors.pop(name, None)
+        if name in self.static or name not in self.ready:
+            return False
+        self.ready.discard(name)
+        if in_use:
+            self.unloading.add(name)
+            return False
+        return True
+
+    def done_with(self, name: str, in_use: bool) -> bool:
+        """A request with this adapter ended: True when the worker should forget it now."""
+        if name in self.unloading and not in_use:
+            self.unloading.discard(name)
+            return True
+        return False
+
+    def status(self) -> dict[str, str]:
+        """The heartbeat's fields: the adapters ready, and the loads that failed (JSON)."""
+        return {"loras": ",".join(sorted(self.ready)),
+                "lora_errors": orjson.dumps(self.errors).decode() if self.errors else ""}
