@@ -375,6 +375,11 @@ def _numpy_moe(cfg, w, p, h, proj):
         prob /= prob.sum()
         top = np.argsort(-prob, kind="stable")[:k]
         weight = prob[top] / (prob[top].sum() if mixtral or cfg.get("norm_topk_prob") else 1.0)
+        if p + "mlp.shared_expert_gate.weight" in w:  # Qwen2-MoE's shared expert, sigmoid-gated
+            g = proj(h[t:t + 1], p + "mlp.shared_expert.gate_proj")
+            shared = proj(g / (1 + np.exp(-g)) * proj(h[t:t + 1], p + "mlp.shared_expert.up_proj"),
+                          p + "mlp.shared_expert.down_proj")[0]
+            out[t] += shared / (1 + np.exp(-(w[p + "mlp.shared_expert_gate.weight"] @ h[t])[0]))
         for e, wt in zip(top, weight):
             names = ((f"block_sparse_moe.experts.{e}.w1", f"block_sparse_moe.experts.{e}.w3",
                       f"block_sparse_moe.experts.{e}.w2") if mixtral else
@@ -390,7 +395,21 @@ def _moe(tiny_dir, tmp_path, arch: str):
     d = _copy(tiny_dir, tmp_path, arch)
     rng = np.random.default_rng(21)
     w = load_file(str(d / "model.safetensors"))
-    if arch == "qwen3_moe":
+    if arch == "qwen2_moe":  # (q/k/v biases, a shared expert; the top 2 not renormalised)
+        _edit_config(d, architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", num_experts=4,
+                     num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96,
+                     norm_topk_prob=False)
+        for i in range(2):
+            for proj, n in (("q", 128), ("k", 64), ("v", 64)):
+                w[f"model.layers.{i}.self_attn.{proj}_proj.bias"] = (rng.standard_normal(n) * 0.1).astype(np.float32)
+            s = f"model.layers.{i}.mlp.shared_expert"
+            w[s + ".gate_proj.weight"] = (rng.standard_normal((96, 128)) / np.sqrt(128)).astype(np.float32)
+            w[s + ".up_proj.weight"] = (rng.standard_normal((96, 128)) / np.sqrt(128)).astype(np.float32)
+            w[s + ".down_proj.weight"] = (rng.standard_normal((128, 96)) * 2 / np.sqrt(96)).astype(np.float32)
+            w[s + "_gate.weight"] = (rng.standard_normal((1, 128)) * 0.2).astype(np.float32)
+        sparse, router, names = [0, 1], "mlp.gate", ("mlp.experts.{}.gate_proj", "mlp.experts.{}.up_proj",
+                                                     "mlp.experts.{}.down_proj")
+    elif arch == "qwen3_moe":
         _edit_config(d, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=4,
                      num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
                      decoder_sparse_step=1, mlp_only_layers=[1])
@@ -418,18 +437,19 @@ def _moe(tiny_dir, tmp_path, arch: str):
     return d, w
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe"])
 def test_mixture_of_experts_matches_numpy_forward_and_its_paged_path(tiny_dir, tmp_path, arch):
     d, w = _moe(tiny_dir, tmp_path, arch)
     cfg = ModelConfig.from_dir(str(d))
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (4, 2, 64)
     assert cfg.sparse_layers == ((0,) if arch == "qwen3_moe" else (0, 1))
+    assert cfg.shared_expert_intermediate_size == (96 if arch == "qwen2_moe" else 0)
     prompt = _prompt(13, 30)
     model = load_model(str(d), progress=False)
     np.testing.assert_allclose(model.reference_logits(prompt), _numpy_llama(str(d), prompt), atol=2e-3, rtol=0)
     # the router matters: every expert is chosen by some token of the prompt
     h = np.random.default_rng(0).standard_normal((64, 128))
-    router = w["model.layers.0." + ("mlp.gate" if arch == "qwen3_moe" else "block_sparse_moe.gate") + ".weight"]
+    router = w["model.layers.0." + ("block_sparse_moe.gate" if arch == "mixtral" else "mlp.gate") + ".weight"]
     assert len(set(np.argsort(-(h @ router.T), axis=1)[:, :2].ravel())) == 4
     # batched with chunks and decodes: each request's tokens are what it gets alone and what
     # full recompute gives
@@ -444,7 +464,7 @@ def test_mixture_of_experts_matches_numpy_forward_and_its_paged_path(tiny_dir, t
                                    atol=1e-4, err_msg=r)
         assert batched[r] == _greedy_reference(moe.model, p, 6), r
     # an expert missing is named
-    del w["model.layers.0." + ("mlp.experts.3.down_proj" if arch == "qwen3_moe" else "block_sparse_moe.experts.3.w2")
+    del w["model.layers.0." + ("block_sparse_moe.experts.3.w2" if arch == "mixtral" else "mlp.experts.3.down_proj")
           + ".weight"]
     save_file(w, str(d / "model.safetensors"))
     with pytest.raises(WeightError, match="experts.3"):

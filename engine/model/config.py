@@ -1,7 +1,7 @@
 """The model's shape, read from an HF ``config.json``.
 
 Only the Llama family is supported (Qwen2 adds q/k/v biases to Llama; Qwen3 instead normalises
-each head's q and k, RMSNorm before RoPE; Qwen3-MoE and Mixtral replace the MLP of their
+each head's q and k, RMSNorm before RoPE; Qwen2-MoE, Qwen3-MoE and Mixtral replace the MLP of their
 sparse layers by experts, a token going to its top-k); anything the model code does not implement (RoPE
 scaling other than Llama 3's and linear, sliding windows, MLP biases) is refused here with a
 clear message rather than producing silently wrong text.
@@ -18,7 +18,8 @@ import numpy as np
 
 # (Mistral's is Llama's, weights and math, but for the sliding window of its first release)
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+                           "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+                           "MixtralForCausalLM")
 
 
 class UnsupportedModel(ValueError):
@@ -54,6 +55,9 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     sparse_layers: tuple[int, ...] = ()
+    # Qwen2-MoE: beside the experts, a shared expert every token goes through, scaled by a
+    # sigmoid gate (0: none)
+    shared_expert_intermediate_size: int = 0
 
     @property
     def q_size(self) -> int:
@@ -109,7 +113,7 @@ class ModelConfig:
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 # Qwen2 always has q/k/v biases; Llama's attention_bias adds them to o_proj too,
                 # Qwen3's to q/k/v only
-                qkv_bias=arch == "Qwen2ForCausalLM" or bias,
+                qkv_bias=arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") or bias,
                 o_bias=arch == "LlamaForCausalLM" and bias,
                 qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
                 rope_scaling=scaling,
@@ -127,7 +131,7 @@ def _experts(arch: str, d: dict, layers: int) -> dict:
         return dict(num_experts=n, num_experts_per_tok=int(d.get("num_experts_per_tok", 2)),
                     moe_intermediate_size=int(d["intermediate_size"]), norm_topk_prob=True,
                     sparse_layers=tuple(range(layers)))
-    if arch != "Qwen3MoeForCausalLM":
+    if arch not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
         return {}
     n, step = int(d.get("num_experts", 0)), int(d.get("decoder_sparse_step", 1))
     dense = set(d.get("mlp_only_layers") or ())
@@ -135,8 +139,10 @@ def _experts(arch: str, d: dict, layers: int) -> dict:
     k = int(d.get("num_experts_per_tok", 0))
     if sparse and not 0 < k <= n:
         raise UnsupportedModel(f"num_experts_per_tok {k} with {n} experts")
+    shared = int(d.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
     return dict(num_experts=n, num_experts_per_tok=k, moe_intermediate_size=int(d.get("moe_intermediate_size", 0)),
-                norm_topk_prob=bool(d.get("norm_topk_prob", False)), sparse_layers=sparse)
+                norm_topk_prob=bool(d.get("norm_topk_prob", False)), sparse_layers=sparse,
+                shared_expert_intermediate_size=shared)
 
 
 ROPE_TYPES = ("llama3", "linear")

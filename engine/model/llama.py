@@ -101,6 +101,11 @@ def expert_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {router: (cfg.num_experts, h)}
     for gate, up, down in experts:
         shapes.update({gate: (mi, h), up: (mi, h), down: (h, mi)})
+    si = cfg.shared_expert_intermediate_size
+    if si:  # Qwen2-MoE's shared expert and its gate
+        p = f"model.layers.{layer}.mlp.shared_expert"
+        shapes.update({p + ".gate_proj.weight": (si, h), p + ".up_proj.weight": (si, h),
+                       p + ".down_proj.weight": (h, si), p + "_gate.weight": (1, h)})
     return shapes
 
 
@@ -183,6 +188,12 @@ class Llama:
                 self.layers[-1]["moe"] = dict(router=t(weights[router].T), experts=[
                     (t(np.concatenate([weights[g].T, weights[u].T], axis=1)), t(weights[d].T))
                     for g, u, d in experts])
+                if cfg.shared_expert_intermediate_size:
+                    s = p + "mlp.shared_expert"
+                    self.layers[-1]["moe"]["shared"] = (
+                        t(np.concatenate([weights[s + ".gate_proj.weight"].T, weights[s + ".up_proj.weight"].T],
+                                         axis=1)),
+                        t(weights[s + ".down_proj.weight"].T), t(weights[s + "_gate.weight"].T))
             else:
                 self.layers[-1].update(
                     gate_up=t(np.concatenate([weights[p + "mlp.gate_proj.weight"].T,
@@ -368,6 +379,10 @@ class Llama:
             if pad:
                 scale = paddle.multiply(scale, self.tensor(np.r_[np.ones(n), np.zeros(pad)].astype(np.float32)))
             out = paddle.index_add(out, rows_t, 0, paddle.multiply(y, scale.unsqueeze(-1)))
+        if "shared" in moe:  # Qwen2-MoE: plus the shared expert, gated by a sigmoid
+            gate_up, down, gate = moe["shared"]
+            y = paddle.matmul(F.swiglu(paddle.matmul(h, gate_up)), down)
+            out = paddle.add(out, paddle.multiply(F.sigmoid(paddle.matmul(h, gate)), y))
         return out
 
     def _layers(self, ids: paddle.Tensor, positions: paddle.Tensor, attention) -> paddle.Tensor:
