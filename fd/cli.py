@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import logging
+import multiprocessing
 import os
 import secrets
 import signal
@@ -359,9 +361,67 @@ async def _start_serving(args: argparse.Namespace):
     metrics = Metrics()
     engine = await start_engine(factory, keys, _engine_opts(args, model_dir), metrics=metrics,
                                 runner=_runner(args, model_dir))
-    api = await start_api(factory, keys, _api_opts(args, model_dir), metrics=metrics)
+    count = getattr(args, "api_server_count", 1)
+    opts = _api_opts(args, model_dir)
+    if count > 1:
+        opts = dataclasses.replace(opts, reuse_port=True)
+    api = await start_api(factory, keys, opts, metrics=metrics)
     join_in_process(api, engine)
+    if count > 1:  # vLLM's --api-server-count: more API processes on the same port
+        url = args.redis_url or f"redis://127.0.0.1:{embedded.port}"
+        ctx = multiprocessing.get_context("spawn")
+        ready = []
+        for _ in range(count - 1):
+            up = ctx.Event()
+            p = ctx.Process(target=_api_process, args=(dataclasses.replace(opts, port=api.port), url, args.prefix,
+                                                        getattr(args, "log_level", "warning"),
+                                                        getattr(args, "log_format", "text"), up),
+                            name="fd-api", daemon=True)
+            p.start()
+            _API_PROCESSES.append(p)
+            ready.append(up)
+        for up in ready:  # (serving is said once every API process listens)
+            if not await asyncio.to_thread(up.wait, API_PROCESS_START_S):
+                _stop_api_processes()
+                raise RuntimeError(f"an API process did not start in {API_PROCESS_START_S:.0f} s")
     return embedded, engine, api
+
+
+#: fd serve --api-server-count's other API processes (stopped with it)
+_API_PROCESSES: list = []
+API_PROCESS_START_S = 60.0
+
+
+def _api_process(opts, url: str, prefix: str, log_level: str, log_format: str, ready) -> None:
+    """One more API process of ``fd serve`` (``--api-server-count``): an API node on the same
+    port (SO_REUSEPORT: the kernel spreads connections), against the same control plane — the
+    embedded server's TCP door, or ``--redis-url``. It goes when its parent goes."""
+    from control.connect import connect
+    from control.logs import setup_logging
+    from fd.compose import start_api
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (the parent's Ctrl-C; the parent stops it)
+    setup_logging(log_level, log_format)
+    parent = os.getppid()
+
+    async def run() -> None:
+        api = await start_api(lambda: connect(url), Keys(prefix), opts)
+        ready.set()
+        try:
+            while os.getppid() == parent:
+                await asyncio.sleep(0.5)
+        finally:
+            await api.stop()
+
+    asyncio.run(run())
+
+
+def _stop_api_processes() -> None:
+    for p in _API_PROCESSES:
+        p.terminate()
+    for p in _API_PROCESSES:
+        p.join(5)
+    _API_PROCESSES.clear()
 
 
 async def _run_batch(args: argparse.Namespace) -> int:
@@ -406,6 +466,7 @@ async def _serve(args: argparse.Namespace) -> int:
     failed = engine.task.done() and not engine.task.cancelled() and engine.task.exception() is not None
     # With its one engine gone, nothing will finish the requests still streaming: close them
     # after a moment instead of aiohttp's minute of waiting, and say so in the exit code.
+    _stop_api_processes()
     await api.stop(grace_s=ENGINE_FAILED_GRACE_S if failed else None)
     await engine.stop()
     if embedded is not None:
@@ -644,6 +705,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_response_args(s)
     _add_http_args(s)
     _add_tool_args(s)
+    s.add_argument("--api-server-count", type=int, default=1,
+                   help="API processes on --port (vLLM's): the others serve HTTP beside this "
+                        "process's, against the same control plane (the embedded server's TCP "
+                        "door, or --redis-url); for hosts with cores to spare")
     s.add_argument("--fifo-loop", action="store_true",
                    help="run the shared event loop in plain arrival order (by default the "
                         "engine's turns go first while the model waits for them and clients "
@@ -761,6 +826,8 @@ def main(argv: list[str] | None = None) -> int:
             plan(args.worker_cpus)
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
+    if args.cmd == "serve" and args.api_server_count < 1:
+        raise SystemExit("error: --api-server-count must be at least 1")
     if args.cmd in ("serve", "api", "run-batch") and args.enable_auto_tool_choice != (args.tool_call_parser is not None):
         raise SystemExit("error: --enable-auto-tool-choice and --tool-call-parser go together "
                          "(as in vLLM)")

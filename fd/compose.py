@@ -78,6 +78,7 @@ class ApiOptions:
     priority_scheduling: bool = False  # --scheduling-policy priority: requests may carry a priority
     lora_modules: dict[str, str] = field(default_factory=dict)  # the adapters' names (and where)
     runtime_lora: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter
+    reuse_port: bool = False  # several API processes on one port (fd serve --api-server-count)
 
 
 @dataclass
@@ -290,7 +291,7 @@ async def start_api(redis_factory: Callable[[], Any], keys: Keys, opts: ApiOptio
     # fd.api.cancellation notices a disconnect before anything is written.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, opts.host, opts.port)
+    site = web.TCPSite(runner, opts.host, opts.port, reuse_port=opts.reuse_port or None)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     return RunningApi(runner, mux, bus, opts.host, port, cfg)

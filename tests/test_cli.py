@@ -332,3 +332,41 @@ def test_a_vllm_command_line_runs_here():
             vllm_compat(build_parser().parse_args(argv))
     with pytest.raises(SystemExit):  # fd runs float32: argparse names the choices
         build_parser().parse_args(["serve", "--dtype", "bfloat16"])
+
+
+async def test_fd_serve_api_server_count_spreads_connections_over_api_processes(tmp_path, redis_server):
+    """vLLM's --api-server-count: more API processes on the same port (SO_REUSEPORT), each an
+    API node of the same control plane; the stories' `accepted` events name which one took
+    each request. On the embedded server (through its TCP door) and on a real Redis; every
+    API process goes when fd serve does."""
+    env = {**os.environ, "FD_CACHE_DIR": str(tmp_path / "cache")}
+    for extra in ([], ["--redis-url", redis_server.url, "--prefix", "apis"]):
+        port, rport = free_port(), free_port()
+        serve = _spawn("serve", "--port", str(port), "--embedded-port", str(rport), "--api-server-count", "3",
+                       *extra, env=env)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            await _wait_healthy(base, [serve], timeout=90)
+            apis = _children(serve.pid, b"spawn_main")
+            assert len(apis) == 3  # the model worker and two API processes
+            prefix = "apis" if extra else "fd"
+            cli = [_redis_cli(), *(["-u", redis_server.url] if extra else ["-p", str(rport)])]
+            taken: set[str] = set()
+            deadline = time.monotonic() + 30  # (/health answers before the other processes listen)
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as http:
+                k = 0
+                while len(taken) < 3 and time.monotonic() < deadline:
+                    k += 1  # (a new connection each: the kernel picks a process for each)
+                    async with http.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
+                                         headers={"X-Request-Id": f"spread-{k}"}) as r:
+                        assert r.status == 200
+                        rid = (await r.json())["id"]
+                    first = subprocess.run([*cli, "XRANGE", f"{prefix}:req:{{{rid}}}", "-", "+", "COUNT", "1"],
+                                           capture_output=True, text=True, timeout=10).stdout.split()
+                    taken.add(first[first.index("api") + 1])
+            assert len(taken) == 3, taken
+        finally:
+            code, out = _stop(serve, signal.SIGINT)
+        assert code == 0, out
+        for pid in apis:  # none outlives fd serve
+            assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
