@@ -631,7 +631,9 @@ async def _status(args: argparse.Namespace) -> int:
     lines = [f"engines alive: {len(engines)}"]
     for eid, h in sorted(engines.items()):
         lines.append(f"  {eid}: blocks {h.get('blocks_free')}/{h.get('blocks_total')} free, "
-                     f"running {h.get('running')}, waiting {h.get('waiting')}, step {h.get('step')}")
+                     f"running {h.get('running')}, waiting {h.get('waiting')}, step {h.get('step')}"
+                     + (f", LoRA adapters {h['loras']}" if h.get("loras") else "")
+                     + (f", LoRA loads failed {h['lora_errors']}" if h.get("lora_errors") else ""))
     lines += [f"{k}: {v} entries" for k, v in lens.items()]
     lines.append(f"requests claimed but not finished: {pending}")
     _print_json_or(args, obj, "\n".join(lines))

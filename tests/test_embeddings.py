@@ -226,12 +226,15 @@ async def test_every_documented_field_is_read(openai_client, caplog):
             doc = await r.json()
     schemas = doc["components"]["schemas"]
     with caplog.at_level(logging.WARNING, logger="fd.api"):
-        for path, name, given in (("/v1/embeddings", "EmbeddingRequest", {"input": "x"}),
-                                  ("/score", "ScoreRequest", {"text_1": "x", "text_2": "y"}),
-                                  ("/v2/rerank", "RerankRequest", {"query": "x", "documents": ["y"]})):
+        chat_only = {"messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
+        for path, name, given, leave in (
+                ("/v1/embeddings", "EmbeddingRequest", {"input": "x"}, chat_only),
+                ("/v1/embeddings", "EmbeddingRequest", {"messages": [{"role": "user", "content": "x"}]}, {"input"}),
+                ("/score", "ScoreRequest", {"text_1": "x", "text_2": "y"}, set()),
+                ("/v2/rerank", "RerankRequest", {"query": "x", "documents": ["y"]}, set())):
             assert path in doc["paths"]
-            status, out = await _post(f"{api.url}{path}", {**{k: None for k in schemas[name]["properties"]},
-                                                           **given})
+            status, out = await _post(f"{api.url}{path}", {
+                **{k: None for k in schemas[name]["properties"] if k not in leave}, **given})
             assert status == 200, out
     assert not [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
 
@@ -314,3 +317,21 @@ async def test_scoring_routes_outside_v1_need_the_api_key(real_bus):
             assert resp.status == 401, path
             assert assert_openai_error(await resp.json())["type"] == "authentication_error"
         assert await real_bus.redis.xlen(real_bus.keys.requests) == 0
+
+
+async def test_a_conversation_embedded_as_vllms_chat_embeddings(openai_client, tiny_runner, tiny_tokenizer):
+    """``messages`` instead of ``input``: the chat template's rendering, with no generation
+    prompt unless asked (vLLM's defaults), embedded like any input."""
+    api, _ = openai_client
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    for extra, gen in (({}, False), ({"add_generation_prompt": True}, True)):
+        ids = tiny_tokenizer.encode(tiny_tokenizer.apply_chat_template(msgs, add_generation_prompt=gen),
+                                    add_special_tokens=False)
+        want = _unit(np.frombuffer(LLM(tiny_runner, tiny_tokenizer).embed([ids])[0], dtype="<f4"))
+        status, body = await _post(f"{api.url}/v1/embeddings", {"messages": msgs, **extra})
+        assert status == 200 and body["usage"]["prompt_tokens"] == len(ids), body
+        np.testing.assert_allclose(body["data"][0]["embedding"], want, atol=1e-6)
+    status, body = await _post(f"{api.url}/v1/embeddings", {"messages": msgs, "input": "x"})
+    assert status == 400 and body["error"]["param"] == "messages"
+    status, body = await _post(f"{api.url}/v1/embeddings", {"messages": "hi"})
+    assert status == 400

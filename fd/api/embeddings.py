@@ -25,14 +25,18 @@ from fd.api.errors import bad_request
 from fd.api.protocol import (
     Limits,
     TokenizerLike,
+    _chat_ids,
+    _chat_rendering,
     _check_ids,
     _check_model,
     _is_bool,
     _is_int,
     _opt,
     _priority,
+    _template_kwargs,
     _truncation,
     lora_of,
+    parse_messages,
 )
 
 MAX_INPUTS = 2048  # OpenAI's limit on one request's inputs
@@ -60,6 +64,14 @@ class EmbeddingRequest:
 def parse_embeddings(body: dict, limits: Limits, tokenizer: TokenizerLike) -> EmbeddingRequest:
     model = _check_model(body, limits)
     raw = body.get("input")
+    if body.get("messages") is not None:  # vLLM's chat embeddings: the conversation, templated
+        if raw is not None:
+            raise bad_request("Give 'input' or 'messages', not both.", "messages", "invalid_value")
+        messages = parse_messages(body)
+        raw = list(_chat_ids(messages, tokenizer, _chat_rendering(body, messages, generation_prompt=False), None,
+                             _template_kwargs(body)))
+        if not raw:
+            raise bad_request("The conversation renders to no tokens.", "messages", "invalid_value")
     if raw is None:
         raise bad_request("'input' is required.", "input", "missing_required_parameter")
     if isinstance(raw, str) or (isinstance(raw, list) and raw and all(_is_int(t) for t in raw)):

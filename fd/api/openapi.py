@@ -166,7 +166,13 @@ def _schemas(model_name: str, max_model_len: int, vocab_size: int | None,
                                       "values (then normalized)."},
         "normalize": {**_NULLABLE_BOOL, "description": "vLLM's: false returns the hidden state "
                                                        "as it is."},
-        "add_special_tokens": {**_NULLABLE_BOOL, "description": "vLLM's (default true)."},
+        "add_special_tokens": {**_NULLABLE_BOOL, "description": "vLLM's (default true; with messages false)."},
+        "messages": {"type": "array", "nullable": True, "minItems": 1, "items": _ref("ChatMessage"),
+                     "description": "vLLM's chat embeddings, instead of input: the conversation as the "
+                                    "chat template renders it (no generation prompt unless asked)."},
+        "add_generation_prompt": {**_NULLABLE_BOOL, "description": "With messages (default false)."},
+        "continue_final_message": {**_NULLABLE_BOOL, "description": "With messages (vLLM's)."},
+        "chat_template_kwargs": {"type": "object", "nullable": True, "description": "With messages (vLLM's)."},
         "truncate_prompt_tokens": sampling["truncate_prompt_tokens"],
         "priority": sampling["priority"],
         "user": {"type": "string"}}

@@ -713,8 +713,10 @@ class ChatRendering:
     add_special_tokens: bool = False  # the tokenizer's own (a BOS) on top of the template's
 
 
-def _chat_rendering(body: dict, messages: list[dict]) -> ChatRendering:
-    gen = _opt(body, "add_generation_prompt", _is_bool, "a boolean", True)
+def _chat_rendering(body: dict, messages: list[dict], generation_prompt: bool = True) -> ChatRendering:
+    """``generation_prompt``: the default of ``add_generation_prompt`` (vLLM's chat embeddings
+    leave the assistant's turn unopened)."""
+    gen = _opt(body, "add_generation_prompt", _is_bool, "a boolean", generation_prompt)
     cont = _opt(body, "continue_final_message", _is_bool, "a boolean", False)
     special = _opt(body, "add_special_tokens", _is_bool, "a boolean", False)
     if cont and gen:
