@@ -20,9 +20,13 @@ class Adapters:
         self.pending: set[str] = set()  # being loaded
         self.errors: dict[str, str] = {}  # failed loads, until unloaded
         self.unloading: set[str] = set()  # unloaded, still in use by running requests
+        self.cancelled: set[str] = set()  # unloaded while being loaded: forgotten once loaded
 
     def want_load(self, name: str) -> bool:
         """A ``load_lora``: True when the worker should load it (not had, not on its way)."""
+        if name in self.cancelled:  # (its last load, taken back, is still on its way)
+            self.errors[name] = "it is still being unloaded here: load it again in a moment"
+            return False
         if name in self.ready or name in self.pending:
             return False
         self.errors.pop(name, None)
@@ -30,21 +34,29 @@ class Adapters:
         self.pending.add(name)
         return True
 
-    def loaded(self, name: str, error: str | None) -> bool:
-        """The worker's answer to a load; False if none was asked (an unload's answer)."""
+    def loaded(self, name: str, error: str | None) -> str | None:
+        """The worker's answer to a load: "ready", "failed", "unload" (it was unloaded while
+        loading: the worker should forget it now), or None if no load was asked (an unload's
+        answer)."""
         if name not in self.pending:
-            return False
+            return None
         self.pending.discard(name)
+        if name in self.cancelled:
+            self.cancelled.discard(name)
+            return "unload" if error is None else "failed"
         if error is None:
             self.ready.add(name)
-        else:
-            self.errors[name] = error
-        return True
+            return "ready"
+        self.errors[name] = error
+        return "failed"
 
     def unload(self, name: str, in_use: bool) -> bool:
         """An ``unload_lora``: True when the worker should forget it now (nothing runs with
         it); else it is forgotten once :meth:`done_with` says the last user ended."""
         self.errors.pop(name, None)
+        if name in self.pending and name not in self.static:
+            self.cancelled.add(name)
+            return False
         if name in self.static or name not in self.ready:
             return False
         self.ready.discard(name)

@@ -906,7 +906,11 @@ class EngineNode:
         work.add_done_callback(done)
 
     def _lora_done(self, name: str, error: str | None) -> None:
-        if not self.adapters.loaded(name, error):
+        outcome = self.adapters.loaded(name, error)
+        if outcome is None:
+            return
+        if outcome == "unload":  # (taken back while it was loading)
+            self._runner_lora("unload", name)
             return
         if error is None:
             log.info("LoRA adapter %r loaded", name, extra={"engine": self.id})

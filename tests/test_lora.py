@@ -312,10 +312,15 @@ def test_an_engines_adapters_as_the_control_stream_changes_them():
 
     a = Adapters(("static",))
     assert a.want_load("x") and not a.want_load("x") and not a.want_load("static")  # (once; not twice)
-    assert a.loaded("x", None) and "x" in a.ready and not a.loaded("x", None)  # (an unload's answer: ignored)
-    assert a.want_load("bad") and a.loaded("bad", "no such file") and "bad" not in a.ready
+    assert a.loaded("x", None) == "ready" and "x" in a.ready and a.loaded("x", None) is None  # (an unload's answer)
+    assert a.want_load("bad") and a.loaded("bad", "no such file") == "failed" and "bad" not in a.ready
     assert a.status() == {"loras": "static,x", "lora_errors": '{"bad":"no such file"}'}
     assert not a.unload("static", in_use=False) and "static" in a.ready  # given at start: stays
     assert not a.unload("x", in_use=True) and "x" not in a.ready  # no new request; the worker keeps it...
     assert not a.done_with("x", in_use=True) and a.done_with("x", in_use=False)  # ...until the last one ends
     assert not a.unload("bad", in_use=False) and a.status()["lora_errors"] == ""
+    # taken back while it loads: forgotten once loaded, and a new load meanwhile is an error
+    assert a.want_load("slow") and not a.unload("slow", in_use=False)
+    assert not a.want_load("slow") and "still being unloaded" in a.errors["slow"]
+    assert a.loaded("slow", None) == "unload" and "slow" not in a.ready
+    assert a.unload("slow", in_use=False) is False and a.want_load("slow")  # (then it loads afresh)
