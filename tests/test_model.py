@@ -589,6 +589,36 @@ def test_mistral_is_llama_but_for_a_sliding_window(tiny_dir, tmp_path, runner):
     p = _prompt(14, 20)
     np.testing.assert_array_equal(load_model(str(d), progress=False).reference_logits(p),
                                   runner.model.reference_logits(p))
-    _edit_config(d, sliding_window=4096)  # Mistral 7B v0.1's: refused, not silently ignored
+    _edit_config(d, sliding_window=1024)  # (as Mistral 7B v0.1's 4096 of 32768): refused, not ignored
     with pytest.raises(UnsupportedModel, match="sliding-window"):
         load_model(str(d), progress=False)
+    _edit_config(d, sliding_window=4096)  # a window as wide as the context changes nothing: taken
+    np.testing.assert_array_equal(load_model(str(d), progress=False).reference_logits(p),
+                                  runner.model.reference_logits(p))
+
+
+def test_phi3_reads_its_fused_projections(tiny_dir, tmp_path):
+    """Phi-3 / Phi-4 checkpoints fuse q|k|v into qkv_proj and gate|up into gate_up_proj (gate
+    first, as transformers' Phi3MLP chunks it); otherwise Llama's math: the same logits as the
+    unfused checkpoint, and the numpy forward's of it."""
+    d = _copy(tiny_dir, tmp_path, "phi3")
+    _edit_config(d, architectures=["Phi3ForCausalLM"], model_type="phi3", sliding_window=None)
+    w = load_file(str(d / "model.safetensors"))
+    for i in range(2):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        w[a + "qkv_proj.weight"] = np.concatenate([w.pop(a + f"{p}_proj.weight") for p in "qkv"])
+        w[m + "gate_up_proj.weight"] = np.concatenate([w.pop(m + "gate_proj.weight"), w.pop(m + "up_proj.weight")])
+    save_file(w, str(d / "model.safetensors"))
+    prompt = _prompt(14, 25)
+    got = load_model(str(d), progress=False).reference_logits(prompt)
+    np.testing.assert_array_equal(got, load_model(tiny_dir, progress=False).reference_logits(prompt))
+    np.testing.assert_allclose(got, _numpy_llama(tiny_dir, prompt), atol=2e-3, rtol=0)
+    # a fused tensor of the wrong size is named; a sliding window or partial RoPE is refused
+    w["model.layers.1.mlp.gate_up_proj.weight"] = w["model.layers.1.mlp.gate_up_proj.weight"][:-2]
+    save_file(w, str(d / "model.safetensors"))
+    with pytest.raises(WeightError, match="gate_up_proj"):
+        load_model(str(d), progress=False)
+    for bad in ({"sliding_window": 1023}, {"partial_rotary_factor": 0.75}):
+        _edit_config(d, **{"sliding_window": None, "partial_rotary_factor": None, **bad})
+        with pytest.raises(UnsupportedModel):
+            ModelConfig.from_dir(str(d))

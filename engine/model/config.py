@@ -1,6 +1,7 @@
 """The model's shape, read from an HF ``config.json``.
 
-Only the Llama family is supported (Qwen2 adds q/k/v biases to Llama; Qwen3 instead normalises
+Only the Llama family is supported (Qwen2 adds q/k/v biases to Llama; Phi-3 fuses q|k|v and
+gate|up in its checkpoints; Qwen3 instead normalises
 each head's q and k, RMSNorm before RoPE; Qwen2-MoE, Qwen3-MoE and Mixtral replace the MLP of their
 sparse layers by experts, a token going to its top-k); anything the model code does not implement (RoPE
 scaling other than Llama 3's and linear, sliding windows, MLP biases) is refused here with a
@@ -19,7 +20,7 @@ import numpy as np
 # (Mistral's is Llama's, weights and math, but for the sliding window of its first release)
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
-                           "MixtralForCausalLM")
+                           "MixtralForCausalLM", "Phi3ForCausalLM")
 
 
 class UnsupportedModel(ValueError):
@@ -83,9 +84,13 @@ class ModelConfig:
             raise UnsupportedModel(f"unsupported architecture {arch!r}; supported: "
                                    f"{', '.join(SUPPORTED_ARCHITECTURES)}")
         scaling = _rope_scaling(d.get("rope_scaling"))
-        if d.get("use_sliding_window") or (arch in ("MistralForCausalLM", "MixtralForCausalLM")
-                                           and d.get("sliding_window")):
+        window = d.get("sliding_window")
+        if d.get("use_sliding_window") or (arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
+                                           and window and window < int(d.get("max_position_embeddings", 2048)) - 1):
             raise UnsupportedModel("sliding-window attention is not supported")
+        if float(d.get("partial_rotary_factor") or 1.0) != 1.0:
+            raise UnsupportedModel(f"partial_rotary_factor {d['partial_rotary_factor']} is not supported "
+                                   "(RoPE over whole heads only)")
         if d.get("mlp_bias"):
             raise UnsupportedModel("mlp_bias is not supported")
         if d.get("hidden_act", "silu") != "silu":

@@ -82,6 +82,24 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def fused_parts(cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
+    """Phi-3's fused projections: each tensor the model needs that Phi-3 checkpoints store as
+    rows of another (``qkv_proj``: q, k, v; ``gate_up_proj``: gate, up), as (that tensor's
+    name, first row, end row)."""
+    if cfg.architecture != "Phi3ForCausalLM":
+        return {}
+    q, kv, i = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    out = {}
+    for n in range(cfg.num_hidden_layers):
+        a, m = f"model.layers.{n}.self_attn.", f"model.layers.{n}.mlp."
+        out.update({a + "q_proj.weight": (a + "qkv_proj.weight", 0, q),
+                    a + "k_proj.weight": (a + "qkv_proj.weight", q, q + kv),
+                    a + "v_proj.weight": (a + "qkv_proj.weight", q + kv, q + 2 * kv),
+                    m + "gate_proj.weight": (m + "gate_up_proj.weight", 0, i),
+                    m + "up_proj.weight": (m + "gate_up_proj.weight", i, 2 * i)})
+    return out
+
+
 def expert_names(cfg: ModelConfig, layer: int) -> tuple[str, list[tuple[str, str, str]]]:
     """A sparse layer's router weight and each expert's (gate, up, down) weights, by HF name:
     Qwen's ``mlp.gate`` / ``mlp.experts.E.{gate,up,down}_proj``, or Mixtral's

@@ -17,7 +17,7 @@ import numpy as np
 from tqdm import tqdm
 
 from engine.model.config import ModelConfig
-from engine.model.llama import Llama, expected_shapes
+from engine.model.llama import Llama, expected_shapes, fused_parts
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "BF16": np.uint16,
            "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
@@ -77,6 +77,15 @@ def load_weights(model_dir: str, cfg: ModelConfig, progress: bool = True) -> dic
         header, base = read_safetensors_header(path)
         for name, info in header.items():
             where[name] = (path, info, base)
+    parts = {n: p for n, p in fused_parts(cfg).items() if n not in where and p[0] in where}
+    ends: dict[str, int] = {}
+    for name, (fused, start, end) in parts.items():  # (Phi-3: rows of a fused tensor)
+        ends[fused] = max(ends.get(fused, 0), end)
+        cols = where[fused][1]["shape"][-1]
+        where[name] = (where[fused][0], {**where[fused][1], "shape": [end - start, cols]}, where[fused][2])
+    for fused, rows in ends.items():
+        if where[fused][1]["shape"][0] != rows:
+            raise WeightError(f"tensor {fused} has shape {where[fused][1]['shape']}, expected {rows} rows")
     missing = [n for n in want if n not in where]
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
@@ -87,12 +96,19 @@ def load_weights(model_dir: str, cfg: ModelConfig, progress: bool = True) -> dic
             raise WeightError(f"tensor {name} has shape {list(got)}, expected {list(shape)}")
     out: dict[str, np.ndarray] = {}
     maps: dict[str, np.memmap] = {}
+    last: tuple[str, np.ndarray | None] = ("", None)  # the fused tensor read last
     for name in tqdm(want, desc="loading weights", unit="tensor", disable=not progress,
                      leave=False):
         path, info, base = where[name]
         if path not in maps:
             maps[path] = np.memmap(path, dtype=np.uint8, mode="r")
-        out[name] = _tensor(maps[path], base, info)
+        if name in parts:
+            fused, start, end = parts[name]
+            if last[0] != fused:  # (its parts come one after another: read it once)
+                last = (fused, _tensor(maps[path], base, where[fused][1]))
+            out[name] = last[1][start:end]
+        else:
+            out[name] = _tensor(maps[path], base, info)
     return out
 
 
