@@ -551,6 +551,22 @@ class Bus:
         pipe.expire(key, ttl_s)
         await pipe.execute()
 
+    @staticmethod
+    def lora_fields(ready: Iterable[str], errors: Mapping[str, str]) -> dict[str, str]:
+        """An engine's heartbeat fields for its LoRA adapters: ``loras`` (the names it serves,
+        comma-separated) and ``lora_errors`` (JSON, the loads that failed; "" for none)."""
+        return {"loras": ",".join(sorted(ready)), "lora_errors": orjson.dumps(dict(errors)).decode() if errors else ""}
+
+    @staticmethod
+    def lora_state(heartbeat: Mapping[str, str]) -> tuple[set[str], dict[str, str]]:
+        """:meth:`lora_fields` read back from a heartbeat (an engine of an earlier release: none)."""
+        ready = {n for n in heartbeat.get("loras", "").split(",") if n}
+        try:
+            errors = orjson.loads(heartbeat["lora_errors"]) if heartbeat.get("lora_errors") else {}
+        except orjson.JSONDecodeError:
+            errors = {}
+        return ready, errors if isinstance(errors, dict) else {}
+
     async def register_lora(self, name: str, path: str) -> bool:
         """Add a run-time LoRA adapter to ``P:loras``; False if the name is taken."""
         return bool(await self.redis.hsetnx(self.keys.loras, name, path))

@@ -10,7 +10,7 @@ once the last request running with it has ended (a step in flight may still use 
 
 from __future__ import annotations
 
-import orjson
+from control.bus import Bus
 
 
 class Adapters:
@@ -74,5 +74,4 @@ class Adapters:
 
     def status(self) -> dict[str, str]:
         """The heartbeat's fields: the adapters ready, and the loads that failed (JSON)."""
-        return {"loras": ",".join(sorted(self.ready)),
-                "lora_errors": orjson.dumps(self.errors).decode() if self.errors else ""}
+        return Bus.lora_fields(self.ready, self.errors)

@@ -136,6 +136,14 @@ def vllm_compat(args: argparse.Namespace) -> list[str]:
     return notes
 
 
+def _lora_status(heartbeat: dict) -> str:
+    from control.bus import Bus
+
+    ready, errors = Bus.lora_state(heartbeat)
+    return ((f", LoRA adapters {','.join(sorted(ready))}" if ready else "")
+            + (f", LoRA loads failed {errors}" if errors else ""))
+
+
 def _lora_module(text: str) -> tuple[str, str]:
     """vLLM's ``--lora-modules`` item: ``name=path`` (or its JSON ``{"name", "path"}``)."""
     if text.startswith("{"):
@@ -632,8 +640,7 @@ async def _status(args: argparse.Namespace) -> int:
     for eid, h in sorted(engines.items()):
         lines.append(f"  {eid}: blocks {h.get('blocks_free')}/{h.get('blocks_total')} free, "
                      f"running {h.get('running')}, waiting {h.get('waiting')}, step {h.get('step')}"
-                     + (f", LoRA adapters {h['loras']}" if h.get("loras") else "")
-                     + (f", LoRA loads failed {h['lora_errors']}" if h.get("lora_errors") else ""))
+                     + _lora_status(h))
     lines += [f"{k}: {v} entries" for k, v in lens.items()]
     lines.append(f"requests claimed but not finished: {pending}")
     _print_json_or(args, obj, "\n".join(lines))

@@ -17,8 +17,6 @@ import asyncio
 import time
 from typing import Any
 
-import orjson
-
 from control.bus import Bus
 from control.events import LoadLora, UnloadLora
 from control.keys import valid_request_id
@@ -65,16 +63,15 @@ async def load(bus: Bus, body: Any, taken: set[str], names: LoraNames) -> str:
     deadline = time.monotonic() + LOAD_WAIT_S
     waiting: list[str] = []
     while time.monotonic() < deadline:
-        engines = await bus.engines()
-        failed = {e: orjson.loads(h["lora_errors"]).get(name) for e, h in engines.items() if h.get("lora_errors")}
-        failed = {e: why for e, why in failed.items() if why}
+        state = {e: Bus.lora_state(h) for e, h in (await bus.engines()).items()}
+        failed = {e: errors[name] for e, (_, errors) in state.items() if errors.get(name)}
         if failed:
             await _take_back(bus, name)
             engine, why = next(iter(failed.items()))
             raise bad_request(f"The lora adapter '{name}' could not be loaded (engine {engine}): {why}",
                               "lora_path", "invalid_value")
-        waiting = [e for e, h in engines.items() if name not in h.get("loras", "").split(",")]
-        if engines and not waiting:
+        waiting = [e for e, (ready, _) in state.items() if name not in ready]
+        if state and not waiting:
             await names.refresh(force=True)
             return f"Success: LoRA adapter '{name}' added successfully."
         await asyncio.sleep(0.05)
