@@ -23,7 +23,7 @@ from typing import Sequence
 import numpy as np
 import paddle
 
-from engine.model.llama import MASKED, AttnGroup, ForwardBatch, Llama, key_blocks
+from engine.model.llama import AttnGroup, ForwardBatch, Llama, attention_mask, key_blocks
 from engine.malloc import pin_thresholds
 from engine.model.loader import load_model
 from engine.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
@@ -294,8 +294,7 @@ class ModelRunner:
             if not same:
                 ints.append(q_index)
             ints.append(tables.reshape(-1))
-            masks.append(np.where(np.arange(L)[None, None, :] <= qpos[:, :, None], 0.0,
-                                  MASKED).astype(np.float32).reshape(-1))
+            masks.append(attention_mask(qpos, L, m.cfg.sliding_window).reshape(-1))
             shapes.append((S, qmax, L, not same))
             offset += S * qmax
         identity = identity and offset == tp

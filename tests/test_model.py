@@ -338,6 +338,9 @@ def _numpy_llama(model_dir, ids):
 
     x = w["model.embed_tokens.weight"][ids]
     causal = np.triu(np.full((n, n), -np.inf), 1)
+    window = cfg.get("sliding_window") if cfg["architectures"][0] in ("MistralForCausalLM", "Phi3ForCausalLM") else None
+    if window:  # key k seen from q only when q - window < k (transformers' sliding window)
+        causal = causal + np.tril(np.full((n, n), -np.inf), -window)
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         h = rms(x, w[p + "input_layernorm.weight"])
@@ -583,18 +586,34 @@ def test_a_llama3_scaled_model_matches_numpy_forward_and_its_paged_path(tiny_dir
         assert gen[r] == _greedy_reference(runner.model, p, 6), r
 
 
-def test_mistral_is_llama_but_for_a_sliding_window(tiny_dir, tmp_path, runner):
+def test_mistral_is_llama_with_a_sliding_window(tiny_dir, tmp_path, runner):
+    """Mistral 7B v0.1's sliding window (4096 of 32768), here 6: a position attends to the 6
+    up to its own. The same logits as the numpy forward's; through the paged path (chunks and
+    decodes past the window) the reference's greedy tokens; a window as wide as the context
+    changes nothing."""
     d = _copy(tiny_dir, tmp_path, "mistral")
     _edit_config(d, architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None)
     p = _prompt(14, 20)
     np.testing.assert_array_equal(load_model(str(d), progress=False).reference_logits(p),
                                   runner.model.reference_logits(p))
-    _edit_config(d, sliding_window=1024)  # (as Mistral 7B v0.1's 4096 of 32768): refused, not ignored
-    with pytest.raises(UnsupportedModel, match="sliding-window"):
-        load_model(str(d), progress=False)
-    _edit_config(d, sliding_window=4096)  # a window as wide as the context changes nothing: taken
-    np.testing.assert_array_equal(load_model(str(d), progress=False).reference_logits(p),
-                                  runner.model.reference_logits(p))
+    _edit_config(d, sliding_window=4096)  # a window as wide as the context changes nothing
+    assert ModelConfig.from_dir(str(d)).sliding_window is None
+    _edit_config(d, sliding_window=6)
+    model = load_model(str(d), progress=False)
+    assert model.cfg.sliding_window == 6
+    got = model.reference_logits(p)
+    np.testing.assert_allclose(got, _numpy_llama(str(d), p), atol=2e-3, rtol=0)
+    np.testing.assert_array_equal(got[:6], runner.model.reference_logits(p)[:6])  # (within the window: the same)
+    assert np.abs(got[6:] - runner.model.reference_logits(p)[6:]).max() > 0.1  # (past it: not)
+    windowed = ModelRunner(str(d), num_blocks=64)
+    prompts = {f"w{i}": _prompt(500 + i, n) for i, n in enumerate([4, 11, 30])}
+    gen, _ = _run(windowed, prompts, 8, {"w2": 7}, Blocks(64, seed=5))
+    for r, q in prompts.items():
+        assert gen[r] == _greedy_reference(windowed.model, q, 8), r
+    for bad in (0, "4096", True):
+        _edit_config(d, sliding_window=bad)
+        with pytest.raises(UnsupportedModel, match="sliding_window"):
+            ModelConfig.from_dir(str(d))
 
 
 def test_phi3_reads_its_fused_projections(tiny_dir, tmp_path):
@@ -613,12 +632,11 @@ def test_phi3_reads_its_fused_projections(tiny_dir, tmp_path):
     got = load_model(str(d), progress=False).reference_logits(prompt)
     np.testing.assert_array_equal(got, load_model(tiny_dir, progress=False).reference_logits(prompt))
     np.testing.assert_allclose(got, _numpy_llama(tiny_dir, prompt), atol=2e-3, rtol=0)
-    # a fused tensor of the wrong size is named; a sliding window or partial RoPE is refused
+    # a fused tensor of the wrong size is named; partial RoPE (Phi-4-mini's) is refused
     w["model.layers.1.mlp.gate_up_proj.weight"] = w["model.layers.1.mlp.gate_up_proj.weight"][:-2]
     save_file(w, str(d / "model.safetensors"))
     with pytest.raises(WeightError, match="gate_up_proj"):
         load_model(str(d), progress=False)
-    for bad in ({"sliding_window": 1023}, {"partial_rotary_factor": 0.75}):
-        _edit_config(d, **{"sliding_window": None, "partial_rotary_factor": None, **bad})
-        with pytest.raises(UnsupportedModel):
-            ModelConfig.from_dir(str(d))
+    _edit_config(d, partial_rotary_factor=0.75)
+    with pytest.raises(UnsupportedModel, match="partial_rotary_factor"):
+        ModelConfig.from_dir(str(d))

@@ -3,8 +3,9 @@
 Only the Llama family is supported (Qwen2 adds q/k/v biases to Llama; Phi-3 fuses q|k|v and
 gate|up in its checkpoints; Qwen3 instead normalises
 each head's q and k, RMSNorm before RoPE; Qwen2-MoE, Qwen3-MoE and Mixtral replace the MLP of their
-sparse layers by experts, a token going to its top-k); anything the model code does not implement (RoPE
-scaling other than Llama 3's and linear, sliding windows, MLP biases) is refused here with a
+sparse layers by experts, a token going to its top-k; Mistral and Phi-3 may attend over a
+sliding window); anything the model code does not implement (RoPE scaling other than Llama 3's
+and linear, partial RoPE, windows on some layers only, MLP biases) is refused here with a
 clear message rather than producing silently wrong text.
 """
 
@@ -47,6 +48,9 @@ class ModelConfig:
     # rope_scaling: () or its items, sorted ("rope_type" llama3 or linear; see rope_inv_freq)
     rope_scaling: tuple[tuple[str, float | str], ...] = ()
     torch_dtype: str = "float32"
+    # Mistral's and Phi-3's sliding window: a position attends to this many, its own included
+    # (None: the whole context)
+    sliding_window: int | None = None
     # Mixture of experts (Qwen3-MoE, Mixtral): in the layers listed, the MLP is num_experts
     # experts of moe_intermediate_size; a token goes to the num_experts_per_tok likeliest by the
     # router's softmax, weighted by their probabilities (renormalised over the chosen with
@@ -84,10 +88,14 @@ class ModelConfig:
             raise UnsupportedModel(f"unsupported architecture {arch!r}; supported: "
                                    f"{', '.join(SUPPORTED_ARCHITECTURES)}")
         scaling = _rope_scaling(d.get("rope_scaling"))
-        window = d.get("sliding_window")
-        if d.get("use_sliding_window") or (arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
-                                           and window and window < int(d.get("max_position_embeddings", 2048)) - 1):
-            raise UnsupportedModel("sliding-window attention is not supported")
+        window = d.get("sliding_window") if arch in ("MistralForCausalLM", "MixtralForCausalLM",
+                                                    "Phi3ForCausalLM") else None
+        if d.get("use_sliding_window"):  # (Qwen2's: windows on some layers only)
+            raise UnsupportedModel("use_sliding_window (sliding windows on some layers) is not supported")
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+            raise UnsupportedModel(f"sliding_window {window!r} is not a positive integer")
+        if window and window >= int(d.get("max_position_embeddings", 2048)):
+            window = None  # (as wide as the context: changes nothing)
         if float(d.get("partial_rotary_factor") or 1.0) != 1.0:
             raise UnsupportedModel(f"partial_rotary_factor {d['partial_rotary_factor']} is not supported "
                                    "(RoPE over whole heads only)")
@@ -123,6 +131,7 @@ class ModelConfig:
                 qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
                 rope_scaling=scaling,
                 torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
+                sliding_window=window or None,
                 **moe,
             )
         except KeyError as e:

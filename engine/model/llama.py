@@ -41,6 +41,16 @@ def pad_keys(n: int) -> int:
     return max(KEY_ALIGN, -(-n // KEY_ALIGN) * KEY_ALIGN)
 
 
+def attention_mask(qpos: np.ndarray, num_keys: int, window: int | None = None) -> np.ndarray:
+    """Additive mask [*qpos.shape, num_keys]: key ``k`` is seen from position ``q`` when
+    ``k <= q`` and, with a sliding window of ``W`` (Mistral's, Phi-3's), ``k > q - W``: the W
+    positions up to and including its own, as transformers' and vLLM's windows count them."""
+    k = np.arange(num_keys)
+    q = qpos[..., None]
+    seen = k <= q if window is None else (k <= q) & (k > q - window)
+    return np.where(seen, 0.0, MASKED).astype(np.float32)
+
+
 def key_blocks(context_len: int, block_size: int) -> int:
     """Blocks of keys to gather for a context: enough, and a multiple of KEY_ALIGN keys."""
     n = -(-max(context_len, 1) // block_size)
@@ -484,7 +494,7 @@ class Llama:
         pos = np.zeros(tp, dtype=np.int64)
         pos[:n] = np.arange(n)
         qpos = np.arange(n)
-        mask = np.where(np.arange(L)[None, :] <= qpos[:, None], 0.0, MASKED).astype(np.float32)
+        mask = attention_mask(qpos, L, c.sliding_window)
         mask_t = self.tensor(mask.reshape(1, 1, n, 1, L))
         kv_pad = paddle.zeros([L - n, c.num_key_value_heads, c.head_dim], dtype="float32").to(self.place)
         row_pad = paddle.zeros([tp - n, c.q_size], dtype="float32").to(self.place)
