@@ -379,3 +379,36 @@ async def test_background_is_answered_at_once_and_polled(openai_client):
             break
         await asyncio.sleep(0.02)
     assert r.status == "incomplete" and r.usage.output_tokens == 40 and r.output_text
+
+
+async def test_the_answers_logprobs_when_included(openai_client):
+    """OpenAI's ``include: ["message.output_text.logprobs"]`` with ``top_logprobs``: one entry a
+    generated token, the same as chat's for the same conversation; streamed, the deltas carry
+    them in order and the done event has them all; retrieve shows them again."""
+    api, oa = openai_client
+    kw = dict(model=api.cfg.model_name, input="Name a colour.", max_output_tokens=6, temperature=0,
+              include=["message.output_text.logprobs"], top_logprobs=2)
+    r = await oa.responses.create(**kw)
+    lps = r.output[0].content[0].logprobs
+    assert len(lps) == r.usage.output_tokens == 6 and all(len(x.top_logprobs) == 2 for x in lps)
+    chat = await oa.chat.completions.create(model=api.cfg.model_name, max_tokens=6, temperature=0, logprobs=True,
+                                            top_logprobs=2, messages=[{"role": "user", "content": "Name a colour."}])
+    want = chat.choices[0].logprobs.content
+    assert [(x.token, x.bytes) for x in lps] == [(x.token, x.bytes) for x in want]
+    assert [x.logprob for x in lps] == pytest.approx([x.logprob for x in want], abs=1e-4)
+    assert [[t.token for t in x.top_logprobs] for x in lps] == [[t.token for t in x.top_logprobs] for x in want]
+    deltas, done = [], None
+    async for ev in await oa.responses.create(**kw, stream=True):
+        if ev.type == "response.output_text.delta":
+            deltas += ev.logprobs
+        elif ev.type == "response.output_text.done":
+            done = ev.logprobs
+    assert [x.token for x in deltas] == [x.token for x in done] == [x.token for x in lps]
+    again = await oa.responses.retrieve(r.id)
+    assert [x.token for x in again.output[0].content[0].logprobs] == [x.token for x in lps]
+    # not asked: none; a value fd cannot give: refused
+    plain = await oa.responses.create(model=api.cfg.model_name, input="Name a colour.", max_output_tokens=2)
+    assert plain.output[0].content[0].logprobs == []
+    with pytest.raises(openai.BadRequestError) as e:
+        await oa.responses.create(model=api.cfg.model_name, input="x", include=["file_search_call.results"])
+    assert e.value.body["param"] == "include"

@@ -268,6 +268,11 @@ def _schemas(model_name: str, max_model_len: int, vocab_size: int | None,
                                          "description": "Go on from a stored response (its input and "
                                                         "output come before this input)."},
                 "store": {**_NULLABLE_BOOL, "description": "false: keep no conversation to go on from."},
+                "include": {"type": "array", "nullable": True, "items": {"type": "string", "enum": [
+                    "message.output_text.logprobs", "reasoning.encrypted_content"]},
+                    "description": "message.output_text.logprobs: the answer's log-probabilities (an "
+                                   "answer with no thinking and no tools)."},
+                "top_logprobs": {**_INT_OR_NULL, "minimum": 0, "maximum": 20},
                 "tools": {"type": "array", "nullable": True, "maxItems": protocol.MAX_TOOLS, "items": {
                     "type": "object", "required": ["type", "name"], "properties": {
                         "type": {"type": "string", "enum": ["function"]}, "name": {"type": "string", "minLength": 1},

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any
+from typing import Any, Callable
 
-from control.events import Final
+from control.events import Final, logprobs_entries
 from fd.api import protocol
 from fd.api.errors import ApiError, bad_request
 from fd.api.protocol import GenerationRequest, Limits, TokenizerLike, _opt, final_error, final_usage
@@ -181,8 +181,8 @@ def parse(body: protocol.Body | dict, limits: Limits, tokenizer: TokenizerLike) 
     tools, choice = _tools(body)
     messages, origin = _messages(body)
     chat = {**{k: None for k in _CHAT_ONLY}, "messages": messages, "max_tokens": cap,
-            "response_format": _format(body), "tools": tools, "tool_choice": choice}
-    sent = [k for k in _CHAT_ONLY if k in body]
+            "response_format": _format(body), "tools": tools, "tool_choice": choice, **_logprobs(body)}
+    sent = [k for k in _CHAT_ONLY if k in body and k != "top_logprobs"]  # (the Responses API's too)
     shaped = body.replaced(chat) if isinstance(body, protocol.Body) else {**body, **chat}
     try:
         gen = protocol.parse_chat(shaped, limits, tokenizer)
@@ -193,6 +193,29 @@ def parse(body: protocol.Body | dict, limits: Limits, tokenizer: TokenizerLike) 
         if isinstance(body, protocol.Body):
             body.seen.difference_update(sent)  # (chat's, sent here: ignored, and said so)
     return dataclasses.replace(gen, endpoint="responses")
+
+
+#: ``include`` values: the answer's log-probabilities; reasoning kept for a stateless client
+#: (fd's reasoning items are plain text: there is nothing encrypted to give back).
+INCLUDE = ("message.output_text.logprobs", "reasoning.encrypted_content")
+
+
+def _logprobs(body: dict) -> dict:
+    """OpenAI's ``include: ["message.output_text.logprobs"]`` with ``top_logprobs``: chat's
+    ``logprobs`` and ``top_logprobs``."""
+    include = body.get("include")
+    if include is None:
+        include = []
+    if not isinstance(include, list) or not all(isinstance(x, str) for x in include):
+        raise bad_request("'include' must be a list of strings.", "include", "invalid_type")
+    for x in include:
+        if x not in INCLUDE:
+            raise bad_request(f"'include' value {x!r} is not supported (only {', '.join(INCLUDE)}).",
+                              "include", "unsupported")
+    top = _opt(body, "top_logprobs", protocol._is_int, "an integer", None)
+    if "message.output_text.logprobs" not in include:
+        return {}
+    return {"logprobs": True, "top_logprobs": top or 0}
 
 
 _STATUS = {"stop": "completed", "length": "incomplete", "abort": "cancelled"}
@@ -209,8 +232,12 @@ class ResponsesRenderer:
     structured = True  # (the server takes token_chunks, not a pre-serialised token chunk)
     named_events = True
 
-    def __init__(self, request_id: str, model: str, created: int, prompt_tokens: int) -> None:
+    def __init__(self, request_id: str, model: str, created: int, prompt_tokens: int,
+                 token_bytes: Callable[[int], bytes] | None = None) -> None:
         self.rid = request_id
+        self._token_bytes = token_bytes  # (a token's text, for logprobs)
+        self._lp: list[dict] = []  # the message's tokens' log-probabilities (include ...logprobs)
+        self._lp_due = 0  # how many of them no delta has carried yet
         self.model = model
         self.created = created
         self.prompt_tokens = prompt_tokens
@@ -272,7 +299,7 @@ class ResponsesRenderer:
     def _item(self, it: dict, status: str) -> dict:
         text = "".join(it["text"])
         if it["type"] == "message":
-            content = [_part("output_text", text)] if status != "in_progress" else []
+            content = [_part("output_text", text, self._lp)] if status != "in_progress" else []
             return {"id": it["id"], "type": "message", "status": status, "role": "assistant",
                     "content": content}
         return {"id": it["id"], "type": "reasoning", "status": status, "summary": [],
@@ -287,7 +314,7 @@ class ResponsesRenderer:
         self.items.append(done)
         kind = "output_text" if it["type"] == "message" else "reasoning_text"
         return [self._event(f"response.{kind}.done", item_id=it["id"], output_index=n, content_index=0,
-                            text=text, **({"logprobs": []} if kind == "output_text" else {})),
+                            text=text, **({"logprobs": self._lp} if kind == "output_text" else {})),
                 self._event("response.content_part.done", item_id=it["id"], output_index=n,
                             content_index=0, part=done["content"][0]),
                 self._event("response.output_item.done", output_index=n, item=done)]
@@ -299,8 +326,9 @@ class ResponsesRenderer:
         self._open["text"].append(text)
         n = len(self.items)
         if kind == "message":
+            carried, self._lp_due = self._lp[len(self._lp) - self._lp_due:], 0
             return out + [self._event("response.output_text.delta", item_id=self._open["id"], output_index=n,
-                                      content_index=0, delta=text, logprobs=[])]
+                                      content_index=0, delta=text, logprobs=carried)]
         return out + [self._event("response.reasoning_text.delta", item_id=self._open["id"],
                                   output_index=n, content_index=0, delta=text)]
 
@@ -395,11 +423,25 @@ class ResponsesRenderer:
         self.completion_tokens += n_tokens
         if text:
             self.text.append(text)
+        if logprobs is not None:
+            self._add_logprobs(token_ids, logprobs)
         return text
+
+    def _add_logprobs(self, token_ids: tuple[int, ...], logprobs: Any) -> None:
+        """OpenAI's ``message.output_text.logprobs``: for an answer that is all one message (no
+        thinking, no tools: where its tokens' text goes is then plain)."""
+        if self.reasoning is not None or self.tools is not None or self.forced is not None:
+            return
+        def entry(t: int, lp: float) -> dict:
+            b = self._token_bytes(int(t)) if self._token_bytes is not None else b""
+            return {"token": b.decode("utf-8", errors="replace"), "logprob": lp, "bytes": list(b)}
+        for t, (lp, top) in zip(token_ids, logprobs_entries(logprobs, len(token_ids)) or ()):
+            self._lp.append({**entry(t, lp), "top_logprobs": [entry(a, c) for a, c in top]})
+            self._lp_due += 1
 
     def token_chunks(self, text: str, n_tokens: int, token_ids: tuple[int, ...] = (),
                      logprobs: Any = None, prompt_logprobs: Any = None) -> list[dict]:
-        return self._shown(self._feed(self.add_tokens(text, n_tokens)))
+        return self._shown(self._feed(self.add_tokens(text, n_tokens, token_ids, logprobs)))
 
     def _failed(self, final: Final) -> dict:
         failed = self._response("failed", final)
@@ -439,5 +481,6 @@ class ResponsesRenderer:
         return self._response("in_progress")
 
 
-def _part(kind: str, text: str) -> dict:
-    return {"type": kind, "text": text, **({"annotations": [], "logprobs": []} if kind == "output_text" else {})}
+def _part(kind: str, text: str, logprobs: list | None = None) -> dict:
+    return {"type": kind, "text": text,
+            **({"annotations": [], "logprobs": list(logprobs or ())} if kind == "output_text" else {})}

@@ -715,7 +715,7 @@ class Api:
                   include_usage: bool, continuous_usage: bool) -> protocol.Renderer | ResponsesRenderer:
         """What renders a request's events, by the endpoint its ``accepted`` event names."""
         if endpoint == "responses":
-            return ResponsesRenderer(rid, model, created, prompt_tokens)
+            return ResponsesRenderer(rid, model, created, prompt_tokens, self._token_bytes)
         return protocol.Renderer(rid, endpoint, model, created, prompt_tokens, include_usage,
                                  self._token_bytes, continuous_usage)
 
@@ -933,7 +933,7 @@ class Api:
         return rid, history
 
     def _response_renderer(self, rid: str, first: Accepted) -> ResponsesRenderer:
-        return ResponsesRenderer(rid, first.model, first.created, first.prompt_tokens)
+        return ResponsesRenderer(rid, first.model, first.created, first.prompt_tokens, self._token_bytes)
 
     def _snapshot(self, rid: str, history: list) -> dict:
         r = self._response_renderer(rid, history[0][1])
@@ -942,7 +942,7 @@ class Api:
             if isinstance(ev, Accepted):
                 r.accept(ev)
             elif isinstance(ev, Tokens):
-                r.add_tokens(ev.text, len(ev.token_ids))
+                r.add_tokens(ev.text, len(ev.token_ids), ev.token_ids, ev.logprobs)
             elif isinstance(ev, Claimed):
                 started = True
             elif isinstance(ev, Final):
