@@ -427,9 +427,8 @@ class Api:
             ids = await self._choice_ids(rid, explicit, len(req.inputs))
         else:
             ids = (rid,)
-            if (explicit and await self.bus.request_exists(rid)
-                    and not is_tombstone(await self.bus.owner(rid))):
-                raise conflict(f"A request with id '{rid}' already exists.", "X-Request-Id")
+            if explicit:
+                await self._id_free(rid)
         watch = watch_of(request)
         now = time.time()
         created = int(now)
@@ -553,11 +552,8 @@ class Api:
         self._say_ignored(body.ignored(), rid)
         if gen.n > 1 or gen.prompts:
             return await self._generate_choices(request, rid, explicit, endpoint, gen, arrival)
-        if (explicit and await self.bus.request_exists(rid)
-                and not is_tombstone(await self.bus.owner(rid))):
-            # (an id whose abort overtook it is not a conflict: its story already ends in an
-            # abort final, which is what this client gets)
-            raise conflict(f"A request with id '{rid}' already exists.", "X-Request-Id")
+        if explicit:
+            await self._id_free(rid)
         watch = watch_of(request)
         watch.background = gen.background
         now = time.time()
@@ -631,6 +627,13 @@ class Api:
         finally:
             for sub in subs:
                 await sub.close()
+
+    async def _id_free(self, rid: str) -> None:
+        """A client's own id for one request: a 409 if a request has it. (An id whose abort
+        overtook it is not a conflict: its story already ends in an abort final, which is what
+        this client gets.)"""
+        if await self.bus.request_exists(rid) and not is_tombstone(await self.bus.owner(rid)):
+            raise conflict(f"A request with id '{rid}' already exists.", "X-Request-Id")
 
     async def _choice_ids(self, rid: str, explicit: bool, n: int) -> tuple[str, ...]:
         """The ids ``<id>.<k>`` of a response's ``n`` parts, checked: not too long, and (for
