@@ -371,17 +371,15 @@ class EngineNode:
         """Every step handed to the runner has finished (it waits for this loop), and either
         requests wait to be claimed or the clients have been shown the last step's tokens.
 
-        Except when the engine was idle and requests just arrived: then the rest of the turn
-        goes first, since it is usually more of the same burst being parsed and submitted, so
-        one claim takes them together into one prefill (jumping the line, a wave of 32 was
-        claimed as 1, then the rest; the lone prefill and its decode delayed all others).
-        Nothing else being ready (one client), the engine's turn is next anyway."""
+        An idle engine with requests just announced claims at once, though more of a burst is
+        still coming in: the model computes the first prompts while the API takes in the rest
+        (fd serve's loop runs a burst's ingress ahead of other work, fd.eventloop), and the
+        rest join the next step. Waiting for the whole burst instead left the model idle for
+        the ~7 ms that 32 requests take to come in."""
         if self._resume_first:  # (a look at the sockets between two steps: back at once)
             self._resume_first = False
             return True
         if not all(fut.done() for _, fut, _ in self._flying):
-            return False
-        if not self._flying and self._arrived:
             return False
         delivered = self.delivered_step
         return self._arrived or delivered is None or delivered() >= self._applied_step
@@ -928,10 +926,16 @@ class EngineNode:
         self._beats.add(task)
         task.add_done_callback(self._beats.discard)
 
+    def hears_local_arrivals(self) -> None:
+        """An API in this process will say when it submits (``fd serve``): from now on the
+        engine claims when told so (:meth:`on_local_arrival`), and otherwise only every
+        ``CLAIM_POLL_S`` (for requests from anywhere else), not before every step, nor in a
+        blocking read while idle (whose reply, a few callbacks long, waited behind the
+        ingress of the burst that woke it: the first burst after start was claimed whole)."""
+        self._arrivals_told = True
+
     def on_local_arrival(self) -> None:
-        """This process's API put requests on ``P:requests`` (``fd serve``). From the first
-        call on, a running engine claims when told so, and otherwise only every
-        ``CLAIM_POLL_S`` (for requests from anywhere else), not before every step."""
+        """This process's API put requests on ``P:requests`` (``fd serve``)."""
         self._arrivals_told = True
         self._arrived = True
         if self._idle is not None:

@@ -20,10 +20,19 @@ held. Other callbacks that always go first, each a few lines of work:
 - a reader added with :meth:`add_urgent_reader` (the model worker's pipe: a step's result)
   and callbacks handed in from other threads (``call_soon_threadsafe``: an in-process
   runner's step thread, the embedded server's TCP door);
-- I/O events: what a socket brought goes ahead of queued work, in the order it came. A
-  socket's callback is a read and a parse (a handler it starts is a task, queued as usual),
-  and it is how a hang-up is seen: a closed connection's EOF waited behind a turn's queued
-  stream writes (TARGETS release p99 at 32 streams 16.5–26.6 ms, with this 13.1–14.9);
+- I/O events: what a socket brought goes ahead of queued work, in the order it came (behind
+  an urgent engine's wake-up only). A socket's callback is a read and a parse, and it is how
+  a hang-up is seen: a closed connection's EOF waited behind a turn's queued stream writes
+  (TARGETS release p99 at 32 streams 16.5–26.6 ms, with this 13.1–14.9);
+- ingress, in a lane of its own: a new request goes through ~5 callbacks before its handler
+  has submitted it (asyncio's setting up of an accepted connection: a task, then the
+  protocol's ``connection_made`` and the reader's adding, queued by the transport; aiohttp's
+  per-connection task woken by the parsed request; the request's own task, whose first step
+  parses and submits). In arrival order each waited behind the work queued before it, at 32
+  streams a turn of token writes: a request sent as another ended reached its handler ~10 ms
+  later, and round 1 of `bench/api.py` lost most of its TTFT there. They run in the order
+  they came, in slices of ``LANE_S`` with a look at the sockets between two, ahead of queued
+  work and behind an urgent engine;
 - a transport's ``_call_connection_lost`` (asyncio's way of saying a connection is gone) and
   a task woken by a cancelled wait (aiohttp cancels the handler whose client hung up), or
   cancelled while its step was already queued (a token had woken it): a hang-up reaches the
@@ -37,21 +46,41 @@ server, which runs on this loop without a pause (~115 events, 1.8 ms at 128 stre
 
 Relies on ``BaseEventLoop._ready`` (the deque of ready handles; unchanged since Python 3.4),
 ``_process_events`` and ``_add_callback`` (where a selector loop queues I/O events'
-callbacks), the name asyncio's selector transports give their connection-lost callback and
-their ``_protocol``, and aiohttp's ``RequestHandler._task_handler`` (tests/test_eventloop.py
-checks each). Any other loop works too, in plain arrival order (the
+callbacks), ``_make_socket_transport`` and ``_accept_connection2`` (an accepted connection's
+set-up), the name asyncio's selector transports give their connection-lost callback and
+their ``_protocol``, and aiohttp's ``RequestHandler._task_handler``, ``start`` and
+``_handle_request`` (tests/test_eventloop.py checks each). Any other loop works too, in plain arrival order (the
 engine checks for ``prioritize``); ``fd serve --fifo-loop`` uses one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import asyncio.selector_events
+import collections
 import itertools
+import time
 from typing import Callable
+
+from aiohttp import web_protocol
+
+#: Tasks whose every step is ingress: asyncio's setting up of an accepted connection, and
+#: aiohttp's loop of a connection that waits for its next request and starts its handler.
+_INGRESS_CODE = frozenset({
+    asyncio.selector_events.BaseSelectorEventLoop._accept_connection2.__code__,
+    web_protocol.RequestHandler.start.__code__,
+})
+#: aiohttp's task of one request: its first step runs the handler up to its first wait, which
+#: in fd's handlers is after the request was parsed and submitted.
+_HANDLER_CODE = web_protocol.RequestHandler._handle_request.__code__
 
 
 def _always() -> bool:
     return True
+
+
+def _nothing() -> None:
+    pass
 
 
 def _done(fut: asyncio.Future) -> None:
@@ -69,6 +98,9 @@ class EngineFirstLoop(asyncio.SelectorEventLoop):
     #: that does not wait) after each this many: at 128 streams a turn of stream writes is
     #: ~5 ms, and a hang-up that came during it was seen only after it.
     POLL_EVERY = 16
+    #: The ingress lane runs in slices of about this long, with a look at the sockets between
+    #: two (a handler's first step is ~0.2 ms here; a whole burst's ingress ~7 ms).
+    LANE_S = 0.0005
 
     def __init__(self) -> None:
         super().__init__()
@@ -78,6 +110,11 @@ class EngineFirstLoop(asyncio.SelectorEventLoop):
         self._io: list[asyncio.Handle] | None = None  # this turn's I/O callbacks, as they come
         self._poll = asyncio.Handle(self._poll_now, (), self, None)
         self._poll_queued = False
+        self._lane: collections.deque[asyncio.Handle] = collections.deque()  # ingress
+        self._lane_handle = asyncio.Handle(self._run_lane, (), self, None)
+        self._lane_queued = False
+        self._lane_mark = asyncio.Handle(_nothing, (), self, None)
+        self._making_transport = False  # callbacks a new transport queues are ingress
         self._last_io: asyncio.Handle | None = None  # the last I/O callback queued by a look
         self._turn_io: dict[int, asyncio.Handle] = {}  # queued by io_turn's look
         self._task_first = False  # create_urgent_task: the new task's first step goes first
@@ -135,7 +172,7 @@ class EngineFirstLoop(asyncio.SelectorEventLoop):
         if len(io) > 1 and self._first_readers:
             io.sort(key=lambda h: h not in self._first_readers)
         ready = self._ready
-        ready.extendleft(reversed(io))
+        self._put_first(reversed(io))
         if io:
             self._last_io = io[-1]
         # Look again after the next POLL_EVERY callbacks of a long turn. Only after all of
@@ -210,15 +247,87 @@ class EngineFirstLoop(asyncio.SelectorEventLoop):
                 handle = super().call_soon(callback, *args, context=context)
                 self._queued[task] = handle
                 return handle
+            code = getattr(task.get_coro(), "cr_code", None)
+            if code in _INGRESS_CODE or (code is _HANDLER_CODE and not args):  # (no args: not
+                return self._to_lane(callback, args, context)  # a wake-up, a first step)
             if args and isinstance(args[0], asyncio.Future) and args[0].cancelled():
                 # A task woken by a cancelled wait: a handler whose client hung up (aiohttp
                 # cancels it), which is an abort to hear at once.
                 return self._front(callback, args, context)
+        elif self._making_transport:
+            return self._to_lane(callback, args, context)
         elif getattr(callback, "__name__", None) == "_call_connection_lost" and not self.is_closed():
             # A connection is gone (asyncio's transports say so through this callback): aiohttp
             # then cancels its handler, whose client hung up.
             return self._front(self._lost, (callback, args), context)
         return super().call_soon(callback, *args, context=context)
+
+    def _make_socket_transport(self, *args, **kwargs):
+        # (an accepted connection's: the protocol's connection_made, the reader's adding and
+        # the waiter's result are queued by the transport's constructor)
+        self._making_transport = True
+        try:
+            return super()._make_socket_transport(*args, **kwargs)
+        finally:
+            self._making_transport = False
+
+    def _put_first(self, handles) -> None:
+        """``handles`` (an iterable, put in reverse) at the front of what is ready, behind
+        the wake-ups of prioritized tasks at its head: an urgent engine has the model idle."""
+        ready, first = self._ready, self._first
+        k = 0
+        if first:
+            for h in ready:
+                task = getattr(h._callback, "__self__", None)
+                if not isinstance(task, asyncio.Task) or task not in first:
+                    break
+                k += 1
+        if k:
+            ready.rotate(-k)
+            ready.extendleft(handles)
+            ready.rotate(k)
+        else:
+            ready.extendleft(handles)
+
+    def _to_lane(self, callback, args, context) -> asyncio.Handle:
+        handle = asyncio.Handle(callback, args, self, context)
+        self._lane.append(handle)
+        if not self._lane_queued:
+            self._lane_queued = True
+            self._put_first((self._lane_handle,))
+        return handle
+
+    def _run_lane(self) -> None:
+        """A slice of the ingress lane, in the order its callbacks came; the rest after a look
+        at the sockets (a step's result, a hang-up) and behind whatever was put first while the
+        slice ran (an urgent engine's wake-up)."""
+        lane, ready, mark = self._lane, self._ready, self._lane_mark
+        ready.appendleft(mark)  # (what goes first while the slice runs lands ahead of it)
+        end = time.perf_counter() + self.LANE_S
+        try:
+            while lane:
+                handle = lane.popleft()
+                if not handle._cancelled:
+                    handle._run()
+                if time.perf_counter() >= end:
+                    break
+        finally:
+            at = ready.index(mark)
+            del ready[at]
+            if not lane:
+                self._lane_queued = False
+            else:
+                # No second look while the last one's callbacks are queued: a socket would be
+                # reported twice (an error for a transport's write-ready callback).
+                last = self._last_io
+                try:
+                    io_end = ready.index(last) + 1 if last is not None else -1
+                except ValueError:
+                    io_end = -1
+                if io_end < 0:
+                    self._process_events(self._selector.select(0))
+                    io_end = 0 if self._last_io is last else ready.index(self._last_io) + 1
+                ready.insert(max(at, io_end), self._lane_handle)
 
     def _lost(self, callback, args) -> None:
         """A connection's end, then the step of any task it cancelled that was already

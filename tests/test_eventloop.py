@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import socket
 import threading
+import time
 import types
 
 import pytest
@@ -546,3 +547,107 @@ def test_io_turn_waits_for_the_last_looks_callbacks_instead_of_looking_twice():
     finally:
         loop.close()
     assert order[:3] == ["queued I/O", "task", "other"]
+
+
+def _request_during_a_long_turn(loop_factory) -> tuple[int, int]:
+    """An aiohttp server on the loop; 200 queued callbacks of ~0.2 ms each (a turn of token
+    writes); a client in another thread connects and sends a request when the first of them
+    runs. Returns (how many of the 200 had run when the handler started, total)."""
+    from aiohttp import web
+
+    busy = 200
+    result: dict = {}
+    go = threading.Event()
+
+    def client(port: int) -> None:
+        go.wait(10)
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"POST /x HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}")
+            while s.recv(4096):
+                pass
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        ran = [0]
+
+        async def handler(request):
+            result["at"] = ran[0]
+            return web.Response(text="ok")
+
+        app = web.Application()
+        app.router.add_post("/x", handler)
+        runner = web.AppRunner(app, handle_signals=False)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        thread = threading.Thread(target=client, args=(port,), daemon=True)
+        thread.start()
+
+        def write() -> None:
+            go.set()
+            time.sleep(0.0002)  # (a sleep: the client's thread gets the GIL meanwhile)
+            ran[0] += 1
+
+        for _ in range(busy):
+            loop.call_soon(write)
+        while "at" not in result or ran[0] < busy:
+            await asyncio.sleep(0.001)
+        await asyncio.to_thread(thread.join, 10)
+        await runner.cleanup()
+
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(main())
+    return result["at"], busy
+
+
+def test_a_new_connections_request_reaches_its_handler_ahead_of_queued_work():
+    """Ingress (accepting a connection, setting it up, parsing, starting its handler) goes
+    through ~5 callbacks; in arrival order each waits behind the work queued before it, which
+    at 32 streams is a turn of token writes: a request sent as another ended reached its
+    handler 10 ms later. fd's loop runs them in its ingress lane, ahead of that work."""
+    at, busy = _request_during_a_long_turn(EngineFirstLoop)
+    assert at < busy // 4, (at, busy)
+    plain_at, _ = _request_during_a_long_turn(asyncio.SelectorEventLoop)
+    assert plain_at == busy  # asyncio's own loop: after the whole turn
+
+
+def test_the_ingress_lane_yields_to_an_urgent_task_and_to_the_sockets():
+    """The lane runs in slices of LANE_S; what was put first while a slice ran (an urgent
+    engine's wake-up) runs before the next slice, and the lane keeps its own order."""
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        order: list[str] = []
+        gate = loop.create_future()
+
+        async def engine():
+            await gate
+            order.append("engine")
+
+        task = loop.create_task(engine())
+        loop.prioritize(task, lambda: True)
+        await asyncio.sleep(0)
+
+        def ingress(i: int) -> None:
+            if i == 1:
+                gate.set_result(None)  # the engine is woken while the lane runs
+            t = time.perf_counter()
+            while time.perf_counter() - t < loop.LANE_S / 2:
+                pass
+            order.append(f"in{i}")
+
+        for i in range(3):
+            loop.call_soon(order.append, f"w{i}")
+        for i in range(6):
+            loop._to_lane(ingress, (i,), None)
+        await task
+        while len(order) < 10:
+            await asyncio.sleep(0)
+        return order
+
+    order = run(main)
+    ins = [x for x in order if x.startswith("in")]
+    assert ins == [f"in{i}" for i in range(6)]  # in the order they came
+    assert order.index("engine") < order.index("in5")  # ahead of the lane's later slices
+    assert order.index("in5") < order.index("w0")  # and the lane ahead of queued work
