@@ -17,15 +17,17 @@ come from ``Generation.token_times``. Each concurrency runs the baseline, then t
 - also printed (and in the JSON): CPU time of ``fd serve``'s main thread (its event loop) per
   output token, which varies much less than tok/s when other work shares the machine.
 
-The clients are bench/sse_client.py's (a new connection per request, as TARGETS.md's): on a
-two-core machine the load generator's CPU is taken from the server it measures, and aiohttp's
-client took ~0.2 ms a connection (``--client aiohttp`` to compare). ``--keepalive``: each client
-keeps one connection for all its requests, as the ``openai`` client's connection pool does,
-opened before the clock starts.
+The clients are bench/sse_client.py's (on a two-core machine the load generator's CPU is
+taken from the server it measures, and aiohttp's client took ~0.2 ms a connection; ``--client
+aiohttp`` to compare). ``--connections``: ``reuse`` (the default) keeps each client's connection
+for its next request, opened by its first, as ``vllm bench serve`` (one aiohttp connector for
+all requests) and the ``openai`` client (httpx's pool) do; ``new``, a new connection per
+request (the default until 2026-11-30, stricter than either); ``warm``, reused and opened
+before the clock (``--keepalive``, its old name).
 
 Usage: python bench/api.py [--model DIR] [--concurrency 1,8,32] [--rounds 2] [--min-requests 8]
-                          [--max-tokens 256] [--redis-url URL] [--client lean|aiohttp] [--keepalive]
-                          [--output-json bench/results/api.json]
+                          [--max-tokens 256] [--redis-url URL] [--client lean|aiohttp]
+                          [--connections reuse|new|warm] [--output-json bench/results/api.json]
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ from bench._common import (PROMPT_LEN, RESULTS, goal, http_session, model_dir, p
                            stream_completion, stream_with, wait_idle, write_json)
 
 GOAL_STREAMS = 32  # issue #4's goals are stated at 32 concurrent streams
+CONNECTIONS = {"reuse": "connections reused", "new": "a connection per request",
+               "warm": "connections reused, opened before the clock"}
 
 
 def main_thread_cpu_s(pid: int) -> float:
@@ -79,12 +83,13 @@ def run_inprocess(llm, n: int, rounds: int, max_tokens: int, seed: int) -> dict:
 
 
 async def run_api(base: str, n: int, rounds: int, max_tokens: int, seed: int, tag: str,
-                  bar, client_kind: str = "lean", keepalive: bool = False) -> dict:
-    """``n`` clients, ``rounds`` requests each. ``keepalive``: each client's connection stays
-    open between its requests, as the ``openai`` client's connection pool keeps it, and is
-    opened (by a one-token request on another prompt, which no timed prompt shares a block
-    with) before the clock starts; otherwise a new connection per request."""
+                  bar, client_kind: str = "lean", connections: str = "reuse") -> dict:
+    """``n`` clients, ``rounds`` requests each. ``connections``: ``reuse``, a client's
+    connection stays open for its next request (a connection pool's); ``warm``, the same, each
+    opened before the clock (by a one-token request on another prompt, which no timed prompt
+    shares a block with); ``new``, a new connection per request."""
     ps = prompts(n * rounds, seed=seed)
+    keepalive = connections != "new"
     pool = None
     if keepalive:
         from bench.sse_client import Pool
@@ -100,7 +105,7 @@ async def run_api(base: str, n: int, rounds: int, max_tokens: int, seed: int, ta
             bar.update(1)
 
     async with http_session(keepalive=keepalive) as session:
-        if keepalive:
+        if connections == "warm":
             opening = prompts(n, seed=seed + 7_777_777)
             await asyncio.gather(*(stream_with(client_kind, session, base, f"{tag}-open-c{c}",
                                                opening[c], 1, pool=pool) for c in range(n)))
@@ -148,9 +153,12 @@ def main() -> None:
     ap.add_argument("--client", choices=("lean", "aiohttp"), default="lean",
                     help="the streaming client: lean (bench/sse_client.py: the least CPU taken "
                          "from the server it measures) or aiohttp's")
-    ap.add_argument("--keepalive", action="store_true",
-                    help="each client keeps its connection open between its requests, as the "
-                         "openai client's connection pool does (opened before the clock starts)")
+    ap.add_argument("--connections", choices=("reuse", "new", "warm"), default="reuse",
+                    help="reuse: a client's connection serves its next request (vllm bench serve's "
+                         "and the openai client's pools); new: a new one per request; warm: reused, "
+                         "opened before the clock")
+    ap.add_argument("--keepalive", action="store_const", const="warm", dest="connections",
+                    help="(the old name of --connections warm)")
     ap.add_argument("--output-json", default=str(RESULTS / "api.json"))
     args = ap.parse_args()
     conc = [int(x) for x in args.concurrency.split(",")]
@@ -171,7 +179,7 @@ def main() -> None:
                       extra=["--max-num-seqs", str(max(64, max(conc))), "--num-blocks", "2048",
                              *args.serve_arg], log_dir=tmp)
     out: dict = {"model": mdir, "server": "redis" if args.redis_url else "embedded",
-                 "serve_args": args.serve_arg, "client": args.client, "keepalive": args.keepalive,
+                 "serve_args": args.serve_arg, "client": args.client, "connections": args.connections,
                  "rounds": args.rounds, "max_tokens": args.max_tokens, "runs": {}}
     try:
         asyncio.run(warm(srv.base, max(conc), 8))
@@ -182,7 +190,7 @@ def main() -> None:
                 base_r = run_inprocess(llm, n, rounds[n], args.max_tokens, seed=i)
                 cpu0 = main_thread_cpu_s(srv.proc.pid)
                 api_r = asyncio.run(run_api(srv.base, n, rounds[n], args.max_tokens, i, f"a{i}n{n}", bar,
-                                            args.client, args.keepalive))
+                                            args.client, args.connections))
                 cpu_us = (main_thread_cpu_s(srv.proc.pid) - cpu0) / max(1, api_r["tokens"]) * 1e6
                 out["runs"][n] = {"requests": n * rounds[n], "inprocess": {**summarize(base_r), "wall_s": base_r["wall_s"]},
                                   "api": {**summarize(api_r), "wall_s": api_r["wall_s"],
@@ -207,7 +215,7 @@ def main() -> None:
     text = print_table(f"api: streaming /v1/completions, {PROMPT_LEN}-token prompt, {args.max_tokens} "
                        f"output tokens, ignore_eos, greedy; closed loop, >= {args.min_requests} requests "
                        f"and >= {args.rounds} per client ({args.client} client, "
-                       f"{'kept-alive connections' if args.keepalive else 'a connection per request'}); "
+                       f"{CONNECTIONS[args.connections]}); "
                        f"control plane {out['server']}", headers, rows, nd=2)
     print("fd serve main thread CPU per output token (less noisy than tok/s on a shared machine): "
           + ", ".join(f"{n} streams {out['runs'][n]['api']['main_thread_cpu_us_per_token']:.0f} us" for n in conc))
