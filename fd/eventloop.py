@@ -194,17 +194,26 @@ class EngineFirstLoop(asyncio.SelectorEventLoop):
         fut = self.create_future()
         done = asyncio.Handle(_done, (fut,), self, None)
         ready = self._ready
-        last = self._last_io
-        try:
-            at = ready.index(last) + 1 if last is not None else -1
-        except ValueError:
-            at = -1
-        if at < 0:
-            self._process_events(self._selector.select(0))  # (its callbacks at the front)
-            at = 0 if self._last_io is last else ready.index(self._last_io) + 1
+        at, looked = self._past_last_look()
+        if looked:
             self._turn_io = {id(h): h for h in itertools.islice(ready, at)}  # (_add_callback)
         ready.insert(at, done)
         return fut
+
+    def _past_last_look(self) -> tuple[int, bool]:
+        """Where the callbacks of the last look at the sockets end in what is ready, and
+        whether it looked: when none of them is still queued, it looks now (their callbacks
+        go first) and says where those end. Never a second look while the last one's
+        callbacks wait: their sockets would be reported twice (a second write-ready callback
+        is an error in asyncio's transports)."""
+        ready, last = self._ready, self._last_io
+        if last is not None:
+            try:
+                return ready.index(last) + 1, False
+            except ValueError:
+                pass
+        self._process_events(self._selector.select(0))
+        return (0 if self._last_io is last else ready.index(self._last_io) + 1), True
 
     def _poll_now(self) -> None:
         self._poll_queued = False
@@ -317,17 +326,7 @@ class EngineFirstLoop(asyncio.SelectorEventLoop):
             if not lane:
                 self._lane_queued = False
             else:
-                # No second look while the last one's callbacks are queued: a socket would be
-                # reported twice (an error for a transport's write-ready callback).
-                last = self._last_io
-                try:
-                    io_end = ready.index(last) + 1 if last is not None else -1
-                except ValueError:
-                    io_end = -1
-                if io_end < 0:
-                    self._process_events(self._selector.select(0))
-                    io_end = 0 if self._last_io is last else ready.index(self._last_io) + 1
-                ready.insert(max(at, io_end), self._lane_handle)
+                ready.insert(max(at, self._past_last_look()[0]), self._lane_handle)
 
     def _lost(self, callback, args) -> None:
         """A connection's end, then the step of any task it cancelled that was already
