@@ -49,8 +49,8 @@ Relies on ``BaseEventLoop._ready`` (the deque of ready handles; unchanged since 
 callbacks), ``_make_socket_transport`` and ``_accept_connection2`` (an accepted connection's
 set-up), the name asyncio's selector transports give their connection-lost callback and
 their ``_protocol``, and aiohttp's ``RequestHandler._task_handler``, ``start`` and
-``_handle_request`` (tests/test_eventloop.py checks each). Any other loop works too, in plain arrival order (the
-engine checks for ``prioritize``); ``fd serve --fifo-loop`` uses one.
+``_handle_request`` (tests/test_eventloop.py checks each). Any other loop works too, in plain
+arrival order (the engine checks for ``prioritize``); ``fd serve --fifo-loop`` uses one.
 """
 
 from __future__ import annotations
