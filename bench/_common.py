@@ -363,8 +363,9 @@ async def stream_completion(session, base: str, rid: str, prompt: list[int], max
 
 
 def http_session(limit: int = 0, keepalive: bool = False):
-    """A client session; by default a new connection per request (each stream its own, as
-    the TARGETS.md clients do); ``keepalive`` reuses them (an admin tool calling again)."""
+    """A client session; by default a new connection per request (each stream its own: the
+    strictest case for the server); ``keepalive`` reuses them (a connection pool's way, as
+    ``vllm bench serve``, the ``openai`` client and an admin tool calling again do)."""
     import aiohttp
 
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit, force_close=not keepalive),
