@@ -32,7 +32,14 @@ held. Other callbacks that always go first, each a few lines of work:
   streams a turn of token writes: a request sent as another ended reached its handler ~10 ms
   later, and round 1 of `bench/api.py` lost most of its TTFT there. They run in the order
   they came, in slices of ``LANE_S`` with a look at the sockets between two, ahead of queued
-  work and behind an urgent engine;
+  work and behind an urgent engine. While a look must wait (the last one's callbacks, a
+  burst's reads, are still queued), the model worker's pipe alone is looked at between two
+  slices: its reply waited for the whole burst while the worker idled;
+- a request's first answer, in the same lane ahead of its ingress: a streaming handler is
+  :meth:`answering` until it has written its first token, and its wake-ups till then run
+  there. Behind a burst's ingress the first tokens waited for all of it (in round 0 of
+  ``bench/api.py`` the first request's token was made at 10 ms and shown at 21 ms), behind a
+  turn of the other streams' writes a few ms more;
 - a transport's ``_call_connection_lost`` (asyncio's way of saying a connection is gone) and
   a task woken by a cancelled wait (aiohttp cancels the handler whose client hung up), or
   cancelled while its step was already queued (a token had woken it): a hang-up reaches the
@@ -59,6 +66,7 @@ import asyncio
 import asyncio.selector_events
 import collections
 import itertools
+import select
 import time
 from typing import Callable
 
@@ -107,6 +115,8 @@ class EngineFirstLoop(asyncio.SelectorEventLoop):
         self._first: dict[asyncio.Task, Callable[[], bool]] = {}
         self._queued: dict[asyncio.Task, asyncio.Handle] = {}  # a wake-up that waits its turn
         self._first_readers: set[asyncio.Handle] = set()
+        self._urgent_fds: dict[int, asyncio.Handle] = {}  # fd -> its reader's handle
+        self._urgent_poll = select.poll() if hasattr(select, "poll") else None
         self._io: list[asyncio.Handle] | None = None  # this turn's I/O callbacks, as they come
         self._poll = asyncio.Handle(self._poll_now, (), self, None)
         self._poll_queued = False
@@ -114,6 +124,8 @@ class EngineFirstLoop(asyncio.SelectorEventLoop):
         self._lane_handle = asyncio.Handle(self._run_lane, (), self, None)
         self._lane_queued = False
         self._lane_mark = asyncio.Handle(_nothing, (), self, None)
+        self._answering: set[asyncio.Task] = set()  # their wake-ups go in the lane (answering)
+        self._answers: collections.deque[asyncio.Handle] = collections.deque()  # ahead of ingress
         self._making_transport = False  # callbacks a new transport queues are ingress
         self._last_io: asyncio.Handle | None = None  # the last I/O callback queued by a look
         self._turn_io: dict[int, asyncio.Handle] = {}  # queued by io_turn's look
@@ -148,11 +160,27 @@ class EngineFirstLoop(asyncio.SelectorEventLoop):
             return  # it has run
         self._ready.appendleft(handle)
 
+    def answering(self, task: asyncio.Task) -> None:
+        """Until :meth:`answered`, ``task``'s wake-ups run in the ingress lane, ahead of its
+        queued ingress: a streaming handler waiting for its request's first token. That token
+        ends the request's way in (its TTFT) and costs one write; behind the rest of a burst's
+        ingress it waited ~10 ms, behind a turn of other streams' token writes a few."""
+        if task not in self._answering:
+            self._answering.add(task)
+            task.add_done_callback(self._answering.discard)
+
+    def answered(self, task: asyncio.Task) -> None:
+        self._answering.discard(task)
+
     def add_urgent_reader(self, fd: int, callback: Callable[[], None]) -> None:
         """:meth:`add_reader`, whose callback runs ahead of what is ready when ``fd`` becomes
         readable (``fd serve``: the model worker's pipe, a step's result)."""
         self.add_reader(fd, callback)
-        self._first_readers.add(self._selector.get_key(fd).data[0])
+        handle = self._selector.get_key(fd).data[0]
+        self._first_readers.add(handle)
+        if self._urgent_poll is not None:
+            self._urgent_fds[fd] = handle
+            self._urgent_poll.register(fd, select.POLLIN)
 
     def remove_reader(self, fd) -> bool:
         try:
@@ -160,6 +188,8 @@ class EngineFirstLoop(asyncio.SelectorEventLoop):
         except (KeyError, ValueError):
             handle = None
         self._first_readers.discard(handle)
+        if self._urgent_fds.pop(fd, None) is not None:
+            self._urgent_poll.unregister(fd)
         return super().remove_reader(fd)
 
     def _process_events(self, event_list) -> None:
@@ -220,6 +250,20 @@ class EngineFirstLoop(asyncio.SelectorEventLoop):
         self.mid_turn_polls += 1
         self._process_events(self._selector.select(0))
 
+    def _look_urgent(self) -> None:
+        """The urgent readers' fds alone (a step's result), when a full look must wait: a
+        burst's ingress runs its lane slices while the last look's callbacks are still queued
+        (32 requests' reads, ~7 ms), and the model's reply, in after 3 of them, waited for
+        all the rest while the worker idled with 17 requests submitted. Its callback runs
+        here; the main selector may report the fd again, and a second read of a drained pipe
+        finds nothing (``take_ready`` does not wait)."""
+        if not self._urgent_fds:
+            return
+        for fd, _ in self._urgent_poll.poll(0):
+            handle = self._urgent_fds.get(fd)
+            if handle is not None and not handle._cancelled:
+                handle._run()
+
     def _add_callback(self, handle: asyncio.Handle) -> None:
         if self._io is not None and not handle._cancelled:  # an I/O event's callback
             if self._turn_io and id(handle) in self._turn_io:
@@ -263,6 +307,8 @@ class EngineFirstLoop(asyncio.SelectorEventLoop):
                 # A task woken by a cancelled wait: a handler whose client hung up (aiohttp
                 # cancels it), which is an abort to hear at once.
                 return self._front(callback, args, context)
+            if task in self._answering:  # (a first token to write: ahead of the lane's ingress)
+                return self._to_lane(callback, args, context, answer=True)
         elif self._making_transport:
             return self._to_lane(callback, args, context)
         elif getattr(callback, "__name__", None) == "_call_connection_lost" and not self.is_closed():
@@ -298,32 +344,33 @@ class EngineFirstLoop(asyncio.SelectorEventLoop):
         else:
             ready.extendleft(handles)
 
-    def _to_lane(self, callback, args, context) -> asyncio.Handle:
+    def _to_lane(self, callback, args, context, answer: bool = False) -> asyncio.Handle:
         handle = asyncio.Handle(callback, args, self, context)
-        self._lane.append(handle)
+        (self._answers if answer else self._lane).append(handle)
         if not self._lane_queued:
             self._lane_queued = True
             self._put_first((self._lane_handle,))
         return handle
 
     def _run_lane(self) -> None:
-        """A slice of the ingress lane, in the order its callbacks came; the rest after a look
-        at the sockets (a step's result, a hang-up) and behind whatever was put first while the
-        slice ran (an urgent engine's wake-up)."""
-        lane, ready, mark = self._lane, self._ready, self._lane_mark
+        """A slice of the ingress lane, first answers first, then in the order its callbacks
+        came; the rest after a look at the sockets (a step's result, a hang-up) and behind
+        whatever was put first while the slice ran (an urgent engine's wake-up)."""
+        lane, answers, ready, mark = self._lane, self._answers, self._ready, self._lane_mark
         ready.appendleft(mark)  # (what goes first while the slice runs lands ahead of it)
         end = time.perf_counter() + self.LANE_S
         try:
-            while lane:
-                handle = lane.popleft()
+            while answers or lane:
+                handle = answers.popleft() if answers else lane.popleft()
                 if not handle._cancelled:
                     handle._run()
                 if time.perf_counter() >= end:
                     break
         finally:
+            self._look_urgent()  # (its wake-ups land ahead of the mark)
             at = ready.index(mark)
             del ready[at]
-            if not lane:
+            if not lane and not answers:
                 self._lane_queued = False
             else:
                 ready.insert(max(at, self._past_last_look()[0]), self._lane_handle)

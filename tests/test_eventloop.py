@@ -651,3 +651,122 @@ def test_the_ingress_lane_yields_to_an_urgent_task_and_to_the_sockets():
     assert ins == [f"in{i}" for i in range(6)]  # in the order they came
     assert order.index("engine") < order.index("in5")  # ahead of the lane's later slices
     assert order.index("in5") < order.index("w0")  # and the lane ahead of queued work
+
+
+def _busy(seconds: float) -> None:
+    t = time.perf_counter()
+    while time.perf_counter() - t < seconds:
+        pass
+
+
+def test_a_first_answer_runs_ahead_of_the_lanes_ingress_and_later_answers_take_turns():
+    """A streaming handler waiting for its first token (``answering``) is woken in the lane,
+    ahead of the ingress queued there and of queued work: the token ends the request's TTFT.
+    Once it has ``answered``, its wake-ups wait their turn again."""
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        order: list[str] = []
+        tokens = [loop.create_future(), loop.create_future()]
+
+        async def handler():
+            for k, fut in enumerate(tokens):
+                await fut
+                order.append(f"token{k}")
+                if k == 0:
+                    loop.answered(asyncio.current_task())
+
+        task = loop.create_task(handler())
+        loop.answering(task)
+        await asyncio.sleep(0)  # the handler now waits for its first token
+
+        def ingress(i: int) -> None:
+            if i == 1:
+                tokens[0].set_result(None)  # the first token is delivered while the lane runs
+            if i == 4:
+                tokens[1].set_result(None)  # and the second
+            _busy(loop.LANE_S / 3)
+            order.append(f"in{i}")
+
+        for i in range(3):
+            loop.call_soon(order.append, f"w{i}")
+        for i in range(8):
+            loop._to_lane(ingress, (i,), None)
+        await task
+        while len(order) < 13:
+            await asyncio.sleep(0)
+        return order
+
+    order = run(main)
+    assert [x for x in order if x.startswith("in")] == [f"in{i}" for i in range(8)]
+    # the first answer: within the slice after the one that delivered it, ahead of the rest
+    assert order.index("in1") < order.index("token0") < order.index("in4")
+    assert order.index("token0") < order.index("w0")
+    # the second: behind the lane and the work queued before it
+    assert order.index("token1") > order.index("w2")
+
+
+def test_a_finished_answering_task_is_forgotten():
+    async def main():
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(asyncio.sleep(0))
+        loop.answering(task)
+        loop.answering(task)  # (twice: one entry)
+        await task
+        await asyncio.sleep(0)
+        return loop._answering
+
+    assert run(main) == set()
+
+
+def test_the_workers_pipe_is_read_between_lane_slices_while_a_bursts_reads_wait():
+    """A burst's reads, all reported by one look, each start a request in the lane; no new
+    look may come while they wait (a socket would be reported twice), but the model worker's
+    pipe is looked at alone between two slices: a step's result is read after the slice that
+    saw it come, not after the whole burst's ingress."""
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        order: list[str] = []
+        pipe_a, pipe_b = socket.socketpair()
+        pipe_a.setblocking(False)
+        got = loop.create_future()
+
+        def result_readable():
+            data = pipe_a.recv(16)
+            if data:  # (a second callback, from the full look, finds the pipe drained)
+                order.append(data.decode())
+                got.set_result(None)
+
+        loop.add_urgent_reader(pipe_a.fileno(), result_readable)
+        conns = [socket.socketpair() for _ in range(4)]
+        finished = loop.create_future()
+
+        def ingress(i: int) -> None:
+            if i == 0:
+                pipe_b.send(b"result")  # the step ends while the burst comes in
+            _busy(loop.LANE_S * 0.8)
+            order.append(f"in{i}")
+            if i == len(conns) - 1:
+                finished.set_result(None)
+
+        for i, (a, b) in enumerate(conns):
+            a.setblocking(False)
+
+            def readable(a=a, i=i):
+                a.recv(16)
+                loop.remove_reader(a.fileno())
+                order.append(f"read{i}")
+                loop._to_lane(ingress, (i,), None)
+
+            loop.add_reader(a.fileno(), readable)
+            b.send(b"POST")
+        await finished
+        await got
+        loop.remove_reader(pipe_a.fileno())
+        for s in (pipe_a, pipe_b, *[s for pair in conns for s in pair]):
+            s.close()
+        return order
+
+    order = run(main)
+    assert order.index("in0") < order.index("result") < order.index("read1"), order
