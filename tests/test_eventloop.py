@@ -221,6 +221,13 @@ def test_fd_serve_on_it_streams_the_engines_tokens_and_hears_hang_ups(
             return io_turn()
 
         loop.io_turn = counting_io_turn
+        answering, waited_for_a_first_token = loop.answering, []
+
+        def counting_answering(task):
+            waited_for_a_first_token.append(task)
+            return answering(task)
+
+        loop.answering = counting_answering
         metrics = Metrics()
         eng = await start_engine(embedded_redis.client, keys,
                                  EngineOptions(model_dir=str(tiny_model_dir), engine_id="first",
@@ -249,6 +256,9 @@ def test_fd_serve_on_it_streams_the_engines_tokens_and_hears_hang_ups(
                 return chunk.id, text
 
             results = await asyncio.gather(*(one(i) for i in range(16)))
+            # each stream's handler waited for its first token in the lane, and none still does
+            assert len(set(waited_for_a_first_token)) == 16
+            assert not loop._answering
             refs = LLM(tiny_runner, tiny_tokenizer).generate(
                 [tiny_tokenizer.encode(f"Request number {i}") for i in range(1, 16, 2)],
                 SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
