@@ -35,9 +35,9 @@ held. Other callbacks that always go first, each a few lines of work:
   work and behind an urgent engine. While a look must wait (the last one's callbacks, a
   burst's reads, are still queued), the model worker's pipe alone is looked at between two
   slices: its reply waited for the whole burst while the worker idled;
-- a request's first answer, in the same lane ahead of its ingress: a streaming handler is
-  :meth:`answering` until it has written its first token, and its wake-ups till then run
-  there. Behind a burst's ingress the first tokens waited for all of it (in round 0 of
+- a request's first answer, in the same lane ahead of the ingress queued there: a streaming
+  handler is :meth:`answering` until it has written its first token, and its wake-ups till
+  then run there. Behind a burst's ingress the first tokens waited for all of it (in round 0 of
   ``bench/api.py`` the first request's token was made at 10 ms and shown at 21 ms), behind a
   turn of the other streams' writes a few ms more;
 - a transport's ``_call_connection_lost`` (asyncio's way of saying a connection is gone) and
@@ -161,8 +161,8 @@ class EngineFirstLoop(asyncio.SelectorEventLoop):
         self._ready.appendleft(handle)
 
     def answering(self, task: asyncio.Task) -> None:
-        """Until :meth:`answered`, ``task``'s wake-ups run in the ingress lane, ahead of its
-        queued ingress: a streaming handler waiting for its request's first token. That token
+        """Until :meth:`answered`, ``task``'s wake-ups run in the ingress lane, ahead of the
+        ingress queued there: a streaming handler waiting for its request's first token. That token
         ends the request's way in (its TTFT) and costs one write; behind the rest of a burst's
         ingress it waited ~10 ms, behind a turn of other streams' token writes a few."""
         if task not in self._answering:
