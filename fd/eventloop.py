@@ -15,7 +15,11 @@ So the engine says when it is urgent: :meth:`EngineFirstLoop.prioritize` takes a
 predicate (``fd serve``'s engine: "the model has nothing left to run, and either requests
 wait to be claimed or the clients have been shown the last step"), and the task's wake-ups
 jump the line only while it holds; :meth:`hurry` moves a wake-up that was queued before it
-held. Other callbacks that always go first, each a few lines of work:
+held. While it does not hold and ingress is coming in (the lane, below, has work), its
+wake-ups take turns with the ingress instead of waiting for all of it: a step's result came
+while the next step ran, and the engine, not urgent (a step in flight), waited 2 ms behind two
+requests' ingress to fold it in and queue the next, the worker idle for 1 ms after.
+Other callbacks that always go first, each a few lines of work:
 
 - a reader added with :meth:`add_urgent_reader` (the model worker's pipe: a step's result)
   and callbacks handed in from other threads (``call_soon_threadsafe``: an in-process
@@ -125,7 +129,8 @@ class EngineFirstLoop(asyncio.SelectorEventLoop):
         self._lane_queued = False
         self._lane_mark = asyncio.Handle(_nothing, (), self, None)
         self._answering: set[asyncio.Task] = set()  # their wake-ups go in the lane (answering)
-        self._answers: collections.deque[asyncio.Handle] = collections.deque()  # ahead of ingress
+        #: first answers and the engine's wake-ups, ahead of the lane's ingress
+        self._lane_first: collections.deque[asyncio.Handle] = collections.deque()
         self._making_transport = False  # callbacks a new transport queues are ingress
         self._last_io: asyncio.Handle | None = None  # the last I/O callback queued by a look
         self._turn_io: dict[int, asyncio.Handle] = {}  # queued by io_turn's look
@@ -145,7 +150,8 @@ class EngineFirstLoop(asyncio.SelectorEventLoop):
 
     def prioritize(self, task: asyncio.Task, when: Callable[[], bool]) -> None:
         """Until ``task`` ends, its steps run ahead of everything else that is ready whenever
-        ``when()`` is true as they are scheduled."""
+        ``when()`` is true as they are scheduled; otherwise between two slices of the ingress
+        lane while it has work, else in turn."""
         self._first[task] = when
         task.add_done_callback(self._forget)
 
@@ -157,7 +163,10 @@ class EngineFirstLoop(asyncio.SelectorEventLoop):
         try:
             self._ready.remove(handle)
         except ValueError:
-            return  # it has run
+            try:
+                self._lane_first.remove(handle)  # (queued to take turns with ingress)
+            except ValueError:
+                return  # it has run
         self._ready.appendleft(handle)
 
     def answering(self, task: asyncio.Task) -> None:
@@ -297,7 +306,10 @@ class EngineFirstLoop(asyncio.SelectorEventLoop):
             if when is not None:
                 if when():
                     return self._front(callback, args, context)
-                handle = super().call_soon(callback, *args, context=context)
+                if self._lane_queued:  # ingress is coming in: take turns with it
+                    handle = self._to_lane(callback, args, context, first=True)
+                else:
+                    handle = super().call_soon(callback, *args, context=context)
                 self._queued[task] = handle
                 return handle
             code = getattr(task.get_coro(), "cr_code", None)
@@ -308,7 +320,7 @@ class EngineFirstLoop(asyncio.SelectorEventLoop):
                 # cancels it), which is an abort to hear at once.
                 return self._front(callback, args, context)
             if task in self._answering:  # (a first token to write: ahead of the lane's ingress)
-                return self._to_lane(callback, args, context, answer=True)
+                return self._to_lane(callback, args, context, first=True)
         elif self._making_transport:
             return self._to_lane(callback, args, context)
         elif getattr(callback, "__name__", None) == "_call_connection_lost" and not self.is_closed():
@@ -344,36 +356,41 @@ class EngineFirstLoop(asyncio.SelectorEventLoop):
         else:
             ready.extendleft(handles)
 
-    def _to_lane(self, callback, args, context, answer: bool = False) -> asyncio.Handle:
+    def _to_lane(self, callback, args, context, first: bool = False) -> asyncio.Handle:
         handle = asyncio.Handle(callback, args, self, context)
-        (self._answers if answer else self._lane).append(handle)
+        (self._lane_first if first else self._lane).append(handle)
         if not self._lane_queued:
             self._lane_queued = True
             self._put_first((self._lane_handle,))
         return handle
 
     def _run_lane(self) -> None:
-        """A slice of the ingress lane, first answers first, then in the order its callbacks
-        came; the rest after a look at the sockets (a step's result, a hang-up) and behind
-        whatever was put first while the slice ran (an urgent engine's wake-up)."""
-        lane, answers, ready, mark = self._lane, self._answers, self._ready, self._lane_mark
+        """A slice of the ingress lane: first answers and the engine's wake-ups first, then
+        ingress in the order it came; the rest after a look at the sockets (a step's result, a
+        hang-up) and behind whatever was put first while the slice ran (an urgent engine's
+        wake-up)."""
+        lane, first, ready, mark = self._lane, self._lane_first, self._ready, self._lane_mark
         ready.appendleft(mark)  # (what goes first while the slice runs lands ahead of it)
         end = time.perf_counter() + self.LANE_S
         try:
-            while answers or lane:
-                handle = answers.popleft() if answers else lane.popleft()
+            while first or lane:
+                handle = first.popleft() if first else lane.popleft()
                 if not handle._cancelled:
                     handle._run()
                 if time.perf_counter() >= end:
                     break
         finally:
             self._look_urgent()  # (its wake-ups land ahead of the mark)
-            at = ready.index(mark)
-            del ready[at]
-            if not lane and not answers:
+            if not lane and not first:
+                ready.remove(mark)
                 self._lane_queued = False
             else:
-                ready.insert(max(at, self._past_last_look()[0]), self._lane_handle)
+                # A look puts its callbacks ahead of the mark; without one, the last look's
+                # callbacks may still be queued behind it: the lane goes after those.
+                end = self._past_last_look()[0]
+                at = ready.index(mark)
+                del ready[at]
+                ready.insert(at if end <= at else end - 1, self._lane_handle)
 
     def _lost(self, callback, args) -> None:
         """A connection's end, then the step of any task it cancelled that was already
