@@ -15,11 +15,7 @@ So the engine says when it is urgent: :meth:`EngineFirstLoop.prioritize` takes a
 predicate (``fd serve``'s engine: "the model has nothing left to run, and either requests
 wait to be claimed or the clients have been shown the last step"), and the task's wake-ups
 jump the line only while it holds; :meth:`hurry` moves a wake-up that was queued before it
-held. While it does not hold and ingress is coming in (the lane, below, has work), its
-wake-ups take turns with the ingress instead of waiting for all of it: a step's result came
-while the next step ran, and the engine, not urgent (a step in flight), waited 2 ms behind two
-requests' ingress to fold it in and queue the next, the worker idle for 1 ms after.
-Other callbacks that always go first, each a few lines of work:
+held. Other callbacks that always go first, each a few lines of work:
 
 - a reader added with :meth:`add_urgent_reader` (the model worker's pipe: a step's result)
   and callbacks handed in from other threads (``call_soon_threadsafe``: an in-process
@@ -129,7 +125,7 @@ class EngineFirstLoop(asyncio.SelectorEventLoop):
         self._lane_queued = False
         self._lane_mark = asyncio.Handle(_nothing, (), self, None)
         self._answering: set[asyncio.Task] = set()  # their wake-ups go in the lane (answering)
-        #: first answers and the engine's wake-ups, ahead of the lane's ingress
+        #: first answers (:meth:`answering`), ahead of the lane's ingress
         self._lane_first: collections.deque[asyncio.Handle] = collections.deque()
         self._making_transport = False  # callbacks a new transport queues are ingress
         self._last_io: asyncio.Handle | None = None  # the last I/O callback queued by a look
@@ -150,8 +146,7 @@ class EngineFirstLoop(asyncio.SelectorEventLoop):
 
     def prioritize(self, task: asyncio.Task, when: Callable[[], bool]) -> None:
         """Until ``task`` ends, its steps run ahead of everything else that is ready whenever
-        ``when()`` is true as they are scheduled; otherwise between two slices of the ingress
-        lane while it has work, else in turn."""
+        ``when()`` is true as they are scheduled."""
         self._first[task] = when
         task.add_done_callback(self._forget)
 
@@ -163,10 +158,7 @@ class EngineFirstLoop(asyncio.SelectorEventLoop):
         try:
             self._ready.remove(handle)
         except ValueError:
-            try:
-                self._lane_first.remove(handle)  # (queued to take turns with ingress)
-            except ValueError:
-                return  # it has run
+            return  # it has run
         self._ready.appendleft(handle)
 
     def answering(self, task: asyncio.Task) -> None:
@@ -306,10 +298,7 @@ class EngineFirstLoop(asyncio.SelectorEventLoop):
             if when is not None:
                 if when():
                     return self._front(callback, args, context)
-                if self._lane_queued:  # ingress is coming in: take turns with it
-                    handle = self._to_lane(callback, args, context, first=True)
-                else:
-                    handle = super().call_soon(callback, *args, context=context)
+                handle = super().call_soon(callback, *args, context=context)
                 self._queued[task] = handle
                 return handle
             code = getattr(task.get_coro(), "cr_code", None)
@@ -365,10 +354,9 @@ class EngineFirstLoop(asyncio.SelectorEventLoop):
         return handle
 
     def _run_lane(self) -> None:
-        """A slice of the ingress lane: first answers and the engine's wake-ups first, then
-        ingress in the order it came; the rest after a look at the sockets (a step's result, a
-        hang-up) and behind whatever was put first while the slice ran (an urgent engine's
-        wake-up)."""
+        """A slice of the ingress lane: first answers first, then ingress in the order it
+        came; the rest after a look at the sockets (a step's result, a hang-up) and behind
+        whatever was put first while the slice ran (an urgent engine's wake-up)."""
         lane, first, ready, mark = self._lane, self._lane_first, self._ready, self._lane_mark
         ready.appendleft(mark)  # (what goes first while the slice runs lands ahead of it)
         end = time.perf_counter() + self.LANE_S
