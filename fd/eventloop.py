@@ -369,16 +369,12 @@ class EngineFirstLoop(asyncio.SelectorEventLoop):
                     break
         finally:
             self._look_urgent()  # (its wake-ups land ahead of the mark)
+            at = ready.index(mark)
+            del ready[at]
             if not lane and not first:
-                ready.remove(mark)
                 self._lane_queued = False
             else:
-                # A look puts its callbacks ahead of the mark; without one, the last look's
-                # callbacks may still be queued behind it: the lane goes after those.
-                end = self._past_last_look()[0]
-                at = ready.index(mark)
-                del ready[at]
-                ready.insert(at if end <= at else end - 1, self._lane_handle)
+                ready.insert(max(at, self._past_last_look()[0]), self._lane_handle)
 
     def _lost(self, callback, args) -> None:
         """A connection's end, then the step of any task it cancelled that was already

@@ -780,29 +780,3 @@ def test_the_workers_pipe_is_read_between_lane_slices_while_a_bursts_reads_wait(
 
     order = run(main)
     assert order.index("in0") < order.index("result") < order.index("read1"), order
-
-
-
-def test_what_goes_first_during_a_lane_slice_stays_ahead_of_the_next_slice():
-    """The lane is re-queued after a look at the sockets, whose callbacks are put first too
-    (here the self-pipe's, woken by a callback from another thread): what went first while the
-    slice ran stays ahead of the lane's next slice. It used to land behind, the lane's place
-    reckoned before the look."""
-
-    async def main():
-        loop = asyncio.get_running_loop()
-        order: list[str] = []
-
-        def ingress(i: int) -> None:
-            if i == 0:
-                loop.call_soon_threadsafe(order.append, "from a thread")  # (goes first)
-            _busy(loop.LANE_S * 1.2)
-            order.append(f"in{i}")
-
-        for i in range(3):
-            loop._to_lane(ingress, (i,), None)
-        while len(order) < 4:
-            await asyncio.sleep(0)
-        return order
-
-    assert run(main) == ["in0", "from a thread", "in1", "in2"]
