@@ -163,9 +163,9 @@ class EngineFirstLoop(asyncio.SelectorEventLoop):
 
     def answering(self, task: asyncio.Task) -> None:
         """Until :meth:`answered`, ``task``'s wake-ups run in the ingress lane, ahead of the
-        ingress queued there: a streaming handler waiting for its request's first token. That token
-        ends the request's way in (its TTFT) and costs one write; behind the rest of a burst's
-        ingress it waited ~10 ms, behind a turn of other streams' token writes a few."""
+        ingress queued there: a streaming handler waiting for its request's first token. That
+        token ends the request's way in (its TTFT) and costs one write; behind the rest of a
+        burst's ingress it waited ~10 ms, behind a turn of other streams' token writes a few."""
         if task not in self._answering:
             self._answering.add(task)
             task.add_done_callback(self._answering.discard)

@@ -19,6 +19,12 @@ def run(coro_fn):
         return runner.run(coro_fn())
 
 
+def _busy(seconds: float) -> None:
+    t = time.perf_counter()
+    while time.perf_counter() - t < seconds:
+        pass
+
+
 def test_a_prioritized_task_wakes_ahead_of_what_was_ready_while_its_predicate_holds():
     async def main():
         loop = asyncio.get_running_loop()
@@ -642,9 +648,7 @@ def test_the_ingress_lane_yields_to_an_urgent_task_and_to_the_sockets():
         def ingress(i: int) -> None:
             if i == 1:
                 gate.set_result(None)  # the engine is woken while the lane runs
-            t = time.perf_counter()
-            while time.perf_counter() - t < loop.LANE_S / 2:
-                pass
+            _busy(loop.LANE_S / 2)
             order.append(f"in{i}")
 
         for i in range(3):
@@ -661,12 +665,6 @@ def test_the_ingress_lane_yields_to_an_urgent_task_and_to_the_sockets():
     assert ins == [f"in{i}" for i in range(6)]  # in the order they came
     assert order.index("engine") < order.index("in5")  # ahead of the lane's later slices
     assert order.index("in5") < order.index("w0")  # and the lane ahead of queued work
-
-
-def _busy(seconds: float) -> None:
-    t = time.perf_counter()
-    while time.perf_counter() - t < seconds:
-        pass
 
 
 def test_a_first_answer_runs_ahead_of_the_lanes_ingress_and_later_answers_take_turns():
