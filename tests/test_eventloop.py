@@ -25,6 +25,14 @@ def _busy(seconds: float) -> None:
         pass
 
 
+def _work_then_lane(loop, order: list[str], ingress, n: int) -> None:
+    """Queued work (w0..w2, as a turn of token writes), then n ingress callbacks in the lane."""
+    for i in range(3):
+        loop.call_soon(order.append, f"w{i}")
+    for i in range(n):
+        loop._to_lane(ingress, (i,), None)
+
+
 def test_a_prioritized_task_wakes_ahead_of_what_was_ready_while_its_predicate_holds():
     async def main():
         loop = asyncio.get_running_loop()
@@ -651,10 +659,7 @@ def test_the_ingress_lane_yields_to_an_urgent_task_and_to_the_sockets():
             _busy(loop.LANE_S / 2)
             order.append(f"in{i}")
 
-        for i in range(3):
-            loop.call_soon(order.append, f"w{i}")
-        for i in range(6):
-            loop._to_lane(ingress, (i,), None)
+        _work_then_lane(loop, order, ingress, 6)
         await task
         while len(order) < 10:
             await asyncio.sleep(0)
@@ -696,10 +701,7 @@ def test_a_first_answer_runs_ahead_of_the_lanes_ingress_and_later_answers_take_t
             _busy(loop.LANE_S / 3)
             order.append(f"in{i}")
 
-        for i in range(3):
-            loop.call_soon(order.append, f"w{i}")
-        for i in range(8):
-            loop._to_lane(ingress, (i,), None)
+        _work_then_lane(loop, order, ingress, 8)
         await task
         while len(order) < 13:
             await asyncio.sleep(0)
