@@ -541,6 +541,22 @@ class Bus:
             return direct(self.keys.req(request_id))
         return bool(await self.redis.exists(self.keys.req(request_id)))
 
+    async def first_events(self, request_ids: Sequence[str]) -> list[Event | None]:
+        """Each request's first event (its ``accepted``, which says whose it is), or None for
+        no story, in one round trip: an API replica checks a many-id abort's ids with it."""
+        if not request_ids:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for rid in request_ids:
+            pipe.xrange(self.keys.req(rid), count=1)
+        out: list[Event | None] = []
+        for rid, entries in zip(request_ids, await pipe.execute()):
+            ev = None
+            for entry_id, fields in entries or ():
+                ev = await self._decode_or_dead(self.keys.req(rid), entry_id, fields, REQ_STREAM_TYPES, rid)
+            out.append(ev)
+        return out
+
     # ------------------------------------------------------------------ engines
 
     async def heartbeat(self, engine_id: str, fields: Mapping[str, str | int | float], ttl_s: int) -> None:

@@ -455,6 +455,10 @@ class Accepted(Event):
     # vLLM's return_token_ids (written only when asked): the prompt's token ids, which the
     # answer shows beside the output's.
     prompt_ids: tuple[int, ...] | None = None
+    # The tenant that made it (fd.api.tenancy): a one-way tag of its API key, never the key;
+    # written only for a request made with a tenant's key. Any replica serves the request's
+    # stream, response and input items only to that key (or the admin key).
+    tenant: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -213,8 +213,15 @@ def _json_list(text: str) -> list[str]:
 
 def _add_http_args(p: argparse.ArgumentParser) -> None:
     """Who may call the API node: keys, and (vLLM's flags and defaults) CORS."""
-    p.add_argument("--api-key", default=os.environ.get("FD_API_KEY"))
-    p.add_argument("--admin-key", default=os.environ.get("FD_ADMIN_KEY"))
+    p.add_argument("--api-key", nargs="+", action="extend", default=None, metavar="KEY",
+                   help="/v1 needs one of these keys (vLLM's; the flag may be repeated): each is a "
+                        "tenant, who sees only the requests made with it; give the model before "
+                        "it (default: FD_API_KEY or VLLM_API_KEY, several comma-separated)")
+    p.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="more API keys, one a line (keeps them out of the process list)")
+    p.add_argument("--admin-key", "--admin-api-key", dest="admin_key", default=os.environ.get("FD_ADMIN_KEY"),
+                   help="the operator's key: every request's stream and abort, abort_all, LoRA "
+                        "adapters (default: FD_ADMIN_KEY)")
     p.add_argument("--allowed-origins", type=_json_list, default=["*"],
                    help='origins a browser page may call the API from, a JSON list (default ["*"])')
     p.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS methods (JSON list)")
@@ -245,6 +252,21 @@ def _add_chat_args(p: argparse.ArgumentParser) -> None:
                         "repetition_penalty gets the model's generation_config.json value, and "
                         "its max_new_tokens caps every output (vLLM's default); vllm: fd's own "
                         "defaults; or a dir with another generation_config.json")
+
+
+def api_keys(args: argparse.Namespace) -> list[str]:
+    """The API keys of ``--api-key`` and ``--api-key-file``; without either, those of
+    ``FD_API_KEY`` (or vLLM's ``VLLM_API_KEY``), comma-separated."""
+    keys = list(args.api_key or ())
+    if args.api_key_file:
+        try:
+            text = Path(args.api_key_file).read_text()
+        except OSError as e:
+            raise SystemExit(f"error: --api-key-file: {e}") from None
+        keys += [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
+    if not keys:
+        keys = (os.environ.get("FD_API_KEY") or os.environ.get("VLLM_API_KEY") or "").split(",")
+    return [k.strip() for k in keys if k.strip()]
 
 
 def _need_url(args: argparse.Namespace) -> str:
@@ -316,7 +338,7 @@ def _api_opts(args: argparse.Namespace, model_dir: Path):
     from fd.api.cors import Cors
 
     return ApiOptions(model_dir=str(model_dir), host=args.host, port=args.port,
-                      served_model_name=args.served_model_name, api_key=args.api_key,
+                      served_model_name=args.served_model_name, api_key=api_keys(args),
                       admin_key=args.admin_key, tool_parser=args.tool_call_parser,
                       max_model_len=args.max_model_len, chat_template=args.chat_template,
                       generation_config=args.generation_config,
@@ -449,7 +471,8 @@ async def _run_batch(args: argparse.Namespace) -> int:
         dst = sys.stdout.buffer if args.output_file == "-" else open(args.output_file, "wb")
         with dst:
             ok, failed = await run_batch(base, lines, dst, concurrency=args.max_concurrency,
-                                         api_key=args.api_key, progress=args.output_file != "-")
+                                         api_key=next(iter(api_keys(args)), None),
+                                         progress=args.output_file != "-")
     finally:
         if started is not None:
             embedded, engine, api = started

@@ -62,7 +62,7 @@ class ApiOptions:
     # the name(s) requests use (vLLM's --served-model-name: the first is the one answers
     # give); None: the model dir's name
     served_model_name: str | list[str] | None = None
-    api_key: str | None = None
+    api_key: str | list[str] | None = None  # one key, or several (each a tenant: fd.api.tenancy)
     admin_key: str | None = None
     tool_parser: str | None = None  # see fd.api.tool_calls
     reasoning_parser: str | None = None  # see fd.api.reasoning

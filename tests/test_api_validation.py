@@ -194,7 +194,19 @@ async def test_api_key_is_required_on_v1(real_bus):
 
 
 async def test_admin_key_guards_abort_endpoints(real_bus):
+    # abort_all reaches every tenant's requests: the admin key's alone
     async with api_client(real_bus, api_key="user", admin_key="admin") as client:
+        for headers in ({}, {"Authorization": "Bearer user"}):
+            resp = await client.post("/v1/abort_requests", json={"abort_all": True}, headers=headers)
+            assert resp.status == 401
+            assert_openai_error(await resp.json())
+        assert await real_bus.redis.xlen(real_bus.keys.control) == 0
+        resp = await client.post("/v1/abort_requests", json={"abort_all": True},
+                                 headers={"Authorization": "Bearer admin"})
+        assert resp.status == 200, await resp.text()
+        assert await real_bus.redis.xlen(real_bus.keys.control) == 1
+    # with no API key, the abort routes are the admin key's: anyone may generate, not abort
+    async with api_client(real_bus, admin_key="admin") as client:
         for path, body in (("/v1/abort_requests", {"req_ids": ["r1"]}), ("/v1/requests/r1/cancel", None)):
             for headers in ({}, {"Authorization": "Bearer user"}):
                 resp = await client.post(path, json=body, headers=headers)
@@ -202,7 +214,7 @@ async def test_admin_key_guards_abort_endpoints(real_bus):
                 assert_openai_error(await resp.json())
             resp = await client.post(path, json=body, headers={"Authorization": "Bearer admin"})
             assert resp.status == 200, await resp.text()
-        assert await real_bus.redis.xlen(real_bus.keys.control) == 2
+        assert await real_bus.redis.xlen(real_bus.keys.control) == 3
 
 
 async def test_malformed_abort_bodies(real_bus):

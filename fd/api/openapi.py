@@ -4,8 +4,10 @@ Built from the same constants :mod:`fd.api.protocol` validates with (roles, limi
 schema-driven client or fuzzer sees what the server really accepts. The schemas describe what
 is *accepted*; anything outside them gets a 4xx with OpenAI's error shape, never a 5xx.
 
-Auth, as documented here: ``--api-key`` guards every ``/v1/*`` route (Bearer); ``--admin-key``
-guards the abort routes (the admin key also works wherever the API key does). ``/health``,
+Auth, as documented here: ``--api-key`` (one or several keys, each a tenant that sees only its
+own requests: :mod:`fd.api.tenancy`) guards every ``/v1/*`` route (Bearer); aborts by id take a
+tenant's key or ``--admin-key``, ``abort_all`` and the LoRA routes the admin key (which also
+works wherever an API key does). ``/health``,
 ``/metrics`` and this document are open: probes and scrapers carry no keys, and none of them
 exposes a request id or any request content.
 """
@@ -374,6 +376,7 @@ def build(model_name: str, max_model_len: int, max_body_bytes: int,
     ``max_tokens``, ``logit_bias`` keys are token ids of the vocabulary, and ``best_of`` equals
     ``n`` (400 naming the parameter)."""
     admin = [{"adminKey": []}]
+    own = [{"apiKey": []}, {"adminKey": []}]  # a tenant's own requests, or the admin's any
     token_id: dict[str, Any] = {"type": "integer", "format": "int64", "minimum": 0}
     if vocab_size:
         token_id["maximum"] = vocab_size - 1
@@ -385,9 +388,12 @@ def build(model_name: str, max_model_len: int, max_body_bytes: int,
         "components": {
             "schemas": _schemas(model_name, max_model_len, vocab_size, aliases),
             "securitySchemes": {
-                "apiKey": {"type": "http", "scheme": "bearer", "description": "--api-key"},
+                "apiKey": {"type": "http", "scheme": "bearer",
+                           "description": "one of --api-key's keys: a tenant, which sees and aborts "
+                                          "only its own requests (any other id answers as an unknown one)"},
                 "adminKey": {"type": "http", "scheme": "bearer",
-                             "description": "--admin-key (else --api-key) for the abort routes"}}},
+                             "description": "--admin-key (else a lone --api-key): every request, "
+                                            "abort_all, LoRA adapters"}}},
         "paths": {
             "/v1/chat/completions": _generating("Chat completion", "ChatCompletionRequest", "ChatCompletion"),
             "/v1/completions": _generating("Text completion", "CompletionRequest", "Completion"),
@@ -411,7 +417,8 @@ def build(model_name: str, max_model_len: int, max_body_bytes: int,
                 "responses": {"200": {"description": "Model card"}, "401": _ERRORS["401"],
                               "404": _err("Not a served name")}}},
             "/v1/abort_requests": {"post": {
-                "summary": "Abort requests by id, or all; answers at once", "security": admin,
+                "summary": "Abort requests by id (a tenant: its own), or all (the admin key); answers at once",
+                "security": own,
                 "parameters": [{"name": "wait", "in": "query", "required": False,
                                 "schema": {"type": "number", "minimum": 0},
                                 "description": "seconds to wait for the finals (the old synchronous answer)"}],
@@ -444,12 +451,12 @@ def build(model_name: str, max_model_len: int, max_body_bytes: int,
                               "401": _ERRORS["401"], "404": _err("Unknown, expired or not stored")}}},
             "/v1/responses/{id}/cancel": {"post": {
                 "summary": "Abort a response; answers with it once the abort's final is in",
-                "security": admin, "parameters": [_RID_PATH],
+                "security": own, "parameters": [_RID_PATH],
                 "responses": {"200": {"description": "The Response", "content": {
                     "application/json": {"schema": _ref("Response")}}},
                     "400": _ERRORS["400"], "401": _ERRORS["401"], "404": _err("Unknown or expired response")}}},
             "/v1/requests/{id}/cancel": {"post": {
-                "summary": "Abort one request; answers at once", "security": admin, "parameters": [_RID_PATH],
+                "summary": "Abort one request; answers at once", "security": own, "parameters": [_RID_PATH],
                 "responses": {"200": {"description": "Abort published", "content": {
                     "application/json": {"schema": _ref("AbortResponse")}}},
                     "400": _ERRORS["400"], "401": _ERRORS["401"]}}},

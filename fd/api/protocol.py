@@ -1400,9 +1400,11 @@ class Choices:
     def __init__(self, request_id: str, n: int, endpoint: str, model: str, created: int,
                  prompt_tokens: int, include_usage: bool = False,
                  token_bytes: Callable[[int], bytes] | None = None, continuous_usage: bool = False,
-                 per_prompt: int | None = None):
+                 per_prompt: int | None = None, request_ids: tuple[str, ...] | None = None):
         self.rid = request_id
-        self.request_ids = choice_ids(request_id, n)
+        # the choices' ids in the event log (a tenant's own id is namespaced there, its answer
+        # shows the id it gave: fd.api.tenancy)
+        self.request_ids = request_ids or choice_ids(request_id, n)
         # choices of each prompt (a story written before `n` was: all of one prompt)
         self.per_prompt = per_prompt if _is_int(per_prompt) and 0 < per_prompt <= n else n
         self.endpoint, self.model, self.created = endpoint, model, created

@@ -9,14 +9,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hmac
 import importlib.metadata
 import logging
 import math
+import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Sequence
 
 import orjson
 from aiohttp import web
@@ -52,6 +52,7 @@ from fd.api.errors import ApiError, bad_request, conflict, not_found, too_large,
 from fd.api.lora_admin import LoraNames
 from fd.api.responses import ResponsesRenderer, input_items, output_as_input
 from fd.api.responses import parse as parse_responses
+from fd.api.tenancy import TENANT_ID_MAX, Caller, Tenancy, abort_targets, story
 
 log = logging.getLogger("fd.api")
 
@@ -73,7 +74,7 @@ def _new_api_id() -> str:
 class ApiConfig:
     model_name: str
     max_model_len: int
-    api_key: str | None = None
+    api_key: str | Sequence[str] | None = None  # one key, or several (each a tenant: fd.api.tenancy)
     admin_key: str | None = None
     max_body_bytes: int = 4 << 20
     api_id: str = field(default_factory=_new_api_id)
@@ -98,10 +99,11 @@ CANCEL_WAIT_S = 2.0  # POST /v1/responses/{id}/cancel waits this long for the ab
 IGNORED_NAMES = 256  # distinct ignored request fields remembered, each said once
 REDIS_SUSPECT_S = 30.0  # after a Redis error, check with a quick ping before each new request
 REDIS_PING_TIMEOUT_S = 0.5
-ADMIN_PATHS = ("/v1/abort_requests", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+ADMIN_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")  # they act on everyone's requests
 KEYED_PATHS = ("/score", "/rerank", "/v2/rerank")  # vLLM's, outside /v1: they run the model
 CORS_REFUSED = web.RequestKey("fd.cors_refused", bool)
 RID = web.RequestKey("fd.rid", str)  # the request id, echoed in X-Request-Id even on errors
+CALLER = web.RequestKey("fd.caller", Caller)  # who sent it (fd.api.tenancy), on the routes with keys
 
 
 def valid_request_id(rid: str) -> bool:
@@ -209,13 +211,9 @@ def _bearer(request: web.Request) -> str | None:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
-def _key_ok(given: str | None, expected: str) -> bool:
-    return given is not None and hmac.compare_digest(given.encode(), expected.encode())
-
-
-def _is_admin_path(request: web.Request) -> bool:
+def _is_abort_path(request: web.Request) -> bool:
     p = request.path
-    return p in ADMIN_PATHS or (p.startswith(("/v1/requests/", "/v1/responses/")) and p.endswith("/cancel"))
+    return p == "/v1/abort_requests" or (p.startswith(("/v1/requests/", "/v1/responses/")) and p.endswith("/cancel"))
 
 
 class _Timing:
@@ -252,6 +250,7 @@ class Api:
         self._redis_suspect_until = 0.0  # see redis_failed()
         self._ignored_said: set[str] = set()  # request fields said to be ignored (_say_ignored)
         self.cfg = cfg
+        self.tenancy = Tenancy.of(cfg.api_key, cfg.admin_key)
         self.bus = bus
         self.mux = mux
         self.tokenizer = tokenizer
@@ -277,21 +276,21 @@ class Api:
 
     @web.middleware
     async def auth(self, request: web.Request, handler):
-        """``/v1/*`` (and vLLM's scoring routes outside it, which run the model) needs the API
-        key; the abort routes need the admin key when there is one
-        (which also opens every other ``/v1`` route). Both answer 401 with OpenAI's
-        ``authentication_error``: a client cannot tell "wrong key" from "not enough key",
-        which leaks nothing about which keys exist. ``/health``, ``/metrics`` and
-        ``/openapi.json`` stay open (see :mod:`fd.api.openapi`)."""
+        """``/v1/*`` (and vLLM's scoring routes outside it, which run the model) needs one of
+        the API keys; the admin key opens every such route too. Aborts and cancels by id take
+        a tenant's key (for its own requests, :mod:`fd.api.tenancy`) or the admin key; what acts
+        on everyone's requests (``abort_all``, LoRA adapters) needs the admin key. A refusal is
+        a 401 with OpenAI's ``authentication_error``: a client cannot tell "wrong key" from
+        "not enough key", which leaks nothing about which keys exist. ``/health``,
+        ``/metrics`` and ``/openapi.json`` stay open (see :mod:`fd.api.openapi`)."""
         if request.path.startswith("/v1/") or request.path in KEYED_PATHS:
-            token = _bearer(request)
-            admin = self.cfg.admin_key
-            if _is_admin_path(request) and admin:
-                if not _key_ok(token, admin):
-                    raise unauthorized("This endpoint needs the admin key (Authorization: Bearer <admin key>).")
-            elif self.cfg.api_key and not (_key_ok(token, self.cfg.api_key)
-                                           or (admin is not None and _key_ok(token, admin))):
+            caller = self.tenancy.caller(_bearer(request))
+            if caller is None:
                 raise unauthorized()
+            if not caller.admin and (request.path in ADMIN_PATHS
+                                     or (_is_abort_path(request) and not caller.may_abort)):
+                raise unauthorized("This endpoint needs the admin key (Authorization: Bearer <admin key>).")
+            request[CALLER] = caller
         return await handler(request)
 
     async def on_startup(self, app: web.Application) -> None:
@@ -327,16 +326,24 @@ class Api:
         return protocol.parse_body(await self._read_body(request), self.limits)
 
     def _request_id(self, request: web.Request, prefix: str) -> tuple[str, bool]:
+        """The new request's id in the event log, and whether the client gave it. The id the
+        client sees (``request[RID]``) is the one it gave, or the server's: 128 random bits
+        (``secrets``), so that no one can guess another client's. A tenant's own id is
+        namespaced in the log (:meth:`Caller.own`), so another tenant's cannot collide with it."""
         given = request.headers.get("X-Request-Id")
         if given is None:
-            rid = f"{prefix}-{uuid.uuid4().hex}"
+            rid = f"{prefix}-{secrets.token_hex(16)}"
             request[RID] = rid
             return rid, False
         if not valid_request_id(given):
             raise bad_request("Invalid X-Request-Id: use 1-128 letters, digits and '_.:@-'.",
                               "X-Request-Id", "invalid_request_id")
+        rid = request[CALLER].own(given)
+        if rid is None:
+            raise bad_request(f"Invalid X-Request-Id: with this API key, at most {TENANT_ID_MAX} characters.",
+                              "X-Request-Id", "invalid_request_id")
         request[RID] = given
-        return given, True
+        return rid, True
 
     def _notice_disconnect(self, request_ids: tuple[str, ...]) -> None:
         """In the cancelled handler itself: in-process readers of ``P:control`` (``fd serve``'s
@@ -378,9 +385,9 @@ class Api:
             if not isinstance(prev, str) or not valid_request_id(prev):
                 raise bad_request("'previous_response_id' must be a response id.", "previous_response_id",
                                   "invalid_value")
-            before = await self.bus.conversation(prev)
-            history = await self.bus.read_req(prev, b"0") if before is not None else []
-            if not history:
+            prev_rid, history = await story(self.bus, request[CALLER], prev)
+            before = await self.bus.conversation(prev_rid) if history else None
+            if before is None:
                 raise not_found(f"No stored response with id '{prev}' (never made here, made with "
                                 "store false, or expired).", "previous_response_id", "previous_response_not_found")
             if not any(isinstance(ev, Final) for _eid, ev in history):
@@ -417,6 +424,7 @@ class Api:
         await self._check_redis()
         arrival = time.monotonic()
         rid, explicit = self._request_id(request, prefix)
+        shown = request[RID]
         body = await self._body(request)
         await self._know_adapters(body)
         parsed = parse(body, self.limits, self.tokenizer)
@@ -424,15 +432,16 @@ class Api:
         self._say_ignored(body.ignored(), rid)
         many = len(req.inputs) > 1
         if many:
-            ids = await self._choice_ids(rid, explicit, len(req.inputs))
+            ids = await self._choice_ids(rid, explicit, len(req.inputs), shown)
         else:
             ids = (rid,)
             if explicit:
-                await self._id_free(rid)
+                await self._id_free(rid, shown)
         watch = watch_of(request)
         now = time.time()
         created = int(now)
-        common = dict(api=self.cfg.api_id, endpoint="embeddings", model=req.model, created=created)
+        common = dict(api=self.cfg.api_id, endpoint="embeddings", model=req.model, created=created,
+                      tenant=request[CALLER].tag)
         requests = [(Request(request_id=c, data=RequestData(
                          prompt_token_ids=ids_, sampling=req.sampling, arrival_ts=int(now * 1000),
                          model=req.model, api=self.cfg.api_id, parent=rid if many else "",
@@ -448,12 +457,12 @@ class Api:
                 parent = Accepted(request_id=rid, choices=len(ids), n=1,
                                   prompt_tokens=sum(map(len, req.inputs)), **common)
                 if not await self.bus.submit_choices(parent, requests):
-                    raise conflict(f"A request with id '{rid}' already exists.", "X-Request-Id")
+                    raise conflict(f"A request with id '{shown}' already exists.", "X-Request-Id")
             else:
                 await self.bus.submit(*requests[0])
             vectors = await self._collect_embeddings(ids, subs, [_Timing(self.metrics, arrival) for _ in ids])
             watch.finished = True
-            return rid, created, parsed, vectors
+            return shown, created, parsed, vectors
         finally:
             for sub in subs:
                 await sub.close()
@@ -545,6 +554,7 @@ class Api:
         await self._check_redis()
         arrival = time.monotonic()
         rid, explicit = self._request_id(request, prefix)
+        shown = request[RID]  # the id the client sees; `rid` is the event log's
         if body is None:
             body = await self._body(request)
         await self._know_adapters(body)
@@ -553,7 +563,7 @@ class Api:
         if gen.n > 1 or gen.prompts:
             return await self._generate_choices(request, rid, explicit, endpoint, gen, arrival)
         if explicit:
-            await self._id_free(rid)
+            await self._id_free(rid, shown)
         watch = watch_of(request)
         watch.background = gen.background
         now = time.time()
@@ -571,17 +581,18 @@ class Api:
                 Accepted(request_id=rid, api=self.cfg.api_id, prompt_tokens=len(gen.prompt_token_ids),
                          endpoint=endpoint, model=gen.model, created=created,
                          include_usage=gen.include_usage, continuous_usage=gen.continuous_usage or None,
+                         tenant=request[CALLER].tag,
                          **gen.rendering(), **gen.prompt_ids_field(gen.prompt_token_ids), **_echo(gen, 0)))
-            renderer = self._renderer(rid, endpoint, gen.model, created, len(gen.prompt_token_ids),
+            renderer = self._renderer(shown, endpoint, gen.model, created, len(gen.prompt_token_ids),
                                       gen.include_usage, gen.continuous_usage)
             timing = _Timing(self.metrics, arrival)
             if gen.stream:
-                return await self._stream(request, rid, self._events(sub), renderer, timing)
+                return await self._stream(request, shown, self._events(sub), renderer, timing)
             if gen.background and isinstance(renderer, ResponsesRenderer):
                 # OpenAI's background mode: answered at once, queued; the client polls
                 # GET /v1/responses/<id> (or streams it from there)
-                return _json(renderer.queued(), headers={"X-Request-Id": rid})
-            return await self._collect(rid, sub, renderer, timing, watch)
+                return _json(renderer.queued(), headers={"X-Request-Id": shown})
+            return await self._collect(shown, sub, renderer, timing, watch)
         finally:
             await sub.close()
 
@@ -593,7 +604,8 @@ class Api:
         response. A disconnect aborts all of them; so does an abort of the response's id, from
         anywhere (``P:owner`` marks it, see ``Bus.submit_choices``)."""
         plan = gen.choices()
-        ids = await self._choice_ids(rid, explicit, len(plan))
+        shown = request[RID]
+        ids = await self._choice_ids(rid, explicit, len(plan), shown)
         watch = watch_of(request)
         watch.background = gen.background
         now = time.time()
@@ -601,7 +613,7 @@ class Api:
         n_prompt = sum(map(len, gen.prompts or (gen.prompt_token_ids,)))  # each prompt once
         common = dict(api=self.cfg.api_id, endpoint=endpoint, model=gen.model, created=created,
                       include_usage=gen.include_usage, continuous_usage=gen.continuous_usage or None,
-                      **gen.rendering())
+                      tenant=request[CALLER].tag, **gen.rendering())
         subs = [await self.mux.subscribe(c, b"0") for c in ids]  # before submit: nothing missed
         try:
             watch.request_id, watch.abort_ids = rid, ids  # from here on a disconnect aborts them
@@ -614,28 +626,28 @@ class Api:
                      for k, (c, (prompt, sp)) in enumerate(zip(ids, plan))]
             parent = Accepted(request_id=rid, choices=len(ids), n=gen.n, prompt_tokens=n_prompt, **common)
             if not await self.bus.submit_choices(parent, items):
-                raise conflict(f"A request with id '{rid}' already exists.", "X-Request-Id")
-            choices = protocol.Choices(rid, len(ids), endpoint, gen.model, created, n_prompt,
+                raise conflict(f"A request with id '{shown}' already exists.", "X-Request-Id")
+            choices = protocol.Choices(shown, len(ids), endpoint, gen.model, created, n_prompt,
                                        gen.include_usage, self._token_bytes, gen.continuous_usage,
-                                       gen.n)
+                                       gen.n, request_ids=ids)
             timing = [_Timing(self.metrics, arrival) for _ in ids]  # latencies are each choice's
             if gen.stream:
-                resp = await self._stream(request, rid, self._merged(subs), choices, timing)
+                resp = await self._stream(request, shown, self._merged(subs), choices, timing)
             else:
-                resp = await self._collect_choices(rid, subs, choices, timing, watch)
+                resp = await self._collect_choices(shown, subs, choices, timing, watch)
             return resp
         finally:
             for sub in subs:
                 await sub.close()
 
-    async def _id_free(self, rid: str) -> None:
+    async def _id_free(self, rid: str, shown: str) -> None:
         """A client's own id for one request: a 409 if a request has it. (An id whose abort
         overtook it is not a conflict: its story already ends in an abort final, which is what
-        this client gets.)"""
+        this client gets.) A tenant's id is in its own space: only its own requests conflict."""
         if await self.bus.request_exists(rid) and not is_tombstone(await self.bus.owner(rid)):
-            raise conflict(f"A request with id '{rid}' already exists.", "X-Request-Id")
+            raise conflict(f"A request with id '{shown}' already exists.", "X-Request-Id")
 
-    async def _choice_ids(self, rid: str, explicit: bool, n: int) -> tuple[str, ...]:
+    async def _choice_ids(self, rid: str, explicit: bool, n: int, shown: str) -> tuple[str, ...]:
         """The ids ``<id>.<k>`` of a response's ``n`` parts, checked: not too long, and (for
         a client's own id) none taken."""
         ids = choice_ids(rid, n)
@@ -648,7 +660,7 @@ class Api:
             taken = [await self.bus.request_exists(r) for r in (rid, *ids)]
             # (an id whose abort overtook it is not a conflict, as for one choice)
             if not is_tombstone(owner) and (owner is not None or any(taken)):
-                raise conflict(f"A request with id '{rid}' (or one of its choices) already exists.",
+                raise conflict(f"A request with id '{shown}' (or one of its choices) already exists.",
                                "X-Request-Id")
         return ids
 
@@ -834,19 +846,19 @@ class Api:
         """``GET /v1/requests/{id}/stream``: the request's response again, from the start or
         after ``Last-Event-ID``, then live until its final; from any replica. Watching is not
         owning: a watcher that disconnects aborts nothing."""
-        rid = request.match_info["id"]
-        if not valid_request_id(rid):
+        shown = request.match_info["id"]
+        if not valid_request_id(shown):
             raise bad_request("Invalid request id.", "id", "invalid_request_id")
-        request[RID] = rid
+        request[RID] = shown
         last = (request.headers.get("Last-Event-ID") or request.query.get("last_event_id") or "").strip()
         # As the original request asked, unless the replaying client says otherwise.
         asked = request.query.get("include_usage")
-        history = await self.bus.read_req(rid, b"0")
+        rid, history = await story(self.bus, request[CALLER], shown)  # (another tenant's: none)
         if not history:
-            raise not_found(f"No request with id '{rid}' (never accepted, or expired).", "id", "request_not_found")
+            raise not_found(f"No request with id '{shown}' (never accepted, or expired).", "id", "request_not_found")
         first = history[0][1]
         if isinstance(first, Accepted) and first.endpoint == "embeddings":
-            raise bad_request(f"Request '{rid}' is an embeddings request: its answer is not a stream.",
+            raise bad_request(f"Request '{shown}' is an embeddings request: its answer is not a stream.",
                               "id", "invalid_value")
         if asked is not None:
             iu = asked.lower() not in ("0", "false", "no")
@@ -865,11 +877,11 @@ class Api:
         if n and n > 1:
             return await self._replay_choices(request, rid, first, iu, skip)
         if isinstance(first, Accepted):
-            renderer = self._renderer(rid, first.endpoint or "completion", first.model, first.created,
+            renderer = self._renderer(shown, first.endpoint or "completion", first.model, first.created,
                                       first.prompt_tokens, iu, bool(first.continuous_usage))
         else:  # an abort overtook the request: its whole story is the abort (no `accepted`)
-            renderer = protocol.Renderer(rid, "completion", self.cfg.model_name, first.ts // 1000, 0, iu)
-        return await self._stream(request, rid, self._story_then_live(rid, history), renderer, None, skip)
+            renderer = protocol.Renderer(shown, "completion", self.cfg.model_name, first.ts // 1000, 0, iu)
+        return await self._stream(request, shown, self._story_then_live(rid, history), renderer, None, skip)
 
     async def _story_then_live(self, rid: str, history: list) -> AsyncIterator:
         """A request's events so far, then (unless it has ended) the rest as they come."""
@@ -886,15 +898,17 @@ class Api:
     async def _replay_choices(self, request: web.Request, rid: str, first: Accepted, include_usage: bool,
                               skip: list[tuple[int, int]] | None) -> web.StreamResponse:
         """:meth:`stream_request` of a response of n choices: their streams, merged again."""
-        for c in choice_ids(rid, first.choices):
+        shown = request[RID]
+        ids = choice_ids(rid, first.choices)
+        for k, c in enumerate(ids):
             if not await self.bus.request_exists(c):
-                raise not_found(f"Choice '{c}' of request '{rid}' has expired.", "id", "request_not_found")
-        choices = protocol.Choices(rid, first.choices, first.endpoint or "completion", first.model,
+                raise not_found(f"Choice '{shown}.{k}' of request '{shown}' has expired.", "id", "request_not_found")
+        choices = protocol.Choices(shown, first.choices, first.endpoint or "completion", first.model,
                                    first.created, first.prompt_tokens, include_usage, self._token_bytes,
-                                   bool(first.continuous_usage), first.n)
+                                   bool(first.continuous_usage), first.n, request_ids=ids)
         subs = [await self.mux.subscribe(c, b"0") for c in choices.request_ids]
         try:
-            return await self._stream(request, rid, self._merged(subs), choices, None, skip)
+            return await self._stream(request, shown, self._merged(subs), choices, None, skip)
         finally:
             for sub in subs:
                 await sub.close()
@@ -916,32 +930,39 @@ class Api:
         body = protocol.parse_abort(await self._body(request), valid_request_id,
                                     valid_engine_id, MAX_IDS_PER_ABORT, all_valid_request_ids)
         abort_id = f"abort-{uuid.uuid4().hex[:16]}"
+        caller = request[CALLER]
         if body.abort_all:
+            if not caller.admin:  # (every tenant's requests)
+                raise unauthorized("abort_all needs the admin key (Authorization: Bearer <admin key>).")
             await self.bus.publish(self.bus.keys.control,
                                    AbortAll(engine=body.engine, source="http", abort_id=abort_id))
             return _json({"abort_id": abort_id, "abort_all": True, "engine": body.engine,
                           "accepted": [], "rejected": []})
-        await self._publish_abort(body.request_ids, abort_id)
+        # a tenant aborts its own requests; any other id is aborted where an unknown id would
+        # be, in its own space, so the answer is the same as for one
+        targets = await abort_targets(self.bus, caller, body.request_ids)
+        await self._publish_abort(tuple(t for t in targets if t is not None), abort_id)
         if timeout is not None:
-            return _json(await self._wait_final(body.request_ids, timeout))
+            return _json(await self._wait_final(tuple(targets), timeout, body.request_ids))
         return _json({"abort_id": abort_id, "accepted": list(body.request_ids),
                       "rejected": [{"request_id": r, "reason": why} for r, why in body.rejected]})
 
     # ------------------------------------------------------------------ stored responses
 
-    async def _response_story(self, request: web.Request) -> tuple[str, list]:
+    async def _response_story(self, request: web.Request) -> tuple[str, str, list]:
         """The story of a Responses API request (``/v1/responses/{id}``), or a 404: the output
-        lives in its stream for the story's TTL, which is how long it can be retrieved."""
-        rid = request.match_info["id"]
-        if not valid_request_id(rid):
+        lives in its stream for the story's TTL, which is how long it can be retrieved. Its id
+        in the event log, the client's, and the story; another tenant's is a 404 too."""
+        shown = request.match_info["id"]
+        if not valid_request_id(shown):
             raise bad_request("Invalid response id.", "id", "invalid_request_id")
-        request[RID] = rid
-        history = await self.bus.read_req(rid, b"0")
+        request[RID] = shown
+        rid, history = await story(self.bus, request[CALLER], shown)
         first = history[0][1] if history else None
         if not isinstance(first, Accepted) or first.endpoint != "responses":
-            raise not_found(f"No response with id '{rid}' (never made here, or expired).", "id",
+            raise not_found(f"No response with id '{shown}' (never made here, or expired).", "id",
                             "response_not_found")
-        return rid, history
+        return rid, shown, history
 
     def _response_renderer(self, rid: str, first: Accepted) -> ResponsesRenderer:
         return ResponsesRenderer(rid, first.model, first.created, first.prompt_tokens, self._token_bytes)
@@ -964,10 +985,10 @@ class Api:
         """``GET /v1/responses/{id}`` (OpenAI's retrieve): the Response as it stands; with
         ``?stream=true`` its events from the start, or after ``starting_after`` (a sequence
         number), then live until it ends, from any replica."""
-        rid, history = await self._response_story(request)
+        rid, shown, history = await self._response_story(request)
         if request.query.get("stream", "").lower() not in ("true", "1"):
-            return _json(self._snapshot(rid, history), headers={"X-Request-Id": rid})
-        renderer = self._response_renderer(rid, history[0][1])
+            return _json(self._snapshot(shown, history), headers={"X-Request-Id": shown})
+        renderer = self._response_renderer(shown, history[0][1])
         after = request.query.get("starting_after")
         if after is not None:
             try:
@@ -975,39 +996,43 @@ class Api:
             except ValueError:
                 raise bad_request("'starting_after' must be a sequence number.", "starting_after",
                                   "invalid_value") from None
-        return await self._stream(request, rid, self._story_then_live(rid, history), renderer, None, None)
+        return await self._stream(request, shown, self._story_then_live(rid, history), renderer, None, None)
 
     async def response_input_items(self, request: web.Request) -> web.Response:
         """``GET /v1/responses/{id}/input_items``: the conversation it was given (after that of
         the response it continued), as kept for ``previous_response_id``."""
-        rid, _history = await self._response_story(request)
+        rid, shown, _history = await self._response_story(request)
         items = await self.bus.conversation(rid)
         if items is None:
-            raise not_found(f"Response '{rid}' was made with store false, or its input expired.", "id",
+            raise not_found(f"Response '{shown}' was made with store false, or its input expired.", "id",
                             "response_not_found")
-        return _json({"object": "list", "data": items, "has_more": False}, headers={"X-Request-Id": rid})
+        return _json({"object": "list", "data": items, "has_more": False}, headers={"X-Request-Id": shown})
 
     async def cancel_response(self, request: web.Request) -> web.Response:
         """``POST /v1/responses/{id}/cancel``: abort it and answer with the Response once the
         abort's final is in (or, past CANCEL_WAIT_S, as it stands)."""
-        rid, history = await self._response_story(request)
+        rid, shown, history = await self._response_story(request)
         if not any(isinstance(ev, Final) for _eid, ev in history):
             await self._publish_abort((rid,), f"abort-{uuid.uuid4().hex[:16]}")
             await self._wait_final((rid,), CANCEL_WAIT_S)
             history = await self.bus.read_req(rid, b"0")
-        return _json(self._snapshot(rid, history), headers={"X-Request-Id": rid})
+        return _json(self._snapshot(shown, history), headers={"X-Request-Id": shown})
 
     async def cancel_request(self, request: web.Request) -> web.Response:
         """``POST /v1/requests/{id}/cancel``: abort one request; answers at once."""
-        rid = request.match_info["id"]
-        if not valid_request_id(rid):
+        shown = request.match_info["id"]
+        if not valid_request_id(shown):
             raise bad_request("Invalid request id.", "id", "invalid_request_id")
         abort_id = f"abort-{uuid.uuid4().hex[:16]}"
-        await self._publish_abort((rid,), abort_id)
-        return _json({"abort_id": abort_id, "accepted": [rid], "rejected": []})
+        # (another tenant's id: aborted where an unknown one would be, as abort_requests does)
+        targets = await abort_targets(self.bus, request[CALLER], (shown,))
+        await self._publish_abort(tuple(t for t in targets if t is not None), abort_id)
+        return _json({"abort_id": abort_id, "accepted": [shown], "rejected": []})
 
     async def _publish_abort(self, ids: tuple[str, ...], abort_id: str) -> None:
         """One XADD, or a few in one round trip if the ids overflow one field."""
+        if not ids:
+            return
         batches, cur, size = [], [], 0
         for rid in ids:
             if cur and size + len(rid) + 1 > MAX_FIELD_BYTES // 2:
@@ -1023,12 +1048,17 @@ class Api:
         else:
             await self.bus.publish_many(events)
 
-    async def _wait_final(self, ids: tuple[str, ...], timeout: float) -> dict:
-        """The pre-refactor answer: which requests reached their final within ``timeout``."""
+    async def _wait_final(self, ids: tuple[str | None, ...], timeout: float,
+                          shown: tuple[str, ...] | None = None) -> dict:
+        """The pre-refactor answer: which requests reached their final within ``timeout``,
+        named as the client named them (``shown``; by default the log's ids). None: no
+        request's (a tenant's id too long for its space)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
 
-        async def one(rid: str) -> Final | None:
+        async def one(rid: str | None) -> Final | None:
+            if rid is None:
+                return None
             history = await self.bus.read_req(rid, b"0")
             if not history:
                 return None
@@ -1058,7 +1088,7 @@ class Api:
 
         finals = await asyncio.gather(*(one(r) for r in ids))
         aborted, missing = [], []
-        for rid, fin in zip(ids, finals):
+        for rid, fin in zip(shown or ids, finals):
             if fin is None:
                 missing.append(rid)
             else:
