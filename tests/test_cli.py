@@ -168,11 +168,12 @@ async def test_split_deployment_operator_commands(redis_server, keys, tmp_path):
 
 
 async def test_fd_serve_embedded_as_a_new_user(tmp_path):
-    """`fd serve` with nothing else: the tiny model is made on first use, the embedded
-    control plane answers redis-cli, Ctrl-C exits cleanly."""
+    """`fd serve --model tiny`: the tiny model is made on first use, the embedded control
+    plane answers redis-cli, Ctrl-C exits cleanly. (`fd serve` with no --model at all serves
+    the real default model: tests/test_real_model.py.)"""
     port, rport = free_port(), free_port()
     env = {**os.environ, "FD_CACHE_DIR": str(tmp_path / "cache")}
-    serve = _spawn("serve", "--port", str(port), "--embedded-port", str(rport), env=env)
+    serve = _spawn("serve", "--model", "tiny", "--port", str(port), "--embedded-port", str(rport), env=env)
     base = f"http://127.0.0.1:{port}"
     try:
         await _wait_healthy(base, [serve], timeout=90)
@@ -218,7 +219,7 @@ def _children(pid: int, marker: bytes) -> list[int]:
 async def test_fd_serve_worker_cpus_auto_puts_the_worker_on_the_last_cpu(tmp_path):
     port = free_port()
     env = {**os.environ, "FD_CACHE_DIR": str(tmp_path / "cache")}
-    serve = _spawn("serve", "--port", str(port), "--worker-cpus", "auto", env=env)
+    serve = _spawn("serve", "--model", "tiny", "--port", str(port), "--worker-cpus", "auto", env=env)
     try:
         await _wait_healthy(f"http://127.0.0.1:{port}", [serve], timeout=90)
         cpus = os.sched_getaffinity(0)
@@ -248,7 +249,7 @@ async def test_fd_serve_whose_model_worker_dies_says_so_and_exits(tmp_path):
     exits 1."""
     port = free_port()
     env = {**os.environ, "FD_CACHE_DIR": str(tmp_path / "cache")}
-    serve = _spawn("serve", "--port", str(port), env=env)
+    serve = _spawn("serve", "--model", "tiny", "--port", str(port), env=env)
     base = f"http://127.0.0.1:{port}"
     try:
         await _wait_healthy(base, [serve], timeout=90)
@@ -276,7 +277,7 @@ def test_start_up_mistakes_are_one_line_errors(tmp_path):
     r = _fd("serve", "--model", str(tmp_path / "nowhere"))
     assert r.returncode != 0 and "is not a model directory" in r.stderr
     assert "Traceback" not in r.stderr
-    r = _fd("serve", "--max-model-len", "1000000", "--port", str(free_port()))
+    r = _fd("serve", "--model", "tiny", "--max-model-len", "1000000", "--port", str(free_port()))
     assert r.returncode == 1 and "--max-model-len 1000000 must be between 2 and the model's" in r.stderr
     assert "Traceback" not in r.stderr
     port = free_port()  # nothing listens there
@@ -342,7 +343,8 @@ async def test_fd_serve_api_server_count_spreads_connections_over_api_processes(
     env = {**os.environ, "FD_CACHE_DIR": str(tmp_path / "cache")}
     for extra in ([], ["--redis-url", redis_server.url, "--prefix", "apis"]):
         port, rport = free_port(), free_port()
-        serve = _spawn("serve", "--port", str(port), "--embedded-port", str(rport), "--api-server-count", "3",
+        serve = _spawn("serve", "--model", "tiny", "--port", str(port), "--embedded-port", str(rport),
+                       "--api-server-count", "3",
                        *extra, env=env)
         base = f"http://127.0.0.1:{port}"
         try:

@@ -22,6 +22,10 @@ import numpy as np
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
                            "MixtralForCausalLM", "Phi3ForCausalLM")
+ARCHITECTURE_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                              "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                              "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                              "mixtral": "MixtralForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 
 class UnsupportedModel(ValueError):
@@ -83,11 +87,12 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
         archs = d.get("architectures") or []
-        arch = archs[0] if archs else None
+        # (transformers 5 sometimes writes `architectures: null` beside the model_type)
+        arch = archs[0] if archs else ARCHITECTURE_OF_MODEL_TYPE.get(d.get("model_type"))
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModel(f"unsupported architecture {arch!r}; supported: "
                                    f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-        scaling = _rope_scaling(d.get("rope_scaling"))
+        theta, scaling, rotary = _rope(d)
         window = d.get("sliding_window") if arch in ("MistralForCausalLM", "MixtralForCausalLM",
                                                     "Phi3ForCausalLM") else None
         if d.get("use_sliding_window"):  # (Qwen2's: windows on some layers only)
@@ -96,8 +101,8 @@ class ModelConfig:
             raise UnsupportedModel(f"sliding_window {window!r} is not a positive integer")
         if window and window >= int(d.get("max_position_embeddings", 2048)):
             window = None  # (as wide as the context: changes nothing)
-        if float(d.get("partial_rotary_factor") or 1.0) != 1.0:
-            raise UnsupportedModel(f"partial_rotary_factor {d['partial_rotary_factor']} is not supported "
+        if rotary != 1.0:
+            raise UnsupportedModel(f"partial_rotary_factor {rotary} is not supported "
                                    "(RoPE over whole heads only)")
         if d.get("mlp_bias"):
             raise UnsupportedModel("mlp_bias is not supported")
@@ -121,7 +126,7 @@ class ModelConfig:
                 intermediate_size=int(d["intermediate_size"]),
                 vocab_size=int(d["vocab_size"]),
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(d.get("rope_theta", 10000.0)),
+                rope_theta=theta,
                 max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 # Qwen2 always has q/k/v biases; Llama's attention_bias adds them to o_proj too,
@@ -162,27 +167,53 @@ def _experts(arch: str, d: dict, layers: int) -> dict:
 ROPE_TYPES = ("llama3", "linear")
 
 
-def _rope_scaling(raw) -> tuple[tuple[str, float | str], ...]:
-    """config.json's ``rope_scaling``, checked: None, ``default``, Llama 3's (every Llama 3.1+
-    checkpoint has one) or linear; anything else refused."""
+def _rope(d: dict) -> tuple[float, tuple[tuple[str, float | str], ...], float]:
+    """RoPE's (theta, scaling, partial rotary factor) from either spelling of config.json:
+    transformers 5's ``rope_parameters`` (theta, type and scaling fields in one dict) or the
+    older top-level ``rope_theta`` / ``rope_scaling`` / ``partial_rotary_factor``. Both may be
+    present (a config written by one version and edited by another); they must then agree, or
+    the model would run with whichever fd happened to read."""
+    old_theta = float(d.get("rope_theta") or 10000.0)
+    old_rotary = float(d.get("partial_rotary_factor") or 1.0)
+    old = _rope_scaling(d.get("rope_scaling"))
+    params = d.get("rope_parameters")
+    if params is None:
+        return old_theta, old, old_rotary
+    if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
+        # (per layer type, as Gemma 3 writes it: {"full_attention": {...}, ...})
+        raise UnsupportedModel(f"rope_parameters {params!r} is not supported (one RoPE for every layer)")
+    theta = float(params.get("rope_theta") or d.get("rope_theta") or 10000.0)
+    rotary = float(params.get("partial_rotary_factor") or old_rotary)
+    rest = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    scaling = _rope_scaling(rest or None, "rope_parameters")
+    if (d.get("rope_theta") is not None and float(d["rope_theta"]) != theta) or (d.get("rope_scaling") and old != scaling):
+        raise UnsupportedModel(f"rope_parameters {params!r} and rope_theta {d.get('rope_theta')!r} / "
+                               f"rope_scaling {d.get('rope_scaling')!r} disagree")
+    return theta, scaling, rotary
+
+
+def _rope_scaling(raw, field: str = "rope_scaling") -> tuple[tuple[str, float | str], ...]:
+    """config.json's ``rope_scaling`` (or the scaling part of ``rope_parameters``), checked:
+    None, ``default``, Llama 3's (every Llama 3.1+ checkpoint has one) or linear; anything else
+    refused."""
     if not raw:
         return ()
     if not isinstance(raw, dict):
-        raise UnsupportedModel(f"rope_scaling {raw!r} is not supported")
+        raise UnsupportedModel(f"{field} {raw!r} is not supported")
     kind = raw.get("rope_type", raw.get("type"))
     if kind == "default":
         return ()
     if kind not in ROPE_TYPES:
-        raise UnsupportedModel(f"rope_scaling {raw!r} is not supported (rope_type: "
+        raise UnsupportedModel(f"{field} {raw!r} is not supported (rope_type: "
                                f"{', '.join(ROPE_TYPES)})")
     need = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings") \
         if kind == "llama3" else ("factor",)
     try:
         values = {k: float(raw[k]) for k in need}
     except (KeyError, TypeError, ValueError):
-        raise UnsupportedModel(f"rope_scaling {raw!r} lacks one of {', '.join(need)}") from None
+        raise UnsupportedModel(f"{field} {raw!r} lacks one of {', '.join(need)}") from None
     if values["factor"] <= 0 or (kind == "llama3" and values["high_freq_factor"] <= values["low_freq_factor"]):
-        raise UnsupportedModel(f"rope_scaling {raw!r} has impossible factors")
+        raise UnsupportedModel(f"{field} {raw!r} has impossible factors")
     return tuple(sorted({"rope_type": kind, **values}.items()))
 
 
