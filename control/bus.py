@@ -35,7 +35,7 @@ import orjson
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError, WatchError
+from redis.exceptions import NoScriptError, ResponseError, WatchError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from control.events import (
@@ -53,6 +53,8 @@ from control.events import (
     decode,
     tombstone_story,
 )
+from control import fence
+from control.fence import Refused
 from control.keys import (ABORT_WRITTEN, GROUP_ENGINES, Keys, choices_owner, is_tombstone, tombstone,
                           pending_tombstone_source, valid_request_id)
 
@@ -129,6 +131,7 @@ class Bus:
         #: (so ``fd serve``'s engine need not poll it every step).
         self.local_requests: list[Callable[[], None]] = []
         self._appends: dict[str, int] = {}  # capped stream -> direct appends (see TRIM_EVERY)
+        self._fence_sha: str | None = None  # control/fence.py's script, once loaded
 
     # ------------------------------------------------------------------ publishing
 
@@ -247,6 +250,112 @@ class Bus:
         if self.local_requests and any(stream == self.keys.requests for stream, _ in items):
             self._tell_arrivals()  # written now: a claim finds them
         return (direct + (results if results is not None else tail))[: len(items)]
+
+    async def publish_owned(self, items: Sequence[tuple[str, Event]], owners: Mapping[str, str],
+                            expire: Sequence[tuple[str, str]] = (),
+                            ack: Sequence[tuple[str, bytes]] = ()) -> dict[str, Refused]:
+        """An engine's flush: :meth:`publish_many`, with every event on a request's story
+        appended through the fence (control/fence.py): only while ``P:owner:{id}`` holds
+        ``owners[id]`` (the writer's owner token) and the story has no final yet, each
+        request's events in one atomic call, all pipelined in one round trip. A story event
+        whose request has no token in ``owners`` is refused too (never written unfenced).
+
+        ``expire`` and ``ack`` are ``(request id, key or P:requests entry)``, done only for
+        requests whose events got through, so an engine never acknowledges the entry of a
+        request another engine now runs: with the final, inside the fence, on a single Redis;
+        after the events otherwise (the cluster's other slots; the embedded server, where it
+        costs no round trip). The final's renewal of the story's and owner key's own TTL is
+        the fence's.
+
+        Returns the requests refused (request id -> why); nothing of theirs was written."""
+        keys = self.keys
+        groups: dict[str, list[tuple[str, Event]]] = {}
+        plain: list[tuple[str, Event]] = []
+        for stream, ev in items:
+            rid = getattr(ev, "request_id", None)
+            if rid is not None and stream == keys.req(rid):
+                groups.setdefault(rid, []).append((stream, ev))
+            else:
+                plain.append((stream, ev))
+        refused: dict[str, Refused] = {}
+        fenced = getattr(self.redis, "fd_fenced_append", None)  # the embedded in-process client
+        scripted: list[tuple[str, list[dict[str, str]]]] = []
+        for rid, evs in groups.items():
+            token = owners.get(rid)
+            if token is None:
+                log.error("refused to write %d event(s) of %s without an owner token", len(evs), rid)
+                refused[rid] = Refused("owner", None)
+                continue
+            fields = [ev.encode() for _, ev in evs]
+            got = None
+            if fenced is not None:
+                got = fenced(keys.owner(rid), token, keys.req(rid),
+                             [(f, ev) for f, (_, ev) in zip(fields, evs)], self.req_ttl_s)
+            if got is None:
+                scripted.append((rid, fields))
+            elif isinstance(got, Refused):
+                refused[rid] = got
+        folded: set[str] = set()
+        if scripted:
+            if not self.cluster:  # a final's ack and renewals go with it (see control/fence.py)
+                folded = {rid for rid, fields in scripted if fields[-1].get("type") == Final.TYPE}
+            refused.update(await self._fenced_pipeline(scripted, owners, plain, folded, expire, ack))
+        elif plain:
+            await self.publish_many(plain)
+        later_expire = [key for rid, key in expire if rid not in refused and rid not in folded]
+        later_ack = [entry for rid, entry in ack if rid not in refused and rid not in folded]
+        if later_expire or later_ack:
+            await self.publish_many([], expire=later_expire, ack=later_ack)
+        return refused
+
+    async def _fenced_pipeline(self, scripted, owners: Mapping[str, str],
+                               plain: Sequence[tuple[str, Event]], folded: set[str],
+                               expire: Sequence[tuple[str, str]],
+                               ack: Sequence[tuple[str, bytes]]) -> dict[str, Refused]:
+        """The fence's script for each request (EVALSHA, loaded on a NOSCRIPT: a command that
+        failed so did nothing, and only those are sent again), and ``plain``'s XADDs, in one
+        pipeline; ``folded``: the requests whose ack and renewals go in their script."""
+        acks = {rid: entry for rid, entry in ack if rid in folded}
+        renew: dict[str, list[str]] = {}
+        for rid, key in expire:
+            if rid in folded:
+                renew.setdefault(rid, []).append(key)
+        if self._fence_sha is None:
+            self._fence_sha = await self.redis.script_load(fence.SCRIPT)
+        refused: dict[str, Refused] = {}
+        todo = scripted
+        for _ in range(3):
+            pipe = self.redis.pipeline(transaction=False)
+            for rid, fields in todo:
+                extra = [self.keys.requests, *renew.get(rid, ())] if rid in folded else []
+                args = fence.script_args(owners[rid], self.req_ttl_s, fields, acks.get(rid),
+                                         GROUP_ENGINES)
+                # (execute_command: redis-py's cluster pipeline refuses its evalsha, but
+                # routes the command by its first key, the request's slot)
+                pipe.execute_command("EVALSHA", self._fence_sha, 2 + len(extra), self.keys.owner(rid),
+                                     self.keys.req(rid), *extra, *args)
+            for stream, ev in plain:
+                self._xadd(pipe, stream, ev.encode())
+            plain = ()
+            results = await pipe.execute(raise_on_error=False)
+            again = []
+            for item, res in zip(todo, results):
+                if isinstance(res, NoScriptError):
+                    again.append(item)
+                elif isinstance(res, Exception):
+                    raise res
+                else:
+                    got = fence.script_result(res)
+                    if isinstance(got, Refused):
+                        refused[item[0]] = got
+            for res in results[len(todo):]:
+                if isinstance(res, Exception):
+                    raise res
+            if not again:
+                return refused
+            self._fence_sha = await self.redis.script_load(fence.SCRIPT)  # (flushed, or a new node)
+            todo = again
+        raise ResponseError("the fence's script could not be loaded")
 
     async def submit(self, request: Request, accepted: Accepted) -> bool:
         """Accept a request: its story starts (``accepted``) before any engine can claim it.

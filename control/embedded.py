@@ -14,7 +14,9 @@ One :class:`fakeredis.FakeServer` holds the data. Two doors lead to it:
 The in-process door also skips fakeredis' generic command dispatch for the one command fd
 sends most, ``XADD key * field value ...`` (a token event per request per step), and offers
 ``Bus.publish_many`` a direct append (``client.fd_append``) that skips redis-py's pipeline
-for it too, and ``Bus.tombstone_many`` the same for a many-id abort (``client.fd_tombstones``). Both make the same change to the same data structures under the same lock, and
+for it too, ``Bus.publish_owned`` the fence's checks and appends (``client.fd_fenced_append``,
+control/fence.py) without Lua, and ``Bus.tombstone_many`` the same for a many-id abort
+(``client.fd_tombstones``). Both make the same change to the same data structures under the same lock, and
 hand everything else to fakeredis (tests/test_embedded_xadd.py compares the two). They rely
 on fakeredis internals, hence the pinned fakeredis version.
 """
@@ -40,6 +42,7 @@ from fakeredis.model import _stream as fake_stream
 from fakeredis.model._stream import MAX_KEY, StreamEntryKey, XStream
 
 from control.connect import MAX_CONNECTIONS, POOL_WAIT_S
+from control.fence import Refused
 
 log = logging.getLogger("control.embedded")
 
@@ -150,23 +153,29 @@ def _append_after(server, db, key: bytes, values,
         now = time.time()
         for d in server.dbs.values():
             d.time = now
-        try:
-            item = db[key]  # (an expired key is dropped here, as fakeredis does)
-        except KeyError:
-            item = None
-        if item is not None and type(item.value) is not XStream:
-            return None  # WRONGTYPE, said by the generic path
-        stream = XStream() if item is None else item.value
-        before = stream.last_id
-        if before == MAX_KEY:
-            return None
-        entry = stream.next_id(None, True)
-        if entry is None:
-            return None
-        _add(stream, values, entry, *node_limits)
-        if item is None:
-            db[key] = Item(stream)
-        db.notify_watch(key)  # WATCHers, and readers blocked on the database
+        return _append_locked(db, key, values, node_limits)
+
+
+def _append_locked(db, key: bytes, values,
+                   node_limits: tuple[int, int]) -> tuple[bytes, StreamEntryKey] | None:
+    """:func:`_append_after`'s append, under the server lock the caller holds, its clocks set."""
+    try:
+        item = db[key]  # (an expired key is dropped here, as fakeredis does)
+    except KeyError:
+        item = None
+    if item is not None and type(item.value) is not XStream:
+        return None  # WRONGTYPE, said by the generic path
+    stream = XStream() if item is None else item.value
+    before = stream.last_id
+    if before == MAX_KEY:
+        return None
+    entry = stream.next_id(None, True)
+    if entry is None:
+        return None
+    _add(stream, values, entry, *node_limits)
+    if item is None:
+        db[key] = Item(stream)
+    db.notify_watch(key)  # WATCHers, and readers blocked on the database
     return entry.encode(), before
 
 
@@ -228,6 +237,75 @@ class _Direct:
                     log.exception("in-process stream listener failed")
         return entry
 
+    def fenced_append(self, owner_key: str, token: str, stream: str,
+                      entries: list[tuple[dict[str, str], Any]], ttl_s: int) -> list[bytes] | Refused | None:
+        """control/fence.py's script, done on the server's data under its lock (the client's
+        ``fd_fenced_append``): ``entries`` (fields and the event they encode, in order) are
+        appended to ``stream`` only if ``owner_key`` holds ``token`` and the stream's last
+        entry is no final; a final ends the batch and renews both keys' TTL. Each appended
+        entry is told to the in-process listeners, as :meth:`append` tells them. Returns the
+        ids appended, :class:`Refused` (nothing appended), or None (nothing done: a key of
+        another type, keyspace notifications on; the caller runs the script)."""
+        self._check()
+        server = self._server
+        if server.config.get(b"notify-keyspace-events"):
+            return None
+        names = self._names
+        encoded = []
+        for fields, _ in entries:
+            values = []
+            for k, v in fields.items():
+                kb = names.get(k)
+                if kb is None:
+                    kb = names[k] = k.encode()
+                values.append(kb)
+                values.append(v.encode())
+            encoded.append(values)
+        cfg = server.config
+        limits = (int(cfg.get(b"stream-node-max-entries", 100)),
+                  int(cfg.get(b"stream-node-max-bytes", 4096)))
+        key, okey = stream.encode(), owner_key.encode()
+        done: list[tuple[bytes, StreamEntryKey, int]] = []
+        with server.lock:
+            db = self._db()
+            try:
+                owner = db[okey].value  # (an expired key is dropped here)
+            except KeyError:
+                owner = None
+            if owner is not None and type(owner) is not bytes:
+                return None  # WRONGTYPE: the script says so
+            if owner != token.encode():
+                return Refused("owner", None if owner is None else owner.decode(errors="replace"))
+            try:
+                story = db[key].value
+            except KeyError:
+                story = None
+            if story is not None and type(story) is not XStream:
+                return None
+            if story is not None and story._ids and _is_final(story._values_dict[story._ids[-1]]):
+                return Refused("final", owner.decode(errors="replace"))
+            ended = False
+            for i, values in enumerate(encoded):
+                got = _append_locked(db, key, values, limits)
+                if got is None:  # (only an exhausted id space: nothing of this batch is lost
+                    break        # silently, the caller sees fewer ids than events)
+                done.append((got[0], got[1], i))
+                if values[1] == b"final" and values[0] == b"type":
+                    ended = True
+                    break
+            if ended and ttl_s > 0:
+                self._expire_locked(db, [key, okey], ttl_s)
+        for entry, before, i in done:
+            fields, event = entries[i]
+            if event is None:
+                continue
+            for listener in self._listeners:
+                try:
+                    listener(key, before, entry, event, fields)
+                except Exception:  # a reader's bug must not cost the write
+                    log.exception("in-process stream listener failed")
+        return [entry for entry, _, _ in done]
+
     def listen(self, listener: Callable[..., None]) -> Callable[[], None]:
         """Call ``listener(key, before, entry_id, event, fields)`` after each append made
         with an ``event`` by any in-process client of this server, on the appending thread
@@ -277,21 +355,23 @@ class _Direct:
         server = self._server
         if server.config.get(b"notify-keyspace-events") or ttl_s <= 0:
             return None
-        out = []
         with server.lock:
-            db = self._db()
-            for key in keys:
-                kb = key.encode()
-                try:
-                    item = db[kb]
-                except KeyError:
-                    out.append(False)
-                    continue
-                item.expireat = db.time + ttl_s
-                db.schedule_expiry(kb, item.expireat)
-                for sock in db._watches.get(kb, ()):  # a WATCH sees the key modified
-                    sock.notify_watch()
-                out.append(True)
+            return self._expire_locked(self._db(), [key.encode() for key in keys], ttl_s)
+
+    @staticmethod
+    def _expire_locked(db, keys: list[bytes], ttl_s: int) -> list[bool]:
+        out = []
+        for kb in keys:
+            try:
+                item = db[kb]
+            except KeyError:
+                out.append(False)
+                continue
+            item.expireat = db.time + ttl_s
+            db.schedule_expiry(kb, item.expireat)
+            for sock in db._watches.get(kb, ()):  # a WATCH sees the key modified
+                sock.notify_watch()
+            out.append(True)
         return out
 
     def read_group(self, key: str, group: str, consumer: str,
@@ -385,6 +465,14 @@ class _Direct:
             if any(old is None for old, _ in out):
                 db.wake_all()  # blocked readers re-check once, not once a key
         return out
+
+
+def _is_final(fields) -> bool:
+    """Whether a stored entry (``name, value, ...``) is a ``final`` event."""
+    for i in range(0, len(fields) - 1, 2):
+        if fields[i] == b"type":
+            return fields[i + 1] == b"final"
+    return False
 
 
 _format_record = XStream.format_record
@@ -662,6 +750,7 @@ class EmbeddedRedis:
                          max_connections=MAX_CONNECTIONS, timeout=POOL_WAIT_S)
         direct = _Direct(self.fake_server, self._listeners)
         client.fd_append = direct.append
+        client.fd_fenced_append = direct.fenced_append
         client.fd_listen = direct.listen
         client.fd_tombstones = direct.tombstones
         client.fd_set_nx_get = direct.set_nx_get

@@ -45,6 +45,33 @@ def pending_tombstone_source(owner: str | None) -> str | None:
     return None
 
 
+#: An engine's value of ``P:owner:{id}``: its *owner token* ``<engine>#<attempt>``, the grant
+#: of ownership it fences its writes with (control/fence.py). ``#`` is in no engine id, so the
+#: engine is everything before it.
+TOKEN_SEP = "#"
+
+
+def owner_token(engine_id: str, attempt: int) -> str:
+    return f"{engine_id}{TOKEN_SEP}{attempt}"
+
+
+def owner_engine(owner: str | None) -> str | None:
+    """The engine an owner key's value names (a token, or the bare id an engine of an earlier
+    release wrote); None for no value."""
+    return None if owner is None else owner.partition(TOKEN_SEP)[0]
+
+
+def owner_attempt(owner: str | None) -> int | None:
+    """The attempt of an owner token; None for anything else (no value, a bare engine id, a
+    tombstone)."""
+    if owner is None or TOKEN_SEP not in owner:
+        return None
+    try:
+        return int(owner.rpartition(TOKEN_SEP)[2])
+    except ValueError:
+        return None
+
+
 #: The value of ``P:owner:{id}`` for a response of n > 1 choices (``choices=<n>``): nobody
 #: runs the id itself, its choices ``<id>.<k>`` run as requests of their own. An abort of the
 #: id meets it instead of winning a tombstone, and aborts the choices.

@@ -6,9 +6,9 @@ the pending list (entries idle for a while) and takes over one only when its own
 no owner key, an owner whose heartbeat hash ``P:engine:<id>`` has expired, or itself in an
 earlier life. It never takes a request from an engine that is alive.
 
-The takeover is a compare-and-set of the owner key (WATCH/MULTI, which the embedded fakeredis
-server also speaks, unlike Lua): of two live engines that both saw the owner dead, exactly one
-moves the key from the dead owner to itself. The winner reads the request's story to learn
+The takeover is a compare-and-set of the owner key (WATCH/MULTI): of two live engines that both
+saw the owner dead, exactly one moves the key from the dead owner's token to a token of its own
+with the next attempt (control/fence.py), which from then on fences the old owner's writes. The winner reads the request's story to learn
 what the dead engine already published (tokens, claims, an abort it noted, a final) and
 continues from there; see :class:`History`.
 
@@ -27,7 +27,7 @@ from redis.exceptions import WatchError
 from control.bus import Bus
 from control.events import (AbortRequested, BadEvent, BlocksReleased, Claimed, Drained, Event,
                             Final, Preempted, Request, Tokens, decode)
-from control.keys import GROUP_ENGINES, is_tombstone
+from control.keys import GROUP_ENGINES, is_tombstone, owner_engine
 
 
 @dataclass
@@ -37,6 +37,7 @@ class History:
     tokens: list[int] = field(default_factory=list)  # generated and published, in order
     text: str = ""  # the text published with them
     claims: int = 0  # `claimed` events: one per engine that started it
+    attempt: int = 0  # the greatest attempt claimed (the owner token's, control.keys.owner_token)
     handbacks: int = 0  # `preempted handback=1`: starts that ended in a drain, not a failure
     final: bool = False
     noted: set[str] = field(default_factory=set)  # abort stages already on the stream
@@ -54,6 +55,7 @@ class History:
                 h.text += ev.text
             elif isinstance(ev, Claimed):
                 h.claims += 1
+                h.attempt = max(h.attempt, ev.attempt)
             elif isinstance(ev, Preempted) and ev.handback:
                 h.handbacks += 1
             elif isinstance(ev, Final):
@@ -133,7 +135,9 @@ class OrphanFinder:
         for _, req in cands:
             pipe.get(keys.owner(req.request_id))
         owners = [o.decode() if isinstance(o, bytes) else o for o in await pipe.execute()]
-        others = sorted({o for o in owners if o and o != self.id and not is_tombstone(o)})
+        engines = [owner_engine(o) for o in owners]
+        others = sorted({e for o, e in zip(owners, engines)
+                         if e and e != self.id and not is_tombstone(o)})
         alive: dict[str, bool] = {}
         if others:
             pipe = r.pipeline(transaction=False)
@@ -142,10 +146,10 @@ class OrphanFinder:
             alive = {o: bool(n) for o, n in zip(others, await pipe.execute())}
         found: list[Orphan] = []
         aborted: list[tuple[bytes, str]] = []
-        for (eid, req), owner in zip(cands, owners):
+        for (eid, req), owner, engine in zip(cands, owners, engines):
             if is_tombstone(owner):
                 aborted.append((eid, req.request_id))  # an abort won: finish its story, ack
-            elif owner is None or owner == self.id or not alive.get(owner, False):
+            elif owner is None or engine == self.id or not alive.get(engine, False):
                 found.append(Orphan(eid, req, owner))
             if len(found) >= count:
                 break

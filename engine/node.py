@@ -19,8 +19,10 @@ Faults (DESIGN.md §1, issue 7):
 - A dead engine's requests are taken over by a live one, which continues them from the tokens
   already on their streams (:mod:`engine.failover`); a request that failed ``max_attempts``
   times ends with ``final finish_reason=error``.
-- An engine that finds its ownership of a request taken (it was thought dead: a long pause, a
-  partition) drops the request without another word: the new owner writes its story.
+- Every write to a request's story is fenced (control/fence.py): it lands only while the
+  request's owner key holds this engine's owner token for it. An engine whose write is refused,
+  or that finds its ownership taken at a heartbeat (it was thought dead: a long pause, a
+  partition), drops the request without another word: the new owner writes its story.
 - Drain (``type=drain engine=<id>``, or SIGTERM in ``fd engine``): claim nothing new, hand back
   what never started, let running requests finish for ``drain_timeout_s``, hand back the rest,
   exit. A handed-back request is re-queued on ``P:requests`` and continued by whichever engine
@@ -65,7 +67,9 @@ from control.events import (
     prompt_logprobs_field,
     tombstone_story,
 )
-from control.keys import choice_ids, is_tombstone, owner_choices
+from control.fence import Refused
+from control.keys import (ABORT_WRITTEN, choice_ids, is_tombstone, owner_attempt, owner_choices,
+                          owner_token)
 from control.tokenizer import served_context
 from engine import failover
 from engine.adapters import Adapters
@@ -206,8 +210,18 @@ class EngineNode:
         self._progress: dict[str, float] = {}  # last token (or claim), monotonic
         self._timed_out: set[str] = set()
         self._outbox: list[tuple[str, Event]] = []
-        self._expire: list[str] = []
-        self._ack: list[bytes] = []
+        # (request id, key) and (request id, P:requests entry): done only if the request's
+        # events got through the fence (control/fence.py)
+        self._expire: list[tuple[str, str]] = []
+        self._ack: list[tuple[str, bytes]] = []
+        # The owner token (control.keys.owner_token) each request's events are fenced with:
+        # this engine's grant of it, or ABORT_WRITTEN for an abort story it won the writing of.
+        # A request's token goes once the flush that carries its final is done (_untoken).
+        self._token: dict[str, str] = {}
+        self._untoken: list[str] = []
+        self._renewed: dict[str, float] = {}  # owner key and story TTLs renewed (monotonic)
+        self.fenced = 0  # requests dropped because the fence refused their events
+        self._lost: set[str] = set()  # dropped so (counted once), until their token goes
         self._wake = asyncio.Event()
         self._flush_lock = asyncio.Lock()
         self._bg: set[asyncio.Task] = set()
@@ -623,8 +637,8 @@ class EngineNode:
         fresh = [req.request_id for _, req in got if not req.resume]
         if len(fresh) > 1:
             try:
-                owned = dict(zip(fresh, await self.bus.try_own_many(fresh, self.id,
-                                                                    self.bus.req_ttl_s)))
+                owned = dict(zip(fresh, await self.bus.try_own_many(
+                    fresh, owner_token(self.id, 1), self.bus.req_ttl_s)))
             except RETRYABLE as e:
                 self._redis_failed("claim", e)  # (then each is owned on its own below)
         for entry_id, req in got:
@@ -649,23 +663,42 @@ class EngineNode:
                 self._redis_failed("claim", e)
                 return
             if hist is not None:
-                self._start(entry_id, req, hist)
+                self._start(entry_id, req, *hist)
         finally:
             self._admitting.discard(rid)
 
     async def _own(self, entry_id: bytes, req: Request, takeover: bool, owner: str | None,
-                   owned: tuple[bool, str | None] | None = None) -> History | None:
+                   owned: tuple[bool, str | None] | None = None) -> tuple[History, str] | None:
+        """Take the owner key with a token of a new attempt (control.keys.owner_token), and
+        read what the story says: ``(history, token)``, or None (not ours, or done).
+
+        The attempt is greater than any grant's before it, so a token is never given twice:
+        a takeover's is one more than the token it replaces; where there is none to go by
+        (a resume, whose owner key the hand-back deleted; a takeover of an absent key or of
+        an earlier release's bare engine id) the story is read first, and the attempt is one
+        more than the last one claimed there (while no token holds the key, no fenced write
+        can change it)."""
         rid = req.request_id
         ttl = self.bus.req_ttl_s
         if takeover:
+            last = owner_attempt(owner)
+            if last is None:
+                last = History.of([ev for _, ev in await self.bus.read_req(rid)]).attempt
+            token = owner_token(self.id, last + 1)
             if not await failover.cas_owner(self.bus.redis, self.bus.keys.owner(rid), owner,
-                                            self.id, ttl):
+                                            token, ttl):
                 return None  # another engine was faster, or an abort won
             await failover.take_entry(self.bus, entry_id, self.id)
         else:
-            won, current = owned if owned is not None else await self.bus.try_own(rid, self.id, ttl)
-            # (current == self.id: a retried SET NX that had in fact got through)
-            if not won and current != self.id:
+            if req.resume:
+                last = History.of([ev for _, ev in await self.bus.read_req(rid)]).attempt
+                token = owner_token(self.id, last + 1)
+                owned = None
+            else:
+                token = owner_token(self.id, 1)  # a new request: the first grant
+            won, current = owned if owned is not None else await self.bus.try_own(rid, token, ttl)
+            # (current == token: a retried SET NX that had in fact got through)
+            if not won and current != token:
                 # An abort got here first (tombstone): the request is never prefilled. Its
                 # story is written by whoever flips the tombstone first, maybe this engine.
                 log.info("claim lost", extra={"request_id": rid, "owner": current})
@@ -675,18 +708,20 @@ class EngineNode:
                 await self.bus.ack_request(entry_id)
                 return None
         if not (takeover or req.resume):
-            return History()
+            return History(), token
         hist = History.of([ev for _, ev in await self.bus.read_req(rid)])
         if hist.final:  # it had finished; only the ack was missing
             await self.bus.ack_request(entry_id)
             return None
-        return hist
+        return hist, token
 
-    def _start(self, entry_id: bytes, req: Request, hist: History) -> None:
+    def _start(self, entry_id: bytes, req: Request, hist: History, token: str) -> None:
         """Synchronous, so no abort can slip in between the checks and ``sched.add``."""
         rid, data = req.request_id, req.data
         self._entry[rid] = entry_id
         self._request[rid] = req
+        self._token[rid] = token
+        self._renewed[rid] = time.monotonic()
         n_prompt, n_gen = len(data.prompt_token_ids), len(hist.tokens)
         usage = {"prompt_tokens": n_prompt, "completion_tokens": n_gen,
                  "total_tokens": n_prompt + n_gen}
@@ -740,7 +775,7 @@ class EngineNode:
         self._progress[rid] = time.monotonic()
         if hist.claims:
             self.taken_over += 1
-        evs = [Claimed(request_id=rid, engine=self.id, attempt=hist.claims + 1)]
+        evs = [Claimed(request_id=rid, engine=self.id, attempt=owner_attempt(token))]
         if tail:
             evs.append(Tokens(request_id=rid, token_ids=(), text=tail, step=self.sched.step))
         self._emit(evs)
@@ -796,9 +831,9 @@ class EngineNode:
             await self._hand_back(rids)
 
     async def _hand_back(self, rids: list[str]) -> None:
-        back: list[tuple[str, bytes, Request]] = []
+        back: list[tuple[str, bytes, Request, str]] = []
         for rid in rids:
-            entry, req = self._entry.get(rid), self._request.get(rid)
+            entry, req, token = self._entry.get(rid), self._request.get(rid), self._token.get(rid)
             self._silent.add(rid)
             evs = self.sched.abort(rid, "engine")  # nothing is in flight: released at once
             count = sum(e.count for e in evs if isinstance(e, BlocksReleased))
@@ -808,13 +843,14 @@ class EngineNode:
             self._outbox.append((self.bus.keys.req(rid), Preempted(
                 request_id=rid, count=count, engine=self.id, step=self.sched.step, handback=True,
                 ts=int(time.time() * 1000))))
-            back.append((rid, entry, req))
+            if token is not None:
+                back.append((rid, entry, req, token))
         await self._flush()  # the notes (and every token before them) first
-        for rid, entry, req in back:
+        for rid, entry, req, token in back:
             key = self.bus.keys.owner(rid)
             # The owner key goes before the request is re-queued: a claimer must find it free.
             released = await self._retry("hand back", lambda: failover.cas_owner(
-                self.bus.redis, key, self.id, None, self.bus.req_ttl_s))
+                self.bus.redis, key, token, None, self.bus.req_ttl_s))
             if not released:
                 continue  # no longer ours (taken over meanwhile): nothing to hand back
             await self._retry("hand back", lambda: self.bus.publish_many(
@@ -1008,6 +1044,7 @@ class EngineNode:
     async def _write_tombstone_story(self, rid: str) -> None:
         source = await self._retry("abort", lambda: self.bus.take_abort_story(rid))
         if source is not None:
+            self._token[rid] = ABORT_WRITTEN  # (the fence lets the one who flipped it write)
             self._emit(tombstone_story(rid, source))
 
     def _take_prompt_logprobs(self, rid: str) -> dict | None:
@@ -1084,6 +1121,8 @@ class EngineNode:
                 if t is not None and self.metrics is not None and not silent:
                     self.metrics.abort_release_seconds.observe(now - t)
             elif isinstance(ev, Final):
+                self._untoken.append(rid)
+                self._renewed.pop(rid, None)
                 self._progress.pop(rid, None)
                 self._prompt_lp.pop(rid, None)
                 req = self._request.pop(rid, None)
@@ -1098,13 +1137,12 @@ class EngineNode:
                     self._timed_out.discard(rid)
                     ev = replace(ev, finish_reason="error", error=(
                         f"no progress for {self.cfg.request_timeout_s:g} s (request timeout)"))
-                self._expire.append(self.bus.keys.req(rid))
-                self._expire.append(self.bus.keys.owner(rid))
+                # (its own story's and owner key's TTL: renewed by the fence with the final)
                 if req is not None and req.data.parent:  # see RequestData.parent
-                    self._expire.append(self.bus.keys.req(req.data.parent))
-                    self._expire.append(self.bus.keys.owner(req.data.parent))
+                    self._expire.append((rid, self.bus.keys.req(req.data.parent)))
+                    self._expire.append((rid, self.bus.keys.owner(req.data.parent)))
                 if entry is not None:
-                    self._ack.append(entry)
+                    self._ack.append((rid, entry))
             if silent:
                 continue
             fields: dict[str, Any] = {"ts": ts}
@@ -1165,6 +1203,7 @@ class EngineNode:
             items, self._outbox = self._outbox, []
             expire, self._expire = self._expire, []
             ack, self._ack = self._ack, []
+            done, self._untoken = self._untoken, []
             if look is not None and len(items) > FLUSH_CHUNK and self._direct:
                 # What a hang-up heard in between emits goes to the next flush, after these:
                 # each request's events stay in order.
@@ -1173,19 +1212,27 @@ class EngineNode:
                     items = items[FLUSH_CHUNK:]
                     await look()
             await self._publish(items, expire, ack)
+            for rid in done:  # their finals are out (or refused): nothing more is written
+                if rid not in self._entry and rid not in self._admitting:
+                    self._token.pop(rid, None)
+                    self._lost.discard(rid)
 
     async def _publish(self, items, expire, ack) -> None:
         """One pipelined batch, exactly once: after a failure only what is not on its stream
         yet is sent again (:mod:`engine.outbox`). Nothing else is published meanwhile (the
-        flush lock), so the order of events is kept across an outage."""
+        flush lock), so the order of events is kept across an outage. Every event on a
+        request's story goes through the fence (control/fence.py): a request whose events it
+        refuses is dropped (:meth:`_lose`)."""
         backoff = self.cfg.retry_backoff_s
         failed = False
         while True:
             try:
                 if failed:
                     items = await unwritten(self.bus.redis, items)
-                await self.bus.publish_many(items, expire=expire, ack=ack)
+                refused = await self.bus.publish_owned(items, self._token, expire=expire, ack=ack)
                 self._redis_ok()
+                for rid, why in refused.items():
+                    self._lose(rid, why)
                 return
             except RETRYABLE as e:
                 failed = True
@@ -1224,21 +1271,46 @@ class EngineNode:
             await self._sleep_while_running(self.cfg.heartbeat_s)
 
     async def _check_ownership(self) -> None:
-        """Fencing: a request whose owner key names another engine was taken over (this
-        engine looked dead to a peer); stop running it, silently."""
+        """A request whose owner key no longer holds this engine's token was taken over (this
+        engine looked dead to a peer): stop running it, silently, before its next write would
+        meet the fence. Those still held get their owner key's and story's TTL renewed every
+        quarter TTL, so a request that runs for longer than the TTL keeps them (the fence
+        refuses a write once its owner key is gone)."""
         rids = [r for r in self._entry if r not in self._silent and self.sched.knows(r)]
         if not rids:
             return
         pipe = self.bus.redis.pipeline(transaction=False)
         for rid in rids:
             pipe.get(self.bus.keys.owner(rid))
+        now = time.monotonic()
+        due: list[str] = []
         for rid, owner in zip(rids, await pipe.execute()):
             owner = owner.decode() if isinstance(owner, bytes) else owner
-            if owner is not None and owner != self.id and self.sched.knows(rid):
-                log.warning("lost ownership; dropping", extra={"request_id": rid, "owner": owner})
-                self._silent.add(rid)
-                self._emit(self.sched.abort(rid, "engine"))
+            if not self.sched.knows(rid) or rid in self._silent:
+                continue
+            if owner != self._token.get(rid):
+                self._lose(rid, Refused("owner", owner))
+            elif now - self._renewed.get(rid, now) > self.bus.req_ttl_s / 4:
+                self._renewed[rid] = now
+                due += [self.bus.keys.owner(rid), self.bus.keys.req(rid)]
+        if due:  # (not atomic with the GET: at worst it renews a new owner's keys, as it would)
+            await self.bus.publish_many([], expire=due)
         self._wake.set()
+
+    def _lose(self, rid: str, why: Refused) -> None:
+        """The fence refused this request's events, or its owner key moved on: another
+        engine runs it (or it ended). Stop scheduling it, drop it in the runner, release its
+        blocks, and write nothing more to its story."""
+        if rid in self._lost:
+            return  # (a flush made before it was dropped, refused too)
+        self._lost.add(rid)
+        self.fenced += 1
+        log.warning("fenced: not the owner any more; dropping",
+                    extra={"request_id": rid, "engine": self.id, "owner": why.owner, "why": why.why})
+        if self.sched.knows(rid) and rid not in self._silent:
+            self._silent.add(rid)
+            self._emit(self.sched.abort(rid, "engine"))
+            self._wake.set()
 
     async def _failover_loop(self) -> None:
         while not self._stopping:
@@ -1309,6 +1381,7 @@ class EngineNode:
             "cache_hits": self.sched.num_cache_hits,
             "step": self.sched.step,
             "draining": int(self._draining),
+            "fenced": self.fenced,
             "ts": int(time.time() * 1000),
             **self.adapters.status(),
         }

@@ -173,6 +173,38 @@ async def test_submit_claim_and_ack_with_the_final(cbus):
     assert (await cbus.redis.xpending(cbus.keys.requests, "engines"))["pending"] == 0
 
 
+async def test_the_fence_per_request_on_every_master(cbus):
+    """control/fence.py's script names only the request's own slot: each request's batch is
+    fenced on its own master, the refused one writes and acknowledges nothing, the others'
+    finals are acknowledged after them."""
+    from control.fence import Refused
+    from control.keys import owner_token
+
+    await cbus.ensure_group()
+    rids = ids_on_every_master(cbus, cbus.keys.req, 2)
+    for rid in rids:
+        assert await cbus.submit(request(rid), E.Accepted(request_id=rid, prompt_tokens=3))
+    entries = {req.request_id: entry for entry, req in await cbus.claim_requests("e1", 100, None)}
+    mine = {rid: owner_token("e1", 1) for rid in rids}
+    for rid in rids:
+        await cbus.redis.set(cbus.keys.owner(rid), mine[rid])
+    lost = rids[0]
+    await cbus.redis.set(cbus.keys.owner(lost), owner_token("e2", 2))
+    items = []
+    for rid in rids:
+        items += [(cbus.keys.req(rid), E.Tokens(request_id=rid, token_ids=(7,), text="x", step=1)),
+                  (cbus.keys.req(rid), E.Final(request_id=rid, finish_reason="stop", engine="e1"))]
+    refused = await cbus.publish_owned(items, mine, ack=[(rid, entries[rid]) for rid in rids])
+    assert refused == {lost: Refused("owner", owner_token("e2", 2))}
+    for rid in rids:
+        got = [type(ev).__name__ for _, ev in await cbus.read_req(rid)]
+        assert got == (["Accepted"] if rid == lost else ["Accepted", "Tokens", "Final"])
+    pend = await cbus.redis.xpending_range(cbus.keys.requests, "engines", min="-", max="+", count=100)
+    assert [p["message_id"] for p in pend] == [entries[lost]]  # e2's, still pending
+    again = await cbus.publish_owned(items[2:4], mine)
+    assert again == {rids[1]: Refused("final", mine[rids[1]])}
+
+
 async def test_try_own_tombstone_and_expire(cbus):
     rid = "own-1"
     assert key_slot(cbus.keys.req(rid).encode()) == key_slot(cbus.keys.owner(rid).encode())

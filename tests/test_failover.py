@@ -55,7 +55,7 @@ async def test_dead_engines_request_is_continued_exactly(real_bus, engines, tiny
     assert evs[-1].usage == {"prompt_tokens": len(PROMPT), "completion_tokens": n,
                              "total_tokens": len(PROMPT) + n}
     assert (await real_bus.redis.xpending(real_bus.keys.requests, "engines"))["pending"] == 0
-    assert await real_bus.owner("r") == "B"
+    assert await real_bus.owner("r") == "B#2"  # (the owner token: engine, attempt)
     await all_blocks_free(b.node)
     assert b.node.taken_over == 1
     report = replay(await load_journal_from_redis(real_bus, "B"))

@@ -1,0 +1,111 @@
+"""The fence: an engine appends to a request's story only while it still owns the request.
+
+Ownership is ``P:owner:{<id>}`` holding the engine's *owner token*, ``<engine>#<attempt>``
+(:func:`control.keys.owner_token`). A token names one grant of ownership: every claim,
+takeover or resume of a request gets an attempt greater than that of any grant before it, so
+an engine that was thought dead (a long pause, a partition) holds a token nobody holds any
+more, even when the request went back to the same engine id (a restarted process under the
+same ``--engine-id``, or the engine itself winning it again).
+
+Each batch of a step's events for one request is appended by one script (:data:`SCRIPT`),
+which checks and writes atomically, and refuses the whole batch — nothing appended — when
+
+- the owner key holds anything but the writer's token (taken over, handed back, expired, a
+  tombstone), or
+- the story's last entry is a ``final``: nothing follows a final, whoever writes. This is
+  checked on the stream itself rather than on a mark in the owner key, because the stream is
+  what readers trust: the check needs no new owner-key value that the abort path, the API and
+  the failover scan would all have to learn, and it holds however the owner key came to be
+  what it is (expired and re-taken, deleted by an operator, restored from a backup).
+
+A final in the batch ends it (anything after it is refused too), renews the TTL of the story
+and the owner key (``EXPIRE``, as the final always did) and, on a single Redis, acknowledges
+and deletes the request's ``P:requests`` entry in the same call: acknowledged only once its
+final is written, and never by an engine that no longer owns it (whose ack would take the
+entry from the engine that runs it now, and with it the failover's way back to it). On a Redis
+Cluster the script touches only the request's two keys, which share the hash tag ``{<id>}``:
+one slot, so the same script runs there too, one call per request, pipelined, and the ack
+follows in a second round trip, for the requests whose final got through. The embedded server's
+in-process client does the same checks and appends under the server's lock instead
+(``client.fd_fenced_append``, control/embedded.py), with no Lua on the event loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: KEYS: owner key, story, then (a single Redis only, where a script may name keys of any
+#: slot) ``P:requests`` and more keys to renew with the final (a choice's parent's).
+#: ARGV: token, ttl (seconds; 0: none), the ``P:requests`` entry to acknowledge and delete
+#: with the final ("" for none), the consumer group, the number of events, then per event its
+#: number of field strings and the strings (name, value, ...; ``type`` first).
+#: Reply: ``{1, id, ...}`` (the ids appended), or ``{0, why, owner}`` with nothing written,
+#: ``why`` "owner" or "final", ``owner`` the owner key's value (false when absent).
+SCRIPT = """
+local owner = redis.call('GET', KEYS[1])
+if owner ~= ARGV[1] then return {0, 'owner', owner} end
+local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)[1]
+if last then
+  local f = last[2]
+  for i = 1, #f, 2 do
+    if f[i] == 'type' then
+      if f[i + 1] == 'final' then return {0, 'final', owner} end
+      break
+    end
+  end
+end
+local out = {1}
+local at = 6
+local ended = false
+for _ = 1, tonumber(ARGV[5]) do
+  local n = tonumber(ARGV[at])
+  out[#out + 1] = redis.call('XADD', KEYS[2], '*', unpack(ARGV, at + 1, at + n))
+  if ARGV[at + 1] == 'type' and ARGV[at + 2] == 'final' then
+    ended = true
+    break
+  end
+  at = at + n + 1
+end
+if ended then
+  local ttl = tonumber(ARGV[2])
+  if ttl > 0 then
+    redis.call('EXPIRE', KEYS[2], ttl)
+    redis.call('EXPIRE', KEYS[1], ttl)
+    for k = 4, #KEYS do redis.call('EXPIRE', KEYS[k], ttl) end
+  end
+  if ARGV[3] ~= '' then
+    redis.call('XACK', KEYS[3], ARGV[4], ARGV[3])
+    redis.call('XDEL', KEYS[3], ARGV[3])
+  end
+end
+return out
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A batch the fence turned away; nothing of it was appended."""
+
+    why: str  # "owner": the owner key holds ``owner``, not the token; "final": the story ended
+    owner: str | None
+
+
+def script_args(token: str, ttl_s: int, fields: list[dict[str, str]], ack: bytes | None = None,
+                group: str = "") -> list:
+    """ARGV of :data:`SCRIPT` for one request's events (their encoded fields, in order)."""
+    args: list = [token, str(ttl_s), ack or b"", group, str(len(fields))]
+    for f in fields:
+        args.append(str(2 * len(f)))
+        for k, v in f.items():
+            args.append(k)
+            args.append(v)
+    return args
+
+
+def script_result(reply) -> list[bytes] | Refused:
+    """The script's reply as :meth:`control.bus.Bus.publish_owned` hands it on."""
+    if int(reply[0]) == 1:
+        return [r if isinstance(r, bytes) else str(r).encode() for r in reply[1:]]
+    why = reply[1].decode() if isinstance(reply[1], bytes) else str(reply[1])
+    owner = reply[2] if len(reply) > 2 else None
+    return Refused(why, owner.decode() if isinstance(owner, bytes) else owner or None)
