@@ -29,7 +29,9 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runner(tiny_dir):
-    return ModelRunner(tiny_dir, num_blocks=160, block_size=BLOCK)
+    # batch-invariant: these tests hold the paged path to full recompute and to each request
+    # alone, token for token
+    return ModelRunner(tiny_dir, num_blocks=160, block_size=BLOCK, batch_invariant=True)
 
 
 def _copy(tiny_dir, tmp_path, name="m"):
@@ -456,7 +458,7 @@ def test_mixture_of_experts_matches_numpy_forward_and_its_paged_path(tiny_dir, t
     assert len(set(np.argsort(-(h @ router.T), axis=1)[:, :2].ravel())) == 4
     # batched with chunks and decodes: each request's tokens are what it gets alone and what
     # full recompute gives
-    moe = ModelRunner(str(d), num_blocks=64)
+    moe = ModelRunner(str(d), num_blocks=64, batch_invariant=True)
     prompts = {f"m{i}": _prompt(400 + i, n) for i, n in enumerate([3, 9, 21, 34])}
     blocks = Blocks(64, seed=4)
     batched, batched_logits = _run(moe, prompts, 6, {"m3": 10}, blocks)
@@ -594,7 +596,7 @@ def test_mistral_is_llama_with_a_sliding_window(tiny_dir, tmp_path, runner):
     d = _copy(tiny_dir, tmp_path, "mistral")
     _edit_config(d, architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None)
     p = _prompt(14, 20)
-    np.testing.assert_array_equal(load_model(str(d), progress=False).reference_logits(p),
+    np.testing.assert_array_equal(load_model(str(d), progress=False, batch_invariant=True).reference_logits(p),
                                   runner.model.reference_logits(p))
     _edit_config(d, sliding_window=4096)  # a window as wide as the context changes nothing
     assert ModelConfig.from_dir(str(d)).sliding_window is None
