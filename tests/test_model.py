@@ -504,6 +504,33 @@ def test_fast_mode_is_close_to_the_reference(tiny_dir, runner):
     np.testing.assert_allclose(got, runner.model.reference_logits(p)[-1], atol=1e-4)
 
 
+def test_onednn_gemms_agree_with_the_eager_ones(tiny_dir, runner):
+    """Off batch invariance a CPU runner takes its large GEMMs through oneDNN: a 200-token
+    prefill's (its gate|up GEMMs are large enough) last logits are the reference's, and the
+    decodes after it give its greedy tokens."""
+    from engine.model import onednn
+
+    fast = ModelRunner(tiny_dir, num_blocks=32)
+    if not onednn.available():
+        pytest.skip("this Paddle build has no oneDNN")
+    assert fast.model.lm_head_dnn is not None and fast.model.lm_head_dnn.worth(200)
+    x = np.random.default_rng(3).standard_normal((64, 128)).astype(np.float32)
+    w = fast.model.layers[0]["gate_up"]
+    np.testing.assert_allclose(fast.model.layers[0]["gate_up_dnn"](fast.model.tensor(x)).numpy(),
+                               x @ w.numpy(), atol=1e-4)
+    p = _prompt(21, 200)
+    blocks = tuple(range(13))
+    seq = ScheduledSeq("f", tuple(p), 0, blocks, True, GREEDY, 0)
+    rows = fast.logits(SchedulerOutput(step=0, seqs=(seq,)))
+    np.testing.assert_allclose(rows[0], runner.model.reference_logits(p)[-1], atol=1e-4)
+    out = fast.execute(SchedulerOutput(step=1, seqs=(seq,))).sampled["f"]
+    got = [out]
+    for k in range(5):
+        step = ScheduledSeq("f", (got[-1],), 200 + k, blocks, True, GREEDY, k + 1)
+        got.append(fast.execute(SchedulerOutput(step=2 + k, seqs=(step,))).sampled["f"])
+    assert got == _greedy_reference(runner.model, p, 6)
+
+
 def _qwen3(tiny_dir, tmp_path, name: str, head_dim: int = 48):
     """The tiny model made a Qwen3: per-head q/k norms, and a head_dim that is not
     hidden_size / heads (as Qwen3-0.6B's 128 against 1024 / 16)."""
