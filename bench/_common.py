@@ -412,23 +412,30 @@ def on_the_workers_cpu():
         os.sched_setaffinity(0, before)
 
 
-async def wait_idle(session, base: str, timeout: float = 60.0) -> None:
+FD_GAUGES = ("fd_num_requests_running", "fd_num_requests_waiting")
+VLLM_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+
+
+async def wait_idle(session, base: str, timeout: float = 60.0, names: Sequence[str] = FD_GAUGES) -> None:
     """Until the server's running + waiting gauges read 0."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if await gauges(session, base) == 0:
+        if await gauges(session, base, names) == 0:
             return
         await asyncio.sleep(0.05)
 
 
-async def gauges(session, base: str) -> float:
-    """fd_num_requests_running + fd_num_requests_waiting from /metrics."""
+async def gauges(session, base: str, names: Sequence[str] = FD_GAUGES) -> float:
+    """The sum of the gauges ``names`` (default fd_num_requests_running +
+    fd_num_requests_waiting) from /metrics; a labelled sample (vLLM's ``{model_name=...}``)
+    counts too."""
     async with session.get(base + "/metrics") as r:
         text = await r.text()
     total = 0.0
     for line in text.splitlines():
-        if line.startswith(("fd_num_requests_running ", "fd_num_requests_waiting ")):
-            total += float(line.split()[1])
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in names and not line.startswith("#"):
+            total += float(line.rsplit(None, 1)[1])
     return total
 
 

@@ -49,7 +49,7 @@ sys.path.insert(0, str(_HERE.parent))
 
 from tqdm import tqdm  # noqa: E402
 
-from bench._common import (RESULTS, entry_le, gauges, goal, http_session, model_dir,  # noqa: E402
+from bench._common import (FD_GAUGES, RESULTS, entry_le, gauges, goal, http_session, model_dir,  # noqa: E402
                            on_the_workers_cpu, p50, p99, print_goals, print_table, prompts,
                            quiet_gc,
                            start_redis_server, start_serve,
@@ -252,20 +252,23 @@ async def abort_endpoint(base: str, n_single: int, n_bulk: int, bulk_ids: int, g
 # ------------------------------------------------------------------ 3. TARGETS.md release
 
 
-async def release_wave(base: str, c: int, max_tokens: int, hang_after: int, seed: int, tag: str) -> dict:
-    ps = prompts(c, seed=seed)
+async def release_wave(base: str, c: int, max_tokens: int, hang_after: int, seed: int, tag: str,
+                       names=FD_GAUGES, vocab: int = 512) -> dict:
+    """``c`` streams hanging up after ``hang_after`` chunks; ``names``: the server's running and
+    waiting gauges (another server's, e.g. vLLM's)."""
+    ps = prompts(c, vocab=vocab, seed=seed)
     samples: list[tuple[float, float]] = []
     stop = asyncio.Event()
 
     async with http_session() as session:
-        await wait_idle(session, base)
+        await wait_idle(session, base, names=names)
 
         async def poll() -> None:
             async with http_session(limit=1) as ps_session:
                 while not stop.is_set():
                     t = time.perf_counter()
                     try:
-                        v = await gauges(ps_session, base)
+                        v = await gauges(ps_session, base, names)
                         samples.append((time.perf_counter(), v))
                     except Exception:  # noqa: BLE001
                         pass

@@ -50,16 +50,25 @@ def _eos_token_ids(model_dir: str) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def _onednn(device: str, batch_invariant: bool) -> bool:
+    """Whether the model runs its large GEMMs through oneDNN: on a CPU build that has it,
+    unless batch-invariant (whose row padding is tuned to MKL's tiles, engine/model/llama.py)."""
+    from engine.model import onednn
+
+    return device == "cpu" and not batch_invariant and onednn.available()
+
+
 class ModelRunner:
     def __init__(self, model_dir: str, *, device: str = "cpu", num_blocks: int | None = None,
                  block_size: int = 16, kv_cache_bytes: int | None = None, seed: int = 0,
-                 batch_invariant: bool = True, progress: bool = False,
+                 batch_invariant: bool = False, progress: bool = False,
                  lora_modules: dict[str, str] | None = None, max_lora_rank: int | None = None):
         pin_thresholds()  # step buffers on the heap, not fresh mmaps (engine/malloc.py)
         paddle.set_device(device)
         self.device = device
         self.model: Llama = load_model(model_dir, device, progress=progress,
-                                       batch_invariant=batch_invariant)
+                                       batch_invariant=batch_invariant,
+                                       onednn=_onednn(device, batch_invariant))
         self.block_size = block_size
         if num_blocks is None:
             budget = kv_cache_bytes or DEFAULT_KV_CACHE_BYTES["cpu" if device == "cpu" else "gpu"]

@@ -67,6 +67,11 @@ def _add_engine_args(p: argparse.ArgumentParser, worker_cpus: str = "none") -> N
                         "CPU, the rest for this process; with at least two), a list like 3 or "
                         f"2-3, or none (the kernel decides); default {worker_cpus} (see "
                         "engine/affinity.py)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   default=os.environ.get("FD_BATCH_INVARIANT", "") not in ("", "0"),
+                   help="a request's tokens the same whatever else is in its batch (vLLM's "
+                        "VLLM_BATCH_INVARIANT; default $FD_BATCH_INVARIANT, else off): token rows "
+                        "padded to 8 and keys to 16, so batch 1 costs what batch 8 does")
     p.add_argument("--max-attempts", type=int, default=3,
                    help="engines a request may fail on (engine died) before it ends with an error")
     p.add_argument("--request-timeout", type=float, default=0.0,
@@ -380,7 +385,7 @@ def _engine_opts(args: argparse.Namespace, model_dir: Path):
                          executor=args.executor if args.executor != "timed" else "paddle",
                          worker_cpus=args.worker_cpus, seed=args.seed,
                          scheduling_policy=args.scheduling_policy, lora_modules=lora_modules(args),
-                         max_lora_rank=args.max_lora_rank)
+                         max_lora_rank=args.max_lora_rank, batch_invariant=args.batch_invariant)
 
 
 def _runner(args: argparse.Namespace, model_dir: Path):

@@ -52,6 +52,9 @@ class EngineOptions:
     max_model_len: int | None = None  # prompt + output; None: the model's own
     lora_modules: dict[str, str] = field(default_factory=dict)  # vLLM's --lora-modules: name -> path
     max_lora_rank: int | None = None
+    # vLLM's VLLM_BATCH_INVARIANT: a request's logits the same in any batch (engine/model/llama.py),
+    # at the price of batch 1 costing what batch 8 does
+    batch_invariant: bool = False
 
 
 @dataclass
@@ -142,7 +145,8 @@ def _no_retries(client):
 def make_runner(opts: EngineOptions, progress: bool = True):
     kw = dict(device=opts.device, num_blocks=opts.num_blocks, block_size=opts.block_size,
               kv_cache_bytes=opts.kv_cache_mb << 20, progress=progress, seed=opts.seed,
-              lora_modules=dict(opts.lora_modules) or None, max_lora_rank=opts.max_lora_rank)
+              lora_modules=dict(opts.lora_modules) or None, max_lora_rank=opts.max_lora_rank,
+              batch_invariant=opts.batch_invariant)
     if opts.executor == "paddle":
         from engine import affinity
         from engine.worker import ProcessRunner

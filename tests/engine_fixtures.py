@@ -24,10 +24,13 @@ def tiny_tokenizer(tiny_model_dir):
 @pytest.fixture(scope="session")
 def tiny_runner(tiny_model_dir):
     """One runner shared by the engine tests (sequentially): its KV cache is scratch space that
-    every request overwrites through its own block table."""
+    every request overwrites through its own block table. Batch-invariant: the tests that
+    share it hold requests to the same tokens and vectors alone and batched, and to those of
+    other (equally invariant) runners."""
     from engine.model_runner import ModelRunner
 
-    return ModelRunner(str(tiny_model_dir), device="cpu", num_blocks=512, block_size=16)
+    return ModelRunner(str(tiny_model_dir), device="cpu", num_blocks=512, block_size=16,
+                       batch_invariant=True)
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ def test_preemption_keeps_greedy_output_and_frees_every_block(tiny_model_dir, ti
     ample = LLM(tiny_runner, tiny_tokenizer).generate(prompts, sp)
     # 8 requests of up to ~46 tokens need ~3 blocks of 16 each (24 in all); give them 10, so
     # the scheduler must preempt and recompute again and again
-    small = ModelRunner(str(tiny_model_dir), num_blocks=10, block_size=16)
+    small = ModelRunner(str(tiny_model_dir), num_blocks=10, block_size=16, batch_invariant=True)
     llm = LLM(small, tiny_tokenizer)
     events = []
     tight = llm.generate(prompts, sp, on_event=events.append)
@@ -69,7 +69,7 @@ def test_async_scheduling_gives_the_same_output_as_one_step_at_a_time(tiny_model
     batch[0] = sps_stop[5]
     sync = LLM(tiny_runner, tiny_tokenizer).generate(prompts, batch)
     assert sync[0].finish_reason == "stop" and stop_at not in sync[0].text
-    for runner in (tiny_runner, ModelRunner(str(tiny_model_dir), num_blocks=10, block_size=16)):
+    for runner in (tiny_runner, ModelRunner(str(tiny_model_dir), num_blocks=10, block_size=16, batch_invariant=True)):
         llm = LLM(runner, tiny_tokenizer, async_scheduling=True)
         events = []
         got = llm.generate(prompts, batch, on_event=events.append)
@@ -122,7 +122,7 @@ def test_penalties_reach_the_model_one_step_at_a_time_ahead_and_after_preemption
         assert any(a.token_ids != b.token_ids for a, b, s in zip(base, sync, batch) if s is sp)
     for p, g, sp in list(zip(prompts, sync, batch))[:6]:
         assert g.token_ids == _penalized_reference(tiny_runner, list(p), list(g.token_ids), sp)
-    tight = ModelRunner(str(tiny_model_dir), num_blocks=10, block_size=16)
+    tight = ModelRunner(str(tiny_model_dir), num_blocks=10, block_size=16, batch_invariant=True)
     for runner, async_scheduling in ((tiny_runner, True), (tight, False), (tight, True)):
         llm = LLM(runner, tiny_tokenizer, async_scheduling=async_scheduling)
         events = []
@@ -165,7 +165,7 @@ def test_prefix_caching_gives_the_real_models_own_output(tiny_model_dir, tiny_to
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outs, hits = {}, {}
     for caching in (False, True):
-        runner = ModelRunner(str(tiny_model_dir), num_blocks=12, block_size=16)
+        runner = ModelRunner(str(tiny_model_dir), num_blocks=12, block_size=16, batch_invariant=True)
         llm = LLM(runner, tiny_tokenizer, max_num_seqs=2, async_scheduling=async_scheduling,
                   enable_prefix_caching=caching)
         outs[caching] = [g.token_ids for g in llm.generate(prompts, sp)]

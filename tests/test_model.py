@@ -29,7 +29,9 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runner(tiny_dir):
-    return ModelRunner(tiny_dir, num_blocks=160, block_size=BLOCK)
+    # batch-invariant: these tests hold the paged path to full recompute and to each request
+    # alone, token for token
+    return ModelRunner(tiny_dir, num_blocks=160, block_size=BLOCK, batch_invariant=True)
 
 
 def _copy(tiny_dir, tmp_path, name="m"):
@@ -456,7 +458,7 @@ def test_mixture_of_experts_matches_numpy_forward_and_its_paged_path(tiny_dir, t
     assert len(set(np.argsort(-(h @ router.T), axis=1)[:, :2].ravel())) == 4
     # batched with chunks and decodes: each request's tokens are what it gets alone and what
     # full recompute gives
-    moe = ModelRunner(str(d), num_blocks=64)
+    moe = ModelRunner(str(d), num_blocks=64, batch_invariant=True)
     prompts = {f"m{i}": _prompt(400 + i, n) for i, n in enumerate([3, 9, 21, 34])}
     blocks = Blocks(64, seed=4)
     batched, batched_logits = _run(moe, prompts, 6, {"m3": 10}, blocks)
@@ -500,6 +502,33 @@ def test_fast_mode_is_close_to_the_reference(tiny_dir, runner):
     seq = ScheduledSeq("f", tuple(p), 0, (0,), True, GREEDY, 0)
     got = fast.logits(SchedulerOutput(step=0, seqs=(seq,)))[0]
     np.testing.assert_allclose(got, runner.model.reference_logits(p)[-1], atol=1e-4)
+
+
+def test_onednn_gemms_agree_with_the_eager_ones(tiny_dir, runner):
+    """Off batch invariance a CPU runner takes its large GEMMs through oneDNN: a 200-token
+    prefill's (its gate|up GEMMs are large enough) last logits are the reference's, and the
+    decodes after it give its greedy tokens."""
+    from engine.model import onednn
+
+    fast = ModelRunner(tiny_dir, num_blocks=32)
+    if not onednn.available():
+        pytest.skip("this Paddle build has no oneDNN")
+    assert fast.model.lm_head_dnn is not None and fast.model.lm_head_dnn.worth(200)
+    x = np.random.default_rng(3).standard_normal((64, 128)).astype(np.float32)
+    w = fast.model.layers[0]["gate_up"]
+    np.testing.assert_allclose(fast.model.layers[0]["gate_up_dnn"](fast.model.tensor(x)).numpy(),
+                               x @ w.numpy(), atol=1e-4)
+    p = _prompt(21, 200)
+    blocks = tuple(range(13))
+    seq = ScheduledSeq("f", tuple(p), 0, blocks, True, GREEDY, 0)
+    rows = fast.logits(SchedulerOutput(step=0, seqs=(seq,)))
+    np.testing.assert_allclose(rows[0], runner.model.reference_logits(p)[-1], atol=1e-4)
+    out = fast.execute(SchedulerOutput(step=1, seqs=(seq,))).sampled["f"]
+    got = [out]
+    for k in range(5):
+        step = ScheduledSeq("f", (got[-1],), 200 + k, blocks, True, GREEDY, k + 1)
+        got.append(fast.execute(SchedulerOutput(step=2 + k, seqs=(step,))).sampled["f"])
+    assert got == _greedy_reference(runner.model, p, 6)
 
 
 def _qwen3(tiny_dir, tmp_path, name: str, head_dim: int = 48):
@@ -594,7 +623,7 @@ def test_mistral_is_llama_with_a_sliding_window(tiny_dir, tmp_path, runner):
     d = _copy(tiny_dir, tmp_path, "mistral")
     _edit_config(d, architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None)
     p = _prompt(14, 20)
-    np.testing.assert_array_equal(load_model(str(d), progress=False).reference_logits(p),
+    np.testing.assert_array_equal(load_model(str(d), progress=False, batch_invariant=True).reference_logits(p),
                                   runner.model.reference_logits(p))
     _edit_config(d, sliding_window=4096)  # a window as wide as the context changes nothing
     assert ModelConfig.from_dir(str(d)).sliding_window is None

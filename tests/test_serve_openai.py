@@ -148,7 +148,7 @@ async def test_two_replicas_two_engines_resume_from_any_replica(redis_server, ke
     from engine.model_runner import ModelRunner
 
     factory = lambda: connect(redis_server.url)  # noqa: E731
-    runner2 = ModelRunner(str(tiny_model_dir), device="cpu", num_blocks=256)
+    runner2 = ModelRunner(str(tiny_model_dir), device="cpu", num_blocks=256, batch_invariant=True)
     e1 = await start_engine(factory, keys, EngineOptions(model_dir=str(tiny_model_dir), engine_id="e1"),
                             runner=tiny_runner, tokenizer=tiny_tokenizer)
     e2 = await start_engine(factory, keys, EngineOptions(model_dir=str(tiny_model_dir), engine_id="e2"),

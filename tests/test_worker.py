@@ -14,7 +14,7 @@ from engine.worker import ProcessRunner, WorkerError
 
 @pytest.fixture(scope="module")
 def worker(tiny_model_dir):
-    runner = ProcessRunner(str(tiny_model_dir), num_blocks=256, block_size=16)
+    runner = ProcessRunner(str(tiny_model_dir), num_blocks=256, block_size=16, batch_invariant=True)
     runner.warmup()
     yield runner
     runner.close()
@@ -206,12 +206,13 @@ def test_vectors_and_adapters_cross_the_pipe(tiny_model_dir, tiny_runner, tiny_t
     ids = [tiny_tokenizer.encode("Hello there"), tiny_tokenizer.encode("The quick brown fox")]
     save_adapter(str(tmp_path / "ad"), ModelConfig.from_dir(str(tiny_model_dir)), rank=4, alpha=8)
     mods = {"ad": str(tmp_path / "ad")}
-    runner = ProcessRunner(str(tiny_model_dir), num_blocks=64, block_size=16, lora_modules=mods)
+    runner = ProcessRunner(str(tiny_model_dir), num_blocks=64, block_size=16, lora_modules=mods,
+                           batch_invariant=True)
     try:
         assert runner.lora_names == ("ad",)
         assert LLM(runner, tiny_tokenizer).embed(ids) == LLM(tiny_runner, tiny_tokenizer).embed(ids)
         sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, lora="ad")
-        here = ModelRunner(str(tiny_model_dir), num_blocks=64, lora_modules=mods)
+        here = ModelRunner(str(tiny_model_dir), num_blocks=64, lora_modules=mods, batch_invariant=True)
         assert ([g.token_ids for g in LLM(runner, tiny_tokenizer).generate(ids, sp)]
                 == [g.token_ids for g in LLM(here, tiny_tokenizer).generate(ids, sp)])
         # at run time: at start (nothing in flight) the answer is waited for; while steps run

@@ -11,8 +11,8 @@ Two things shape the code more than the math does:
   in one), RoPE is a multiply-add against a precomputed table, the residual add rides in the
   fused RMSNorm, logits are computed only for the rows being sampled, and attention is one
   padded, masked batch per group of sequences rather than a loop per sequence.
-- **Batch invariance.** A request's tokens must not depend on what else is in the batch. The
-  CPU GEMM rounds rows that do not fill a whole 8-row tile differently, and Q·Kᵀ rounds
+- **Batch invariance** (opt-in: ``batch_invariant=True``, ``fd serve --batch-invariant``). A
+  request's tokens then do not depend on what else is in the batch. The CPU GEMM rounds rows that do not fill a whole 8-row tile differently, and Q·Kᵀ rounds
   differently unless the key length is a multiple of 16, so the token rows are padded to a
   multiple of 8 and every key length to a multiple of 16 (padding is masked: exact zeros).
   With that, a sequence's logits agree to ~1e-6 alone, in any batch, chunked or not, and in
@@ -164,11 +164,15 @@ class ForwardBatch:
 
 class Llama:
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, np.ndarray], device: str = "cpu",
-                 batch_invariant: bool = True):
+                 batch_invariant: bool = False, onednn: bool = False):
+        """``onednn``: on a CPU, run the large GEMMs of the dense layers and the head through
+        oneDNN predictors (engine/model/onednn.py); else every GEMM is an eager matmul."""
         self.cfg = cfg
         self.device = device
-        # Off, batch 1 runs its GEMMs on 1 row instead of 8 (~0.4 vs ~0.6 ms a decode step
-        # for the tiny model on 2 CPU cores), at the price of logits that depend on the batch.
+        # Opt-in (vLLM's VLLM_BATCH_INVARIANT): batch 1 then runs its GEMMs on 8 rows, which on
+        # SmolLM2-135M costs what batch 8 costs (134 against 52 ms a decode step on one core).
+        # Off, a request's logits depend on what else is in the batch by rounding (~1e-6).
+        self.batch_invariant = batch_invariant
         self.row_align = ROW_ALIGN if batch_invariant else 1
         self.place = paddle.CPUPlace() if device == "cpu" else paddle.CUDAPlace(
             int(device.split(":")[1]) if ":" in device else 0)
@@ -234,6 +238,10 @@ class Llama:
         sign = np.concatenate([-np.ones(hd // 2), np.ones(hd // 2)])
         self.rope = t(np.stack([np.cos(ang), np.sin(ang) * sign], axis=1))  # [P, 2, hd]
         self._scale = scale
+        self.onednn = onednn
+        self.lm_head_dnn = None
+        if onednn:
+            self._build_onednn()
         # LoRA adapters (add_lora): per slot, per layer, fused projection -> (A [in, R], B [R, out])
         self.loras: dict[int, list[dict[str, tuple[paddle.Tensor, paddle.Tensor]]]] = {}
         self._active: tuple[tuple[list, paddle.Tensor], ...] = ()  # this forward's (layers, rows)
@@ -243,6 +251,27 @@ class Llama:
         self.v_slots: list[paddle.Tensor] = []
         self.block_size = 0
         self.trash_slot = 0
+
+    def _build_onednn(self) -> None:
+        from engine.model.onednn import OneDnnGemms
+
+        threads = int(paddle.get_flags(["FLAGS_paddle_num_threads"])["FLAGS_paddle_num_threads"])
+        gemms = OneDnnGemms(threads=threads)
+        try:
+            todo = [(layer, n) for layer in self.layers if "moe" not in layer
+                    for n in ("qkv", "o", "gate_up", "down")]
+            for layer, n in todo:  # (~30 ms a weight: SmolLM2's 121 take ~4 s)
+                layer[n + "_dnn"] = gemms.linear(layer[n].numpy())
+            self.lm_head_dnn = gemms.linear(self.lm_head.numpy())
+        finally:
+            gemms.close()
+
+    def _mm(self, x: paddle.Tensor, layer: dict, name: str) -> paddle.Tensor:
+        """``x @ layer[name]``: through oneDNN where it is faster, else eager."""
+        dnn = layer.get(name + "_dnn")
+        if dnn is not None and dnn.worth(x.shape[0]):
+            return dnn(x)
+        return paddle.matmul(x, layer[name])
 
     # ------------------------------------------------------------------ LoRA
 
@@ -300,16 +329,22 @@ class Llama:
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         """Zeroed (masked keys must be finite: 0 * NaN would poison the output), plus one trash
         block at the end that padding rows write to. Tokens are written by slot and read back
-        by whole blocks (a block gather is ~4x faster than a slot gather)."""
+        by whole blocks (a block gather is ~4x faster than a slot gather).
+
+        Head-major, [kvh, blocks, block_size, hd]: gathering a step's blocks (axis 1) gives
+        each KV head's context as attention multiplies it, [kvh, S, L, hd], where a token-major
+        cache had to transpose all of it, in every layer, every step."""
         c = self.cfg
         self.block_size = block_size
         self.trash_slot = num_blocks * block_size
-        shape = [num_blocks + 1, block_size, c.num_key_value_heads, c.head_dim]
-        flat = [(num_blocks + 1) * block_size, c.num_key_value_heads, c.head_dim]
+        self.num_slots = (num_blocks + 1) * block_size
+        kvh, hd = c.num_key_value_heads, c.head_dim
+        shape = [kvh, num_blocks + 1, block_size * hd]
         self.k_blocks = [paddle.zeros(shape, dtype="float32") for _ in range(c.num_hidden_layers)]
         self.v_blocks = [paddle.zeros(shape, dtype="float32") for _ in range(c.num_hidden_layers)]
-        self.k_slots = [k.reshape(flat) for k in self.k_blocks]  # reshape shares the buffer
-        self.v_slots = [v.reshape(flat) for v in self.v_blocks]
+        # reshape shares the buffer: row h * num_slots + slot is KV head h of that slot
+        self.k_slots = [k.reshape([kvh * self.num_slots, hd]) for k in self.k_blocks]
+        self.v_slots = [v.reshape([kvh * self.num_slots, hd]) for v in self.v_blocks]
 
     def pad_rows(self, n: int) -> int:
         a = self.row_align
@@ -337,7 +372,7 @@ class Llama:
         """
         c = self.cfg
         n = h.shape[0]
-        a = paddle.matmul(h, layer["qkv"])
+        a = self._mm(h, layer, "qkv")
         if self._active:
             a = self._lora(a, h, i, "qkv")
         if layer["qkv_b"] is not None:
@@ -354,21 +389,23 @@ class Llama:
         q, k = paddle.split(qk, [c.num_attention_heads, c.num_key_value_heads], axis=1)
         return q, k, v.reshape([n, c.num_key_value_heads, c.head_dim])
 
-    def _attend(self, q: paddle.Tensor, k_t: paddle.Tensor, v: paddle.Tensor, mask: paddle.Tensor,
+    def _attend(self, q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, mask: paddle.Tensor,
                 s: int, qmax: int) -> paddle.Tensor:
-        """q [S*Qmax, nh, hd], k_t [S, kvh, hd, L], v [S, kvh, L, hd] -> [S*Qmax, nh*hd]."""
+        """q [S*Qmax, nh, hd], k and v [kvh, S, L, hd] (the cache's own layout, so the context
+        is used as gathered), mask [kvh, S, Qmax, g, L] -> [S*Qmax, nh*hd]. Only q and the
+        output are transposed: Qmax rows a sequence, where the context has L."""
         c = self.cfg
         kvh, g, hd = c.num_key_value_heads, self.group, c.head_dim
-        L = k_t.shape[-1]
-        q = q.reshape([s, qmax, kvh, g, hd]).transpose([0, 2, 1, 3, 4]).reshape([s, kvh, qmax * g, hd])
-        scores = paddle.matmul(q, k_t).reshape([s, kvh, qmax, g, L])
-        p = F.softmax(paddle.add(scores, mask), axis=-1).reshape([s, kvh, qmax * g, L])
-        o = paddle.matmul(p, v).reshape([s, kvh, qmax, g, hd]).transpose([0, 2, 1, 3, 4])
+        L = k.shape[-2]
+        q = q.reshape([s, qmax, kvh, g, hd]).transpose([2, 0, 1, 3, 4]).reshape([kvh, s, qmax * g, hd])
+        scores = paddle.matmul(q, k, transpose_y=True).reshape([kvh, s, qmax, g, L])
+        p = F.softmax(paddle.add(scores, mask), axis=-1).reshape([kvh, s, qmax * g, L])
+        o = paddle.matmul(p, v).reshape([kvh, s, qmax, g, hd]).transpose([1, 2, 0, 3, 4])
         return o.reshape([s * qmax, c.q_size])
 
     def _mlp_block(self, layer: dict, attn: paddle.Tensor, residual: paddle.Tensor, i: int = 0):
         eps = self.cfg.rms_norm_eps
-        x = paddle.matmul(attn, layer["o"])
+        x = self._mm(attn, layer, "o")
         if self._active:
             x = self._lora(x, attn, i, "o")
         if layer["o_b"] is not None:
@@ -377,9 +414,9 @@ class Llama:
         if "moe" in layer:
             return self._moe(layer["moe"], h), residual
         if not self._active:
-            return paddle.matmul(F.swiglu(paddle.matmul(h, layer["gate_up"])), layer["down"]), residual
-        g = F.swiglu(self._lora(paddle.matmul(h, layer["gate_up"]), h, i, "gate_up"))
-        return self._lora(paddle.matmul(g, layer["down"]), g, i, "down"), residual
+            return self._mm(F.swiglu(self._mm(h, layer, "gate_up")), layer, "down"), residual
+        g = F.swiglu(self._lora(self._mm(h, layer, "gate_up"), h, i, "gate_up"))
+        return self._lora(self._mm(g, layer, "down"), g, i, "down"), residual
 
     def _moe(self, moe: dict, h: paddle.Tensor) -> paddle.Tensor:
         """A sparse layer's MLP: each token through its top-k experts by the router's softmax,
@@ -443,6 +480,9 @@ class Llama:
     @paddle.no_grad()
     def head(self, h: paddle.Tensor) -> paddle.Tensor:
         """Logits [rows, vocab] of final hidden states [rows, hidden]."""
+        dnn = self.lm_head_dnn
+        if dnn is not None and dnn.worth(h.shape[0]):
+            return dnn(h)
         return paddle.matmul(h, self.lm_head)
 
     @paddle.no_grad()
@@ -452,23 +492,28 @@ class Llama:
         slice at a time (a prompt's scores)."""
 
         c = self.cfg
+        kvh, hd = c.num_key_value_heads, c.head_dim
         # the mask broadcast over heads once per step, not once per layer (a broadcasting add
         # costs ~6x a same-shape one)
-        masks = [paddle.expand(g.mask, [g.num_seqs, c.num_key_value_heads, g.max_q, self.group,
-                                        g.num_keys]) for g in b.groups]
+        masks = [paddle.expand(g.mask.reshape([1, g.num_seqs, g.max_q, 1, g.num_keys]),
+                               [kvh, g.num_seqs, g.max_q, self.group, g.num_keys]) for g in b.groups]
+        # each token's row of each KV head in the head-major cache (allocate_kv_cache)
+        rows = paddle.add(b.slot_mapping.unsqueeze(0), paddle.arange(
+            0, kvh * self.num_slots, self.num_slots, dtype="int64").unsqueeze(1)).reshape([-1])
+        n = b.slot_mapping.shape[0]
 
         def paged(i: int, q, k, v):
-            paddle.scatter_(self.k_slots[i], b.slot_mapping, k, overwrite=True)
-            paddle.scatter_(self.v_slots[i], b.slot_mapping, v, overwrite=True)
+            paddle.scatter_(self.k_slots[i], rows, k.transpose([1, 0, 2]).reshape([kvh * n, hd]),
+                            overwrite=True)
+            paddle.scatter_(self.v_slots[i], rows, v.transpose([1, 0, 2]).reshape([kvh * n, hd]),
+                            overwrite=True)
             outs = []
             for grp, mask in zip(b.groups, masks):
                 s, L = grp.num_seqs, grp.num_keys
                 qg = q if grp.q_index is None else paddle.index_select(q, grp.q_index)
-                k_t = paddle.index_select(self.k_blocks[i], grp.ctx_blocks).reshape(
-                    [s, L, c.num_key_value_heads, c.head_dim]).transpose([0, 2, 3, 1])
-                vg = paddle.index_select(self.v_blocks[i], grp.ctx_blocks).reshape(
-                    [s, L, c.num_key_value_heads, c.head_dim]).transpose([0, 2, 1, 3])
-                outs.append(self._attend(qg, k_t, vg, mask, s, grp.max_q))
+                kg = paddle.index_select(self.k_blocks[i], grp.ctx_blocks, axis=1).reshape([kvh, s, L, hd])
+                vg = paddle.index_select(self.v_blocks[i], grp.ctx_blocks, axis=1).reshape([kvh, s, L, hd])
+                outs.append(self._attend(qg, kg, vg, mask, s, grp.max_q))
             o = outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
             return o if b.out_index is None else paddle.index_select(o, b.out_index)
 
@@ -500,9 +545,9 @@ class Llama:
         row_pad = paddle.zeros([tp - n, c.q_size], dtype="float32").to(self.place)
 
         def full(i: int, q, k, v):
-            k_t = paddle.concat([k[:n], kv_pad]).transpose([1, 2, 0]).unsqueeze(0)
-            vv = paddle.concat([v[:n], kv_pad]).transpose([1, 0, 2]).unsqueeze(0)
-            return paddle.concat([self._attend(q[:n], k_t, vv, mask_t, 1, n), row_pad])
+            kk = paddle.concat([k[:n], kv_pad]).transpose([1, 0, 2]).unsqueeze(1)
+            vv = paddle.concat([v[:n], kv_pad]).transpose([1, 0, 2]).unsqueeze(1)
+            return paddle.concat([self._attend(q[:n], kk, vv, mask_t, 1, n), row_pad])
 
         if lora is not None:
             self._active = ((self.loras[lora], self.tensor(np.arange(n, dtype=np.int64))),)
