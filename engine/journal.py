@@ -23,6 +23,7 @@ Format of one call (JSON, in ``JournalStep.data["calls"]``)::
         with "ran": [start ms, end ms] when the runner said when it ran step n, informational)
     {"op": "update", "step": out.step, "rstep": result.step, "sampled": {...}, "stopped": {...},
      "ev": [...], "free": n}
+        (with "failed": {rid: error} when requests' shares of the step failed)
 
 With a clock, every call also has ``"t"`` (wall ms; informational, never compared).
 A call that raised has ``"raised": "<ExceptionType>"`` instead of ``ev``/``out``. ``free`` is
@@ -318,6 +319,8 @@ class JournalRecorder:
         call = {"op": "update", "step": out.step, "rstep": result.step,
                 "sampled": {k: int(v) for k, v in result.sampled.items()},
                 "stopped": dict(result.stopped)}
+        if result.failed:
+            call["failed"] = dict(result.failed)
         return self._record(call, self.scheduler.update, out, result)
 
 

@@ -17,7 +17,9 @@ request in the step just before, and only the runner knows it when the step star
 from __future__ import annotations
 
 import json
+import logging
 import os
+from dataclasses import replace
 from typing import Sequence
 
 import numpy as np
@@ -29,6 +31,8 @@ from engine.model.loader import load_model
 from engine.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from engine.sampler import Sampler, token_logprobs
 from engine.sequence import PLACEHOLDER
+
+log = logging.getLogger("engine.model_runner")
 
 DEFAULT_KV_CACHE_BYTES = {"cpu": 256 << 20, "gpu": 4 << 30}
 #: Prompt positions whose logits are made at once when a request scores its prompt: 256 rows
@@ -80,6 +84,7 @@ class ModelRunner:
         self.vocab_size = self.model.cfg.vocab_size
         self.sampler = Sampler(seed, self.eos_token_ids)
         self._last_sampled: dict[str, int] = {}  # what a placeholder in the next step stands for
+        self._lost: frozenset[str] = frozenset()  # requests that failed in the step just before
         self._model_dir = model_dir
         self._guides = None  # engine.guided.Guides, made for the first guided request
         # LoRA adapters (vLLM's --lora-modules name=path): loaded now, each in a slot of its own;
@@ -111,6 +116,58 @@ class ModelRunner:
     # ------------------------------------------------------------------ step
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """Run one step. A step that raises is run again one request at a time (:meth:`_isolate`),
+        so a request that breaks it fails alone (``RunnerOutput.failed``) and the others get
+        their tokens. A request that failed has no token for the placeholder its decode in the
+        next step feeds: that share fails at once, without breaking the next step too."""
+        lost, self._lost = self._lost, frozenset()
+        doomed: dict[str, str] = {}
+        if lost:
+            doomed = {s.request_id: "its step before failed" for s in out.seqs
+                      if s.request_id in lost and s.token_ids == (PLACEHOLDER,)}
+            if doomed:
+                out = replace(out, seqs=tuple(s for s in out.seqs if s.request_id not in doomed))
+        last = self._last_sampled
+        try:
+            result = self._step(out)
+        except Exception:  # noqa: BLE001 - whose it is, the requests one at a time tell
+            log.warning("step %d failed; running its %d request(s) one at a time", out.step,
+                        len(out.seqs), exc_info=True)
+            result = None
+        if result is None:  # (out of the handler: each request's failure is told on its own)
+            result = self._isolate(out, last)
+        if doomed:
+            result = replace(result, failed={**result.failed, **doomed})
+        self._lost = frozenset(result.failed)
+        return result
+
+    def _isolate(self, out: SchedulerOutput, last: dict[str, int]) -> RunnerOutput:
+        """``out`` again, each request a step of its own from where the failed step began
+        (``last``: what its placeholders stand for). Each feeds the same tokens at the same
+        positions into its own blocks, so the KV the failed batch may have half written is
+        written again as the batch would have; a seeded request samples the same token."""
+        sampled: dict[str, int] = {}
+        logprobs: dict = {}
+        prompt_lp: dict = {}
+        embeddings: dict[str, bytes] = {}
+        failed: dict[str, str] = {}
+        for ss in out.seqs:
+            self._last_sampled = last
+            try:
+                r = self._step(replace(out, seqs=(ss,), num_batched_tokens=len(ss.token_ids)))
+            except Exception as e:  # noqa: BLE001 - this request's alone: it ends with an error
+                log.warning("request %r failed in step %d", ss.request_id, out.step, exc_info=True)
+                failed[ss.request_id] = f"the model step failed for this request: {type(e).__name__}: {e}"
+                continue
+            sampled.update(r.sampled)
+            logprobs.update(r.logprobs)
+            prompt_lp.update(r.prompt_logprobs)
+            embeddings.update(r.embeddings)
+        self._last_sampled = sampled
+        return RunnerOutput(step=out.step, sampled=sampled, logprobs=logprobs, prompt_logprobs=prompt_lp,
+                            embeddings=embeddings, failed=failed)
+
+    def _step(self, out: SchedulerOutput) -> RunnerOutput:
         if not out.seqs:
             return RunnerOutput(step=out.step, sampled={})
         scored: list = []
@@ -218,7 +275,7 @@ class ModelRunner:
         n = min(self.block_size, self.max_model_len - 1)
         for start, toks in ((0, tuple(range(n))), (n - 1, (0,))):
             seq = ScheduledSeq("warmup", toks, start, (0,), True, sp, 0)
-            self.execute(SchedulerOutput(step=-1, seqs=(seq,)))
+            self._step(SchedulerOutput(step=-1, seqs=(seq,)))  # (raises: a model that cannot run)
 
     # ------------------------------------------------------------------ batch
 

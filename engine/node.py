@@ -29,6 +29,9 @@ Faults (DESIGN.md §1, issue 7):
   claims it, after a ``preempted handback=1`` note on its stream.
 - A request with no progress (no token) for ``request_timeout_s`` is aborted through the
   scheduler (``abort_requested source=timeout``) and ends with ``final finish_reason=error``.
+- A step that raises never ends the engine: the requests whose share failed (the runner says
+  which, ``RunnerOutput.failed``; a runner that cannot tell fails the whole step) end with
+  ``final finish_reason=error``, and the rest go on (DESIGN.md §4b).
 """
 
 from __future__ import annotations
@@ -222,6 +225,10 @@ class EngineNode:
         self._renewed: dict[str, float] = {}  # owner key and story TTLs renewed (monotonic)
         self.fenced = 0  # requests dropped because the fence refused their events
         self._lost: set[str] = set()  # dropped so (counted once), until their token goes
+        # Requests whose `claimed` is not on their stream yet. No step runs a request before
+        # it is: an engine that dies in that step (a poison request) has then counted as an
+        # attempt, so failover gives the request up after max_attempts (engine.failover).
+        self._unannounced: set[str] = set()
         self._wake = asyncio.Event()
         self._flush_lock = asyncio.Lock()
         self._bg: set[asyncio.Task] = set()
@@ -445,6 +452,8 @@ class EngineNode:
                 out = self.sched.schedule()
                 self._emit(self.sched.take_events())  # preemptions decided by this schedule()
                 if not out.empty:
+                    if self._unannounced and any(ss.request_id in self._unannounced for ss in out.seqs):
+                        await self._flush()  # their `claimed` first (see _unannounced)
                     flying.append((out, self._submit(loop, out), time.perf_counter()))
             if not flying:
                 # Work exists but none can run (e.g. waiting for blocks): wait for an event.
@@ -498,7 +507,7 @@ class EngineNode:
             submit(out)
             work = self._pool.submit(self.runner.collect)
         else:
-            work = self._pool.submit(self.runner.execute, out)
+            work = self._pool.submit(self._execute, out)
         fut = loop.create_future()
 
         def done(_work) -> None:  # on the step thread
@@ -509,6 +518,16 @@ class EngineNode:
 
         work.add_done_callback(done)
         return fut
+
+    def _execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """An in-process runner's step (on the step thread). One that raises fails each of its
+        requests, not the engine: this runner could not tell whose share broke it (the model
+        runner can, and fails only that one: ``ModelRunner.execute``)."""
+        try:
+            return self.runner.execute(out)
+        except Exception as e:  # noqa: BLE001 - said on each request's stream, in its final
+            log.exception("step %d failed", out.step, extra={"engine": self.id})
+            return RunnerOutput.failure(out, f"the model step failed: {type(e).__name__}: {e}")
 
     def _step_done(self, fut: asyncio.Future, work) -> None:
         if fut.cancelled():
@@ -779,6 +798,7 @@ class EngineNode:
         if tail:
             evs.append(Tokens(request_id=rid, token_ids=(), text=tail, step=self.sched.step))
         self._emit(evs)
+        self._unannounced.add(rid)
         self._emit(self.sched.add(rid, data, tuple(hist.tokens)))
 
     def _apply(self, out: SchedulerOutput, result: RunnerOutput) -> None:
@@ -786,13 +806,23 @@ class EngineNode:
         scheduler's decisions."""
         deltas: dict[str, str] = {}
         stopped: dict[str, str] = {}
+        failed: dict[str, str] = {}
         for rid, tok in result.sampled.items():
             if rid not in self._detok or self.sched.discards(rid):
                 continue  # aborted, or finished while this step ran: its token is dropped
-            delta, stop = self._detok[rid].push((tok,))
+            try:
+                delta, stop = self._detok[rid].push((tok,))
+            except Exception as e:  # noqa: BLE001 - this request's alone: it ends with an error
+                log.exception("detokenizing failed", extra={"request_id": rid, "engine": self.id})
+                del self._detok[rid]  # (nothing more to flush from it)
+                failed[rid] = f"detokenizing token {tok} failed: {type(e).__name__}: {e}"
+                continue
             deltas[rid] = delta
             if stop is not None:
                 stopped[rid] = stop
+        if failed:
+            result = replace(result, sampled={r: t for r, t in result.sampled.items() if r not in failed},
+                             failed={**result.failed, **failed})
         if stopped:
             result = replace(result, stopped={**result.stopped, **stopped})
         for rid, (first, entries) in result.prompt_logprobs.items():
@@ -1204,6 +1234,7 @@ class EngineNode:
             expire, self._expire = self._expire, []
             ack, self._ack = self._ack, []
             done, self._untoken = self._untoken, []
+            announced = set(self._unannounced)  # (their `claimed` is among the items)
             if look is not None and len(items) > FLUSH_CHUNK and self._direct:
                 # What a hang-up heard in between emits goes to the next flush, after these:
                 # each request's events stay in order.
@@ -1216,6 +1247,8 @@ class EngineNode:
                 if rid not in self._entry and rid not in self._admitting:
                     self._token.pop(rid, None)
                     self._lost.discard(rid)
+            if announced:
+                self._unannounced -= announced
 
     async def _publish(self, items, expire, ack) -> None:
         """One pipelined batch, exactly once: after a failure only what is not on its stream

@@ -66,3 +66,13 @@ class RunnerOutput:
     # When the runner ran the step, wall-clock ms (start, end), if it says: informational,
     # for the journal (when each step really ran); never part of a decision.
     ran: tuple[int, int] | None = None
+    # Requests whose share of the step failed (an exception in the forward, the sampler, the
+    # grammar, or the detokenizer as the node folds the step in): request_id -> what went
+    # wrong. They have no token here; the scheduler ends each with an error.
+    failed: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def failure(cls, out: SchedulerOutput, error: str) -> "RunnerOutput":
+        """The result of a step that failed as a whole, for each of its requests: what a
+        runner that cannot tell which request broke the step says."""
+        return cls(step=out.step, sampled={}, failed={s.request_id: error for s in out.seqs})

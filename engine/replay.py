@@ -548,7 +548,8 @@ class _Replayer:
                     out = self.outs.pop(c["step"], None) or SchedulerOutput(step=c["step"], seqs=())
                     result = RunnerOutput(step=c.get("rstep", c["step"]),
                                           sampled={k: int(v) for k, v in c["sampled"].items()},
-                                          stopped=dict(c.get("stopped") or {}))
+                                          stopped=dict(c.get("stopped") or {}),
+                                          failed=dict(c.get("failed") or {}))
                     evs = s.update(out, result)
                 else:
                     raise ValueError(f"unknown journal op {op!r}")

@@ -19,7 +19,8 @@ if a decision needs that, it stops there and refuses to schedule ahead again unt
 in flight, when an ordinary ``schedule()`` makes it. A request that finishes in ``update(N)``
 (EOS, a stop string) while N+1 holds it is finished like an abort: its token from N+1 is
 dropped and its blocks and ``Final`` wait for ``update(N+1)``. Known ends (``max_tokens``, the
-context) are not scheduled past.
+context) are not scheduled past. A request whose share of a step failed (``RunnerOutput.failed``)
+finishes the same way, with ``finish_reason="error"``; the others in the step go on.
 
 Events ``schedule()`` produces (``Preempted``, and the ``Final`` of a request that outgrew the
 whole pool) cannot be returned with the batch, so they are held and put at the front of the
@@ -37,6 +38,7 @@ from typing import Any
 
 from control.events import (AbortRequested, BlocksReleased, Drained, Event, Final, Preempted,
                             RequestData, Tokens)
+from control.guided import GuidedError, after_token
 from engine.block_manager import BlockManager, block_hash
 from engine.config import SchedulerConfig
 from engine.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
@@ -44,12 +46,35 @@ from engine.sequence import PLACEHOLDER, Sequence, Status
 
 
 
-def _final(request_id: str, reason: str, usage: dict, stop: str | int | None) -> Final:
-    """A request's Final; ``stop``: the stop string, or the stop token (an int) that ended it."""
+def _final(request_id: str, reason: str, usage: dict, stop: str | int | None,
+           error: str | None = None) -> Final:
+    """A request's Final; ``stop``: the stop string, or the stop token (an int) that ended it;
+    ``error``: why it failed (finish_reason "error")."""
     if isinstance(stop, int):  # (stop_reason is a string on the wire: the token rides apart too)
         return Final(request_id=request_id, finish_reason=reason, usage=usage, stop_reason=str(stop),
                      stop_token=stop)
-    return Final(request_id=request_id, finish_reason=reason, usage=usage, stop_reason=stop)
+    return Final(request_id=request_id, finish_reason=reason, usage=usage, stop_reason=stop, error=error)
+
+
+def _outside_vocabulary(data: RequestData, vocab_size: int) -> str | None:
+    """What is wrong with a request that names a token id the model does not have (in its
+    prompt, or in a sampling field that the sampler indexes the logits with), or None. The API
+    refuses such requests; a hand-written one is ended here, before any step could fail on it."""
+    sp = data.sampling
+    try:
+        after = after_token(sp.guided) if sp.guided else None
+    except GuidedError:
+        after = None  # (a malformed spec is the guided check's to refuse)
+    named = (("prompt", data.prompt_token_ids), ("stop_token_ids", sp.stop_token_ids),
+             ("allowed_token_ids", sp.allowed_token_ids),
+             ("bad_words_ids", tuple(t for w in sp.bad_words_ids for t in w)),
+             ("logit_bias", tuple(t for t, _ in sp.logit_bias)),
+             ("guided", () if after is None else (after,)))
+    for name, ids in named:
+        if ids and max(ids) >= vocab_size:
+            return f"{name} token id {max(ids)} is outside the model's vocabulary of {vocab_size}"
+    return None
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig):
@@ -184,13 +209,8 @@ class Scheduler:
         elif n + 1 > self.config.max_model_len:
             error = (f"prompt has {n} tokens; max_model_len {self.config.max_model_len} leaves "
                      "no room to generate")
-        elif self.config.vocab_size and max(data.prompt_token_ids) >= self.config.vocab_size:
-            error = (f"prompt token id {max(data.prompt_token_ids)} is outside the model's "
-                     f"vocabulary of {self.config.vocab_size}")
-        elif (self.config.vocab_size and data.sampling.logit_bias
-              and max(t for t, _ in data.sampling.logit_bias) >= self.config.vocab_size):
-            error = (f"logit_bias token id {max(t for t, _ in data.sampling.logit_bias)} is "
-                     f"outside the model's vocabulary of {self.config.vocab_size}")
+        elif self.config.vocab_size and (outside := _outside_vocabulary(data, self.config.vocab_size)):
+            error = outside
         elif self.blocks.blocks_for(n + 1) > self.blocks.num_total:
             error = (f"prompt has {n} tokens; the KV cache holds only "
                      f"{self.blocks.num_total * self.blocks.block_size}")
@@ -405,10 +425,12 @@ class Scheduler:
         if result.step != out.step:
             raise ValueError(f"runner output is for step {result.step}, not {out.step}")
         skipped = self._skipped.pop(out.step, ())
+        failed = result.failed
         for ss in out.seqs:
             if ss.request_id in skipped:
                 continue
-            if ss.sample and not self._seqs[ss.request_id].done and ss.request_id not in result.sampled:
+            if (ss.sample and not self._seqs[ss.request_id].done and ss.request_id not in result.sampled
+                    and ss.request_id not in failed):
                 raise ValueError(f"runner output for step {out.step} has no token for "
                                  f"{ss.request_id}")
         step = out.step
@@ -429,6 +451,15 @@ class Scheduler:
                 else:
                     reason, stop_reason = seq.finishing  # type: ignore[misc]
                     self._release(seq, reason, stop_reason, events, step)
+                continue
+            if rid in failed:
+                # Its KV of this step may be half written: nothing of it is kept or cached.
+                # Like any finish, its blocks wait for a later step that still holds it.
+                seq.error = failed[rid]
+                if later:
+                    seq.finishing = ("error", None)
+                else:
+                    self._release(seq, "error", None, events, step)
                 continue
             seq.num_computed_tokens += len(ss.token_ids)
             if self.config.enable_prefix_caching:
@@ -595,4 +626,5 @@ class Scheduler:
         seq.status = Status.FINISHED
         del self._seqs[seq.request_id]
         events.append(BlocksReleased(request_id=seq.request_id, count=count, step=step))
-        events.append(_final(seq.request_id, reason, seq.usage(), stop_reason))
+        events.append(_final(seq.request_id, reason, seq.usage(), stop_reason,
+                             seq.error if reason == "error" else None))

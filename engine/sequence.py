@@ -32,7 +32,7 @@ class Sequence:
     __slots__ = ("request_id", "arrival", "sampling", "num_prompt_tokens", "token_ids",
                  "num_computed_tokens", "status", "aborting", "num_preemptions",
                  "num_in_flight", "num_pending", "finishing", "num_discarded", "block_hashes",
-                 "num_registered", "num_cached_tokens", "priority")
+                 "num_registered", "num_cached_tokens", "priority", "error")
 
     def __init__(self, request_id: str, prompt_token_ids: tuple[int, ...],
                  sampling: SamplingParams, arrival: int, priority: int = 0):
@@ -53,6 +53,7 @@ class Sequence:
         # (finish_reason, stop_reason) of a request that finished while a later step holding it
         # was already in flight: like an abort, its blocks wait for that step.
         self.finishing: tuple[str, str | None] | None = None
+        self.error: str | None = None  # why its step failed (finish_reason "error"), for its Final
         self.num_discarded = 0  # sampled tokens dropped because of the above or an abort
         # prefix caching: the hashes of its full blocks' contents so far (block_hash, each
         # chained to the one before), and how many of its table's blocks it has registered

@@ -27,7 +27,8 @@ from engine.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 
 
 class WorkerError(RuntimeError):
-    """The worker failed to start or to run a step; the message carries its traceback."""
+    """The worker failed to start, died, or failed outside a step (a warmup); the message
+    carries its traceback. A step that fails is a result (``RunnerOutput.failed``), not this."""
 
 
 class _StepEncoder:
@@ -157,11 +158,15 @@ def _worker_main(conn, model_dir: str, kwargs: dict[str, Any],
                 for rid in [r for r, last in drops.items() if last <= msg.step]:
                     del drops[rid]
             t, wall = time.perf_counter(), time.time()
-            out = runner.execute(msg)
+            try:
+                out = runner.execute(msg)
+            except Exception as e:  # noqa: BLE001 - its requests fail; the worker goes on
+                traceback.print_exc()
+                out = RunnerOutput.failure(msg, f"the model step failed: {type(e).__name__}: {e}")
             dt = time.perf_counter() - t
             ran = (int(wall * 1000), int((wall + dt) * 1000))
             conn.send(("ok", (out.step, out.sampled, out.stopped, ran, out.logprobs,
-                              out.prompt_logprobs, out.embeddings), dt))
+                              out.prompt_logprobs, out.embeddings, out.failed), dt))
         except Exception:  # noqa: BLE001
             conn.send(("error", traceback.format_exc()))
 
@@ -236,9 +241,9 @@ class ProcessRunner:
 
     def collect(self) -> RunnerOutput:
         """The result of the oldest submitted step (blocks; run it off the event loop)."""
-        step, sampled, stopped, ran, logprobs, prompt_lp, embeddings = self._collect()
+        step, sampled, stopped, ran, logprobs, prompt_lp, embeddings, failed = self._collect()
         return RunnerOutput(step=step, sampled=sampled, stopped=stopped, ran=ran, logprobs=logprobs,
-                            prompt_logprobs=prompt_lp, embeddings=embeddings)
+                            prompt_logprobs=prompt_lp, embeddings=embeddings, failed=failed)
 
     def fileno(self) -> int:
         """The pipe's end in this process: readable when a reply has come (for an event loop
@@ -247,8 +252,9 @@ class ProcessRunner:
 
     def take_ready(self) -> list[RunnerOutput | tuple[str, int, list[str]]]:
         """Every reply that has come, without waiting: step results (in submission order)
-        and ``("skipped", step, request ids)`` notes (each before its step's result). Raises
-        WorkerError for a failed step or a dead worker."""
+        and ``("skipped", step, request ids)`` notes (each before its step's result). A step
+        that failed is a result too, its requests in ``failed``. Raises WorkerError for a dead
+        worker."""
         out: list = []
         conn = self._conn
         while conn.poll():
@@ -262,10 +268,10 @@ class ProcessRunner:
                 raise WorkerError(reply[1])
             else:
                 self.busy_seconds += reply[2]
-                step, sampled, stopped, ran, logprobs, prompt_lp, embeddings = reply[1]
+                step, sampled, stopped, ran, logprobs, prompt_lp, embeddings, failed = reply[1]
                 out.append(RunnerOutput(step=step, sampled=sampled, stopped=stopped, ran=ran,
                                         logprobs=logprobs, prompt_logprobs=prompt_lp,
-                                        embeddings=embeddings))
+                                        embeddings=embeddings, failed=failed))
         return out
 
     def _died(self) -> WorkerError:

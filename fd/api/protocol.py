@@ -327,9 +327,9 @@ def _sampling(body: dict, prompt_len: int, limits: Limits, default_max: int | No
         stop = tuple(s for s in stop_raw if s)
     else:
         raise bad_request("'stop' must be a string or a list of strings.", "stop", "invalid_type")
-    stop_token_ids = tuple(_opt(body, "stop_token_ids",
-                                lambda v: isinstance(v, list) and all(_is_int(t) and t >= 0 for t in v),
-                                "a list of token ids", []))
+    stop_token_ids = _check_ids(_opt(body, "stop_token_ids",
+                                     lambda v: isinstance(v, list) and all(_is_int(t) and t >= 0 for t in v),
+                                     "a list of token ids", []), limits, "stop_token_ids")
     allowed = body.get("allowed_token_ids")
     if allowed is not None:
         if not isinstance(allowed, list) or not allowed:
