@@ -70,6 +70,9 @@ async def test_aborting_a_request_that_shares_blocks_leaves_the_others_whole(ser
         model=model, prompt=prompt, max_tokens=240, temperature=0, extra_body={"ignore_eos": True}))
     # (long enough to be still running when the doomed one's first token comes, however loaded
     # the machine: 60 tokens were once all done before it)
+    # The keeper's request may be sent after the doomed one's (its own connection): wait until
+    # the engine runs it, so the doomed request finds it holding the shared blocks.
+    assert await wait_for(lambda: _running(eng, 1))
     doomed = await client.completions.create(model=model, prompt=prompt, max_tokens=400, stream=True,
                                              extra_body={"ignore_eos": True})
     first = await doomed.__anext__()
@@ -83,6 +86,11 @@ async def test_aborting_a_request_that_shares_blocks_leaves_the_others_whole(ser
     assert await wait_for(lambda: _idle(eng))
     eng.node.sched.scheduler.blocks.check()
     await client.close()
+
+
+async def _running(eng, n: int) -> bool:
+    await asyncio.sleep(0)
+    return len(eng.node.sched.scheduler.blocks.tables()) >= n
 
 
 async def _idle(eng) -> bool:
