@@ -37,6 +37,13 @@ KEY_ALIGN = 16  # key lengths padded to a multiple of this for the same reason
 MASKED = -1e30  # finite, so fully padded query rows stay NaN-free
 
 
+def cpu_swiglu(x: paddle.Tensor) -> paddle.Tensor:
+    """F.swiglu (silu(gate) * up of x = [gate | up]) on a CPU, whose fused kernel takes 1.4x as
+    long as these three ops (0.10 against 0.07 ms for 32 rows of SmolLM2's 1536)."""
+    gate, up = paddle.split(x, 2, axis=-1)
+    return paddle.multiply(F.silu(gate), up)
+
+
 def pad_keys(n: int) -> int:
     return max(KEY_ALIGN, -(-n // KEY_ALIGN) * KEY_ALIGN)
 
@@ -238,6 +245,7 @@ class Llama:
         sign = np.concatenate([-np.ones(hd // 2), np.ones(hd // 2)])
         self.rope = t(np.stack([np.cos(ang), np.sin(ang) * sign], axis=1))  # [P, 2, hd]
         self._scale = scale
+        self._swiglu = cpu_swiglu if device == "cpu" else F.swiglu
         self.onednn = onednn
         self.lm_head_dnn = None
         if onednn:
@@ -374,8 +382,9 @@ class Llama:
     def _qkv(self, layer: dict, h: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor, i: int = 0):
         """Projections with RoPE applied (q already scaled by 1/sqrt(head_dim)).
 
-        rotate_half(x) is ``concat(x2, x1)`` with the sign folded into the sin table: two cheap
-        copies instead of a matmul or extra projection columns (GEMMs dominate at batch 32).
+        rotate_half(x) is ``concat(x2, x1)``, a roll by half a head, with the sign folded into
+        the sin table: one cheap copy instead of a matmul or extra projection columns (a roll
+        costs a third of a split and a concat).
         """
         c = self.cfg
         n = h.shape[0]
@@ -390,9 +399,8 @@ class Llama:
         if layer["qk_norm"] is not None:  # Qwen3: each head's q and k RMS-normalised
             ms = paddle.mean(paddle.square(qk), axis=-1, keepdim=True)
             qk = paddle.multiply(paddle.multiply(qk, paddle.rsqrt(ms + c.rms_norm_eps)), layer["qk_norm"])
-        x1, x2 = paddle.split(qk, 2, axis=-1)
         qk = paddle.add(paddle.multiply(qk, cos),
-                        paddle.multiply(paddle.concat([x2, x1], axis=-1), sin))
+                        paddle.multiply(paddle.roll(qk, c.head_dim // 2, axis=-1), sin))
         q, k = paddle.split(qk, [c.num_attention_heads, c.num_key_value_heads], axis=1)
         return q, k, v.reshape([n, c.num_key_value_heads, c.head_dim])
 
@@ -421,8 +429,8 @@ class Llama:
         if "moe" in layer:
             return self._moe(layer["moe"], h), residual
         if not self._active:
-            return self._mm(F.swiglu(self._mm(h, layer, "gate_up")), layer, "down"), residual
-        g = F.swiglu(self._lora(self._mm(h, layer, "gate_up"), h, i, "gate_up"))
+            return self._mm(self._swiglu(self._mm(h, layer, "gate_up")), layer, "down"), residual
+        g = self._swiglu(self._lora(self._mm(h, layer, "gate_up"), h, i, "gate_up"))
         return self._lora(self._mm(g, layer, "down"), g, i, "down"), residual
 
     def _moe(self, moe: dict, h: paddle.Tensor) -> paddle.Tensor:
@@ -447,14 +455,14 @@ class Llama:
             at = np.concatenate([tok * k + j, np.zeros(pad, dtype=tok.dtype)])
             rows_t, at_t = self.upload([rows, at], np.int64)
             gate_up, down = moe["experts"][e]
-            y = paddle.matmul(F.swiglu(paddle.matmul(paddle.index_select(h, rows_t), gate_up)), down)
+            y = paddle.matmul(self._swiglu(paddle.matmul(paddle.index_select(h, rows_t), gate_up)), down)
             scale = paddle.index_select(flat, at_t)
             if pad:
                 scale = paddle.multiply(scale, self.tensor(np.r_[np.ones(n), np.zeros(pad)].astype(np.float32)))
             out = paddle.index_add(out, rows_t, 0, paddle.multiply(y, scale.unsqueeze(-1)))
         if "shared" in moe:  # Qwen2-MoE: plus the shared expert, gated by a sigmoid
             gate_up, down, gate = moe["shared"]
-            y = paddle.matmul(F.swiglu(paddle.matmul(h, gate_up)), down)
+            y = paddle.matmul(self._swiglu(paddle.matmul(h, gate_up)), down)
             out = paddle.add(out, paddle.multiply(F.sigmoid(paddle.matmul(h, gate)), y))
         return out
 
