@@ -342,8 +342,9 @@ class Llama:
         block at the end that padding rows write to. Tokens are written by slot and read back
         by whole blocks (a block gather is ~4x faster than a slot gather).
 
-        Head-major, [kvh, blocks, block_size, hd]: gathering a step's blocks (axis 1) gives
-        each KV head's context as attention multiplies it, [kvh, S, L, hd], where a token-major
+        Head-major, [kvh, blocks, block_size, hd]: gathering a step's blocks of each head (as
+        rows of [kvh * blocks, block_size * hd]) gives each KV head's context as attention
+        multiplies it, [kvh, S, L, hd], where a token-major
         cache had to transpose all of it, in every layer, every step."""
         c = self.cfg
         self.block_size = block_size
