@@ -406,6 +406,27 @@ class Bus:
                 break
         return out
 
+    async def queued_until(self, until: bytes | str, page: int = 1000) -> list[tuple[bytes, str]]:
+        """``(entry id, request id)`` of every entry on ``P:requests`` added in or before the
+        millisecond of entry id ``until`` (another stream's: an ``abort_all``'s on
+        ``P:control``). Entries leave ``P:requests`` at their request's final, so these are the
+        requests accepted by then that have not finished: unclaimed, claimed but not yet owned,
+        or running. Entries without a valid request id are left to the claimers, which
+        dead-letter them."""
+        end = b"%d" % entry_id_key(until)[0]  # (XRANGE's end `<ms>` takes every seq of that ms)
+        out: list[tuple[bytes, str]] = []
+        start = b"-"
+        while True:
+            entries = await self.redis.xrange(self.keys.requests, min=start, max=end, count=page)
+            for entry_id, fields in entries:
+                raw = fields.get(b"request_id", fields.get("request_id"))
+                rid = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+                if isinstance(rid, str) and valid_request_id(rid):
+                    out.append((_b(entry_id), rid))
+            if len(entries) < page:
+                return out
+            start = b"(" + _b(entries[-1][0])
+
     # ------------------------------------------------------------------ control (broadcast)
 
     async def control_cursor(self) -> bytes:
