@@ -96,6 +96,15 @@ def check_event(stream: str | bytes, ev: Event, allowed: tuple[type, ...],
     return ev
 
 
+#: How long a finished request's story (``P:req``), owner key and conversation are kept, by
+#: default (``--request-ttl``): a late abort of it stays a no-op, and any replica can replay or
+#: retrieve it, for this long.
+REQUEST_TTL_S = 3600
+#: How long an abort's tombstone for a request no engine had (``--tombstone-ttl``) waits for
+#: that request: one that arrives later than this runs.
+TOMBSTONE_TTL_S = 600
+
+
 #: On the embedded server's in-process client a capped stream (journal, control, dead letters)
 #: is appended to without MAXLEN and trimmed (``XTRIM MAXLEN ~``) once every this many entries.
 TRIM_EVERY = 256
@@ -104,7 +113,7 @@ TRIM_EVERY = 256
 class Bus:
     """Typed access to fd's streams and keys for one Redis client and one key prefix."""
 
-    def __init__(self, redis, keys: Keys, *, req_ttl_s: int = 3600, dead_maxlen: int = 10_000,
+    def __init__(self, redis, keys: Keys, *, req_ttl_s: int = REQUEST_TTL_S, dead_maxlen: int = 10_000,
                  requests_maxlen: int | None = None, control_maxlen: int = 10_000,
                  journal_maxlen: int = 10_000):
         self.redis = redis

@@ -592,6 +592,14 @@ class EmbeddedRedis:
     #: Redis runs the same kind of active expiry cycle (10 times a second, sampling).
     EXPIRE_EVERY_S = 1.0
 
+    #: ``fd serve``'s default ``--request-ttl`` on this server: 10 minutes, not a real Redis's
+    #: hour. A finished request's keys (its story, ~12 KB with a few hundred tokens, and its
+    #: owner key) live in this process's memory for the TTL, in Python objects, with no
+    #: ``maxmemory`` to bound them: at 100 requests/s an hour held ~4 GB, ten minutes hold
+    #: ~0.7 GB, still time for a client to resume a stream, retrieve a response or go on from
+    #: it (``previous_response_id``) shortly after.
+    REQUEST_TTL_S = 600
+
     def __init__(self, host: str = "127.0.0.1", port: int = 0):
         self.host = host
         self._requested_port = port
