@@ -255,6 +255,7 @@ async def start_api(redis_factory: Callable[[], Any], keys: Keys, opts: ApiOptio
     from aiohttp import web
 
     from control.tokenizer import Tokenizer, served_context
+    from fd.api import parse_errors
     from fd.api.protocol import generation_defaults
     from fd.api.reasoning import PARSERS as REASONING_PARSERS
     from fd.api.server import ApiConfig, make_app
@@ -292,6 +293,7 @@ async def start_api(redis_factory: Callable[[], Any], keys: Keys, opts: ApiOptio
     bus = Bus(redis_factory(), keys, req_ttl_s=opts.request_ttl_s)
     bus.on_dead_letter = mux._bus.on_dead_letter = metrics.dead_letters_total.inc
     app = make_app(cfg, bus, mux, tokenizer, metrics)
+    parse_errors.install()  # (a client's malformed request: one log line, not a traceback)
     # handler_cancellation: a client that goes away cancels its handler, which is how
     # fd.api.cancellation notices a disconnect before anything is written.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
