@@ -556,6 +556,16 @@ class Bus:
         v = got[0] if got is not None else await self.redis.get(self.keys.owner(request_id))
         return v.decode() if v is not None else None
 
+    async def renew(self, keys: Sequence[str]) -> None:
+        """Give each of ``keys`` (that exists) the request TTL again, in one round trip."""
+        direct = getattr(self.redis, "fd_expire", None)  # the embedded in-process client
+        if direct is not None and direct(list(keys), self.req_ttl_s) is not None:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.expire(key, self.req_ttl_s)
+        await pipe.execute()
+
     async def save_conversation(self, request_id: str, items: list) -> None:
         await self.redis.set(self.keys.conversation(request_id), orjson.dumps(items), ex=self.req_ttl_s)
 

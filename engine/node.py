@@ -249,6 +249,7 @@ class EngineNode:
         # while nobody could write them, before their requests look orphaned.
         self._ok_since = 0.0
         self._last_error_log = 0.0
+        self._renewed = time.monotonic()  # (see _renew_running)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -1234,6 +1235,26 @@ class EngineNode:
 
     # ------------------------------------------------------------------ background loops
 
+    async def _renew_running(self) -> None:
+        """Every quarter of ``--request-ttl``: the stories and owner keys of the requests this
+        engine runs (and of their responses, for choices) get the whole TTL again. They expire
+        that long after the accept otherwise, and a request that runs longer (a long answer on
+        ``fd serve``'s 600 s) would lose its story's beginning and its owner key mid-run."""
+        now = time.monotonic()
+        if now - self._renewed < self.bus.req_ttl_s / 4:
+            return
+        self._renewed = now
+        keys: list[str] = []
+        for rid in self._entry:
+            if rid in self._silent:
+                continue
+            keys += (self.bus.keys.req(rid), self.bus.keys.owner(rid))
+            req = self._request.get(rid)
+            if req is not None and req.data.parent:
+                keys += (self.bus.keys.req(req.data.parent), self.bus.keys.owner(req.data.parent))
+        if keys:
+            await self.bus.renew(list(dict.fromkeys(keys)))
+
     async def _sleep_while_running(self, seconds: float) -> None:
         end = time.monotonic() + seconds
         while not self._stopping and time.monotonic() < end:
@@ -1245,6 +1266,7 @@ class EngineNode:
                 await self.bus.heartbeat(self.id, self.status(), self.cfg.heartbeat_ttl_s)
                 self._redis_ok()
                 await self._check_ownership()
+                await self._renew_running()
             except RETRYABLE as e:
                 self._redis_failed("heartbeat", e)
             except Exception:

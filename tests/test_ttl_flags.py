@@ -67,3 +67,30 @@ async def test_ttl_flags_on_a_real_redis(tiny_model_dir, keys, redis_server):
     default = await _serve_one(["--model", str(tiny_model_dir), "--redis-url", redis_server.url],
                                keys.prefix + "d")
     assert REQUEST_TTL_S - 60 < default["story"] <= REQUEST_TTL_S
+
+
+async def test_a_request_that_runs_longer_than_the_ttl_keeps_its_story(
+        redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer):
+    """The TTL counts from the accept and from the final; in between, the engine that runs a
+    request renews its story and owner key, so a long run loses neither mid-way."""
+    from fd.compose import EngineOptions, start_engine
+    from tests.enginekit import GatedRunner, submit, types
+    from tests.faultkit import RunnerSlice
+
+    ttl = 2
+    bus = Bus(connect(redis_server.url), keys, req_ttl_s=ttl)
+    eng = await start_engine(lambda: connect(redis_server.url), keys,
+                             EngineOptions(model_dir=str(tiny_model_dir), engine_id="long",
+                                           request_ttl_s=ttl),
+                             runner=GatedRunner(RunnerSlice(tiny_runner, 0, 64, delay=0.05)),
+                             tokenizer=tiny_tokenizer, heartbeat_s=0.2)
+    try:
+        await submit(bus, "long", list(range(10, 20)), max_tokens=80, ignore_eos=True)
+        evs = await story(bus, "long", timeout=60)  # (80 steps of 50 ms: twice the TTL)
+        assert types(evs)[:2] == ["accepted", "claimed"] and types(evs).count("final") == 1
+        assert sum(len(e.token_ids) for e in evs if e.TYPE == "tokens") == 80
+        assert 0 < await bus.redis.ttl(keys.req("long")) <= ttl
+        assert await bus.owner("long") == "long"
+    finally:
+        await eng.stop()
+        await bus.redis.aclose()
