@@ -186,7 +186,10 @@ class RedisStats:
     def __init__(self, url: str, pid: int):
         import redis
 
-        self.r = redis.Redis.from_url(url)
+        from control.connect import redis_timeout
+
+        t = redis_timeout()  # (a stalled server fails the run instead of hanging it)
+        self.r = redis.Redis.from_url(url, socket_timeout=t, socket_connect_timeout=t)
         self.pid = pid
 
     def snap(self) -> dict:

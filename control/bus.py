@@ -98,6 +98,15 @@ def check_event(stream: str | bytes, ev: Event, allowed: tuple[type, ...],
     return ev
 
 
+#: How long a finished request's story (``P:req``), owner key and conversation are kept, by
+#: default (``--request-ttl``): a late abort of it stays a no-op, and any replica can replay or
+#: retrieve it, for this long.
+REQUEST_TTL_S = 3600
+#: How long an abort's tombstone for a request no engine had (``--tombstone-ttl``) waits for
+#: that request: one that arrives later than this runs.
+TOMBSTONE_TTL_S = 600
+
+
 #: On the embedded server's in-process client a capped stream (journal, control, dead letters)
 #: is appended to without MAXLEN and trimmed (``XTRIM MAXLEN ~``) once every this many entries.
 TRIM_EVERY = 256
@@ -106,7 +115,7 @@ TRIM_EVERY = 256
 class Bus:
     """Typed access to fd's streams and keys for one Redis client and one key prefix."""
 
-    def __init__(self, redis, keys: Keys, *, req_ttl_s: int = 3600, dead_maxlen: int = 10_000,
+    def __init__(self, redis, keys: Keys, *, req_ttl_s: int = REQUEST_TTL_S, dead_maxlen: int = 10_000,
                  requests_maxlen: int | None = None, control_maxlen: int = 10_000,
                  journal_maxlen: int = 10_000):
         self.redis = redis
@@ -515,6 +524,27 @@ class Bus:
                 break
         return out
 
+    async def queued_until(self, until: bytes | str, page: int = 1000) -> list[tuple[bytes, str]]:
+        """``(entry id, request id)`` of every entry on ``P:requests`` added in or before the
+        millisecond of entry id ``until`` (another stream's: an ``abort_all``'s on
+        ``P:control``). Entries leave ``P:requests`` at their request's final, so these are the
+        requests accepted by then that have not finished: unclaimed, claimed but not yet owned,
+        or running. Entries without a valid request id are left to the claimers, which
+        dead-letter them."""
+        end = b"%d" % entry_id_key(until)[0]  # (XRANGE's end `<ms>` takes every seq of that ms)
+        out: list[tuple[bytes, str]] = []
+        start = b"-"
+        while True:
+            entries = await self.redis.xrange(self.keys.requests, min=start, max=end, count=page)
+            for entry_id, fields in entries:
+                raw = fields.get(b"request_id", fields.get("request_id"))
+                rid = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+                if isinstance(rid, str) and valid_request_id(rid):
+                    out.append((_b(entry_id), rid))
+            if len(entries) < page:
+                return out
+            start = b"(" + _b(entries[-1][0])
+
     # ------------------------------------------------------------------ control (broadcast)
 
     async def control_cursor(self) -> bytes:
@@ -634,6 +664,16 @@ class Bus:
         got = direct(self.keys.owner(request_id)) if direct is not None else None
         v = got[0] if got is not None else await self.redis.get(self.keys.owner(request_id))
         return v.decode() if v is not None else None
+
+    async def renew(self, keys: Sequence[str]) -> None:
+        """Give each of ``keys`` (that exists) the request TTL again, in one round trip."""
+        direct = getattr(self.redis, "fd_expire", None)  # the embedded in-process client
+        if direct is not None and direct(list(keys), self.req_ttl_s) is not None:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.expire(key, self.req_ttl_s)
+        await pipe.execute()
 
     async def save_conversation(self, request_id: str, items: list) -> None:
         await self.redis.set(self.keys.conversation(request_id), orjson.dumps(items), ex=self.req_ttl_s)

@@ -2,15 +2,21 @@
 
 Why these settings (DESIGN.md §6):
 
-- ``socket_timeout=None``: the bus parks in blocking ``XREAD``/``XREADGROUP`` calls. A client
-  read timeout shorter than ``BLOCK`` makes redis-py give up on a healthy connection and retry
-  the read, so blocking reads must never time out on the client side.
+- a socket timeout (``timeout_s``; ``--redis-timeout``, ``FD_REDIS_TIMEOUT``, default 5 s) on
+  every read and on connecting: a Redis that stops answering (a paused process, a stalled
+  host) while its socket stays open is an error within that time (the API's 503), not a
+  request that hangs until it answers again. It must be longer than any ``BLOCK`` fd sends
+  (the longest is the API's stream reader, 1 s), or redis-py gives up on a healthy blocking
+  read: :data:`MIN_TIMEOUT_S`. It bounds a wait for Redis's reply, never a client's stream:
+  a token stream's gaps are blocking reads that come back empty and are sent again.
 - ``protocol=2``: redis-py 8 speaks RESP3 by default; RESP2 is what redis-cli, Redis 7.0 and
   the embedded server speak out of the box, and it saves the ``HELLO`` round trip per
   connection. Every reply shape the bus parses is then the same on every server.
 - retries with exponential backoff on connection errors, so a Redis restart or failover is a
   pause, not a crash. A retried ``XADD`` may be written twice and a retried ``XREADGROUP`` may
   leave entries pending; readers tolerate both (pending entries are reclaimed by autoclaim).
+  A timeout is not retried: a server that did not answer in ``timeout_s`` will not answer a
+  reconnect sooner, and six more tries would make the bound seven times as long.
 
 Redis Cluster is chosen by the URL scheme, ``redis+cluster://`` (``rediss+cluster://`` for TLS),
 not by probing: the caller knows what it deployed, and a probe would cost a round trip and a
@@ -25,7 +31,13 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import (AuthenticationError, AuthenticationWrongNumberOfArgsError,
                               BusyLoadingError, ConnectionError, TimeoutError)
 
-CONNECT_TIMEOUT_S = 5
+import os
+
+#: Seconds a connect or a reply may take before the command fails (``--redis-timeout``).
+DEFAULT_TIMEOUT_S = 5.0
+TIMEOUT_ENV = "FD_REDIS_TIMEOUT"
+#: Above the longest ``BLOCK`` fd sends (``StreamMux.block_ms``, 1 s), with room for the reply.
+MIN_TIMEOUT_S = 2.0
 HEALTH_CHECK_INTERVAL_S = 30
 RETRIES = 6  # 50 ms doubling to a 2 s cap: a bit over 5 s of outage before an error surfaces
 #: Connections per client. A burst of requests waits for a free connection instead of failing:
@@ -36,12 +48,13 @@ POOL_WAIT_S = 30
 
 
 class _Retry(Retry):
-    """Retries connection trouble, but not a refused login: redis-py's AuthenticationError is
-    a ConnectionError, and retrying it only delays a wrong password's error by seconds."""
+    """Retries connection trouble, but not a refused login (redis-py's AuthenticationError is
+    a ConnectionError, and retrying it only delays a wrong password's error by seconds) nor a
+    timeout (see the module's docstring)."""
 
     async def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):
         def retryable(e: Exception) -> bool:
-            if isinstance(e, (AuthenticationError, AuthenticationWrongNumberOfArgsError)):
+            if isinstance(e, (AuthenticationError, AuthenticationWrongNumberOfArgsError, TimeoutError)):
                 return False
             return is_retryable(e) if is_retryable else True
 
@@ -51,25 +64,44 @@ class _Retry(Retry):
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 
 
-def connect(url: str) -> aioredis.Redis | aioredis.RedisCluster:
+def redis_timeout(value: float | str | None = None) -> float:
+    """The socket timeout to use: ``value``, else ``$FD_REDIS_TIMEOUT``, else 5 s; a
+    ValueError for one that is not a number of seconds of at least :data:`MIN_TIMEOUT_S`."""
+    if value is None:
+        value = os.environ.get(TIMEOUT_ENV) or DEFAULT_TIMEOUT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"Redis timeout {value!r}: not a number of seconds") from None
+    if not seconds >= MIN_TIMEOUT_S or seconds == float("inf"):
+        raise ValueError(f"Redis timeout {value!r}: give at least {MIN_TIMEOUT_S:g} s (longer "
+                         "than the 1 s blocking reads fd sends)")
+    return seconds
+
+
+def connect(url: str, timeout_s: float | None = None) -> aioredis.Redis | aioredis.RedisCluster:
     """A ``redis.asyncio`` client for ``url`` (``redis://``, ``rediss://``, ``user:pass@`` work).
 
     ``redis+cluster://host:port`` (or ``rediss+cluster://``) gives a ``RedisCluster`` that
     discovers the other nodes from ``host:port``, with the same settings where redis-py's
-    cluster client has them: no socket timeout, RESP2, ``MAX_CONNECTIONS`` per node. Two
+    cluster client has them: the socket timeout, RESP2, ``MAX_CONNECTIONS`` per node. Two
     differences to know: its pool does not wait for a free connection (the ``MAX_CONNECTIONS + 1``
     -th concurrent command on one node raises ``MaxConnectionsError``), and it retries
-    ``RETRIES`` times at once, refreshing the slot map in between, with no backoff; a refused
-    login is not retried there either (it matches retryable errors by exact type).
+    ``RETRIES`` times at once, refreshing the slot map in between, with no backoff, timeouts
+    included (a stalled node: up to ``RETRIES + 1`` timeouts); a refused login is not retried
+    there either (it matches retryable errors by exact type).
+
+    ``timeout_s``: the socket and connect timeout (:func:`redis_timeout`).
 
     The connection is opened lazily, inside whatever event loop first uses the client.
     """
+    timeout_s = redis_timeout(timeout_s)
     common = dict(
         max_connections=MAX_CONNECTIONS,
         decode_responses=False,
         protocol=2,
-        socket_timeout=None,
-        socket_connect_timeout=CONNECT_TIMEOUT_S,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
         socket_keepalive=True,
         health_check_interval=HEALTH_CHECK_INTERVAL_S,
         retry=_Retry(ExponentialBackoff(cap=2.0, base=0.05), RETRIES),

@@ -34,15 +34,18 @@ from typing import Any, Callable
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 from fakeredis import FakeAsyncRedis, TcpFakeServer
+from fakeredis._clients._tcp_server import TCPFakeRequestHandler
 from fakeredis._clients._async import FakeAsyncRedisConnection, FakeWriter
 from fakeredis._helpers import NoResponse
 from fakeredis._core._database import Item
+from fakeredis._socket import FakeSocket
 from fakeredis._socket._async import AsyncFakeSocket
 from fakeredis.model import _stream as fake_stream
 from fakeredis.model._stream import MAX_KEY, StreamEntryKey, XStream
 
 from control.connect import MAX_CONNECTIONS, POOL_WAIT_S
 from control.fence import Refused
+from control.embedded_info import InfoCommand, ServerInfo, register
 
 log = logging.getLogger("control.embedded")
 
@@ -497,7 +500,7 @@ def _resp(fields: list[bytes]) -> bytes:
     return b"".join(out)
 
 
-class _DirectSocket(AsyncFakeSocket):
+class _DirectSocket(InfoCommand, AsyncFakeSocket):
     """The in-process client's fake socket, with a cheaper wake-up of its blocking reads.
 
     fakeredis wakes a blocked ``XREAD``/``XREADGROUP`` through a change callback that runs on
@@ -647,6 +650,20 @@ class _DirectConnection(FakeAsyncRedisConnection):
         return out
 
 
+class _TcpSocket(InfoCommand, FakeSocket):
+    """A TCP client's fake socket: fakeredis's, with ``INFO`` (control.embedded_info)."""
+
+
+class _TcpHandler(TCPFakeRequestHandler):
+    """fakeredis's handler of one TCP connection, whose socket answers ``INFO`` too."""
+
+    def setup(self) -> None:
+        super().setup()
+        sock = self.current_client.get_socket()
+        if type(sock) is FakeSocket:
+            sock.__class__ = _TcpSocket  # same object, one command more
+
+
 class _Pipeline(Pipeline):
     """A pipeline that hands its connection back without ``asyncio.shield``.
 
@@ -680,6 +697,14 @@ class EmbeddedRedis:
     #: Redis runs the same kind of active expiry cycle (10 times a second, sampling).
     EXPIRE_EVERY_S = 1.0
 
+    #: ``fd serve``'s default ``--request-ttl`` on this server: 10 minutes, not a real Redis's
+    #: hour. A finished request's keys (its story, ~12 KB with a few hundred tokens, and its
+    #: owner key) live in this process's memory for the TTL, in Python objects, with no
+    #: ``maxmemory`` to bound them: at 100 requests/s an hour held ~4 GB, ten minutes hold
+    #: ~0.7 GB, still time for a client to resume a stream, retrieve a response or go on from
+    #: it (``previous_response_id``) shortly after.
+    REQUEST_TTL_S = 600
+
     def __init__(self, host: str = "127.0.0.1", port: int = 0):
         self.host = host
         self._requested_port = port
@@ -705,7 +730,10 @@ class EmbeddedRedis:
             return
         # Redis 7 semantics: what the bus is tested against on a real server too.
         self._tcp = TcpFakeServer((self.host, self._requested_port), server_version=(7, 0))
+        self._tcp.RequestHandlerClass = _TcpHandler
         self.port = self._tcp.server_address[1]
+        tcp = self._tcp
+        register(ServerInfo(tcp.fake_server, self.port, lambda: len(tcp.clients)))
         self._thread = threading.Thread(
             target=self._tcp.serve_forever, kwargs={"poll_interval": 0.1},
             name=f"embedded-redis:{self.port}", daemon=True,

@@ -42,7 +42,7 @@ import time
 from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any, Awaitable, Callable, Protocol, TypeVar
+from typing import Any, Awaitable, Callable, Mapping, Protocol, TypeVar
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -905,20 +905,20 @@ class EngineNode:
                 await asyncio.sleep(0.5)
                 continue
             try:
-                for _, ev in events:
-                    await self._on_control(ev)
+                for entry_id, ev in events:
+                    await self._on_control(ev, entry_id)
                 if events:
                     await self._flush()
                     self._wake.set()
             except _Stopped:
                 return
 
-    async def _on_control(self, ev: Event) -> None:
+    async def _on_control(self, ev: Event, entry_id: bytes | None = None) -> None:
         if isinstance(ev, Abort):
             await self._abort(ev.request_ids, ev.source)
         elif isinstance(ev, AbortAll):
             if ev.engine in (None, "", self.id):
-                await self._abort(tuple(self._entry), ev.source)
+                await self._abort_all(ev, entry_id)
         elif isinstance(ev, Drain):
             # the look-back must not replay a drain meant for an earlier life of this id
             if ev.engine == self.id and ev.ts >= self._started_ms:
@@ -1031,7 +1031,27 @@ class EngineNode:
             self._flush_soon()
             self._wake.set()
 
-    async def _abort(self, rids: tuple[str, ...], source: str) -> None:
+    async def _abort_all(self, ev: AbortAll, entry_id: bytes | None) -> None:
+        """``abort_all``: every request this engine runs or is owning, and, unless the event
+        names an engine, every request on ``P:requests`` accepted in or before the event's
+        millisecond that is not finished: the unclaimed ones (each engine lays the same
+        tombstones; one wins each, and writes its story), and those other engines run or own
+        (each aborts its own). Requests accepted after that are not touched. With
+        ``engine=<id>`` the queue is left alone: it belongs to no engine."""
+        rids = dict.fromkeys((*self._entry, *self._admitting))
+        entries: dict[str, bytes] = {}
+        if not ev.engine and entry_id is not None:
+            queued = await self._retry("abort_all", lambda: self.bus.queued_until(entry_id))
+            for entry, rid in queued:
+                rids[rid] = None
+                entries[rid] = entry
+        await self._abort(tuple(rids), ev.source, entries)
+
+    async def _abort(self, rids: tuple[str, ...], source: str,
+                     entries: Mapping[str, bytes] | None = None) -> None:
+        """``entries``: the ``P:requests`` entries of some of ``rids`` (``abort_all``'s scan):
+        one whose tombstone this engine lays is acknowledged and deleted with its story, so no
+        engine claims it only to find the tombstone."""
         # Counted where the abort takes effect: every engine reads every abort (broadcast),
         # but exactly one engine owns the request or wins its tombstone.
         unknown = []
@@ -1061,8 +1081,17 @@ class EngineNode:
                 self._count_abort(source)
                 if exists:
                     await self._write_tombstone_story(rid)
+                    if entries and rid in entries:
+                        self._ack.append(entries[rid])  # (after the story: see _flush)
             elif (n := owner_choices(owner)) is not None:
                 choices += choice_ids(rid, n)  # a response of n choices: abort each of them
+            elif owner == self.id and self.sched.knows(rid) and rid not in self._silent:
+                # This engine's claim won while the tombstones were on their way, and started
+                # the request meanwhile: it is an abort of a known request now.
+                evs = self.sched.abort(rid, source)
+                if evs:
+                    self._count_abort(source)
+                self._emit(evs)
             elif not is_tombstone(owner):
                 # Owned: by a live engine (which handles it), by a dead one or one handing it
                 # back (whoever continues it must still abort it), or by this engine between
@@ -1326,8 +1355,11 @@ class EngineNode:
             elif now - self._renewed.get(rid, now) > self.bus.req_ttl_s / 4:
                 self._renewed[rid] = now
                 due += [self.bus.keys.owner(rid), self.bus.keys.req(rid)]
+                req = self._request.get(rid)
+                if req is not None and req.data.parent:  # (a choice: its response's story too)
+                    due += [self.bus.keys.owner(req.data.parent), self.bus.keys.req(req.data.parent)]
         if due:  # (not atomic with the GET: at worst it renews a new owner's keys, as it would)
-            await self.bus.publish_many([], expire=due)
+            await self.bus.renew(list(dict.fromkeys(due)))
         self._wake.set()
 
     def _lose(self, rid: str, why: Refused) -> None:

@@ -35,6 +35,9 @@ def _add_redis_args(p: argparse.ArgumentParser, required: bool = False) -> None:
     p.add_argument("--redis-url", default=os.environ.get("FD_REDIS_URL"),
                    help="Redis URL (redis://, rediss://, user:password@ work); default $FD_REDIS_URL")
     p.add_argument("--prefix", default=os.environ.get("FD_PREFIX", "fd"), help="key prefix (default fd)")
+    p.add_argument("--redis-timeout", type=float, default=None, metavar="S",
+                   help="seconds a Redis connect or reply may take before the command fails "
+                        "(the API answers 503); at least 2; default $FD_REDIS_TIMEOUT or 5")
 
 
 def _add_log_args(p: argparse.ArgumentParser) -> None:
@@ -90,6 +93,30 @@ def _add_engine_args(p: argparse.ArgumentParser, worker_cpus: str = "none") -> N
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on drain/SIGTERM: seconds to let running requests finish before handing "
                         "the rest back to other engines")
+    _add_ttl_args(p)
+
+
+def _seconds(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of seconds") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: at least 1 second")
+    return n
+
+
+def _add_ttl_args(p: argparse.ArgumentParser, tombstone: bool = True) -> None:
+    p.add_argument("--request-ttl", type=_seconds, default=None, metavar="S",
+                   help="seconds a request's story (P:req), owner key and stored conversation "
+                        "are kept after its final (and from its accept); give every node the "
+                        "same; default 3600, fd serve on its embedded store 600")
+    if tombstone:
+        from control.bus import TOMBSTONE_TTL_S
+
+        p.add_argument("--tombstone-ttl", type=_seconds, default=TOMBSTONE_TTL_S, metavar="S",
+                       help="seconds an abort of a request no engine has waits for that request "
+                            "(a later one runs); default 600")
 
 
 def _add_vllm_compat_args(p: argparse.ArgumentParser) -> None:
@@ -385,7 +412,20 @@ def _engine_opts(args: argparse.Namespace, model_dir: Path):
                          executor=args.executor if args.executor != "timed" else "paddle",
                          worker_cpus=args.worker_cpus, seed=args.seed,
                          scheduling_policy=args.scheduling_policy, lora_modules=lora_modules(args),
-                         max_lora_rank=args.max_lora_rank, batch_invariant=args.batch_invariant)
+                         max_lora_rank=args.max_lora_rank, request_ttl_s=_request_ttl(args),
+                         tombstone_ttl_s=args.tombstone_ttl,
+                         batch_invariant=args.batch_invariant)
+
+
+def _request_ttl(args: argparse.Namespace, embedded: bool = False) -> int:
+    """``--request-ttl``, else the default of the store: a real Redis's, or the embedded one's
+    (shorter: it holds the stories in this process's memory; see EmbeddedRedis.REQUEST_TTL_S)."""
+    from control.bus import REQUEST_TTL_S
+    from control.embedded import EmbeddedRedis
+
+    if args.request_ttl is not None:
+        return args.request_ttl
+    return EmbeddedRedis.REQUEST_TTL_S if embedded else REQUEST_TTL_S
 
 
 def _runner(args: argparse.Namespace, model_dir: Path):
@@ -415,7 +455,8 @@ def _api_opts(args: argparse.Namespace, model_dir: Path):
                       force_include_usage=args.enable_force_include_usage,
                       tokens_as_ids=args.return_tokens_as_token_ids,
                       priority_scheduling=args.scheduling_policy == "priority",
-                      lora_modules=lora_modules(args), runtime_lora=args.allow_runtime_lora_updating)
+                      lora_modules=lora_modules(args), runtime_lora=args.allow_runtime_lora_updating,
+                      request_ttl_s=_request_ttl(args))
 
 
 def _add_tool_args(p: argparse.ArgumentParser) -> None:
@@ -446,7 +487,7 @@ async def _start_serving(args: argparse.Namespace):
     embedded = None
     if args.redis_url:
         url = args.redis_url
-        factory = lambda: connect(url)  # noqa: E731
+        factory = lambda: connect(url, args.redis_timeout)  # noqa: E731
     else:
         from control.embedded import EmbeddedRedis
 
@@ -456,10 +497,12 @@ async def _start_serving(args: argparse.Namespace):
     keys = Keys(args.prefix)
     model_dir = resolve_model(args.model)
     metrics = Metrics()
-    engine = await start_engine(factory, keys, _engine_opts(args, model_dir), metrics=metrics,
-                                runner=_runner(args, model_dir))
+    ttl = _request_ttl(args, embedded=embedded is not None)
+    engine = await start_engine(factory, keys,
+                                dataclasses.replace(_engine_opts(args, model_dir), request_ttl_s=ttl),
+                                metrics=metrics, runner=_runner(args, model_dir))
     count = getattr(args, "api_server_count", 1)
-    opts = _api_opts(args, model_dir)
+    opts = dataclasses.replace(_api_opts(args, model_dir), request_ttl_s=ttl)
     if count > 1:
         opts = dataclasses.replace(opts, reuse_port=True)
     api = await start_api(factory, keys, opts, metrics=metrics)
@@ -472,7 +515,8 @@ async def _start_serving(args: argparse.Namespace):
             up = ctx.Event()
             p = ctx.Process(target=_api_process, args=(dataclasses.replace(opts, port=api.port), url, args.prefix,
                                                         getattr(args, "log_level", "warning"),
-                                                        getattr(args, "log_format", "text"), up),
+                                                        getattr(args, "log_format", "text"), up,
+                                                        args.redis_timeout),
                             name="fd-api", daemon=True)
             p.start()
             _API_PROCESSES.append(p)
@@ -489,7 +533,8 @@ _API_PROCESSES: list = []
 API_PROCESS_START_S = 60.0
 
 
-def _api_process(opts, url: str, prefix: str, log_level: str, log_format: str, ready) -> None:
+def _api_process(opts, url: str, prefix: str, log_level: str, log_format: str, ready,
+                 redis_timeout: float | None = None) -> None:
     """One more API process of ``fd serve`` (``--api-server-count``): an API node on the same
     port (SO_REUSEPORT: the kernel spreads connections), against the same control plane — the
     embedded server's TCP door, or ``--redis-url``. It goes when its parent goes."""
@@ -502,7 +547,7 @@ def _api_process(opts, url: str, prefix: str, log_level: str, log_format: str, r
     parent = os.getppid()
 
     async def run() -> None:
-        api = await start_api(lambda: connect(url), Keys(prefix), opts)
+        api = await start_api(lambda: connect(url, redis_timeout), Keys(prefix), opts)
         ready.set()
         try:
             while os.getppid() == parent:
@@ -632,7 +677,8 @@ async def _api(args: argparse.Namespace) -> int:
 
     url = _need_url(args)
     model_dir = resolve_model(args.model)
-    api = await start_api(lambda: connect(url), Keys(args.prefix), _api_opts(args, model_dir))
+    api = await start_api(lambda: connect(url, args.redis_timeout), Keys(args.prefix),
+                          _api_opts(args, model_dir))
     _tune_gc()
     print(f"fd api on {api.url}/v1 (control plane {url})", flush=True)
     await _wait_for_signal()
@@ -647,7 +693,7 @@ async def _engine(args: argparse.Namespace) -> int:
     url = _need_url(args)
     model_dir = resolve_model(args.model)
     opts = _engine_opts(args, model_dir)
-    engine = await start_engine(lambda: connect(url), Keys(args.prefix), opts,
+    engine = await start_engine(lambda: connect(url, args.redis_timeout), Keys(args.prefix), opts,
                                 runner=_runner(args, model_dir))
     _tune_gc()
     print(f"fd engine {engine.id} serving {model_dir} (control plane {url})", flush=True)
@@ -687,7 +733,7 @@ async def _abort(args: argparse.Namespace) -> int:
     from control.events import Abort, AbortAll
     from control.keys import valid_request_id
 
-    bus = Bus(connect(_need_url(args)), Keys(args.prefix))
+    bus = Bus(connect(_need_url(args), args.redis_timeout), Keys(args.prefix))
     abort_id = f"abort-{secrets.token_hex(6)}"
     if args.all:
         ev = AbortAll(source="cli", abort_id=abort_id, engine=args.engine)
@@ -712,7 +758,7 @@ async def _status(args: argparse.Namespace) -> int:
     from control.bus import Bus
     from control.connect import connect
 
-    bus = Bus(connect(_need_url(args)), Keys(args.prefix))
+    bus = Bus(connect(_need_url(args), args.redis_timeout), Keys(args.prefix))
     engines = await bus.engines()
     r = bus.redis
     lens = {}
@@ -743,7 +789,7 @@ async def _trace(args: argparse.Namespace) -> int:
     from control.events import Accepted, Tokens
     from control.keys import choice_ids
 
-    bus = Bus(connect(_need_url(args)), Keys(args.prefix))
+    bus = Bus(connect(_need_url(args), args.redis_timeout), Keys(args.prefix))
     try:
         entries = await bus.read_req(args.request_id)
         if not entries:
@@ -859,6 +905,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--port", type=int, default=8000)
     _add_served_name(a)
     _add_max_model_len(a)
+    _add_ttl_args(a, tombstone=False)
     _add_scheduling_policy(a)
     _add_lora_args(a, engine=False)
     _add_chat_args(a)

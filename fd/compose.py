@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from control.bus import Bus, StreamMux
+from control.bus import REQUEST_TTL_S, TOMBSTONE_TTL_S, Bus, StreamMux
 from control.keys import Keys
 from control.metrics import Metrics
 from fd.api.cors import Cors
@@ -55,6 +55,8 @@ class EngineOptions:
     # vLLM's VLLM_BATCH_INVARIANT: a request's logits the same in any batch (engine/model/llama.py),
     # at the price of batch 1 costing what batch 8 does
     batch_invariant: bool = False
+    request_ttl_s: int = REQUEST_TTL_S  # a finished request's story and owner key are kept this long
+    tombstone_ttl_s: int = TOMBSTONE_TTL_S  # an abort's tombstone waits this long for its request
 
 
 @dataclass
@@ -82,6 +84,7 @@ class ApiOptions:
     lora_modules: dict[str, str] = field(default_factory=dict)  # the adapters' names (and where)
     runtime_lora: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter
     reuse_port: bool = False  # several API processes on one port (fd serve --api-server-count)
+    request_ttl_s: int = REQUEST_TTL_S  # a story (from its accept) and conversation are kept this long
 
 
 @dataclass
@@ -184,13 +187,14 @@ async def start_engine(redis_factory: Callable[[], Any], keys: Keys, opts: Engin
               request_timeout_s=opts.request_timeout_s, journal=opts.journal,
               async_scheduling=opts.async_scheduling,
               enable_prefix_caching=opts.enable_prefix_caching, max_model_len=opts.max_model_len,
-              scheduling_policy=opts.scheduling_policy)
+              scheduling_policy=opts.scheduling_policy, tombstone_ttl_s=opts.tombstone_ttl_s)
     kw.update(node_kw)
     cfg = EngineConfig(engine_id=engine_id, block_size=opts.block_size,
                        max_num_seqs=opts.max_num_seqs,
                        max_num_batched_tokens=opts.max_num_batched_tokens, **kw)
-    node = EngineNode(Bus(_no_retries(redis_factory()), keys, journal_maxlen=opts.journal_maxlen),
-                      Bus(_no_retries(redis_factory()), keys),
+    node = EngineNode(Bus(_no_retries(redis_factory()), keys, journal_maxlen=opts.journal_maxlen,
+                          req_ttl_s=opts.request_ttl_s),
+                      Bus(_no_retries(redis_factory()), keys, req_ttl_s=opts.request_ttl_s),
                       runner, tokenizer, cfg, metrics=metrics)
     if metrics is not None:
         node.bus.on_dead_letter = node.control_bus.on_dead_letter = metrics.dead_letters_total.inc
@@ -255,6 +259,7 @@ async def start_api(redis_factory: Callable[[], Any], keys: Keys, opts: ApiOptio
     from aiohttp import web
 
     from control.tokenizer import Tokenizer, served_context
+    from fd.api import parse_errors
     from fd.api.protocol import generation_defaults
     from fd.api.reasoning import PARSERS as REASONING_PARSERS
     from fd.api.server import ApiConfig, make_app
@@ -289,9 +294,10 @@ async def start_api(redis_factory: Callable[[], Any], keys: Keys, opts: ApiOptio
     metrics = metrics if metrics is not None else Metrics()
     mux = StreamMux(redis_factory(), keys, cfg.api_id)
     await mux.start()
-    bus = Bus(redis_factory(), keys)
+    bus = Bus(redis_factory(), keys, req_ttl_s=opts.request_ttl_s)
     bus.on_dead_letter = mux._bus.on_dead_letter = metrics.dead_letters_total.inc
     app = make_app(cfg, bus, mux, tokenizer, metrics)
+    parse_errors.install()  # (a client's malformed request: one log line, not a traceback)
     # handler_cancellation: a client that goes away cancels its handler, which is how
     # fd.api.cancellation notices a disconnect before anything is written.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)

@@ -8,6 +8,8 @@ recovers by itself; the open client stream resumes and ends complete."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import aiohttp
@@ -141,3 +143,61 @@ async def test_a_batch_cut_off_midway_is_completed_not_repeated(real_bus):
     assert await unwritten(real_bus.redis, items) == []
     assert tokens_of([e for _, e in await real_bus.read_req("o1")]) == [0, 1, 2]
     assert tokens_of([e for _, e in await real_bus.read_req("o2")]) == [8, 9]
+
+
+async def test_a_paused_redis_is_a_503_within_the_timeout_and_then_serves_again(
+        tmp_path, keys, tiny_model_dir, tiny_runner, tiny_tokenizer):
+    """redis-server under SIGSTOP: its sockets stay open and nothing answers. A new request
+    gets the documented 503 once a command has waited ``--redis-timeout``; a stream already
+    running waits (it is not cut off), and after SIGCONT it ends complete, exactly once, and
+    the same API and engine serve new requests."""
+    timeout = 2.0
+    redis = OwnRedis(str(tmp_path))
+    redis.start()
+    factory = lambda: connect(redis.url, timeout)  # noqa: E731
+    engines = Engines(factory, keys, tiny_model_dir, tiny_runner, tiny_tokenizer)
+    bus = Bus(connect(redis.url), keys)
+    api = None
+    paused = False
+    try:
+        eng = await engines.start("E", delay=0.03)
+        api = await start_api(factory, keys, ApiOptions(model_dir=str(tiny_model_dir)),
+                              tokenizer=tiny_tokenizer)
+        prompt = "Once upon a time"
+        ref = LLM(tiny_runner, tiny_tokenizer).generate(
+            [tiny_tokenizer.encode(prompt)],
+            SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))[0]
+        body = {"model": api.cfg.model_name, "prompt": prompt, "max_tokens": 60,
+                "temperature": 0, "ignore_eos": True}
+        client = asyncio.create_task(stream_completion(api.url, body, {"X-Request-Id": "s1"}))
+        await wait_for(lambda: eng.node.sched.knows("s1") and eng.node.steps > 3,
+                       what="s1 decoding")
+        os.kill(redis.proc.pid, signal.SIGSTOP)
+        paused = True
+        t0 = time.monotonic()
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+            async with s.post(f"{api.url}/v1/completions", json={**body, "max_tokens": 2}) as r:
+                status, answer = r.status, await r.json()
+        waited = time.monotonic() - t0
+        assert status == 503, answer
+        assert answer["error"]["code"] == "service_unavailable" and "Redis" in answer["error"]["message"]
+        assert waited < 3 * timeout  # the bound is the timeout: one command's wait
+        assert not client.done()  # the running stream waits for Redis, not cut off
+        os.kill(redis.proc.pid, signal.SIGCONT)
+        paused = False
+        result = await asyncio.wait_for(client, 60)
+        assert result["status"] == 200 and result["done"] and not result["errors"]
+        assert result["text"] == ref.text and result["finish_reason"] == "length"
+        evs = await story(bus, "s1")
+        assert tokens_of(evs) == ref.token_ids and types(evs).count("final") == 1
+        again = await stream_completion(api.url, {**body, "max_tokens": 5})
+        assert again["status"] == 200 and again["done"] and again["finish_reason"] == "length"
+        await all_blocks_free(eng.node)
+    finally:
+        if paused:
+            os.kill(redis.proc.pid, signal.SIGCONT)
+        if api is not None:
+            await api.stop()
+        await engines.stop_all()
+        await bus.redis.aclose()
+        redis.stop()

@@ -1,0 +1,142 @@
+"""``INFO`` on the embedded server (fakeredis has none): what ``redis-cli INFO``, redis-py's
+``info()`` and a monitoring scrape read from a Redis, with the facts the embedded server has.
+
+It answers the sections ``server``, ``clients``, ``memory``, ``persistence``, ``replication``,
+``cpu`` and ``keyspace`` (any of them by name, several at once as Redis 7 takes them, or
+``default``/``all``/``everything``; an unknown one gives nothing, as Redis). Numbers the
+server does not keep (command counts, hit rates) are left out rather than made up. Memory is the
+process's: the store lives in the process that runs ``fd serve``'s API and engine and has no
+allocator of its own, so ``used_memory`` is that process's resident set (``used_memory_rss``
+too) and ``used_memory_peak`` its peak; ``maxmemory`` is 0 (no limit: stories leave only by
+their TTL, ``--request-ttl``).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import sys
+import time
+import weakref
+from typing import Callable, Sequence
+
+import fakeredis
+from fakeredis._commands import command
+
+SECTIONS = ("server", "clients", "memory", "persistence", "replication", "cpu", "keyspace")
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "K", "M", "G"):
+        if n < 1024 or unit == "G":
+            return f"{n}{unit}" if unit == "B" else f"{n:.2f}{unit}"
+        n /= 1024  # type: ignore[assignment]
+    return f"{n}B"
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):  # (not Linux: the peak is what there is)
+        return _peak_bytes()
+
+
+def _peak_bytes() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # (bytes on macOS, KiB on Linux)
+
+
+class ServerInfo:
+    """The facts one embedded server reports, rendered as Redis renders INFO."""
+
+    def __init__(self, fake_server, port: int, tcp_clients: Callable[[], int]):
+        self.fake_server = fake_server
+        self.port = port
+        self.tcp_clients = tcp_clients
+        self.started = time.time()
+        self.run_id = os.urandom(20).hex()
+
+    def render(self, asked: Sequence[bytes]) -> bytes:
+        names = [a.decode(errors="replace").lower() for a in asked] or ["default"]
+        wanted: list[str] = []
+        for name in names:
+            for section in (SECTIONS if name in ("default", "all", "everything") else (name,)):
+                if section in SECTIONS and section not in wanted:
+                    wanted.append(section)
+        parts = []
+        for section in wanted:
+            fields = getattr(self, f"_{section}")()
+            body = "".join(f"{k}:{v}\r\n" for k, v in fields)
+            parts.append(f"# {section.capitalize()}\r\n{body}")
+        return "\r\n".join(parts).encode()
+
+    def _server(self) -> list[tuple[str, object]]:
+        version = tuple(self.fake_server.version) + (0, 0, 0)
+        uptime = int(time.time() - self.started)
+        return [("redis_version", ".".join(str(v) for v in version[:3])),
+                ("redis_mode", "standalone"),
+                ("os", f"{platform.system()} {platform.release()} {platform.machine()}"),
+                ("arch_bits", 64 if sys.maxsize > 2**32 else 32),
+                ("process_id", os.getpid()),
+                ("run_id", self.run_id),
+                ("tcp_port", self.port),
+                ("uptime_in_seconds", uptime),
+                ("uptime_in_days", uptime // 86400),
+                ("executable", sys.executable),
+                ("fd_embedded", 1),
+                ("fakeredis_version", fakeredis.__version__)]
+
+    def _clients(self) -> list[tuple[str, object]]:
+        return [("connected_clients", self.tcp_clients())]  # (the TCP door's; in-process ones aside)
+
+    def _memory(self) -> list[tuple[str, object]]:
+        rss = _rss_bytes()
+        peak = max(rss, _peak_bytes())  # (the peak was sampled earlier than statm)
+        return [("used_memory", rss), ("used_memory_human", _human(rss)),
+                ("used_memory_rss", rss), ("used_memory_rss_human", _human(rss)),
+                ("used_memory_peak", peak), ("used_memory_peak_human", _human(peak)),
+                ("maxmemory", 0), ("maxmemory_human", "0B"), ("maxmemory_policy", "noeviction"),
+                ("mem_allocator", "python")]
+
+    def _persistence(self) -> list[tuple[str, object]]:
+        return [("loading", 0), ("aof_enabled", 0), ("rdb_changes_since_last_save", 0),
+                ("rdb_bgsave_in_progress", 0)]
+
+    def _replication(self) -> list[tuple[str, object]]:
+        return [("role", "master"), ("connected_slaves", 0)]
+
+    def _cpu(self) -> list[tuple[str, object]]:
+        use = resource.getrusage(resource.RUSAGE_SELF)
+        return [("used_cpu_sys", f"{use.ru_stime:.6f}"), ("used_cpu_user", f"{use.ru_utime:.6f}")]
+
+    def _keyspace(self) -> list[tuple[str, object]]:
+        out = []
+        now = time.time()
+        for index, db in sorted(self.fake_server.dbs.items()):
+            items = [item for item in db._dict.values()
+                     if item.expireat is None or item.expireat > now]
+            if items:
+                expires = sum(item.expireat is not None for item in items)
+                out.append((f"db{index}", f"keys={len(items)},expires={expires},avg_ttl=0"))
+        return out
+
+
+#: The embedded servers of this process, by their fakeredis server (what a socket knows).
+_SERVERS: "weakref.WeakKeyDictionary[object, ServerInfo]" = weakref.WeakKeyDictionary()
+
+
+def register(info: ServerInfo) -> None:
+    _SERVERS[info.fake_server] = info
+
+
+class InfoCommand:
+    """Mixed into the embedded server's fake sockets (both doors): the ``INFO`` command."""
+
+    _server: object
+
+    @command(name="info", fixed=(), repeat=(bytes,))
+    def info(self, *sections: bytes) -> bytes:
+        info = _SERVERS.get(self._server)
+        return info.render(sections) if info is not None else b""
