@@ -1082,10 +1082,11 @@ class EngineNode:
                 if exists:
                     await self._write_tombstone_story(rid)
                     if entries and rid in entries:
-                        self._ack.append(entries[rid])  # (after the story: see _flush)
+                        self._ack.append((rid, entries[rid]))  # (after the story: see _flush)
             elif (n := owner_choices(owner)) is not None:
                 choices += choice_ids(rid, n)  # a response of n choices: abort each of them
-            elif owner == self.id and self.sched.knows(rid) and rid not in self._silent:
+            elif owner is not None and owner == self._token.get(rid) and self.sched.knows(rid) \
+                    and rid not in self._silent:
                 # This engine's claim won while the tombstones were on their way, and started
                 # the request meanwhile: it is an abort of a known request now.
                 evs = self.sched.abort(rid, source)

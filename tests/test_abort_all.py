@@ -12,7 +12,7 @@ import aiohttp
 from control.bus import Bus
 from control.connect import connect
 from control.events import AbortAll, BlocksReleased, Final, Tokens
-from control.keys import GROUP_ENGINES
+from control.keys import GROUP_ENGINES, owner_engine
 from fd.compose import ApiOptions, start_api
 from tests.enginekit import story, submit, types
 from tests.faultkit import Engines, all_blocks_free, wait_for
@@ -108,7 +108,7 @@ async def test_abort_all_of_one_engine_leaves_the_queue(redis_server, keys, tiny
     bus = Bus(connect(redis_server.url), keys)
     try:
         running, waiting = await _fill(bus, engines, 4, 2)
-        on_a = [r for r in running if await bus.owner(r) == "A"]
+        on_a = [r for r in running if owner_engine(await bus.owner(r)) == "A"]
         assert len(on_a) == 2
         await bus.publish(keys.control, AbortAll(engine="A", source="cli"))
         for rid in on_a:

@@ -63,6 +63,12 @@ async def test_decoding_in_flight_abort_waits_for_the_step(real_bus, engines):
         await asyncio.sleep(0.005)
     gated.close()
     await gated.wait_entered(lambda out: any(s.request_id == "dec" for s in out.seqs))
+    # and the step behind it decided (async scheduling), as it is once the loop has had its turn
+    in_flight = eng.node.sched.config.max_steps_in_flight
+    for _ in range(2000):
+        if len(eng.node.sched.snapshot()["steps_in_flight"]) == in_flight:
+            break
+        await asyncio.sleep(0.002)
     await _abort(real_bus, "dec")
     evs = await story(real_bus, "dec", until=AbortRequested)
     # the step is still running: nothing may be released yet
