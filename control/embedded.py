@@ -216,17 +216,8 @@ class _Direct:
         listeners (:meth:`listen`) once it is written."""
         self._check()
         server = self._server
-        names = self._names
-        values = []
-        for k, v in fields.items():
-            kb = names.get(k)
-            if kb is None:
-                kb = names[k] = k.encode()
-            values.append(kb)
-            values.append(v.encode())
-        cfg = server.config
-        limits = (int(cfg.get(b"stream-node-max-entries", 100)),
-                  int(cfg.get(b"stream-node-max-bytes", 4096)))
+        values = self._encode(fields)
+        limits = self._limits()
         key = stream.encode()
         done = _append_after(server, server.dbs[0], key, values, limits)
         if done is None:
@@ -239,6 +230,23 @@ class _Direct:
                 except Exception:  # a reader's bug must not cost the write
                     log.exception("in-process stream listener failed")
         return entry
+
+    def _encode(self, fields: dict[str, str]) -> list[bytes]:
+        """An entry's field names and values as the stream keeps them (names interned)."""
+        names = self._names
+        values = []
+        for k, v in fields.items():
+            kb = names.get(k)
+            if kb is None:
+                kb = names[k] = k.encode()
+            values.append(kb)
+            values.append(v.encode())
+        return values
+
+    def _limits(self) -> tuple[int, int]:
+        cfg = self._server.config
+        return (int(cfg.get(b"stream-node-max-entries", 100)),
+                int(cfg.get(b"stream-node-max-bytes", 4096)))
 
     def fenced_append(self, owner_key: str, token: str, stream: str,
                       entries: list[tuple[dict[str, str], Any]], ttl_s: int) -> list[bytes] | Refused | None:
@@ -253,20 +261,8 @@ class _Direct:
         server = self._server
         if server.config.get(b"notify-keyspace-events"):
             return None
-        names = self._names
-        encoded = []
-        for fields, _ in entries:
-            values = []
-            for k, v in fields.items():
-                kb = names.get(k)
-                if kb is None:
-                    kb = names[k] = k.encode()
-                values.append(kb)
-                values.append(v.encode())
-            encoded.append(values)
-        cfg = server.config
-        limits = (int(cfg.get(b"stream-node-max-entries", 100)),
-                  int(cfg.get(b"stream-node-max-bytes", 4096)))
+        encoded = [self._encode(fields) for fields, _ in entries]
+        limits = self._limits()
         key, okey = stream.encode(), owner_key.encode()
         done: list[tuple[bytes, StreamEntryKey, int]] = []
         with server.lock:
