@@ -352,7 +352,8 @@ class EngineNode:
 
     async def _forget_heartbeat(self) -> None:
         try:
-            await asyncio.wait_for(self.bus.redis.delete(self.bus.keys.engine(self.id)), 2.0)
+            async with asyncio.timeout(2.0):  # (not wait_for: see _step_loop)
+                await self.bus.redis.delete(self.bus.keys.engine(self.id))
         except Exception as e:  # Redis down: the key expires on its own
             log.warning("could not delete heartbeat: %s", e, extra={"engine": self.id})
 
@@ -459,9 +460,13 @@ class EngineNode:
                 # Work exists but none can run (e.g. waiting for blocks): wait for an event.
                 await self._flush()
                 self._wake.clear()
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for loses a cancellation
+                # that comes as the wait ends (CPython gh-86296), and a cancelled engine (fd
+                # serve's shutdown, a test's kill) would go on running.
                 try:
-                    await asyncio.wait_for(self._wake.wait(), 0.01)
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(0.01):
+                        await self._wake.wait()
+                except TimeoutError:
                     pass
                 continue
             if out is not None and not out.empty and len(flying) < ahead:

@@ -290,9 +290,10 @@ async def send_one(session: aiohttp.ClientSession, cfg: BenchConfig, model: str,
         while not done:
             if deadline is not None:
                 left = deadline - time.perf_counter()
-                try:
-                    data = await asyncio.wait_for(resp.content.readany(), max(left, 0.0))
-                except asyncio.TimeoutError:
+                try:  # (asyncio.timeout: 3.11's wait_for can lose a cancellation, gh-86296)
+                    async with asyncio.timeout(max(left, 0.0)):
+                        data = await resp.content.readany()
+                except TimeoutError:
                     fire()
                     continue
             else:

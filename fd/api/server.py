@@ -541,7 +541,8 @@ class Api:
         if time.monotonic() >= self._redis_suspect_until:
             return
         try:
-            await asyncio.wait_for(self.bus.redis.ping(), REDIS_PING_TIMEOUT_S)
+            async with asyncio.timeout(REDIS_PING_TIMEOUT_S):  # (not wait_for: see _merged)
+                await self.bus.redis.ping()
         except (RedisError, OSError, asyncio.TimeoutError) as e:
             self.redis_failed()
             raise unavailable(f"The control plane (Redis) is unavailable: {e or type(e).__name__}") from None
@@ -679,9 +680,13 @@ class Api:
                 continue
             if all(sub.done for sub in subs):
                 return
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for loses a cancellation that
+            # comes as the wait ends (CPython gh-86296), and a handler cancelled by its client's
+            # hang-up would go on streaming instead of aborting the request.
             try:
-                await asyncio.wait_for(put.wait(), KEEPALIVE_S)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(KEEPALIVE_S):
+                    await put.wait()
+            except TimeoutError:
                 yield None
 
     async def _collect_choices(self, rid: str, subs: list, choices: protocol.Choices,
@@ -1140,7 +1145,8 @@ class Api:
 
     async def health(self, request: web.Request) -> web.Response:
         try:
-            engines = await asyncio.wait_for(self.bus.engines(), HEALTH_TIMEOUT_S)
+            async with asyncio.timeout(HEALTH_TIMEOUT_S):  # (not wait_for: see _merged)
+                engines = await self.bus.engines()
         except (RedisError, OSError, asyncio.TimeoutError) as e:
             self.redis_failed()
             raise unavailable(f"Redis is unreachable: {e or type(e).__name__}") from None
@@ -1151,8 +1157,8 @@ class Api:
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
         if not self.metrics.engine_in_process:
             try:
-                self.metrics.set_engine_gauges_from(
-                    await asyncio.wait_for(self.bus.engines(), HEALTH_TIMEOUT_S))
+                async with asyncio.timeout(HEALTH_TIMEOUT_S):  # (not wait_for: see _merged)
+                    self.metrics.set_engine_gauges_from(await self.bus.engines())
             except (RedisError, OSError, asyncio.TimeoutError) as e:
                 log.warning("metrics: could not read engine heartbeats: %s", e)
         return web.Response(body=self.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
