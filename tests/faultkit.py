@@ -43,6 +43,8 @@ class RunnerSlice:
         self.num_blocks = num_blocks
         self.eos_token_ids = inner.eos_token_ids
         self.max_model_len = inner.max_model_len
+        # (the engine refuses ids past the vocabulary at admission only if its runner says it)
+        self.vocab_size = getattr(inner, "vocab_size", 0)
         self.delay = delay
         self.lock = _LOCKS.setdefault(id(inner), threading.Lock())
         self.last: dict[str, int] = {}
