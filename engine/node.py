@@ -459,9 +459,12 @@ class EngineNode:
                 # Work exists but none can run (e.g. waiting for blocks): wait for an event.
                 await self._flush()
                 self._wake.clear()
+                # (asyncio.timeout, not wait_for: Python 3.11's wait_for returns the result of
+                # a wake-up that comes with a cancel, and the cancel is lost)
                 try:
-                    await asyncio.wait_for(self._wake.wait(), 0.01)
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(0.01):
+                        await self._wake.wait()
+                except TimeoutError:
                     pass
                 continue
             if out is not None and not out.empty and len(flying) < ahead:
@@ -1400,8 +1403,11 @@ class EngineNode:
         mine = lambda rid: (rid in self._entry or rid in self._admitting  # noqa: E731
                             or self.sched.knows(rid))
         orphans, done, aborted = await self._orphans.scan(max(room, 0), mine)
-        for entry in done:
-            await self.bus.ack_request(entry)
+        for entry, fields in done:
+            if fields is None:
+                await self.bus.ack_request(entry)
+            else:  # it never decodes: a dead letter, and acked
+                await self.bus._requests_or_dead([(entry, fields)])
         for entry, rid in aborted:  # read by an engine that died before acking it
             await self._write_tombstone_story(rid)
             await self._flush()
