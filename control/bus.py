@@ -420,14 +420,10 @@ class Bus:
         """Copy a rejected entry to ``P:dead`` with why, and count it."""
         stream = _b(source_stream)
         eid = _b(entry_id) if entry_id is not None else b""
-        if eid:
-            # Readers without a cursor of their own (read_req) see a bad entry again on every
-            # re-read; one dead letter per entry is enough.
-            if (stream, eid) in self._dead_seen:
-                return
-            self._dead_seen[(stream, eid)] = None
-            if len(self._dead_seen) > DEAD_SEEN_MAX:
-                self._dead_seen.popitem(last=False)
+        # Readers without a cursor of their own (read_req) see a bad entry again on every
+        # re-read; one dead letter per entry is enough.
+        if eid and (stream, eid) in self._dead_seen:
+            return
         log.warning("dead letter: %s %s: %s", stream.decode(errors="replace"),
                     eid.decode(errors="replace") or "-", reason)
         out: dict[bytes, bytes] = {b"reason": _b(reason), b"stream": stream, b"entry_id": eid}
@@ -443,10 +439,16 @@ class Bus:
             out[name] = value
         if truncated:
             out[b"truncated"] = b",".join(truncated)
+        await self.redis.xadd(self.keys.dead, out, maxlen=self.dead_maxlen, approximate=True)
+        # Seen only once written: an XADD that failed (Redis stalled, a connection killed)
+        # leaves a P:requests entry pending, and whoever claims it back writes the letter then.
+        if eid:
+            self._dead_seen[(stream, eid)] = None
+            if len(self._dead_seen) > DEAD_SEEN_MAX:
+                self._dead_seen.popitem(last=False)
         self.dead_letters += 1
         if self.on_dead_letter is not None:
             self.on_dead_letter()
-        await self.redis.xadd(self.keys.dead, out, maxlen=self.dead_maxlen, approximate=True)
 
     async def _decode_or_dead(self, stream: str | bytes, entry_id: bytes, fields: Mapping | None,
                               allowed: tuple[type, ...], request_id: str | None = None) -> Event | None:

@@ -25,6 +25,8 @@ guess on every start.
 
 from __future__ import annotations
 
+import asyncio
+
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
@@ -59,6 +61,37 @@ class _Retry(Retry):
             return is_retryable(e) if is_retryable else True
 
         return await super().call_with_retry(do, fail, retryable, with_failure_count)
+
+
+class _CancellableWrites:
+    """A connection whose write's timeout is ``asyncio.timeout``, not redis-py's
+    ``asyncio.wait_for``: on Python 3.11 a cancel that arrives once the write has finished but
+    before the waiting task resumes is swallowed by wait_for (it returns the result instead),
+    and the cancelled task runs on as if never cancelled (an engine stopped by a cancel went
+    on claiming and beating, a shutdown waited for it forever). A connect made on the way
+    counts within the same bound."""
+
+    async def send_packed_command(self, command, check_health: bool = True) -> None:
+        timeout = self.socket_timeout
+        if not timeout:
+            return await super().send_packed_command(command, check_health)
+        self.socket_timeout = None  # (so redis-py writes without its wait_for; the bound is here)
+        try:
+            async with asyncio.timeout(timeout):
+                await super().send_packed_command(command, check_health)
+        except asyncio.TimeoutError:  # (redis-py disconnected on the cancel the timeout sent)
+            raise TimeoutError("Timeout writing to socket") from None
+        finally:
+            self.socket_timeout = timeout
+
+
+_CANCELLABLE: dict[type, type] = {}
+
+
+def _cancellable(cls: type) -> type:
+    if cls not in _CANCELLABLE:
+        _CANCELLABLE[cls] = type(cls.__name__, (_CancellableWrites, cls), {})
+    return _CANCELLABLE[cls]
 
 
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
@@ -112,4 +145,5 @@ def connect(url: str, timeout_s: float | None = None) -> aioredis.Redis | aiored
     pool = aioredis.BlockingConnectionPool.from_url(
         url, timeout=POOL_WAIT_S, retry_on_error=[ConnectionError, TimeoutError, BusyLoadingError],
         **common)
+    pool.connection_class = _cancellable(pool.connection_class)  # (the URL's: TCP, TLS, unix)
     return aioredis.Redis.from_pool(pool)

@@ -102,11 +102,14 @@ class OrphanFinder:
         self.id = engine_id
         self.min_idle_ms = min_idle_ms
         self._requests: dict[bytes, Request | None] = {}
+        self._bad: dict[bytes, Any] = {}  # the fields of those that do not decode to a request
 
     async def scan(self, count: int, mine: Any
-                   ) -> tuple[list[Orphan], list[bytes], list[tuple[bytes, str]]]:
-        """``(orphans, entries to ack, tombstoned (entry, request id)s to finish and ack)``;
-        ``mine(request_id)`` says this engine runs it now."""
+                   ) -> tuple[list[Orphan], list[tuple[bytes, Any]], list[tuple[bytes, str]]]:
+        """``(orphans, (entry, fields)s to ack, tombstoned (entry, request id)s to finish and
+        ack)``; an entry's fields are those of one that does not decode (to dead-letter: the
+        engine that read it died, or Redis failed its dead letter, before one was written),
+        None for one deleted; ``mine(request_id)`` says this engine runs it now."""
         r, keys = self.bus.redis, self.bus.keys
         pending = await r.xpending_range(keys.requests, GROUP_ENGINES, min="-", max="+",
                                          count=max(count, 1) * 4 + 16, idle=self.min_idle_ms)
@@ -114,6 +117,7 @@ class OrphanFinder:
         live_ids = set(ids)
         for eid in [e for e in self._requests if e not in live_ids]:
             del self._requests[eid]
+            self._bad.pop(eid, None)
         unknown = [eid for eid in ids if eid not in self._requests]
         if unknown:
             pipe = r.pipeline(transaction=False)
@@ -121,12 +125,14 @@ class OrphanFinder:
                 pipe.xrange(keys.requests, min=eid, max=eid)
             for eid, rows in zip(unknown, await pipe.execute()):
                 self._requests[eid] = _request_of(rows)
-        drop: list[bytes] = []
+                if rows and self._requests[eid] is None:
+                    self._bad[eid] = rows[0][1]
+        drop: list[tuple[bytes, Any]] = []
         cands: list[tuple[bytes, Request]] = []
         for eid in ids:
             req = self._requests.get(eid)
             if req is None:
-                drop.append(eid)  # deleted or undecodable: nobody can ever run it
+                drop.append((eid, self._bad.get(eid)))  # nobody can ever run it
             elif not mine(req.request_id):
                 cands.append((eid, req))
         if not cands:

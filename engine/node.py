@@ -1405,8 +1405,11 @@ class EngineNode:
         mine = lambda rid: (rid in self._entry or rid in self._admitting  # noqa: E731
                             or self.sched.knows(rid))
         orphans, done, aborted = await self._orphans.scan(max(room, 0), mine)
-        for entry in done:
-            await self.bus.ack_request(entry)
+        for entry, fields in done:
+            if fields is None:
+                await self.bus.ack_request(entry)
+            else:  # it never decodes: a dead letter, and acked
+                await self.bus._requests_or_dead([(entry, fields)])
         for entry, rid in aborted:  # read by an engine that died before acking it
             await self._write_tombstone_story(rid)
             await self._flush()

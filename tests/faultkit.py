@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -43,6 +44,8 @@ class RunnerSlice:
         self.num_blocks = num_blocks
         self.eos_token_ids = inner.eos_token_ids
         self.max_model_len = inner.max_model_len
+        # (the engine refuses ids past the vocabulary at admission only if its runner says it)
+        self.vocab_size = getattr(inner, "vocab_size", 0)
         self.delay = delay
         self.lock = _LOCKS.setdefault(id(inner), threading.Lock())
         self.last: dict[str, int] = {}
@@ -110,6 +113,30 @@ async def kill(eng) -> None:
             await r.aclose()
         except Exception:
             pass
+
+
+def dump_tasks_after(seconds: float, what: str, extra=None) -> asyncio.TimerHandle:
+    """A timer that, unless cancelled within ``seconds``, prints every task's chain of awaits
+    (and ``extra()``, if given), then cancels the task that set it: a test that hangs fails and
+    says where. Cancel the handle when done."""
+    test = asyncio.current_task()
+
+    def dump() -> None:
+        print(f"\n=== {what}: still running after {seconds:g} s; every task:", file=sys.stderr)
+        for task in asyncio.all_tasks():
+            print(f"--- {task!r}", file=sys.stderr)
+            coro = task.get_coro()
+            while coro is not None:
+                frame = getattr(coro, "cr_frame", None) or getattr(coro, "ag_frame", None)
+                if frame is None:
+                    break
+                print(f"    {frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}",
+                      file=sys.stderr)
+                coro = getattr(coro, "cr_await", None) or getattr(coro, "ag_await", None)
+        if extra is not None:
+            print(extra(), file=sys.stderr)
+        test.cancel()
+    return asyncio.get_running_loop().call_later(seconds, dump)
 
 
 async def wait_for(pred, timeout: float = 10.0, what: str = "condition"):

@@ -175,6 +175,38 @@ async def test_bad_requests_are_dead_lettered_acked_and_skipped(bus):
     assert letters[2][b"truncated"] == b"data" and len(letters[2][b"data"]) < E.MAX_FIELD_BYTES
 
 
+async def test_a_dead_letter_that_failed_to_write_is_written_when_the_entry_comes_back(real_bus):
+    # Redis fails the dead letter's XADD (a stall, a killed connection): the entry stays
+    # pending, and whoever claims it back next (here the same bus, through the failover's
+    # autoclaim) writes the dead letter then, instead of taking it for one already written.
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    bus = real_bus
+    await bus.ensure_group()
+    r = bus.keys.requests
+    bad = await bus.redis.execute_command("XADD", r, "*", "type", "request", "request_id", "r1",
+                                          "data", "{not json")
+    real_xadd = bus.redis.xadd
+    fails = [1]
+
+    async def xadd(name, *a, **kw):
+        if name == bus.keys.dead and fails:
+            fails.pop()
+            raise RedisTimeoutError("Timeout reading from socket")
+        return await real_xadd(name, *a, **kw)
+
+    bus.redis.xadd = xadd
+    with pytest.raises(RedisTimeoutError):
+        await bus.claim_requests("e1", 10, None)
+    assert await dead(bus) == []
+    assert (await bus.redis.xpending(r, GROUP_ENGINES))["pending"] == 1  # still there to come back to
+    assert await bus.autoclaim("e1", min_idle_ms=0) == []
+    (letter,) = await dead(bus)
+    assert letter[b"entry_id"] == bad and letter[b"reason"].startswith(b"data")
+    assert bus.dead_letters == 1
+    assert (await bus.redis.xpending(r, GROUP_ENGINES))["pending"] == 0
+
+
 async def test_two_consumers_share_requests_without_duplicates(bus):
     await bus.ensure_group()
     ids = await bus.publish_many([(bus.keys.requests, request(f"r{i}")) for i in range(60)])

@@ -13,21 +13,23 @@ so a takeover must bring a grammar to where another engine left the output.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import re
+import signal
 import time
 
 import aiohttp
 
 from control.connect import connect
-from control.events import Final, SamplingParams
+from control.events import Abort, Final, SamplingParams
 from control.guided import canonical
 from engine.llm import LLM
 from engine.replay import load_journal_from_redis, replay
 from fd.compose import ApiOptions, start_api
 from tests.enginekit import text_of, tokens_of, types
-from tests.faultkit import Engines, all_blocks_free, kill, sse_objects, wait_for
+from tests.faultkit import Engines, all_blocks_free, dump_tasks_after, kill, sse_objects, wait_for
 
 N = int(os.environ.get("FD_CHAOS_REQUESTS", "60"))
 SEED = int(os.environ.get("FD_CHAOS_SEED", "7"))
@@ -40,12 +42,16 @@ GUIDED = r"[a-z]{3,12}( [a-z]{3,12}){0,3}\."  # finite: a guided request ends wi
 async def _client(url: str, rid: str, body: dict, kind: str, abort_url: str, cut_after: int,
                   log: dict) -> None:
     rec = log[rid] = {"kind": kind, "text": "", "finish_reason": None, "done": False,
-                      "errors": [], "status": None}
+                      "errors": [], "status": None, "t0": time.monotonic(), "t1": None}
     timeout = aiohttp.ClientTimeout(total=120)
     async with aiohttp.ClientSession(timeout=timeout) as s:
         async with s.post(f"{url}/v1/completions", json=body,
                           headers={"X-Request-Id": rid}) as resp:
             rec["status"] = resp.status
+            if resp.status != 200:  # a 503 while Redis stalls, a 400 for a poison body
+                rec["body"] = await resp.json(content_type=None)
+                rec["t1"] = time.monotonic()
+                return
             chunks = 0
             async for obj in sse_objects(resp):
                 if obj is None:
@@ -61,11 +67,22 @@ async def _client(url: str, rid: str, body: dict, kind: str, abort_url: str, cut
                         chunks += 1
                 if chunks == cut_after:
                     if kind == "disconnect":
+                        rec["t1"] = time.monotonic()
                         return  # leaving the block closes the connection mid-stream
                     if kind == "abort":
-                        async with s.post(f"{abort_url}/v1/abort_requests",
-                                          json={"request_ids": [rid]}) as a:
-                            assert a.status == 200, await a.text()
+                        await _abort(s, abort_url, rid)
+    rec["t1"] = time.monotonic()
+
+
+async def _abort(s: aiohttp.ClientSession, url: str, rid: str) -> None:
+    # a 503 (Redis stalled) is retried, as a client would; anything else is an answer
+    deadline = time.monotonic() + 60
+    while True:
+        async with s.post(f"{url}/v1/abort_requests", json={"request_ids": [rid]}) as a:
+            if a.status != 503 or time.monotonic() > deadline:
+                assert a.status == 200, await a.text()
+                return
+        await asyncio.sleep(0.2)
 
 
 async def test_chaos(redis_server, real_bus, keys, tiny_model_dir, tiny_runner, tiny_tokenizer):
@@ -189,3 +206,362 @@ async def test_chaos(redis_server, real_bus, keys, tiny_model_dir, tiny_runner, 
 
 async def _has_final(bus, rid) -> bool:
     return any(isinstance(e, Final) for _, e in await bus.read_req(rid))
+
+
+# ----------------------------------------------------------------------------- outside faults
+
+VOCAB = 512  # the tiny model's
+FAR = 10**9
+STALL_S = 3.0  # redis-server under SIGSTOP: longer than the nodes' --redis-timeout
+REDIS_TIMEOUT = 2.0
+SEATS = 4  # each engine's max_num_seqs: the abort_all's burst is more than all of them hold
+#: (a request may move more than max_attempts' default of 3 times here: a kill, a pause and the
+#: heartbeats the Redis stall lets expire; moving is what is tested, not giving up)
+ATTEMPTS = 20
+POISON_HTTP = [  # (the field the 400 names, what the body adds)
+    ("stop_token_ids", {"stop_token_ids": [VOCAB], "min_tokens": 1}),
+    ("allowed_token_ids", {"allowed_token_ids": [3, VOCAB]}),
+    ("logit_bias", {"logit_bias": {str(FAR): 5}}),
+    ("prompt", {"prompt": [5, 6, VOCAB]}),
+]
+#: hand-written `P:requests` entries: (the entry's fields but the id, what it must come to)
+HAND_WRITTEN = {
+    "far-allowed": ('{"prompt_token_ids":[5,6],"sampling":{"max_tokens":3,"allowed_token_ids":[%d]}}' % FAR,
+                    "allowed_token_ids"),
+    "far-prompt": ('{"prompt_token_ids":[5,%d],"sampling":{"max_tokens":3}}' % (VOCAB + 3), "prompt"),
+    "e-notation": ('{"prompt_token_ids":[5],"sampling":{"max_tokens":2,"allowed_token_ids":[1e9]}}', None),
+    "bad-json": ('{"prompt_token_ids":[5],"sampling":', None),
+    "no-data": (None, None),
+}
+FAULTS = ["kill-connections", "kill-engine", "pause-engine", "abort-all", "stall-redis"]
+
+
+async def _heartbeat(bus, engine_id: str) -> dict[str, str]:
+    raw = await bus.redis.hgetall(bus.keys.engine(engine_id))
+    return {k.decode(): v.decode() for k, v in raw.items()}
+
+
+async def test_chaos_with_outside_faults(tmp_path, keys, tiny_model_dir, tiny_runner, tiny_tokenizer):
+    """The faults of issue 24 on top of the ones above, each at a seeded point of the run:
+    poison bodies over HTTP (400s, nothing on the log) and poison entries written by hand on
+    ``P:requests`` (an error final, or a dead letter), an ``fd engine`` process paused until a
+    peer takes its requests over and then resumed, an ``abort_all`` while requests run and wait
+    beyond every engine's seats, redis-server paused for longer than the nodes' Redis timeout,
+    Redis connections killed, an engine killed. Every request ends with one final and nothing
+    after it, no engine dies of input and the live ones give every block back."""
+    from control.bus import Bus
+    from control.keys import owner_engine
+    from tests.faultkit import OwnRedis, reap, spawn_engine
+
+    rnd = random.Random(SEED)
+    redis = OwnRedis(str(tmp_path))
+    redis.start()
+    factory = lambda: connect(redis.url, REDIS_TIMEOUT)  # noqa: E731
+    bus = Bus(connect(redis.url), keys)  # the test's own: no timeout, it waits a stall out
+    # P, the engine to pause, is a process of its own: SIGSTOP stops all of it, its clocks too
+    proc = spawn_engine(redis.url, keys, tiny_model_dir, "P", "--redis-timeout", str(REDIS_TIMEOUT),
+                        "--max-num-seqs", str(SEATS), "--max-attempts", str(ATTEMPTS))
+    engines = Engines(factory, keys, tiny_model_dir, tiny_runner, tiny_tokenizer)
+    apis = []
+    paused: list[int] = []
+    watchdog = None
+    try:
+        # ---- the plan: requests in segments, one fault during each segment but the last
+        words = ["fox", "river", "cloud", "stone", "lamp", "tree", "bird", "sand"]
+        faults = rnd.sample(FAULTS, len(FAULTS))
+        plan: list[tuple] = []  # (rid, kind, prompt, max_tokens, cut, extra)
+
+        def request(rid, kind, long=False):
+            prompt = f"{SHARED}{rid} {rnd.choice(words)} {rnd.choice(words)} and the {rnd.choice(words)}"
+            max_tokens = LONG if kind != "complete" or long else rnd.randint(8, 40)
+            return (rid, kind, prompt, max_tokens, rnd.randint(1, 4), None)
+
+        per = max(4, N // (len(FAULTS) + 1))
+        segments = []
+        for s_i in range(len(FAULTS) + 1):
+            seg = []
+            for j in range(per):
+                r = rnd.random()
+                kind = "disconnect" if r < 0.15 else "abort" if r < 0.25 else "complete"
+                seg.append(request(f"s{s_i}-{j}", kind, long=j < 2))  # two long ones, for the faults
+            for j, (field, extra) in enumerate(rnd.sample(POISON_HTTP, 2)):
+                seg.insert(rnd.randrange(len(seg) + 1), (f"s{s_i}-bad{j}", "poison", "x", 4, 0, (field, extra)))
+            name = rnd.choice(sorted(HAND_WRITTEN))
+            seg.insert(rnd.randrange(len(seg) + 1), (f"s{s_i}-hand", "hand", "", 0, 0, name))
+            segments.append(seg)
+            plan += seg
+        # requests the faults add when they need one running on a given engine, or a burst
+        fillers = [request(f"f{i}", "complete", long=True) for i in range(6)]
+        plan += fillers
+        refs = {}
+        llm = LLM(tiny_runner, tiny_tokenizer, enable_prefix_caching=False)
+        for rid, kind, prompt, max_tokens, *_ in plan:
+            if kind == "complete":
+                (refs[rid],) = llm.generate([tiny_tokenizer.encode(prompt)], SamplingParams(
+                    temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+
+        spec = dict(delay=0.005, max_num_seqs=SEATS, max_attempts=ATTEMPTS)
+        a = await engines.start("A", **spec)
+        b = await engines.start("B", **spec)
+        for _ in range(2):
+            apis.append(await start_api(factory, keys, ApiOptions(model_dir=str(tiny_model_dir)),
+                                        tokenizer=tiny_tokenizer))
+        await wait_for(lambda: _heartbeat(bus, "P"), 120, "engine P up")
+
+        log: dict = {}
+        hand: dict[str, tuple] = {}  # rid -> (name, entry id, time written)
+        windows: dict[str, tuple[float, float]] = {}
+        sem = asyncio.Semaphore(CONCURRENCY)
+        tasks: list[asyncio.Task] = []
+        counter = [0]
+
+        async def one(rid, kind, prompt, max_tokens, cut, extra):
+            i = counter[0] = counter[0] + 1
+            # (a burst is sent all at once: more than the engines' seats must be waiting)
+            async with sem if kind != "burst" else contextlib.nullcontext():
+                if kind == "hand":
+                    data, _ = HAND_WRITTEN[extra]
+                    fields = ["type", "request"] + (["request_id", rid, "data", data] if data else [])
+                    t = time.monotonic()
+                    eid = await bus.redis.execute_command("XADD", keys.requests, "*", *fields)
+                    hand[rid] = (extra, eid, t)
+                    return
+                body = {"model": apis[0].cfg.model_name, "prompt": prompt, "max_tokens": max_tokens,
+                        "temperature": 0, "ignore_eos": True, "stream": True}
+                if kind == "poison":
+                    body.update(extra[1])
+                await _client(apis[i % 2].url, rid, body, kind if kind != "burst" else "complete",
+                              apis[(i + 1) % 2].url, cut, log)
+
+        def launch(p):
+            tasks.append(asyncio.create_task(asyncio.wait_for(one(*p), 120)))
+
+        async def unfinished_on(engine_id: str, streaming: bool = False) -> list[str]:
+            out = []
+            for rid, rec in list(log.items()):
+                if rec["t1"] is None and owner_engine(await bus.owner(rid)) == engine_id:
+                    evs = [e for _, e in await bus.read_req(rid)]
+                    if "final" not in types(evs) and (tokens_of(evs) or not streaming):
+                        out.append(rid)
+            return out
+
+        async def running_on(engine_id: str) -> None:
+            # a request streaming tokens on that engine; a long filler more every second none is
+            deadline = time.monotonic() + 60
+            next_filler = time.monotonic() + 1.0
+            while not await unfinished_on(engine_id, streaming=True):
+                assert time.monotonic() < deadline, f"nothing ran on {engine_id}"
+                if fillers and time.monotonic() > next_filler:
+                    launch(fillers.pop())
+                    next_filler = time.monotonic() + 1.0
+                await asyncio.sleep(0.05)
+
+        alive = {"A": a, "B": b}
+        summary = {"stall_503": 0, "p_paused_s": 0.0}
+
+        async def fault(name: str) -> None:
+            t0 = time.monotonic()
+            if name == "kill-connections":
+                # every Redis connection but the test's own, a few times over
+                for _ in range(3):
+                    await bus.redis.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+                    await asyncio.sleep(0.05)
+            elif name == "kill-engine":
+                await running_on("A")
+                await kill(alive.pop("A"))
+            elif name == "pause-engine":
+                await running_on("P")
+                os.kill(proc.pid, signal.SIGSTOP)
+                paused.append(proc.pid)
+                # until nothing unfinished is P's: its heartbeat expired, a peer took them over
+                await wait_for(lambda: _none_left(unfinished_on("P"), bus, "P"), 60, "P's requests taken over")
+                os.kill(proc.pid, signal.SIGCONT)
+                paused.clear()
+                summary["p_paused_s"] = time.monotonic() - t0
+            elif name == "abort-all":
+                # more long requests than every live engine's seats: some run, some wait
+                burst = [request(f"b{i}", "burst") for i in range(SEATS * (len(alive) + 1) + 3)]
+                plan.extend(burst)
+                for p in burst:
+                    launch(p)
+                await wait_for(lambda: _running_and_queued(bus, [p[0] for p in burst]), 60,
+                               "burst requests running and queued")
+                async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+                    async with s.post(f"{apis[0].url}/v1/abort_requests", json={"abort_all": True}) as r:
+                        assert r.status == 200, await r.text()
+            elif name == "stall-redis":
+                os.kill(redis.proc.pid, signal.SIGSTOP)
+                paused.append(redis.proc.pid)
+                await asyncio.sleep(STALL_S)  # (the clients' requests go on meanwhile)
+                os.kill(redis.proc.pid, signal.SIGCONT)
+                paused.clear()
+            windows[name] = (t0, time.monotonic())
+
+        # A hang (a fault that never returns: nothing else bounds it) prints every task's
+        # awaits and the clients still waiting, and fails the test.
+        watchdog = dump_tasks_after(150, "chaos with outside faults", lambda: "clients waiting: %r" % {
+            rid: rec["kind"] for rid, rec in log.items() if rec["t1"] is None})
+        t_start = time.monotonic()
+        for s_i, seg in enumerate(segments):
+            for p in seg:
+                launch(p)
+            if s_i < len(faults):
+                # the fault comes once a seeded number of this segment's requests has begun
+                k = rnd.randint(1, len(seg) // 2)
+                await wait_for(lambda: sum(p[0] in log or p[0] in hand for p in seg) >= k, 60,
+                               f"{k} requests of segment {s_i} begun")
+                await fault(faults[s_i])
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        # no client hangs: each is bounded, and none ran into its bound
+        assert not [r for r in results if isinstance(r, BaseException)], results
+        elapsed = time.monotonic() - t_start
+
+        # ---- every request's story
+        def overlaps(rid: str, fault_name: str) -> bool:
+            if fault_name not in windows:
+                return False
+            rec = log.get(rid) or {"t0": hand[rid][2], "t1": None}
+            w0, w1 = windows[fault_name]
+            return rec["t0"] <= w1 and (rec["t1"] is None or rec["t1"] >= w0)
+
+        sent = [p for p in plan if p[0] in log or p[0] in hand]
+        stories = {}
+        counts = dict(finals=0, aborts=0, errors=0, http_400=0, http_503=0, dead=0)
+        late_aborts = 0
+        for rid, kind, prompt, max_tokens, _, extra in sent:
+            rec = log.get(rid)
+            key_exists = await bus.redis.exists(keys.req(rid))
+            if kind == "poison":
+                assert not key_exists, rid  # nothing was submitted
+                if rec["status"] == 503:  # (the API answers 503 before it parses while Redis fails)
+                    assert overlaps(rid, "stall-redis"), (rid, rec)
+                    counts["http_503"] += 1
+                    continue
+                assert rec["status"] == 400 and rec["body"]["error"]["param"] == extra[0], (rid, rec)
+                counts["http_400"] += 1
+                continue
+            if kind == "hand" and HAND_WRITTEN[hand[rid][0]][1] is None:
+                assert not key_exists, rid  # a dead letter has no story
+                continue
+            if rec is not None and rec["status"] == 503:
+                # refused while Redis stalled; what the API had sent may still have got through
+                assert overlaps(rid, "stall-redis"), (rid, rec)
+                counts["http_503"] += 1
+                if not key_exists:
+                    continue
+            evs = [e for _, e in await bus.read_req(rid)]
+            if "final" not in types(evs):
+                await wait_for(lambda: _has_final(bus, rid), 30, f"final of {rid}")
+                evs = [e for _, e in await bus.read_req(rid)]
+            t = types(evs)
+            assert t.count("final") == 1 and t[-1] == "final", (rid, kind, t)
+            stories[rid] = evs
+            final = evs[-1]
+            counts["finals"] += 1
+            counts["aborts"] += final.finish_reason == "abort"
+            counts["errors"] += final.finish_reason == "error"
+            assert final.usage["completion_tokens"] == len(tokens_of(evs)), (rid, final.usage)
+            if final.finish_reason == "abort":
+                assert "abort_requested" in t and t[-3:] == ["drained", "blocks_released", "final"], (rid, t)
+            if kind == "hand":
+                name, field = hand[rid][0], HAND_WRITTEN[hand[rid][0]][1]
+                if final.finish_reason == "abort":  # it waited on P:requests when all was aborted
+                    assert overlaps(rid, "abort-all"), rid
+                    continue
+                assert t == ["claimed", "final"] and final.finish_reason == "error", (rid, t, final)
+                assert field in final.error and str(VOCAB) in final.error, final.error
+                continue
+            if rec["status"] != 200:
+                continue  # a 503's story: only the invariants above
+            if kind in ("disconnect", "abort") and final.finish_reason != "abort":
+                # P steps at the model's own speed (no test delay): its 200 tokens can all be
+                # out before the hang-up's or the call's abort reaches it. Then it ran to its
+                # end, and the abort was published all the same (unless Redis was stalled).
+                assert final.finish_reason == "length" and len(tokens_of(evs)) == max_tokens, (rid, t)
+                assert rid in await _aborted(bus) or overlaps(rid, "stall-redis"), (rid, kind, t)
+                late_aborts += 1
+                if kind == "disconnect":
+                    continue
+            if kind == "disconnect":
+                assert final.finish_reason == "abort", (rid, final)
+                continue
+            assert rec["done"] and not rec["errors"], (rid, rec)
+            assert rec["finish_reason"] == final.finish_reason, (rid, rec, final)
+            assert rec["text"] == text_of(evs), rid
+            if kind == "burst":
+                assert final.finish_reason == "abort", (rid, t)
+                continue
+            if kind == "abort" or final.finish_reason == "abort":
+                assert final.finish_reason in ("abort", "length"), rid
+                assert kind == "abort" or overlaps(rid, "abort-all"), (rid, kind, t)
+                continue
+            ref = refs[rid]
+            assert tokens_of(evs) == ref.token_ids, (rid, t)  # no duplicate, none lost
+            assert rec["text"] == ref.text, rid
+            assert final.finish_reason == "length", (rid, final)
+
+        # dead letters: exactly the hand-written entries that do not decode, nothing else
+        dead = {f[b"entry_id"]: f for _, f in await bus.redis.xrange(keys.dead)}
+        want = {eid if isinstance(eid, bytes) else str(eid).encode(): name
+                for _, (name, eid, _) in hand.items() if HAND_WRITTEN[name][1] is None}
+        assert set(dead) == set(want), ({k: v.get(b"reason") for k, v in dead.items()}, want)
+        assert all(dead[e][b"stream"] == keys.requests.encode() for e in want)
+        counts["dead"] = len(dead)
+
+        # ---- the engines: alive but A, every block back, nothing pending, nothing written late
+        assert proc.poll() is None, reap(proc, 1)[1][-3000:]
+        assert not b.task.done(), b.task
+        await all_blocks_free(b.node, timeout=20)
+        hb = await wait_for(lambda: _idle_beat(bus, "P"), 30, "P idle with every block free")
+        assert (await bus.redis.xpending(keys.requests, "engines"))["pending"] == 0
+        await asyncio.sleep(1.0)  # (P's late step results, if any, would land by now)
+        assert {rid: [e for _, e in await bus.read_req(rid)] for rid in stories} == stories
+        assert set(windows) == set(FAULTS)
+        burst_queued = sum("claimed" not in types(evs) for rid, evs in stories.items() if rid.startswith("b"))
+        print(f"\nchaos with outside faults (seed {SEED}, faults {faults}): {len(sent)} requests "
+              f"({len(log)} over HTTP, {len(hand)} by hand), {counts['finals']} finals, "
+              f"{counts['aborts']} aborts ({burst_queued} of the burst never claimed), "
+              f"{counts['errors']} error finals, {counts['http_503']} 503s, {counts['http_400']} 400s, "
+              f"{counts['dead']} dead letters, {late_aborts} aborts after the end, 0 leaked blocks, 0 engine deaths; P paused "
+              f"{summary['p_paused_s']:.1f} s, fenced {hb.get('fenced')}; B took over {b.node.taken_over}, "
+              f"{b.node.redis_errors} Redis errors retried; {elapsed:.1f} s")
+    finally:
+        if watchdog is not None:
+            watchdog.cancel()
+        for pid in paused:
+            os.kill(pid, signal.SIGCONT)
+        for api in apis:
+            await api.stop()
+        await engines.stop_all()
+        proc.terminate()
+        rc, out = reap(proc, 30)
+        await bus.redis.aclose()
+        redis.stop()
+    assert rc == 0, out[-3000:]  # P drained and exited on SIGTERM: it never died of input
+
+
+async def _aborted(bus) -> set[str]:
+    """The request ids every ``abort`` on ``P:control`` names."""
+    _, evs = await bus.read_control(b"0", None, count=100_000)
+    return {rid for _, ev in evs if isinstance(ev, Abort) for rid in ev.request_ids}
+
+
+async def _none_left(pending, bus, engine_id: str) -> bool:
+    return not await pending and not await bus.redis.exists(bus.keys.engine(engine_id))
+
+
+async def _running_and_queued(bus, rids: list[str]) -> bool:
+    running = queued = False
+    for rid in rids:
+        t = types([e for _, e in await bus.read_req(rid)])
+        running |= "tokens" in t and "final" not in t
+        queued |= "accepted" in t and "claimed" not in t
+    return running and queued
+
+
+async def _idle_beat(bus, engine_id: str) -> dict[str, str] | None:
+    hb = await _heartbeat(bus, engine_id)
+    if hb and hb.get("running") == "0" and hb.get("waiting") == "0" \
+            and hb.get("blocks_free") == hb.get("blocks_total"):
+        return hb
+    return None

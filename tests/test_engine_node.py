@@ -138,3 +138,40 @@ async def test_journal_can_be_turned_off_and_bounded(real_bus, redis_server, key
         n = await real_bus.redis.xlen(keys.journal(eid))
         assert (n > 0) == journal
         assert eng.node.bus.journal_maxlen == maxlen
+
+
+def _parked_in_step_loop(task: asyncio.Task) -> bool:
+    """The task's chain of awaits ends in the step loop's wait for a wake-up (an Event's
+    ``wait``, or a ``wait_for`` around it)."""
+    coro, names = task.get_coro(), []
+    while coro is not None and getattr(coro, "cr_frame", None) is not None:
+        names.append(coro.cr_frame.f_code.co_name)
+        coro = coro.cr_await
+    return len(names) >= 2 and names[-2] == "_step_loop" and names[-1] in ("wait_for", "wait")
+
+
+async def test_a_cancel_that_meets_a_wake_up_still_stops_the_engine(real_bus, redis_server, keys,
+                                                                    tiny_model_dir, tiny_runner,
+                                                                    tiny_tokenizer):
+    # Work that cannot run (here: a scheduler with nothing to give) parks the step loop on its
+    # wake-up event. A cancel (a kill, the loop shutting down) that arrives in the same turn as a
+    # wake-up must still end the task: asyncio.wait_for of Python 3.11 returns the result then
+    # and loses the cancel, and the engine ran on, with its heartbeat, forever.
+    from engine.outputs import SchedulerOutput
+
+    eng = await _start(redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer)
+    try:
+        eng.node.sched.schedule = lambda: SchedulerOutput(step=0, seqs=())
+        await submit(real_bus, "w", tiny_tokenizer.encode("waiting"), max_tokens=4)
+        for _ in range(10_000):
+            if _parked_in_step_loop(eng.task):
+                break
+            await asyncio.sleep(0)
+        assert _parked_in_step_loop(eng.task)
+        eng.node._wake.set()
+        eng.task.cancel()
+        done, _ = await asyncio.wait([eng.task], timeout=10)  # (a bound for a failure, not a timing)
+        assert eng.task in done and eng.task.cancelled()
+    finally:
+        eng.node.stop()
+        await asyncio.gather(eng.task, return_exceptions=True)

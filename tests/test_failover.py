@@ -148,3 +148,25 @@ async def test_sigkilled_engine_process_is_taken_over(real_bus, redis_server, ke
     assert tokens_of(evs) == ref.token_ids and text_of(evs) == ref.text
     assert types(evs).count("final") == 1 and evs[-1].finish_reason == "length"
     await all_blocks_free(b.node)
+
+
+async def test_a_pending_entry_that_never_decodes_is_dead_lettered_by_the_scan(real_bus, engines):
+    # An engine read the entry (XREADGROUP) and died, or Redis failed its dead letter, before
+    # it wrote one: the entry waits in the group, read. A live engine's failover scan, which
+    # finds it, writes the dead letter before it acks the entry (and never runs it).
+    bus, r = real_bus, real_bus.keys.requests
+    await bus.ensure_group()
+    bad = await bus.redis.execute_command("XADD", r, "*", "type", "request", "request_id", "x",
+                                          "data", '{"prompt_token_ids":[5],"sampling":')
+    gone = await bus.redis.execute_command("XADD", r, "*", "type", "request")
+    await bus.redis.xreadgroup("engines", "dead-engine", {r: ">"}, count=10)
+    await engines.start("B")
+    await wait_for(lambda: _none_pending(bus), 30, "the scan's acks")
+    letters = {f[b"entry_id"]: f[b"reason"] for _, f in await bus.redis.xrange(bus.keys.dead)}
+    assert set(letters) == {bad, gone}, letters
+    assert letters[bad].startswith(b"data") and letters[gone].startswith(b"request_id")
+    assert not await bus.redis.exists(bus.keys.req("x"))
+
+
+async def _none_pending(bus) -> bool:
+    return (await bus.redis.xpending(bus.keys.requests, "engines"))["pending"] == 0
