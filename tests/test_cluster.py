@@ -16,7 +16,7 @@ from redis.crc import key_slot
 
 from control import events as E
 from control.bus import Bus, StreamMux
-from control.connect import connect
+from control.connect import connect, redis_timeout
 from tests.conftest import _ping, free_port
 from tests.test_bus import dead, request, same, story
 
@@ -130,7 +130,9 @@ async def test_connect_picks_the_client_by_scheme(cluster_url, redis_server):
     try:
         assert isinstance(cluster, RedisCluster) and isinstance(plain, Redis)
         kw = cluster.connection_kwargs
-        assert kw["socket_timeout"] is None and kw["protocol"] == 2 and kw["max_connections"] >= 256
+        # (a stalled node is an error after --redis-timeout, as on a single Redis)
+        assert kw["socket_timeout"] == kw["socket_connect_timeout"] == redis_timeout(None)
+        assert kw["protocol"] == 2 and kw["max_connections"] >= 256
         assert cluster.retry.get_retries() > 0
         await cluster.initialize()
         assert len(cluster.get_primaries()) == MASTERS
