@@ -414,9 +414,10 @@ def test_huge_and_deep_bodies(harness):
         # a prompt past the context is 400, not 413
         s, err = await post(harness, COMP, dumps({"prompt": "x" * (MAX_LEN + 1)}), {})
         assert s == 400 and err["code"] == "context_length_exceeded"
-        # many stop strings and ids, all within the body limit
+        # many stop strings and ids (every id of the vocabulary), all within the body limit
         s, _ = await post(harness, CHAT, dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-                                                "stop": ["a"] * 2000, "stop_token_ids": list(range(500))}), {})
+                                                "stop": ["a"] * 2000,
+                                                "stop_token_ids": list(range(FakeTokenizer.vocab_size))}), {})
         assert s == 200
 
     harness.call(run())
