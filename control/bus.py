@@ -54,6 +54,7 @@ from control.events import (
     tombstone_story,
 )
 from control import fence
+from control import story as story_start
 from control.fence import Refused
 from control.keys import (ABORT_WRITTEN, GROUP_ENGINES, Keys, choices_owner, is_tombstone, tombstone,
                           pending_tombstone_source, valid_request_id)
@@ -141,6 +142,7 @@ class Bus:
         self.local_requests: list[Callable[[], None]] = []
         self._appends: dict[str, int] = {}  # capped stream -> direct appends (see TRIM_EVERY)
         self._fence_sha: str | None = None  # control/fence.py's script, once loaded
+        self._start_script = None  # control/story.py's, registered on first use
 
     # ------------------------------------------------------------------ publishing
 
@@ -369,11 +371,14 @@ class Bus:
     async def submit(self, request: Request, accepted: Accepted) -> bool:
         """Accept a request: its story starts (``accepted``) before any engine can claim it.
 
-        The request stream also gets the TTL now, so the story of a request no engine ever
-        finishes does not stay in Redis forever; the final event renews it.
+        The story starts exactly once (control/story.py): a resend of this start (a connection
+        lost after Redis ran it) writes nothing again, and an id whose story is another
+        request's raises :class:`~control.story.IdTaken`, with nothing written. The request
+        stream also gets the TTL now, so the story of a request no engine ever finishes does
+        not stay in Redis forever; the final event renews it.
 
-        Returns False, writing nothing, when an abort for this id already won (a tombstone):
-        its story already ends in ``final``, and nothing may follow a final.
+        Returns False, writing no request, when an abort for this id already won (a tombstone):
+        its story is the abort's, from ``accepted`` to ``final``, and nothing may follow a final.
         """
         rid = request.request_id
         if is_tombstone(await self.owner(rid)):
@@ -381,17 +386,42 @@ class Bus:
             # someone already wrote it.
             source = await self.take_abort_story(rid)
             if source is not None:
-                story = [(self.keys.req(rid), ev) for ev in tombstone_story(rid, source)]
-                await self.publish_many([(self.keys.req(rid), accepted), *story],
-                                        expire=[self.keys.req(rid)])
+                with contextlib.suppress(story_start.IdTaken):  # (written by whoever flipped it)
+                    await self._start_story(rid, [accepted, *tombstone_story(rid, source)])
             return False
-        story = self.keys.req(rid)
-        if self.cluster:  # two nodes, written side by side: make sure the story starts first
-            await self.publish_many([(story, accepted)], expire=[story])
-            await self.publish(self.keys.requests, request)
-        else:
-            await self.publish_many([(story, accepted), (self.keys.requests, request)], expire=[story])
+        await self._start_story(rid, [accepted], request)
         return True
+
+    async def _start_story(self, rid: str, events: Sequence[Event], request: Request | None = None) -> None:
+        """control/story.py's start of ``rid``'s story with ``events``, then ``request`` on
+        ``P:requests``: in one script on a single Redis, the request after the story otherwise
+        (a cluster's other slot; the embedded server, which appends it directly)."""
+        story = self.keys.req(rid)
+        fields = [ev.encode() for ev in events]
+        start = getattr(self.redis, "fd_start_story", None)  # the embedded in-process client
+        got = start(story, list(zip(fields, events)), self.req_ttl_s) if start is not None else None
+        queued = False
+        if got is None:
+            with_request = request is not None and not self.cluster
+            if self._start_script is None:
+                self._start_script = self.redis.register_script(story_start.SCRIPT)
+            got = int(await self._start_script(
+                keys=[story, self.keys.requests] if with_request else [story],
+                args=story_start.script_args(self.req_ttl_s, fields,
+                                             request.encode() if with_request else None,
+                                             self.maxlen(self.keys.requests))))
+            queued = with_request
+        if got == story_start.TAKEN:
+            raise story_start.IdTaken(rid)
+        if request is None:
+            return
+        if queued:
+            if self.local_requests:
+                self._tell_arrivals()
+        elif got == story_start.WRITTEN or self.cluster:
+            # (on a cluster the story's script ran alone, resent or not: the request is still
+            # to write; elsewhere a start found done was done with its request)
+            await self.publish(self.keys.requests, request)
 
     async def submit_choices(self, accepted: Accepted,
                              choices: Sequence[tuple[Request, Accepted]]) -> bool:
@@ -404,8 +434,7 @@ class Bus:
         won, current = await self.try_own(rid, choices_owner(len(choices)), self.req_ttl_s)
         if not won and not is_tombstone(current):
             return False
-        story = self.keys.req(rid)
-        await self.publish_many([(story, accepted)], expire=[story])
+        await self._start_story(rid, [accepted])
         if not won:  # the abort came first: each choice meets its tombstone at submit
             source = pending_tombstone_source(current) or "redis"
             await self.tombstone_many([req.request_id for req, _ in choices], source, self.req_ttl_s)

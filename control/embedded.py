@@ -44,7 +44,8 @@ from fakeredis.model import _stream as fake_stream
 from fakeredis.model._stream import MAX_KEY, StreamEntryKey, XStream
 
 from control.connect import MAX_CONNECTIONS, POOL_WAIT_S
-from control.fence import Refused
+from control.fence import SEEN, Refused
+from control.story import DONE, TAKEN, WRITTEN
 from control.embedded_info import InfoCommand, ServerInfo, register
 
 log = logging.getLogger("control.embedded")
@@ -281,8 +282,12 @@ class _Direct:
                 story = None
             if story is not None and type(story) is not XStream:
                 return None
-            if story is not None and story._ids and _is_final(story._values_dict[story._ids[-1]]):
-                return Refused("final", owner.decode(errors="replace"))
+            if story is not None and story._ids:
+                mine = tuple(_batch_last(encoded))
+                if any(story._values_dict[i] == mine for i in story._ids[-SEEN:]):
+                    return []  # this batch is there already (control/fence.py)
+                if _is_final(story._values_dict[story._ids[-1]]):
+                    return Refused("final", owner.decode(errors="replace"))
             ended = False
             for i, values in enumerate(encoded):
                 got = _append_locked(db, key, values, limits)
@@ -294,6 +299,44 @@ class _Direct:
                     break
             if ended and ttl_s > 0:
                 self._expire_locked(db, [key, okey], ttl_s)
+        self._tell(key, done, entries)
+        return [entry for entry, _, _ in done]
+
+    def start_story(self, stream: str, entries: list[tuple[dict[str, str], Any]], ttl_s: int) -> int | None:
+        """control/story.py's script for the story (the client's ``fd_start_story``), under the
+        server's lock: ``entries`` are appended to ``stream`` only if it has none yet, and it
+        gets the TTL. Returns the script's answer (``story.WRITTEN``, ``DONE``, ``TAKEN``), or
+        None with nothing done (a key of another type, keyspace notifications on)."""
+        self._check()
+        server = self._server
+        if server.config.get(b"notify-keyspace-events"):
+            return None
+        encoded = [self._encode(fields) for fields, _ in entries]
+        limits = self._limits()
+        key = stream.encode()
+        done: list[tuple[bytes, StreamEntryKey, int]] = []
+        with server.lock:
+            db = self._db()
+            try:
+                story = db[key].value
+            except KeyError:
+                story = None
+            if story is not None and type(story) is not XStream:
+                return None
+            if story is not None and story._ids:
+                return DONE if story._values_dict[story._ids[0]] == tuple(encoded[0]) else TAKEN
+            for i, values in enumerate(encoded):
+                got = _append_locked(db, key, values, limits)
+                if got is None:  # (only an exhausted id space)
+                    break
+                done.append((got[0], got[1], i))
+            if ttl_s > 0:
+                self._expire_locked(db, [key], ttl_s)
+        self._tell(key, done, entries)
+        return WRITTEN
+
+    def _tell(self, key: bytes, done: list[tuple[bytes, StreamEntryKey, int]],
+              entries: list[tuple[dict[str, str], Any]]) -> None:
         for entry, before, i in done:
             fields, event = entries[i]
             if event is None:
@@ -303,7 +346,6 @@ class _Direct:
                     listener(key, before, entry, event, fields)
                 except Exception:  # a reader's bug must not cost the write
                     log.exception("in-process stream listener failed")
-        return [entry for entry, _, _ in done]
 
     def listen(self, listener: Callable[..., None]) -> Callable[[], None]:
         """Call ``listener(key, before, entry_id, event, fields)`` after each append made
@@ -464,6 +506,14 @@ class _Direct:
             if any(old is None for old, _ in out):
                 db.wake_all()  # blocked readers re-check once, not once a key
         return out
+
+
+def _batch_last(encoded: list[list[bytes]]) -> list[bytes]:
+    """The last entry a batch would append: its final, or its last event."""
+    for values in encoded:
+        if values[:2] == [b"type", b"final"]:
+            return values
+    return encoded[-1]
 
 
 def _is_final(fields) -> bool:
@@ -775,6 +825,7 @@ class EmbeddedRedis:
         direct = _Direct(self.fake_server, self._listeners)
         client.fd_append = direct.append
         client.fd_fenced_append = direct.fenced_append
+        client.fd_start_story = direct.start_story
         client.fd_listen = direct.listen
         client.fd_tombstones = direct.tombstones
         client.fd_set_nx_get = direct.set_nx_get

@@ -18,6 +18,15 @@ which checks and writes atomically, and refuses the whole batch — nothing appe
   the failover scan would all have to learn, and it holds however the owner key came to be
   what it is (expired and re-taken, deleted by an operator, restored from a backup).
 
+A batch that is there already is not appended again: when one of the story's last
+:data:`SEEN` entries equals, field for field, the batch's last event, the batch is the resend
+of one that landed, and the script answers as if it had written it. Resends happen across a
+stalled or cut connection: the engine's first try timed out but sat in Redis's socket buffer,
+and its retry (:mod:`engine.outbox`, which re-reads the story's tail first) went out on a new
+connection; whichever of the two Redis runs second finds the other's entries. Two different
+batches never compare equal: an engine's events carry the step and the ``ts`` they were made
+at, one batch a request a step.
+
 A final in the batch ends it (anything after it is refused too), renews the TTL of the story
 and the owner key (``EXPIRE``, as the final always did) and, on a single Redis, acknowledges
 and deletes the request's ``P:requests`` entry in the same call: acknowledged only once its
@@ -34,17 +43,38 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: How many of the story's last entries a batch is looked for among (see the module's docstring).
+SEEN = 4
+
 #: KEYS: owner key, story, then (a single Redis only, where a script may name keys of any
 #: slot) ``P:requests`` and more keys to renew with the final (a choice's parent's).
 #: ARGV: token, ttl (seconds; 0: none), the ``P:requests`` entry to acknowledge and delete
 #: with the final ("" for none), the consumer group, the number of events, then per event its
 #: number of field strings and the strings (name, value, ...; ``type`` first).
-#: Reply: ``{1, id, ...}`` (the ids appended), or ``{0, why, owner}`` with nothing written,
+#: Reply: ``{1, id, ...}`` (the ids appended; none when the batch was there already), or ``{0, why, owner}`` with nothing written,
 #: ``why`` "owner" or "final", ``owner`` the owner key's value (false when absent).
-SCRIPT = """
+_SCRIPT = """
 local owner = redis.call('GET', KEYS[1])
 if owner ~= ARGV[1] then return {0, 'owner', owner} end
-local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)[1]
+local tail = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', SEEN)
+local mine = 6
+local at = 6
+for _ = 1, tonumber(ARGV[5]) do
+  mine = at
+  if ARGV[at + 1] == 'type' and ARGV[at + 2] == 'final' then break end
+  at = at + tonumber(ARGV[at]) + 1
+end
+for _, entry in ipairs(tail) do
+  local f, n = entry[2], tonumber(ARGV[mine])
+  if #f == n then
+    local same = true
+    for i = 1, n do
+      if f[i] ~= ARGV[mine + i] then same = false break end
+    end
+    if same then return {1} end
+  end
+end
+local last = tail[1]
 if last then
   local f = last[2]
   for i = 1, #f, 2 do
@@ -80,6 +110,7 @@ if ended then
 end
 return out
 """
+SCRIPT = _SCRIPT.replace("SEEN", str(SEEN))
 
 
 @dataclass(frozen=True, slots=True)

@@ -229,3 +229,60 @@ async def engines(redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenize
     e = Engines(redis_server.url, keys, tiny_model_dir, tiny_runner, tiny_tokenizer)
     yield e
     await e.stop_all()
+
+
+class ReplyCutter:
+    """A TCP proxy in front of a Redis that, once armed with a command name, lets the next
+    command of that name through and cuts the connection before its reply reaches the client:
+    Redis ran it, the client cannot know, and redis-py sends it again on a new connection
+    (what a connection killed at the wrong moment does)."""
+
+    def __init__(self, port: int):
+        self.port = port
+        self.url = ""
+        self.armed: bytes | None = None
+        self.cuts = 0
+        self._server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> "ReplyCutter":
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.url = f"redis://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        return self
+
+    def arm(self, command: str) -> None:
+        self.armed = command.upper().encode()
+
+    async def _serve(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        sr, sw = await asyncio.open_connection("127.0.0.1", self.port)
+        cut = asyncio.Event()
+
+        async def up() -> None:
+            while data := await cr.read(65536):
+                if self.armed is not None and self.armed in data.upper():
+                    self.armed = None
+                    cut.set()
+                sw.write(data)
+                await sw.drain()
+
+        async def down() -> None:
+            while data := await sr.read(65536):
+                if cut.is_set():  # the reply to the armed command: lost with the connection
+                    self.cuts += 1
+                    return
+                cw.write(data)
+                await cw.drain()
+
+        tasks = [asyncio.ensure_future(up()), asyncio.ensure_future(down())]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for w in (cw, sw):
+                w.close()
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()

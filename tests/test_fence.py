@@ -95,6 +95,22 @@ async def check_the_fence(bus: Bus) -> None:
     assert refused == {"r": Refused("final", now)}
     assert await story_types(bus, "r") == ["accepted", "tokens", "tokens", "tokens", "final"]
 
+    # a batch sent again after it landed (its reply lost; or its write sat in a stalled
+    # Redis's socket while the engine's retry went out on a new connection) is answered as
+    # written and appended once, its final's batch too. (An engine's events carry the ts they
+    # were made at: a resend is the same fields.)
+    await bus.redis.set(bus.keys.owner("q"), now)
+    ts = 1_700_000_000_000
+    first = [Tokens(request_id="q", token_ids=(7, 8), text="ab", step=9, ts=ts)]
+    second = [Tokens(request_id="q", token_ids=(9,), text="c", step=10, ts=ts + 5)]
+    last = [Tokens(request_id="q", token_ids=(4,), text="d", step=11, ts=ts + 9),
+            Final(request_id="q", finish_reason="length", engine="A", step=11, ts=ts + 9)]
+    for batch in (first, second, first, last, second, last):
+        assert await bus.publish_owned(on(bus, batch), {"q": now}) == {}
+    evs = [ev for _, ev in await bus.read_req("q")]
+    assert types(evs) == ["tokens", "tokens", "tokens", "final"]
+    assert tokens_of(evs) == [7, 8, 9, 4]
+
     # a batch that goes on past its own final stops at it
     await bus.redis.set(bus.keys.owner("s"), now)
     f2 = Final(request_id="s", finish_reason="stop", engine="A")

@@ -41,6 +41,7 @@ from control.events import (
 from control.keys import ENGINE_ID_RE, REQUEST_ID_RE, all_valid_request_ids, choice_ids, is_tombstone
 from control.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from control.metrics import Metrics
+from control.story import IdTaken
 from fd.api import lora_admin, openapi, protocol, sse
 from fd.api.cancellation import Cancellation, watch_of
 from fd.api.cors import Cors
@@ -190,6 +191,10 @@ async def _errors(request: web.Request, handler):
             raise
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status)
         return _error_response(ApiError(e.status, e.reason, "invalid_request_error", None, code), request)
+    except IdTaken:  # another request's story started under this id since it was checked
+        shown = request.get(RID, "")
+        return _error_response(conflict(f"A request with id '{shown}' already exists.", "X-Request-Id"),
+                               request)
     except RedisError as e:
         log.warning("redis error on %s: %s", request.path, e)
         request.app[API_KEY].redis_failed()

@@ -1,0 +1,106 @@
+"""A request's story starts exactly once (control/story.py): a start that Redis ran but whose
+reply was lost is sent again by redis-py and writes nothing the second time, even when the
+request ran to its final in between; an id whose story is another request's is refused with
+nothing written (the API's 409)."""
+
+from __future__ import annotations
+
+import aiohttp
+import pytest
+
+from control.bus import Bus
+from control.connect import connect
+from control.events import Accepted, Final, Request, RequestData, SamplingParams
+from control.story import IdTaken
+from tests.enginekit import types
+from tests.faultkit import ReplyCutter
+
+TS = 1_700_000_000_000
+
+
+def pair(rid: str, prompt_tokens: int = 3) -> tuple[Request, Accepted]:
+    """A request and its accepted as the API makes them, ``ts`` fixed (a resend is the same
+    fields, as redis-py's resend of the same command is)."""
+    data = RequestData(prompt_token_ids=(5, 6, 7), sampling=SamplingParams(max_tokens=4))
+    return (Request(request_id=rid, data=data, ts=TS),
+            Accepted(request_id=rid, prompt_tokens=prompt_tokens, endpoint="completion", ts=TS))
+
+
+async def story_types(bus: Bus, rid: str) -> list[str]:
+    return types([ev for _, ev in await bus.read_req(rid)])
+
+
+async def queued_ids(bus: Bus) -> list[str]:
+    return [f[b"request_id"].decode() for _, f in await bus.redis.xrange(bus.keys.requests)]
+
+
+async def test_a_start_sent_again_writes_nothing(bus):
+    req, acc = pair("r")
+    assert await bus.submit(req, acc)
+    assert await bus.submit(req, acc)  # the same start again: done already
+    assert await story_types(bus, "r") == ["accepted"]
+    assert await queued_ids(bus) == ["r"]
+
+    # ... also once the request ran to its final: nothing follows a final
+    await bus.publish(bus.keys.req("r"), Final(request_id="r", finish_reason="length", engine="A"))
+    assert await bus.submit(req, acc)
+    assert await story_types(bus, "r") == ["accepted", "final"]
+    assert await queued_ids(bus) == ["r"]
+
+    # another request under the same id: refused, nothing written
+    other_req, other_acc = pair("r", prompt_tokens=9)
+    with pytest.raises(IdTaken):
+        await bus.submit(other_req, other_acc)
+    assert await story_types(bus, "r") == ["accepted", "final"]
+    assert await queued_ids(bus) == ["r"]
+    assert 0 < await bus.redis.ttl(bus.keys.req("r")) <= bus.req_ttl_s
+
+
+async def test_a_start_whose_reply_was_lost_is_written_once(redis_server, keys):
+    """The API's client retries a command whose connection broke: the resend of a start that
+    Redis had run finds it done (before, it wrote a second ``accepted`` and a second
+    ``P:requests`` entry, and the resend could land after the request's final)."""
+    proxy = await ReplyCutter(redis_server.port).start()
+    client = connect(proxy.url)
+    bus = Bus(client, keys)
+    try:
+        assert await bus.submit(*pair("warm"))  # (the script loaded)
+        proxy.arm("EVALSHA")
+        assert await bus.submit(*pair("r"))
+        assert proxy.cuts == 1
+        assert await story_types(bus, "r") == ["accepted"]
+        assert await queued_ids(bus) == ["warm", "r"]
+    finally:
+        await client.aclose()
+        await proxy.close()
+
+
+async def test_the_api_answers_409_for_an_id_taken_under_it(redis_server, keys, tiny_model_dir, tiny_tokenizer):
+    """An id whose story another request started after the API checked it (two clients racing
+    on one X-Request-Id): a 409, and the other request's story untouched."""
+    from fd.compose import ApiOptions, start_api
+
+    client = connect(redis_server.url)
+    bus = Bus(client, keys)
+    api = await start_api(lambda: connect(redis_server.url), keys, ApiOptions(model_dir=str(tiny_model_dir)),
+                          tokenizer=tiny_tokenizer)
+    try:
+        real_exists = api.bus.request_exists
+
+        async def racing(rid):  # the other client's start lands between the check and the submit
+            free = not await real_exists(rid)
+            await bus.submit(*pair(rid))
+            return not free
+        api.bus.request_exists = racing
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"{api.url}/v1/completions", headers={"X-Request-Id": "dup"},
+                              json={"prompt": "hi", "max_tokens": 2}) as resp:
+                assert resp.status == 409, await resp.text()
+                body = await resp.json()
+        assert body["error"]["code"] == "duplicate_request_id"
+        assert "dup" in body["error"]["message"]
+        assert await story_types(bus, "dup") == ["accepted"]
+        assert await queued_ids(bus) == ["dup"]
+    finally:
+        await api.stop()
+        await client.aclose()
