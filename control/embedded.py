@@ -244,6 +244,14 @@ class _Direct:
             values.append(v.encode())
         return values
 
+    def _batch(self, entries: list[tuple[dict[str, str], Any]]) -> tuple[list[list[bytes]], tuple[int, int]] | None:
+        """``entries`` encoded, and the stream node limits; None when keyspace notifications
+        are on (which only the ordinary path sends)."""
+        self._check()
+        if self._server.config.get(b"notify-keyspace-events"):
+            return None
+        return [self._encode(fields) for fields, _ in entries], self._limits()
+
     def _limits(self) -> tuple[int, int]:
         cfg = self._server.config
         return (int(cfg.get(b"stream-node-max-entries", 100)),
@@ -258,28 +266,20 @@ class _Direct:
         entry is told to the in-process listeners, as :meth:`append` tells them. Returns the
         ids appended, :class:`Refused` (nothing appended), or None (nothing done: a key of
         another type, keyspace notifications on; the caller runs the script)."""
-        self._check()
-        server = self._server
-        if server.config.get(b"notify-keyspace-events"):
+        batch = self._batch(entries)
+        if batch is None:
             return None
-        encoded = [self._encode(fields) for fields, _ in entries]
-        limits = self._limits()
+        server, (encoded, limits) = self._server, batch
         key, okey = stream.encode(), owner_key.encode()
         done: list[tuple[bytes, StreamEntryKey, int]] = []
         with server.lock:
             db = self._db()
-            try:
-                owner = db[okey].value  # (an expired key is dropped here)
-            except KeyError:
-                owner = None
+            owner = _value(db, okey)
             if owner is not None and type(owner) is not bytes:
                 return None  # WRONGTYPE: the script says so
             if owner != token.encode():
                 return Refused("owner", None if owner is None else owner.decode(errors="replace"))
-            try:
-                story = db[key].value
-            except KeyError:
-                story = None
+            story = _value(db, key)
             if story is not None and type(story) is not XStream:
                 return None
             if story is not None and story._ids:
@@ -307,20 +307,15 @@ class _Direct:
         server's lock: ``entries`` are appended to ``stream`` only if it has none yet, and it
         gets the TTL. Returns the script's answer (``story.WRITTEN``, ``DONE``, ``TAKEN``), or
         None with nothing done (a key of another type, keyspace notifications on)."""
-        self._check()
-        server = self._server
-        if server.config.get(b"notify-keyspace-events"):
+        batch = self._batch(entries)
+        if batch is None:
             return None
-        encoded = [self._encode(fields) for fields, _ in entries]
-        limits = self._limits()
+        server, (encoded, limits) = self._server, batch
         key = stream.encode()
         done: list[tuple[bytes, StreamEntryKey, int]] = []
         with server.lock:
             db = self._db()
-            try:
-                story = db[key].value
-            except KeyError:
-                story = None
+            story = _value(db, key)
             if story is not None and type(story) is not XStream:
                 return None
             if story is not None and story._ids:
@@ -506,6 +501,14 @@ class _Direct:
             if any(old is None for old, _ in out):
                 db.wake_all()  # blocked readers re-check once, not once a key
         return out
+
+
+def _value(db, key: bytes):
+    """A key's value, or None; under the server lock (an expired key is dropped here)."""
+    try:
+        return db[key].value
+    except KeyError:
+        return None
 
 
 def _batch_last(encoded: list[list[bytes]]) -> list[bytes]:

@@ -25,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
+import os
+
 import numpy as np
 import paddle
 import paddle.incubate.nn.functional as IF
@@ -266,7 +268,11 @@ class Llama:
     def _build_onednn(self) -> None:
         from engine.model.onednn import OneDnnGemms
 
-        threads = int(paddle.get_flags(["FLAGS_paddle_num_threads"])["FLAGS_paddle_num_threads"])
+        # Every CPU this process may run on: the GEMMs are bound by how fast the weights
+        # stream from memory, and two cores stream about twice what one does (all of a
+        # step's GEMMs at 8 rows, 121 SmolLM2 weights: 112 ms on one thread, 51 on two;
+        # bench/README.md). The worker's CPUs are its --worker-cpus.
+        threads = len(os.sched_getaffinity(0))
         gemms = OneDnnGemms(threads=threads)
         try:
             todo = [(layer, n) for layer in self.layers if "moe" not in layer
