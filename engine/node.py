@@ -676,6 +676,8 @@ class EngineNode:
         (``req.resume``), or, with ``takeover``, one whose owner (``owner``) is dead."""
         rid = req.request_id
         if rid in self._admitting or self.sched.knows(rid) or rid in self._entry:
+            if rid in self._entry and self._entry[rid] != entry_id and not takeover:
+                await self._ack_copy(entry_id, rid)
             return
         self._admitting.add(rid)
         try:
@@ -721,8 +723,14 @@ class EngineNode:
             else:
                 token = owner_token(self.id, 1)  # a new request: the first grant
             won, current = owned if owned is not None else await self.bus.try_own(rid, token, ttl)
-            # (current == token: a retried SET NX that had in fact got through)
-            if not won and current != token:
+            if not won and current == token:
+                # A retried SET NX that had in fact got through, or a second entry of a
+                # request this engine already ran (an XADD sent twice, one written by hand):
+                # the story says which.
+                if History.of([ev for _, ev in await self.bus.read_req(rid)]).final:
+                    await self._ack_copy(entry_id, rid)
+                    return None
+            elif not won:
                 # An abort got here first (tombstone): the request is never prefilled. Its
                 # story is written by whoever flips the tombstone first, maybe this engine.
                 log.info("claim lost", extra={"request_id": rid, "owner": current})
@@ -738,6 +746,17 @@ class EngineNode:
             await self.bus.ack_request(entry_id)
             return None
         return hist, token
+
+    async def _ack_copy(self, entry_id: bytes, rid: str) -> None:
+        """A second ``P:requests`` entry of a request this engine runs or finished: nothing
+        to run, so it leaves the stream (else it stays pending on this live engine, which the
+        failover scan never takes from, until the owner key expires)."""
+        log.warning("a second entry of the request; acknowledged", extra={"request_id": rid,
+                                                                        "engine": self.id})
+        try:
+            await self.bus.ack_request(entry_id)
+        except RETRYABLE as e:  # (still pending: the next look at it acks it)
+            self._redis_failed("claim", e)
 
     def _start(self, entry_id: bytes, req: Request, hist: History, token: str) -> None:
         """Synchronous, so no abort can slip in between the checks and ``sched.add``."""

@@ -13,7 +13,7 @@ from control.connect import connect
 from control.events import Accepted, Final, Request, RequestData, SamplingParams
 from control.story import IdTaken
 from tests.enginekit import types
-from tests.faultkit import ReplyCutter
+from tests.faultkit import ReplyCutter, engines  # noqa: F401  (engines: a fixture)
 
 TS = 1_700_000_000_000
 
@@ -104,3 +104,46 @@ async def test_the_api_answers_409_for_an_id_taken_under_it(redis_server, keys, 
     finally:
         await api.stop()
         await client.aclose()
+
+
+async def test_a_second_entry_of_one_request_runs_nothing_twice(engines, redis_server, keys):
+    """A request's ``P:requests`` entry twice (a resent XADD on a Redis Cluster, where it is
+    not in the story's script; or one an operator wrote by hand): the copy claimed while the
+    request runs, and the copy claimed after its final, are each acknowledged; the story is
+    one run, one final, nothing after it, the model ran it once, and the stream is left empty."""
+    from tests.enginekit import story, tokens_of
+    from tests.faultkit import all_blocks_free, wait_for
+
+    client = connect(redis_server.url)
+    bus = Bus(client, keys)
+    try:
+        eng = await engines.start("A", delay=0.02, gated=True)
+        _, acc = pair("r")
+        req = Request(request_id="r", data=RequestData(
+            prompt_token_ids=(5, 6, 7), sampling=SamplingParams(max_tokens=12, temperature=0.0,
+                                                                ignore_eos=True)), ts=TS)
+        assert await bus.submit(req, acc)
+        await wait_for(lambda: _has_tokens(bus, "r"), 10, "r running")
+        await bus.publish(bus.keys.requests, req)  # the copy, while it runs
+        first = await story(bus, "r")
+        await bus.publish(bus.keys.requests, req)  # and one after its final
+
+        async def stream_empty():
+            return await bus.redis.xlen(bus.keys.requests) == 0
+        await wait_for(stream_empty, 10, "P:requests empty")
+        await all_blocks_free(eng.node)
+        evs = [ev for _, ev in await bus.read_req("r")]
+        assert evs == first  # nothing after the final
+        assert types(evs).count("claimed") == 1 and types(evs).count("final") == 1
+        assert len(tokens_of(evs)) == 12
+        # and the model ran it once: one prefill (a copy run again would prefill again, for
+        # the fence to turn its events away)
+        prefills = [s for out in engines.gates["A"].batches for s in out.seqs
+                    if s.request_id == "r" and s.start_pos == 0]
+        assert len(prefills) == 1
+    finally:
+        await client.aclose()
+
+
+async def _has_tokens(bus: Bus, rid: str) -> bool:
+    return "tokens" in await story_types(bus, rid)
