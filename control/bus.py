@@ -142,7 +142,7 @@ class Bus:
         self.local_requests: list[Callable[[], None]] = []
         self._appends: dict[str, int] = {}  # capped stream -> direct appends (see TRIM_EVERY)
         self._fence_sha: str | None = None  # control/fence.py's script, once loaded
-        self._start_script = None  # control/story.py's, registered on first use
+        self._start_script: Any = None  # control/story.py's (redis-py's Script), registered on first use
 
     # ------------------------------------------------------------------ publishing
 

@@ -42,6 +42,7 @@ in-process client does the same checks and appends under the server's lock inste
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 #: How many of the story's last entries a batch is looked for among (see the module's docstring).
 SEEN = 4
@@ -121,15 +122,21 @@ class Refused:
     owner: str | None
 
 
+def append_fields(args: list, fields: Mapping[str, str]) -> None:
+    """One event as the stories' scripts take it in ARGV: its number of field strings, then
+    the strings (name, value, ...)."""
+    args.append(str(2 * len(fields)))
+    for k, v in fields.items():
+        args.append(k)
+        args.append(v)
+
+
 def script_args(token: str, ttl_s: int, fields: list[dict[str, str]], ack: bytes | None = None,
                 group: str = "") -> list:
     """ARGV of :data:`SCRIPT` for one request's events (their encoded fields, in order)."""
     args: list = [token, str(ttl_s), ack or b"", group, str(len(fields))]
     for f in fields:
-        args.append(str(2 * len(f)))
-        for k, v in f.items():
-            args.append(k)
-            args.append(v)
+        append_fields(args, f)
     return args
 
 

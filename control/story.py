@@ -20,7 +20,7 @@ gives an engine a second entry of a request it already owns, which the claim dro
 
 from __future__ import annotations
 
-from typing import Mapping
+from control.fence import append_fields
 
 #: KEYS: the story, then (a single Redis only) ``P:requests``.
 #: ARGV: ttl (seconds; 0: none), ``P:requests``' MAXLEN (0: none), the number of story events,
@@ -62,21 +62,14 @@ return 1
 TAKEN, WRITTEN, DONE = 0, 1, 2
 
 
-def _flat(fields: Mapping[str, str], out: list) -> None:
-    out.append(str(2 * len(fields)))
-    for k, v in fields.items():
-        out.append(k)
-        out.append(v)
-
-
 def script_args(ttl_s: int, story: list[dict[str, str]], request: dict[str, str] | None = None,
                 maxlen: int | None = None) -> list:
     """ARGV of :data:`SCRIPT`: the story's encoded events, in order, and the request's."""
     args: list = [str(ttl_s), str(maxlen or 0), str(len(story))]
     for fields in story:
-        _flat(fields, args)
+        append_fields(args, fields)
     if request is not None:
-        _flat(request, args)
+        append_fields(args, request)
     return args
 
 

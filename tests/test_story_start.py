@@ -13,7 +13,7 @@ from control.connect import connect
 from control.events import Accepted, Final, Request, RequestData, SamplingParams
 from control.story import IdTaken
 from tests.enginekit import types
-from tests.faultkit import ReplyCutter, engines  # noqa: F401  (engines: a fixture)
+from tests.faultkit import ReplyCutter, engines  # noqa: F401, F811  (engines: a fixture)
 
 TS = 1_700_000_000_000
 

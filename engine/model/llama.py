@@ -22,10 +22,9 @@ Two things shape the code more than the math does:
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Mapping
-
-import os
 
 import numpy as np
 import paddle

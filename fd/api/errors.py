@@ -46,6 +46,11 @@ def conflict(message: str, param: str | None = None) -> ApiError:
     return ApiError(409, message, "invalid_request_error", param, "duplicate_request_id")
 
 
+def id_taken(shown: str) -> ApiError:
+    """The 409 for a client's ``X-Request-Id`` that a request already has."""
+    return conflict(f"A request with id '{shown}' already exists.", "X-Request-Id")
+
+
 def too_large(limit: int) -> ApiError:
     return ApiError(413, f"Request body is larger than {limit} bytes.", "invalid_request_error",
                     None, "request_too_large")

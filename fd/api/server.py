@@ -49,7 +49,7 @@ from fd.api.embeddings import finish as embedding_finish
 from fd.api.embeddings import pair_scores, parse_embeddings, parse_rerank, parse_score, rerank_response
 from fd.api.embeddings import response as embedding_response
 from fd.api.embeddings import score_response
-from fd.api.errors import ApiError, bad_request, conflict, not_found, too_large, unauthorized, unavailable
+from fd.api.errors import ApiError, bad_request, conflict, id_taken, not_found, too_large, unauthorized, unavailable
 from fd.api.lora_admin import LoraNames
 from fd.api.responses import ResponsesRenderer, input_items, output_as_input
 from fd.api.responses import parse as parse_responses
@@ -193,8 +193,7 @@ async def _errors(request: web.Request, handler):
         return _error_response(ApiError(e.status, e.reason, "invalid_request_error", None, code), request)
     except IdTaken:  # another request's story started under this id since it was checked
         shown = request.get(RID, "")
-        return _error_response(conflict(f"A request with id '{shown}' already exists.", "X-Request-Id"),
-                               request)
+        return _error_response(id_taken(shown), request)
     except RedisError as e:
         log.warning("redis error on %s: %s", request.path, e)
         request.app[API_KEY].redis_failed()
@@ -462,7 +461,7 @@ class Api:
                 parent = Accepted(request_id=rid, choices=len(ids), n=1,
                                   prompt_tokens=sum(map(len, req.inputs)), **common)
                 if not await self.bus.submit_choices(parent, requests):
-                    raise conflict(f"A request with id '{shown}' already exists.", "X-Request-Id")
+                    raise id_taken(shown)
             else:
                 await self.bus.submit(*requests[0])
             vectors = await self._collect_embeddings(ids, subs, [_Timing(self.metrics, arrival) for _ in ids])
@@ -632,7 +631,7 @@ class Api:
                      for k, (c, (prompt, sp)) in enumerate(zip(ids, plan))]
             parent = Accepted(request_id=rid, choices=len(ids), n=gen.n, prompt_tokens=n_prompt, **common)
             if not await self.bus.submit_choices(parent, items):
-                raise conflict(f"A request with id '{shown}' already exists.", "X-Request-Id")
+                raise id_taken(shown)
             choices = protocol.Choices(shown, len(ids), endpoint, gen.model, created, n_prompt,
                                        gen.include_usage, self._token_bytes, gen.continuous_usage,
                                        gen.n, request_ids=ids)
@@ -651,7 +650,7 @@ class Api:
         overtook it is not a conflict: its story already ends in an abort final, which is what
         this client gets.) A tenant's id is in its own space: only its own requests conflict."""
         if await self.bus.request_exists(rid) and not is_tombstone(await self.bus.owner(rid)):
-            raise conflict(f"A request with id '{shown}' already exists.", "X-Request-Id")
+            raise id_taken(shown)
 
     async def _choice_ids(self, rid: str, explicit: bool, n: int, shown: str) -> tuple[str, ...]:
         """The ids ``<id>.<k>`` of a response's ``n`` parts, checked: not too long, and (for
