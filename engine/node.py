@@ -47,7 +47,7 @@ from typing import Any, Awaitable, Callable, Mapping, Protocol, TypeVar
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from control.bus import Bus
+from control.bus import Bus, entry_id_key
 from control.guided import GuidedError
 from control.guided import check as check_guided
 from control.events import (
@@ -1061,10 +1061,20 @@ class EngineNode:
         millisecond that is not finished: the unclaimed ones (each engine lays the same
         tombstones; one wins each, and writes its story), and those other engines run or own
         (each aborts its own). Requests accepted after that are not touched. With
-        ``engine=<id>`` the queue is left alone: it belongs to no engine."""
-        rids = dict.fromkeys((*self._entry, *self._admitting))
+        ``engine=<id>`` the queue is left alone: it belongs to no engine.
+
+        This engine's own requests count by when they were accepted (``arrival_ts``; the
+        entry of a resumed one is newer than its acceptance): one accepted after the event
+        that this engine claimed before reading the event runs on. (Those it is still
+        owning are on ``P:requests`` under their entry, and the scan finds the ones accepted
+        by then.)"""
         entries: dict[str, bytes] = {}
-        if not ev.engine and entry_id is not None:
+        if ev.engine or entry_id is None:
+            rids = dict.fromkeys((*self._entry, *self._admitting))
+        else:
+            until = entry_id_key(entry_id)[0]
+            rids = dict.fromkeys(rid for rid in self._entry if (req := self._request.get(rid)) is None
+                                 or req.data.arrival_ts <= until)
             queued = await self._retry("abort_all", lambda: self.bus.queued_until(entry_id))
             for entry, rid in queued:
                 rids[rid] = None

@@ -6,12 +6,14 @@ unclaimed ones are never prefilled. Requests accepted after the event run as usu
 from __future__ import annotations
 
 import asyncio
+import time
 
 import aiohttp
 
 from control.bus import Bus
 from control.connect import connect
-from control.events import AbortAll, BlocksReleased, Final, Tokens
+from control.events import (AbortAll, Accepted, BlocksReleased, Final, Request, RequestData, SamplingParams,
+                            Tokens)
 from control.keys import GROUP_ENGINES, owner_engine
 from fd.compose import ApiOptions, start_api
 from tests.enginekit import story, submit, types
@@ -137,3 +139,31 @@ async def test_queued_until_lists_what_was_accepted_by_then(bus):
     got = await bus.queued_until(cut, page=2)
     assert [rid for _, rid in got] == ["q0", "q1", "q2"]
     assert all(isinstance(e, bytes) for e, _ in got)
+
+
+async def test_abort_all_read_late_spares_what_was_accepted_after_it(redis_server, keys, tiny_model_dir,
+                                                                    tiny_runner, tiny_tokenizer):
+    """An engine that reads an ``abort_all`` only after it claimed a request accepted later
+    (its control reader behind its claims) lets that request run: the event ends what was
+    accepted (``arrival_ts``, which the API sets) by its millisecond. (Here the event's id is of long ago, as a late read makes it.)"""
+    engines = Engines(redis_server.url, keys, tiny_model_dir, tiny_runner, tiny_tokenizer)
+    bus = Bus(connect(redis_server.url), keys)
+    try:
+        eng = await engines.start("A", delay=0.02)
+        sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        await bus.submit(Request(request_id="later", data=RequestData(
+                             prompt_token_ids=(5, 17, 33, 9), sampling=sp, arrival_ts=int(time.time() * 1000))),
+                         Accepted(request_id="later", prompt_tokens=4, endpoint="completion"))
+        await story(bus, "later", until=Tokens)
+        await bus.redis.xadd(keys.control, {"type": "abort_all", "source": "cli"}, id="1-0")
+        evs = await story(bus, "later")
+        assert evs[-1].finish_reason == "length" and "abort_requested" not in types(evs)
+        # one of now ends what runs
+        await submit(bus, "now", [5, 17, 33, 9], max_tokens=200, ignore_eos=True)
+        await story(bus, "now", until=Tokens)
+        await bus.publish(keys.control, AbortAll(source="cli"))
+        assert (await story(bus, "now"))[-1].finish_reason == "abort"
+        await all_blocks_free(eng.node)
+    finally:
+        await engines.stop_all()
+        await bus.redis.aclose()

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from control.bus import Bus
 from control.connect import connect
-from control.events import CONTROL_TYPES, MAX_FIELD_BYTES, BadEvent, Request, SamplingParams, decode
+from control.events import (CONTROL_TYPES, MAX_FIELD_BYTES, Accepted, BadEvent, Request, RequestData,
+                            SamplingParams, decode)
 from engine.llm import LLM
 from fd.compose import EngineOptions, start_engine
 from tests.enginekit import story, submit, text_of, tokens_of
@@ -221,7 +222,12 @@ def test_random_entries_never_stop_the_engine(redis_server, keys, tiny_model_dir
             pending = await bus.redis.xpending(keys.requests, "engines")
             assert pending["pending"] == 0, pending
             # and it still serves, exactly as offline
-            await submit(bus, "after-fuzz", prompt, max_tokens=8, ignore_eos=True)
+            # (accepted now, as the API stamps it: an abort_all of the fuzz that the engine
+            # reads only after claiming it does not end it)
+            await bus.submit(Request(request_id="after-fuzz", data=RequestData(
+                                 prompt_token_ids=tuple(prompt), arrival_ts=int(time.time() * 1000),
+                                 sampling=SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))),
+                             Accepted(request_id="after-fuzz", prompt_tokens=len(prompt), endpoint="completion"))
             evs = await story(bus, "after-fuzz", timeout=30)
             assert evs[-1].finish_reason == "length"
             assert tokens_of(evs) == ref.token_ids and text_of(evs) == ref.text
