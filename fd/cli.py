@@ -655,6 +655,17 @@ def _tune_gc() -> None:
     _gc_task = asyncio.get_running_loop().create_task(full_collections(), name="full-gc")
 
 
+def _loop_factory():
+    """uvloop's loop where it is installed (as uvicorn and vLLM's API server take it), else
+    asyncio's own: fd uses only the public loop API (``add_reader`` for the model worker's
+    pipe), so either runs every command."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
 async def _wait_for_signal(*tasks: asyncio.Task) -> None:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -871,9 +882,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "process's, against the same control plane (the embedded server's TCP "
                         "door, or --redis-url); for hosts with cores to spare")
     s.add_argument("--fifo-loop", action="store_true",
-                   help="run the shared event loop in plain arrival order (by default the "
-                        "engine's turns go first while the model waits for them and clients "
-                        "keep up; see fd/eventloop.py)")
+                   help="accepted for old scripts; no effect (the loop is always plain asyncio, "
+                        "or uvloop where it is installed)")
 
     rb = sub.add_parser("run-batch", help="a file of OpenAI batch requests (JSONL) through fd (vLLM's run-batch)")
     rb.add_argument("-i", "--input-file", required=True, help="JSONL, one request a line ('-': stdin)")
@@ -1011,12 +1021,8 @@ def main(argv: list[str] | None = None) -> int:
     fn = {"serve": _serve, "api": _api, "engine": _engine, "abort": _abort,
           "status": _status, "trace": _trace, "run-batch": _run_batch, "convert": _convert}[args.cmd]
     try:
-        if args.cmd == "serve" and not args.fifo_loop:  # API and engine on one loop
-            from fd.eventloop import EngineFirstLoop
-
-            with asyncio.Runner(loop_factory=EngineFirstLoop) as runner:
-                return runner.run(fn(args))
-        return asyncio.run(fn(args))
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            return runner.run(fn(args))
     except KeyboardInterrupt:
         return 130
     except _USER_ERRORS as e:

@@ -217,8 +217,6 @@ def join_in_process(api: "RunningApi", engine: "RunningEngine") -> None:
     # instead of asking P:requests every step.
     api.bus.local_requests.append(engine.node.on_local_arrival)
     engine.node.hears_local_arrivals()
-    # ... and how far its clients have been shown the tokens (see EngineNode._urgent).
-    engine.node.delivered_step = lambda: api.mux.newest_step
 
 
 def read_chat_template(value: str) -> str:
