@@ -54,12 +54,13 @@ def _eos_token_ids(model_dir: str) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _onednn(device: str, batch_invariant: bool) -> bool:
-    """Whether the model runs its large GEMMs through oneDNN: on a CPU build that has it,
-    unless batch-invariant (whose row padding is tuned to MKL's tiles, engine/model/llama.py)."""
-    from engine.model import onednn
+def _packed(device: str, batch_invariant: bool) -> bool:
+    """Whether the model runs its GEMMs over weights packed once for MKL: on a CPU build that
+    ships it, unless batch-invariant (whose row padding is tuned to eager MKL's tiles,
+    engine/model/llama.py)."""
+    from engine.model import packed_gemm
 
-    return device == "cpu" and not batch_invariant and onednn.available()
+    return device == "cpu" and not batch_invariant and packed_gemm.available()
 
 
 class ModelRunner:
@@ -72,7 +73,7 @@ class ModelRunner:
         self.device = device
         self.model: Llama = load_model(model_dir, device, progress=progress,
                                        batch_invariant=batch_invariant,
-                                       onednn=_onednn(device, batch_invariant))
+                                       packed=_packed(device, batch_invariant))
         self.block_size = block_size
         if num_blocks is None:
             budget = kv_cache_bytes or DEFAULT_KV_CACHE_BYTES["cpu" if device == "cpu" else "gpu"]

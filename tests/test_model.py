@@ -504,20 +504,23 @@ def test_fast_mode_is_close_to_the_reference(tiny_dir, runner):
     np.testing.assert_allclose(got, runner.model.reference_logits(p)[-1], atol=1e-4)
 
 
-def test_onednn_gemms_agree_with_the_eager_ones(tiny_dir, runner):
-    """Off batch invariance a CPU runner takes its large GEMMs through oneDNN: a 200-token
-    prefill's (its gate|up GEMMs are large enough) last logits are the reference's, and the
-    decodes after it give its greedy tokens."""
-    from engine.model import onednn
+def test_packed_gemms_agree_with_the_eager_ones(tiny_dir, runner):
+    """Off batch invariance a CPU runner takes its GEMMs over MKL-packed weights (Paddle's x86
+    CPU wheel ships MKL, as CI's does): products of 1 to 700 rows are the eager ones, a
+    200-token prefill's last logits are the reference's, and the decodes after it give its
+    greedy tokens."""
+    from engine.model import packed_gemm
 
+    assert packed_gemm.available()
     fast = ModelRunner(tiny_dir, num_blocks=32)
-    if not onednn.available():
-        pytest.skip("this Paddle build has no oneDNN")
-    assert fast.model.lm_head_dnn is not None and fast.model.lm_head_dnn.worth(200)
-    x = np.random.default_rng(3).standard_normal((64, 128)).astype(np.float32)
+    assert fast.model.lm_head_packed is not None
     w = fast.model.layers[0]["gate_up"]
-    np.testing.assert_allclose(fast.model.layers[0]["gate_up_dnn"](fast.model.tensor(x)).numpy(),
-                               x @ w.numpy(), atol=1e-4)
+    for rows in (1, 8, 33, 700):
+        x = np.random.default_rng(rows).standard_normal((rows, 128)).astype(np.float32)
+        np.testing.assert_allclose(fast.model.layers[0]["gate_up_packed"](fast.model.tensor(x)).numpy(),
+                                   x @ w.numpy(), atol=1e-4)
+    with pytest.raises(ValueError, match="float32 \\[rows, 128\\]"):
+        fast.model.layers[0]["gate_up_packed"](fast.model.tensor(np.ones((2, 64), np.float32)))
     p = _prompt(21, 200)
     blocks = tuple(range(13))
     seq = ScheduledSeq("f", tuple(p), 0, blocks, True, GREEDY, 0)

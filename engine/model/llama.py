@@ -172,9 +172,9 @@ class ForwardBatch:
 
 class Llama:
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, np.ndarray], device: str = "cpu",
-                 batch_invariant: bool = False, onednn: bool = False):
-        """``onednn``: on a CPU, run the large GEMMs of the dense layers and the head through
-        oneDNN predictors (engine/model/onednn.py); else every GEMM is an eager matmul."""
+                 batch_invariant: bool = False, packed: bool = False):
+        """``packed``: on a CPU, run the GEMMs of the dense layers and the head over weights
+        packed once for MKL (engine/model/packed_gemm.py); else every GEMM is an eager matmul."""
         self.cfg = cfg
         self.device = device
         # Opt-in (vLLM's VLLM_BATCH_INVARIANT): batch 1 then runs its GEMMs on 8 rows, which on
@@ -247,10 +247,9 @@ class Llama:
         self.rope = t(np.stack([np.cos(ang), np.sin(ang) * sign], axis=1))  # [P, 2, hd]
         self._scale = scale
         self._swiglu = cpu_swiglu if device == "cpu" else F.swiglu
-        self.onednn = onednn
-        self.lm_head_dnn = None
-        if onednn:
-            self._build_onednn()
+        self.lm_head_packed = None
+        if packed:
+            self._pack_weights()
         # LoRA adapters (add_lora): per slot, per layer, fused projection -> (A [in, R], B [R, out])
         self.loras: dict[int, list[dict[str, tuple[paddle.Tensor, paddle.Tensor]]]] = {}
         self._active: tuple[tuple[list, paddle.Tensor], ...] = ()  # this forward's (layers, rows)
@@ -264,29 +263,24 @@ class Llama:
         self.block_size = 0
         self.trash_slot = 0
 
-    def _build_onednn(self) -> None:
-        from engine.model.onednn import OneDnnGemms
+    def _pack_weights(self) -> None:
+        from engine.model.packed_gemm import PackedLinear
 
         # Every CPU this process may run on: the GEMMs are bound by how fast the weights
-        # stream from memory, and two cores stream about twice what one does (all of a
-        # step's GEMMs at 8 rows, 121 SmolLM2 weights: 112 ms on one thread, 51 on two;
-        # bench/README.md). The worker's CPUs are its --worker-cpus.
+        # stream from memory, and two cores stream about twice what one does. The worker's
+        # CPUs are its --worker-cpus.
         threads = len(os.sched_getaffinity(0))
-        gemms = OneDnnGemms(threads=threads)
-        try:
-            todo = [(layer, n) for layer in self.layers if "moe" not in layer
-                    for n in ("qkv", "o", "gate_up", "down")]
-            for layer, n in todo:  # (~30 ms a weight: SmolLM2's 121 take ~4 s)
-                layer[n + "_dnn"] = gemms.linear(layer[n].numpy())
-            self.lm_head_dnn = gemms.linear(self.lm_head.numpy())
-        finally:
-            gemms.close()
+        for layer in self.layers:
+            if "moe" not in layer:
+                for n in ("qkv", "o", "gate_up", "down"):
+                    layer[n + "_packed"] = PackedLinear(layer[n].numpy(), threads)
+        self.lm_head_packed = PackedLinear(self.lm_head.numpy(), threads)
 
     def _mm(self, x: paddle.Tensor, layer: dict, name: str) -> paddle.Tensor:
-        """``x @ layer[name]``: through oneDNN where it is faster, else eager."""
-        dnn = layer.get(name + "_dnn")
-        if dnn is not None and dnn.worth(x.shape[0]):
-            return dnn(x)
+        """``x @ layer[name]``: over the packed weight where there is one, else eager."""
+        packed = layer.get(name + "_packed")
+        if packed is not None:
+            return packed(x)
         return paddle.matmul(x, layer[name])
 
     # ------------------------------------------------------------------ LoRA
@@ -501,9 +495,8 @@ class Llama:
     @paddle.no_grad()
     def head(self, h: paddle.Tensor) -> paddle.Tensor:
         """Logits [rows, vocab] of final hidden states [rows, hidden]."""
-        dnn = self.lm_head_dnn
-        if dnn is not None and dnn.worth(h.shape[0]):
-            return dnn(h)
+        if self.lm_head_packed is not None:
+            return self.lm_head_packed(h)
         return paddle.matmul(h, self.lm_head)
 
     @paddle.no_grad()

@@ -113,10 +113,10 @@ def load_weights(model_dir: str, cfg: ModelConfig, progress: bool = True) -> dic
 
 
 def load_model(model_dir: str, device: str = "cpu", progress: bool = True,
-               batch_invariant: bool = False, onednn: bool = False) -> Llama:
+               batch_invariant: bool = False, packed: bool = False) -> Llama:
     model_dir = os.fspath(model_dir)
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"model directory {model_dir} does not exist")
     cfg = ModelConfig.from_dir(model_dir)
     return Llama(cfg, load_weights(model_dir, cfg, progress), device, batch_invariant=batch_invariant,
-                 onednn=onednn)
+                 packed=packed)

@@ -1,0 +1,100 @@
+"""The model's CPU GEMMs over weights packed once, by Intel MKL's packed-GEMM API.
+
+Paddle's eager ``matmul`` on a CPU is MKL's sgemm, which copies the weight into its kernel's
+panel layout on every call. At the few rows of a decode step that copy is most of the work:
+the weight is read, written and read again where the product needs it read once, so a step
+that should be bound by streaming the weights from memory takes about twice as long.
+``cblas_sgemm_pack`` makes that copy once, at load; ``cblas_sgemm_compute`` then streams the
+packed weight (a step's GEMMs on SmolLM2-135M: ~2x faster at 8-32 rows than eager or Paddle
+Inference's oneDNN kernels, and faster at one row too; bench/README.md, "packed weights").
+
+Paddle's CPU wheels ship MKL (``paddle/libs/libmklml_intel.so``) but no Python API for the
+packed calls, so they are reached by ctypes, on float32 tensors' own memory (no copy in; the
+output is a fresh tensor MKL writes). A build without the library (a GPU or ARM wheel) keeps
+every GEMM eager: :func:`available`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from functools import lru_cache
+
+import numpy as np
+import paddle
+
+# CBLAS's enums (mkl_cblas.h)
+_ROW_MAJOR, _NO_TRANS, _B_MATRIX, _PACKED = 101, 111, 162, 151
+#: The rows MKL is told to pack for. The packed layout serves any row count (a one-row decode
+#: and a long prefill alike); the figure only guides MKL's choice of blocking.
+_PACK_ROWS = 32
+
+
+@lru_cache(maxsize=1)
+def _mkl() -> ctypes.CDLL | None:
+    path = os.path.join(os.path.dirname(paddle.__file__), "libs", "libmklml_intel.so")
+    try:
+        lib = ctypes.CDLL(path)
+        for name in ("cblas_sgemm_alloc", "cblas_sgemm_pack", "cblas_sgemm_compute",
+                     "cblas_sgemm_free", "MKL_Set_Num_Threads_Local"):
+            getattr(lib, name)  # (an older or trimmed MKL lacks them: eager GEMMs then)
+    except (OSError, AttributeError):
+        return None
+    i, f, p = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+    lib.cblas_sgemm_alloc.restype = p
+    lib.cblas_sgemm_alloc.argtypes = [i, i, i, i]
+    lib.cblas_sgemm_pack.restype = None
+    lib.cblas_sgemm_pack.argtypes = [i, i, i, i, i, i, f, p, i, p]
+    lib.cblas_sgemm_compute.restype = None
+    lib.cblas_sgemm_compute.argtypes = [i, i, i, i, i, i, p, i, p, i, f, p, i]
+    lib.cblas_sgemm_free.restype = None
+    lib.cblas_sgemm_free.argtypes = [p]
+    lib.MKL_Set_Num_Threads_Local.restype = i
+    lib.MKL_Set_Num_Threads_Local.argtypes = [i]
+    return lib
+
+
+def available() -> bool:
+    """Whether this Paddle build ships MKL with its packed-GEMM calls (its x86 CPU wheels do)."""
+    return _mkl() is not None
+
+
+class PackedLinear:
+    """``x @ w`` for float32 ``x`` [rows, in] on the CPU and a fixed ``w`` [in, out], packed
+    once. ``threads``: MKL's threads for this call's thread (the worker's CPUs; its eager
+    matmuls then use as many)."""
+
+    def __init__(self, w: np.ndarray, threads: int = 1):
+        lib = _mkl()
+        if lib is None:
+            raise RuntimeError("this Paddle build has no MKL packed GEMM")
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        k, n = int(w.shape[0]), int(w.shape[1])
+        self.shape = (k, n)
+        self._lib = lib
+        self._threads = threads
+        self._buf = lib.cblas_sgemm_alloc(_B_MATRIX, _PACK_ROWS, n, k)
+        if not self._buf:
+            raise MemoryError(f"MKL could not allocate a packed {k}x{n} weight")
+        lib.cblas_sgemm_pack(_ROW_MAJOR, _B_MATRIX, _NO_TRANS, _PACK_ROWS, n, k, 1.0,
+                             w.ctypes.data, n, self._buf)
+
+    def __call__(self, x: paddle.Tensor) -> paddle.Tensor:
+        k, n = self.shape
+        if x.dtype != paddle.float32 or x.ndim != 2 or x.shape[1] != k or not x.place.is_cpu_place():
+            raise ValueError(f"a packed {k}x{n} GEMM takes float32 [rows, {k}] on the CPU, "
+                             f"got {x.dtype} {x.shape}")
+        if not x.is_contiguous():
+            x = x.contiguous()
+        m = int(x.shape[0])
+        out = paddle.empty([m, n], dtype=paddle.float32)
+        if m:
+            self._lib.MKL_Set_Num_Threads_Local(self._threads)
+            self._lib.cblas_sgemm_compute(_ROW_MAJOR, _NO_TRANS, _PACKED, m, n, k, x.data_ptr(), k,
+                                          self._buf, n, 0.0, out.data_ptr(), n)
+        return out
+
+    def __del__(self) -> None:
+        buf, self._buf = getattr(self, "_buf", None), None
+        if buf:
+            self._lib.cblas_sgemm_free(buf)
