@@ -58,6 +58,7 @@ from control import story as story_start
 from control.fence import Refused
 from control.keys import (ABORT_WRITTEN, GROUP_ENGINES, Keys, choices_owner, is_tombstone, tombstone,
                           pending_tombstone_source, valid_request_id)
+from control.store import Store, store_for
 
 log = logging.getLogger("control.bus")
 
@@ -132,6 +133,10 @@ class Bus:
         self._dead_seen: OrderedDict[tuple[bytes, bytes], None] = OrderedDict()
         self._journal_head = f"{keys.prefix}:journal:"
         self.cluster = is_cluster(redis)
+        #: The key operations (owner keys, tombstones, TTLs, the request group): the client's
+        #: own store where it brings one (the embedded server's in-process client), else
+        #: redis-py commands on it.
+        self.store: Store = store_for(redis)
         #: In-process readers of ``P:control`` (``fd serve``: the engine beside this API), told
         #: of each control event this bus publishes as it is published, a few event-loop turns
         #: before their XREAD would bring it. The event is still written: it is the record, and
@@ -501,23 +506,18 @@ class Bus:
 
     async def claim_requests(self, consumer: str, count: int, block_ms: int | None) -> list[tuple[bytes, Request]]:
         """Up to ``count`` new requests for ``consumer``; ``block_ms=None`` does not block."""
-        direct = getattr(self.redis, "fd_read_group", None)  # the embedded in-process client
-        resp = None
-        if direct is not None and block_ms is None:
-            resp = direct(self.keys.requests, GROUP_ENGINES, consumer, count)
         try:
-            if resp is None:
-                resp = await self.redis.xreadgroup(GROUP_ENGINES, consumer, {self.keys.requests: ">"},
-                                                   count=count, block=block_ms)
+            resp = await self.store.read_group(self.keys.requests, GROUP_ENGINES, consumer, count,
+                                               block_ms)
         except ResponseError as e:
             if "NOGROUP" not in str(e):
                 raise
             # The group vanished (FLUSHALL, a deleted stream): recreate it and read again.
             await self.ensure_group()
-            resp = await self.redis.xreadgroup(GROUP_ENGINES, consumer, {self.keys.requests: ">"},
-                                               count=count, block=block_ms)
+            resp = await self.store.read_group(self.keys.requests, GROUP_ENGINES, consumer, count,
+                                               block_ms)
         out: list[tuple[bytes, Request]] = []
-        for _stream, entries in resp or ():
+        for _stream, entries in resp:
             out += await self._requests_or_dead(entries)
         return out
 
@@ -533,10 +533,7 @@ class Bus:
 
     async def ack_request(self, entry_id: bytes) -> None:
         """Done with a request entry: acknowledged and removed (see :meth:`publish_many`)."""
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.xack(self.keys.requests, GROUP_ENGINES, entry_id)
-        pipe.xdel(self.keys.requests, entry_id)
-        await pipe.execute()
+        await self.store.ack_delete(self.keys.requests, GROUP_ENGINES, [entry_id])
 
     async def autoclaim(self, consumer: str, min_idle_ms: int, count: int = 100) -> list[tuple[bytes, Request]]:
         """Take over requests another consumer read but did not ack for ``min_idle_ms``."""
@@ -635,13 +632,7 @@ class Bus:
         abort of 1,000 queued ids must not cost 1,000 round trips on the engine's loop."""
         if not request_ids:
             return []
-        direct = getattr(self.redis, "fd_set_nx_get", None)  # the embedded in-process client
-        olds = direct([self.keys.owner(r) for r in request_ids], owner, ttl_s) if direct else None
-        if olds is None:
-            pipe = self.redis.pipeline(transaction=False)
-            for rid in request_ids:
-                pipe.set(self.keys.owner(rid), owner, nx=True, ex=ttl_s, get=True)
-            olds = await pipe.execute()
+        olds = await self.store.set_nx_get([self.keys.owner(r) for r in request_ids], owner, ttl_s)
         out = []
         for old in olds:
             out.append((True, owner) if old is None else (False, old.decode()))
@@ -654,23 +645,10 @@ class Bus:
         if not request_ids:
             return []
         value = tombstone(source)
-        direct = getattr(self.redis, "fd_tombstones", None)  # the embedded in-process client
-        if direct is not None:
-            res = direct([self.keys.owner(r) for r in request_ids], value, ttl_s,
-                         [self.keys.req(r) for r in request_ids])
-            if res is not None:
-                return [(old is None, value if old is None else old.decode(), exists)
-                        for old, exists in res]
-        pipe = self.redis.pipeline(transaction=False)
-        for rid in request_ids:
-            pipe.set(self.keys.owner(rid), value, nx=True, ex=ttl_s, get=True)
-            pipe.exists(self.keys.req(rid))
-        res = await pipe.execute()
-        out = []
-        for old, exists in zip(res[0::2], res[1::2]):
-            won = old is None
-            out.append((won, value if won else old.decode(), bool(exists)))
-        return out
+        res = await self.store.tombstones([self.keys.owner(r) for r in request_ids], value, ttl_s,
+                                          [self.keys.req(r) for r in request_ids])
+        return [(old is None, value if old is None else old.decode(), exists)
+                for old, exists in res]
 
     async def take_abort_story(self, request_id: str) -> str | None:
         """Compare-and-set a pending tombstone to ``aborted-final``. Returns the abort's source
@@ -691,20 +669,12 @@ class Bus:
                 return None
 
     async def owner(self, request_id: str) -> str | None:
-        direct = getattr(self.redis, "fd_get", None)  # the embedded in-process client
-        got = direct(self.keys.owner(request_id)) if direct is not None else None
-        v = got[0] if got is not None else await self.redis.get(self.keys.owner(request_id))
+        v = await self.store.get(self.keys.owner(request_id))
         return v.decode() if v is not None else None
 
     async def renew(self, keys: Sequence[str]) -> None:
         """Give each of ``keys`` (that exists) the request TTL again, in one round trip."""
-        direct = getattr(self.redis, "fd_expire", None)  # the embedded in-process client
-        if direct is not None and direct(list(keys), self.req_ttl_s) is not None:
-            return
-        pipe = self.redis.pipeline(transaction=False)
-        for key in keys:
-            pipe.expire(key, self.req_ttl_s)
-        await pipe.execute()
+        await self.store.expire(keys, self.req_ttl_s)
 
     async def save_conversation(self, request_id: str, items: list) -> None:
         await self.redis.set(self.keys.conversation(request_id), orjson.dumps(items), ex=self.req_ttl_s)
@@ -716,10 +686,7 @@ class Bus:
 
     async def request_exists(self, request_id: str) -> bool:
         """Whether ``P:req:<id>`` exists (a request id already taken)."""
-        direct = getattr(self.redis, "fd_exists", None)
-        if direct is not None:
-            return direct(self.keys.req(request_id))
-        return bool(await self.redis.exists(self.keys.req(request_id)))
+        return await self.store.exists(self.keys.req(request_id))
 
     async def first_events(self, request_ids: Sequence[str]) -> list[Event | None]:
         """Each request's first event (its ``accepted``, which says whose it is), or None for

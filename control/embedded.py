@@ -15,8 +15,9 @@ The in-process door also skips fakeredis' generic command dispatch for the one c
 sends most, ``XADD key * field value ...`` (a token event per request per step), and offers
 ``Bus.publish_many`` a direct append (``client.fd_append``) that skips redis-py's pipeline
 for it too, ``Bus.publish_owned`` the fence's checks and appends (``client.fd_fenced_append``,
-control/fence.py) without Lua, and ``Bus.tombstone_many`` the same for a many-id abort
-(``client.fd_tombstones``). Both make the same change to the same data structures under the same lock, and
+control/fence.py) without Lua, and the bus's store (``client.store()``, an
+:class:`~control.embedded_store.EmbeddedStore`) the key operations of control/store.py, a
+many-id abort's tombstones among them. All make the same change to the same data structures under the same lock, and
 hand everything else to fakeredis (tests/test_embedded_xadd.py compares the two). They rely
 on fakeredis internals, hence the pinned fakeredis version.
 """
@@ -47,6 +48,7 @@ from control.connect import MAX_CONNECTIONS, POOL_WAIT_S
 from control.fence import SEEN, Refused
 from control.story import DONE, TAKEN, WRITTEN
 from control.embedded_info import InfoCommand, ServerInfo, register
+from control.embedded_store import EmbeddedStore
 
 log = logging.getLogger("control.embedded")
 
@@ -733,6 +735,14 @@ class _Pipeline(Pipeline):
 
 
 class _Client(FakeAsyncRedis):
+    """The in-process client: fakeredis' async client with this module's pipeline, and the
+    store (:class:`control.embedded_store.EmbeddedStore`) that the bus uses on it."""
+
+    _store: EmbeddedStore
+
+    def store(self) -> EmbeddedStore:
+        return self._store
+
     def pipeline(self, transaction: bool = True, shard_hint=None) -> Pipeline:
         return _Pipeline(self.connection_pool, self.response_callbacks, transaction, shard_hint)
 
@@ -826,6 +836,7 @@ class EmbeddedRedis:
                          connection_pool_class=aioredis.BlockingConnectionPool,
                          max_connections=MAX_CONNECTIONS, timeout=POOL_WAIT_S)
         direct = _Direct(self.fake_server, self._listeners)
+        client._store = EmbeddedStore(client, direct)
         client.fd_append = direct.append
         client.fd_fenced_append = direct.fenced_append
         client.fd_start_story = direct.start_story

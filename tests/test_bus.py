@@ -248,6 +248,16 @@ async def test_claim_recreates_a_vanished_group(bus):
     assert [e.request_id for _, e in await bus.claim_requests("e1", 10, None)] == ["r1"]
 
 
+async def test_claim_recreates_the_group_of_a_deleted_stream(bus):
+    """A claim on a P:requests that is gone altogether (not only its group) recreates both:
+    fakeredis words that NOGROUP otherwise (control/store.py)."""
+    await bus.ensure_group()
+    await bus.redis.delete(bus.keys.requests)
+    assert await bus.claim_requests("e1", 10, 10) == []
+    await bus.publish(bus.keys.requests, request("r1"))
+    assert [e.request_id for _, e in await bus.claim_requests("e1", 10, None)] == ["r1"]
+
+
 async def test_autoclaim_takes_over_a_dead_consumers_requests(bus):
     await bus.ensure_group()
     await bus.publish_many([(bus.keys.requests, request(f"r{i}")) for i in range(3)])
