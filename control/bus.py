@@ -49,7 +49,6 @@ from control.events import (
     Event,
     Final,
     Request,
-    Tokens,
     decode,
     tombstone_story,
 )
@@ -1063,8 +1062,6 @@ class _Shard:
                     continue
                 sub._offer(entry_id, idk, ev)
                 self.mux.events += 1
-            if type(ev) is Tokens and ev.step > self.mux.newest_step:
-                self.mux.newest_step = ev.step
             if isinstance(ev, Final):
                 if everyone:
                     self.subs.pop(key, None)
@@ -1120,13 +1117,8 @@ class StreamMux:
         self._stopping = False
         self.wakeups = 0  # XREAD returns, all shards: the bench's fan-in figure
         self.events = 0  # events delivered to subscriptions
-        # The highest engine step whose tokens this reader has handed to a subscription: in
-        # `fd serve` (one engine, same process) how far behind the engine delivery is.
-        self.newest_step = -1
         self._rings = 0
         self._unlisten: Callable[[], None] | None = None
-        self._shown_step = -1  # the newest step handed over in-process, not yet marked shown
-        self._show_pending = False
 
     @property
     def dead_letters(self) -> int:
@@ -1220,19 +1212,9 @@ class StreamMux:
         reading = shard.reading
         if reading is not None and key in reading:
             reading[key] = min(subs, key=lambda s: s._last).last_id
-        if type(ev) is Tokens and ev.step > self._shown_step:
-            self._shown_step = ev.step
-            if not self._show_pending:  # once the subscribers woken now have run
-                self._show_pending = True
-                asyncio.get_running_loop().call_soon(self._shown)
         if isinstance(ev, Final) and taken == len(subs):
             shard.subs.pop(key, None)
             self._where.pop(key, None)
-
-    def _shown(self) -> None:
-        self._show_pending = False
-        if self._shown_step > self.newest_step:
-            self.newest_step = self._shown_step
 
     async def subscribe(self, request_id: str, after: bytes | str = b"0") -> Subscription:
         """Events of ``request_id`` after entry ``after`` (exclusive; ``0`` = from the start)."""

@@ -84,7 +84,6 @@ async def test_live_subscriber_gets_each_entry_once_without_decoding(pair, decod
     assert mux.events == len(evs)
     await asyncio.sleep(0.05)  # the blocked read, woken by each write, found nothing new
     assert decodes[0] == 0 and mux.events == len(evs)
-    assert mux.newest_step == 19  # marked once the woken subscriber had its turn
     stored = await bus.read_req(rid)  # what any other reader decodes from the stream
     assert [ev for _, ev in got] == [ev for _, ev in stored]  # ts included
 
