@@ -815,11 +815,6 @@ class Api:
         renderer with ``named_events``, the Responses API's, names each frame's event type and
         sends no ``[DONE]``.)"""
         named = renderer.named_events
-        task = asyncio.current_task()
-        loop = task.get_loop()
-        answering = getattr(loop, "answering", None)  # fd serve's loop (fd.eventloop)
-        if answering is not None:
-            answering(task)  # its first token goes ahead of other work; the rest take turns
         async for batch in events:
             if batch is None:
                 await resp.write(sse.comment("keep-alive"))
@@ -843,9 +838,6 @@ class Api:
                     break
             if out:
                 await resp.write(b"".join(out))
-                if answering is not None:
-                    loop.answered(task)
-                    answering = None
             if done:
                 break
         else:
