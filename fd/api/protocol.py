@@ -18,7 +18,6 @@ import orjson
 from control.events import (MAX_LOGPROBS, MAX_REPETITION_PENALTY, Final, SamplingParams,
                             logprobs_entries, prompt_logprob_ranks, prompt_logprobs_entries)
 from control.guided import GuidedError, canonical, check, starting_after
-from control.keys import choice_ids
 from fd.api.errors import ApiError, bad_request, not_found, too_large
 from fd.api.reasoning import END as REASONING_END
 from fd.api.reasoning import START as REASONING_START
@@ -1000,6 +999,10 @@ class Renderer:
     replay from another replica renders the same chunks the original stream did.
     """
 
+    #: whether each SSE frame names its event type and the stream ends without ``[DONE]``
+    #: (the Responses API's renderer does; chat and completions frames are unnamed)
+    named_events = False
+
     def __init__(self, request_id: str, endpoint: str, model: str, created: int, prompt_tokens: int,
                  include_usage: bool = False, token_bytes: Callable[[int], bytes] | None = None,
                  continuous_usage: bool = False, index: int = 0):
@@ -1383,181 +1386,3 @@ class Renderer:
             where["prompt_token_ids"] = self.prompt_ids
             body["choices"][0]["token_ids"] = self.out_ids
         return body
-
-
-def choices_cursor(entry_ids: list[bytes]) -> bytes:
-    """The SSE ``id:`` of a response of n choices: each choice's last entry id, in order."""
-    return b",".join(entry_ids)
-
-
-class Choices:
-    """A response of ``n`` choices, each a request of its own (``choice_ids``): one
-    :class:`Renderer` a choice, their chunks under the response's id, one usage for all (the
-    prompt counted once, as OpenAI and vLLM do), and the final chunks once every choice has
-    ended. Like the renderer it needs nothing but the ``accepted`` events' fields, so any
-    replica renders the same bytes."""
-
-    def __init__(self, request_id: str, n: int, endpoint: str, model: str, created: int,
-                 prompt_tokens: int, include_usage: bool = False,
-                 token_bytes: Callable[[int], bytes] | None = None, continuous_usage: bool = False,
-                 per_prompt: int | None = None, request_ids: tuple[str, ...] | None = None):
-        self.rid = request_id
-        # the choices' ids in the event log (a tenant's own id is namespaced there, its answer
-        # shows the id it gave: fd.api.tenancy)
-        self.request_ids = request_ids or choice_ids(request_id, n)
-        # choices of each prompt (a story written before `n` was: all of one prompt)
-        self.per_prompt = per_prompt if _is_int(per_prompt) and 0 < per_prompt <= n else n
-        self.endpoint, self.model, self.created = endpoint, model, created
-        self.prompt_tokens = prompt_tokens
-        self.include_usage = include_usage
-        self.continuous_usage = include_usage and continuous_usage
-        self.parts = [Renderer(request_id, endpoint, model, created, prompt_tokens, include_usage,
-                               token_bytes, False, k) for k in range(n)]
-        for r in self.parts:
-            r.usage_chunk = False
-        self.finals: list[Final | None] = [None] * n
-
-    @property
-    def done(self) -> bool:
-        return all(f is not None for f in self.finals)
-
-    def _usage(self) -> dict[str, Any]:
-        # what the engines counted for the choices that ended, this replica's count for the rest
-        ended = [None if f is None else r.final_usage(f) for f, r in zip(self.finals, self.parts)]
-        c = sum(r.completion_tokens if u is None else u["completion_tokens"]
-                for u, r in zip(ended, self.parts))
-        out: dict[str, Any] = usage(self.prompt_tokens, c)
-        # Each prompt counted once, so its cached tokens are those of one choice, its first:
-        # its siblings may reuse what it computed, which the prompt did not get for free.
-        cached = sum(u.get("prompt_tokens_details", {}).get("cached_tokens", 0)
-                     for u in ended[::self.per_prompt] if u is not None)
-        if cached:
-            out["prompt_tokens_details"] = {"cached_tokens": cached}
-        return out
-
-    def _stamp(self, chunks: list[dict]) -> list[dict]:
-        if self.continuous_usage:
-            for c in chunks:
-                if "error" not in c:
-                    c["usage"] = self._usage()
-        return chunks
-
-    def choice(self, k: int) -> "_Choice":
-        """Choice ``k`` with a renderer's streaming methods (the SSE writer's)."""
-        return _Choice(self, k)
-
-    def start_chunks(self, k: int, accepted: Any = None) -> list[dict]:
-        return self._stamp(self.parts[k].start_chunks(accepted))
-
-    def token_json(self, k: int, text: str, n_tokens: int, token_ids: tuple[int, ...] = (),
-                   logprobs: Any = None, prompt_logprobs: Any = None) -> bytes | None:
-        if not self.continuous_usage:
-            return self.parts[k].token_json(text, n_tokens, token_ids, logprobs, prompt_logprobs)
-        chunks = self._stamp(self.parts[k].token_chunks(text, n_tokens, token_ids, logprobs,
-                                                        prompt_logprobs))
-        return orjson.dumps(chunks[0]) if chunks else None
-
-    def token_chunks(self, k: int, *args) -> list[dict]:
-        return self._stamp(self.parts[k].token_chunks(*args))
-
-    def add_tokens(self, k: int, text: str, n_tokens: int, token_ids: tuple[int, ...] = (),
-                   logprobs: Any = None, prompt_logprobs: Any = None) -> None:
-        self.parts[k].add_tokens(text, n_tokens, token_ids, logprobs, prompt_logprobs)
-
-    def final_chunks(self, k: int, final: Final) -> list[dict]:
-        """Choice ``k``'s last chunk, and once it is the last choice to end, the usage chunk.
-        An error ends the whole response (the caller aborts the other choices)."""
-        self.finals[k] = final
-        out = self._stamp(self.parts[k].final_chunks(final))
-        if final.finish_reason != "error" and self.done and self.include_usage:
-            out.append(usage_chunk(self.endpoint, self.rid, self.created, self.model, self._usage()))
-        return out
-
-    def response(self) -> dict:
-        """The whole body once every choice ended; raises the first choice's error, if any."""
-        bodies = [r.response(f) for r, f in zip(self.parts, self.finals)]
-        body = bodies[0]
-        body["choices"] = [b["choices"][0] for b in bodies]
-        for k, c in enumerate(body["choices"]):
-            c["index"] = k
-        body["usage"] = self._usage()
-        return body
-
-
-@dataclass(frozen=True, slots=True)
-class _Choice:
-    choices: Choices
-    k: int
-
-    def start_chunks(self, accepted: Any = None) -> list[dict]:
-        return self.choices.start_chunks(self.k, accepted)
-
-    @property
-    def structured(self) -> bool:
-        return self.choices.parts[self.k].structured
-
-    def token_json(self, *args) -> bytes | None:
-        return self.choices.token_json(self.k, *args)
-
-    def token_chunks(self, *args) -> list[dict]:
-        return self.choices.token_chunks(self.k, *args)
-
-    def final_chunks(self, final: Final) -> list[dict]:
-        return self.choices.final_chunks(self.k, final)
-
-
-# ------------------------------------------------------------------------- abort bodies
-
-
-@dataclass(frozen=True, slots=True)
-class AbortBody:
-    """A parsed ``POST /v1/abort_requests`` body."""
-
-    request_ids: tuple[str, ...] = ()
-    rejected: tuple[tuple[str, str], ...] = ()  # (request_id, reason)
-    abort_all: bool = False
-    engine: str | None = None
-
-
-def parse_abort(body: Any, valid_request_id, valid_engine_id, max_ids: int,
-                all_valid=None) -> AbortBody:
-    """FastDeploy's ``req_ids``, vLLM's ``request_ids``, or ``abort_all``; both shapes live on,
-    because changing this body under existing clients is exactly what must not happen."""
-    if not isinstance(body, dict):
-        raise bad_request("Request body must be a JSON object.")
-    engine = body.get("engine")
-    if engine is not None and (not isinstance(engine, str) or not valid_engine_id(engine)):
-        raise bad_request("'engine' must be a valid engine id.", "engine", "invalid_value")
-    if body.get("abort_all") is not None:
-        if not isinstance(body["abort_all"], bool):
-            raise bad_request("'abort_all' must be a boolean.", "abort_all", "invalid_type")
-        if body["abort_all"]:
-            return AbortBody(abort_all=True, engine=engine)
-    ids = None
-    for name in ("req_ids", "request_ids"):
-        if body.get(name) is not None:
-            ids, param = body[name], name
-            break
-    if ids is None:
-        raise bad_request("Give 'req_ids' (or 'request_ids') as a list of request ids, or 'abort_all': true.",
-                          "req_ids", "missing_required_parameter")
-    if isinstance(ids, str):
-        ids = [ids]
-    if not isinstance(ids, list):
-        raise bad_request(f"'{param}' must be a list of request ids.", param, "invalid_type")
-    if len(ids) > max_ids:
-        raise bad_request(f"At most {max_ids} request ids per call.", param, "invalid_value")
-    if all_valid is not None and all_valid(ids):
-        return AbortBody(tuple(dict.fromkeys(ids)), (), False, engine)
-    accepted: dict[str, None] = {}
-    rejected = []
-    for rid in ids:
-        if not isinstance(rid, str):
-            rejected.append((str(rid)[:128], "not a string"))
-        elif not valid_request_id(rid):
-            rejected.append((rid[:128], "invalid request id (letters, digits, '_.:@-', 1-128 chars)"))
-        else:
-            accepted.setdefault(rid)
-    if not accepted:
-        raise ApiError(400, "No valid request ids given.", "invalid_request_error", param, "invalid_value")
-    return AbortBody(tuple(accepted), tuple(rejected), False, engine)

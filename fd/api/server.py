@@ -43,7 +43,9 @@ from control.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from control.metrics import Metrics
 from control.story import IdTaken
 from fd.api import lora_admin, openapi, protocol, sse
+from fd.api.abort import parse_abort
 from fd.api.cancellation import Cancellation, watch_of
+from fd.api.choices import Choices, choices_cursor
 from fd.api.cors import Cors
 from fd.api.embeddings import finish as embedding_finish
 from fd.api.embeddings import pair_scores, parse_embeddings, parse_rerank, parse_score, rerank_response
@@ -632,9 +634,9 @@ class Api:
             parent = Accepted(request_id=rid, choices=len(ids), n=gen.n, prompt_tokens=n_prompt, **common)
             if not await self.bus.submit_choices(parent, items):
                 raise id_taken(shown)
-            choices = protocol.Choices(shown, len(ids), endpoint, gen.model, created, n_prompt,
-                                       gen.include_usage, self._token_bytes, gen.continuous_usage,
-                                       gen.n, request_ids=ids)
+            choices = Choices(shown, len(ids), endpoint, gen.model, created, n_prompt,
+                              gen.include_usage, self._token_bytes, gen.continuous_usage,
+                              gen.n, request_ids=ids)
             timing = [_Timing(self.metrics, arrival) for _ in ids]  # latencies are each choice's
             if gen.stream:
                 resp = await self._stream(request, shown, self._merged(subs), choices, timing)
@@ -693,7 +695,7 @@ class Api:
             except TimeoutError:
                 yield None
 
-    async def _collect_choices(self, rid: str, subs: list, choices: protocol.Choices,
+    async def _collect_choices(self, rid: str, subs: list, choices: Choices,
                                timing: list[_Timing], watch) -> web.Response:
         async with contextlib.aclosing(self._merged(subs)) as merged:
             async for batch in merged:
@@ -716,7 +718,7 @@ class Api:
                     return _json(choices.response(), headers={"X-Request-Id": rid})
         raise unavailable("The request's stream ended without a final event.")
 
-    async def _abort_rest(self, choices: protocol.Choices) -> None:
+    async def _abort_rest(self, choices: Choices) -> None:
         """One choice failed: the response has failed, so the others stop too."""
         rest = tuple(c for c, f in zip(choices.request_ids, choices.finals) if f is None)
         if rest:
@@ -757,23 +759,23 @@ class Api:
         raise unavailable("The request's stream ended without a final event.")
 
     async def _stream(self, request: web.Request, rid: str, events: AsyncIterator,
-                      renderer: protocol.Renderer | protocol.Choices,
+                      renderer: protocol.Renderer | Choices,
                       timing: _Timing | list[_Timing] | None, skip_until: Any = None) -> web.StreamResponse:
         """Render events as SSE until the final. Entries at or before ``skip_until`` only update
         the renderer's state (a resume), the rest are written with their entry id. (A response
-        of n choices: a :class:`protocol.Choices`, a timing and a ``skip_until`` per choice.)"""
+        of n choices: a :class:`Choices`, a timing and a ``skip_until`` per choice.)"""
         resp = web.StreamResponse(headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
             "X-Accel-Buffering": "no", "X-Request-Id": rid})
         await resp.prepare(request)
         watch = watch_of(request)
-        write = self._write_choice_events if isinstance(renderer, protocol.Choices) else self._write_events
+        write = self._write_choice_events if isinstance(renderer, Choices) else self._write_events
         async with contextlib.aclosing(events):
             await write(resp, events, renderer, timing, skip_until, watch)
         await resp.write_eof()
         return resp
 
-    async def _write_choice_events(self, resp, events, choices: protocol.Choices, timing, skip_until,
+    async def _write_choice_events(self, resp, events, choices: Choices, timing, skip_until,
                                    watch) -> None:
         """:meth:`_write_events` for a response of n choices. A frame's ``id:`` is where every
         choice's stream stands (``choices_cursor``), so ``Last-Event-ID`` resumes them all."""
@@ -791,7 +793,7 @@ class Api:
                 payload, chunks = _render(ev, choices.choice(k), None if timing is None else timing[k])
                 failed = isinstance(ev, Final) and ev.finish_reason == "error"
                 if (payload is not None or chunks) and entry_id_key(eid) > skip[k]:
-                    cid = protocol.choices_cursor(cursor)
+                    cid = choices_cursor(cursor)
                     out += [sse.json_frame(payload, cid)] if payload is not None else [
                         sse.frame(c, cid) for c in chunks]
                 if failed or choices.done:
@@ -812,12 +814,7 @@ class Api:
         write per event, in order; only the number of sends (and wake-ups) shrinks. (A
         renderer with ``named_events``, the Responses API's, names each frame's event type and
         sends no ``[DONE]``.)"""
-        named = getattr(renderer, "named_events", False)
-        task = asyncio.current_task()
-        loop = task.get_loop()
-        answering = getattr(loop, "answering", None)  # fd serve's loop (fd.eventloop)
-        if answering is not None:
-            answering(task)  # its first token goes ahead of other work; the rest take turns
+        named = renderer.named_events
         async for batch in events:
             if batch is None:
                 await resp.write(sse.comment("keep-alive"))
@@ -841,9 +838,6 @@ class Api:
                     break
             if out:
                 await resp.write(b"".join(out))
-                if answering is not None:
-                    loop.answered(task)
-                    answering = None
             if done:
                 break
         else:
@@ -912,9 +906,9 @@ class Api:
         for k, c in enumerate(ids):
             if not await self.bus.request_exists(c):
                 raise not_found(f"Choice '{shown}.{k}' of request '{shown}' has expired.", "id", "request_not_found")
-        choices = protocol.Choices(shown, first.choices, first.endpoint or "completion", first.model,
-                                   first.created, first.prompt_tokens, include_usage, self._token_bytes,
-                                   bool(first.continuous_usage), first.n, request_ids=ids)
+        choices = Choices(shown, first.choices, first.endpoint or "completion", first.model,
+                          first.created, first.prompt_tokens, include_usage, self._token_bytes,
+                          bool(first.continuous_usage), first.n, request_ids=ids)
         subs = [await self.mux.subscribe(c, b"0") for c in choices.request_ids]
         try:
             return await self._stream(request, shown, self._merged(subs), choices, None, skip)
@@ -936,8 +930,8 @@ class Api:
             if not math.isfinite(timeout) or timeout < 0:
                 raise bad_request("'wait' must be a number of seconds.", "wait", "invalid_value")
             timeout = min(timeout, MAX_WAIT_S)
-        body = protocol.parse_abort(await self._body(request), valid_request_id,
-                                    valid_engine_id, MAX_IDS_PER_ABORT, all_valid_request_ids)
+        body = parse_abort(await self._body(request), valid_request_id,
+                           valid_engine_id, MAX_IDS_PER_ABORT, all_valid_request_ids)
         abort_id = f"abort-{uuid.uuid4().hex[:16]}"
         caller = request[CALLER]
         if body.abort_all:
