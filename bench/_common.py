@@ -66,8 +66,12 @@ def fmt(x: Any, nd: int = 1) -> str:
 def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]], nd: int = 1) -> str:
     """A GitHub-markdown table (pastes into bench/README.md as is); returns the text."""
     cells = [[fmt(c, nd) for c in r] for r in rows]
-    lines = [f"### {title}", "", "| " + " | ".join(headers) + " |",
-             "|" + "|".join("---" for _ in headers) + "|"]
+    lines = [
+        f"### {title}",
+        "",
+        "| " + " | ".join(headers) + " |",
+        "|" + "|".join("---" for _ in headers) + "|",
+    ]
     lines += ["| " + " | ".join(r) + " |" for r in cells]
     text = "\n".join(lines) + "\n"
     print("\n" + text, flush=True)
@@ -83,15 +87,26 @@ def goal(name: str, at: str, value: float, op: str, limit: float) -> dict:
 
 
 def print_goals(title: str, goals: Sequence[dict]) -> str:
-    return print_table(title, ["goal", "at", "measured", "needs", "met"],
-                       [[g["goal"], g["at"], g["value"], f"{g['op']} {fmt(g['limit'], 2)}",
-                         "yes" if g["met"] else "NO"] for g in goals], nd=2)
+    return print_table(
+        title,
+        ["goal", "at", "measured", "needs", "met"],
+        [
+            [g["goal"], g["at"], g["value"], f"{g['op']} {fmt(g['limit'], 2)}", "yes" if g["met"] else "NO"]
+            for g in goals
+        ],
+        nd=2,
+    )
 
 
 def environment() -> dict:
-    return {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "python": platform.python_version(),
-            "machine": platform.machine(), "cpus": os.cpu_count(), "loadavg": os.getloadavg(),
-            "argv": sys.argv}
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "loadavg": os.getloadavg(),
+        "argv": sys.argv,
+    }
 
 
 def write_json(path: str | Path, obj: dict) -> Path:
@@ -195,9 +210,25 @@ def start_redis_server() -> RedisServer:
     tmp = tempfile.mkdtemp(prefix="fd-bench-redis-")
     for _ in range(5):
         port = free_port()
-        proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                 "--appendonly", "no", "--dir", tmp, "--loglevel", "warning"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [
+                exe,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                tmp,
+                "--loglevel",
+                "warning",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and proc.poll() is None:
             if _ping(port):
@@ -227,11 +258,28 @@ class Serve:
         return proc_rss_mb(self.proc.pid)
 
 
-def start_serve(model: str, *, redis_url: str | None = None, extra: Sequence[str] = (),
-                log_dir: str | None = None, timeout: float = 120.0) -> Serve:
+def start_serve(
+    model: str,
+    *,
+    redis_url: str | None = None,
+    extra: Sequence[str] = (),
+    log_dir: str | None = None,
+    timeout: float = 120.0,
+) -> Serve:
     port = free_port()
-    cmd = [sys.executable, "-m", "fd", "serve", "--model", model, "--port", str(port),
-           "--log-level", "warning", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fd",
+        "serve",
+        "--model",
+        model,
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        *extra,
+    ]
     if redis_url:
         cmd += ["--redis-url", redis_url]
         url = redis_url
@@ -241,8 +289,9 @@ def start_serve(model: str, *, redis_url: str | None = None, extra: Sequence[str
         url = f"redis://127.0.0.1:{eport}/0"
     log = Path(log_dir or tempfile.mkdtemp(prefix="fd-bench-serve-")) / f"serve-{port}.log"
     fh = open(log, "wb")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
     fh.close()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -308,32 +357,46 @@ def take_payload(res: StreamResult, payload: bytes, now: float, hang_up_after: i
     return None
 
 
-async def stream_with(client: str, session, base: str, rid: str, prompt: list[int], max_tokens: int,
-                      hang_up_after: int | None = None, pool=None) -> StreamResult:
+async def stream_with(
+    client: str,
+    session,
+    base: str,
+    rid: str,
+    prompt: list[int],
+    max_tokens: int,
+    hang_up_after: int | None = None,
+    pool=None,
+) -> StreamResult:
     """:func:`stream_completion` on the benchmarks' ``--client``: ``lean``
     (bench/sse_client.py, a connection of its own; ``session`` unused) or ``aiohttp``."""
     if client == "lean":
         from bench.sse_client import stream_completion_lean
 
-        return await stream_completion_lean(base, rid, prompt, max_tokens, hang_up_after=hang_up_after,
-                                            pool=pool)
+        return await stream_completion_lean(
+            base, rid, prompt, max_tokens, hang_up_after=hang_up_after, pool=pool
+        )
     return await stream_completion(session, base, rid, prompt, max_tokens, hang_up_after=hang_up_after)
 
 
-async def stream_completion(session, base: str, rid: str, prompt: list[int], max_tokens: int,
-                            hang_up_after: int | None = None, model: str | None = None) -> StreamResult:
+async def stream_completion(
+    session,
+    base: str,
+    rid: str,
+    prompt: list[int],
+    max_tokens: int,
+    hang_up_after: int | None = None,
+    model: str | None = None,
+) -> StreamResult:
     """POST a streaming /v1/completions (greedy, ignore_eos) and read its SSE chunks.
 
     ``hang_up_after=K``: close the connection right after the K-th chunk with text."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
     if model:
         body["model"] = model
     res = StreamResult(rid)
     res.t_send = time.perf_counter()
     try:
-        async with session.post(base + "/v1/completions", json=body,
-                                headers={"X-Request-Id": rid}) as resp:
+        async with session.post(base + "/v1/completions", json=body, headers={"X-Request-Id": rid}) as resp:
             if resp.status != 200:
                 res.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return res
@@ -368,8 +431,10 @@ def http_session(limit: int = 0, keepalive: bool = False):
     ``vllm bench serve``, the ``openai`` client and an admin tool calling again do)."""
     import aiohttp
 
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit, force_close=not keepalive),
-                                 timeout=aiohttp.ClientTimeout(total=600))
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=limit, force_close=not keepalive),
+        timeout=aiohttp.ClientTimeout(total=600),
+    )
 
 
 def quiet_gc() -> None:
@@ -441,8 +506,10 @@ async def gauges(session, base: str, names: Sequence[str] = FD_GAUGES) -> float:
 
 def entry_le(a: bytes | str, b: bytes | str) -> bool:
     """Stream entry id ``a`` <= ``b`` (``ms-seq``)."""
+
     def key(x):
         x = x.decode() if isinstance(x, bytes) else x
         ms, _, seq = x.partition("-")
         return int(ms), int(seq or 0)
+
     return key(a) <= key(b)

@@ -37,10 +37,10 @@ import argparse
 import asyncio
 import bisect
 import random
-from collections import deque
 import sys
 import tempfile
 import time
+from collections import deque
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
@@ -49,11 +49,28 @@ sys.path.insert(0, str(_HERE.parent))
 
 from tqdm import tqdm  # noqa: E402
 
-from bench._common import (FD_GAUGES, RESULTS, entry_le, gauges, goal, http_session, model_dir,  # noqa: E402
-                           on_the_workers_cpu, p50, p99, print_goals, print_table, prompts,
-                           quiet_gc,
-                           start_redis_server, start_serve,
-                           stream_completion, stream_with, wait_idle, write_json)
+from bench._common import (  # noqa: E402
+    FD_GAUGES,
+    RESULTS,
+    entry_le,
+    gauges,
+    goal,
+    http_session,
+    model_dir,
+    on_the_workers_cpu,
+    p50,
+    p99,
+    print_goals,
+    print_table,
+    prompts,
+    quiet_gc,
+    start_redis_server,
+    start_serve,
+    stream_completion,
+    stream_with,
+    wait_idle,
+    write_json,
+)
 
 MS = 1000.0
 
@@ -65,8 +82,9 @@ CLIENT = "lean"
 # ------------------------------------------------------------------ 1. random disconnects
 
 
-async def disconnects(base: str, n: int, total: int, max_tokens: int, rng: random.Random,
-                      tag: str, bar) -> list:
+async def disconnects(
+    base: str, n: int, total: int, max_tokens: int, rng: random.Random, tag: str, bar
+) -> list:
     ps = prompts(total, seed=n)
     todo = list(range(total))
     out = []
@@ -106,8 +124,9 @@ async def stories(redis_url: str, prefix: str, rids: list[str], timeout: float =
                     got[rid] = evs
                     break
                 await asyncio.sleep(0.05)
-        runs = {eng: step_times(await load_journal_from_redis(bus, eng))
-                for eng in await journal_engines(bus)}
+        runs = {
+            eng: step_times(await load_journal_from_redis(bus, eng)) for eng in await journal_engines(bus)
+        }
     finally:
         await bus.redis.aclose()
     return got, runs
@@ -216,16 +235,26 @@ def analyse(results: list, story: dict, runs: dict | None = None) -> dict:
         if runs.get(rel.engine):
             beyond.append(beyond_step(res.wall_close_ms, rel.ts, runs[rel.engine]))
         after.append(int(final.usage.get("completion_tokens", 0)) - delivered)
-    return {"ms": ms, "steps": steps, "step_ms": step_ms, "beyond_step_ms": beyond, "tokens_after_disconnect": after, "discarded": discarded,
-            "tokens_events_after_abort_requested": tok_after_abort, "problems": problems[:10],
-            "num_problems": len(problems), "finished_before_hangup": finished_early}
+    return {
+        "ms": ms,
+        "steps": steps,
+        "step_ms": step_ms,
+        "beyond_step_ms": beyond,
+        "tokens_after_disconnect": after,
+        "discarded": discarded,
+        "tokens_events_after_abort_requested": tok_after_abort,
+        "problems": problems[:10],
+        "num_problems": len(problems),
+        "finished_before_hangup": finished_early,
+    }
 
 
 # ------------------------------------------------------------------ 2. /v1/abort_requests
 
 
-async def abort_endpoint(base: str, n_single: int, n_bulk: int, bulk_ids: int, gap_s: float,
-                         bar, keepalive: bool = True) -> dict:
+async def abort_endpoint(
+    base: str, n_single: int, n_bulk: int, bulk_ids: int, gap_s: float, bar, keepalive: bool = True
+) -> dict:
     """``keepalive``: the calls reuse one connection (an admin tool or SDK calling again);
     otherwise each call opens its own, and pays for TCP set-up and tear-down on top."""
     single, bulk = [], []
@@ -252,8 +281,16 @@ async def abort_endpoint(base: str, n_single: int, n_bulk: int, bulk_ids: int, g
 # ------------------------------------------------------------------ 3. TARGETS.md release
 
 
-async def release_wave(base: str, c: int, max_tokens: int, hang_after: int, seed: int, tag: str,
-                       names=FD_GAUGES, vocab: int = 512) -> dict:
+async def release_wave(
+    base: str,
+    c: int,
+    max_tokens: int,
+    hang_after: int,
+    seed: int,
+    tag: str,
+    names=FD_GAUGES,
+    vocab: int = 512,
+) -> dict:
     """``c`` streams hanging up after ``hang_after`` chunks; ``names``: the server's running and
     waiting gauges (another server's, e.g. vLLM's)."""
     ps = prompts(c, vocab=vocab, seed=seed)
@@ -275,12 +312,16 @@ async def release_wave(base: str, c: int, max_tokens: int, hang_after: int, seed
                     await asyncio.sleep(max(0.0, 0.005 - (time.perf_counter() - t)))
 
         poller = asyncio.create_task(poll())
-        results = await asyncio.gather(*(stream_with(CLIENT, session, base, f"{tag}-{i}", p, max_tokens,
-                                                 hang_up_after=hang_after)
-                                         for i, p in enumerate(ps)))
+        results = await asyncio.gather(
+            *(
+                stream_with(CLIENT, session, base, f"{tag}-{i}", p, max_tokens, hang_up_after=hang_after)
+                for i, p in enumerate(ps)
+            )
+        )
         deadline = time.perf_counter() + 10
-        while time.perf_counter() < deadline and (not samples or samples[-1][1] > 0
-                                                  or samples[-1][0] < max(r.t_close or 0 for r in results)):
+        while time.perf_counter() < deadline and (
+            not samples or samples[-1][1] > 0 or samples[-1][0] < max(r.t_close or 0 for r in results)
+        ):
             await asyncio.sleep(0.005)
         stop.set()
         await poller
@@ -294,8 +335,12 @@ async def release_wave(base: str, c: int, max_tokens: int, hang_after: int, seed
         prev = v
     lat = [r - h for h, r in zip(closes, releases)]
     gaps = [b[0] - a[0] for a, b in zip(samples, samples[1:])]
-    return {"latency": lat, "unmatched": len(closes) - len(lat), "poll_gap_p50": p50(gaps),
-            "errors": [r.error for r in results if r.error][:3]}
+    return {
+        "latency": lat,
+        "unmatched": len(closes) - len(lat),
+        "poll_gap_p50": p50(gaps),
+        "errors": [r.error for r in results if r.error][:3],
+    }
 
 
 # ------------------------------------------------------------------ main
@@ -305,8 +350,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--concurrency", default="1,8,32,128")
-    ap.add_argument("--requests", type=int, default=128,
-                    help="disconnecting requests per level, at least (a p99 of 32 is the slowest one)")
+    ap.add_argument(
+        "--requests",
+        type=int,
+        default=128,
+        help="disconnecting requests per level, at least (a p99 of 32 is the slowest one)",
+    )
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--abort-calls", type=int, default=1000)
     ap.add_argument("--bulk-calls", type=int, default=50)
@@ -317,10 +366,18 @@ def main() -> None:
     ap.add_argument("--redis-url", default=None)
     ap.add_argument("--real-redis", action="store_true", help="start a redis-server here and use it")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--serve-arg", action="append", default=[],
-                    help="an extra argument for fd serve (repeat), e.g. --serve-arg=--fifo-loop")
-    ap.add_argument("--client", choices=("lean", "aiohttp"), default="lean",
-                    help="the streaming client: lean (bench/sse_client.py) or aiohttp's")
+    ap.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        help="an extra argument for fd serve (repeat), e.g. --serve-arg=--fifo-loop",
+    )
+    ap.add_argument(
+        "--client",
+        choices=("lean", "aiohttp"),
+        default="lean",
+        help="the streaming client: lean (bench/sse_client.py) or aiohttp's",
+    )
     ap.add_argument("--output-json", default=str(RESULTS / "abort.json"))
     args = ap.parse_args()
     global CLIENT
@@ -334,23 +391,46 @@ def main() -> None:
     redis_srv = start_redis_server() if args.real_redis else None
     url = redis_srv.url if redis_srv else args.redis_url
     prefix = f"fdb{time.time_ns() % 10**8}"
-    srv = start_serve(mdir, redis_url=url, log_dir=tmp,
-                      extra=["--prefix", prefix, "--max-num-seqs", str(max([64, *conc])),
-                             "--num-blocks", "8192", *args.serve_arg])
-    out: dict = {"model": mdir, "server": "redis" if url else "embedded", "disconnects": {},
-                 "release": {}, "serve_args": args.serve_arg}
+    srv = start_serve(
+        mdir,
+        redis_url=url,
+        log_dir=tmp,
+        extra=[
+            "--prefix",
+            prefix,
+            "--max-num-seqs",
+            str(max([64, *conc])),
+            "--num-blocks",
+            "8192",
+            *args.serve_arg,
+        ],
+    )
+    out: dict = {
+        "model": mdir,
+        "server": "redis" if url else "embedded",
+        "disconnects": {},
+        "release": {},
+        "serve_args": args.serve_arg,
+    }
     try:
+
         async def warm():
             async with http_session() as s:
-                await asyncio.gather(*(stream_completion(s, srv.base, f"warm-{i}", p, 8)
-                                       for i, p in enumerate(prompts(4, seed=5))))
+                await asyncio.gather(
+                    *(
+                        stream_completion(s, srv.base, f"warm-{i}", p, 8)
+                        for i, p in enumerate(prompts(4, seed=5))
+                    )
+                )
+
         asyncio.run(warm())
         quiet_gc()
         total = sum(max(n, args.requests) for n in conc)
         with tqdm(total=total, desc="disconnects", unit="req") as bar:
             for n in conc:
-                res = asyncio.run(disconnects(srv.base, n, max(n, args.requests), args.max_tokens, rng,
-                                              f"d{n}", bar))
+                res = asyncio.run(
+                    disconnects(srv.base, n, max(n, args.requests), args.max_tokens, rng, f"d{n}", bar)
+                )
                 story, runs = asyncio.run(stories(srv.redis_url, prefix, [r.request_id for r in res]))
                 out["disconnects"][n] = analyse(res, story, runs)
         waves = {c: max(1, -(-args.release_samples // c)) for c in rconc}
@@ -364,12 +444,24 @@ def main() -> None:
                     gaps.append(r["poll_gap_p50"])
                     bar.update(1)
                 out["release"][c] = {"latency": lat, "unmatched": unmatched, "poll_gap_p50": p50(gaps)}
-        with tqdm(total=2 * (args.abort_calls + args.bulk_calls), desc="/v1/abort_requests",
-                  unit="call") as bar, on_the_workers_cpu():
+        with (
+            tqdm(
+                total=2 * (args.abort_calls + args.bulk_calls), desc="/v1/abort_requests", unit="call"
+            ) as bar,
+            on_the_workers_cpu(),
+        ):
             for name, keepalive in (("abort_endpoint", True), ("abort_endpoint_new_conn", False)):
-                out[name] = asyncio.run(abort_endpoint(
-                    srv.base, args.abort_calls, args.bulk_calls, args.bulk_ids,
-                    args.bulk_gap_ms / 1000, bar, keepalive=keepalive))
+                out[name] = asyncio.run(
+                    abort_endpoint(
+                        srv.base,
+                        args.abort_calls,
+                        args.bulk_calls,
+                        args.bulk_ids,
+                        args.bulk_gap_ms / 1000,
+                        bar,
+                        keepalive=keepalive,
+                    )
+                )
     finally:
         srv.stop()
         if redis_srv is not None:
@@ -383,51 +475,131 @@ def main() -> None:
         for name in ("abort_requested", "drained", "blocks_released"):
             row += [p50(d["ms"][name]), p99(d["ms"][name])]
         row += [p50(d["beyond_step_ms"]), p99(d["beyond_step_ms"])]
-        row += [p50(d["steps"]["abort_requested"]), p99(d["steps"]["abort_requested"]),
-                p99(d["steps"]["blocks_released"]),
-                p50(d["tokens_after_disconnect"]), p99(d["tokens_after_disconnect"]),
-                max(d["discarded"] or [0]), d["tokens_events_after_abort_requested"], d["num_problems"]]
+        row += [
+            p50(d["steps"]["abort_requested"]),
+            p99(d["steps"]["abort_requested"]),
+            p99(d["steps"]["blocks_released"]),
+            p50(d["tokens_after_disconnect"]),
+            p99(d["tokens_after_disconnect"]),
+            max(d["discarded"] or [0]),
+            d["tokens_events_after_abort_requested"],
+            d["num_problems"],
+        ]
         rows.append(row)
-    tables.append(print_table(
-        f"abort: random disconnects (K in [3, 30] chunks, {args.max_tokens}-token requests), "
-        f"control plane {out['server']}; ms from the client's close, steps from its last chunk",
-        ["streams", "n", "step ms p50", "→abort_requested p50 ms", "p99", "→drained p50 ms", "p99",
-         "→blocks_released p50 ms", "p99", "→released beyond the step it waited for p50 ms", "p99",
-         "steps →abort_req p50", "p99", "steps →released p99",
-         "tokens after disconnect p50", "p99", "max discarded in flight", "tokens events after abort_requested",
-         "problems"], rows, nd=1))
+    tables.append(
+        print_table(
+            f"abort: random disconnects (K in [3, 30] chunks, {args.max_tokens}-token requests), "
+            f"control plane {out['server']}; ms from the client's close, steps from its last chunk",
+            [
+                "streams",
+                "n",
+                "step ms p50",
+                "→abort_requested p50 ms",
+                "p99",
+                "→drained p50 ms",
+                "p99",
+                "→blocks_released p50 ms",
+                "p99",
+                "→released beyond the step it waited for p50 ms",
+                "p99",
+                "steps →abort_req p50",
+                "p99",
+                "steps →released p99",
+                "tokens after disconnect p50",
+                "p99",
+                "max discarded in flight",
+                "tokens events after abort_requested",
+                "problems",
+            ],
+            rows,
+            nd=1,
+        )
+    )
     rows = []
     for c in rconc:
         r = out["release"][c]
-        rows.append([c, len(r["latency"]), MS * p50(r["latency"]), MS * p99(r["latency"]), r["unmatched"],
-                     MS * r["poll_gap_p50"]])
-    tables.append(print_table("abort: TARGETS.md release (900 tokens, hang up after 10 chunks; "
-                              "running+waiting gauges polled every 5 ms)",
-                              ["concurrency", "hang-ups", "hang-up → released p50 ms", "p99 ms",
-                               "unmatched", "poll period p50 ms"], rows, nd=1))
+        rows.append(
+            [
+                c,
+                len(r["latency"]),
+                MS * p50(r["latency"]),
+                MS * p99(r["latency"]),
+                r["unmatched"],
+                MS * r["poll_gap_p50"],
+            ]
+        )
+    tables.append(
+        print_table(
+            "abort: TARGETS.md release (900 tokens, hang up after 10 chunks; "
+            "running+waiting gauges polled every 5 ms)",
+            [
+                "concurrency",
+                "hang-ups",
+                "hang-up → released p50 ms",
+                "p99 ms",
+                "unmatched",
+                "poll period p50 ms",
+            ],
+            rows,
+            nd=1,
+        )
+    )
     rows = []
-    for name, how in (("abort_endpoint", "one connection"), ("abort_endpoint_new_conn",
-                                                          "a new connection each")):
+    for name, how in (
+        ("abort_endpoint", "one connection"),
+        ("abort_endpoint_new_conn", "a new connection each"),
+    ):
         a = out[name]
         for n, xs in ((1, a["single"]), (args.bulk_ids, a["bulk"])):
-            rows.append([n, how, len(xs), MS * p50(xs), MS * p99(xs),
-                         MS * max(xs, default=float("nan"))])
-    tables.append(print_table("abort: POST /v1/abort_requests, time to the HTTP answer",
-                              ["ids per call", "calls on", "calls", "p50 ms", "p99 ms", "max ms"],
-                              rows, nd=2))
+            rows.append([n, how, len(xs), MS * p50(xs), MS * p99(xs), MS * max(xs, default=float("nan"))])
+    tables.append(
+        print_table(
+            "abort: POST /v1/abort_requests, time to the HTTP answer",
+            ["ids per call", "calls on", "calls", "p50 ms", "p99 ms", "max ms"],
+            rows,
+            nd=2,
+        )
+    )
     goals = []
     for n in conc:
         d = out["disconnects"][n]
         step = float(p50(d["step_ms"]))
-        goals += [goal("hang-up → blocks_released p99, ms: one engine step (p50) + 5", f"{n} streams",
-                       p99(d["ms"]["blocks_released"]), "<=", step + 5),
-                  goal("the same, less the step the release waited for", f"{n} streams",
-                       p99(d["beyond_step_ms"]), "<=", 5.0),
-                  goal("tokens events after abort_requested", f"{n} streams",
-                       d["tokens_events_after_abort_requested"], "==", 0)]
-    for name, how in (("abort_endpoint", "one connection"), ("abort_endpoint_new_conn", "a new connection each")):
-        goals.append(goal(f"/v1/abort_requests with {args.bulk_ids:,} ids, p99 ms", how,
-                          MS * p99(out[name]["bulk"]), "<", 5.0))
+        goals += [
+            goal(
+                "hang-up → blocks_released p99, ms: one engine step (p50) + 5",
+                f"{n} streams",
+                p99(d["ms"]["blocks_released"]),
+                "<=",
+                step + 5,
+            ),
+            goal(
+                "the same, less the step the release waited for",
+                f"{n} streams",
+                p99(d["beyond_step_ms"]),
+                "<=",
+                5.0,
+            ),
+            goal(
+                "tokens events after abort_requested",
+                f"{n} streams",
+                d["tokens_events_after_abort_requested"],
+                "==",
+                0,
+            ),
+        ]
+    for name, how in (
+        ("abort_endpoint", "one connection"),
+        ("abort_endpoint_new_conn", "a new connection each"),
+    ):
+        goals.append(
+            goal(
+                f"/v1/abort_requests with {args.bulk_ids:,} ids, p99 ms",
+                how,
+                MS * p99(out[name]["bulk"]),
+                "<",
+                5.0,
+            )
+        )
     tables.append(print_goals("abort: issue #5's goals, as this run measured them", goals))
     out["goals"] = goals
     out["tables"] = tables

@@ -46,13 +46,30 @@ sys.path.insert(0, str(_HERE.parent))
 
 from tqdm import tqdm  # noqa: E402
 
-from bench._common import (PROMPT_LEN, RESULTS, goal, http_session, model_dir, p50,  # noqa: E402
-                           p99, print_goals, print_table, prompts, start_serve,
-                           stream_completion, stream_with, wait_idle, write_json)
+from bench._common import (  # noqa: E402
+    PROMPT_LEN,
+    RESULTS,
+    goal,
+    http_session,
+    model_dir,
+    p50,
+    p99,
+    print_goals,
+    print_table,
+    prompts,
+    start_serve,
+    stream_completion,
+    stream_with,
+    wait_idle,
+    write_json,
+)
 
 GOAL_STREAMS = 32  # issue #4's goals are stated at 32 concurrent streams
-CONNECTIONS = {"reuse": "connections reused", "new": "a connection per request",
-               "warm": "connections reused, opened before the clock"}
+CONNECTIONS = {
+    "reuse": "connections reused",
+    "new": "a connection per request",
+    "warm": "connections reused, opened before the clock",
+}
 
 
 def main_thread_cpu_s(pid: int) -> float:
@@ -82,8 +99,17 @@ def run_inprocess(llm, n: int, rounds: int, max_tokens: int, seed: int) -> dict:
     return {"wall_s": wall, "tokens": ntok, "tok_per_s": ntok / wall, "ttft": ttft, "itl": itl}
 
 
-async def run_api(base: str, n: int, rounds: int, max_tokens: int, seed: int, tag: str,
-                  bar, client_kind: str = "lean", connections: str = "reuse") -> dict:
+async def run_api(
+    base: str,
+    n: int,
+    rounds: int,
+    max_tokens: int,
+    seed: int,
+    tag: str,
+    bar,
+    client_kind: str = "lean",
+    connections: str = "reuse",
+) -> dict:
     """``n`` clients, ``rounds`` requests each. ``connections``: ``reuse``, a client's
     connection stays open for its next request (a connection pool's); ``warm``, the same, each
     opened before the clock (by a one-token request on another prompt, which no timed prompt
@@ -99,16 +125,21 @@ async def run_api(base: str, n: int, rounds: int, max_tokens: int, seed: int, ta
 
     async def client(session, c: int) -> None:
         for r in range(rounds):
-            res = await stream_with(client_kind, session, base, f"{tag}-c{c}-r{r}", ps[r * n + c],
-                                    max_tokens, pool=pool)
+            res = await stream_with(
+                client_kind, session, base, f"{tag}-c{c}-r{r}", ps[r * n + c], max_tokens, pool=pool
+            )
             results.append(res)
             bar.update(1)
 
     async with http_session(keepalive=keepalive) as session:
         if connections == "warm":
             opening = prompts(n, seed=seed + 7_777_777)
-            await asyncio.gather(*(stream_with(client_kind, session, base, f"{tag}-open-c{c}",
-                                               opening[c], 1, pool=pool) for c in range(n)))
+            await asyncio.gather(
+                *(
+                    stream_with(client_kind, session, base, f"{tag}-open-c{c}", opening[c], 1, pool=pool)
+                    for c in range(n)
+                )
+            )
         await wait_idle(session, base)
         t0 = time.perf_counter()
         await asyncio.gather(*(client(session, c) for c in range(n)))
@@ -121,22 +152,38 @@ async def run_api(base: str, n: int, rounds: int, max_tokens: int, seed: int, ta
         ntok += max_tokens  # ignore_eos + finish_reason=length: exactly max_tokens generated
         ttft.append(res.chunk_times[0] - res.t_send)
         itl += [b - a for a, b in zip(res.chunk_times, res.chunk_times[1:])]
-    return {"wall_s": wall, "tokens": ntok, "tok_per_s": ntok / wall, "ttft": ttft, "itl": itl,
-            "errors": errors[:5], "num_errors": len(errors),
-            "chunks_per_request": sum(len(r.chunk_times) for r in results) / max(1, len(results))}
+    return {
+        "wall_s": wall,
+        "tokens": ntok,
+        "tok_per_s": ntok / wall,
+        "ttft": ttft,
+        "itl": itl,
+        "errors": errors[:5],
+        "num_errors": len(errors),
+        "chunks_per_request": sum(len(r.chunk_times) for r in results) / max(1, len(results)),
+    }
 
 
 async def warm(base: str, n: int, max_tokens: int) -> None:
     """The server's warm-up is the baseline's: ``n`` prompts at once, ``max_tokens`` each."""
     async with http_session() as session:
-        await asyncio.gather(*(stream_completion(session, base, f"warm-{time.time_ns()}-{i}",
-                                                 p, max_tokens) for i, p in enumerate(prompts(n, seed=99))))
+        await asyncio.gather(
+            *(
+                stream_completion(session, base, f"warm-{time.time_ns()}-{i}", p, max_tokens)
+                for i, p in enumerate(prompts(n, seed=99))
+            )
+        )
 
 
 def summarize(r: dict) -> dict:
     ms = 1000.0
-    return {"tok_per_s": r["tok_per_s"], "ttft_p50_ms": ms * p50(r["ttft"]), "ttft_p99_ms": ms * p99(r["ttft"]),
-            "itl_p50_ms": ms * p50(r["itl"]), "itl_p99_ms": ms * p99(r["itl"])}
+    return {
+        "tok_per_s": r["tok_per_s"],
+        "ttft_p50_ms": ms * p50(r["ttft"]),
+        "ttft_p99_ms": ms * p99(r["ttft"]),
+        "itl_p50_ms": ms * p50(r["itl"]),
+        "itl_p99_ms": ms * p99(r["itl"]),
+    }
 
 
 def main() -> None:
@@ -144,21 +191,44 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--rounds", type=int, default=2, help="requests per client, back to back")
-    ap.add_argument("--min-requests", type=int, default=8,
-                    help="at least this many requests per level (more rounds at low concurrency)")
+    ap.add_argument(
+        "--min-requests",
+        type=int,
+        default=8,
+        help="at least this many requests per level (more rounds at low concurrency)",
+    )
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--redis-url", default=None, help="run fd serve on this Redis instead of the embedded one")
-    ap.add_argument("--serve-arg", action="append", default=[],
-                    help="an extra argument for fd serve (repeat), e.g. --serve-arg=--no-async-scheduling")
-    ap.add_argument("--client", choices=("lean", "aiohttp"), default="lean",
-                    help="the streaming client: lean (bench/sse_client.py: the least CPU taken "
-                         "from the server it measures) or aiohttp's")
-    ap.add_argument("--connections", choices=("reuse", "new", "warm"), default="reuse",
-                    help="reuse: a client's connection serves its next request (vllm bench serve's "
-                         "and the openai client's pools); new: a new one per request; warm: reused, "
-                         "opened before the clock")
-    ap.add_argument("--keepalive", action="store_const", const="warm", dest="connections",
-                    help="(the old name of --connections warm)")
+    ap.add_argument(
+        "--redis-url", default=None, help="run fd serve on this Redis instead of the embedded one"
+    )
+    ap.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        help="an extra argument for fd serve (repeat), e.g. --serve-arg=--no-async-scheduling",
+    )
+    ap.add_argument(
+        "--client",
+        choices=("lean", "aiohttp"),
+        default="lean",
+        help="the streaming client: lean (bench/sse_client.py: the least CPU taken "
+        "from the server it measures) or aiohttp's",
+    )
+    ap.add_argument(
+        "--connections",
+        choices=("reuse", "new", "warm"),
+        default="reuse",
+        help="reuse: a client's connection serves its next request (vllm bench serve's "
+        "and the openai client's pools); new: a new one per request; warm: reused, "
+        "opened before the clock",
+    )
+    ap.add_argument(
+        "--keepalive",
+        action="store_const",
+        const="warm",
+        dest="connections",
+        help="(the old name of --connections warm)",
+    )
     ap.add_argument("--output-json", default=str(RESULTS / "api.json"))
     args = ap.parse_args()
     conc = [int(x) for x in args.concurrency.split(",")]
@@ -173,14 +243,25 @@ def main() -> None:
     runner.warmup()
     llm = LLM(runner, Tokenizer.from_dir(mdir), max_num_seqs=max(64, max(conc)))
     from control.events import SamplingParams
+
     llm.generate(prompts(max(conc), seed=99), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
 
-    srv = start_serve(mdir, redis_url=args.redis_url,
-                      extra=["--max-num-seqs", str(max(64, max(conc))), "--num-blocks", "2048",
-                             *args.serve_arg], log_dir=tmp)
-    out: dict = {"model": mdir, "server": "redis" if args.redis_url else "embedded",
-                 "serve_args": args.serve_arg, "client": args.client, "connections": args.connections,
-                 "rounds": args.rounds, "max_tokens": args.max_tokens, "runs": {}}
+    srv = start_serve(
+        mdir,
+        redis_url=args.redis_url,
+        extra=["--max-num-seqs", str(max(64, max(conc))), "--num-blocks", "2048", *args.serve_arg],
+        log_dir=tmp,
+    )
+    out: dict = {
+        "model": mdir,
+        "server": "redis" if args.redis_url else "embedded",
+        "serve_args": args.serve_arg,
+        "client": args.client,
+        "connections": args.connections,
+        "rounds": args.rounds,
+        "max_tokens": args.max_tokens,
+        "runs": {},
+    }
     try:
         asyncio.run(warm(srv.base, max(conc), 8))
         rounds = {c: max(args.rounds, -(-args.min_requests // c)) for c in conc}
@@ -189,14 +270,32 @@ def main() -> None:
             for i, n in enumerate(conc):
                 base_r = run_inprocess(llm, n, rounds[n], args.max_tokens, seed=i)
                 cpu0 = main_thread_cpu_s(srv.proc.pid)
-                api_r = asyncio.run(run_api(srv.base, n, rounds[n], args.max_tokens, i, f"a{i}n{n}", bar,
-                                            args.client, args.connections))
+                api_r = asyncio.run(
+                    run_api(
+                        srv.base,
+                        n,
+                        rounds[n],
+                        args.max_tokens,
+                        i,
+                        f"a{i}n{n}",
+                        bar,
+                        args.client,
+                        args.connections,
+                    )
+                )
                 cpu_us = (main_thread_cpu_s(srv.proc.pid) - cpu0) / max(1, api_r["tokens"]) * 1e6
-                out["runs"][n] = {"requests": n * rounds[n], "inprocess": {**summarize(base_r), "wall_s": base_r["wall_s"]},
-                                  "api": {**summarize(api_r), "wall_s": api_r["wall_s"],
-                                          "num_errors": api_r["num_errors"], "errors": api_r["errors"],
-                                          "chunks_per_request": api_r["chunks_per_request"],
-                                          "main_thread_cpu_us_per_token": cpu_us}}
+                out["runs"][n] = {
+                    "requests": n * rounds[n],
+                    "inprocess": {**summarize(base_r), "wall_s": base_r["wall_s"]},
+                    "api": {
+                        **summarize(api_r),
+                        "wall_s": api_r["wall_s"],
+                        "num_errors": api_r["num_errors"],
+                        "errors": api_r["errors"],
+                        "chunks_per_request": api_r["chunks_per_request"],
+                        "main_thread_cpu_us_per_token": cpu_us,
+                    },
+                }
         out["server_rss_mb"], out["server_peak_rss_mb"] = srv.rss_mb()
     finally:
         srv.stop()
@@ -204,29 +303,72 @@ def main() -> None:
     rows = []
     for n in conc:
         a, b = out["runs"][n]["api"], out["runs"][n]["inprocess"]
-        rows.append([n, "api (fd serve)", a["tok_per_s"], a["ttft_p50_ms"], a["ttft_p99_ms"],
-                     a["itl_p50_ms"], a["itl_p99_ms"], a["tok_per_s"] / b["tok_per_s"],
-                     a["ttft_p50_ms"] - b["ttft_p50_ms"]])
-        rows.append([n, "in-process LLM", b["tok_per_s"], b["ttft_p50_ms"], b["ttft_p99_ms"],
-                     b["itl_p50_ms"], b["itl_p99_ms"], "", ""])
-    headers = ["concurrency", "path", "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
-               "ITL p99 ms", "api/llm tok/s", "+TTFT p50 ms"]
+        rows.append(
+            [
+                n,
+                "api (fd serve)",
+                a["tok_per_s"],
+                a["ttft_p50_ms"],
+                a["ttft_p99_ms"],
+                a["itl_p50_ms"],
+                a["itl_p99_ms"],
+                a["tok_per_s"] / b["tok_per_s"],
+                a["ttft_p50_ms"] - b["ttft_p50_ms"],
+            ]
+        )
+        rows.append(
+            [
+                n,
+                "in-process LLM",
+                b["tok_per_s"],
+                b["ttft_p50_ms"],
+                b["ttft_p99_ms"],
+                b["itl_p50_ms"],
+                b["itl_p99_ms"],
+                "",
+                "",
+            ]
+        )
+    headers = [
+        "concurrency",
+        "path",
+        "output tok/s",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "ITL p50 ms",
+        "ITL p99 ms",
+        "api/llm tok/s",
+        "+TTFT p50 ms",
+    ]
     errs = sum(out["runs"][n]["api"]["num_errors"] for n in conc)
-    text = print_table(f"api: streaming /v1/completions, {PROMPT_LEN}-token prompt, {args.max_tokens} "
-                       f"output tokens, ignore_eos, greedy; closed loop, >= {args.min_requests} requests "
-                       f"and >= {args.rounds} per client ({args.client} client, "
-                       f"{CONNECTIONS[args.connections]}); "
-                       f"control plane {out['server']}", headers, rows, nd=2)
-    print("fd serve main thread CPU per output token (less noisy than tok/s on a shared machine): "
-          + ", ".join(f"{n} streams {out['runs'][n]['api']['main_thread_cpu_us_per_token']:.0f} us" for n in conc))
-    print(f"failed requests: {errs}; fd serve RSS {out['server_rss_mb']:.0f} MiB "
-          f"(peak {out['server_peak_rss_mb']:.0f} MiB)")
+    text = print_table(
+        f"api: streaming /v1/completions, {PROMPT_LEN}-token prompt, {args.max_tokens} "
+        f"output tokens, ignore_eos, greedy; closed loop, >= {args.min_requests} requests "
+        f"and >= {args.rounds} per client ({args.client} client, "
+        f"{CONNECTIONS[args.connections]}); "
+        f"control plane {out['server']}",
+        headers,
+        rows,
+        nd=2,
+    )
+    print(
+        "fd serve main thread CPU per output token (less noisy than tok/s on a shared machine): "
+        + ", ".join(
+            f"{n} streams {out['runs'][n]['api']['main_thread_cpu_us_per_token']:.0f} us" for n in conc
+        )
+    )
+    print(
+        f"failed requests: {errs}; fd serve RSS {out['server_rss_mb']:.0f} MiB "
+        f"(peak {out['server_peak_rss_mb']:.0f} MiB)"
+    )
     out["table"] = {"headers": headers, "rows": rows, "markdown": text}
     if GOAL_STREAMS in conc:
         a, b = out["runs"][GOAL_STREAMS]["api"], out["runs"][GOAL_STREAMS]["inprocess"]
         at = f"{GOAL_STREAMS} streams"
-        out["goals"] = [goal("output tok/s, api / in-process", at, a["tok_per_s"] / b["tok_per_s"], ">=", 0.9),
-                        goal("added TTFT p50, ms", at, a["ttft_p50_ms"] - b["ttft_p50_ms"], "<", 5.0)]
+        out["goals"] = [
+            goal("output tok/s, api / in-process", at, a["tok_per_s"] / b["tok_per_s"], ">=", 0.9),
+            goal("added TTFT p50, ms", at, a["ttft_p50_ms"] - b["ttft_p50_ms"], "<", 5.0),
+        ]
         print_goals("api: issue #4's goals, as this run measured them", out["goals"])
     write_json(args.output_json, out)
 

@@ -89,8 +89,12 @@ async def publish_rates(bus: Bus, n_single: int, n_batched: int) -> dict:
         await pipe.execute()
     ceiling = rounds * BATCH / (time.perf_counter() - t)
     await bus.redis.delete(key)
-    return {"xadd_single_per_s": single, "xadd_pipelined_per_s": batched, "redis_py_ceiling_per_s": ceiling,
-            "pipelined_vs_ceiling": batched / ceiling}
+    return {
+        "xadd_single_per_s": single,
+        "xadd_pipelined_per_s": batched,
+        "redis_py_ceiling_per_s": ceiling,
+        "pipelined_vs_ceiling": batched / ceiling,
+    }
 
 
 async def delivery_latency(bus: Bus, n: int) -> dict:
@@ -139,12 +143,12 @@ async def fan_in(bus: Bus, n_streams: int, n_wakes: int, n_bursts: int) -> dict:
         await bus.publish(keys.req(r), _token_event(i, r))
         await subs[r].__anext__()
         wake.append(time.perf_counter() - t0)
-    w0, e0 = mux.wakeups, mux.events
+    w0 = mux.wakeups
     t0 = time.perf_counter()
     for b in range(n_bursts):
         items = [(keys.req(r), _token_event(b, r)) for r in rids]
         for i in range(0, len(items), 256):
-            await bus.publish_many(items[i:i + 256])
+            await bus.publish_many(items[i : i + 256])
         for r in rids:
             await subs[r].__anext__()
     burst_s = time.perf_counter() - t0
@@ -154,10 +158,14 @@ async def fan_in(bus: Bus, n_streams: int, n_wakes: int, n_bursts: int) -> dict:
         await s.close()
     await mux.stop()
     await bus.redis.delete(*[keys.req(r) for r in rids])
-    return {"streams": n_streams, "shards": -(-n_streams // mux.shard_size),
-            "wake_p50_ms": _pct(wake, 0.5) * 1e3, "wake_p99_ms": _pct(wake, 0.99) * 1e3,
-            "burst_us_per_event": burst_s / n_events * 1e6,
-            "burst_events_per_wakeup": n_events / max(1, wakeups)}
+    return {
+        "streams": n_streams,
+        "shards": -(-n_streams // mux.shard_size),
+        "wake_p50_ms": _pct(wake, 0.5) * 1e3,
+        "wake_p99_ms": _pct(wake, 0.99) * 1e3,
+        "burst_us_per_event": burst_s / n_events * 1e6,
+        "burst_events_per_wakeup": n_events / max(1, wakeups),
+    }
 
 
 def redis_benchmark(port: int, n: int, clients: int, pipeline: int) -> float | None:
@@ -165,8 +173,27 @@ def redis_benchmark(port: int, n: int, clients: int, pipeline: int) -> float | N
     if exe is None:
         return None
     fields = [x for kv in _token_event(0).encode().items() for x in kv]
-    out = subprocess.run([exe, "-p", str(port), "-n", str(n), "-c", str(clients), "-P", str(pipeline), "-q",
-                          "XADD", "bench:rb", "*", *fields], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            exe,
+            "-p",
+            str(port),
+            "-n",
+            str(n),
+            "-c",
+            str(clients),
+            "-P",
+            str(pipeline),
+            "-q",
+            "XADD",
+            "bench:rb",
+            "*",
+            *fields,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     m = re.findall(r"([\d.]+) requests per second", out.stdout.replace("\r", "\n"))
     return float(m[-1]) if m else None
 
@@ -207,8 +234,23 @@ def start_redis(tmpdir: str) -> tuple[subprocess.Popen, int]:
     if exe is None:
         raise SystemExit("redis-server not found: apt-get install redis-server")
     port = _free_port()
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", tmpdir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            exe,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            tmpdir,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:
@@ -243,25 +285,29 @@ def print_table(results: list[dict]) -> None:
         ("delivery p99 ms", "delivery_p99_ms"),
     ]
     for i, n in enumerate((10, 100, 1000)):
-        rows += [(f"fan-in {n} streams: wake p50 ms", ("fan_in", i, "wake_p50_ms")),
-                 (f"fan-in {n} streams: wake p99 ms", ("fan_in", i, "wake_p99_ms")),
-                 (f"fan-in {n} streams: burst us/event", ("fan_in", i, "burst_us_per_event"))]
+        rows += [
+            (f"fan-in {n} streams: wake p50 ms", ("fan_in", i, "wake_p50_ms")),
+            (f"fan-in {n} streams: wake p99 ms", ("fan_in", i, "wake_p99_ms")),
+            (f"fan-in {n} streams: burst us/event", ("fan_in", i, "burst_us_per_event")),
+        ]
     w = max(len(r[0]) for r in rows)
     print(f"{'':{w}}  " + "  ".join(f"{n:>14}" for n in names))
     for label, key in rows:
         vals = []
         for r in results:
             v = r
-            for k in (key if isinstance(key, tuple) else (key,)):
+            for k in key if isinstance(key, tuple) else (key,):
                 v = v[k]
             vals.append(_fmt(v))
         print(f"{label:{w}}  " + "  ".join(f"{v:>14}" for v in vals))
 
 
 async def main_async(args) -> list[dict]:
-    sizes = ({"single": 500, "batched": 2048, "latency": 100, "wakes": 30, "bursts": 2, "rb": 20000}
-             if args.quick else
-             {"single": 3000, "batched": 32768, "latency": 1000, "wakes": 200, "bursts": 5, "rb": 200000})
+    sizes = (
+        {"single": 500, "batched": 2048, "latency": 100, "wakes": 30, "bursts": 2, "rb": 20000}
+        if args.quick
+        else {"single": 3000, "batched": 32768, "latency": 1000, "wakes": 200, "bursts": 5, "rb": 200000}
+    )
     servers = [s for s in args.servers.split(",") if s]
     results = []
     with tqdm(total=6 * len(servers), file=sys.stderr, leave=False) as pbar:
@@ -293,8 +339,11 @@ def main(argv=None) -> None:
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--output-json", default=str(Path(__file__).parent / "results" / "bus.json"))
-    ap.add_argument("--servers", default="real,embedded,embedded-tcp",
-                    help="comma-separated: real, embedded (in-process client), embedded-tcp")
+    ap.add_argument(
+        "--servers",
+        default="real,embedded,embedded-tcp",
+        help="comma-separated: real, embedded (in-process client), embedded-tcp",
+    )
     ap.add_argument("--quick", action="store_true", help="small sample sizes (a smoke run)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
@@ -302,8 +351,17 @@ def main(argv=None) -> None:
     print_table(results)
     out = Path(args.output_json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"cpu_count": os.cpu_count(), "batch": BATCH, "results": results,
-                               "wall_s": time.perf_counter() - t0}, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "cpu_count": os.cpu_count(),
+                "batch": BATCH,
+                "results": results,
+                "wall_s": time.perf_counter() - t0,
+            },
+            indent=2,
+        )
+    )
     print(f"\nwrote {out} ({time.perf_counter() - t0:.1f} s)")
 
 

@@ -46,8 +46,17 @@ sys.path.insert(0, str(_HERE.parent))
 
 from tqdm import tqdm  # noqa: E402
 
-from bench._common import (PROMPT_LEN, RESULTS, children_peak_rss_mb, model_dir,  # noqa: E402
-                           peak_rss_mb, print_table, prompts, start_redis_server, write_json)
+from bench._common import (  # noqa: E402
+    PROMPT_LEN,
+    RESULTS,
+    children_peak_rss_mb,
+    model_dir,
+    peak_rss_mb,
+    print_table,
+    prompts,
+    start_redis_server,
+    write_json,
+)
 from control.events import Accepted, Final, Request, RequestData, SamplingParams  # noqa: E402
 
 
@@ -107,8 +116,14 @@ def run_llm(llm, runner: TimedRunner, batch: int, max_tokens: int, seed: int) ->
     fwd, steps = runner.reset()
     ntok = sum(len(g.token_ids) for g in gens)
     assert ntok == batch * max_tokens, (ntok, batch * max_tokens)
-    return {"wall_s": wall, "forward_s": fwd, "steps": steps, "tokens": ntok,
-            "tok_per_s": ntok / wall, "overhead": (wall - fwd) / wall}
+    return {
+        "wall_s": wall,
+        "forward_s": fwd,
+        "steps": steps,
+        "tokens": ntok,
+        "tok_per_s": ntok / wall,
+        "overhead": (wall - fwd) / wall,
+    }
 
 
 class FinalCounter:
@@ -145,8 +160,9 @@ class FinalCounter:
         self.publish_s, self.publishes, self.events = 0.0, 0, 0
 
 
-async def run_node(eng, counter: FinalCounter, runner: TimedRunner, batch: int, max_tokens: int,
-                   seed: int, tag: str) -> dict:
+async def run_node(
+    eng, counter: FinalCounter, runner: TimedRunner, batch: int, max_tokens: int, seed: int, tag: str
+) -> dict:
     node = eng.node
     bus = node.bus
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -155,9 +171,13 @@ async def run_node(eng, counter: FinalCounter, runner: TimedRunner, batch: int, 
     for i, ids in enumerate(prompts(batch, seed=seed)):
         rid = f"{tag}-{i}"
         rids.append(rid)
-        items += [(bus.keys.req(rid), Accepted(request_id=rid, prompt_tokens=len(ids), endpoint="completion")),
-                  (bus.keys.requests, Request(request_id=rid, data=RequestData(
-                      prompt_token_ids=tuple(ids), sampling=sp)))]
+        items += [
+            (bus.keys.req(rid), Accepted(request_id=rid, prompt_tokens=len(ids), endpoint="completion")),
+            (
+                bus.keys.requests,
+                Request(request_id=rid, data=RequestData(prompt_token_ids=tuple(ids), sampling=sp)),
+            ),
+        ]
     counter.arm(batch)
     runner.reset()
     steps0, step_s0 = node.steps, node.step_seconds
@@ -174,18 +194,37 @@ async def run_node(eng, counter: FinalCounter, runner: TimedRunner, batch: int, 
             if isinstance(ev, Final):
                 ntok += int(ev.usage["completion_tokens"])
     assert ntok == batch * max_tokens, (ntok, batch * max_tokens)
-    return {"wall_s": wall, "forward_s": fwd, "step_s": step_s, "steps": steps, "tokens": ntok,
-            "tok_per_s": ntok / wall, "overhead": (wall - fwd) / wall,
-            "between_steps": (wall - step_s) / wall, "publish_s": counter.publish_s,
-            "publishes": counter.publishes, "events": counter.events}
+    return {
+        "wall_s": wall,
+        "forward_s": fwd,
+        "step_s": step_s,
+        "steps": steps,
+        "tokens": ntok,
+        "tok_per_s": ntok / wall,
+        "overhead": (wall - fwd) / wall,
+        "between_steps": (wall - step_s) / wall,
+        "publish_s": counter.publish_s,
+        "publishes": counter.publishes,
+        "events": counter.events,
+    }
 
 
-NODE_KINDS = (("sync", "node, sync"), ("async", "node, async"),
-              ("async_redis", "node, async, redis-server"))
+NODE_KINDS = (("sync", "node, sync"), ("async", "node, async"), ("async_redis", "node, async, redis-server"))
 
 
-async def node_part(worker, timer: WorkerTimer, runner: TimedRunner, tok, llm, batches, reps,
-                    max_tokens, results, bar, real_redis: bool):
+async def node_part(
+    worker,
+    timer: WorkerTimer,
+    runner: TimedRunner,
+    tok,
+    llm,
+    batches,
+    reps,
+    max_tokens,
+    results,
+    bar,
+    real_redis: bool,
+):
     from control.connect import connect
     from control.embedded import EmbeddedRedis
     from control.keys import Keys
@@ -206,13 +245,23 @@ async def node_part(worker, timer: WorkerTimer, runner: TimedRunner, tok, llm, b
                 # the one node that runs; two nodes on one pipe would read each other's).
                 for kind in kinds:
                     factory = (lambda: connect(srv.url)) if kind == "async_redis" else emb.client
-                    eng = await start_engine(factory, Keys(f"bench-{kind}"), EngineOptions(
-                        model_dir="unused", num_blocks=worker.num_blocks,
-                        max_num_seqs=max(64, max(batches)), async_scheduling=kind != "sync",
-                        engine_id=f"bench-{kind}"), runner=worker, tokenizer=tok)
+                    eng = await start_engine(
+                        factory,
+                        Keys(f"bench-{kind}"),
+                        EngineOptions(
+                            model_dir="unused",
+                            num_blocks=worker.num_blocks,
+                            max_num_seqs=max(64, max(batches)),
+                            async_scheduling=kind != "sync",
+                            engine_id=f"bench-{kind}",
+                        ),
+                        runner=worker,
+                        tokenizer=tok,
+                    )
                     try:
-                        r = await run_node(eng, FinalCounter(eng.node.bus), timer, b, max_tokens,
-                                           rep, f"r{rep}b{b}")
+                        r = await run_node(
+                            eng, FinalCounter(eng.node.bus), timer, b, max_tokens, rep, f"r{rep}b{b}"
+                        )
                     finally:
                         await eng.stop()
                     results[kind][b].append(r)
@@ -230,7 +279,9 @@ def med(rs: list[dict], k: str) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="HF model dir (default: the tiny model, made in a temp dir)")
+    ap.add_argument(
+        "--model", default=None, help="HF model dir (default: the tiny model, made in a temp dir)"
+    )
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=256)
@@ -264,39 +315,80 @@ def main() -> None:
     kinds = [k for k, _ in NODE_KINDS if real or k != "async_redis"]
     results: dict = {k: {b: [] for b in batches} for k in ["llm", *kinds]}
     try:
-        with tqdm(total=(1 + len(kinds)) * len(batches) * args.reps, desc="engine",
-                  unit="run") as bar:
-            asyncio.run(node_part(worker, timer, runner, tok, llm, batches, args.reps,
-                                  args.max_tokens, results, bar, real))
+        with tqdm(total=(1 + len(kinds)) * len(batches) * args.reps, desc="engine", unit="run") as bar:
+            asyncio.run(
+                node_part(
+                    worker, timer, runner, tok, llm, batches, args.reps, args.max_tokens, results, bar, real
+                )
+            )
     finally:
         worker.close()
 
     rows = []
     for b in batches:
         L = results["llm"][b]
-        rows.append([b, "llm (in-process)", med(L, "tok_per_s"), 1.0,
-                     1000 * med(L, "forward_s") / med(L, "steps"),
-                     1000 * (med(L, "wall_s") - med(L, "forward_s")) / med(L, "steps"),
-                     100 * med(L, "overhead"), "-"])
+        rows.append(
+            [
+                b,
+                "llm (in-process)",
+                med(L, "tok_per_s"),
+                1.0,
+                1000 * med(L, "forward_s") / med(L, "steps"),
+                1000 * (med(L, "wall_s") - med(L, "forward_s")) / med(L, "steps"),
+                100 * med(L, "overhead"),
+                "-",
+            ]
+        )
         for kind, label in NODE_KINDS:
             N = results.get(kind, {}).get(b)
             if not N:
                 continue
-            rows.append([b, label, med(N, "tok_per_s"), med(N, "tok_per_s") / med(L, "tok_per_s"),
-                         1000 * med(N, "forward_s") / med(N, "steps"),
-                         1000 * (med(N, "wall_s") - med(N, "forward_s")) / med(N, "steps"),
-                         100 * med(N, "overhead"),
-                         1000 * med(N, "publish_s") / med(N, "publishes")])
-    headers = ["batch", "path", "tok/s", "vs llm", "forward ms/step", "outside forward ms/step",
-               "overhead %", "publish ms/flush"]
-    print_table(f"engine: {PROMPT_LEN}-token prompts, {args.max_tokens} output tokens, greedy, "
-                f"ignore_eos; medians of {args.reps}", headers, rows, nd=2)
-    print(f"peak RSS: {rss0:.0f} MiB at start, {rss_model:.0f} MiB with the model loaded, "
-          f"{results['rss_after_node_mb']:.0f} MiB after all runs; the model worker "
-          f"{children_peak_rss_mb():.0f} MiB")
-    write_json(args.output_json, {"model": mdir, "max_tokens": args.max_tokens, "reps": args.reps,
-                                  "rss_start_mb": rss0, "rss_model_mb": rss_model,
-                                  "table": {"headers": headers, "rows": rows}, "runs": results})
+            rows.append(
+                [
+                    b,
+                    label,
+                    med(N, "tok_per_s"),
+                    med(N, "tok_per_s") / med(L, "tok_per_s"),
+                    1000 * med(N, "forward_s") / med(N, "steps"),
+                    1000 * (med(N, "wall_s") - med(N, "forward_s")) / med(N, "steps"),
+                    100 * med(N, "overhead"),
+                    1000 * med(N, "publish_s") / med(N, "publishes"),
+                ]
+            )
+    headers = [
+        "batch",
+        "path",
+        "tok/s",
+        "vs llm",
+        "forward ms/step",
+        "outside forward ms/step",
+        "overhead %",
+        "publish ms/flush",
+    ]
+    print_table(
+        f"engine: {PROMPT_LEN}-token prompts, {args.max_tokens} output tokens, greedy, "
+        f"ignore_eos; medians of {args.reps}",
+        headers,
+        rows,
+        nd=2,
+    )
+    print(
+        f"peak RSS: {rss0:.0f} MiB at start, {rss_model:.0f} MiB with the model loaded, "
+        f"{results['rss_after_node_mb']:.0f} MiB after all runs; the model worker "
+        f"{children_peak_rss_mb():.0f} MiB"
+    )
+    write_json(
+        args.output_json,
+        {
+            "model": mdir,
+            "max_tokens": args.max_tokens,
+            "reps": args.reps,
+            "rss_start_mb": rss0,
+            "rss_model_mb": rss_model,
+            "table": {"headers": headers, "rows": rows},
+            "runs": results,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -31,10 +31,16 @@ from control.keys import Keys, owner_token  # noqa: E402
 
 
 def flush(bus: Bus, rids: list[str], step: int) -> list:
-    items = [(bus.keys.req(rid), E.Tokens(request_id=rid, token_ids=(1000 + step % 7,), text="tok",
-                                          step=step, ts=1)) for rid in rids]
-    items.append((bus.keys.journal("e"), E.JournalStep(engine="e", step=step, seq=step,
-                                                        data={"calls": []}, ts=1)))
+    items = [
+        (
+            bus.keys.req(rid),
+            E.Tokens(request_id=rid, token_ids=(1000 + step % 7,), text="tok", step=step, ts=1),
+        )
+        for rid in rids
+    ]
+    items.append(
+        (bus.keys.journal("e"), E.JournalStep(engine="e", step=step, seq=step, data={"calls": []}, ts=1))
+    )
     return items
 
 
@@ -55,8 +61,13 @@ async def measure(bus: Bus, n: int, flushes: int) -> dict:
         plain.append(t1 - t0)
         fenced.append(t2 - t1)
     p, f = statistics.median(plain) * 1e6, statistics.median(fenced) * 1e6
-    return {"requests": n, "unfenced_us": p, "fenced_us": f, "extra_us": f - p,
-            "extra_per_request_us": (f - p) / n}
+    return {
+        "requests": n,
+        "unfenced_us": p,
+        "fenced_us": f,
+        "extra_us": f - p,
+        "extra_per_request_us": (f - p) / n,
+    }
 
 
 async def with_finals(bus: Bus, n: int, flushes: int) -> dict:
@@ -72,19 +83,30 @@ async def with_finals(bus: Bus, n: int, flushes: int) -> dict:
             owners = {rid: owner_token("e", 1) for rid in rids}
             for rid in rids:
                 await bus.redis.set(bus.keys.owner(rid), owners[rid])
-            items = [(bus.keys.req(rid), ev) for rid in rids for ev in (
-                E.Tokens(request_id=rid, token_ids=(7,), text="t", step=1, ts=1),
-                E.Final(request_id=rid, finish_reason="length", engine="e", ts=1))]
+            items = [
+                (bus.keys.req(rid), ev)
+                for rid in rids
+                for ev in (
+                    E.Tokens(request_id=rid, token_ids=(7,), text="t", step=1, ts=1),
+                    E.Final(request_id=rid, finish_reason="length", engine="e", ts=1),
+                )
+            ]
             t0 = time.perf_counter()
             if way == "plain":
-                await bus.publish_many(items, expire=[k for r in rids for k in (bus.keys.req(r), bus.keys.owner(r))],
-                                       ack=entries)
+                await bus.publish_many(
+                    items, expire=[k for r in rids for k in (bus.keys.req(r), bus.keys.owner(r))], ack=entries
+                )
             else:
                 await bus.publish_owned(items, owners, ack=list(zip(rids, entries)))
             out.append(time.perf_counter() - t0)
     p, f = statistics.median(plain) * 1e6, statistics.median(fenced) * 1e6
-    return {"requests": n, "unfenced_us": p, "fenced_us": f, "extra_us": f - p,
-            "extra_per_request_us": (f - p) / n}
+    return {
+        "requests": n,
+        "unfenced_us": p,
+        "fenced_us": f,
+        "extra_us": f - p,
+        "extra_per_request_us": (f - p) / n,
+    }
 
 
 async def run(flushes: int) -> dict:
@@ -93,8 +115,10 @@ async def run(flushes: int) -> dict:
     embedded = EmbeddedRedis()
     embedded.start()
     try:
-        for name, make in (("redis-server", lambda: connect(f"redis://127.0.0.1:{server.port}")),
-                           ("embedded (in-process)", embedded.client)):
+        for name, make in (
+            ("redis-server", lambda: connect(f"redis://127.0.0.1:{server.port}")),
+            ("embedded (in-process)", embedded.client),
+        ):
             client = make()
             bus = Bus(client, Keys("fbench"))
             rows = [await measure(bus, n, flushes) for n in (1, 8, 32)]
@@ -106,10 +130,14 @@ async def run(flushes: int) -> dict:
         embedded.stop()
         server.stop()
     for name, rows in out["servers"].items():
-        print_table(f"one step's publish, {name} (median µs per flush)",
-                    ["requests/step", "unfenced", "fenced", "extra", "extra/request"],
-                    [[r["requests"], r["unfenced_us"], r["fenced_us"], r["extra_us"],
-                      r["extra_per_request_us"]] for r in rows])
+        print_table(
+            f"one step's publish, {name} (median µs per flush)",
+            ["requests/step", "unfenced", "fenced", "extra", "extra/request"],
+            [
+                [r["requests"], r["unfenced_us"], r["fenced_us"], r["extra_us"], r["extra_per_request_us"]]
+                for r in rows
+            ],
+        )
     return out
 
 

@@ -48,9 +48,12 @@ class FakeRunner:
         self.eos_token_ids = (1,)
 
     def execute(self, out):
-        return RunnerOutput(step=out.step, sampled={
-            s.request_id: 3 + (s.start_pos * 31 + len(s.token_ids)) % 400
-            for s in out.seqs if s.sample})
+        return RunnerOutput(
+            step=out.step,
+            sampled={
+                s.request_id: 3 + (s.start_pos * 31 + len(s.token_ids)) % 400 for s in out.seqs if s.sample
+            },
+        )
 
 
 def workload(n: int, seed: int = 0, max_prompt: int = 200, max_out: int = 96):
@@ -58,10 +61,17 @@ def workload(n: int, seed: int = 0, max_prompt: int = 200, max_out: int = 96):
     reqs = []
     for i in range(n):
         plen = rng.randint(16, max_prompt)
-        reqs.append((f"r{i}", RequestData(
-            prompt_token_ids=tuple(rng.randint(3, 500) for _ in range(plen)),
-            sampling=SamplingParams(max_tokens=rng.randint(16, max_out), temperature=0.0,
-                                    ignore_eos=True))))
+        reqs.append(
+            (
+                f"r{i}",
+                RequestData(
+                    prompt_token_ids=tuple(rng.randint(3, 500) for _ in range(plen)),
+                    sampling=SamplingParams(
+                        max_tokens=rng.randint(16, max_out), temperature=0.0, ignore_eos=True
+                    ),
+                ),
+            )
+        )
     aborts = {rid: rng.randint(2, 40) for rid, _ in rng.sample(reqs, n // 10)}  # rid -> step
     return reqs, aborts
 
@@ -111,7 +121,7 @@ def compare(name, runner, cfg, reqs, aborts, rounds):
     entries = []
     drive(runner, cfg, reqs[: max(4, len(reqs) // 8)], {}, False)  # warm up
     for i in range(rounds):
-        for journal in ((False, True) if i % 2 == 0 else (True, False)):
+        for journal in (False, True) if i % 2 == 0 else (True, False):
             s, steps, toks, ents, ser_s = drive(runner, cfg, reqs, aborts, journal)
             (rec if journal else bare).append(s)
             if journal:
@@ -141,10 +151,14 @@ def replay_speed(fields):
     rep = replay(entries)
     assert rep.ok, rep.format()
     best = min(replay(entries).replay_ms for _ in range(3))
-    return {"entries": len(entries), "calls": rep.calls, "recorded_ms": rep.recorded_ms,
-            "replay_ms": round(best, 2),
-            "speedup": round(rep.recorded_ms / best, 1) if best else None,
-            "replay_us_per_call": round(best * 1000 / max(1, rep.calls), 2)}
+    return {
+        "entries": len(entries),
+        "calls": rep.calls,
+        "recorded_ms": rep.recorded_ms,
+        "replay_ms": round(best, 2),
+        "speedup": round(rep.recorded_ms / best, 1) if best else None,
+        "replay_us_per_call": round(best * 1000 / max(1, rep.calls), 2),
+    }
 
 
 async def served_replay(model_dir: str, runner, n: int) -> dict:
@@ -166,14 +180,21 @@ async def served_replay(model_dir: str, runner, n: int) -> dict:
     try:
         keys = Keys("jb")
         tok = Tokenizer.from_dir(model_dir)
-        eng = await start_engine(emb.client, keys, EngineOptions(model_dir=model_dir, engine_id="jb"),
-                                 runner=runner, tokenizer=tok)
+        eng = await start_engine(
+            emb.client, keys, EngineOptions(model_dir=model_dir, engine_id="jb"), runner=runner, tokenizer=tok
+        )
         bus = Bus(emb.client(), keys)
         rng = random.Random(3)
-        reqs = [(f"s{i}", [rng.randrange(5, 500) for _ in range(rng.randrange(8, 80))],
-                 {"max_tokens": rng.randrange(16, 96), "ignore_eos": True}) for i in range(n)]
+        reqs = [
+            (
+                f"s{i}",
+                [rng.randrange(5, 500) for _ in range(rng.randrange(8, 80))],
+                {"max_tokens": rng.randrange(16, 96), "ignore_eos": True},
+            )
+            for i in range(n)
+        ]
         for i in range(0, n, 8):  # staggered arrivals
-            await submit_together(bus, reqs[i:i + 8])
+            await submit_together(bus, reqs[i : i + 8])
             await asyncio.sleep(0.02)
         for rid, _, _ in reqs:
             await story(bus, rid, timeout=300)
@@ -184,9 +205,14 @@ async def served_replay(model_dir: str, runner, n: int) -> dict:
     rep = replay(entries)
     assert rep.ok, rep.format()
     best = min(replay(entries).replay_ms for _ in range(3))
-    return {"entries": len(entries), "calls": rep.calls, "recorded_ms": rep.recorded_ms,
-            "replay_ms": round(best, 2), "speedup": round(rep.recorded_ms / best, 1) if best else None,
-            "replay_us_per_call": round(best * 1000 / max(1, rep.calls), 2)}
+    return {
+        "entries": len(entries),
+        "calls": rep.calls,
+        "recorded_ms": rep.recorded_ms,
+        "replay_ms": round(best, 2),
+        "speedup": round(rep.recorded_ms / best, 1) if best else None,
+        "replay_us_per_call": round(best * 1000 / max(1, rep.calls), 2),
+    }
 
 
 def main(argv=None) -> int:
@@ -198,8 +224,14 @@ def main(argv=None) -> int:
 
     n_fake, rounds_fake = (128, 3) if args.quick else (512, 5)
     fake = FakeRunner(num_blocks=2048)
-    cfg = SchedulerConfig(num_blocks=fake.num_blocks, block_size=16, max_num_seqs=64,
-                          max_num_batched_tokens=2048, max_model_len=2048, eos_token_ids=(1,))
+    cfg = SchedulerConfig(
+        num_blocks=fake.num_blocks,
+        block_size=16,
+        max_num_seqs=64,
+        max_num_batched_tokens=2048,
+        max_model_len=2048,
+        eos_token_ids=(1,),
+    )
     reqs, aborts = workload(n_fake)
     row, fake_entries = compare("fake", fake, cfg, reqs, aborts, rounds_fake)
     results["runs"].append(row)
@@ -211,9 +243,14 @@ def main(argv=None) -> int:
     d = Path(tempfile.mkdtemp(prefix="fd-bench-")) / "tiny"
     make_tiny_model(d)
     tiny = ModelRunner(str(d), device="cpu", num_blocks=512, block_size=16)
-    cfg = SchedulerConfig(num_blocks=tiny.num_blocks, block_size=16, max_num_seqs=32,
-                          max_num_batched_tokens=1024, max_model_len=tiny.max_model_len,
-                          eos_token_ids=tuple(tiny.eos_token_ids))
+    cfg = SchedulerConfig(
+        num_blocks=tiny.num_blocks,
+        block_size=16,
+        max_num_seqs=32,
+        max_num_batched_tokens=1024,
+        max_model_len=tiny.max_model_len,
+        eos_token_ids=tuple(tiny.eos_token_ids),
+    )
     n_tiny, rounds_tiny = (16, 2) if args.quick else (48, 4)
     reqs, aborts = workload(n_tiny, seed=1, max_prompt=120, max_out=48)
     row, tiny_entries = compare("tiny", tiny, cfg, reqs, aborts, rounds_tiny)
@@ -222,18 +259,30 @@ def main(argv=None) -> int:
     import asyncio
 
     results["replay"]["tiny, served (engine node, embedded)"] = asyncio.run(
-        served_replay(str(d), tiny, 24 if args.quick else 64))
+        served_replay(str(d), tiny, 24 if args.quick else 64)
+    )
 
-    cols = ["runner", "requests", "steps", "bare_tok_s", "journal_tok_s", "overhead_pct",
-            "serialise_us_per_step", "entry_bytes_mean", "entry_bytes_max"]
+    cols = [
+        "runner",
+        "requests",
+        "steps",
+        "bare_tok_s",
+        "journal_tok_s",
+        "overhead_pct",
+        "serialise_us_per_step",
+        "entry_bytes_mean",
+        "entry_bytes_max",
+    ]
     print(" | ".join(f"{c:>14}" for c in cols))
     for r in results["runs"]:
         print(" | ".join(f"{r[c]!s:>14}" for c in cols))
     print()
     for name, r in results["replay"].items():
-        print(f"replay {name}: {r['calls']} calls in {r['replay_ms']} ms "
-              f"({r['replay_us_per_call']} us/call); recorded {r['recorded_ms']} ms -> "
-              f"{r['speedup']}x faster")
+        print(
+            f"replay {name}: {r['calls']} calls in {r['replay_ms']} ms "
+            f"({r['replay_us_per_call']} us/call); recorded {r['recorded_ms']} ms -> "
+            f"{r['speedup']}x faster"
+        )
     out = Path(args.output_json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")

@@ -70,8 +70,12 @@ def main() -> None:
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
 
     def sampling(mode: str, n: int) -> list[SamplingParams]:
-        names = {"base": [""], "base, adapters loaded": [""], "one adapter": ["a0"],
-                 "two adapters + base": ["a0", "a1", ""]}[mode]
+        names = {
+            "base": [""],
+            "base, adapters loaded": [""],
+            "one adapter": ["a0"],
+            "two adapters + base": ["a0", "a1", ""],
+        }[mode]
         return [SamplingParams(**{**sp.to_dict(), "lora": names[i % len(names)]}) for i in range(n)]
 
     tps: dict[tuple[int, str], list[float]] = {}
@@ -94,11 +98,24 @@ def main() -> None:
             v = statistics.median(tps[(n, mode)])
             rows.append([n, mode, v, v / base])
             runs[f"{n}/{mode}"] = {"tok_per_s": v, "vs_base": v / base, "all": tps[(n, mode)]}
-    md = print_table(f"lora: output tok/s through engine.llm.LLM, rank {args.rank} adapters on every "
-                     f"projection, {args.max_tokens} output tokens, median of {args.reps}",
-                     ["batch", "requests on", "output tok/s", "vs base"], rows, nd=2)
-    write_json(args.output_json, {"model": mdir, "rank": args.rank, "max_tokens": args.max_tokens,
-                                  "reps": args.reps, "runs": runs, "table": {"markdown": md}})
+    md = print_table(
+        f"lora: output tok/s through engine.llm.LLM, rank {args.rank} adapters on every "
+        f"projection, {args.max_tokens} output tokens, median of {args.reps}",
+        ["batch", "requests on", "output tok/s", "vs base"],
+        rows,
+        nd=2,
+    )
+    write_json(
+        args.output_json,
+        {
+            "model": mdir,
+            "rank": args.rank,
+            "max_tokens": args.max_tokens,
+            "reps": args.reps,
+            "runs": runs,
+            "table": {"markdown": md},
+        },
+    )
 
 
 if __name__ == "__main__":

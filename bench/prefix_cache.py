@@ -28,8 +28,18 @@ sys.path.insert(0, str(_HERE.parent))
 
 from tqdm import tqdm  # noqa: E402
 
-from bench._common import (RESULTS, http_session, model_dir, p50, p99, print_table,  # noqa: E402
-                           start_serve, stream_with, wait_idle, write_json)
+from bench._common import (  # noqa: E402
+    RESULTS,
+    http_session,
+    model_dir,
+    p50,
+    p99,
+    print_table,
+    start_serve,
+    stream_with,
+    wait_idle,
+    write_json,
+)
 
 
 async def run(base: str, prefix: list[int], suffix: int, n: int, rng: random.Random, bar) -> list[float]:
@@ -71,9 +81,13 @@ def main() -> None:
             out["runs"][label] = {"ttft_p50_ms": 1000 * p50(ttft), "ttft_p99_ms": 1000 * p99(ttft)}
     on, off = out["runs"]["on (default)"], out["runs"]["off"]
     rows = [[label, r["ttft_p50_ms"], r["ttft_p99_ms"]] for label, r in out["runs"].items()]
-    text = print_table(f"prefix cache: {args.requests} streaming completions one at a time, a shared "
-                       f"{args.prefix}-token prefix + {args.suffix} tokens each, 4 output tokens",
-                       ["prefix caching", "TTFT p50 ms", "TTFT p99 ms"], rows, nd=2)
+    text = print_table(
+        f"prefix cache: {args.requests} streaming completions one at a time, a shared "
+        f"{args.prefix}-token prefix + {args.suffix} tokens each, 4 output tokens",
+        ["prefix caching", "TTFT p50 ms", "TTFT p99 ms"],
+        rows,
+        nd=2,
+    )
     out["ttft_p50_ratio_off_over_on"] = off["ttft_p50_ms"] / on["ttft_p50_ms"]
     print(f"TTFT p50, off / on: {out['ttft_p50_ratio_off_over_on']:.1f}x")
     out["table"] = {"markdown": text}

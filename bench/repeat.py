@@ -38,8 +38,9 @@ def tally(runs: list[list[dict]]) -> list[list]:
     order: dict[tuple[str, str], dict] = {}
     for goals in runs:
         for g in goals:
-            row = order.setdefault((g["goal"], g["at"]),
-                                   {"op": g["op"], "limits": set(), "values": [], "met": 0})
+            row = order.setdefault(
+                (g["goal"], g["at"]), {"op": g["op"], "limits": set(), "values": [], "met": 0}
+            )
             row["limits"].add(g["limit"])
             row["values"].append(g["value"])
             row["met"] += bool(g["met"])
@@ -47,8 +48,16 @@ def tally(runs: list[list[dict]]) -> list[list]:
     for (name, at), r in order.items():
         vs = r["values"]
         limit = fmt(next(iter(r["limits"])), 2) if len(r["limits"]) == 1 else "(per run)"
-        rows.append([name, at, f"{r['op']} {limit}", f"{r['met']} of {len(vs)}",
-                     statistics.median(vs), f"{fmt(min(vs), 2)} – {fmt(max(vs), 2)}"])
+        rows.append(
+            [
+                name,
+                at,
+                f"{r['op']} {limit}",
+                f"{r['met']} of {len(vs)}",
+                statistics.median(vs),
+                f"{fmt(min(vs), 2)} – {fmt(max(vs), 2)}",
+            ]
+        )
     return rows
 
 
@@ -76,15 +85,21 @@ def main() -> None:
                 out = os.path.join(tmp, f"run{i}{h}.json")
                 log = os.path.join(tmp, f"run{i}{h}.log")
                 with open(log, "w") as fh:
-                    rc = subprocess.run([sys.executable, args.script, *args.args, "--output-json", out],
-                                        stdout=fh, stderr=subprocess.STDOUT, env=env).returncode
+                    rc = subprocess.run(
+                        [sys.executable, args.script, *args.args, "--output-json", out],
+                        stdout=fh,
+                        stderr=subprocess.STDOUT,
+                        env=env,
+                    ).returncode
                 logs.append(log)
                 if rc != 0:
                     sys.exit(f"run {i + 1}{h} of {args.script} failed (exit {rc}); its output: {log}")
                 goals = json.loads(Path(out).read_text()).get("goals")
                 if not goals:
-                    sys.exit(f"{args.script} wrote no goals (with these arguments it may measure "
-                             f"none of them); its output: {log}")
+                    sys.exit(
+                        f"{args.script} wrote no goals (with these arguments it may measure "
+                        f"none of them); its output: {log}"
+                    )
                 runs[h].append(goals)
                 bar.update(1)
     tables = {}
@@ -92,12 +107,22 @@ def main() -> None:
         title = f"{Path(args.script).name} run {args.n} times"
         if h:
             title += f", half {h}" + (f" ({args.env})" if h == "B" else " (as is)")
-        tables[h or "all"] = print_table(title, ["goal", "at", "needs", "met in", "median", "range"],
-                                         tally(runs[h]), nd=2)
+        tables[h or "all"] = print_table(
+            title, ["goal", "at", "needs", "met in", "median", "range"], tally(runs[h]), nd=2
+        )
     name = Path(args.script).stem
-    write_json(args.output_json or RESULTS / f"repeat-{name}.json",
-               {"script": args.script, "args": args.args, "n": args.n, "ab_env": args.env,
-                "runs": runs, "tables": tables, "logs": logs})
+    write_json(
+        args.output_json or RESULTS / f"repeat-{name}.json",
+        {
+            "script": args.script,
+            "args": args.args,
+            "n": args.n,
+            "ab_env": args.env,
+            "runs": runs,
+            "tables": tables,
+            "logs": logs,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -29,8 +29,9 @@ class _Exchange(asyncio.Protocol):
     last ``id:`` and its ``data:`` payload; the exchange ends at ``[DONE]``, at the end of the
     body, or when the connection goes."""
 
-    def __init__(self, request: bytes, on_frame: Callable[[bytes | None, bytes], str | None],
-                 keep_alive: bool = False) -> None:
+    def __init__(
+        self, request: bytes, on_frame: Callable[[bytes | None, bytes], str | None], keep_alive: bool = False
+    ) -> None:
         self.keep_alive = keep_alive
         self.transport: asyncio.Transport | None = None
         self.lost = False
@@ -90,7 +91,7 @@ class _Exchange(asyncio.Protocol):
             end = self._head.find(b"\r\n\r\n")
             if end < 0:
                 return
-            head, data = bytes(self._head[:end]), bytes(self._head[end + 4:])
+            head, data = bytes(self._head[:end]), bytes(self._head[end + 4 :])
             lines = head.split(b"\r\n")
             self.status = int(lines[0].split()[1])
             for line in lines[1:]:
@@ -121,7 +122,7 @@ class _Exchange(asyncio.Protocol):
                 if eol < 0:
                     return
                 size = int(bytes(raw[:eol]).split(b";")[0], 16)
-                del raw[:eol + 2]
+                del raw[: eol + 2]
                 if size == 0:
                     if self.keep_alive:  # what comes next (the CRLF) is before the next head
                         self._in_body = False
@@ -161,7 +162,7 @@ class _Exchange(asyncio.Protocol):
                     return
                 end = len(buf)
             frame = bytes(buf[:end])
-            del buf[:end + 2]
+            del buf[: end + 2]
             eid = None
             payload = None
             for line in frame.split(b"\n"):
@@ -187,9 +188,16 @@ class Pool:
         self.idle: list[_Exchange] = []
 
 
-async def stream_completion_lean(base: str, rid: str, prompt: list[int], max_tokens: int,
-                                 hang_up_after: int | None = None, model: str | None = None,
-                                 result_type=None, pool: Pool | None = None):
+async def stream_completion_lean(
+    base: str,
+    rid: str,
+    prompt: list[int],
+    max_tokens: int,
+    hang_up_after: int | None = None,
+    model: str | None = None,
+    result_type=None,
+    pool: Pool | None = None,
+):
     """The same exchange and result as ``bench._common.stream_completion`` (which it stands in
     for), on a connection of its own, or on one of ``pool``'s."""
     from bench._common import StreamResult, take_payload
@@ -197,15 +205,21 @@ async def stream_completion_lean(base: str, rid: str, prompt: list[int], max_tok
     res = (result_type or StreamResult)(rid)
     hostport = base.split("://", 1)[1].rstrip("/")
     host, _, port = hostport.rpartition(":")
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
     if model:
         body["model"] = model
     payload = orjson.dumps(body)
-    request = (b"POST /v1/completions HTTP/1.1\r\nHost: " + hostport.encode()
-               + b"\r\nContent-Type: application/json\r\nX-Request-Id: " + rid.encode()
-               + (b"" if pool is not None else b"\r\nConnection: close")
-               + b"\r\nContent-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: "
+        + hostport.encode()
+        + b"\r\nContent-Type: application/json\r\nX-Request-Id: "
+        + rid.encode()
+        + (b"" if pool is not None else b"\r\nConnection: close")
+        + b"\r\nContent-Length: "
+        + str(len(payload)).encode()
+        + b"\r\n\r\n"
+        + payload
+    )
 
     def on_frame(eid: bytes | None, data: bytes) -> str | None:
         now = time.perf_counter()
@@ -225,7 +239,8 @@ async def stream_completion_lean(base: str, rid: str, prompt: list[int], max_tok
     try:
         if ex is None:
             _, ex = await loop.create_connection(
-                lambda: _Exchange(request, on_frame, keep_alive=pool is not None), host, int(port))
+                lambda: _Exchange(request, on_frame, keep_alive=pool is not None), host, int(port)
+            )
         exc = await ex.done
     except OSError as e:
         res.error = f"{type(e).__name__}: {e}"

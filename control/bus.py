@@ -38,6 +38,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError, WatchError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from control import fence
+from control import story as story_start
 from control.events import (
     CONTROL_TYPES,
     REQ_STREAM_TYPES,
@@ -52,11 +54,17 @@ from control.events import (
     decode,
     tombstone_story,
 )
-from control import fence
-from control import story as story_start
 from control.fence import Refused
-from control.keys import (ABORT_WRITTEN, GROUP_ENGINES, Keys, choices_owner, is_tombstone, tombstone,
-                          pending_tombstone_source, valid_request_id)
+from control.keys import (
+    ABORT_WRITTEN,
+    GROUP_ENGINES,
+    Keys,
+    choices_owner,
+    is_tombstone,
+    pending_tombstone_source,
+    tombstone,
+    valid_request_id,
+)
 from control.store import Store, store_for
 
 log = logging.getLogger("control.bus")
@@ -66,6 +74,7 @@ log = logging.getLogger("control.bus")
 DEAD_FIELD_KEEP_BYTES = 64 * 1024
 _DEAD_RESERVED = (b"reason", b"stream", b"entry_id")
 DEAD_SEEN_MAX = 4096
+
 
 def _b(x: bytes | str) -> bytes:
     return x if isinstance(x, bytes) else x.encode()
@@ -89,8 +98,9 @@ def is_cluster(redis) -> bool:
     return isinstance(redis, RedisCluster)
 
 
-def check_event(stream: str | bytes, ev: Event, allowed: tuple[type, ...],
-                request_id: str | None = None) -> Event:
+def check_event(
+    stream: str | bytes, ev: Event, allowed: tuple[type, ...], request_id: str | None = None
+) -> Event:
     """Reject an event that decoded fine but has no business on this stream."""
     if not isinstance(ev, allowed):
         raise BadEvent(f"event type {ev.TYPE!r} does not belong on {_b(stream).decode()}", "type")
@@ -116,9 +126,17 @@ TRIM_EVERY = 256
 class Bus:
     """Typed access to fd's streams and keys for one Redis client and one key prefix."""
 
-    def __init__(self, redis, keys: Keys, *, req_ttl_s: int = REQUEST_TTL_S, dead_maxlen: int = 10_000,
-                 requests_maxlen: int | None = None, control_maxlen: int = 10_000,
-                 journal_maxlen: int = 10_000):
+    def __init__(
+        self,
+        redis,
+        keys: Keys,
+        *,
+        req_ttl_s: int = REQUEST_TTL_S,
+        dead_maxlen: int = 10_000,
+        requests_maxlen: int | None = None,
+        control_maxlen: int = 10_000,
+        journal_maxlen: int = 10_000,
+    ):
         self.redis = redis
         self.keys = keys
         self.req_ttl_s = req_ttl_s
@@ -164,7 +182,9 @@ class Bus:
 
     def _xadd(self, client, stream: str, fields: Mapping) -> Any:
         cap = self.maxlen(stream)
-        return client.xadd(stream, fields, maxlen=cap, approximate=True) if cap else client.xadd(stream, fields)
+        return (
+            client.xadd(stream, fields, maxlen=cap, approximate=True) if cap else client.xadd(stream, fields)
+        )
 
     def tell_local(self, stream: str, event: Event) -> None:
         """Tell the in-process readers of ``stream`` (``P:control`` only) of ``event`` now."""
@@ -182,8 +202,9 @@ class Bus:
             except Exception:
                 log.exception("in-process request claimer failed")
 
-    def _append_direct(self, append, stream: str, event: Event, fields: dict[str, str],
-                       trims: list[tuple[str, int]]) -> bytes | None:
+    def _append_direct(
+        self, append, stream: str, event: Event, fields: dict[str, str], trims: list[tuple[str, int]]
+    ) -> bytes | None:
         """The embedded in-process client's direct append (see :meth:`publish_many`); a capped
         stream is noted in ``trims`` once every ``TRIM_EVERY`` entries. The event goes with
         its fields: an in-process stream reader takes it as it is (:meth:`StreamMux._local`)."""
@@ -212,8 +233,9 @@ class Bus:
             self._tell_arrivals()
         return entry
 
-    async def publish_many(self, items: Sequence[tuple[str, Event]], expire: Sequence[str] = (),
-                           ack: Sequence[bytes] = ()) -> list[bytes]:
+    async def publish_many(
+        self, items: Sequence[tuple[str, Event]], expire: Sequence[str] = (), ack: Sequence[bytes] = ()
+    ) -> list[bytes]:
         """All of ``items`` (then an EXPIRE of each key in ``expire``, then an XACK of each
         ``P:requests`` entry in ``ack``) in one round trip, in order. Acks come last so a request
         is acknowledged only once its final is written."""
@@ -251,8 +273,12 @@ class Bus:
             pipe = self.redis.pipeline(transaction=False)
         else:
             results = None
-        if ack and append is not None and len(pipe) == 0 and self.redis.fd_ack_delete(
-                self.keys.requests, GROUP_ENGINES, list(ack)) is not None:
+        if (
+            ack
+            and append is not None
+            and len(pipe) == 0
+            and self.redis.fd_ack_delete(self.keys.requests, GROUP_ENGINES, list(ack)) is not None
+        ):
             ack = ()  # every item went directly: so did the acks, after them
         if ack:
             # A finished request leaves P:requests altogether, so the stream holds only work
@@ -266,9 +292,13 @@ class Bus:
             self._tell_arrivals()  # written now: a claim finds them
         return (direct + (results if results is not None else tail))[: len(items)]
 
-    async def publish_owned(self, items: Sequence[tuple[str, Event]], owners: Mapping[str, str],
-                            expire: Sequence[tuple[str, str]] = (),
-                            ack: Sequence[tuple[str, bytes]] = ()) -> dict[str, Refused]:
+    async def publish_owned(
+        self,
+        items: Sequence[tuple[str, Event]],
+        owners: Mapping[str, str],
+        expire: Sequence[tuple[str, str]] = (),
+        ack: Sequence[tuple[str, bytes]] = (),
+    ) -> dict[str, Refused]:
         """An engine's flush: :meth:`publish_many`, with every event on a request's story
         appended through the fence (control/fence.py): only while ``P:owner:{id}`` holds
         ``owners[id]`` (the writer's owner token) and the story has no final yet, each
@@ -304,8 +334,13 @@ class Bus:
             fields = [ev.encode() for _, ev in evs]
             got = None
             if fenced is not None:
-                got = fenced(keys.owner(rid), token, keys.req(rid),
-                             [(f, ev) for f, (_, ev) in zip(fields, evs)], self.req_ttl_s)
+                got = fenced(
+                    keys.owner(rid),
+                    token,
+                    keys.req(rid),
+                    [(f, ev) for f, (_, ev) in zip(fields, evs)],
+                    self.req_ttl_s,
+                )
             if got is None:
                 scripted.append((rid, fields))
             elif isinstance(got, Refused):
@@ -323,10 +358,15 @@ class Bus:
             await self.publish_many([], expire=later_expire, ack=later_ack)
         return refused
 
-    async def _fenced_pipeline(self, scripted, owners: Mapping[str, str],
-                               plain: Sequence[tuple[str, Event]], folded: set[str],
-                               expire: Sequence[tuple[str, str]],
-                               ack: Sequence[tuple[str, bytes]]) -> dict[str, Refused]:
+    async def _fenced_pipeline(
+        self,
+        scripted,
+        owners: Mapping[str, str],
+        plain: Sequence[tuple[str, Event]],
+        folded: set[str],
+        expire: Sequence[tuple[str, str]],
+        ack: Sequence[tuple[str, bytes]],
+    ) -> dict[str, Refused]:
         """The fence's script for each request (EVALSHA, loaded on a NOSCRIPT: a command that
         failed so did nothing, and only those are sent again), and ``plain``'s XADDs, in one
         pipeline; ``folded``: the requests whose ack and renewals go in their script."""
@@ -343,12 +383,18 @@ class Bus:
             pipe = self.redis.pipeline(transaction=False)
             for rid, fields in todo:
                 extra = [self.keys.requests, *renew.get(rid, ())] if rid in folded else []
-                args = fence.script_args(owners[rid], self.req_ttl_s, fields, acks.get(rid),
-                                         GROUP_ENGINES)
+                args = fence.script_args(owners[rid], self.req_ttl_s, fields, acks.get(rid), GROUP_ENGINES)
                 # (execute_command: redis-py's cluster pipeline refuses its evalsha, but
                 # routes the command by its first key, the request's slot)
-                pipe.execute_command("EVALSHA", self._fence_sha, 2 + len(extra), self.keys.owner(rid),
-                                     self.keys.req(rid), *extra, *args)
+                pipe.execute_command(
+                    "EVALSHA",
+                    self._fence_sha,
+                    2 + len(extra),
+                    self.keys.owner(rid),
+                    self.keys.req(rid),
+                    *extra,
+                    *args,
+                )
             for stream, ev in plain:
                 self._xadd(pipe, stream, ev.encode())
             plain = ()
@@ -363,7 +409,7 @@ class Bus:
                     got = fence.script_result(res)
                     if isinstance(got, Refused):
                         refused[item[0]] = got
-            for res in results[len(todo):]:
+            for res in results[len(todo) :]:
                 if isinstance(res, Exception):
                     raise res
             if not again:
@@ -409,11 +455,17 @@ class Bus:
             with_request = request is not None and not self.cluster
             if self._start_script is None:
                 self._start_script = self.redis.register_script(story_start.SCRIPT)
-            got = int(await self._start_script(
-                keys=[story, self.keys.requests] if with_request else [story],
-                args=story_start.script_args(self.req_ttl_s, fields,
-                                             request.encode() if with_request else None,
-                                             self.maxlen(self.keys.requests))))
+            got = int(
+                await self._start_script(
+                    keys=[story, self.keys.requests] if with_request else [story],
+                    args=story_start.script_args(
+                        self.req_ttl_s,
+                        fields,
+                        request.encode() if with_request else None,
+                        self.maxlen(self.keys.requests),
+                    ),
+                )
+            )
             queued = with_request
         if got == story_start.TAKEN:
             raise story_start.IdTaken(rid)
@@ -427,8 +479,7 @@ class Bus:
             # to write; elsewhere a start found done was done with its request)
             await self.publish(self.keys.requests, request)
 
-    async def submit_choices(self, accepted: Accepted,
-                             choices: Sequence[tuple[Request, Accepted]]) -> bool:
+    async def submit_choices(self, accepted: Accepted, choices: Sequence[tuple[Request, Accepted]]) -> bool:
         """Accept a response of n > 1 choices: its id is marked ``choices=<n>`` in
         ``P:owner`` (an engine's abort of the id meets the mark and aborts each choice), its
         story gets ``accepted`` (with ``choices``), then each choice is submitted as a request
@@ -448,8 +499,9 @@ class Bus:
 
     # ------------------------------------------------------------------ dead letters
 
-    async def dead_letter(self, source_stream: str | bytes, entry_id: bytes | str | None,
-                          fields: Mapping, reason: str) -> None:
+    async def dead_letter(
+        self, source_stream: str | bytes, entry_id: bytes | str | None, fields: Mapping, reason: str
+    ) -> None:
         """Copy a rejected entry to ``P:dead`` with why, and count it."""
         stream = _b(source_stream)
         eid = _b(entry_id) if entry_id is not None else b""
@@ -457,8 +509,12 @@ class Bus:
         # re-read; one dead letter per entry is enough.
         if eid and (stream, eid) in self._dead_seen:
             return
-        log.warning("dead letter: %s %s: %s", stream.decode(errors="replace"),
-                    eid.decode(errors="replace") or "-", reason)
+        log.warning(
+            "dead letter: %s %s: %s",
+            stream.decode(errors="replace"),
+            eid.decode(errors="replace") or "-",
+            reason,
+        )
         out: dict[bytes, bytes] = {b"reason": _b(reason), b"stream": stream, b"entry_id": eid}
         truncated = []
         for k, v in (fields or {}).items():
@@ -483,8 +539,14 @@ class Bus:
         if self.on_dead_letter is not None:
             self.on_dead_letter()
 
-    async def _decode_or_dead(self, stream: str | bytes, entry_id: bytes, fields: Mapping | None,
-                              allowed: tuple[type, ...], request_id: str | None = None) -> Event | None:
+    async def _decode_or_dead(
+        self,
+        stream: str | bytes,
+        entry_id: bytes,
+        fields: Mapping | None,
+        allowed: tuple[type, ...],
+        request_id: str | None = None,
+    ) -> Event | None:
         if fields is None:  # an entry trimmed or deleted while pending
             await self.dead_letter(stream, entry_id, {}, "entry deleted from the stream while pending")
             return None
@@ -503,18 +565,18 @@ class Bus:
             if "BUSYGROUP" not in str(e):
                 raise
 
-    async def claim_requests(self, consumer: str, count: int, block_ms: int | None) -> list[tuple[bytes, Request]]:
+    async def claim_requests(
+        self, consumer: str, count: int, block_ms: int | None
+    ) -> list[tuple[bytes, Request]]:
         """Up to ``count`` new requests for ``consumer``; ``block_ms=None`` does not block."""
         try:
-            resp = await self.store.read_group(self.keys.requests, GROUP_ENGINES, consumer, count,
-                                               block_ms)
+            resp = await self.store.read_group(self.keys.requests, GROUP_ENGINES, consumer, count, block_ms)
         except ResponseError as e:
             if "NOGROUP" not in str(e):
                 raise
             # The group vanished (FLUSHALL, a deleted stream): recreate it and read again.
             await self.ensure_group()
-            resp = await self.store.read_group(self.keys.requests, GROUP_ENGINES, consumer, count,
-                                               block_ms)
+            resp = await self.store.read_group(self.keys.requests, GROUP_ENGINES, consumer, count, block_ms)
         out: list[tuple[bytes, Request]] = []
         for _stream, entries in resp:
             out += await self._requests_or_dead(entries)
@@ -534,18 +596,27 @@ class Bus:
         """Done with a request entry: acknowledged and removed (see :meth:`publish_many`)."""
         await self.store.ack_delete(self.keys.requests, GROUP_ENGINES, [entry_id])
 
-    async def autoclaim(self, consumer: str, min_idle_ms: int, count: int = 100) -> list[tuple[bytes, Request]]:
+    async def autoclaim(
+        self, consumer: str, min_idle_ms: int, count: int = 100
+    ) -> list[tuple[bytes, Request]]:
         """Take over requests another consumer read but did not ack for ``min_idle_ms``."""
         out: list[tuple[bytes, Request]] = []
         cursor = b"0-0"
         while len(out) < count:
-            resp = await self.redis.xautoclaim(self.keys.requests, GROUP_ENGINES, consumer,
-                                               min_idle_ms, start_id=cursor, count=count - len(out))
+            resp = await self.redis.xautoclaim(
+                self.keys.requests,
+                GROUP_ENGINES,
+                consumer,
+                min_idle_ms,
+                start_id=cursor,
+                count=count - len(out),
+            )
             cursor, entries = resp[0], resp[1]
             # Redis >= 7 drops ids of entries trimmed while pending from the PEL and lists them.
-            for gone in (resp[2] if len(resp) > 2 else ()):
-                await self.dead_letter(self.keys.requests, gone, {},
-                                       "request trimmed from the stream while pending")
+            for gone in resp[2] if len(resp) > 2 else ():
+                await self.dead_letter(
+                    self.keys.requests, gone, {}, "request trimmed from the stream while pending"
+                )
             out += await self._requests_or_dead(entries)
             if _b(cursor) == b"0-0":
                 break
@@ -578,8 +649,9 @@ class Bus:
         last = await self.redis.xrevrange(self.keys.control, count=1)
         return last[0][0] if last else b"0-0"
 
-    async def read_control(self, cursor: bytes | str, block_ms: int | None,
-                           count: int = 1000) -> tuple[bytes, list[tuple[bytes, Abort | AbortAll | Drain]]]:
+    async def read_control(
+        self, cursor: bytes | str, block_ms: int | None, count: int = 1000
+    ) -> tuple[bytes, list[tuple[bytes, Abort | AbortAll | Drain]]]:
         """Control events after ``cursor``, and the cursor to read from next."""
         cursor = _b(cursor)
         resp = await self.redis.xread({self.keys.control: cursor}, count=count, block=block_ms)
@@ -594,8 +666,9 @@ class Bus:
 
     # ------------------------------------------------------------------ one request
 
-    async def read_req(self, request_id: str, after: bytes | str = b"0",
-                       block_ms: int | None = None) -> list[tuple[bytes, Event]]:
+    async def read_req(
+        self, request_id: str, after: bytes | str = b"0", block_ms: int | None = None
+    ) -> list[tuple[bytes, Event]]:
         """The request's events after ``after`` (exclusive), in order."""
         key = self.keys.req(request_id)
         after = _b(after)
@@ -625,8 +698,9 @@ class Bus:
         current = await self.redis.get(key)
         return False, current.decode() if current is not None else None
 
-    async def try_own_many(self, request_ids: Sequence[str], owner: str,
-                           ttl_s: int) -> list[tuple[bool, str | None]]:
+    async def try_own_many(
+        self, request_ids: Sequence[str], owner: str, ttl_s: int
+    ) -> list[tuple[bool, str | None]]:
         """:meth:`try_own` for many ids in one round trip (``SET NX GET``, Redis >= 7.0): an
         abort of 1,000 queued ids must not cost 1,000 round trips on the engine's loop."""
         if not request_ids:
@@ -637,17 +711,18 @@ class Bus:
             out.append((True, owner) if old is None else (False, old.decode()))
         return out
 
-    async def tombstone_many(self, request_ids: Sequence[str], source: str,
-                             ttl_s: int) -> list[tuple[bool, str | None, bool]]:
+    async def tombstone_many(
+        self, request_ids: Sequence[str], source: str, ttl_s: int
+    ) -> list[tuple[bool, str | None, bool]]:
         """Lay abort tombstones (``SET P:owner:{id} aborted:<source> NX GET``) and look for
         each request's stream, all in one round trip: ``(won, current owner, stream exists)``."""
         if not request_ids:
             return []
         value = tombstone(source)
-        res = await self.store.tombstones([self.keys.owner(r) for r in request_ids], value, ttl_s,
-                                          [self.keys.req(r) for r in request_ids])
-        return [(old is None, value if old is None else old.decode(), exists)
-                for old, exists in res]
+        res = await self.store.tombstones(
+            [self.keys.owner(r) for r in request_ids], value, ttl_s, [self.keys.req(r) for r in request_ids]
+        )
+        return [(old is None, value if old is None else old.decode(), exists) for old, exists in res]
 
     async def take_abort_story(self, request_id: str) -> str | None:
         """Compare-and-set a pending tombstone to ``aborted-final``. Returns the abort's source
@@ -717,7 +792,10 @@ class Bus:
     def lora_fields(ready: Iterable[str], errors: Mapping[str, str]) -> dict[str, str]:
         """An engine's heartbeat fields for its LoRA adapters: ``loras`` (the names it serves,
         comma-separated) and ``lora_errors`` (JSON, the loads that failed; "" for none)."""
-        return {"loras": ",".join(sorted(ready)), "lora_errors": orjson.dumps(dict(errors)).decode() if errors else ""}
+        return {
+            "loras": ",".join(sorted(ready)),
+            "lora_errors": orjson.dumps(dict(errors)).decode() if errors else "",
+        }
 
     @staticmethod
     def lora_state(heartbeat: Mapping[str, str]) -> tuple[set[str], dict[str, str]]:
@@ -753,8 +831,9 @@ class Bus:
         out = {}
         for k, h in zip(keys, await pipe.execute()):
             if h:  # expired between SCAN and HGETALL
-                out[_b(k)[head:].decode()] = {_b(a).decode(errors="replace"): _b(b).decode(errors="replace")
-                                              for a, b in h.items()}
+                out[_b(k)[head:].decode()] = {
+                    _b(a).decode(errors="replace"): _b(b).decode(errors="replace") for a, b in h.items()
+                }
         return out
 
 
@@ -1098,8 +1177,17 @@ class StreamMux:
     #: BLOCK of a cluster reader while other readers wait for a turn (see the class docstring).
     CONTENDED_BLOCK_MS = 50
 
-    def __init__(self, redis, keys: Keys, reader_id: str, *, shard_size: int = 256,
-                 block_ms: int = 1000, count: int = 1000, cluster_readers: int = 128):
+    def __init__(
+        self,
+        redis,
+        keys: Keys,
+        reader_id: str,
+        *,
+        shard_size: int = 256,
+        block_ms: int = 1000,
+        count: int = 1000,
+        cluster_readers: int = 128,
+    ):
         self.redis = redis
         self.keys = keys
         self.reader_id = reader_id
@@ -1151,7 +1239,8 @@ class StreamMux:
 
     def _launch(self, shard: _Shard) -> None:
         shard.task = asyncio.get_running_loop().create_task(
-            shard.run(), name=f"stream-mux:{self.reader_id}:{shard.wake_key.decode()}")
+            shard.run(), name=f"stream-mux:{self.reader_id}:{shard.wake_key.decode()}"
+        )
 
     async def stop(self) -> None:
         """Stop reading; open subscriptions raise :class:`MuxStopped`."""
@@ -1183,8 +1272,9 @@ class StreamMux:
         self._shards.clear()
         self._started = False
 
-    def _local(self, key: bytes, before: tuple[int, int], entry_id: bytes, ev: Event,
-               fields: Mapping[str, str]) -> None:
+    def _local(
+        self, key: bytes, before: tuple[int, int], entry_id: bytes, ev: Event, fields: Mapping[str, str]
+    ) -> None:
         """An entry written by this process (the embedded server's listener; ``fd serve``'s
         engine publishing a step): handed as it is to each subscription that has seen every
         entry up to ``before``, instead of being read back and decoded (the read and decode of

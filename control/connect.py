@@ -26,14 +26,18 @@ guess on every start.
 from __future__ import annotations
 
 import asyncio
+import os
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import (AuthenticationError, AuthenticationWrongNumberOfArgsError,
-                              BusyLoadingError, ConnectionError, TimeoutError)
-
-import os
+from redis.exceptions import (
+    AuthenticationError,
+    AuthenticationWrongNumberOfArgsError,
+    BusyLoadingError,
+    ConnectionError,
+    TimeoutError,
+)
 
 #: Seconds a connect or a reply may take before the command fails (``--redis-timeout``).
 DEFAULT_TIMEOUT_S = 5.0
@@ -107,8 +111,10 @@ def redis_timeout(value: float | str | None = None) -> float:
     except ValueError:
         raise ValueError(f"Redis timeout {value!r}: not a number of seconds") from None
     if not seconds >= MIN_TIMEOUT_S or seconds == float("inf"):
-        raise ValueError(f"Redis timeout {value!r}: give at least {MIN_TIMEOUT_S:g} s (longer "
-                         "than the 1 s blocking reads fd sends)")
+        raise ValueError(
+            f"Redis timeout {value!r}: give at least {MIN_TIMEOUT_S:g} s (longer "
+            "than the 1 s blocking reads fd sends)"
+        )
     return seconds
 
 
@@ -143,7 +149,7 @@ def connect(url: str, timeout_s: float | None = None) -> aioredis.Redis | aiored
     if sep and scheme.lower() in CLUSTER_SCHEMES:
         return aioredis.RedisCluster.from_url(f"{CLUSTER_SCHEMES[scheme.lower()]}://{rest}", **common)
     pool = aioredis.BlockingConnectionPool.from_url(
-        url, timeout=POOL_WAIT_S, retry_on_error=[ConnectionError, TimeoutError, BusyLoadingError],
-        **common)
+        url, timeout=POOL_WAIT_S, retry_on_error=[ConnectionError, TimeoutError, BusyLoadingError], **common
+    )
     pool.connection_class = _cancellable(pool.connection_class)  # (the URL's: TCP, TLS, unix)
     return aioredis.Redis.from_pool(pool)

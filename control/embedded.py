@@ -33,22 +33,22 @@ import time
 from typing import Any, Callable
 
 import redis.asyncio as aioredis
-from redis.asyncio.client import Pipeline
 from fakeredis import FakeAsyncRedis, TcpFakeServer
-from fakeredis._clients._tcp_server import TCPFakeRequestHandler
 from fakeredis._clients._async import FakeAsyncRedisConnection, FakeWriter
-from fakeredis._helpers import NoResponse
+from fakeredis._clients._tcp_server import TCPFakeRequestHandler
 from fakeredis._core._database import Item
+from fakeredis._helpers import NoResponse
 from fakeredis._socket import FakeSocket
 from fakeredis._socket._async import AsyncFakeSocket
 from fakeredis.model import _stream as fake_stream
 from fakeredis.model._stream import MAX_KEY, StreamEntryKey, XStream
+from redis.asyncio.client import Pipeline
 
 from control.connect import MAX_CONNECTIONS, POOL_WAIT_S
-from control.fence import SEEN, Refused
-from control.story import DONE, TAKEN, WRITTEN
 from control.embedded_info import InfoCommand, ServerInfo, register
 from control.embedded_store import EmbeddedStore
+from control.fence import SEEN, Refused
+from control.story import DONE, TAKEN, WRITTEN
 
 log = logging.getLogger("control.embedded")
 
@@ -83,8 +83,16 @@ def _xadd(sock, fields: list[bytes]) -> bool:
     Anything else — another form, a transaction, CLIENT REPLY games — returns False: the
     generic path."""
     n = len(fields)
-    if (n < 5 or not n & 1 or fields[2] != b"*" or fields[0] not in (b"XADD", b"xadd")
-            or sock._queueing or sock._pubsub or sock._reply_off or sock._reply_skip):
+    if (
+        n < 5
+        or not n & 1
+        or fields[2] != b"*"
+        or fields[0] not in (b"XADD", b"xadd")
+        or sock._queueing
+        or sock._pubsub
+        or sock._reply_off
+        or sock._reply_skip
+    ):
         return False
     entry = _append(sock._server, sock._db, fields[1], fields[3:], sock._stream_node_limits())
     if entry is None:
@@ -110,8 +118,9 @@ _lp_str_size = functools.lru_cache(maxsize=1 << 14)(fake_stream._lp_str_size)
 _lp_int_size = fake_stream._lp_int_size
 
 
-def _add(stream: XStream, fields: list[bytes], key: StreamEntryKey, node_max_entries: int,
-         node_max_bytes: int) -> None:
+def _add(
+    stream: XStream, fields: list[bytes], key: StreamEntryKey, node_max_entries: int, node_max_bytes: int
+) -> None:
     """``XStream.add``, the same change to the same structures (nodes and their listpack
     sizes included: approximate trimming and XINFO read them), with the sizes of repeated
     strings remembered. tests/test_embedded_xadd.py compares the two."""
@@ -120,10 +129,12 @@ def _add(stream: XStream, fields: list[bytes], key: StreamEntryKey, node_max_ent
     nodes = stream._nodes
     node = nodes[-1] if nodes else None
     if node is not None:
-        max_bytes = (node_max_bytes if 0 < node_max_bytes <= fake_stream._LP_MAX_SIZE
-                     else fake_stream._LP_MAX_SIZE)
+        max_bytes = (
+            node_max_bytes if 0 < node_max_bytes <= fake_stream._LP_MAX_SIZE else fake_stream._LP_MAX_SIZE
+        )
         if node.lp_bytes + sum(map(len, fields)) >= max_bytes or (
-                node_max_entries and node.live + node.deleted >= node_max_entries):
+            node_max_entries and node.live + node.deleted >= node_max_entries
+        ):
             node = None
     if node is None:
         header = _lp_int_size(0) * 3 + _lp_int_size(len(names)) + sum(map(_lp_str_size, names))
@@ -131,10 +142,13 @@ def _add(stream: XStream, fields: list[bytes], key: StreamEntryKey, node_max_ent
         nodes.append(node)
     same = names == node.master_fields
     master = node.master_id
-    size = (_lp_int_size(fake_stream._ENTRY_SAMEFIELDS if same else 0)
-            + _lp_int_size(key.ts - master.ts) + _lp_int_size(key.seq - master.seq)
-            + sum(map(_lp_str_size, values))
-            + _lp_int_size(len(names) + 3 if same else 2 * len(names) + 4))
+    size = (
+        _lp_int_size(fake_stream._ENTRY_SAMEFIELDS if same else 0)
+        + _lp_int_size(key.ts - master.ts)
+        + _lp_int_size(key.seq - master.seq)
+        + sum(map(_lp_str_size, values))
+        + _lp_int_size(len(names) + 3 if same else 2 * len(names) + 4)
+    )
     if not same:
         size += _lp_int_size(len(names)) + sum(map(_lp_str_size, names))
     node.lp_bytes += size
@@ -149,8 +163,9 @@ def _add(stream: XStream, fields: list[bytes], key: StreamEntryKey, node_max_ent
     stream._last_id = key
 
 
-def _append_after(server, db, key: bytes, values,
-                  node_limits: tuple[int, int]) -> tuple[bytes, StreamEntryKey] | None:
+def _append_after(
+    server, db, key: bytes, values, node_limits: tuple[int, int]
+) -> tuple[bytes, StreamEntryKey] | None:
     """:func:`_append`, also returning the id the stream ended at before the entry (a reader
     that has seen up to that id has seen everything before the new entry)."""
     if server.config.get(b"notify-keyspace-events"):
@@ -162,8 +177,9 @@ def _append_after(server, db, key: bytes, values,
         return _append_locked(db, key, values, node_limits)
 
 
-def _append_locked(db, key: bytes, values,
-                   node_limits: tuple[int, int]) -> tuple[bytes, StreamEntryKey] | None:
+def _append_locked(
+    db, key: bytes, values, node_limits: tuple[int, int]
+) -> tuple[bytes, StreamEntryKey] | None:
     """:func:`_append_after`'s append, under the server lock the caller holds, its clocks set."""
     try:
         item = db[key]  # (an expired key is dropped here, as fakeredis does)
@@ -246,7 +262,9 @@ class _Direct:
             values.append(v.encode())
         return values
 
-    def _batch(self, entries: list[tuple[dict[str, str], Any]]) -> tuple[list[list[bytes]], tuple[int, int]] | None:
+    def _batch(
+        self, entries: list[tuple[dict[str, str], Any]]
+    ) -> tuple[list[list[bytes]], tuple[int, int]] | None:
         """``entries`` encoded, and the stream node limits; None when keyspace notifications
         are on (which only the ordinary path sends)."""
         self._check()
@@ -256,11 +274,11 @@ class _Direct:
 
     def _limits(self) -> tuple[int, int]:
         cfg = self._server.config
-        return (int(cfg.get(b"stream-node-max-entries", 100)),
-                int(cfg.get(b"stream-node-max-bytes", 4096)))
+        return (int(cfg.get(b"stream-node-max-entries", 100)), int(cfg.get(b"stream-node-max-bytes", 4096)))
 
-    def fenced_append(self, owner_key: str, token: str, stream: str,
-                      entries: list[tuple[dict[str, str], Any]], ttl_s: int) -> list[bytes] | Refused | None:
+    def fenced_append(
+        self, owner_key: str, token: str, stream: str, entries: list[tuple[dict[str, str], Any]], ttl_s: int
+    ) -> list[bytes] | Refused | None:
         """control/fence.py's script, done on the server's data under its lock (the client's
         ``fd_fenced_append``): ``entries`` (fields and the event they encode, in order) are
         appended to ``stream`` only if ``owner_key`` holds ``token`` and the stream's last
@@ -294,7 +312,7 @@ class _Direct:
             for i, values in enumerate(encoded):
                 got = _append_locked(db, key, values, limits)
                 if got is None:  # (only an exhausted id space: nothing of this batch is lost
-                    break        # silently, the caller sees fewer ids than events)
+                    break  # silently, the caller sees fewer ids than events)
                 done.append((got[0], got[1], i))
                 if values[1] == b"final" and values[0] == b"type":
                     ended = True
@@ -332,8 +350,12 @@ class _Direct:
         self._tell(key, done, entries)
         return WRITTEN
 
-    def _tell(self, key: bytes, done: list[tuple[bytes, StreamEntryKey, int]],
-              entries: list[tuple[dict[str, str], Any]]) -> None:
+    def _tell(
+        self,
+        key: bytes,
+        done: list[tuple[bytes, StreamEntryKey, int]],
+        entries: list[tuple[dict[str, str], Any]],
+    ) -> None:
         for entry, before, i in done:
             fields, event = entries[i]
             if event is None:
@@ -355,6 +377,7 @@ class _Direct:
         def stop() -> None:
             if listener in self._listeners:
                 self._listeners.remove(listener)
+
         return stop
 
     def _db(self):
@@ -412,8 +435,7 @@ class _Direct:
             out.append(True)
         return out
 
-    def read_group(self, key: str, group: str, consumer: str,
-                   count: int | None) -> list | None:
+    def read_group(self, key: str, group: str, consumer: str, count: int | None) -> list | None:
         """``XREADGROUP GROUP group consumer [COUNT n] STREAMS key >`` without BLOCK (the
         client's ``fd_read_group``: an engine's claim, which the model waits for), in redis-py's
         reply shape. None, with nothing read: no such stream or group, or a key of another
@@ -469,8 +491,9 @@ class _Direct:
         res = self.tombstones(keys, value, ttl_s, None)
         return None if res is None else [old for old, _ in res]
 
-    def tombstones(self, owner_keys: list[str], value: str, ttl_s: int,
-                   req_keys: list[str] | None) -> list[tuple[bytes | None, bool]] | None:
+    def tombstones(
+        self, owner_keys: list[str], value: str, ttl_s: int, req_keys: list[str] | None
+    ) -> list[tuple[bytes | None, bool]] | None:
         self._check()
         server = self._server
         if server.config.get(b"notify-keyspace-events") or ttl_s <= 0:
@@ -633,8 +656,7 @@ class _DirectReader:
                 out.append([key, entries])
         return out
 
-    async def __call__(self, streams: dict[bytes, bytes], count: int | None = None,
-                       block: int | None = None):
+    async def __call__(self, streams: dict[bytes, bytes], count: int | None = None, block: int | None = None):
         server = self._server
         if not server.connected:
             from redis.exceptions import ConnectionError as RedisConnectionError
@@ -794,13 +816,19 @@ class EmbeddedRedis:
         tcp = self._tcp
         register(ServerInfo(tcp.fake_server, self.port, lambda: len(tcp.clients)))
         self._thread = threading.Thread(
-            target=self._tcp.serve_forever, kwargs={"poll_interval": 0.1},
-            name=f"embedded-redis:{self.port}", daemon=True,
+            target=self._tcp.serve_forever,
+            kwargs={"poll_interval": 0.1},
+            name=f"embedded-redis:{self.port}",
+            daemon=True,
         )
         self._thread.start()
         self._stopped.clear()
-        self._expirer = threading.Thread(target=self._expire_cycle, args=(self._tcp.fake_server,),
-                                         name=f"embedded-redis-expiry:{self.port}", daemon=True)
+        self._expirer = threading.Thread(
+            target=self._expire_cycle,
+            args=(self._tcp.fake_server,),
+            name=f"embedded-redis-expiry:{self.port}",
+            daemon=True,
+        )
         self._expirer.start()
 
     def _expire_cycle(self, server) -> None:
@@ -830,11 +858,16 @@ class EmbeddedRedis:
         """A client for code in this process, on the same data the TCP port serves."""
         # socket_timeout=None: with a timeout redis-py sends every command through
         # asyncio.wait_for, a Task per command; an in-process send cannot time out anyway.
-        client = _Client(server=self.fake_server, decode_responses=False, protocol=2,
-                         socket_timeout=None,
-                         connection_class=_DirectConnection,
-                         connection_pool_class=aioredis.BlockingConnectionPool,
-                         max_connections=MAX_CONNECTIONS, timeout=POOL_WAIT_S)
+        client = _Client(
+            server=self.fake_server,
+            decode_responses=False,
+            protocol=2,
+            socket_timeout=None,
+            connection_class=_DirectConnection,
+            connection_pool_class=aioredis.BlockingConnectionPool,
+            max_connections=MAX_CONNECTIONS,
+            timeout=POOL_WAIT_S,
+        )
         direct = _Direct(self.fake_server, self._listeners)
         client._store = EmbeddedStore(client, direct)
         client.fd_append = direct.append

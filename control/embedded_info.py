@@ -62,7 +62,7 @@ class ServerInfo:
         names = [a.decode(errors="replace").lower() for a in asked] or ["default"]
         wanted: list[str] = []
         for name in names:
-            for section in (SECTIONS if name in ("default", "all", "everything") else (name,)):
+            for section in SECTIONS if name in ("default", "all", "everything") else (name,):
                 if section in SECTIONS and section not in wanted:
                     wanted.append(section)
         parts = []
@@ -75,18 +75,20 @@ class ServerInfo:
     def _server(self) -> list[tuple[str, object]]:
         version = tuple(self.fake_server.version) + (0, 0, 0)
         uptime = int(time.time() - self.started)
-        return [("redis_version", ".".join(str(v) for v in version[:3])),
-                ("redis_mode", "standalone"),
-                ("os", f"{platform.system()} {platform.release()} {platform.machine()}"),
-                ("arch_bits", 64 if sys.maxsize > 2**32 else 32),
-                ("process_id", os.getpid()),
-                ("run_id", self.run_id),
-                ("tcp_port", self.port),
-                ("uptime_in_seconds", uptime),
-                ("uptime_in_days", uptime // 86400),
-                ("executable", sys.executable),
-                ("fd_embedded", 1),
-                ("fakeredis_version", fakeredis.__version__)]
+        return [
+            ("redis_version", ".".join(str(v) for v in version[:3])),
+            ("redis_mode", "standalone"),
+            ("os", f"{platform.system()} {platform.release()} {platform.machine()}"),
+            ("arch_bits", 64 if sys.maxsize > 2**32 else 32),
+            ("process_id", os.getpid()),
+            ("run_id", self.run_id),
+            ("tcp_port", self.port),
+            ("uptime_in_seconds", uptime),
+            ("uptime_in_days", uptime // 86400),
+            ("executable", sys.executable),
+            ("fd_embedded", 1),
+            ("fakeredis_version", fakeredis.__version__),
+        ]
 
     def _clients(self) -> list[tuple[str, object]]:
         return [("connected_clients", self.tcp_clients())]  # (the TCP door's; in-process ones aside)
@@ -94,15 +96,26 @@ class ServerInfo:
     def _memory(self) -> list[tuple[str, object]]:
         rss = _rss_bytes()
         peak = max(rss, _peak_bytes())  # (the peak was sampled earlier than statm)
-        return [("used_memory", rss), ("used_memory_human", _human(rss)),
-                ("used_memory_rss", rss), ("used_memory_rss_human", _human(rss)),
-                ("used_memory_peak", peak), ("used_memory_peak_human", _human(peak)),
-                ("maxmemory", 0), ("maxmemory_human", "0B"), ("maxmemory_policy", "noeviction"),
-                ("mem_allocator", "python")]
+        return [
+            ("used_memory", rss),
+            ("used_memory_human", _human(rss)),
+            ("used_memory_rss", rss),
+            ("used_memory_rss_human", _human(rss)),
+            ("used_memory_peak", peak),
+            ("used_memory_peak_human", _human(peak)),
+            ("maxmemory", 0),
+            ("maxmemory_human", "0B"),
+            ("maxmemory_policy", "noeviction"),
+            ("mem_allocator", "python"),
+        ]
 
     def _persistence(self) -> list[tuple[str, object]]:
-        return [("loading", 0), ("aof_enabled", 0), ("rdb_changes_since_last_save", 0),
-                ("rdb_bgsave_in_progress", 0)]
+        return [
+            ("loading", 0),
+            ("aof_enabled", 0),
+            ("rdb_changes_since_last_save", 0),
+            ("rdb_bgsave_in_progress", 0),
+        ]
 
     def _replication(self) -> list[tuple[str, object]]:
         return [("role", "master"), ("connected_slaves", 0)]
@@ -115,8 +128,7 @@ class ServerInfo:
         out = []
         now = time.time()
         for index, db in sorted(self.fake_server.dbs.items()):
-            items = [item for item in db._dict.values()
-                     if item.expireat is None or item.expireat > now]
+            items = [item for item in db._dict.values() if item.expireat is None or item.expireat > now]
             if items:
                 expires = sum(item.expireat is not None for item in items)
                 out.append((f"db{index}", f"keys={len(items)},expires={expires},avg_ttl=0"))

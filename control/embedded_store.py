@@ -27,8 +27,9 @@ class Direct(Protocol):
 
     def set_nx_get(self, keys: list[str], value: str, ttl_s: int) -> list[bytes | None] | None: ...
 
-    def tombstones(self, owner_keys: list[str], value: str, ttl_s: int,
-                   req_keys: list[str] | None) -> list[tuple[bytes | None, bool]] | None: ...
+    def tombstones(
+        self, owner_keys: list[str], value: str, ttl_s: int, req_keys: list[str] | None
+    ) -> list[tuple[bytes | None, bool]] | None: ...
 
     def read_group(self, key: str, group: str, consumer: str, count: int | None) -> list | None: ...
 
@@ -57,15 +58,17 @@ class EmbeddedStore:
         olds = self._direct.set_nx_get(list(keys), value, ttl_s)
         return olds if olds is not None else await self._commands.set_nx_get(keys, value, ttl_s)
 
-    async def tombstones(self, owner_keys: Sequence[str], value: str, ttl_s: int,
-                         req_keys: Sequence[str]) -> list[tuple[bytes | None, bool]]:
+    async def tombstones(
+        self, owner_keys: Sequence[str], value: str, ttl_s: int, req_keys: Sequence[str]
+    ) -> list[tuple[bytes | None, bool]]:
         res = self._direct.tombstones(list(owner_keys), value, ttl_s, list(req_keys))
         if res is not None:
             return res
         return await self._commands.tombstones(owner_keys, value, ttl_s, req_keys)
 
-    async def read_group(self, stream: str, group: str, consumer: str, count: int,
-                         block_ms: int | None) -> list:
+    async def read_group(
+        self, stream: str, group: str, consumer: str, count: int, block_ms: int | None
+    ) -> list:
         if block_ms is None:  # (a blocking read waits in fakeredis, woken by its writes)
             resp = self._direct.read_group(stream, group, consumer, count)
             if resp is not None:

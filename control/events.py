@@ -129,8 +129,14 @@ class SamplingParams:
     @property
     def plain(self) -> bool:
         """Nothing but the logits decides a greedy pick (the runner's fast path)."""
-        return not (self.penalized or self.logit_bias or self.min_tokens or self.guided
-                    or self.allowed_token_ids or self.bad_words_ids)
+        return not (
+            self.penalized
+            or self.logit_bias
+            or self.min_tokens
+            or self.guided
+            or self.allowed_token_ids
+            or self.bad_words_ids
+        )
 
     def to_dict(self) -> dict[str, Any]:
         # (not dataclasses.asdict: its deep copy of nine plain values was ~10 µs of every
@@ -183,8 +189,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if name in kw and not (is_num(kw[name]) and -2 <= kw[name] <= 2):
                 raise bad(name, "a number in [-2, 2]")
-        if "repetition_penalty" in kw and not (is_num(kw["repetition_penalty"])
-                                               and 0 < kw["repetition_penalty"] <= MAX_REPETITION_PENALTY):
+        if "repetition_penalty" in kw and not (
+            is_num(kw["repetition_penalty"]) and 0 < kw["repetition_penalty"] <= MAX_REPETITION_PENALTY
+        ):
             raise bad("repetition_penalty", f"a number in (0, {MAX_REPETITION_PENALTY:g}]")
         if "min_p" in kw and not (is_num(kw["min_p"]) and 0 <= kw["min_p"] <= 1):
             raise bad("min_p", "a number in [0, 1]")
@@ -195,9 +202,18 @@ class SamplingParams:
                 raise bad(name, f"an integer in [0, {MAX_LOGPROBS}]")
         if "logit_bias" in kw:
             pairs = kw["logit_bias"] or ()
-            if not (isinstance(pairs, (list, tuple)) and all(
-                    isinstance(p, (list, tuple)) and len(p) == 2 and is_int(p[0]) and p[0] >= 0
-                    and is_num(p[1]) and -100 <= p[1] <= 100 for p in pairs)):
+            if not (
+                isinstance(pairs, (list, tuple))
+                and all(
+                    isinstance(p, (list, tuple))
+                    and len(p) == 2
+                    and is_int(p[0])
+                    and p[0] >= 0
+                    and is_num(p[1])
+                    and -100 <= p[1] <= 100
+                    for p in pairs
+                )
+            ):
                 raise bad("logit_bias", "a list of [token id, bias in [-100, 100]] pairs")
             kw["logit_bias"] = tuple(sorted((int(t), float(b)) for t, b in dict(pairs).items()))
         if "stop" in kw:
@@ -220,8 +236,12 @@ class SamplingParams:
                 raise BadEvent(f"sampling.guided: {e}", "data") from None
         if "bad_words_ids" in kw:
             words = kw["bad_words_ids"] or ()
-            if not (isinstance(words, (list, tuple)) and all(
-                    isinstance(w, (list, tuple)) and w and all(is_int(t) and t >= 0 for t in w) for w in words)):
+            if not (
+                isinstance(words, (list, tuple))
+                and all(
+                    isinstance(w, (list, tuple)) and w and all(is_int(t) and t >= 0 for t in w) for w in words
+                )
+            ):
                 raise bad("bad_words_ids", "a list of non-empty token id lists")
             kw["bad_words_ids"] = tuple(tuple(w) for w in words)
         for name in ("stop_token_ids", "allowed_token_ids"):
@@ -236,9 +256,22 @@ class SamplingParams:
 _SAMPLING_NAMES = tuple(f.name for f in dataclasses.fields(SamplingParams))
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
 # fields added after the first release: on the wire only when set
-_OPTIONAL_NAMES = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                   "min_p", "min_tokens", "logprobs", "prompt_logprobs", "guided", "skip_special_tokens",
-                   "allowed_token_ids", "bad_words_ids", "embed", "lora")
+_OPTIONAL_NAMES = (
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "min_p",
+    "min_tokens",
+    "logprobs",
+    "prompt_logprobs",
+    "guided",
+    "skip_special_tokens",
+    "allowed_token_ids",
+    "bad_words_ids",
+    "embed",
+    "lora",
+)
 _SAMPLING_FIELDS = frozenset(_SAMPLING_NAMES)
 
 
@@ -633,15 +666,28 @@ def tombstone_story(request_id: str, source: str, engine: str = "") -> list[Even
     ]
 
 
-REQ_STREAM_TYPES = (Accepted, Claimed, Tokens, Preempted, AbortRequested, Drained, BlocksReleased,
-                    Final)
+REQ_STREAM_TYPES = (Accepted, Claimed, Tokens, Preempted, AbortRequested, Drained, BlocksReleased, Final)
 CONTROL_TYPES = (Abort, AbortAll, Drain, LoadLora, UnloadLora)
 
 for _cls in (*CONTROL_TYPES, Request, *REQ_STREAM_TYPES):
     _REGISTRY[_cls.TYPE] = _cls
 
-AnyEvent = Union[Abort, AbortAll, Drain, LoadLora, UnloadLora, Request, Accepted, Claimed, Tokens, Preempted, AbortRequested,
-                 Drained, BlocksReleased, Final]
+AnyEvent = Union[
+    Abort,
+    AbortAll,
+    Drain,
+    LoadLora,
+    UnloadLora,
+    Request,
+    Accepted,
+    Claimed,
+    Tokens,
+    Preempted,
+    AbortRequested,
+    Drained,
+    BlocksReleased,
+    Final,
+]
 
 
 # --------------------------------------------------------------------------- codec

@@ -131,8 +131,9 @@ def append_fields(args: list, fields: Mapping[str, str]) -> None:
         args.append(v)
 
 
-def script_args(token: str, ttl_s: int, fields: list[dict[str, str]], ack: bytes | None = None,
-                group: str = "") -> list:
+def script_args(
+    token: str, ttl_s: int, fields: list[dict[str, str]], ack: bytes | None = None, group: str = ""
+) -> list:
     """ARGV of :data:`SCRIPT` for one request's events (their encoded fields, in order)."""
     args: list = [token, str(ttl_s), ack or b"", group, str(len(fields))]
     for f in fields:

@@ -70,14 +70,21 @@ def _parse(text: str) -> tuple[str, Any, int | None]:
     if not isinstance(spec, dict) or len(spec) != 1 or next(iter(spec)) not in KINDS:
         raise GuidedError(f"one of {', '.join(KINDS)}, as an object with that one key")
     kind, value = next(iter(spec.items()))
-    ok = {"json": isinstance(value, (dict, bool)),
-          "json_object": value is True,
-          "regex": isinstance(value, str) and value != "",
-          "grammar": isinstance(value, str) and value.strip() != "",
-          "choice": isinstance(value, list) and bool(value) and all(isinstance(c, str) and c for c in value)}[kind]
+    ok = {
+        "json": isinstance(value, (dict, bool)),
+        "json_object": value is True,
+        "regex": isinstance(value, str) and value != "",
+        "grammar": isinstance(value, str) and value.strip() != "",
+        "choice": isinstance(value, list) and bool(value) and all(isinstance(c, str) and c for c in value),
+    }[kind]
     if not ok:
-        what = {"json": "a JSON Schema (an object)", "json_object": "true", "regex": "a non-empty pattern",
-                "grammar": "a Lark grammar", "choice": "a non-empty list of non-empty strings"}[kind]
+        what = {
+            "json": "a JSON Schema (an object)",
+            "json_object": "true",
+            "regex": "a non-empty pattern",
+            "grammar": "a Lark grammar",
+            "choice": "a non-empty list of non-empty strings",
+        }[kind]
         raise GuidedError(f"'{kind}' must be {what}")
     return kind, value, after
 
@@ -98,7 +105,8 @@ def grammar(text: str) -> str:
         return llguidance.LLMatcher.grammar_from_regex(value)
     if kind == "choice":
         return llguidance.LLMatcher.grammar_from_lark(
-            "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value))
+            "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value)
+        )
     return llguidance.LLMatcher.grammar_from_lark(value)
 
 

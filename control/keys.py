@@ -32,8 +32,9 @@ def tombstone(source: str) -> str:
 
 
 def is_tombstone(owner: str | None) -> bool:
-    return owner is not None and (owner == ABORTED_OWNER or owner == ABORT_WRITTEN
-                                  or owner.startswith(ABORTED_OWNER + ":"))
+    return owner is not None and (
+        owner == ABORTED_OWNER or owner == ABORT_WRITTEN or owner.startswith(ABORTED_OWNER + ":")
+    )
 
 
 def pending_tombstone_source(owner: str | None) -> str | None:
@@ -41,7 +42,7 @@ def pending_tombstone_source(owner: str | None) -> str | None:
     if owner == ABORTED_OWNER:
         return "redis"
     if owner is not None and owner.startswith(ABORTED_OWNER + ":"):
-        return owner[len(ABORTED_OWNER) + 1:] or "redis"
+        return owner[len(ABORTED_OWNER) + 1 :] or "redis"
     return None
 
 
@@ -88,7 +89,7 @@ def owner_choices(owner: str | None) -> int | None:
     if owner is None or not owner.startswith(CHOICES_OWNER + "="):
         return None
     try:
-        n = int(owner[len(CHOICES_OWNER) + 1:])
+        n = int(owner[len(CHOICES_OWNER) + 1 :])
     except ValueError:
         return None
     return n if 0 < n <= MAX_CHOICES_OWNED else None

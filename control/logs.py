@@ -30,8 +30,9 @@ class JsonFormatter(logging.Formatter):
 
 class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        extras = " ".join(f"{k}={v}" for k, v in vars(record).items()
-                          if k not in _STD and not k.startswith("_"))
+        extras = " ".join(
+            f"{k}={v}" for k, v in vars(record).items() if k not in _STD and not k.startswith("_")
+        )
         t = time.strftime("%H:%M:%S", time.localtime(record.created))
         line = f"{t} {record.levelname:<7} {record.name}: {record.getMessage()}"
         if extras:

@@ -18,10 +18,57 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 # Fine at the low end: a token on a small model takes well under 10 ms, an abort on an idle
 # engine releases its blocks in about a millisecond.
-_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075,
-                    0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
-_E2E_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
-                50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
+_LATENCY_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+)
+_E2E_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+)
 
 #: heartbeat hash field -> gauge attribute
 HEARTBEAT_GAUGES = {
@@ -38,42 +85,73 @@ class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.requests_total = Counter(
-            "fd_requests_total", "Finished requests, by finish reason (aborts included).",
-            ["finish_reason"], registry=r)
+            "fd_requests_total",
+            "Finished requests, by finish reason (aborts included).",
+            ["finish_reason"],
+            registry=r,
+        )
         self.abort_requests_total = Counter(
-            "fd_abort_requests_total", "Request aborts published, by source.", ["source"], registry=r)
+            "fd_abort_requests_total", "Request aborts published, by source.", ["source"], registry=r
+        )
         self.abort_release_seconds = Histogram(
-            "fd_abort_release_seconds", "Abort noted by the engine -> the request's KV blocks released.",
-            buckets=_LATENCY_BUCKETS, registry=r)
+            "fd_abort_release_seconds",
+            "Abort noted by the engine -> the request's KV blocks released.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.kv_blocks_total = Gauge("fd_kv_blocks_total", "KV cache blocks, all engines.", registry=r)
         self.kv_blocks_free = Gauge("fd_kv_blocks_free", "Free KV cache blocks, all engines.", registry=r)
         self.num_requests_running = Gauge(
-            "fd_num_requests_running", "Requests scheduled on engines.", registry=r)
+            "fd_num_requests_running", "Requests scheduled on engines.", registry=r
+        )
         self.num_requests_waiting = Gauge(
-            "fd_num_requests_waiting", "Requests claimed by engines and waiting to run.", registry=r)
+            "fd_num_requests_waiting", "Requests claimed by engines and waiting to run.", registry=r
+        )
         self.time_to_first_token_seconds = Histogram(
-            "fd_time_to_first_token_seconds", "Arrival at the API -> first token seen by the API.",
-            buckets=_LATENCY_BUCKETS, registry=r)
+            "fd_time_to_first_token_seconds",
+            "Arrival at the API -> first token seen by the API.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.inter_token_latency_seconds = Histogram(
-            "fd_inter_token_latency_seconds", "Time between successive output tokens, per token.",
-            buckets=_LATENCY_BUCKETS, registry=r)
+            "fd_inter_token_latency_seconds",
+            "Time between successive output tokens, per token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.e2e_request_latency_seconds = Histogram(
-            "fd_e2e_request_latency_seconds", "Arrival at the API -> final event.",
-            buckets=_E2E_BUCKETS, registry=r)
+            "fd_e2e_request_latency_seconds",
+            "Arrival at the API -> final event.",
+            buckets=_E2E_BUCKETS,
+            registry=r,
+        )
         # vLLM's prefix_cache_queries / _hits; gauges, as sums over the live engines' counts
         # since each started (an engine that stops takes its share with it)
         self.prefix_cache_queries = Gauge(
-            "fd_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache "
-            "(at each start or restart of a request), live engines since they started.", registry=r)
+            "fd_prefix_cache_queries_tokens",
+            "Prompt tokens looked up in the prefix cache "
+            "(at each start or restart of a request), live engines since they started.",
+            registry=r,
+        )
         self.prefix_cache_hits = Gauge(
-            "fd_prefix_cache_hits_tokens", "Of those, tokens found cached (not computed).", registry=r)
+            "fd_prefix_cache_hits_tokens", "Of those, tokens found cached (not computed).", registry=r
+        )
         self.dead_letters_total = Counter(
-            "fd_dead_letters_total", "Events that did not decode and went to P:dead.", registry=r)
+            "fd_dead_letters_total", "Events that did not decode and went to P:dead.", registry=r
+        )
         #: Set by an engine that shares this object and keeps the engine gauges current itself.
         self.engine_in_process = False
 
-    def set_engine_gauges(self, *, blocks_total: int, blocks_free: int, running: int, waiting: int,
-                          cache_queries: int = 0, cache_hits: int = 0) -> None:
+    def set_engine_gauges(
+        self,
+        *,
+        blocks_total: int,
+        blocks_free: int,
+        running: int,
+        waiting: int,
+        cache_queries: int = 0,
+        cache_hits: int = 0,
+    ) -> None:
         self.kv_blocks_total.set(blocks_total)
         self.kv_blocks_free.set(blocks_free)
         self.num_requests_running.set(running)

@@ -35,13 +35,15 @@ class Store(Protocol):
     async def set_nx_get(self, keys: Sequence[str], value: str, ttl_s: int) -> list[bytes | None]:
         """``SET key value NX GET EX ttl_s`` for each key: its old value, None where set."""
 
-    async def tombstones(self, owner_keys: Sequence[str], value: str, ttl_s: int,
-                         req_keys: Sequence[str]) -> list[tuple[bytes | None, bool]]:
+    async def tombstones(
+        self, owner_keys: Sequence[str], value: str, ttl_s: int, req_keys: Sequence[str]
+    ) -> list[tuple[bytes | None, bool]]:
         """:meth:`set_nx_get` of each owner key, each with ``EXISTS`` of its request's key,
         in order: ``(old value, request key exists)`` per pair."""
 
-    async def read_group(self, stream: str, group: str, consumer: str, count: int,
-                         block_ms: int | None) -> list:
+    async def read_group(
+        self, stream: str, group: str, consumer: str, count: int, block_ms: int | None
+    ) -> list:
         """``XREADGROUP GROUP group consumer COUNT count [BLOCK ms] STREAMS stream >``, in
         redis-py's reply shape; ``block_ms=None`` does not block. Raises redis-py's
         ``ResponseError``, one that starts ``NOGROUP`` where the stream or the group is
@@ -87,8 +89,9 @@ class RedisStore:
             pipe.set(key, value, nx=True, ex=ttl_s, get=True)
         return list(await pipe.execute())
 
-    async def tombstones(self, owner_keys: Sequence[str], value: str, ttl_s: int,
-                         req_keys: Sequence[str]) -> list[tuple[bytes | None, bool]]:
+    async def tombstones(
+        self, owner_keys: Sequence[str], value: str, ttl_s: int, req_keys: Sequence[str]
+    ) -> list[tuple[bytes | None, bool]]:
         pipe = self.redis.pipeline(transaction=False)
         for owner_key, req_key in zip(owner_keys, req_keys):
             pipe.set(owner_key, value, nx=True, ex=ttl_s, get=True)
@@ -96,18 +99,21 @@ class RedisStore:
         res = await pipe.execute()
         return [(old, bool(exists)) for old, exists in zip(res[0::2], res[1::2])]
 
-    async def read_group(self, stream: str, group: str, consumer: str, count: int,
-                         block_ms: int | None) -> list:
+    async def read_group(
+        self, stream: str, group: str, consumer: str, count: int, block_ms: int | None
+    ) -> list:
         try:
-            return await self.redis.xreadgroup(group, consumer, {stream: ">"}, count=count,
-                                               block=block_ms) or []
+            return (
+                await self.redis.xreadgroup(group, consumer, {stream: ">"}, count=count, block=block_ms) or []
+            )
         except ResponseError as e:
             # fakeredis (the embedded server, through either door) says a missing stream's
             # NOGROUP in other words; the bus recreates the group on NOGROUP alone.
             if not str(e).startswith(_FAKEREDIS_NO_STREAM):
                 raise
-            raise ResponseError(f"NOGROUP No such key '{stream}' or consumer group '{group}' "
-                                "in XREADGROUP with GROUP option") from e
+            raise ResponseError(
+                f"NOGROUP No such key '{stream}' or consumer group '{group}' in XREADGROUP with GROUP option"
+            ) from e
 
     async def ack_delete(self, stream: str, group: str, ids: Sequence[bytes]) -> None:
         pipe = self.redis.pipeline(transaction=False)

@@ -62,8 +62,9 @@ return 1
 TAKEN, WRITTEN, DONE = 0, 1, 2
 
 
-def script_args(ttl_s: int, story: list[dict[str, str]], request: dict[str, str] | None = None,
-                maxlen: int | None = None) -> list:
+def script_args(
+    ttl_s: int, story: list[dict[str, str]], request: dict[str, str] | None = None, maxlen: int | None = None
+) -> list:
     """ARGV of :data:`SCRIPT`: the story's encoded events, in order, and the request's."""
     args: list = [str(ttl_s), str(maxlen or 0), str(len(story))]
     for fields in story:

@@ -31,8 +31,10 @@ def served_context(asked: int | None, model: int) -> int:
     if asked is None:
         return model
     if asked < 2 or asked > model:
-        raise ValueError(f"--max-model-len {asked} must be between 2 and the model's context of "
-                         f"{model} tokens (max_position_embeddings in config.json)")
+        raise ValueError(
+            f"--max-model-len {asked} must be between 2 and the model's context of "
+            f"{model} tokens (max_position_embeddings in config.json)"
+        )
     return asked
 
 
@@ -42,8 +44,11 @@ def _byte_decoder() -> dict[str, int]:
     Printable Latin-1 bytes map to themselves; the rest are shifted to code points 256+ in
     byte order, so that every token is a printable string.
     """
-    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-                 + list(range(ord("®"), ord("ÿ") + 1)))
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     table = {}
     shifted = 0
     for b in range(256):
@@ -76,10 +81,19 @@ def _raise_exception(message: str) -> None:
 
 
 class Tokenizer:
-    def __init__(self, tok: tokenizers.Tokenizer, *, name: str = "", chat_template: str | None = None,
-                 bos_token: str | None = None, eos_token: str | None = None,
-                 eos_token_ids: Sequence[int] = (), max_model_len: int = DEFAULT_MAX_MODEL_LEN,
-                 byte_level: bool = True, matryoshka: tuple[int, ...] | bool = False):
+    def __init__(
+        self,
+        tok: tokenizers.Tokenizer,
+        *,
+        name: str = "",
+        chat_template: str | None = None,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        eos_token_ids: Sequence[int] = (),
+        max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+        byte_level: bool = True,
+        matryoshka: tuple[int, ...] | bool = False,
+    ):
         self._tok = tok
         self.name = name
         self.chat_template = chat_template
@@ -125,7 +139,7 @@ class Tokenizer:
 
         eos_ids: list[int] = []
         for source in (cfg.get("eos_token_id"), gen.get("eos_token_id")):
-            for i in (source if isinstance(source, list) else [source]):
+            for i in source if isinstance(source, list) else [source]:
                 if isinstance(i, int) and i not in eos_ids:
                     eos_ids.append(i)
         eos_token = _token_text(tcfg.get("eos_token"))
@@ -133,7 +147,11 @@ class Tokenizer:
             eos_ids.append(tok.token_to_id(eos_token))
 
         dims = cfg.get("matryoshka_dimensions")
-        if isinstance(dims, list) and dims and all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
+        if (
+            isinstance(dims, list)
+            and dims
+            and all(isinstance(d, int) and not isinstance(d, bool) for d in dims)
+        ):
             matryoshka: tuple[int, ...] | bool = tuple(dims)
         else:
             matryoshka = cfg.get("is_matryoshka") is True
@@ -141,11 +159,17 @@ class Tokenizer:
         def is_byte_level(d: dict) -> bool:
             return d.get("type") == "ByteLevel" or any(is_byte_level(x) for x in d.get("decoders") or [])
 
-        return cls(tok, name=os.path.basename(os.path.normpath(path)), chat_template=template,
-                   bos_token=_token_text(tcfg.get("bos_token")), eos_token=eos_token,
-                   eos_token_ids=eos_ids,
-                   max_model_len=cfg.get("max_position_embeddings") or DEFAULT_MAX_MODEL_LEN,
-                   byte_level=is_byte_level(decoder), matryoshka=matryoshka)
+        return cls(
+            tok,
+            name=os.path.basename(os.path.normpath(path)),
+            chat_template=template,
+            bos_token=_token_text(tcfg.get("bos_token")),
+            eos_token=eos_token,
+            eos_token_ids=eos_ids,
+            max_model_len=cfg.get("max_position_embeddings") or DEFAULT_MAX_MODEL_LEN,
+            byte_level=is_byte_level(decoder),
+            matryoshka=matryoshka,
+        )
 
     def with_chat_template(self, template: str) -> "Tokenizer":
         """This tokenizer with another chat template (``--chat-template``), compiled now so a
@@ -208,22 +232,28 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ chat
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **kwargs: Any) -> str:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
         """Render messages with the model's Jinja chat template, as ``transformers`` does."""
         if self._template is None:
             self._compile()
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-                                     **kwargs)
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **kwargs,
+        )
 
     def _compile(self) -> None:
         if not self.chat_template:
-            raise ValueError(f"model {self.name!r} has no chat_template in tokenizer_config.json "
-                             "(give one with --chat-template)")
+            raise ValueError(
+                f"model {self.name!r} has no chat_template in tokenizer_config.json "
+                "(give one with --chat-template)"
+            )
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False,
-                                                                       indent=indent)
+        env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
         self._template = env.from_string(self.chat_template)

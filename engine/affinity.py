@@ -70,8 +70,10 @@ def plan(spec: str, allowed: set[int] | None = None) -> CpuPlan | None:
     else:
         worker = parse_cpus(spec)
         if not worker <= allowed:
-            raise ValueError(f"--worker-cpus {spec}: CPUs {sorted(worker - allowed)} are not "
-                             f"among this process's CPUs {sorted(allowed)}")
+            raise ValueError(
+                f"--worker-cpus {spec}: CPUs {sorted(worker - allowed)} are not "
+                f"among this process's CPUs {sorted(allowed)}"
+            )
     rest = allowed - worker or allowed  # (the worker given them all: the process keeps them too)
     return CpuPlan(frozenset(worker), frozenset(rest))
 
@@ -79,9 +81,12 @@ def plan(spec: str, allowed: set[int] | None = None) -> CpuPlan | None:
 def apply_rest(cpu_plan: CpuPlan) -> None:
     """This process (the engine's, its worker started) onto the plan's other CPUs, said once."""
     pin_this_process(cpu_plan.rest)
-    log.info("model worker on CPUs %s, this process on CPUs %s", _cpu_list(cpu_plan.worker),
-             _cpu_list(cpu_plan.rest),
-             extra={"worker_cpus": sorted(cpu_plan.worker), "cpus": sorted(cpu_plan.rest)})
+    log.info(
+        "model worker on CPUs %s, this process on CPUs %s",
+        _cpu_list(cpu_plan.worker),
+        _cpu_list(cpu_plan.rest),
+        extra={"worker_cpus": sorted(cpu_plan.worker), "cpus": sorted(cpu_plan.rest)},
+    )
 
 
 def _cpu_list(cpus) -> str:

@@ -41,14 +41,22 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
-        for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
-                     "max_model_len", "max_num_waiting"):
+        for name in (
+            "num_blocks",
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_model_len",
+            "max_num_waiting",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"SchedulerConfig.{name} must be an integer >= 1, got {value!r}")
         if self.max_steps_in_flight not in (1, 2):
-            raise ValueError("SchedulerConfig.max_steps_in_flight must be 1 or 2 (a placeholder "
-                             "stands only for the token of the step just before)")
+            raise ValueError(
+                "SchedulerConfig.max_steps_in_flight must be 1 or 2 (a placeholder "
+                "stands only for the token of the step just before)"
+            )
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError("SchedulerConfig.scheduling_policy must be fcfs or priority")
         if self.long_prefill_threshold < 0:
@@ -56,4 +64,5 @@ class SchedulerConfig:
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 "without chunked prefill max_num_batched_tokens must be >= max_model_len, "
-                "or a long prompt (or a preempted request's recompute) could never be scheduled")
+                "or a long prompt (or a preempted request's recompute) could never be scheduled"
+            )

@@ -18,10 +18,17 @@ def _never(_token_id: int) -> bool:
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, stop: tuple[str, ...] = (), include_stop_str_in_output: bool = False,
-                 min_tokens: int = 0, skip_special_tokens: bool = True, ending: frozenset[int] = frozenset()):
+    def __init__(
+        self,
+        tokenizer,
+        stop: tuple[str, ...] = (),
+        include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
+        skip_special_tokens: bool = True,
+        ending: frozenset[int] = frozenset(),
+    ):
         self._tok = tokenizer
-        self._is_special = (getattr(tokenizer, "is_special", _never) if skip_special_tokens else _never)
+        self._is_special = getattr(tokenizer, "is_special", _never) if skip_special_tokens else _never
         # Tokens that end the request (EOS, stop_token_ids): counted, never shown (vLLM's
         # rule; include_stop_str_in_output shows them), even when special tokens are.
         self._ending = frozenset() if include_stop_str_in_output else ending
@@ -40,8 +47,14 @@ class IncrementalDetokenizer:
         tokens are ``eos_token_ids``."""
         eos = tuple(eos_token_ids)
         ending = frozenset(t for t in (*sp.stop_token_ids, *eos) if sp.ends_on(t, eos))
-        return cls(tokenizer, stop=sp.stop, include_stop_str_in_output=sp.include_stop_str_in_output,
-                   min_tokens=sp.min_tokens, skip_special_tokens=sp.skip_special_tokens, ending=ending)
+        return cls(
+            tokenizer,
+            stop=sp.stop,
+            include_stop_str_in_output=sp.include_stop_str_in_output,
+            min_tokens=sp.min_tokens,
+            skip_special_tokens=sp.skip_special_tokens,
+            ending=ending,
+        )
 
     def push(self, token_ids: Iterable[int]) -> tuple[str, str | None]:
         """The new text of ``token_ids`` that is safe to emit, and the stop string if one
@@ -51,8 +64,9 @@ class IncrementalDetokenizer:
         token_ids = tuple(token_ids)
         self._count += len(token_ids)
         ending = self._ending
-        data = b"".join(self._tok.id_to_bytes(t) for t in token_ids
-                        if not self._is_special(t) and t not in ending)
+        data = b"".join(
+            self._tok.id_to_bytes(t) for t in token_ids if not self._is_special(t) and t not in ending
+        )
         held = len(self._held)
         text = self._held + self._utf8.decode(data)
         if not self._stop:
@@ -79,8 +93,8 @@ class IncrementalDetokenizer:
                 if text.endswith(s[:k]):
                     hold = k
                     break
-        self._held = text[len(text) - hold:] if hold else ""
-        return text[:len(text) - hold], None
+        self._held = text[len(text) - hold :] if hold else ""
+        return text[: len(text) - hold], None
 
     def flush(self) -> str:
         """Whatever is still held back (an incomplete character ends as U+FFFD, as decode does)."""

@@ -25,8 +25,19 @@ from typing import Any
 from redis.exceptions import WatchError
 
 from control.bus import Bus
-from control.events import (AbortRequested, BadEvent, BlocksReleased, Claimed, Drained, Event,
-                            Final, Preempted, Request, Tokens, decode)
+from control.events import (
+    AbortRequested,
+    BadEvent,
+    BlocksReleased,
+    Claimed,
+    Drained,
+    Event,
+    Final,
+    Preempted,
+    Request,
+    Tokens,
+    decode,
+)
 from control.keys import GROUP_ENGINES, is_tombstone, owner_engine
 
 
@@ -104,15 +115,22 @@ class OrphanFinder:
         self._requests: dict[bytes, Request | None] = {}
         self._bad: dict[bytes, Any] = {}  # the fields of those that do not decode to a request
 
-    async def scan(self, count: int, mine: Any
-                   ) -> tuple[list[Orphan], list[tuple[bytes, Any]], list[tuple[bytes, str]]]:
+    async def scan(
+        self, count: int, mine: Any
+    ) -> tuple[list[Orphan], list[tuple[bytes, Any]], list[tuple[bytes, str]]]:
         """``(orphans, (entry, fields)s to ack, tombstoned (entry, request id)s to finish and
         ack)``; an entry's fields are those of one that does not decode (to dead-letter: the
         engine that read it died, or Redis failed its dead letter, before one was written),
         None for one deleted; ``mine(request_id)`` says this engine runs it now."""
         r, keys = self.bus.redis, self.bus.keys
-        pending = await r.xpending_range(keys.requests, GROUP_ENGINES, min="-", max="+",
-                                         count=max(count, 1) * 4 + 16, idle=self.min_idle_ms)
+        pending = await r.xpending_range(
+            keys.requests,
+            GROUP_ENGINES,
+            min="-",
+            max="+",
+            count=max(count, 1) * 4 + 16,
+            idle=self.min_idle_ms,
+        )
         ids = [p["message_id"] for p in pending]
         live_ids = set(ids)
         for eid in [e for e in self._requests if e not in live_ids]:
@@ -142,8 +160,7 @@ class OrphanFinder:
             pipe.get(keys.owner(req.request_id))
         owners = [o.decode() if isinstance(o, bytes) else o for o in await pipe.execute()]
         engines = [owner_engine(o) for o in owners]
-        others = sorted({e for o, e in zip(owners, engines)
-                         if e and e != self.id and not is_tombstone(o)})
+        others = sorted({e for o, e in zip(owners, engines) if e and e != self.id and not is_tombstone(o)})
         alive: dict[str, bool] = {}
         if others:
             pipe = r.pipeline(transaction=False)
@@ -176,5 +193,6 @@ def _request_of(rows) -> Request | None:
 async def take_entry(bus: Bus, entry_id: bytes, consumer: str) -> None:
     """Move a pending entry to ``consumer``: it shows who runs it now, and its idle time starts
     over, so peers do not look at it again until this engine, too, goes quiet."""
-    await bus.redis.xclaim(bus.keys.requests, GROUP_ENGINES, consumer, min_idle_time=0,
-                           message_ids=[entry_id], justid=True)
+    await bus.redis.xclaim(
+        bus.keys.requests, GROUP_ENGINES, consumer, min_idle_time=0, message_ids=[entry_id], justid=True
+    )

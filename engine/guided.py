@@ -32,8 +32,9 @@ class Guides:
         self._llg = llguidance
         self.vocab_size = vocab_size
         self.eos = np.asarray(list(eos_token_ids), dtype=np.int64)
-        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
-                                                eos_token=list(eos_token_ids) or None)
+        self.tokenizer = llguidance.LLTokenizer(
+            tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None
+        )
         self._grammars: dict[str, str | None] = {}  # spec -> compiled grammar (None: bad)
         self._matchers: dict[str, tuple[object, int]] = {}  # request -> (matcher, tokens taken)
 
@@ -83,7 +84,7 @@ class Guides:
             mask[self.eos] = True
             return mask
         bits = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)
-        return np.unpackbits(bits, bitorder="little")[:self.vocab_size].astype(bool)
+        return np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
 
     def took(self, rid: str, token: int) -> None:
         """The request sampled ``token`` (from the mask :meth:`allowed` gave)."""

@@ -46,8 +46,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from control.events import (AbortRequested, BlocksReleased, Drained, Event, Final, JournalStart,
-                            JournalStep, Preempted, RequestData, Tokens)
+from control.events import (
+    AbortRequested,
+    BlocksReleased,
+    Drained,
+    Event,
+    Final,
+    JournalStart,
+    JournalStep,
+    Preempted,
+    RequestData,
+    Tokens,
+)
 from engine.config import SchedulerConfig
 from engine.outputs import RunnerOutput, SchedulerOutput
 from engine.scheduler import Scheduler
@@ -61,8 +71,9 @@ def config_to_json(cfg: SchedulerConfig) -> dict[str, Any]:
 
 def config_from_json(d: dict[str, Any]) -> SchedulerConfig:
     known = {f.name for f in dataclasses.fields(SchedulerConfig)}
-    return SchedulerConfig(**{k: (tuple(v) if k == "eos_token_ids" else v)
-                              for k, v in d.items() if k in known})
+    return SchedulerConfig(
+        **{k: (tuple(v) if k == "eos_token_ids" else v) for k, v in d.items() if k in known}
+    )
 
 
 # --------------------------------------------------------------------------- digests
@@ -89,12 +100,24 @@ def _blocks_released(e: BlocksReleased) -> list:
 
 
 def _final(e: Final) -> list:
-    return ["final", e.request_id, e.finish_reason, e.usage.get("completion_tokens", 0),
-            e.stop_reason, e.error]
+    return [
+        "final",
+        e.request_id,
+        e.finish_reason,
+        e.usage.get("completion_tokens", 0),
+        e.stop_reason,
+        e.error,
+    ]
 
 
-_EVENT_DIGESTS = {Tokens: _tokens, Preempted: _preempted, AbortRequested: _abort_requested,
-                  Drained: _drained, BlocksReleased: _blocks_released, Final: _final}
+_EVENT_DIGESTS = {
+    Tokens: _tokens,
+    Preempted: _preempted,
+    AbortRequested: _abort_requested,
+    Drained: _drained,
+    BlocksReleased: _blocks_released,
+    Final: _final,
+}
 
 
 def digest_event(e: Event) -> list:
@@ -157,8 +180,7 @@ class JournalRecorder:
     hands back the step's :class:`JournalStep` (the node stamps ``ts`` when it publishes).
     """
 
-    def __init__(self, scheduler: Scheduler, engine_id: str = "",
-                 clock: Callable[[], float] | None = None):
+    def __init__(self, scheduler: Scheduler, engine_id: str = "", clock: Callable[[], float] | None = None):
         self.scheduler = scheduler
         self.engine_id = engine_id
         # Optional wall clock (e.g. time.time): stamps each call with "t" (ms) so abort-to-
@@ -180,8 +202,9 @@ class JournalRecorder:
         if not self._calls:
             return None
         calls, self._calls = self._calls, []
-        ev = JournalStep(engine=self.engine_id, step=self.scheduler.step, seq=self._seq,
-                         data={"calls": calls})
+        ev = JournalStep(
+            engine=self.engine_id, step=self.scheduler.step, seq=self._seq, data={"calls": calls}
+        )
         self._seq += 1
         return ev
 
@@ -261,20 +284,19 @@ class JournalRecorder:
             self._held = []
         return evs
 
-    def add(self, request_id: str, data: RequestData,
-            generated: tuple[int, ...] = ()) -> list[Event]:
+    def add(self, request_id: str, data: RequestData, generated: tuple[int, ...] = ()) -> list[Event]:
         call: dict[str, Any] = {"op": "add", "rid": request_id, "data": data.to_json()}
         if generated:  # a resumed request (failover, drain hand-back)
             call["gen"] = [int(t) for t in generated]
         return self._record(call, self.scheduler.add, request_id, data, tuple(generated))
 
     def abort(self, request_id: str, source: str) -> list[Event]:
-        return self._record({"op": "abort", "rid": request_id, "source": source},
-                            self.scheduler.abort, request_id, source)
+        return self._record(
+            {"op": "abort", "rid": request_id, "source": source}, self.scheduler.abort, request_id, source
+        )
 
     def abort_all(self, source: str) -> list[Event]:
-        return self._record({"op": "abort_all", "source": source},
-                            self.scheduler.abort_all, source)
+        return self._record({"op": "abort_all", "source": source}, self.scheduler.abort_all, source)
 
     def schedule(self) -> SchedulerOutput:
         call: dict[str, Any] = {"op": "schedule"}
@@ -312,19 +334,28 @@ class JournalRecorder:
         return self._record(call, self.scheduler.finished, step, ran)
 
     def skipped(self, step: int, request_ids) -> list[Event]:
-        return self._record({"op": "skip", "step": step, "rids": list(request_ids)},
-                            self.scheduler.skipped, step, list(request_ids))
+        return self._record(
+            {"op": "skip", "step": step, "rids": list(request_ids)},
+            self.scheduler.skipped,
+            step,
+            list(request_ids),
+        )
 
     def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[Event]:
-        call = {"op": "update", "step": out.step, "rstep": result.step,
-                "sampled": {k: int(v) for k, v in result.sampled.items()},
-                "stopped": dict(result.stopped)}
+        call = {
+            "op": "update",
+            "step": out.step,
+            "rstep": result.step,
+            "sampled": {k: int(v) for k, v in result.sampled.items()},
+            "stopped": dict(result.stopped),
+        }
         if result.failed:
             call["failed"] = dict(result.failed)
         return self._record(call, self.scheduler.update, out, result)
 
 
-def journaled(scheduler: Scheduler, engine_id: str = "", enabled: bool = True,
-              clock: Callable[[], float] | None = None):
+def journaled(
+    scheduler: Scheduler, engine_id: str = "", enabled: bool = True, clock: Callable[[], float] | None = None
+):
     """The scheduler the node should drive: recorded, or bare when the journal is off."""
     return JournalRecorder(scheduler, engine_id, clock) if enabled else scheduler

@@ -27,28 +27,47 @@ class Generation:
 
 
 class LLM:
-    def __init__(self, runner, tokenizer, *, block_size: int = 16, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 2048, async_scheduling: bool = False,
-                 enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        runner,
+        tokenizer,
+        *,
+        block_size: int = 16,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        async_scheduling: bool = False,
+        enable_prefix_caching: bool = True,
+    ):
         self.runner = runner
         self.tokenizer = tokenizer
         self.cfg = SchedulerConfig(
-            num_blocks=runner.num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=runner.max_model_len,
+            num_blocks=runner.num_blocks,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=runner.max_model_len,
             eos_token_ids=tuple(runner.eos_token_ids),
             max_steps_in_flight=2 if async_scheduling else 1,
-            enable_prefix_caching=enable_prefix_caching)
+            enable_prefix_caching=enable_prefix_caching,
+        )
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams],
-                 clock=None, on_event=None) -> list[Generation]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams | list[SamplingParams],
+        clock=None,
+        on_event=None,
+    ) -> list[Generation]:
         """Run ``prompts`` to completion; ``on_event`` sees every event the scheduler emits."""
         import time
 
         clock = clock or time.perf_counter
+
         def fold(gens, detoks, ev, clock):
             if on_event is not None:
                 on_event(ev)
             self._fold(gens, detoks, ev, clock)
+
         sched = Scheduler(self.cfg)
         sps = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         gens: dict[str, Generation] = {}

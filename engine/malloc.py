@@ -35,7 +35,8 @@ def pin_thresholds() -> bool:
         return _done
     _done = False
     if not sys.platform.startswith("linux") or any(
-            k in os.environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")):
+        k in os.environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+    ):
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -44,5 +45,6 @@ def pin_thresholds() -> bool:
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     _done = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
-        mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+        mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    )
     return _done

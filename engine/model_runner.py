@@ -25,8 +25,8 @@ from typing import Sequence
 import numpy as np
 import paddle
 
-from engine.model.llama import AttnGroup, ForwardBatch, Llama, attention_mask, key_blocks
 from engine.malloc import pin_thresholds
+from engine.model.llama import AttnGroup, ForwardBatch, Llama, attention_mask, key_blocks
 from engine.model.loader import load_model
 from engine.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from engine.sampler import Sampler, token_logprobs
@@ -64,16 +64,30 @@ def _packed(device: str, batch_invariant: bool) -> bool:
 
 
 class ModelRunner:
-    def __init__(self, model_dir: str, *, device: str = "cpu", num_blocks: int | None = None,
-                 block_size: int = 16, kv_cache_bytes: int | None = None, seed: int = 0,
-                 batch_invariant: bool = False, progress: bool = False,
-                 lora_modules: dict[str, str] | None = None, max_lora_rank: int | None = None):
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        device: str = "cpu",
+        num_blocks: int | None = None,
+        block_size: int = 16,
+        kv_cache_bytes: int | None = None,
+        seed: int = 0,
+        batch_invariant: bool = False,
+        progress: bool = False,
+        lora_modules: dict[str, str] | None = None,
+        max_lora_rank: int | None = None,
+    ):
         pin_thresholds()  # step buffers on the heap, not fresh mmaps (engine/malloc.py)
         paddle.set_device(device)
         self.device = device
-        self.model: Llama = load_model(model_dir, device, progress=progress,
-                                       batch_invariant=batch_invariant,
-                                       packed=_packed(device, batch_invariant))
+        self.model: Llama = load_model(
+            model_dir,
+            device,
+            progress=progress,
+            batch_invariant=batch_invariant,
+            packed=_packed(device, batch_invariant),
+        )
         self.block_size = block_size
         if num_blocks is None:
             budget = kv_cache_bytes or DEFAULT_KV_CACHE_BYTES["cpu" if device == "cpu" else "gpu"]
@@ -124,16 +138,23 @@ class ModelRunner:
         lost, self._lost = self._lost, frozenset()
         doomed: dict[str, str] = {}
         if lost:
-            doomed = {s.request_id: "its step before failed" for s in out.seqs
-                      if s.request_id in lost and s.token_ids == (PLACEHOLDER,)}
+            doomed = {
+                s.request_id: "its step before failed"
+                for s in out.seqs
+                if s.request_id in lost and s.token_ids == (PLACEHOLDER,)
+            }
             if doomed:
                 out = replace(out, seqs=tuple(s for s in out.seqs if s.request_id not in doomed))
         last = self._last_sampled
         try:
             result = self._step(out)
         except Exception:  # noqa: BLE001 - whose it is, the requests one at a time tell
-            log.warning("step %d failed; running its %d request(s) one at a time", out.step,
-                        len(out.seqs), exc_info=True)
+            log.warning(
+                "step %d failed; running its %d request(s) one at a time",
+                out.step,
+                len(out.seqs),
+                exc_info=True,
+            )
             result = None
         if result is None:  # (out of the handler: each request's failure is told on its own)
             result = self._isolate(out, last)
@@ -165,8 +186,14 @@ class ModelRunner:
             prompt_lp.update(r.prompt_logprobs)
             embeddings.update(r.embeddings)
         self._last_sampled = sampled
-        return RunnerOutput(step=out.step, sampled=sampled, logprobs=logprobs, prompt_logprobs=prompt_lp,
-                            embeddings=embeddings, failed=failed)
+        return RunnerOutput(
+            step=out.step,
+            sampled=sampled,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_lp,
+            embeddings=embeddings,
+            failed=failed,
+        )
 
     def _step(self, out: SchedulerOutput) -> RunnerOutput:
         if not out.seqs:
@@ -178,9 +205,9 @@ class ModelRunner:
         if scored or embed:
             h = self.model.hidden(batch)
             prompt_lp = self._prompt_logprobs(h, len(sampled), scored) if scored else {}
-            logits = self.model.head(h[:self.model.pad_rows(len(sampled))]) if sampled else None
+            logits = self.model.head(h[: self.model.pad_rows(len(sampled))]) if sampled else None
             if embed:  # (row i: sampled[i]'s last token, here its prompt's last)
-                rows = h[:len(sampled)].numpy().astype("<f4", copy=False)
+                rows = h[: len(sampled)].numpy().astype("<f4", copy=False)
                 embeddings = {sampled[i].request_id: rows[i].tobytes() for i in embed}
         else:
             logits, prompt_lp = self.model.forward(batch), {}
@@ -200,11 +227,15 @@ class ModelRunner:
                 allowed = self.guides.allowed(s.request_id, s.sampling.guided, self._seen(s)[1])
                 if allowed is not None:  # (None: its grammar has not begun)
                     rows[i][~allowed] = -np.inf
-            tokens = self.sampler.sample(rows, [s.sampling for s in sampled],
-                                         [s.num_generated for s in sampled],
-                                         [self._seen(s) if s.sampling.penalized or s.sampling.bad_words_ids
-                                          else None
-                                          for s in sampled])
+            tokens = self.sampler.sample(
+                rows,
+                [s.sampling for s in sampled],
+                [s.num_generated for s in sampled],
+                [
+                    self._seen(s) if s.sampling.penalized or s.sampling.bad_words_ids else None
+                    for s in sampled
+                ],
+            )
         if guided or self._guides is not None:
             for i in guided:
                 self.guides.took(sampled[i].request_id, tokens[i])
@@ -212,12 +243,20 @@ class ModelRunner:
         self._last_sampled = {s.request_id: t for s, t in zip(sampled, tokens)}
         wanted = [i for i, s in enumerate(sampled) if s.sampling.logprobs is not None]
         if not wanted:
-            return RunnerOutput(step=out.step, sampled=self._last_sampled, prompt_logprobs=prompt_lp,
-                                embeddings=embeddings)
+            return RunnerOutput(
+                step=out.step, sampled=self._last_sampled, prompt_logprobs=prompt_lp, embeddings=embeddings
+            )
         rows = logits.numpy()[:n]
-        return RunnerOutput(step=out.step, sampled=self._last_sampled, logprobs={
-            sampled[i].request_id: token_logprobs(rows[i], tokens[i], sampled[i].sampling.logprobs)
-            for i in wanted}, prompt_logprobs=prompt_lp, embeddings=embeddings)
+        return RunnerOutput(
+            step=out.step,
+            sampled=self._last_sampled,
+            logprobs={
+                sampled[i].request_id: token_logprobs(rows[i], tokens[i], sampled[i].sampling.logprobs)
+                for i in wanted
+            },
+            prompt_logprobs=prompt_lp,
+            embeddings=embeddings,
+        )
 
     def _prompt_logprobs(self, h, n: int, scored: list) -> dict[str, tuple[int, tuple]]:
         """The prompt tokens' log-probabilities of the seqs that asked, from the hidden rows
@@ -227,14 +266,16 @@ class ModelRunner:
         targets = [(s, t) for s, _, ts in scored for t in ts]
         lps: list = []
         for a in range(0, len(targets), SCORE_ROWS):
-            part = targets[a:a + SCORE_ROWS]
-            rows = self.model.head(h[n + a:n + a + len(part)]).numpy()
+            part = targets[a : a + SCORE_ROWS]
+            rows = self.model.head(h[n + a : n + a + len(part)]).numpy()
             # each with the token's rank in its row, 1 the likeliest (vLLM's prompt_logprobs)
-            lps.extend((*token_logprobs(row, t, s.sampling.prompt_logprobs), int((row > row[t]).sum()) + 1)
-                       for row, (s, t) in zip(rows, part))
+            lps.extend(
+                (*token_logprobs(row, t, s.sampling.prompt_logprobs), int((row > row[t]).sum()) + 1)
+                for row, (s, t) in zip(rows, part)
+            )
         out, r = {}, 0
         for s, first, ts in scored:
-            out[s.request_id] = (first, tuple(lps[r:r + len(ts)]))
+            out[s.request_id] = (first, tuple(lps[r : r + len(ts)]))
             r += len(ts)
         return out
 
@@ -251,20 +292,22 @@ class ModelRunner:
         """(prompt, output) tokens of a penalized request so far: the scheduler's, plus the one
         this runner sampled for it in the step just before if the scheduler has not got it yet
         (async scheduling: then the scheduler counts it in ``num_generated`` only)."""
-        prompt, output = s.history[:s.num_prompt_tokens], s.history[s.num_prompt_tokens:]
+        prompt, output = s.history[: s.num_prompt_tokens], s.history[s.num_prompt_tokens :]
         missing = s.num_generated - len(output)
         if missing:
             last = self._last_sampled.get(s.request_id)
             if missing != 1 or last is None:
-                raise RuntimeError(f"{s.request_id!r}: {missing} generated token(s) neither in its "
-                                   "history nor sampled in the step before (steps out of order?)")
+                raise RuntimeError(
+                    f"{s.request_id!r}: {missing} generated token(s) neither in its "
+                    "history nor sampled in the step before (steps out of order?)"
+                )
             output += (last,)
         return prompt, output
 
     def logits(self, out: SchedulerOutput) -> np.ndarray:
         """The logits [num sampled seqs, vocab] of a step (tests and debugging)."""
         batch, sampled = self.prepare(out.seqs)
-        return self.model.forward(batch).numpy()[:len(sampled)]
+        return self.model.forward(batch).numpy()[: len(sampled)]
 
     def warmup(self) -> None:
         """One prefill and one decode through scratch blocks, so first requests do not pay for
@@ -280,8 +323,9 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ batch
 
-    def prepare(self, seqs: Sequence[ScheduledSeq],
-                scored: list | None = None) -> tuple[ForwardBatch, list[ScheduledSeq]]:
+    def prepare(
+        self, seqs: Sequence[ScheduledSeq], scored: list | None = None
+    ) -> tuple[ForwardBatch, list[ScheduledSeq]]:
         """The flattened batch of a step, and the seqs to sample for (in logits-row order).
         ``scored``, if given, gets ``(seq, position of its first scored prompt token, those
         tokens)`` for each seq scoring its prompt (``prompt_len``): their rows' logits follow
@@ -306,9 +350,11 @@ class ModelRunner:
                     try:
                         t = last[s.request_id]
                     except KeyError:
-                        raise RuntimeError(f"{s.request_id!r}: a placeholder with no token "
-                                           "sampled for it in the step before (steps out of "
-                                           "order?)") from None
+                        raise RuntimeError(
+                            f"{s.request_id!r}: a placeholder with no token "
+                            "sampled for it in the step before (steps out of "
+                            "order?)"
+                        ) from None
                 ids.append(t)
                 p = s.start_pos
                 pos.append(p)
@@ -343,7 +389,7 @@ class ModelRunner:
             tables = np.zeros((S, nb), dtype=np.int64)  # padding gathers block 0: masked anyway
             for r, i in enumerate(members):
                 bt = seqs[i].block_table[:nb]
-                tables[r, :len(bt)] = bt
+                tables[r, : len(bt)] = bt
             if qmax == 1:
                 q_index = np.asarray([starts[i] for i in members])
                 qpos = np.asarray([seqs[i].start_pos for i in members])[:, None]
@@ -354,7 +400,7 @@ class ModelRunner:
                 for r, (i, q) in enumerate(zip(members, qlens)):
                     q_index[r, :q] = np.arange(starts[i], starts[i] + q)
                     qpos[r, :q] = np.arange(seqs[i].start_pos, seqs[i].start_pos + q)
-                    out_index[starts[i]:starts[i] + q] = offset + r * qmax + np.arange(q)
+                    out_index[starts[i] : starts[i] + q] = offset + r * qmax + np.arange(q)
             q_index = q_index.reshape(-1)
             same = len(q_index) == tp and np.array_equal(q_index, np.arange(tp))
             identity = identity and same and not shapes
@@ -378,7 +424,7 @@ class ModelRunner:
                 end = min(s.start_pos + len(s.token_ids), s.prompt_len - 1)
                 if end <= s.start_pos:
                     continue
-                targets = list(s.token_ids[1:end - s.start_pos + 1])
+                targets = list(s.token_ids[1 : end - s.start_pos + 1])
                 if len(targets) < end - s.start_pos:
                     targets.append(s.prompt_next)
                 rows.extend(range(starts[i], starts[i] + end - s.start_pos))
@@ -392,13 +438,26 @@ class ModelRunner:
         groups = []
         for S, qmax, L, has_q in shapes:
             q_index = next(it) if has_q else None
-            groups.append(AttnGroup(num_seqs=S, max_q=qmax, num_keys=L, q_index=q_index,
-                                    ctx_blocks=next(it),
-                                    mask=next(mt).reshape([S, 1, qmax, 1, L])))
+            groups.append(
+                AttnGroup(
+                    num_seqs=S,
+                    max_q=qmax,
+                    num_keys=L,
+                    q_index=q_index,
+                    ctx_blocks=next(it),
+                    mask=next(mt).reshape([S, 1, qmax, 1, L]),
+                )
+            )
         out_idx = None if identity else next(it)
-        batch = ForwardBatch(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
-                             groups=groups, out_index=out_idx, logits_index=next(it),
-                             lora=self._lora_rows(seqs, starts))
+        batch = ForwardBatch(
+            input_ids=input_ids,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            groups=groups,
+            out_index=out_idx,
+            logits_index=next(it),
+            lora=self._lora_rows(seqs, starts),
+        )
         return batch, sampled
 
     def _lora_rows(self, seqs: Sequence[ScheduledSeq], starts: list[int]) -> tuple:
@@ -409,7 +468,9 @@ class ModelRunner:
                 try:
                     slot = self.lora_slots[s.sampling.lora]
                 except KeyError:
-                    raise RuntimeError(f"{s.request_id!r}: no LoRA adapter {s.sampling.lora!r} here") from None
+                    raise RuntimeError(
+                        f"{s.request_id!r}: no LoRA adapter {s.sampling.lora!r} here"
+                    ) from None
                 rows.setdefault(slot, []).extend(range(start, start + len(s.token_ids)))
         if not rows:
             return ()

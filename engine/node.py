@@ -48,8 +48,6 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from control.bus import Bus, entry_id_key
-from control.guided import GuidedError
-from control.guided import check as check_guided
 from control.events import (
     Abort,
     AbortAll,
@@ -71,8 +69,9 @@ from control.events import (
     tombstone_story,
 )
 from control.fence import Refused
-from control.keys import (ABORT_WRITTEN, choice_ids, is_tombstone, owner_attempt, owner_choices,
-                          owner_token)
+from control.guided import GuidedError
+from control.guided import check as check_guided
+from control.keys import ABORT_WRITTEN, choice_ids, is_tombstone, owner_attempt, owner_choices, owner_token
 from control.tokenizer import served_context
 from engine import failover
 from engine.adapters import Adapters
@@ -167,8 +166,15 @@ class _Stopped(Exception):
 
 
 class EngineNode:
-    def __init__(self, bus: Bus, control_bus: Bus, runner: Runner, tokenizer: Any,
-                 cfg: EngineConfig, metrics: Any = None):
+    def __init__(
+        self,
+        bus: Bus,
+        control_bus: Bus,
+        runner: Runner,
+        tokenizer: Any,
+        cfg: EngineConfig,
+        metrics: Any = None,
+    ):
         # Two clients: the control reader blocks on its own connection, so a blocked XREAD
         # never holds up the step loop's XREADGROUP and XADDs.
         self.bus = bus
@@ -178,24 +184,37 @@ class EngineNode:
         self.cfg = cfg
         self.metrics = metrics
         self.id = cfg.engine_id
-        self.sched = journaled(Scheduler(SchedulerConfig(
-            num_blocks=runner.num_blocks,
-            block_size=cfg.block_size,
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_model_len=served_context(cfg.max_model_len, runner.max_model_len),
-            eos_token_ids=tuple(runner.eos_token_ids),
-            max_num_waiting=cfg.max_num_waiting,
-            vocab_size=int(getattr(runner, "vocab_size", 0) or 0),
-            max_steps_in_flight=2 if cfg.async_scheduling else 1,
-            enable_prefix_caching=cfg.enable_prefix_caching,
-            scheduling_policy=cfg.scheduling_policy,
-        )), self.id, enabled=cfg.journal, clock=time.time)
+        self.sched = journaled(
+            Scheduler(
+                SchedulerConfig(
+                    num_blocks=runner.num_blocks,
+                    block_size=cfg.block_size,
+                    max_num_seqs=cfg.max_num_seqs,
+                    max_num_batched_tokens=cfg.max_num_batched_tokens,
+                    max_model_len=served_context(cfg.max_model_len, runner.max_model_len),
+                    eos_token_ids=tuple(runner.eos_token_ids),
+                    max_num_waiting=cfg.max_num_waiting,
+                    vocab_size=int(getattr(runner, "vocab_size", 0) or 0),
+                    max_steps_in_flight=2 if cfg.async_scheduling else 1,
+                    enable_prefix_caching=cfg.enable_prefix_caching,
+                    scheduling_policy=cfg.scheduling_policy,
+                )
+            ),
+            self.id,
+            enabled=cfg.journal,
+            clock=time.time,
+        )
         context, kv = self.sched.config.max_model_len, runner.num_blocks * cfg.block_size
         if kv < context:  # (vLLM refuses to start; here such a request ends early instead)
-            log.warning("the KV cache holds %d tokens, fewer than the context of %d: a request "
-                        "that outgrows it ends with finish_reason length (give --max-model-len "
-                        "%d, or more --kv-cache-mb)", kv, context, kv, extra={"engine": cfg.engine_id})
+            log.warning(
+                "the KV cache holds %d tokens, fewer than the context of %d: a request "
+                "that outgrows it ends with finish_reason length (give --max-model-len "
+                "%d, or more --kv-cache-mb)",
+                kv,
+                context,
+                kv,
+                extra={"engine": cfg.engine_id},
+            )
         self._entry: dict[str, bytes] = {}  # request id -> its P:requests entry, XACKed at final
         self._request: dict[str, Request] = {}  # what was claimed, for a drain's hand-back
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -307,6 +326,7 @@ class EngineNode:
                     loop.call_soon_threadsafe(self._on_skipped, step, rids)
                 except RuntimeError:
                     pass  # the loop is closed: the engine stopped
+
             self.runner.on_skipped = on_skipped
         if isinstance(self.sched, JournalRecorder):
             start = self.sched.start_record()
@@ -417,10 +437,12 @@ class EngineNode:
         io_turn = getattr(loop, "io_turn", None)  # fd serve's loop (fd.eventloop)
         look: Callable[[], Awaitable[None]] | None = None
         if io_turn is not None:
+
             async def look_at_sockets() -> None:
                 """One look at the sockets, their callbacks, then straight back here."""
                 self._resume_first = True
                 await io_turn()
+
             look = look_at_sockets
         # Runs while steps are in flight, even when stopping: a step's result is never left
         # behind (its tokens are published, its aborts drained).
@@ -661,17 +683,26 @@ class EngineNode:
         fresh = [req.request_id for _, req in got if not req.resume]
         if len(fresh) > 1:
             try:
-                owned = dict(zip(fresh, await self.bus.try_own_many(
-                    fresh, owner_token(self.id, 1), self.bus.req_ttl_s)))
+                owned = dict(
+                    zip(
+                        fresh, await self.bus.try_own_many(fresh, owner_token(self.id, 1), self.bus.req_ttl_s)
+                    )
+                )
             except RETRYABLE as e:
                 self._redis_failed("claim", e)  # (then each is owned on its own below)
         for entry_id, req in got:
             await self._admit(entry_id, req, owned=owned.get(req.request_id))
         return len(got)
 
-    async def _admit(self, entry_id: bytes, req: Request, *, takeover: bool = False,
-                     owner: str | None = None,
-                     owned: tuple[bool, str | None] | None = None) -> None:
+    async def _admit(
+        self,
+        entry_id: bytes,
+        req: Request,
+        *,
+        takeover: bool = False,
+        owner: str | None = None,
+        owned: tuple[bool, str | None] | None = None,
+    ) -> None:
         """Own the request and start it: a new one, one handed back by a draining engine
         (``req.resume``), or, with ``takeover``, one whose owner (``owner``) is dead."""
         rid = req.request_id
@@ -693,8 +724,14 @@ class EngineNode:
         finally:
             self._admitting.discard(rid)
 
-    async def _own(self, entry_id: bytes, req: Request, takeover: bool, owner: str | None,
-                   owned: tuple[bool, str | None] | None = None) -> tuple[History, str] | None:
+    async def _own(
+        self,
+        entry_id: bytes,
+        req: Request,
+        takeover: bool,
+        owner: str | None,
+        owned: tuple[bool, str | None] | None = None,
+    ) -> tuple[History, str] | None:
         """Take the owner key with a token of a new attempt (control.keys.owner_token), and
         read what the story says: ``(history, token)``, or None (not ours, or done).
 
@@ -711,8 +748,7 @@ class EngineNode:
             if last is None:
                 last = History.of([ev for _, ev in await self.bus.read_req(rid)]).attempt
             token = owner_token(self.id, last + 1)
-            if not await failover.cas_owner(self.bus.redis, self.bus.keys.owner(rid), owner,
-                                            token, ttl):
+            if not await failover.cas_owner(self.bus.redis, self.bus.keys.owner(rid), owner, token, ttl):
                 return None  # another engine was faster, or an abort won
             await failover.take_entry(self.bus, entry_id, self.id)
         else:
@@ -751,8 +787,9 @@ class EngineNode:
         """A second ``P:requests`` entry of a request this engine runs or finished: nothing
         to run, so it leaves the stream (else it stays pending on this live engine, which the
         failover scan never takes from, until the owner key expires)."""
-        log.warning("a second entry of the request; acknowledged", extra={"request_id": rid,
-                                                                        "engine": self.id})
+        log.warning(
+            "a second entry of the request; acknowledged", extra={"request_id": rid, "engine": self.id}
+        )
         try:
             await self.bus.ack_request(entry_id)
         except RETRYABLE as e:  # (still pending: the next look at it acks it)
@@ -766,8 +803,7 @@ class EngineNode:
         self._token[rid] = token
         self._renewed[rid] = time.monotonic()
         n_prompt, n_gen = len(data.prompt_token_ids), len(hist.tokens)
-        usage = {"prompt_tokens": n_prompt, "completion_tokens": n_gen,
-                 "total_tokens": n_prompt + n_gen}
+        usage = {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
         dismissed = self._dismissed.pop(rid, None)
         if dismissed is not None or "abort_requested" in hist.noted:
             # Aborted while no live engine ran it (its owner had died, or was handing it back):
@@ -785,23 +821,44 @@ class EngineNode:
             self._emit(evs)
             return
         if hist.failures >= self.cfg.max_attempts:
-            msg = (f"request failed on {hist.failures} engine(s); giving up after "
-                   f"max_attempts={self.cfg.max_attempts}")
+            msg = (
+                f"request failed on {hist.failures} engine(s); giving up after "
+                f"max_attempts={self.cfg.max_attempts}"
+            )
             log.warning(msg, extra={"request_id": rid, "engine": self.id})
-            self._emit([Final(request_id=rid, finish_reason="error", usage=usage, error=msg,
-                              step=self.sched.step)])
+            self._emit(
+                [Final(request_id=rid, finish_reason="error", usage=usage, error=msg, step=self.sched.step)]
+            )
             return
         sp = data.sampling
         if sp.lora and sp.lora not in self.adapters.ready:
-            self._emit([Final(request_id=rid, finish_reason="error", usage=usage, step=self.sched.step,
-                              error=f"this engine has no LoRA adapter {sp.lora!r} (see --lora-modules)")])
+            self._emit(
+                [
+                    Final(
+                        request_id=rid,
+                        finish_reason="error",
+                        usage=usage,
+                        step=self.sched.step,
+                        error=f"this engine has no LoRA adapter {sp.lora!r} (see --lora-modules)",
+                    )
+                ]
+            )
             return
         if sp.guided:  # (the API checked it; a hand-written request may not have been)
             try:
                 check_guided(sp.guided)
             except GuidedError as e:
-                self._emit([Final(request_id=rid, finish_reason="error", usage=usage,
-                                  error=f"sampling.guided does not compile: {e}", step=self.sched.step)])
+                self._emit(
+                    [
+                        Final(
+                            request_id=rid,
+                            finish_reason="error",
+                            usage=usage,
+                            error=f"sampling.guided does not compile: {e}",
+                            step=self.sched.step,
+                        )
+                    ]
+                )
                 return
         detok = IncrementalDetokenizer.for_request(self.tokenizer, sp, self.sched.config.eos_token_ids)
         tail = ""
@@ -811,7 +868,7 @@ class EngineNode:
             # and never published is the difference, and goes out first.
             primed, _ = detok.push(hist.tokens)
             if primed.startswith(hist.text):
-                tail = primed[len(hist.text):]
+                tail = primed[len(hist.text) :]
         self._detok[rid] = detok
         if sp.prompt_logprobs is not None and not hist.tokens:  # (a takeover: shown already)
             self._prompt_lp[rid] = {}
@@ -845,8 +902,11 @@ class EngineNode:
             if stop is not None:
                 stopped[rid] = stop
         if failed:
-            result = replace(result, sampled={r: t for r, t in result.sampled.items() if r not in failed},
-                             failed={**result.failed, **failed})
+            result = replace(
+                result,
+                sampled={r: t for r, t in result.sampled.items() if r not in failed},
+                failed={**result.failed, **failed},
+            )
         if stopped:
             result = replace(result, stopped={**result.stopped, **stopped})
         for rid, (first, entries) in result.prompt_logprobs.items():
@@ -894,21 +954,36 @@ class EngineNode:
             self._emit(evs)  # bookkeeping only: silent
             if entry is None or req is None:
                 continue
-            self._outbox.append((self.bus.keys.req(rid), Preempted(
-                request_id=rid, count=count, engine=self.id, step=self.sched.step, handback=True,
-                ts=int(time.time() * 1000))))
+            self._outbox.append(
+                (
+                    self.bus.keys.req(rid),
+                    Preempted(
+                        request_id=rid,
+                        count=count,
+                        engine=self.id,
+                        step=self.sched.step,
+                        handback=True,
+                        ts=int(time.time() * 1000),
+                    ),
+                )
+            )
             if token is not None:
                 back.append((rid, entry, req, token))
         await self._flush()  # the notes (and every token before them) first
         for rid, entry, req, token in back:
             key = self.bus.keys.owner(rid)
             # The owner key goes before the request is re-queued: a claimer must find it free.
-            released = await self._retry("hand back", lambda: failover.cas_owner(
-                self.bus.redis, key, token, None, self.bus.req_ttl_s))
+            released = await self._retry(
+                "hand back", lambda: failover.cas_owner(self.bus.redis, key, token, None, self.bus.req_ttl_s)
+            )
             if not released:
                 continue  # no longer ours (taken over meanwhile): nothing to hand back
-            await self._retry("hand back", lambda: self.bus.publish_many(
-                [(self.bus.keys.requests, replace(req, resume=True, ts=0))], ack=[entry]))
+            await self._retry(
+                "hand back",
+                lambda: self.bus.publish_many(
+                    [(self.bus.keys.requests, replace(req, resume=True, ts=0))], ack=[entry]
+                ),
+            )
             self.handed_back += 1
             log.info("handed back", extra={"request_id": rid, "engine": self.id})
 
@@ -992,9 +1067,12 @@ class EngineNode:
         def done(w) -> None:  # on the step thread
             e = w.exception()
             try:
-                loop.call_soon_threadsafe(self._lora_done, name, None if e is None else f"{type(e).__name__}: {e}")
+                loop.call_soon_threadsafe(
+                    self._lora_done, name, None if e is None else f"{type(e).__name__}: {e}"
+                )
             except RuntimeError:
                 pass  # the loop is closed: the engine stopped
+
         work.add_done_callback(done)
 
     def _lora_done(self, name: str, error: str | None) -> None:
@@ -1016,7 +1094,8 @@ class EngineNode:
     def _beat_now(self) -> None:
         """Write the heartbeat now (an API node waits on it for an adapter's load)."""
         task = asyncio.get_running_loop().create_task(
-            self.bus.heartbeat(self.id, self.status(), self.cfg.heartbeat_ttl_s))
+            self.bus.heartbeat(self.id, self.status(), self.cfg.heartbeat_ttl_s)
+        )
         self._beats.add(task)
         task.add_done_callback(self._beats.discard)
 
@@ -1073,16 +1152,20 @@ class EngineNode:
             rids = dict.fromkeys((*self._entry, *self._admitting))
         else:
             until = entry_id_key(entry_id)[0]
-            rids = dict.fromkeys(rid for rid in self._entry if (req := self._request.get(rid)) is None
-                                 or req.data.arrival_ts <= until)
+            rids = dict.fromkeys(
+                rid
+                for rid in self._entry
+                if (req := self._request.get(rid)) is None or req.data.arrival_ts <= until
+            )
             queued = await self._retry("abort_all", lambda: self.bus.queued_until(entry_id))
             for entry, rid in queued:
                 rids[rid] = None
                 entries[rid] = entry
         await self._abort(tuple(rids), ev.source, entries)
 
-    async def _abort(self, rids: tuple[str, ...], source: str,
-                     entries: Mapping[str, bytes] | None = None) -> None:
+    async def _abort(
+        self, rids: tuple[str, ...], source: str, entries: Mapping[str, bytes] | None = None
+    ) -> None:
         """``entries``: the ``P:requests`` entries of some of ``rids`` (``abort_all``'s scan):
         one whose tombstone this engine lays is acknowledged and deleted with its story, so no
         engine claims it only to find the tombstone."""
@@ -1105,9 +1188,10 @@ class EngineNode:
         # whoever meets the tombstone next (the API submitting it, an engine claiming it).
         results = []
         for i in range(0, len(unknown), TOMBSTONE_BATCH):
-            batch = unknown[i:i + TOMBSTONE_BATCH]
-            results += await self._retry("abort", lambda: self.bus.tombstone_many(
-                batch, source, self.cfg.tombstone_ttl_s))
+            batch = unknown[i : i + TOMBSTONE_BATCH]
+            results += await self._retry(
+                "abort", lambda: self.bus.tombstone_many(batch, source, self.cfg.tombstone_ttl_s)
+            )
             await asyncio.sleep(0)  # an in-process Redis runs each batch on this loop: let others in
         choices: list[str] = []
         for rid, (won, owner, exists) in zip(unknown, results):
@@ -1119,8 +1203,12 @@ class EngineNode:
                         self._ack.append((rid, entries[rid]))  # (after the story: see _flush)
             elif (n := owner_choices(owner)) is not None:
                 choices += choice_ids(rid, n)  # a response of n choices: abort each of them
-            elif owner is not None and owner == self._token.get(rid) and self.sched.knows(rid) \
-                    and rid not in self._silent:
+            elif (
+                owner is not None
+                and owner == self._token.get(rid)
+                and self.sched.knows(rid)
+                and rid not in self._silent
+            ):
                 # This engine's claim won while the tombstones were on their way, and started
                 # the request meanwhile: it is an abort of a known request now.
                 evs = self.sched.abort(rid, source)
@@ -1168,15 +1256,20 @@ class EngineNode:
         if self.metrics is not None:
             counter = self._abort_counters.get(source)
             if counter is None:  # (labels() is slow enough to show in a 1,000-id abort)
-                counter = self._abort_counters[source] = \
-                    self.metrics.abort_requests_total.labels(source=source)
+                counter = self._abort_counters[source] = self.metrics.abort_requests_total.labels(
+                    source=source
+                )
             counter.inc(n)
 
     # ------------------------------------------------------------------ output
 
-    def _emit(self, evs: list[Event], texts: dict[str, str] | None = None,
-              logprobs: dict[str, tuple[float, tuple]] | None = None,
-              embeddings: dict[str, bytes] | None = None) -> None:
+    def _emit(
+        self,
+        evs: list[Event],
+        texts: dict[str, str] | None = None,
+        logprobs: dict[str, tuple[float, tuple]] | None = None,
+        embeddings: dict[str, bytes] | None = None,
+    ) -> None:
         """Stamp and queue events for the next flush; ``texts``: the step's text deltas, by
         request, for its ``Tokens`` (which the scheduler makes without text), and
         ``logprobs`` and ``embeddings`` the runner's, for those that asked."""
@@ -1193,10 +1286,21 @@ class EngineNode:
                     lp = logprobs.get(rid) if logprobs else None
                     plp = self._take_prompt_logprobs(rid) if self._prompt_lp and ev.token_ids else None
                     emb = embeddings.get(rid) if embeddings else None
-                    outbox.append((self.bus.keys.req(rid), Tokens(
-                        request_id=rid, token_ids=ev.token_ids, text=text, step=ev.step, ts=ts,
-                        logprobs=None if lp is None else logprobs_field([lp]), prompt_logprobs=plp,
-                        embedding=None if emb is None else embedding_field(emb))))
+                    outbox.append(
+                        (
+                            self.bus.keys.req(rid),
+                            Tokens(
+                                request_id=rid,
+                                token_ids=ev.token_ids,
+                                text=text,
+                                step=ev.step,
+                                ts=ts,
+                                logprobs=None if lp is None else logprobs_field([lp]),
+                                prompt_logprobs=plp,
+                                embedding=None if emb is None else embedding_field(emb),
+                            ),
+                        )
+                    )
                 continue
             if isinstance(ev, (AbortRequested, BlocksReleased, Final)) and rid in self._detok:
                 # The request emits no more tokens: text held back (a possible stop-string
@@ -1204,8 +1308,12 @@ class EngineNode:
                 # story, so nothing but the protocol's own events follows abort_requested.
                 tail = self._detok.pop(rid).flush()
                 if tail and not silent:
-                    self._outbox.append((self.bus.keys.req(rid), Tokens(
-                        request_id=rid, token_ids=(), text=tail, ts=ts, step=self.sched.step)))
+                    self._outbox.append(
+                        (
+                            self.bus.keys.req(rid),
+                            Tokens(request_id=rid, token_ids=(), text=tail, ts=ts, step=self.sched.step),
+                        )
+                    )
             if isinstance(ev, AbortRequested):
                 self._abort_noted_at[rid] = now
                 if self.sched.in_flight(rid):
@@ -1220,8 +1328,14 @@ class EngineNode:
                 self._progress.pop(rid, None)
                 self._prompt_lp.pop(rid, None)
                 req = self._request.pop(rid, None)
-                if self.adapters.unloading and req is not None and req.data.sampling.lora and \
-                        self.adapters.done_with(req.data.sampling.lora, self._lora_in_use(req.data.sampling.lora)):
+                if (
+                    self.adapters.unloading
+                    and req is not None
+                    and req.data.sampling.lora
+                    and self.adapters.done_with(
+                        req.data.sampling.lora, self._lora_in_use(req.data.sampling.lora)
+                    )
+                ):
                     self._runner_lora("unload", req.data.sampling.lora)
                 entry = self._entry.pop(rid, None)
                 if silent:
@@ -1229,8 +1343,11 @@ class EngineNode:
                     continue  # its new owner acks it and writes its final
                 if rid in self._timed_out:
                     self._timed_out.discard(rid)
-                    ev = replace(ev, finish_reason="error", error=(
-                        f"no progress for {self.cfg.request_timeout_s:g} s (request timeout)"))
+                    ev = replace(
+                        ev,
+                        finish_reason="error",
+                        error=(f"no progress for {self.cfg.request_timeout_s:g} s (request timeout)"),
+                    )
                 # (its own story's and owner key's TTL: renewed by the fence with the final)
                 if req is not None and req.data.parent:  # see RequestData.parent
                     self._expire.append((rid, self.bus.keys.req(req.data.parent)))
@@ -1290,8 +1407,9 @@ class EngineNode:
             if isinstance(self.sched, JournalRecorder):
                 entry = self.sched.drain()
                 if entry is not None:
-                    self._outbox.append((self.bus.keys.journal(self.id),
-                                         replace(entry, ts=int(time.time() * 1000))))
+                    self._outbox.append(
+                        (self.bus.keys.journal(self.id), replace(entry, ts=int(time.time() * 1000)))
+                    )
             if not self._outbox and not self._ack:
                 return
             items, self._outbox = self._outbox, []
@@ -1335,17 +1453,20 @@ class EngineNode:
                 failed = True
                 self._redis_failed("publish", e)
                 if self._stopping:
-                    log.error("stopping with %d events unpublished", len(items),
-                              extra={"engine": self.id})
+                    log.error("stopping with %d events unpublished", len(items), extra={"engine": self.id})
                     raise _Stopped("publish") from e
                 backoff = await self._pause(backoff)
 
     def _publish_gauges(self) -> None:
         if self.metrics is not None:
             self.metrics.set_engine_gauges(
-                blocks_total=self.sched.num_total_blocks, blocks_free=self.sched.num_free_blocks,
-                running=self.sched.num_running, waiting=self.sched.num_waiting,
-                cache_queries=self.sched.num_cache_queries, cache_hits=self.sched.num_cache_hits)
+                blocks_total=self.sched.num_total_blocks,
+                blocks_free=self.sched.num_free_blocks,
+                running=self.sched.num_running,
+                waiting=self.sched.num_waiting,
+                cache_queries=self.sched.num_cache_queries,
+                cache_hits=self.sched.num_cache_hits,
+            )
 
     # ------------------------------------------------------------------ background loops
 
@@ -1405,8 +1526,10 @@ class EngineNode:
             return  # (a flush made before it was dropped, refused too)
         self._lost.add(rid)
         self.fenced += 1
-        log.warning("fenced: not the owner any more; dropping",
-                    extra={"request_id": rid, "engine": self.id, "owner": why.owner, "why": why.why})
+        log.warning(
+            "fenced: not the owner any more; dropping",
+            extra={"request_id": rid, "engine": self.id, "owner": why.owner, "why": why.why},
+        )
         if self.sched.knows(rid) and rid not in self._silent:
             self._silent.add(rid)
             self._emit(self.sched.abort(rid, "engine"))
@@ -1431,8 +1554,10 @@ class EngineNode:
 
     async def _take_over_orphans(self) -> None:
         room = self.sched.can_admit()
-        mine = lambda rid: (rid in self._entry or rid in self._admitting  # noqa: E731
-                            or self.sched.knows(rid))
+
+        def mine(rid: str) -> bool:
+            return rid in self._entry or rid in self._admitting or self.sched.knows(rid)
+
         orphans, done, aborted = await self._orphans.scan(max(room, 0), mine)
         for entry, fields in done:
             if fields is None:
@@ -1446,8 +1571,9 @@ class EngineNode:
         for o in orphans:
             if self._draining or self._stopping or self.sched.can_admit() <= 0:
                 break
-            log.info("taking over", extra={"request_id": o.request.request_id,
-                                           "owner": o.owner, "engine": self.id})
+            log.info(
+                "taking over", extra={"request_id": o.request.request_id, "owner": o.owner, "engine": self.id}
+            )
             await self._admit(o.entry_id, o.request, takeover=True, owner=o.owner)
         if orphans:
             await self._flush()
@@ -1458,9 +1584,14 @@ class EngineNode:
         while not self._stopping:
             await self._sleep_while_running(min(0.1, limit / 4))
             now = time.monotonic()
-            late = [rid for rid, t in self._progress.items()
-                    if now - t > limit and rid not in self._timed_out and rid not in self._silent
-                    and self.sched.knows(rid)]
+            late = [
+                rid
+                for rid, t in self._progress.items()
+                if now - t > limit
+                and rid not in self._timed_out
+                and rid not in self._silent
+                and self.sched.knows(rid)
+            ]
             for rid in late:
                 log.warning("request timed out", extra={"request_id": rid, "engine": self.id})
                 self._timed_out.add(rid)

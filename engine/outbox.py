@@ -20,8 +20,10 @@ from control.events import Event
 
 
 def _fields(raw) -> dict[str, str]:
-    return {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
-            for k, v in raw.items()}
+    return {
+        (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+        for k, v in raw.items()
+    }
 
 
 async def unwritten(redis, items: Sequence[tuple[str, Event]]) -> list[tuple[str, Event]]:
@@ -38,7 +40,7 @@ async def unwritten(redis, items: Sequence[tuple[str, Event]]) -> list[tuple[str
         mine = [items[i][1].encode() for i in idx]
         # the longest prefix of ours that the stream ends with
         for k in range(min(len(mine), len(tail)), 0, -1):
-            if tail[len(tail) - k:] == mine[:k]:
+            if tail[len(tail) - k :] == mine[:k]:
                 written.update(idx[:k])
                 break
     return [it for i, it in enumerate(items) if i not in written]

@@ -32,8 +32,7 @@ from typing import Any, Callable, Iterable
 
 import orjson
 
-from control.events import (BadEvent, Event, JournalStart, JournalStep, RequestData,
-                            SamplingParams, decode)
+from control.events import BadEvent, Event, JournalStart, JournalStep, RequestData, SamplingParams, decode
 from engine.config import SchedulerConfig
 from engine.journal import Digester, config_from_json
 from engine.outputs import RunnerOutput, SchedulerOutput
@@ -77,7 +76,7 @@ async def journal_engines(bus) -> list[str]:
     names = set()
     async for k in bus.redis.scan_iter(match=bus.keys.journal("*"), count=1000):
         k = k.decode() if isinstance(k, bytes) else k
-        names.add(k[len(head):])
+        names.add(k[len(head) :])
     return sorted(names)
 
 
@@ -114,8 +113,7 @@ def load_journal_jsonl(path: str | os.PathLike) -> list[Event]:
             obj = orjson.loads(line)
             entry_id = obj.pop("id", None)
             obj.pop("stream", None)
-            fields = {k: (v if isinstance(v, str) else orjson.dumps(v).decode())
-                      for k, v in obj.items()}
+            fields = {k: (v if isinstance(v, str) else orjson.dumps(v).decode()) for k, v in obj.items()}
             try:
                 out.append(decode(fields, entry_id))
             except BadEvent as e:
@@ -221,8 +219,7 @@ class _Checker:
     def trace(self, rid: str) -> RequestTrace:
         t = self.a.requests.get(rid)
         if t is None:
-            t = self.a.requests[rid] = RequestTrace(rid, self.seg, added_step=self.step,
-                                                     added_ms=self.ts)
+            t = self.a.requests[rid] = RequestTrace(rid, self.seg, added_step=self.step, added_ms=self.ts)
         return t
 
     def call(self, c: dict[str, Any], ts: int) -> None:
@@ -243,18 +240,21 @@ class _Checker:
         free = c.get("free")
         in_use = len(self.holders)
         if in_use > self.total:
-            self.violate("overcommit", f"step {self.step}: {in_use} blocks held, only "
-                                       f"{self.total} exist")
+            self.violate("overcommit", f"step {self.step}: {in_use} blocks held, only {self.total} exist")
         if free is not None:
             used = self.total - free
             self.a.peak_blocks_in_use = max(self.a.peak_blocks_in_use, used, in_use)
             if used != in_use:
-                self.violate("unaccounted", (
-                    f"step {self.step} ({op}): the scheduler has {used} blocks in use but the "
-                    f"requests hold {in_use}: {used - in_use} block(s) leaked"
-                    if used > in_use else
-                    f"step {self.step} ({op}): the requests hold {in_use} blocks but the "
-                    f"scheduler counts only {used} in use"))
+                self.violate(
+                    "unaccounted",
+                    (
+                        f"step {self.step} ({op}): the scheduler has {used} blocks in use but the "
+                        f"requests hold {in_use}: {used - in_use} block(s) leaked"
+                        if used > in_use
+                        else f"step {self.step} ({op}): the requests hold {in_use} blocks but the "
+                        f"scheduler counts only {used} in use"
+                    ),
+                )
             if op in ("schedule", "update"):
                 self.a.usage.append((self.step, used, ts))
 
@@ -270,8 +270,9 @@ class _Checker:
                 n = self.drop(rid)
                 t.preempted_steps.append(d[3])
                 if d[2] != n:
-                    self.violate("count", f"step {d[3]}: {rid} preempted with count={d[2]} "
-                                          f"but it held {n} blocks")
+                    self.violate(
+                        "count", f"step {d[3]}: {rid} preempted with count={d[2]} but it held {n} blocks"
+                    )
             elif kind == "abort_requested":
                 if t.abort_step is None:
                     t.abort_step, t.abort_ms, t.abort_source = d[3], self.ts, d[2]
@@ -281,8 +282,11 @@ class _Checker:
                 n = self.drop(rid)
                 t.released_step, t.released_ms, t.released_count = d[3], self.ts, d[2]
                 if d[2] != n:
-                    self.violate("leak", f"step {d[3]}: {rid} released {d[2]} of the {n} blocks "
-                                         "it held" + (" (leak)" if d[2] < n else ""))
+                    self.violate(
+                        "leak",
+                        f"step {d[3]}: {rid} released {d[2]} of the {n} blocks "
+                        "it held" + (" (leak)" if d[2] < n else ""),
+                    )
                 if t.abort_step is not None:
                     self.a.abort_release_steps.append(d[3] - t.abort_step)
                     self.a.abort_release_ms.append(self.ts - (t.abort_ms or self.ts))
@@ -294,8 +298,10 @@ class _Checker:
                     self.violate("finals", f"step {self.step}: {rid} got final #{t.finals}")
                 left = self.held.get(rid)
                 if left:
-                    self.violate("leak", f"step {self.step}: {rid} finished ({d[2]}) still "
-                                         f"holding {len(left)} blocks (leak)")
+                    self.violate(
+                        "leak",
+                        f"step {self.step}: {rid} finished ({d[2]}) still holding {len(left)} blocks (leak)",
+                    )
 
     def drop(self, rid: str, keep: int = 0) -> int:
         """Forget ``rid``'s blocks past the first ``keep``; returns how many it held."""
@@ -333,17 +339,21 @@ class _Checker:
                 hs = self.holders.setdefault(b, set())
                 if hs and rid not in hs and (len(table) + 1) * self.bs > start:
                     # shared, yet not wholly before what this request computes
-                    self.violate("double", f"step {step}: block {b} held by both "
-                                           f"{min(hs)} and {rid}")
+                    self.violate("double", f"step {step}: block {b} held by both {min(hs)} and {rid}")
                 hs.add(rid)
                 table.append(b)
             if len(table) * self.bs < start + n:
-                self.violate("short", f"step {step}: {rid} feeds positions up to {start + n} "
-                                      f"with only {len(table)} blocks")
-            for b in table[start // self.bs:(start + n - 1) // self.bs + 1] if n else ():
+                self.violate(
+                    "short",
+                    f"step {step}: {rid} feeds positions up to {start + n} with only {len(table)} blocks",
+                )
+            for b in table[start // self.bs : (start + n - 1) // self.bs + 1] if n else ():
                 if len(self.holders.get(b, ())) > 1:
-                    self.violate("shared_write", f"step {step}: {rid} writes block {b}, which "
-                                                 f"{sorted(self.holders[b] - {rid})} also hold")
+                    self.violate(
+                        "shared_write",
+                        f"step {step}: {rid} writes block {b}, which "
+                        f"{sorted(self.holders[b] - {rid})} also hold",
+                    )
             t = self.trace(rid)
             t.scheduled_steps += 1
             if t.first_scheduled_step is None:
@@ -365,8 +375,10 @@ def check_journal(entries: list[Event]) -> Analysis:
     a = Analysis()
     segs, orphans = segments(entries)
     if orphans:
-        a.violations.append(f"journal truncated: {orphans} step entries before any journal_start "
-                            "(MAXLEN trimmed its beginning); they cannot be checked")
+        a.violations.append(
+            f"journal truncated: {orphans} step entries before any journal_start "
+            "(MAXLEN trimmed its beginning); they cannot be checked"
+        )
     for i, (start, steps) in enumerate(segs):
         cfg = config_from_json(start.config)
         a.total_blocks = cfg.num_blocks
@@ -374,8 +386,9 @@ def check_journal(entries: list[Event]) -> Analysis:
         a.first_ms = a.first_ms or start.ts
         for n, st in enumerate(steps):
             if st.seq != n:
-                a.violations.append(f"segment {i}: entry seq {st.seq} where {n} was expected "
-                                    "(entries missing)")
+                a.violations.append(
+                    f"segment {i}: entry seq {st.seq} where {n} was expected (entries missing)"
+                )
                 break
             for c in st.data.get("calls", ()):
                 ck.call(c, st.ts)
@@ -401,8 +414,10 @@ class Divergence:
     replayed: dict[str, Any]
 
     def describe(self) -> str:
-        lines = [f"DIVERGED at step {self.step} (segment {self.segment}, entry {self.entry}, "
-                 f"call {self.call}: {self.op})"]
+        lines = [
+            f"DIVERGED at step {self.step} (segment {self.segment}, entry {self.entry}, "
+            f"call {self.call}: {self.op})"
+        ]
         if self.inputs:
             lines.append(f"  input:    {_short(self.inputs)}")
         for k in OUTPUT_KEYS:
@@ -450,8 +465,9 @@ class ReplayReport:
             "steps": a.steps,
             "calls": self.calls,
             "replayed_calls": self.replayed_calls,
-            "divergence": None if self.divergence is None else {
-                **dataclasses.asdict(self.divergence), "text": self.divergence.describe()},
+            "divergence": None
+            if self.divergence is None
+            else {**dataclasses.asdict(self.divergence), "text": self.divergence.describe()},
             "violations": list(a.violations),
             "requests": len(a.requests),
             "finish_reasons": dict(a.finish_reasons),
@@ -484,11 +500,14 @@ class ReplayReport:
         ]
         if s["aborts_released"]:
             st, ms = s["abort_release_steps"], s["abort_release_ms"]
-            lines.append(f"abort -> release: {s['aborts_released']} aborts, steps p50 {st['p50']} "
-                         f"max {st['max']}; ms p50 {ms['p50']} max {ms['max']}")
+            lines.append(
+                f"abort -> release: {s['aborts_released']} aborts, steps p50 {st['p50']} "
+                f"max {st['max']}; ms p50 {ms['p50']} max {ms['max']}"
+            )
         if s["speedup"] is not None:
-            lines.append(f"replayed in {s['replay_ms']:.1f} ms; recorded over {s['recorded_ms']} ms "
-                         f"({s['speedup']}x)")
+            lines.append(
+                f"replayed in {s['replay_ms']:.1f} ms; recorded over {s['recorded_ms']} ms ({s['speedup']}x)"
+            )
         if self.divergence is not None:
             lines.append(self.divergence.describe())
         if not self.entries:
@@ -501,18 +520,27 @@ class ReplayReport:
 def _dist(xs: list) -> dict[str, Any]:
     if not xs:
         return {"n": 0, "p50": None, "p99": None, "max": None}
-    return {"n": len(xs), "p50": xs[len(xs) // 2], "p99": xs[min(len(xs) - 1, int(len(xs) * 0.99))],
-            "max": xs[-1]}
+    return {
+        "n": len(xs),
+        "p50": xs[len(xs) // 2],
+        "p99": xs[min(len(xs) - 1, int(len(xs) * 0.99))],
+        "max": xs[-1],
+    }
 
 
 def _request_data(d: dict[str, Any]) -> RequestData:
     # Built by hand, not RequestData.from_json: the journal also holds what the API would have
     # rejected (an empty prompt reached add() and got its error final); replay feeds it as is.
-    return RequestData(prompt_token_ids=tuple(d.get("prompt_token_ids") or ()),
-                       sampling=SamplingParams.from_dict(d.get("sampling") or {}),
-                       arrival_ts=int(d.get("arrival_ts") or 0), model=str(d.get("model") or ""),
-                       api=str(d.get("api") or ""), background=bool(d.get("background", False)),
-                       parent=str(d.get("parent") or ""), priority=int(d.get("priority") or 0))
+    return RequestData(
+        prompt_token_ids=tuple(d.get("prompt_token_ids") or ()),
+        sampling=SamplingParams.from_dict(d.get("sampling") or {}),
+        arrival_ts=int(d.get("arrival_ts") or 0),
+        model=str(d.get("model") or ""),
+        api=str(d.get("api") or ""),
+        background=bool(d.get("background", False)),
+        parent=str(d.get("parent") or ""),
+        priority=int(d.get("priority") or 0),
+    )
 
 
 class _Replayer:
@@ -546,10 +574,12 @@ class _Replayer:
                     evs = s.finished(c["step"])
                 elif op == "update":
                     out = self.outs.pop(c["step"], None) or SchedulerOutput(step=c["step"], seqs=())
-                    result = RunnerOutput(step=c.get("rstep", c["step"]),
-                                          sampled={k: int(v) for k, v in c["sampled"].items()},
-                                          stopped=dict(c.get("stopped") or {}),
-                                          failed=dict(c.get("failed") or {}))
+                    result = RunnerOutput(
+                        step=c.get("rstep", c["step"]),
+                        sampled={k: int(v) for k, v in c["sampled"].items()},
+                        stopped=dict(c.get("stopped") or {}),
+                        failed=dict(c.get("failed") or {}),
+                    )
                     evs = s.update(out, result)
                 else:
                     raise ValueError(f"unknown journal op {op!r}")
@@ -560,8 +590,12 @@ class _Replayer:
         return got
 
 
-def replay(entries: list[Event], *, at: int | None = None,
-           scheduler_factory: Callable[[SchedulerConfig], Scheduler] = Scheduler) -> ReplayReport:
+def replay(
+    entries: list[Event],
+    *,
+    at: int | None = None,
+    scheduler_factory: Callable[[SchedulerConfig], Scheduler] = Scheduler,
+) -> ReplayReport:
     """Re-execute a journal (one engine's entries, oldest first) and check it; see module doc."""
     analysis = check_journal(entries)
     segs, _ = segments(entries)
@@ -585,11 +619,10 @@ def replay(entries: list[Event], *, at: int | None = None,
                 replayed += 1
                 if any(c.get(k) != got.get(k) for k in OUTPUT_KEYS):
                     step = got["out"][0] if "out" in got else step_before
-                    inputs = {k: v for k, v in c.items()
-                              if k not in OUTPUT_KEYS and k not in ("op", "t")}
+                    inputs = {k: v for k, v in c.items() if k not in OUTPUT_KEYS and k not in ("op", "t")}
                     divergence = divergence or Divergence(
-                        si, st.seq, step, ci, c["op"], inputs,
-                        {k: c[k] for k in OUTPUT_KEYS if k in c}, got)
+                        si, st.seq, step, ci, c["op"], inputs, {k: c[k] for k in OUTPUT_KEYS if k in c}, got
+                    )
                 if at is not None:
                     if c["op"] == "schedule" and rp.s.step == at and "out" in got:
                         snapshot = {"step": at, "scheduled": rp.s.snapshot()}
@@ -599,9 +632,18 @@ def replay(entries: list[Event], *, at: int | None = None,
     engine = next((e.engine for e in entries if isinstance(e, (JournalStart, JournalStep))), "")
     if at is not None and snapshot is None:
         snapshot = {"step": at, "error": f"step {at} was never scheduled in this journal"}
-    return ReplayReport(engine=engine, segments=len(segs), entries=n_entries, calls=calls,
-                        replayed_calls=replayed, divergence=divergence, analysis=analysis,
-                        recorded_ms=recorded_ms, replay_ms=replay_ms, snapshot_at=snapshot)
+    return ReplayReport(
+        engine=engine,
+        segments=len(segs),
+        entries=n_entries,
+        calls=calls,
+        replayed_calls=replayed,
+        divergence=divergence,
+        analysis=analysis,
+        recorded_ms=recorded_ms,
+        replay_ms=replay_ms,
+        snapshot_at=snapshot,
+    )
 
 
 # --------------------------------------------------------------------------- CLI
@@ -622,8 +664,7 @@ def _default_bus(url: str, prefix: str):
 
 async def _with_bus(args, bus_factory, fn):
     if not args.redis_url:
-        raise SystemExit("error: --redis-url (or FD_REDIS_URL) is required to read a journal "
-                         "from Redis")
+        raise SystemExit("error: --redis-url (or FD_REDIS_URL) is required to read a journal from Redis")
     bus = (bus_factory or _default_bus)(args.redis_url, args.prefix)
     try:
         return await fn(bus)
@@ -640,8 +681,9 @@ def main(argv: list[str] | None = None, bus_factory=None) -> int:
     p = argparse.ArgumentParser(prog="fd replay", description=__doc__.split("\n")[0])
     p.add_argument("file", nargs="?", help="a JSONL journal from `fd events export`")
     p.add_argument("--engine", help="replay P:journal:<ENGINE> straight from Redis")
-    p.add_argument("--at", type=int, default=None, metavar="STEP",
-                   help="print the scheduler's snapshot at STEP")
+    p.add_argument(
+        "--at", type=int, default=None, metavar="STEP", help="print the scheduler's snapshot at STEP"
+    )
     p.add_argument("--html", default=None, metavar="OUT", help="write the timeline page here")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     _redis_args(p)
@@ -649,8 +691,9 @@ def main(argv: list[str] | None = None, bus_factory=None) -> int:
     if (args.file is None) == (args.engine is None):
         p.error("give exactly one of FILE.jsonl or --engine ID")
     if args.engine is not None:
-        entries = asyncio.run(_with_bus(args, bus_factory,
-                                        lambda bus: load_journal_from_redis(bus, args.engine)))
+        entries = asyncio.run(
+            _with_bus(args, bus_factory, lambda bus: load_journal_from_redis(bus, args.engine))
+        )
         groups = {args.engine: entries} if entries else {}
     else:
         groups = by_engine(load_journal_jsonl(args.file))
@@ -700,8 +743,7 @@ def export_main(argv: list[str] | None = None, bus_factory=None) -> int:
                 for eid, ev in await _read_journal(bus, key):
                     f.write(_jsonl_line(ev, eid, key))
                     n += 1
-        print(f"wrote {n} journal entries of {len(engines)} engine(s) to {args.out}",
-              file=sys.stderr)
+        print(f"wrote {n} journal entries of {len(engines)} engine(s) to {args.out}", file=sys.stderr)
         return n
 
     n = asyncio.run(_with_bus(args, bus_factory, dump))

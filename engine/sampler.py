@@ -30,8 +30,9 @@ def seeded_uniform(seed: int, num_generated: int) -> float:
     return float(np.random.default_rng((seed & _U64, num_generated)).random())
 
 
-def apply_penalties(logits: np.ndarray, sp: SamplingParams, prompt_ids: Sequence[int],
-                    output_ids: Sequence[int]) -> np.ndarray:
+def apply_penalties(
+    logits: np.ndarray, sp: SamplingParams, prompt_ids: Sequence[int], output_ids: Sequence[int]
+) -> np.ndarray:
     """A float64 copy of one row of logits, penalized for the tokens the request has seen."""
     x = logits.astype(np.float64)
     rp = sp.repetition_penalty
@@ -45,8 +46,13 @@ def apply_penalties(logits: np.ndarray, sp: SamplingParams, prompt_ids: Sequence
     return x
 
 
-def adjust(logits: np.ndarray, sp: SamplingParams, num_generated: int,
-           seen: tuple[Sequence[int], Sequence[int]] | None, eos_token_ids: Sequence[int]) -> np.ndarray:
+def adjust(
+    logits: np.ndarray,
+    sp: SamplingParams,
+    num_generated: int,
+    seen: tuple[Sequence[int], Sequence[int]] | None,
+    eos_token_ids: Sequence[int],
+) -> np.ndarray:
     """A float64 copy of one row of logits as the request's parameters reshape it; ``seen``:
     its (prompt, output) tokens so far, for penalties."""
     x = logits.astype(np.float64) if seen is None else apply_penalties(logits, sp, *seen)
@@ -78,7 +84,7 @@ def likeliest(x: np.ndarray, k: int) -> np.ndarray:
         return np.argsort(-x, kind="stable")
     kth = np.partition(x, n - k)[n - k]  # the k-th largest value
     above = np.flatnonzero(x > kth)
-    idx = np.concatenate((above, np.flatnonzero(x == kth)[:k - len(above)]))
+    idx = np.concatenate((above, np.flatnonzero(x == kth)[: k - len(above)]))
     return idx[np.lexsort((idx, -x[idx]))]
 
 
@@ -133,9 +139,13 @@ class Sampler:
         self._rng = np.random.default_rng(seed)
         self.eos_token_ids = tuple(eos_token_ids)  # what min_tokens holds back, with stop ids
 
-    def sample(self, logits: np.ndarray, params: Sequence[SamplingParams],
-               num_generated: Sequence[int],
-               seen: Sequence[tuple[Sequence[int], Sequence[int]] | None] | None = None) -> list[int]:
+    def sample(
+        self,
+        logits: np.ndarray,
+        params: Sequence[SamplingParams],
+        num_generated: Sequence[int],
+        seen: Sequence[tuple[Sequence[int], Sequence[int]] | None] | None = None,
+    ) -> list[int]:
         """Tokens for each row of ``logits`` [N, vocab]; ``num_generated[i]`` is how many tokens
         row i's request had generated before this one; ``seen[i]``, for a row with penalties,
         its (prompt, output) tokens so far."""
@@ -143,8 +153,9 @@ class Sampler:
         for i, sp in enumerate(params):
             row = logits[i]
             if not sp.plain:
-                adjusted = adjust(row, sp, num_generated[i], seen[i] if seen is not None else None,
-                                  self.eos_token_ids)
+                adjusted = adjust(
+                    row, sp, num_generated[i], seen[i] if seen is not None else None, self.eos_token_ids
+                )
                 # min_tokens can rule out the last token a finished grammar allows (EOS): the
                 # grammar wins, as the request cannot go on validly
                 row = adjusted if np.isfinite(adjusted).any() else row.astype(np.float64)

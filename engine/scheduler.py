@@ -36,8 +36,16 @@ from collections import deque
 from dataclasses import replace
 from typing import Any
 
-from control.events import (AbortRequested, BlocksReleased, Drained, Event, Final, Preempted,
-                            RequestData, Tokens)
+from control.events import (
+    AbortRequested,
+    BlocksReleased,
+    Drained,
+    Event,
+    Final,
+    Preempted,
+    RequestData,
+    Tokens,
+)
 from control.guided import GuidedError, after_token
 from engine.block_manager import BlockManager, block_hash
 from engine.config import SchedulerConfig
@@ -45,14 +53,15 @@ from engine.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from engine.sequence import PLACEHOLDER, Sequence, Status
 
 
-
-def _final(request_id: str, reason: str, usage: dict, stop: str | int | None,
-           error: str | None = None) -> Final:
+def _final(
+    request_id: str, reason: str, usage: dict, stop: str | int | None, error: str | None = None
+) -> Final:
     """A request's Final; ``stop``: the stop string, or the stop token (an int) that ended it;
     ``error``: why it failed (finish_reason "error")."""
     if isinstance(stop, int):  # (stop_reason is a string on the wire: the token rides apart too)
-        return Final(request_id=request_id, finish_reason=reason, usage=usage, stop_reason=str(stop),
-                     stop_token=stop)
+        return Final(
+            request_id=request_id, finish_reason=reason, usage=usage, stop_reason=str(stop), stop_token=stop
+        )
     return Final(request_id=request_id, finish_reason=reason, usage=usage, stop_reason=stop, error=error)
 
 
@@ -65,11 +74,14 @@ def _outside_vocabulary(data: RequestData, vocab_size: int) -> str | None:
         after = after_token(sp.guided) if sp.guided else None
     except GuidedError:
         after = None  # (a malformed spec is the guided check's to refuse)
-    named = (("prompt", data.prompt_token_ids), ("stop_token_ids", sp.stop_token_ids),
-             ("allowed_token_ids", sp.allowed_token_ids),
-             ("bad_words_ids", tuple(t for w in sp.bad_words_ids for t in w)),
-             ("logit_bias", tuple(t for t, _ in sp.logit_bias)),
-             ("guided", () if after is None else (after,)))
+    named = (
+        ("prompt", data.prompt_token_ids),
+        ("stop_token_ids", sp.stop_token_ids),
+        ("allowed_token_ids", sp.allowed_token_ids),
+        ("bad_words_ids", tuple(t for w in sp.bad_words_ids for t in w)),
+        ("logit_bias", tuple(t for t, _ in sp.logit_bias)),
+        ("guided", () if after is None else (after,)),
+    )
     for name, ids in named:
         if ids and max(ids) >= vocab_size:
             return f"{name} token id {max(ids)} is outside the model's vocabulary of {vocab_size}"
@@ -189,8 +201,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ arrivals
 
-    def add(self, request_id: str, data: RequestData,
-            generated: tuple[int, ...] = ()) -> list[Event]:
+    def add(self, request_id: str, data: RequestData, generated: tuple[int, ...] = ()) -> list[Event]:
         """Admit a claimed request. A prompt that can never run is finished with ``error``.
 
         ``generated``: tokens another engine already produced and published for it (a
@@ -207,21 +218,21 @@ class Scheduler:
         if n == 0:
             error = "empty prompt"
         elif n + 1 > self.config.max_model_len:
-            error = (f"prompt has {n} tokens; max_model_len {self.config.max_model_len} leaves "
-                     "no room to generate")
+            error = (
+                f"prompt has {n} tokens; max_model_len {self.config.max_model_len} leaves no room to generate"
+            )
         elif self.config.vocab_size and (outside := _outside_vocabulary(data, self.config.vocab_size)):
             error = outside
         elif self.blocks.blocks_for(n + 1) > self.blocks.num_total:
-            error = (f"prompt has {n} tokens; the KV cache holds only "
-                     f"{self.blocks.num_total * self.blocks.block_size}")
+            error = (
+                f"prompt has {n} tokens; the KV cache holds only "
+                f"{self.blocks.num_total * self.blocks.block_size}"
+            )
         if error is not None:
-            usage = {"prompt_tokens": n, "completion_tokens": len(generated),
-                     "total_tokens": total}
-            events.append(Final(request_id=request_id, finish_reason="error", usage=usage,
-                                error=error))
+            usage = {"prompt_tokens": n, "completion_tokens": len(generated), "total_tokens": total}
+            events.append(Final(request_id=request_id, finish_reason="error", usage=usage, error=error))
             return events
-        seq = Sequence(request_id, tuple(data.prompt_token_ids), data.sampling, self._arrivals,
-                       data.priority)
+        seq = Sequence(request_id, tuple(data.prompt_token_ids), data.sampling, self._arrivals, data.priority)
         self._arrivals += 1
         if generated:
             seq.token_ids.extend(int(t) for t in generated)
@@ -272,8 +283,12 @@ class Scheduler:
         events = self._take()
         for rid in [r for r in self._aborting if r in self._in_flight_ids]:
             seq = self._seqs[rid]
-            held = [(o, ss) for o in self._in_flight for ss in o.seqs if ss.request_id == rid
-                    and rid not in self._skipped.get(o.step, ())]
+            held = [
+                (o, ss)
+                for o in self._in_flight
+                for ss in o.seqs
+                if ss.request_id == rid and rid not in self._skipped.get(o.step, ())
+            ]
             if any(o.step > step for o, _ in held):
                 continue  # a step still running (or queued) writes its KV
             for o, ss in held:
@@ -314,8 +329,7 @@ class Scheduler:
         """
         cfg = self.config
         if len(self._in_flight) >= cfg.max_steps_in_flight:
-            raise RuntimeError(f"step {self._in_flight[-1].step} is still in flight; update() it "
-                               "first")
+            raise RuntimeError(f"step {self._in_flight[-1].step} is still in flight; update() it first")
         speculative = bool(self._in_flight)
         if speculative and self._stalled:
             return SchedulerOutput(step=self.step, seqs=())  # wait for the steps in flight
@@ -372,8 +386,7 @@ class Scheduler:
             scheduled[seq.request_id] = None
             budget -= n
 
-        while (self._waiting and budget > 0 and len(self._running) < cfg.max_num_seqs
-               and not self._stalled):
+        while self._waiting and budget > 0 and len(self._running) < cfg.max_num_seqs and not self._stalled:
             seq = self._waiting[0]
             hit = self._cached_prefix(seq)
             need = seq.num_unscheduled - len(hit) * self.blocks.block_size
@@ -404,8 +417,7 @@ class Scheduler:
             budget -= n
 
         seqs = tuple(self._scheduled_seq(seq, n) for seq, n in batch)
-        out = SchedulerOutput(step=step, seqs=seqs,
-                              num_batched_tokens=cfg.max_num_batched_tokens - budget)
+        out = SchedulerOutput(step=step, seqs=seqs, num_batched_tokens=cfg.max_num_batched_tokens - budget)
         if seqs:
             self._in_flight.append(out)
             ids = self._in_flight_ids
@@ -420,8 +432,7 @@ class Scheduler:
             return events
         if not self._in_flight or out.step != self._in_flight[0].step:
             expected = self._in_flight[0].step if self._in_flight else None
-            raise RuntimeError(f"update() for step {out.step}; the oldest step in flight is "
-                               f"{expected}")
+            raise RuntimeError(f"update() for step {out.step}; the oldest step in flight is {expected}")
         if result.step != out.step:
             raise ValueError(f"runner output is for step {result.step}, not {out.step}")
         skipped = self._skipped.pop(out.step, ())
@@ -429,10 +440,13 @@ class Scheduler:
         for ss in out.seqs:
             if ss.request_id in skipped:
                 continue
-            if (ss.sample and not self._seqs[ss.request_id].done and ss.request_id not in result.sampled
-                    and ss.request_id not in failed):
-                raise ValueError(f"runner output for step {out.step} has no token for "
-                                 f"{ss.request_id}")
+            if (
+                ss.sample
+                and not self._seqs[ss.request_id].done
+                and ss.request_id not in result.sampled
+                and ss.request_id not in failed
+            ):
+                raise ValueError(f"runner output for step {out.step} has no token for {ss.request_id}")
         step = out.step
         self._in_flight.popleft()
         for ss in out.seqs:
@@ -490,15 +504,18 @@ class Scheduler:
         first = block_hash(b"lora\0" + seq.sampling.lora.encode(), ()) if seq.sampling.lora else b""
         while len(hs) < n:
             i = len(hs)
-            hs.append(block_hash(hs[-1] if hs else first, seq.token_ids[i * bs:(i + 1) * bs]))
+            hs.append(block_hash(hs[-1] if hs else first, seq.token_ids[i * bs : (i + 1) * bs]))
         return hs[:n]
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """The cached blocks a request about to start can take instead of computing them: its
         leading full blocks, short of its last token (which must be fed to sample the next).
         None for a request scoring its prompt: every position's logits are wanted."""
-        if (not self.config.enable_prefix_caching or seq.num_computed_tokens
-                or seq.sampling.prompt_logprobs is not None):
+        if (
+            not self.config.enable_prefix_caching
+            or seq.num_computed_tokens
+            or seq.sampling.prompt_logprobs is not None
+        ):
             return []
         return self.blocks.lookup(self._hashes(seq, (seq.num_tokens - 1) // self.blocks.block_size))
 
@@ -509,7 +526,7 @@ class Scheduler:
         full = seq.num_computed_tokens // self.blocks.block_size
         if full <= seq.num_registered:
             return
-        for i, h in enumerate(self._hashes(seq, full)[seq.num_registered:], seq.num_registered):
+        for i, h in enumerate(self._hashes(seq, full)[seq.num_registered :], seq.num_registered):
             self.blocks.register(seq.request_id, i, h)
         seq.num_registered = full
 
@@ -524,12 +541,14 @@ class Scheduler:
 
     def _ends_on_pending(self, seq: Sequence) -> bool:
         """Its pending tokens reach ``max_tokens`` or the context: nothing to schedule after."""
-        return (seq.num_output_tokens + seq.num_pending >= seq.sampling.max_tokens
-                or seq.num_tokens + seq.num_pending >= self.config.max_model_len)
+        return (
+            seq.num_output_tokens + seq.num_pending >= seq.sampling.max_tokens
+            or seq.num_tokens + seq.num_pending >= self.config.max_model_len
+        )
 
     def _scheduled_seq(self, seq: Sequence, n: int) -> ScheduledSeq:
         start = seq.num_scheduled
-        token_ids = tuple(seq.token_ids[start:start + n])
+        token_ids = tuple(seq.token_ids[start : start + n])
         if len(token_ids) < n:  # the pending token: only ever a decode of exactly that one
             token_ids = (PLACEHOLDER,)
         sample = start + n == seq.num_tokens + seq.num_pending
@@ -550,8 +569,11 @@ class Scheduler:
         )
         if seq.sampling.prompt_logprobs is not None and start < seq.num_prompt_tokens:
             end = start + n
-            ss = replace(ss, prompt_len=seq.num_prompt_tokens,
-                         prompt_next=seq.token_ids[end] if end < seq.num_prompt_tokens else None)
+            ss = replace(
+                ss,
+                prompt_len=seq.num_prompt_tokens,
+                prompt_next=seq.token_ids[end] if end < seq.num_prompt_tokens else None,
+            )
         seq.num_in_flight += n
         if sample:
             seq.num_pending += 1
@@ -574,8 +596,7 @@ class Scheduler:
     def _drain(self, seq: Sequence, events: list[Event], step: int) -> None:
         """Stages 2 and 3 of an abort: no step can write its blocks any more."""
         self._aborting.pop(seq.request_id, None)
-        events.append(Drained(request_id=seq.request_id, step=step,
-                              discarded_tokens=seq.num_discarded))
+        events.append(Drained(request_id=seq.request_id, step=step, discarded_tokens=seq.num_discarded))
         self._release(seq, "abort", None, events, step)
 
     def _order(self, seq: Sequence) -> tuple[int, int]:
@@ -615,8 +636,9 @@ class Scheduler:
             return "length", None
         return None, None
 
-    def _release(self, seq: Sequence, reason: str, stop_reason: str | int | None,
-                 events: list[Event], step: int) -> None:
+    def _release(
+        self, seq: Sequence, reason: str, stop_reason: str | int | None, events: list[Event], step: int
+    ) -> None:
         """Give the blocks back, then say so, then the request's one Final."""
         count = self.blocks.free(seq.request_id) if self.blocks.owns(seq.request_id) else 0
         if seq.status is Status.RUNNING:
@@ -626,5 +648,6 @@ class Scheduler:
         seq.status = Status.FINISHED
         del self._seqs[seq.request_id]
         events.append(BlocksReleased(request_id=seq.request_id, count=count, step=step))
-        events.append(_final(seq.request_id, reason, seq.usage(), stop_reason,
-                             seq.error if reason == "error" else None))
+        events.append(
+            _final(seq.request_id, reason, seq.usage(), stop_reason, seq.error if reason == "error" else None)
+        )

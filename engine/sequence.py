@@ -29,13 +29,35 @@ class Status(enum.Enum):
 
 
 class Sequence:
-    __slots__ = ("request_id", "arrival", "sampling", "num_prompt_tokens", "token_ids",
-                 "num_computed_tokens", "status", "aborting", "num_preemptions",
-                 "num_in_flight", "num_pending", "finishing", "num_discarded", "block_hashes",
-                 "num_registered", "num_cached_tokens", "priority", "error")
+    __slots__ = (
+        "request_id",
+        "arrival",
+        "sampling",
+        "num_prompt_tokens",
+        "token_ids",
+        "num_computed_tokens",
+        "status",
+        "aborting",
+        "num_preemptions",
+        "num_in_flight",
+        "num_pending",
+        "finishing",
+        "num_discarded",
+        "block_hashes",
+        "num_registered",
+        "num_cached_tokens",
+        "priority",
+        "error",
+    )
 
-    def __init__(self, request_id: str, prompt_token_ids: tuple[int, ...],
-                 sampling: SamplingParams, arrival: int, priority: int = 0):
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: tuple[int, ...],
+        sampling: SamplingParams,
+        arrival: int,
+        priority: int = 0,
+    ):
         self.request_id = request_id
         self.arrival = arrival  # admission order: FCFS priority, and who gets preempted first
         self.priority = priority  # (only with the priority policy: lower first, then arrival)
@@ -96,12 +118,17 @@ class Sequence:
         # Every generated token was emitted in a Tokens event (tokens of an aborted in-flight
         # step are never appended), so this is what the client has seen.
         out = self.num_output_tokens
-        u = {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": out,
-             "total_tokens": self.num_prompt_tokens + out}
+        u = {
+            "prompt_tokens": self.num_prompt_tokens,
+            "completion_tokens": out,
+            "total_tokens": self.num_prompt_tokens + out,
+        }
         if self.num_cached_tokens > 0:  # (OpenAI's prompt_tokens_details.cached_tokens)
             u["cached_tokens"] = min(self.num_cached_tokens, self.num_prompt_tokens)
         return u
 
     def __repr__(self) -> str:
-        return (f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
-                f"computed={self.num_computed_tokens}, aborting={self.aborting!r})")
+        return (
+            f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, aborting={self.aborting!r})"
+        )

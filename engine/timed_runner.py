@@ -50,10 +50,18 @@ class TimedRunner:
     may oversleep, never undersleep), measured from the start of ``execute``.
     """
 
-    def __init__(self, num_blocks: int = DEFAULT_NUM_BLOCKS, *, step_ms: float,
-                 eos_token_ids: Sequence[int] = (), max_model_len: int = 2048,
-                 vocab_size: int = 512, per_token_ms: float = 0.0,
-                 token_ids: Sequence[int] | None = None, tokenizer: Any = None):
+    def __init__(
+        self,
+        num_blocks: int = DEFAULT_NUM_BLOCKS,
+        *,
+        step_ms: float,
+        eos_token_ids: Sequence[int] = (),
+        max_model_len: int = 2048,
+        vocab_size: int = 512,
+        per_token_ms: float = 0.0,
+        token_ids: Sequence[int] | None = None,
+        tokenizer: Any = None,
+    ):
         if step_ms < 0 or per_token_ms < 0:
             raise ValueError("step_ms and per_token_ms must be >= 0")
         self.num_blocks = int(num_blocks)
@@ -66,8 +74,9 @@ class TimedRunner:
             token_ids = _text_token_ids(tokenizer, self.eos_token_ids)
         if token_ids is None:
             # ids 0..3 are special in fd's tiny model (and in many vocabularies); never EOS
-            token_ids = [i for i in range(min(4, self.vocab_size - 1), self.vocab_size)
-                         if i not in self.eos_token_ids]
+            token_ids = [
+                i for i in range(min(4, self.vocab_size - 1), self.vocab_size) if i not in self.eos_token_ids
+            ]
         self.token_ids = tuple(token_ids)
         if not self.token_ids:
             raise ValueError("no token ids to sample from")
@@ -75,13 +84,20 @@ class TimedRunner:
         self.busy_s = 0.0
 
     @classmethod
-    def for_tokenizer(cls, tokenizer: Any, *, step_ms: float, num_blocks: int | None = None,
-                      per_token_ms: float = 0.0) -> "TimedRunner":
+    def for_tokenizer(
+        cls, tokenizer: Any, *, step_ms: float, num_blocks: int | None = None, per_token_ms: float = 0.0
+    ) -> "TimedRunner":
         """The runner ``fd engine --executor timed`` uses: the model's limits and EOS from its
         tokenizer, text-only tokens."""
-        return cls(num_blocks or DEFAULT_NUM_BLOCKS, step_ms=step_ms,
-                   eos_token_ids=tokenizer.eos_token_ids, max_model_len=tokenizer.max_model_len,
-                   vocab_size=tokenizer.vocab_size, per_token_ms=per_token_ms, tokenizer=tokenizer)
+        return cls(
+            num_blocks or DEFAULT_NUM_BLOCKS,
+            step_ms=step_ms,
+            eos_token_ids=tokenizer.eos_token_ids,
+            max_model_len=tokenizer.max_model_len,
+            vocab_size=tokenizer.vocab_size,
+            per_token_ms=per_token_ms,
+            tokenizer=tokenizer,
+        )
 
     def token_at(self, request_id: str, position: int) -> int:
         """The token a request gets at ``position`` (its index in prompt + output)."""
@@ -102,8 +118,9 @@ class TimedRunner:
             time.sleep(left)
         self.steps += 1
         self.busy_s += time.perf_counter() - t0
-        embeddings = {s.request_id: self.embedding_of(s.request_id) for s in out.seqs
-                      if s.sample and s.sampling.embed}
+        embeddings = {
+            s.request_id: self.embedding_of(s.request_id) for s in out.seqs if s.sample and s.sampling.embed
+        }
         return RunnerOutput(step=out.step, sampled=sampled, embeddings=embeddings)
 
     def embedding_of(self, request_id: str) -> bytes:

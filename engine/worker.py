@@ -58,9 +58,21 @@ class _StepEncoder:
                 known = keys[id(sp)] = (self._next, sp)
                 self._next += 1
                 new.append((known[0], sp))
-            seqs.append((ss.request_id, ss.token_ids, ss.start_pos, ss.block_table, ss.sample,
-                         known[0], ss.num_generated, ss.history, ss.num_prompt_tokens,
-                         ss.prompt_len, ss.prompt_next))
+            seqs.append(
+                (
+                    ss.request_id,
+                    ss.token_ids,
+                    ss.start_pos,
+                    ss.block_table,
+                    ss.sample,
+                    known[0],
+                    ss.num_generated,
+                    ss.history,
+                    ss.num_prompt_tokens,
+                    ss.prompt_len,
+                    ss.prompt_next,
+                )
+            )
         return ("step", out.step, out.num_batched_tokens, reset, new, seqs)
 
 
@@ -75,15 +87,29 @@ class _StepDecoder:
             params.clear()
         for key, sp in new:
             params[key] = sp
-        return SchedulerOutput(step=step, num_batched_tokens=num_batched, seqs=tuple(
-            ScheduledSeq(rid, toks, start, table, sample, params[key], gen, history, num_prompt,
-                         prompt_len, prompt_next)
-            for rid, toks, start, table, sample, key, gen, history, num_prompt, prompt_len, prompt_next
-            in seqs))
+        return SchedulerOutput(
+            step=step,
+            num_batched_tokens=num_batched,
+            seqs=tuple(
+                ScheduledSeq(
+                    rid,
+                    toks,
+                    start,
+                    table,
+                    sample,
+                    params[key],
+                    gen,
+                    history,
+                    num_prompt,
+                    prompt_len,
+                    prompt_next,
+                )
+                for rid, toks, start, table, sample, key, gen, history, num_prompt, prompt_len, prompt_next in seqs
+            ),
+        )
 
 
-def _worker_main(conn, model_dir: str, kwargs: dict[str, Any],
-                 cpus: frozenset[int] | None = None) -> None:
+def _worker_main(conn, model_dir: str, kwargs: dict[str, Any], cpus: frozenset[int] | None = None) -> None:
     # Ctrl-C reaches the whole process group; the worker stops when its engine closes the pipe.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if cpus:
@@ -102,10 +128,18 @@ def _worker_main(conn, model_dir: str, kwargs: dict[str, Any],
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
-    conn.send(("ready", {"num_blocks": runner.num_blocks,
-                         "eos_token_ids": tuple(runner.eos_token_ids),
-                         "max_model_len": runner.max_model_len,
-                         "vocab_size": runner.vocab_size, "lora_names": runner.lora_names}))
+    conn.send(
+        (
+            "ready",
+            {
+                "num_blocks": runner.num_blocks,
+                "eos_token_ids": tuple(runner.eos_token_ids),
+                "max_model_len": runner.max_model_len,
+                "vocab_size": runner.vocab_size,
+                "lora_names": runner.lora_names,
+            },
+        )
+    )
     queue: deque = deque()  # steps (and other requests) received, not yet run
     drops: dict[str, int] = {}  # aborting request -> the last step it may be left out of
     steps = _StepDecoder()
@@ -165,8 +199,22 @@ def _worker_main(conn, model_dir: str, kwargs: dict[str, Any],
                 out = RunnerOutput.failure(msg, f"the model step failed: {type(e).__name__}: {e}")
             dt = time.perf_counter() - t
             ran = (int(wall * 1000), int((wall + dt) * 1000))
-            conn.send(("ok", (out.step, out.sampled, out.stopped, ran, out.logprobs,
-                              out.prompt_logprobs, out.embeddings, out.failed), dt))
+            conn.send(
+                (
+                    "ok",
+                    (
+                        out.step,
+                        out.sampled,
+                        out.stopped,
+                        ran,
+                        out.logprobs,
+                        out.prompt_logprobs,
+                        out.embeddings,
+                        out.failed,
+                    ),
+                    dt,
+                )
+            )
         except Exception:  # noqa: BLE001
             conn.send(("error", traceback.format_exc()))
 
@@ -178,8 +226,12 @@ class ProcessRunner:
     def __init__(self, model_dir: str, *, cpus: frozenset[int] | None = None, **kwargs: Any):
         ctx = mp.get_context("spawn")  # paddle and threads do not survive a fork
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_worker_main, args=(child, str(model_dir), kwargs, cpus),
-                                 name="fd-model-worker", daemon=True)
+        self._proc = ctx.Process(
+            target=_worker_main,
+            args=(child, str(model_dir), kwargs, cpus),
+            name="fd-model-worker",
+            daemon=True,
+        )
         self._proc.start()
         child.close()
         try:
@@ -242,8 +294,16 @@ class ProcessRunner:
     def collect(self) -> RunnerOutput:
         """The result of the oldest submitted step (blocks; run it off the event loop)."""
         step, sampled, stopped, ran, logprobs, prompt_lp, embeddings, failed = self._collect()
-        return RunnerOutput(step=step, sampled=sampled, stopped=stopped, ran=ran, logprobs=logprobs,
-                            prompt_logprobs=prompt_lp, embeddings=embeddings, failed=failed)
+        return RunnerOutput(
+            step=step,
+            sampled=sampled,
+            stopped=stopped,
+            ran=ran,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_lp,
+            embeddings=embeddings,
+            failed=failed,
+        )
 
     def fileno(self) -> int:
         """The pipe's end in this process: readable when a reply has come (for an event loop
@@ -269,9 +329,18 @@ class ProcessRunner:
             else:
                 self.busy_seconds += reply[2]
                 step, sampled, stopped, ran, logprobs, prompt_lp, embeddings, failed = reply[1]
-                out.append(RunnerOutput(step=step, sampled=sampled, stopped=stopped, ran=ran,
-                                        logprobs=logprobs, prompt_logprobs=prompt_lp,
-                                        embeddings=embeddings, failed=failed))
+                out.append(
+                    RunnerOutput(
+                        step=step,
+                        sampled=sampled,
+                        stopped=stopped,
+                        ran=ran,
+                        logprobs=logprobs,
+                        prompt_logprobs=prompt_lp,
+                        embeddings=embeddings,
+                        failed=failed,
+                    )
+                )
         return out
 
     def _died(self) -> WorkerError:

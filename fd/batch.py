@@ -20,8 +20,14 @@ from typing import Any, Iterable
 
 import orjson
 
-URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/score", "/v1/rerank",
-        "/v1/responses")
+URLS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/score",
+    "/v1/rerank",
+    "/v1/responses",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,20 +62,37 @@ def parse_line(raw: bytes | str, n: int) -> BatchLine | dict:
 
 
 def _error(message: str, custom_id: Any = None) -> dict:
-    return {"custom_id": custom_id if isinstance(custom_id, str) else None,
-            "error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
+    return {
+        "custom_id": custom_id if isinstance(custom_id, str) else None,
+        "error": {"message": message, "type": "invalid_request_error", "param": None, "code": None},
+    }
 
 
 def output_line(custom_id: str | None, status: int, request_id: str, body: Any) -> bytes:
     """An output line: the answer, or (status >= 400) its error object."""
     error = body.get("error") if status >= 400 and isinstance(body, dict) else None
-    return orjson.dumps({"id": f"batch-{uuid.uuid4().hex}", "custom_id": custom_id,
-                         "response": {"status_code": status, "request_id": request_id, "body": body},
-                         "error": error}) + b"\n"
+    return (
+        orjson.dumps(
+            {
+                "id": f"batch-{uuid.uuid4().hex}",
+                "custom_id": custom_id,
+                "response": {"status_code": status, "request_id": request_id, "body": body},
+                "error": error,
+            }
+        )
+        + b"\n"
+    )
 
 
-async def run_batch(base_url: str, lines: Iterable[bytes], out, *, concurrency: int = 64,
-                    api_key: str | None = None, progress: bool = True) -> tuple[int, int]:
+async def run_batch(
+    base_url: str,
+    lines: Iterable[bytes],
+    out,
+    *,
+    concurrency: int = 64,
+    api_key: str | None = None,
+    progress: bool = True,
+) -> tuple[int, int]:
     """Send every line's request to ``base_url`` (at most ``concurrency`` at once) and write
     the output lines to ``out`` (a binary file) in input order. Returns (succeeded, failed)."""
     import aiohttp
@@ -91,17 +114,35 @@ async def run_batch(base_url: str, lines: Iterable[bytes], out, *, concurrency: 
             rid = f"batch-{uuid.uuid4().hex}"
             async with gate:
                 try:
-                    async with session.post(base_url.rstrip("/") + parsed.url, json=parsed.body,
-                                            headers={**headers, "X-Request-Id": rid}) as resp:
+                    async with session.post(
+                        base_url.rstrip("/") + parsed.url,
+                        json=parsed.body,
+                        headers={**headers, "X-Request-Id": rid},
+                    ) as resp:
                         status = resp.status
                         try:
                             body = await resp.json(content_type=None)
                         except ValueError:
-                            body = {"error": {"message": (await resp.text())[:500], "type": "server_error",
-                                              "param": None, "code": None}}
+                            body = {
+                                "error": {
+                                    "message": (await resp.text())[:500],
+                                    "type": "server_error",
+                                    "param": None,
+                                    "code": None,
+                                }
+                            }
                 except aiohttp.ClientError as e:
-                    status, body = 503, {"error": {"message": f"the server could not be reached: {e}",
-                                                   "type": "service_unavailable", "param": None, "code": None}}
+                    status, body = (
+                        503,
+                        {
+                            "error": {
+                                "message": f"the server could not be reached: {e}",
+                                "type": "service_unavailable",
+                                "param": None,
+                                "code": None,
+                            }
+                        },
+                    )
             results[k] = output_line(parsed.custom_id, status, rid, body)
             ok += status < 400
         bar.update(1)

@@ -146,10 +146,17 @@ def _no_retries(client):
 
 
 def make_runner(opts: EngineOptions, progress: bool = True):
-    kw = dict(device=opts.device, num_blocks=opts.num_blocks, block_size=opts.block_size,
-              kv_cache_bytes=opts.kv_cache_mb << 20, progress=progress, seed=opts.seed,
-              lora_modules=dict(opts.lora_modules) or None, max_lora_rank=opts.max_lora_rank,
-              batch_invariant=opts.batch_invariant)
+    kw = dict(
+        device=opts.device,
+        num_blocks=opts.num_blocks,
+        block_size=opts.block_size,
+        kv_cache_bytes=opts.kv_cache_mb << 20,
+        progress=progress,
+        seed=opts.seed,
+        lora_modules=dict(opts.lora_modules) or None,
+        max_lora_rank=opts.max_lora_rank,
+        batch_invariant=opts.batch_invariant,
+    )
     if opts.executor == "paddle":
         from engine import affinity
         from engine.worker import ProcessRunner
@@ -168,34 +175,61 @@ def make_runner(opts: EngineOptions, progress: bool = True):
     return runner
 
 
-async def start_engine(redis_factory: Callable[[], Any], keys: Keys, opts: EngineOptions, *,
-                       metrics: Metrics | None = None, runner: Any = None, tokenizer: Any = None,
-                       **node_kw: Any) -> RunningEngine:
+async def start_engine(
+    redis_factory: Callable[[], Any],
+    keys: Keys,
+    opts: EngineOptions,
+    *,
+    metrics: Metrics | None = None,
+    runner: Any = None,
+    tokenizer: Any = None,
+    **node_kw: Any,
+) -> RunningEngine:
     from control.tokenizer import Tokenizer
     from engine.node import EngineConfig, EngineNode
 
     owns_runner = runner is None
     if owns_runner and opts.max_model_len is not None:  # (a bad value: said before the model loads)
         from control.tokenizer import served_context
+
         served_context(opts.max_model_len, Tokenizer.from_dir(opts.model_dir).max_model_len)
     runner = runner if runner is not None else make_runner(opts)
     tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_dir(opts.model_dir)
     if metrics is not None:
         metrics.engine_in_process = True  # the engine sets its gauges itself, every step
     engine_id = opts.engine_id or f"{socket.gethostname()[:24]}-{secrets.token_hex(3)}"
-    kw = dict(max_attempts=opts.max_attempts, drain_timeout_s=opts.drain_timeout_s,
-              request_timeout_s=opts.request_timeout_s, journal=opts.journal,
-              async_scheduling=opts.async_scheduling,
-              enable_prefix_caching=opts.enable_prefix_caching, max_model_len=opts.max_model_len,
-              scheduling_policy=opts.scheduling_policy, tombstone_ttl_s=opts.tombstone_ttl_s)
+    kw = dict(
+        max_attempts=opts.max_attempts,
+        drain_timeout_s=opts.drain_timeout_s,
+        request_timeout_s=opts.request_timeout_s,
+        journal=opts.journal,
+        async_scheduling=opts.async_scheduling,
+        enable_prefix_caching=opts.enable_prefix_caching,
+        max_model_len=opts.max_model_len,
+        scheduling_policy=opts.scheduling_policy,
+        tombstone_ttl_s=opts.tombstone_ttl_s,
+    )
     kw.update(node_kw)
-    cfg = EngineConfig(engine_id=engine_id, block_size=opts.block_size,
-                       max_num_seqs=opts.max_num_seqs,
-                       max_num_batched_tokens=opts.max_num_batched_tokens, **kw)
-    node = EngineNode(Bus(_no_retries(redis_factory()), keys, journal_maxlen=opts.journal_maxlen,
-                          req_ttl_s=opts.request_ttl_s),
-                      Bus(_no_retries(redis_factory()), keys, req_ttl_s=opts.request_ttl_s),
-                      runner, tokenizer, cfg, metrics=metrics)
+    cfg = EngineConfig(
+        engine_id=engine_id,
+        block_size=opts.block_size,
+        max_num_seqs=opts.max_num_seqs,
+        max_num_batched_tokens=opts.max_num_batched_tokens,
+        **kw,
+    )
+    node = EngineNode(
+        Bus(
+            _no_retries(redis_factory()),
+            keys,
+            journal_maxlen=opts.journal_maxlen,
+            req_ttl_s=opts.request_ttl_s,
+        ),
+        Bus(_no_retries(redis_factory()), keys, req_ttl_s=opts.request_ttl_s),
+        runner,
+        tokenizer,
+        cfg,
+        metrics=metrics,
+    )
     if metrics is not None:
         node.bus.on_dead_letter = node.control_bus.on_dead_letter = metrics.dead_letters_total.inc
     try:
@@ -227,8 +261,9 @@ def read_chat_template(value: str) -> str:
         return path.read_text(encoding="utf-8")
     if any(c in value for c in "{}\n"):
         return value
-    raise FileNotFoundError(f"--chat-template {value!r}: no such file (and not a template: it "
-                            "has no {{ }} or {% %})")
+    raise FileNotFoundError(
+        f"--chat-template {value!r}: no such file (and not a template: it has no {{{{ }}}} or {{% %}})"
+    )
 
 
 def read_generation_config(value: str, model_dir: str) -> dict[str, Any]:
@@ -252,8 +287,14 @@ def read_generation_config(value: str, model_dir: str) -> dict[str, Any]:
     return gen
 
 
-async def start_api(redis_factory: Callable[[], Any], keys: Keys, opts: ApiOptions, *,
-                    metrics: Metrics | None = None, tokenizer: Any = None) -> RunningApi:
+async def start_api(
+    redis_factory: Callable[[], Any],
+    keys: Keys,
+    opts: ApiOptions,
+    *,
+    metrics: Metrics | None = None,
+    tokenizer: Any = None,
+) -> RunningApi:
     from aiohttp import web
 
     from control.tokenizer import Tokenizer, served_context
@@ -263,32 +304,46 @@ async def start_api(redis_factory: Callable[[], Any], keys: Keys, opts: ApiOptio
     from fd.api.server import ApiConfig, make_app
 
     if opts.reasoning_parser is not None and opts.reasoning_parser not in REASONING_PARSERS:
-        raise ValueError(f"unknown reasoning parser {opts.reasoning_parser!r}: one of "
-                         f"{', '.join(REASONING_PARSERS)}")
+        raise ValueError(
+            f"unknown reasoning parser {opts.reasoning_parser!r}: one of {', '.join(REASONING_PARSERS)}"
+        )
     tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_dir(opts.model_dir)
     if opts.chat_template is not None:
         tokenizer = tokenizer.with_chat_template(read_chat_template(opts.chat_template))
     defaults, cap, ignored = generation_defaults(
-        read_generation_config(opts.generation_config, opts.model_dir))
+        read_generation_config(opts.generation_config, opts.model_dir)
+    )
     for why in ignored:
         log.warning("generation_config.json: %s: left out", why)
     if defaults or cap is not None:
         # (as vLLM says it: a request without these gets the model maker's, not fd's)
-        log.warning("default sampling parameters from the model's generation_config.json: %s%s "
-                    "(--generation-config vllm to use fd's own)", defaults,
-                    f", output capped at {cap} tokens" if cap is not None else "")
+        log.warning(
+            "default sampling parameters from the model's generation_config.json: %s%s "
+            "(--generation-config vllm to use fd's own)",
+            defaults,
+            f", output capped at {cap} tokens" if cap is not None else "",
+        )
     names = opts.served_model_name or [Path(opts.model_dir).name]
     if isinstance(names, str):
         names = [names]
     name, aliases = names[0], tuple(n for n in names[1:] if n != names[0])
-    cfg = ApiConfig(model_name=name, model_aliases=aliases,
-                    max_model_len=served_context(opts.max_model_len, tokenizer.max_model_len),
-                    api_key=opts.api_key, admin_key=opts.admin_key, tool_parser=opts.tool_parser,
-                    sampling_defaults=defaults, max_output_tokens=cap,
-                    reasoning_parser=opts.reasoning_parser, cors=opts.cors,
-                    force_include_usage=opts.force_include_usage, tokens_as_ids=opts.tokens_as_ids,
-                    priority_scheduling=opts.priority_scheduling, lora_modules=dict(opts.lora_modules),
-                    runtime_lora=opts.runtime_lora)
+    cfg = ApiConfig(
+        model_name=name,
+        model_aliases=aliases,
+        max_model_len=served_context(opts.max_model_len, tokenizer.max_model_len),
+        api_key=opts.api_key,
+        admin_key=opts.admin_key,
+        tool_parser=opts.tool_parser,
+        sampling_defaults=defaults,
+        max_output_tokens=cap,
+        reasoning_parser=opts.reasoning_parser,
+        cors=opts.cors,
+        force_include_usage=opts.force_include_usage,
+        tokens_as_ids=opts.tokens_as_ids,
+        priority_scheduling=opts.priority_scheduling,
+        lora_modules=dict(opts.lora_modules),
+        runtime_lora=opts.runtime_lora,
+    )
     metrics = metrics if metrics is not None else Metrics()
     mux = StreamMux(redis_factory(), keys, cfg.api_id)
     await mux.start()

@@ -40,7 +40,8 @@ CANCEL_KINDS = ("disconnect", "abort")
 
 # Common short English words: most byte-level BPE vocabularies hold " word" as one token, so a
 # prompt of N words is close to N tokens (the report gives the server's own count from usage).
-WORDS = tuple("""
+WORDS = tuple(
+    """
 the of and to in is was for on that with as by at from it his an be are this which or had
 not but were her they one all there their has been have more its who when would also will
 two other some time into out first only new can after about most over then these many such
@@ -49,7 +50,8 @@ make way each work city world life house part both three people under state over
 light small place great old land high name music game river song night group book story
 system power line between still round home road while never point early field open study
 team order number side sound right left hand head king war film sea south north east west
-""".split())
+""".split()
+)
 
 
 # --------------------------------------------------------------------------- configuration
@@ -153,16 +155,24 @@ def plan_requests(cfg: BenchConfig, run_id: str) -> list[Planned]:
     cancel kind, spread at random over the run."""
     rng = random.Random(cfg.seed)
     n = cfg.num_prompts
-    kinds: list[str | None] = (["disconnect"] * round(cfg.disconnect_ratio * n)
-                               + ["abort"] * round(cfg.abort_ratio * n))
+    kinds: list[str | None] = ["disconnect"] * round(cfg.disconnect_ratio * n) + ["abort"] * round(
+        cfg.abort_ratio * n
+    )
     kinds = (kinds + [None] * n)[:n]
     rng.shuffle(kinds)
     out = []
     for i in range(n):
         words = [rng.choice(WORDS) for _ in range(_length(rng, cfg.input_len, cfg.range_ratio))]
-        out.append(Planned(i, f"{run_id}-{i}", " ".join(words).capitalize(),
-                           _length(rng, cfg.output_len, cfg.range_ratio), kinds[i],
-                           cfg.base_urls[i % len(cfg.base_urls)]))
+        out.append(
+            Planned(
+                i,
+                f"{run_id}-{i}",
+                " ".join(words).capitalize(),
+                _length(rng, cfg.output_len, cfg.range_ratio),
+                kinds[i],
+                cfg.base_urls[i % len(cfg.base_urls)],
+            )
+        )
     return out
 
 
@@ -195,8 +205,12 @@ def percentile(xs: Sequence[float], q: float) -> float | None:
 def describe(xs_s: Sequence[float], scale: float = 1000.0) -> dict[str, float | int | None]:
     """n, mean, p50, p99 (None when there is no data: JSON null, not NaN)."""
     xs = [x * scale for x in xs_s]
-    return {"n": len(xs), "mean": (sum(xs) / len(xs)) if xs else None,
-            "p50": percentile(xs, 50), "p99": percentile(xs, 99)}
+    return {
+        "n": len(xs),
+        "mean": (sum(xs) / len(xs)) if xs else None,
+        "p50": percentile(xs, 50),
+        "p99": percentile(xs, 99),
+    }
 
 
 # --------------------------------------------------------------------------- HTTP
@@ -222,9 +236,14 @@ async def fetch_model(session: aiohttp.ClientSession, base: str, api_key: str | 
 
 
 def _body(cfg: BenchConfig, model: str, p: Planned) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": model, "max_tokens": p.max_tokens,
-                            "temperature": cfg.temperature, "ignore_eos": True, "stream": True,
-                            "stream_options": {"include_usage": True}}
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": p.max_tokens,
+        "temperature": cfg.temperature,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if cfg.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": p.prompt}]
     else:
@@ -246,8 +265,9 @@ class _Cancel(Exception):
 
 async def _post_abort(session: aiohttp.ClientSession, base: str, key: str | None, rid: str) -> str | None:
     try:
-        async with session.post(base + "/v1/abort_requests", json={"request_ids": [rid]},
-                                headers=_headers(key)) as r:
+        async with session.post(
+            base + "/v1/abort_requests", json={"request_ids": [rid]}, headers=_headers(key)
+        ) as r:
             if r.status != 200:
                 return f"abort: HTTP {r.status}: {(await r.text())[:200]}"
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
@@ -255,8 +275,9 @@ async def _post_abort(session: aiohttp.ClientSession, base: str, key: str | None
     return None
 
 
-async def send_one(session: aiohttp.ClientSession, cfg: BenchConfig, model: str, p: Planned,
-                   cancel: bool = True) -> Outcome:
+async def send_one(
+    session: aiohttp.ClientSession, cfg: BenchConfig, model: str, p: Planned, cancel: bool = True
+) -> Outcome:
     """One streaming request; fires its cancel (if planned and ``cancel``) after
     ``cancel_after_tokens`` text chunks or ``cancel_after_ms``."""
     o = Outcome(p.index, p.request_id, p.cancel if cancel else None, p.base_url, p.max_tokens)
@@ -265,8 +286,9 @@ async def send_one(session: aiohttp.ClientSession, cfg: BenchConfig, model: str,
     abort_task: asyncio.Task | None = None
     resp = None
     o.t_send = time.perf_counter()
-    deadline = (o.t_send + cfg.cancel_after_ms / 1000.0
-                if o.cancel and cfg.cancel_after_ms is not None else None)
+    deadline = (
+        o.t_send + cfg.cancel_after_ms / 1000.0 if o.cancel and cfg.cancel_after_ms is not None else None
+    )
 
     def fire() -> None:
         nonlocal abort_task, deadline
@@ -278,7 +300,8 @@ async def send_one(session: aiohttp.ClientSession, cfg: BenchConfig, model: str,
         if o.cancel == "disconnect":
             raise _Cancel
         abort_task = asyncio.create_task(
-            _post_abort(session, p.base_url, cfg.admin_key or cfg.api_key, p.request_id))
+            _post_abort(session, p.base_url, cfg.admin_key or cfg.api_key, p.request_id)
+        )
 
     try:
         resp = await session.post(url, json=_body(cfg, model, p), headers=_headers(cfg.api_key, p.request_id))
@@ -304,8 +327,9 @@ async def send_one(session: aiohttp.ClientSession, cfg: BenchConfig, model: str,
             buf += data.replace(b"\r\n", b"\n")
             while b"\n\n" in buf:
                 frame, buf = buf.split(b"\n\n", 1)
-                payload = b"".join(line[5:].strip() for line in frame.split(b"\n")
-                                   if line.startswith(b"data:"))
+                payload = b"".join(
+                    line[5:].strip() for line in frame.split(b"\n") if line.startswith(b"data:")
+                )
                 if not payload:
                     continue  # a comment (keep-alive) or an id-only frame
                 if payload == b"[DONE]":
@@ -326,8 +350,12 @@ async def send_one(session: aiohttp.ClientSession, cfg: BenchConfig, model: str,
                 if u:
                     o.prompt_tokens = u.get("prompt_tokens")
                     o.output_tokens = u.get("completion_tokens", o.output_tokens)
-                if (o.cancel and o.t_cancel is None and cfg.cancel_after_ms is None
-                        and len(o.chunk_times) >= cfg.cancel_after_tokens):
+                if (
+                    o.cancel
+                    and o.t_cancel is None
+                    and cfg.cancel_after_ms is None
+                    and len(o.chunk_times) >= cfg.cancel_after_tokens
+                ):
                     fire()
         o.t_end = time.perf_counter()
         if not done and o.error is None:
@@ -467,8 +495,8 @@ async def run_bench(cfg: BenchConfig, session: aiohttp.ClientSession | None = No
     own = session is None
     if session is None:
         session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0),
-            timeout=aiohttp.ClientTimeout(total=cfg.timeout_s))
+            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=cfg.timeout_s)
+        )
     reader = EventReader(cfg.redis_url, cfg.prefix) if cfg.redis_url else None
     try:
         model = cfg.model or await fetch_model(session, cfg.base_urls[0], cfg.api_key)
@@ -483,9 +511,17 @@ async def run_bench(cfg: BenchConfig, session: aiohttp.ClientSession | None = No
                 return await send_one(session, cfg, model, p, cancel)
 
         if cfg.num_warmups:
-            warm = [Planned(i, f"{run_id}-warmup-{i}", planned[i % len(planned)].prompt,
-                            min(16, cfg.output_len), None, cfg.base_urls[i % len(cfg.base_urls)])
-                    for i in range(cfg.num_warmups)]
+            warm = [
+                Planned(
+                    i,
+                    f"{run_id}-warmup-{i}",
+                    planned[i % len(planned)].prompt,
+                    min(16, cfg.output_len),
+                    None,
+                    cfg.base_urls[i % len(cfg.base_urls)],
+                )
+                for i in range(cfg.num_warmups)
+            ]
             res = await asyncio.gather(*(limited(p, False) for p in warm))
             bad = [r.error for r in res if r.error]
             if bad:
@@ -532,16 +568,20 @@ async def run_bench(cfg: BenchConfig, session: aiohttp.ClientSession | None = No
             await session.close()
 
 
-def summarize(cfg: BenchConfig, model: str, outcomes: Sequence[Outcome], duration_s: float,
-              release_source: str | None) -> dict[str, Any]:
+def summarize(
+    cfg: BenchConfig, model: str, outcomes: Sequence[Outcome], duration_s: float, release_source: str | None
+) -> dict[str, Any]:
     """The report. Latencies in ms over: TTFT and ITL every request that got a token; TPOT and
     E2EL the requests that ran to completion (not cancelled, no error)."""
     ok = [o for o in outcomes if o.status in ("length", "stop")]
     ttft = [o.ttft for o in outcomes if o.ttft is not None]
     itl = [b - a for o in outcomes for a, b in zip(o.chunk_times, o.chunk_times[1:])]
     e2el = [o.t_end - o.t_send for o in ok]
-    tpot = [(o.t_end - o.t_send - o.ttft) / (o.output_tokens - 1)
-            for o in ok if o.ttft is not None and o.output_tokens > 1]
+    tpot = [
+        (o.t_end - o.t_send - o.ttft) / (o.output_tokens - 1)
+        for o in ok
+        if o.ttft is not None and o.output_tokens > 1
+    ]
     out_tokens = sum(o.output_tokens for o in outcomes if o.status != "error")
     in_tokens = sum(o.prompt_tokens or 0 for o in outcomes)
     finished = sum(1 for o in outcomes if o.status != "error")
@@ -553,16 +593,20 @@ def summarize(cfg: BenchConfig, model: str, outcomes: Sequence[Outcome], duratio
         cancel[kind] = {
             "planned": len(mine),
             "fired": len(fired),  # the rest finished before their cancel was due
-            "server_finish_reasons": dict(Counter(o.server_finish_reason for o in fired
-                                                  if o.server_finish_reason)),
+            "server_finish_reasons": dict(
+                Counter(o.server_finish_reason for o in fired if o.server_finish_reason)
+            ),
             "noted_ms": describe([o.noted_ms / 1000 for o in fired if o.noted_ms is not None]),
             "release_ms": describe([o.release_ms / 1000 for o in fired if o.release_ms is not None]),
         }
     d = max(duration_s, 1e-9)
     errors = [{"request_id": o.request_id, "error": o.error} for o in outcomes if o.error]
     return {
-        "config": {k: (v if not (isinstance(v, float) and math.isinf(v)) else "inf")
-                   for k, v in asdict(cfg).items() if k not in ("api_key", "admin_key")},
+        "config": {
+            k: (v if not (isinstance(v, float) and math.isinf(v)) else "inf")
+            for k, v in asdict(cfg).items()
+            if k not in ("api_key", "admin_key")
+        },
         "model": model,
         "duration_s": duration_s,
         "num_requests": len(outcomes),
@@ -580,15 +624,24 @@ def summarize(cfg: BenchConfig, model: str, outcomes: Sequence[Outcome], duratio
         "itl_ms": describe(itl),
         "e2el_ms": describe(e2el),
         "cancel": cancel,
-        "requests": [{
-            "request_id": o.request_id, "cancel": o.cancel, "status": o.status,
-            "server_finish_reason": o.server_finish_reason, "output_tokens": o.output_tokens,
-            "max_tokens": o.max_tokens, "send_s": o.t_send - (outcomes[0].t_send if outcomes else 0),
-            "ttft_ms": o.ttft * 1000 if o.ttft is not None else None,
-            "e2el_ms": (o.t_end - o.t_send) * 1000 if o.t_end else None,
-            "cancel_after_ms": (o.t_cancel - o.t_send) * 1000 if o.t_cancel is not None else None,
-            "noted_ms": o.noted_ms, "release_ms": o.release_ms, "error": o.error,
-        } for o in outcomes],
+        "requests": [
+            {
+                "request_id": o.request_id,
+                "cancel": o.cancel,
+                "status": o.status,
+                "server_finish_reason": o.server_finish_reason,
+                "output_tokens": o.output_tokens,
+                "max_tokens": o.max_tokens,
+                "send_s": o.t_send - (outcomes[0].t_send if outcomes else 0),
+                "ttft_ms": o.ttft * 1000 if o.ttft is not None else None,
+                "e2el_ms": (o.t_end - o.t_send) * 1000 if o.t_end else None,
+                "cancel_after_ms": (o.t_cancel - o.t_send) * 1000 if o.t_cancel is not None else None,
+                "noted_ms": o.noted_ms,
+                "release_ms": o.release_ms,
+                "error": o.error,
+            }
+            for o in outcomes
+        ],
     }
 
 
@@ -622,8 +675,9 @@ def format_report(r: dict[str, Any]) -> str:
     ]
 
     def row(name: str, d: dict) -> None:
-        lines.append(f"| {name:<40} | {_f(d['mean']):>9} | {_f(d['p50']):>9} | {_f(d['p99']):>9} "
-                     f"| {d['n']:>6} |")
+        lines.append(
+            f"| {name:<40} | {_f(d['mean']):>9} | {_f(d['p50']):>9} | {_f(d['p99']):>9} | {d['n']:>6} |"
+        )
 
     row("TTFT", r["ttft_ms"])
     row("TPOT", r["tpot_ms"])
@@ -640,9 +694,8 @@ def format_report(r: dict[str, Any]) -> str:
     for kind in CANCEL_KINDS:
         k = r["cancel"][kind]
         if k["planned"]:
-            extra = (f"; server finals {k['server_finish_reasons']}" if k["server_finish_reasons"] else "")
-            lines.append(f"{kind}: {k['fired']} of {k['planned']} cancelled"
-                         f" (the rest finished first){extra}")
+            extra = f"; server finals {k['server_finish_reasons']}" if k["server_finish_reasons"] else ""
+            lines.append(f"{kind}: {k['fired']} of {k['planned']} cancelled (the rest finished first){extra}")
     if r["num_errors"]:
         lines.append(f"errors: {r['num_errors']}; first: {r['errors'][0]['error']}")
     return "\n".join(lines)
@@ -652,8 +705,10 @@ def check_plot_available() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise SystemExit("error: --plot needs matplotlib, which is not installed: "
-                         "pip install matplotlib   (or pip install 'fd[plot]')") from None
+        raise SystemExit(
+            "error: --plot needs matplotlib, which is not installed: "
+            "pip install matplotlib   (or pip install 'fd[plot]')"
+        ) from None
 
 
 def plot_report(r: dict[str, Any], path: str) -> None:
@@ -665,8 +720,13 @@ def plot_report(r: dict[str, Any], path: str) -> None:
 
     reqs = r["requests"]
     fig, ax = plt.subplots(2, 2, figsize=(11, 7))
-    for status, color in (("length", "tab:blue"), ("stop", "tab:cyan"), ("abort", "tab:red"),
-                          ("disconnected", "tab:orange"), ("error", "black")):
+    for status, color in (
+        ("length", "tab:blue"),
+        ("stop", "tab:cyan"),
+        ("abort", "tab:red"),
+        ("disconnected", "tab:orange"),
+        ("error", "black"),
+    ):
         pts = [(q["send_s"], q["ttft_ms"]) for q in reqs if q["status"] == status and q["ttft_ms"]]
         if pts:
             ax[0][0].scatter(*zip(*pts), s=8, color=color, label=status)
@@ -674,8 +734,7 @@ def plot_report(r: dict[str, Any], path: str) -> None:
         if pts:
             ax[0][1].scatter(*zip(*pts), s=8, color=color, label=status)
     ax[0][0].set(title="TTFT", xlabel="sent at (s)", ylabel="ms")
-    ax[0][1].set(title="end-to-end (cancelled: until their stream ended)", xlabel="sent at (s)",
-                 ylabel="ms")
+    ax[0][1].set(title="end-to-end (cancelled: until their stream ended)", xlabel="sent at (s)", ylabel="ms")
     ax[0][0].legend(fontsize=7)
     rel = [q["release_ms"] for q in reqs if q["release_ms"] is not None]
     ax[1][0].hist(rel or [0], bins=30, color="tab:red")
@@ -695,35 +754,60 @@ def plot_report(r: dict[str, Any], path: str) -> None:
 
 def build_parser(prog: str = "fd bench") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
-    p.add_argument("--base-url", action="append", required=True,
-                   help="server URL, e.g. http://127.0.0.1:8000; repeat (or comma-separate) to "
-                        "spread requests round-robin over API replicas")
+    p.add_argument(
+        "--base-url",
+        action="append",
+        required=True,
+        help="server URL, e.g. http://127.0.0.1:8000; repeat (or comma-separate) to "
+        "spread requests round-robin over API replicas",
+    )
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     p.add_argument("--model", default=None, help="default: the first model of GET /v1/models")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--request-rate", type=float, default=math.inf,
-                   help="requests/s with Poisson arrivals; inf (default): all at once")
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="requests/s with Poisson arrivals; inf (default): all at once",
+    )
     p.add_argument("--input-len", type=int, default=32, help="prompt length in words")
     p.add_argument("--output-len", type=int, default=128, help="max_tokens (with ignore_eos)")
-    p.add_argument("--range-ratio", type=float, default=0.0,
-                   help="lengths uniform in [L*(1-r), L*(1+r)]")
+    p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in [L*(1-r), L*(1+r)]")
     p.add_argument("--num-warmups", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--disconnect-ratio", type=float, default=0.0,
-                   help="share of requests whose client closes the connection mid-stream")
-    p.add_argument("--abort-ratio", type=float, default=0.0,
-                   help="share of requests aborted via POST /v1/abort_requests mid-stream")
+    p.add_argument(
+        "--disconnect-ratio",
+        type=float,
+        default=0.0,
+        help="share of requests whose client closes the connection mid-stream",
+    )
+    p.add_argument(
+        "--abort-ratio",
+        type=float,
+        default=0.0,
+        help="share of requests aborted via POST /v1/abort_requests mid-stream",
+    )
     p.add_argument("--cancel-after-tokens", type=int, default=10)
-    p.add_argument("--cancel-after-ms", type=float, default=None,
-                   help="cancel this long after sending instead of after K tokens")
+    p.add_argument(
+        "--cancel-after-ms",
+        type=float,
+        default=None,
+        help="cancel this long after sending instead of after K tokens",
+    )
     p.add_argument("--api-key", default=os.environ.get("FD_API_KEY") or os.environ.get("OPENAI_API_KEY"))
-    p.add_argument("--admin-key", default=os.environ.get("FD_ADMIN_KEY"),
-                   help="key for /v1/abort_requests (default: --api-key)")
-    p.add_argument("--redis-url", default=os.environ.get("FD_REDIS_URL"),
-                   help="read cancel->release from each request's events (fd servers); "
-                        "without it, from /metrics gauges polled every --metrics-poll-ms")
+    p.add_argument(
+        "--admin-key",
+        default=os.environ.get("FD_ADMIN_KEY"),
+        help="key for /v1/abort_requests (default: --api-key)",
+    )
+    p.add_argument(
+        "--redis-url",
+        default=os.environ.get("FD_REDIS_URL"),
+        help="read cancel->release from each request's events (fd servers); "
+        "without it, from /metrics gauges polled every --metrics-poll-ms",
+    )
     p.add_argument("--prefix", default=os.environ.get("FD_PREFIX", "fd"))
     p.add_argument("--metrics-poll-ms", type=float, default=5.0)
     p.add_argument("--request-id-prefix", default=None)
@@ -736,14 +820,30 @@ def build_parser(prog: str = "fd bench") -> argparse.ArgumentParser:
 def config_from_args(a: argparse.Namespace) -> BenchConfig:
     urls = [u.strip() for arg in a.base_url for u in arg.split(",") if u.strip()]
     return BenchConfig(
-        base_urls=urls, endpoint=a.endpoint, model=a.model, num_prompts=a.num_prompts,
-        max_concurrency=a.max_concurrency, request_rate=a.request_rate, input_len=a.input_len,
-        output_len=a.output_len, range_ratio=a.range_ratio, num_warmups=a.num_warmups,
-        seed=a.seed, temperature=a.temperature, disconnect_ratio=a.disconnect_ratio,
-        abort_ratio=a.abort_ratio, cancel_after_tokens=a.cancel_after_tokens,
-        cancel_after_ms=a.cancel_after_ms, api_key=a.api_key, admin_key=a.admin_key,
-        redis_url=a.redis_url, prefix=a.prefix, metrics_poll_ms=a.metrics_poll_ms,
-        request_id_prefix=a.request_id_prefix, progress=not a.disable_tqdm)
+        base_urls=urls,
+        endpoint=a.endpoint,
+        model=a.model,
+        num_prompts=a.num_prompts,
+        max_concurrency=a.max_concurrency,
+        request_rate=a.request_rate,
+        input_len=a.input_len,
+        output_len=a.output_len,
+        range_ratio=a.range_ratio,
+        num_warmups=a.num_warmups,
+        seed=a.seed,
+        temperature=a.temperature,
+        disconnect_ratio=a.disconnect_ratio,
+        abort_ratio=a.abort_ratio,
+        cancel_after_tokens=a.cancel_after_tokens,
+        cancel_after_ms=a.cancel_after_ms,
+        api_key=a.api_key,
+        admin_key=a.admin_key,
+        redis_url=a.redis_url,
+        prefix=a.prefix,
+        metrics_poll_ms=a.metrics_poll_ms,
+        request_id_prefix=a.request_id_prefix,
+        progress=not a.disable_tqdm,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -26,7 +26,6 @@ from control.keys import Keys
 from tests.engine_fixtures import openai_client, served, tiny_model_dir, tiny_runner, tiny_tokenizer  # noqa: F401
 from tests.real_model import smollm2_dir, smollm2_gguf, smollm2_reference, smollm2_runner, smollm2_tokenizer  # noqa: F401
 
-
 # Property tests that do not fix their examples draw new ones each run here, where a failure is
 # a find to keep (tests/test_scheduler_props.py found a harness gap that way); CI (CI=true)
 # draws the same ones every time, so a landing is never decided by the draw.
@@ -61,14 +60,33 @@ def start_redis_server(tmpdir: str) -> tuple[subprocess.Popen, RedisServer]:
     """A throwaway redis-server on a free port; the caller kills it by pid."""
     exe = shutil.which("redis-server")
     if exe is None:
-        pytest.fail("redis-server is not on PATH; install it (e.g. `apt-get install redis-server`) "
-                    "-- the bus tests need a real Redis next to the embedded one", pytrace=False)
+        pytest.fail(
+            "redis-server is not on PATH; install it (e.g. `apt-get install redis-server`) "
+            "-- the bus tests need a real Redis next to the embedded one",
+            pytrace=False,
+        )
     for _attempt in range(5):  # the free port can be taken between probing and binding
         port = free_port()
         proc = subprocess.Popen(
-            [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", tmpdir, "--loglevel", "warning", "--logfile", "redis.log"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                exe,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                tmpdir,
+                "--loglevel",
+                "warning",
+                "--logfile",
+                "redis.log",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and proc.poll() is None:

@@ -29,8 +29,7 @@ def tiny_runner(tiny_model_dir):
     other (equally invariant) runners."""
     from engine.model_runner import ModelRunner
 
-    return ModelRunner(str(tiny_model_dir), device="cpu", num_blocks=512, block_size=16,
-                       batch_invariant=True)
+    return ModelRunner(str(tiny_model_dir), device="cpu", num_blocks=512, block_size=16, batch_invariant=True)
 
 
 @pytest.fixture
@@ -41,11 +40,21 @@ async def served(embedded_redis, keys, tiny_model_dir, tiny_runner, tiny_tokeniz
     from fd.compose import ApiOptions, EngineOptions, join_in_process, start_api, start_engine
 
     metrics = Metrics()
-    eng = await start_engine(embedded_redis.client, keys,
-                             EngineOptions(model_dir=str(tiny_model_dir), engine_id="e0"),
-                             runner=tiny_runner, tokenizer=tiny_tokenizer, metrics=metrics)
-    api = await start_api(embedded_redis.client, keys, ApiOptions(model_dir=str(tiny_model_dir)),
-                          metrics=metrics, tokenizer=tiny_tokenizer)
+    eng = await start_engine(
+        embedded_redis.client,
+        keys,
+        EngineOptions(model_dir=str(tiny_model_dir), engine_id="e0"),
+        runner=tiny_runner,
+        tokenizer=tiny_tokenizer,
+        metrics=metrics,
+    )
+    api = await start_api(
+        embedded_redis.client,
+        keys,
+        ApiOptions(model_dir=str(tiny_model_dir)),
+        metrics=metrics,
+        tokenizer=tiny_tokenizer,
+    )
     join_in_process(api, eng)
     yield api, eng
     await api.stop()

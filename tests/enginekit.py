@@ -59,8 +59,10 @@ class GatedRunner:
 
 def _pair(rid: str, prompt: list[int], **sampling) -> tuple[Request, Accepted]:
     sp = SamplingParams(**{"temperature": 0.0, **sampling})
-    return (Request(request_id=rid, data=RequestData(prompt_token_ids=tuple(prompt), sampling=sp)),
-            Accepted(request_id=rid, prompt_tokens=len(prompt), endpoint="completion"))
+    return (
+        Request(request_id=rid, data=RequestData(prompt_token_ids=tuple(prompt), sampling=sp)),
+        Accepted(request_id=rid, prompt_tokens=len(prompt), endpoint="completion"),
+    )
 
 
 async def submit(bus: Bus, rid: str, prompt: list[int], **sampling) -> None:
@@ -84,8 +86,7 @@ async def story(bus: Bus, rid: str, timeout: float = 15.0, until=Final) -> list:
         if any(isinstance(e, until) for e in evs):
             return evs
         if time.monotonic() > deadline:
-            raise AssertionError(f"{rid}: no {until.__name__} in time; story so far: "
-                                 f"{[e.TYPE for e in evs]}")
+            raise AssertionError(f"{rid}: no {until.__name__} in time; story so far: {[e.TYPE for e in evs]}")
         await asyncio.sleep(0.005)
 
 

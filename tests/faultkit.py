@@ -3,9 +3,6 @@ and a redis-server of the test's own that it can stop and start again on the sam
 
 from __future__ import annotations
 
-import orjson
-import pytest
-
 import asyncio
 import inspect
 import os
@@ -17,6 +14,9 @@ import threading
 import time
 from dataclasses import replace
 
+import orjson
+import pytest
+
 from control.connect import connect
 from engine.outputs import RunnerOutput, SchedulerOutput
 from engine.sequence import PLACEHOLDER
@@ -27,8 +27,7 @@ from tests.enginekit import GatedRunner
 _LOCKS: dict[int, threading.Lock] = {}
 
 #: Fast failure detection for tests: peers scan often and look at entries idle for 0.2 s.
-FAST_FAILOVER = dict(failover_interval_s=0.2, failover_idle_ms=200, heartbeat_ttl_s=2,
-                     heartbeat_s=0.5)
+FAST_FAILOVER = dict(failover_interval_s=0.2, failover_idle_ms=200, heartbeat_ttl_s=2, heartbeat_s=0.5)
 
 
 class RunnerSlice:
@@ -53,10 +52,14 @@ class RunnerSlice:
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         if self.delay:
             time.sleep(self.delay)
-        seqs = tuple(replace(s, block_table=tuple(b + self.offset for b in s.block_table),
-                             token_ids=((self.last[s.request_id],) if s.token_ids == (PLACEHOLDER,)
-                                        else s.token_ids))
-                     for s in out.seqs)
+        seqs = tuple(
+            replace(
+                s,
+                block_table=tuple(b + self.offset for b in s.block_table),
+                token_ids=((self.last[s.request_id],) if s.token_ids == (PLACEHOLDER,) else s.token_ids),
+            )
+            for s in out.seqs
+        )
         with self.lock:
             # (the shared runner's own idea of the step before is the other engine's: what a
             # penalized or guided request's history lacks comes from this slice's)
@@ -84,11 +87,15 @@ class Engines:
         runner = RunnerSlice(self.runner, i * self.per, self.per, delay)
         if gated:
             runner = self.gates[engine_id] = GatedRunner(runner)
-        opts = EngineOptions(model_dir=str(self.model_dir), engine_id=engine_id,
-                             max_num_seqs=kw.pop("max_num_seqs", 8),
-                             max_num_batched_tokens=kw.pop("max_num_batched_tokens", 256))
-        eng = await start_engine(self.factory, self.keys, opts, runner=runner,
-                                 tokenizer=self.tokenizer, **{**FAST_FAILOVER, **kw})
+        opts = EngineOptions(
+            model_dir=str(self.model_dir),
+            engine_id=engine_id,
+            max_num_seqs=kw.pop("max_num_seqs", 8),
+            max_num_batched_tokens=kw.pop("max_num_batched_tokens", 256),
+        )
+        eng = await start_engine(
+            self.factory, self.keys, opts, runner=runner, tokenizer=self.tokenizer, **{**FAST_FAILOVER, **kw}
+        )
         self.started.append(eng)
         return eng
 
@@ -130,12 +137,14 @@ def dump_tasks_after(seconds: float, what: str, extra=None) -> asyncio.TimerHand
                 frame = getattr(coro, "cr_frame", None) or getattr(coro, "ag_frame", None)
                 if frame is None:
                     break
-                print(f"    {frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}",
-                      file=sys.stderr)
+                print(
+                    f"    {frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}", file=sys.stderr
+                )
                 coro = getattr(coro, "cr_await", None) or getattr(coro, "ag_await", None)
         if extra is not None:
             print(extra(), file=sys.stderr)
         test.cancel()
+
     return asyncio.get_running_loop().call_later(seconds, dump)
 
 
@@ -153,8 +162,11 @@ async def wait_for(pred, timeout: float = 10.0, what: str = "condition"):
 
 
 async def all_blocks_free(node, timeout: float = 5.0) -> None:
-    await wait_for(lambda: node.sched.num_free_blocks == node.sched.num_total_blocks
-                   and not node.sched.has_work(), timeout, f"all blocks free on {node.id}")
+    await wait_for(
+        lambda: node.sched.num_free_blocks == node.sched.num_total_blocks and not node.sched.has_work(),
+        timeout,
+        f"all blocks free on {node.id}",
+    )
 
 
 class OwnRedis:
@@ -171,10 +183,28 @@ class OwnRedis:
         exe = shutil.which("redis-server")
         assert exe, "redis-server is not on PATH"
         self.proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "yes", "--appendfsync", "always", "--dir", self.dir,
-             "--loglevel", "warning", "--logfile", "redis.log"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                exe,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "always",
+                "--dir",
+                self.dir,
+                "--loglevel",
+                "warning",
+                "--logfile",
+                "redis.log",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 10
         while not _ping(self.port):
             if time.monotonic() > deadline or self.proc.poll() is not None:
@@ -195,10 +225,27 @@ def spawn_engine(url: str, keys, model_dir, engine_id: str, *extra: str) -> subp
     import sys
 
     return subprocess.Popen(
-        [sys.executable, "-m", "fd", "engine", "--redis-url", url, "--prefix", keys.prefix,
-         "--model", str(model_dir), "--engine-id", engine_id, "--num-blocks", "128", *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        [
+            sys.executable,
+            "-m",
+            "fd",
+            "engine",
+            "--redis-url",
+            url,
+            "--prefix",
+            keys.prefix,
+            "--model",
+            str(model_dir),
+            "--engine-id",
+            engine_id,
+            "--num-blocks",
+            "128",
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
 
 
 def reap(proc: subprocess.Popen, timeout: float = 10.0) -> tuple[int, str]:

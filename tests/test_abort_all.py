@@ -12,8 +12,16 @@ import aiohttp
 
 from control.bus import Bus
 from control.connect import connect
-from control.events import (AbortAll, Accepted, BlocksReleased, Final, Request, RequestData, SamplingParams,
-                            Tokens)
+from control.events import (
+    AbortAll,
+    Accepted,
+    BlocksReleased,
+    Final,
+    Request,
+    RequestData,
+    SamplingParams,
+    Tokens,
+)
 from control.keys import GROUP_ENGINES, owner_engine
 from fd.compose import ApiOptions, start_api
 from tests.enginekit import story, submit, types
@@ -51,11 +59,16 @@ def _scheduled(engines: Engines) -> set[str]:
 
 
 async def test_abort_all_ends_running_and_unclaimed_requests_once(
-        redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer):
+    redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer
+):
     engines = await _start_two(redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer)
     bus = Bus(connect(redis_server.url), keys)
-    api = await start_api(lambda: connect(redis_server.url), keys,
-                          ApiOptions(model_dir=str(tiny_model_dir)), tokenizer=tiny_tokenizer)
+    api = await start_api(
+        lambda: connect(redis_server.url),
+        keys,
+        ApiOptions(model_dir=str(tiny_model_dir)),
+        tokenizer=tiny_tokenizer,
+    )
     try:
         running, waiting = await _fill(bus, engines, 4, 8)
         # two of the waiting are delivered to a consumer that never owns them (one that died
@@ -99,11 +112,13 @@ async def test_abort_all_ends_running_and_unclaimed_requests_once(
 def _queue_empty(bus: Bus):
     async def empty() -> bool:
         return await bus.redis.xlen(bus.keys.requests) == 0
+
     return empty
 
 
-async def test_abort_all_of_one_engine_leaves_the_queue(redis_server, keys, tiny_model_dir,
-                                                        tiny_runner, tiny_tokenizer):
+async def test_abort_all_of_one_engine_leaves_the_queue(
+    redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer
+):
     """``engine=<id>``: that engine's requests end; the queue belongs to no engine, and its
     requests run later as usual."""
     engines = await _start_two(redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer)
@@ -141,8 +156,9 @@ async def test_queued_until_lists_what_was_accepted_by_then(bus):
     assert all(isinstance(e, bytes) for e, _ in got)
 
 
-async def test_abort_all_read_late_spares_what_was_accepted_after_it(redis_server, keys, tiny_model_dir,
-                                                                    tiny_runner, tiny_tokenizer):
+async def test_abort_all_read_late_spares_what_was_accepted_after_it(
+    redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer
+):
     """An engine that reads an ``abort_all`` only after it claimed a request accepted later
     (its control reader behind its claims) lets that request run: the event ends what was
     accepted (``arrival_ts``, which the API sets) by its millisecond. (Here the event's id is of long ago, as a late read makes it.)"""
@@ -151,9 +167,15 @@ async def test_abort_all_read_late_spares_what_was_accepted_after_it(redis_serve
     try:
         eng = await engines.start("A", delay=0.02)
         sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-        await bus.submit(Request(request_id="later", data=RequestData(
-                             prompt_token_ids=(5, 17, 33, 9), sampling=sp, arrival_ts=int(time.time() * 1000))),
-                         Accepted(request_id="later", prompt_tokens=4, endpoint="completion"))
+        await bus.submit(
+            Request(
+                request_id="later",
+                data=RequestData(
+                    prompt_token_ids=(5, 17, 33, 9), sampling=sp, arrival_ts=int(time.time() * 1000)
+                ),
+            ),
+            Accepted(request_id="later", prompt_tokens=4, endpoint="completion"),
+        )
         await story(bus, "later", until=Tokens)
         await bus.redis.xadd(keys.control, {"type": "abort_all", "source": "cli"}, id="1-0")
         evs = await story(bus, "later")

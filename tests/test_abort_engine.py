@@ -26,11 +26,15 @@ async def engines(redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenize
 
     async def start(**kw):
         gated = GatedRunner(tiny_runner)
-        opts = EngineOptions(model_dir=str(tiny_model_dir), engine_id=f"e{len(started)}",
-                             max_num_seqs=kw.pop("max_num_seqs", 8),
-                             max_num_batched_tokens=kw.pop("max_num_batched_tokens", 256))
-        eng = await start_engine(lambda: connect(redis_server.url), keys, opts, runner=gated,
-                                 tokenizer=tiny_tokenizer, **kw)
+        opts = EngineOptions(
+            model_dir=str(tiny_model_dir),
+            engine_id=f"e{len(started)}",
+            max_num_seqs=kw.pop("max_num_seqs", 8),
+            max_num_batched_tokens=kw.pop("max_num_batched_tokens", 256),
+        )
+        eng = await start_engine(
+            lambda: connect(redis_server.url), keys, opts, runner=gated, tokenizer=tiny_tokenizer, **kw
+        )
         started.append(eng)
         return eng, gated
 
@@ -101,10 +105,13 @@ async def test_decoding_in_flight_abort_waits_for_the_step(real_bus, engines):
     report = replay(journal)
     assert report.ok, report.divergence and report.divergence.describe()
     calls = [c for e in journal for c in getattr(e, "data", {}).get("calls", ())]
-    at = next(i for i, c in enumerate(calls)
-              if any(d[0] == "blocks_released" and d[1] == "dec" for d in c.get("ev", ())))
+    at = next(
+        i
+        for i, c in enumerate(calls)
+        if any(d[0] == "blocks_released" and d[1] == "dec" for d in c.get("ev", ()))
+    )
     assert calls[at]["op"] == "finished"
-    assert any(c["op"] == "update" and c["step"] == calls[at]["step"] for c in calls[at + 1:])
+    assert any(c["op"] == "update" and c["step"] == calls[at]["step"] for c in calls[at + 1 :])
 
 
 async def test_queued_unclaimed_abort_is_prompt_and_never_prefilled(real_bus, engines):
@@ -144,8 +151,13 @@ async def test_waiting_in_engine_abort_is_immediate(real_bus, engines):
     # it (async scheduling), so "w" waits in the engine
     eng, gated = await engines(max_num_batched_tokens=16)
     gated.close()
-    await submit_together(real_bus, [("run", list(range(10, 58)), {"max_tokens": 400, "ignore_eos": True}),
-                                     ("w", PROMPT, {"max_tokens": 4})])
+    await submit_together(
+        real_bus,
+        [
+            ("run", list(range(10, 58)), {"max_tokens": 400, "ignore_eos": True}),
+            ("w", PROMPT, {"max_tokens": 4}),
+        ],
+    )
     held = await gated.wait_entered(lambda out: any(s.request_id == "run" for s in out.seqs))
     assert [s.request_id for s in held.seqs] == ["run"]
     await story(real_bus, "w", until=Claimed)  # claimed, while "run"'s step is held

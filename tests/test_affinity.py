@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+
 import pytest
 
 from engine.affinity import CpuPlan, parse_cpus, plan

@@ -15,8 +15,18 @@ from control import events as E
 from control.bus import MuxStopped, StreamMux
 from fd.api import protocol, sse
 
-TEXTS = ["hi", " world", 'quote " and \\ backslash', "new\nline\r\ttab", "\u00e9\u4e2d\U0001f600",
-         "\x00fd-text\x00", "</script>", "\u2028\u2029", "{}", '"text":""']
+TEXTS = [
+    "hi",
+    " world",
+    'quote " and \\ backslash',
+    "new\nline\r\ttab",
+    "\u00e9\u4e2d\U0001f600",
+    "\x00fd-text\x00",
+    "</script>",
+    "\u2028\u2029",
+    "{}",
+    '"text":""',
+]
 
 
 @pytest.mark.parametrize("endpoint", ["chat", "completion"])
@@ -45,7 +55,9 @@ def test_token_json_is_byte_identical_to_the_dict_path(endpoint, include_usage, 
 def test_a_model_name_holding_the_marker_falls_back_to_the_dict_path():
     r = protocol.Renderer("cmpl-1", "completion", "\x00fd-text\x00", 1, 1)
     assert r._template() is None
-    assert r.token_json("x", 1) == orjson.dumps(protocol.completion_chunk("cmpl-1", 1, "\x00fd-text\x00", "x"))
+    assert r.token_json("x", 1) == orjson.dumps(
+        protocol.completion_chunk("cmpl-1", 1, "\x00fd-text\x00", "x")
+    )
 
 
 # ------------------------------------------------------------------ subscriptions
@@ -73,7 +85,11 @@ async def test_take_ready_returns_everything_delivered_in_order_then_the_end():
         sub._offer(b"%d-0" % i, (i, 0), _tok(i))
     sub._offer(b"2-0", (2, 0), _tok(2))  # not after the last one: dropped
     assert await sub.ready(0.5) is True
-    assert [(eid, ev.text) for eid, ev in sub.take_ready()] == [(b"1-0", "t1"), (b"2-0", "t2"), (b"3-0", "t3")]
+    assert [(eid, ev.text) for eid, ev in sub.take_ready()] == [
+        (b"1-0", "t1"),
+        (b"2-0", "t2"),
+        (b"3-0", "t3"),
+    ]
     assert sub.take_ready() == [] and not sub.done
     final = E.Final(request_id="r1", finish_reason="length")
     sub._offer(b"4-0", (4, 0), _tok(4))
@@ -130,7 +146,8 @@ async def test_mux_delivers_in_batches_with_ids_in_order(bus, keys):
         sub = await mux.subscribe("b1")
         key = keys.req("b1")
         evs = [E.Accepted(request_id="b1", prompt_tokens=1)] + [
-            E.Tokens(request_id="b1", token_ids=(i,), text=f"t{i}") for i in range(20)]
+            E.Tokens(request_id="b1", token_ids=(i,), text=f"t{i}") for i in range(20)
+        ]
         ids = await bus.publish_many([(key, ev) for ev in evs])
         await bus.publish(key, E.Final(request_id="b1", finish_reason="length"))
         seen = []
@@ -163,8 +180,9 @@ async def test_embedded_blocked_read_wakes_on_writes_from_the_loop_and_from_othe
         await asyncio.sleep(0.01)
         assert not read.done()
         got: list = []
-        t = threading.Thread(target=lambda: got.append(
-            redis.Redis.from_url(embedded_redis.url).xadd("s", {"a": "2"})))
+        t = threading.Thread(
+            target=lambda: got.append(redis.Redis.from_url(embedded_redis.url).xadd("s", {"a": "2"}))
+        )
         t.start()
         res = await read
         t.join()
@@ -194,12 +212,18 @@ def test_logprobs_ride_on_the_next_chunk_with_text_and_the_rest_on_the_last():
     """A token whose text is held back (half a character) has its log-probability shown with
     the next chunk that has text; what is left at the end goes on the finishing chunk, and
     the whole response carries them all, in OpenAI's shapes."""
-    def ev(ids, text, lps):
-        return dict(token_ids=ids, logprobs={"lp": lps, "top": [[[t, lp]] for t, lp in zip(ids, lps)]},
-                    text=text)
 
-    events = [ev((72,), "H", [-0.5]), ev((0xE2,), "", [-1.0]), ev((0x82, 0xAC), "\u20ac", [-2.0, -0.25]),
-              ev((0xE2,), "", [-3.0])]
+    def ev(ids, text, lps):
+        return dict(
+            token_ids=ids, logprobs={"lp": lps, "top": [[[t, lp]] for t, lp in zip(ids, lps)]}, text=text
+        )
+
+    events = [
+        ev((72,), "H", [-0.5]),
+        ev((0xE2,), "", [-1.0]),
+        ev((0x82, 0xAC), "\u20ac", [-2.0, -0.25]),
+        ev((0xE2,), "", [-3.0]),
+    ]
     final = E.Final(request_id="cmpl-1", finish_reason="length")
     for endpoint in ("completion", "chat"):
         stream = protocol.Renderer("cmpl-1", endpoint, "m", 1, 3, token_bytes=lambda t: bytes([t]))
@@ -213,8 +237,12 @@ def test_logprobs_ride_on_the_next_chunk_with_text_and_the_rest_on_the_last():
         body = whole.response(final)["choices"][0]["logprobs"]
         assert shown[1] is None and shown[3] is None  # no text: no chunk
         if endpoint == "completion":
-            assert shown[0] == {"tokens": ["H"], "token_logprobs": [-0.5], "top_logprobs": [{"H": -0.5}],
-                                "text_offset": [0]}
+            assert shown[0] == {
+                "tokens": ["H"],
+                "token_logprobs": [-0.5],
+                "top_logprobs": [{"H": -0.5}],
+                "text_offset": [0],
+            }
             assert shown[2]["token_logprobs"] == [-1.0, -2.0, -0.25] and shown[2]["text_offset"] == [1, 2, 3]
             assert last["token_logprobs"] == [-3.0] and last["text_offset"] == [4]
             assert body["token_logprobs"] == [-0.5, -1.0, -2.0, -0.25, -3.0]
@@ -222,7 +250,13 @@ def test_logprobs_ride_on_the_next_chunk_with_text_and_the_rest_on_the_last():
         else:
             assert [c["logprob"] for c in shown[2]["content"]] == [-1.0, -2.0, -0.25]
             assert shown[2]["content"][0]["bytes"] == [0xE2]
-            assert shown[0]["content"] == [{"token": "H", "logprob": -0.5, "bytes": [72], "top_logprobs": [
-                {"token": "H", "logprob": -0.5, "bytes": [72]}]}]
+            assert shown[0]["content"] == [
+                {
+                    "token": "H",
+                    "logprob": -0.5,
+                    "bytes": [72],
+                    "top_logprobs": [{"token": "H", "logprob": -0.5, "bytes": [72]}],
+                }
+            ]
             assert [c["logprob"] for c in last["content"]] == [-3.0]
             assert [c["logprob"] for c in body["content"]] == [-0.5, -1.0, -2.0, -0.25, -3.0]

@@ -13,12 +13,12 @@ import time
 import orjson
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from test_api_validation import FakeTokenizer
 
 from control.bus import StreamMux
 from control.events import Abort, Claimed, Final, Tokens, decode, embedding_field
 from control.metrics import Metrics
 from fd.api import ApiConfig, make_app
-from test_api_validation import FakeTokenizer
 
 WORDS = ("Hello", ",", "", " world", "!")  # an empty delta: no chunk, ids still progress
 
@@ -26,8 +26,16 @@ WORDS = ("Hello", ",", "", " world", "!")  # an empty delta: no chunk, ids still
 class FakeEngine:
     """Claims requests and writes a scripted story; ``hold`` keeps them running until aborted."""
 
-    def __init__(self, bus, *, hold: bool = False, words=WORDS, delay: float = 0.0, fail: str | None = None,
-                 vectors: bool = True):
+    def __init__(
+        self,
+        bus,
+        *,
+        hold: bool = False,
+        words=WORDS,
+        delay: float = 0.0,
+        fail: str | None = None,
+        vectors: bool = True,
+    ):
         self.bus = bus
         self.vectors = vectors  # an embeddings request's first tokens carry a (made-up) vector
         self.fail = fail
@@ -64,23 +72,36 @@ class FakeEngine:
         for i, w in enumerate(words):
             if self.aborted[rid].is_set():
                 break
-            vector = (embedding_field(bytes(4 * (1 + len(rid) % 5)))
-                      if i == 0 and self.vectors and req.data.sampling.embed else None)
-            await bus.publish(key, Tokens(request_id=rid, token_ids=(100 + i,), text=w, step=i, embedding=vector))
+            vector = (
+                embedding_field(bytes(4 * (1 + len(rid) % 5)))
+                if i == 0 and self.vectors and req.data.sampling.embed
+                else None
+            )
+            await bus.publish(
+                key, Tokens(request_id=rid, token_ids=(100 + i,), text=w, step=i, embedding=vector)
+            )
             if self.delay:
                 await asyncio.sleep(self.delay)
         if self.hold:
             await self.aborted[rid].wait()
         if self.fail:
-            await bus.publish(key, Final(request_id=rid, finish_reason="error", engine="fake", error=self.fail))
+            await bus.publish(
+                key, Final(request_id=rid, finish_reason="error", engine="fake", error=self.fail)
+            )
             return
         if self.aborted[rid].is_set():
             fr, n = "abort", 1
         else:
             fr, n = ("length" if len(words) == req.data.sampling.max_tokens else "stop"), len(words)
-        await bus.publish(key, Final(request_id=rid, finish_reason=fr, engine="fake",
-                                     usage={"prompt_tokens": n_prompt, "completion_tokens": n,
-                                            "total_tokens": n_prompt + n}))
+        await bus.publish(
+            key,
+            Final(
+                request_id=rid,
+                finish_reason=fr,
+                engine="fake",
+                usage={"prompt_tokens": n_prompt, "completion_tokens": n, "total_tokens": n_prompt + n},
+            ),
+        )
 
     async def close(self) -> None:
         self.stop = True
@@ -155,7 +176,9 @@ async def test_chat_non_stream(real_bus):
 
 async def test_completion_non_stream_generated_id_and_length(real_bus):
     async with setup(real_bus, FakeEngine(real_bus)) as client:
-        resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2})
+        resp = await client.post(
+            "/v1/completions", json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2}
+        )
         body = await resp.json()
         assert resp.status == 200, body
         assert body["id"].startswith("cmpl-") and resp.headers["X-Request-Id"] == body["id"]
@@ -164,7 +187,7 @@ async def test_completion_non_stream_generated_id_and_length(real_bus):
         assert body["choices"][0]["finish_reason"] == "length"
         assert body["usage"]["prompt_tokens"] == 3
         # what reached the engine
-        (_eid, fields), = await real_bus.redis.xrange(real_bus.keys.requests)
+        ((_eid, fields),) = await real_bus.redis.xrange(real_bus.keys.requests)
         req = decode(fields)
         assert req.data.prompt_token_ids == (1, 2, 3) and req.data.sampling.max_tokens == 2
         assert req.data.model == "tiny"
@@ -172,14 +195,30 @@ async def test_completion_non_stream_generated_id_and_length(real_bus):
 
 async def test_sampling_extras_reach_the_engine_and_are_left_out_when_not_asked_for(real_bus):
     async with setup(real_bus, FakeEngine(real_bus)) as client:
-        for rid, extra in (("pen1", {"presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2,
-                                     "logit_bias": {"9": -100, "4": 2.5}, "min_p": 0.1, "min_tokens": 1}),
-                           ("pen0", {"presence_penalty": 0, "frequency_penalty": None, "logit_bias": {}})):
-            resp = await client.post("/v1/completions", headers={"X-Request-Id": rid},
-                                     json={"model": "tiny", "prompt": "x", "max_tokens": 2, **extra})
+        for rid, extra in (
+            (
+                "pen1",
+                {
+                    "presence_penalty": 0.5,
+                    "frequency_penalty": -1,
+                    "repetition_penalty": 1.2,
+                    "logit_bias": {"9": -100, "4": 2.5},
+                    "min_p": 0.1,
+                    "min_tokens": 1,
+                },
+            ),
+            ("pen0", {"presence_penalty": 0, "frequency_penalty": None, "logit_bias": {}}),
+        ):
+            resp = await client.post(
+                "/v1/completions",
+                headers={"X-Request-Id": rid},
+                json={"model": "tiny", "prompt": "x", "max_tokens": 2, **extra},
+            )
             assert resp.status == 200, await resp.text()
         # (response_format "text" is what every chat answer is anyway)
-        resp = await client.post("/v1/chat/completions", json={**CHAT_BODY, "response_format": {"type": "text"}})
+        resp = await client.post(
+            "/v1/chat/completions", json={**CHAT_BODY, "response_format": {"type": "text"}}
+        )
         assert resp.status == 200, await resp.text()
         entries = {decode(f).request_id: f for _eid, f in await real_bus.redis.xrange(real_bus.keys.requests)}
         sp = decode(entries["pen1"]).data.sampling
@@ -188,14 +227,23 @@ async def test_sampling_extras_reach_the_engine_and_are_left_out_when_not_asked_
         assert decode(entries["pen0"]).data.sampling.plain is True
         # an engine of a release before these still takes a request that uses none of them
         raw = orjson.loads(entries["pen0"][b"data"])
-        assert not {"presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p",
-                    "min_tokens"} & set(raw["sampling"])
+        assert not {
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "logit_bias",
+            "min_p",
+            "min_tokens",
+        } & set(raw["sampling"])
 
 
 async def test_chat_stream_sse_format(bus):
     async with setup(bus, FakeEngine(bus)) as client:
-        resp = await client.post("/v1/chat/completions", headers={"X-Request-Id": "s1"}, json={
-            **CHAT_BODY, "stream": True, "stream_options": {"include_usage": True}})
+        resp = await client.post(
+            "/v1/chat/completions",
+            headers={"X-Request-Id": "s1"},
+            json={**CHAT_BODY, "stream": True, "stream_options": {"include_usage": True}},
+        )
         assert resp.status == 200
         assert resp.headers["Content-Type"].startswith("text/event-stream")
         assert resp.headers["X-Request-Id"] == "s1"
@@ -207,7 +255,9 @@ async def test_chat_stream_sse_format(bus):
         assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
         text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
         assert text == "Hello, world!"
-        assert all(c["choices"][0]["delta"].get("content", "x") for c in chunks[1:] if c["choices"])  # no empty deltas
+        assert all(
+            c["choices"][0]["delta"].get("content", "x") for c in chunks[1:] if c["choices"]
+        )  # no empty deltas
         assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
         assert all(c["usage"] is None for c in chunks[:-1])
@@ -221,21 +271,33 @@ async def test_chat_stream_sse_format(bus):
 async def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(real_bus):
     """vLLM's stream_options.continuous_usage_stats; a replay from the stream renders the same."""
     async with setup(real_bus, FakeEngine(real_bus)) as client:
-        for path, body in (("/v1/chat/completions", CHAT_BODY),
-                           ("/v1/completions", {"model": "tiny", "prompt": "hey"})):
-            resp = await client.post(path, headers={"X-Request-Id": f"cu{len(path)}"}, json={
-                **body, "stream": True,
-                "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+        for path, body in (
+            ("/v1/chat/completions", CHAT_BODY),
+            ("/v1/completions", {"model": "tiny", "prompt": "hey"}),
+        ):
+            resp = await client.post(
+                path,
+                headers={"X-Request-Id": f"cu{len(path)}"},
+                json={
+                    **body,
+                    "stream": True,
+                    "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+                },
+            )
             original = parse_sse(await resp.read())
             chunks = [orjson.loads(d) for _, d in original[:-1]]
             prompt = chunks[-1]["usage"]["prompt_tokens"]
             assert prompt > 0 and chunks[-1]["choices"] == []
             counts = [c["usage"]["completion_tokens"] for c in chunks]
             assert counts == sorted(counts) and counts[-1] == 5
-            assert all(c["usage"] == {"prompt_tokens": prompt, "completion_tokens": n,
-                                      "total_tokens": prompt + n} for c, n in zip(chunks, counts))
-            texts = [c["choices"][0].get("text") or c["choices"][0].get("delta", {}).get("content")
-                     for c in chunks[:-1]]
+            assert all(
+                c["usage"] == {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
+                for c, n in zip(chunks, counts)
+            )
+            texts = [
+                c["choices"][0].get("text") or c["choices"][0].get("delta", {}).get("content")
+                for c in chunks[:-1]
+            ]
             assert "".join(t for t in texts if t) == "Hello, world!"
             # a token a word (WORDS): each chunk counts the tokens up to its own, the third
             # (no text, no chunk) too
@@ -243,9 +305,15 @@ async def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(real_b
             replay = parse_sse(await (await client.get(f"/v1/requests/cu{len(path)}/stream")).read())
             assert replay == original
         # without include_usage it asks for nothing (as in vLLM)
-        resp = await client.post("/v1/completions", json={
-            "model": "tiny", "prompt": "hey", "stream": True,
-            "stream_options": {"continuous_usage_stats": True}})
+        resp = await client.post(
+            "/v1/completions",
+            json={
+                "model": "tiny",
+                "prompt": "hey",
+                "stream": True,
+                "stream_options": {"continuous_usage_stats": True},
+            },
+        )
         assert all("usage" not in orjson.loads(d) for _, d in parse_sse(await resp.read())[:-1])
 
 
@@ -275,11 +343,15 @@ async def test_engine_error_reaches_the_client(real_bus):
 
 async def test_replay_and_resume_exactly(real_bus):
     async with setup(real_bus, FakeEngine(real_bus)) as client:
-        resp = await client.post("/v1/chat/completions", headers={"X-Request-Id": "r1"},
-                                 json={**CHAT_BODY, "stream": True, "stream_options": {"include_usage": True}})
+        resp = await client.post(
+            "/v1/chat/completions",
+            headers={"X-Request-Id": "r1"},
+            json={**CHAT_BODY, "stream": True, "stream_options": {"include_usage": True}},
+        )
         original = parse_sse(await resp.read())
         replay = parse_sse(await (await client.get("/v1/requests/r1/stream")).read())
         assert replay == original
+
         def key(eid):
             return tuple(map(int, eid.split("-")))
 
@@ -299,8 +371,11 @@ async def test_replay_and_resume_exactly(real_bus):
 async def test_replay_follows_a_live_request(real_bus):
     engine = FakeEngine(real_bus, hold=True)
     async with setup(real_bus, engine) as client:
-        live = await client.post("/v1/completions", headers={"X-Request-Id": "live1"},
-                                 json={"model": "tiny", "prompt": "x", "stream": True, "background": True})
+        live = await client.post(
+            "/v1/completions",
+            headers={"X-Request-Id": "live1"},
+            json={"model": "tiny", "prompt": "x", "stream": True, "background": True},
+        )
         assert await wait_for(lambda: _has(real_bus, "live1", Tokens, 4))
         watcher = asyncio.create_task(client.get("/v1/requests/live1/stream?include_usage=false"))
         await asyncio.sleep(0.1)
@@ -344,8 +419,11 @@ async def test_abort_requests_answers_at_once(real_bus):
 async def test_abort_wait_keeps_old_shape(real_bus):
     engine = FakeEngine(real_bus, hold=True)
     async with setup(real_bus, engine) as client:
-        resp = asyncio.create_task(client.post("/v1/completions", headers={"X-Request-Id": "w1"},
-                                               json={"model": "tiny", "prompt": "x"}))
+        resp = asyncio.create_task(
+            client.post(
+                "/v1/completions", headers={"X-Request-Id": "w1"}, json={"model": "tiny", "prompt": "x"}
+            )
+        )
         assert await wait_for(lambda: _has(real_bus, "w1", Tokens, 4))
         r = await client.post("/v1/abort_requests?wait=3", json={"req_ids": ["w1", "ghost"]})
         body = await r.json()
@@ -359,8 +437,11 @@ async def _disconnect_after(client, path: str, body: dict, rid: str, until) -> N
     """Send a request on a raw socket, wait for ``until()``, then drop the connection."""
     reader, writer = await asyncio.open_connection(client.host, client.port)
     payload = orjson.dumps(body)
-    writer.write(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 f"X-Request-Id: {rid}\r\nContent-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    writer.write(
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"X-Request-Id: {rid}\r\nContent-Length: {len(payload)}\r\n\r\n".encode()
+        + payload
+    )
     await writer.drain()
     assert await wait_for(until)
     writer.close()
@@ -375,8 +456,9 @@ async def _disconnect_aborts(bus, rid) -> list:
 async def test_disconnect_while_queued_aborts_once(bus, stream):
     async with setup(bus) as client:  # no engine: the request stays queued
         rid = f"q-{stream}"
-        await _disconnect_after(client, "/v1/chat/completions", {**CHAT_BODY, "stream": stream}, rid,
-                                lambda: _queued(bus))
+        await _disconnect_after(
+            client, "/v1/chat/completions", {**CHAT_BODY, "stream": stream}, rid, lambda: _queued(bus)
+        )
         assert await wait_for(lambda: _count(bus, rid, 1))
         await asyncio.sleep(0.2)
         (ev,) = await _disconnect_aborts(bus, rid)
@@ -394,8 +476,13 @@ async def _count(bus, rid, n):
 async def test_disconnect_mid_stream_aborts_once(bus):
     engine = FakeEngine(bus, hold=True)
     async with setup(bus, engine) as client:
-        await _disconnect_after(client, "/v1/completions", {"model": "tiny", "prompt": "x", "stream": True},
-                                "mid1", lambda: _has(bus, "mid1", Tokens, 4))
+        await _disconnect_after(
+            client,
+            "/v1/completions",
+            {"model": "tiny", "prompt": "x", "stream": True},
+            "mid1",
+            lambda: _has(bus, "mid1", Tokens, 4),
+        )
         assert await wait_for(lambda: _has(bus, "mid1", Final))
         await asyncio.sleep(0.2)
         (ev,) = await _disconnect_aborts(bus, "mid1")
@@ -407,22 +494,31 @@ async def test_disconnect_mid_stream_aborts_once(bus):
 async def test_background_survives_disconnect(real_bus):
     engine = FakeEngine(real_bus, words=WORDS, delay=0.1)
     async with setup(real_bus, engine) as client:
-        await _disconnect_after(client, "/v1/completions",
-                                {"model": "tiny", "prompt": "x", "stream": True, "background": True},
-                                "bg1", lambda: _has(real_bus, "bg1", Tokens, 1))
+        await _disconnect_after(
+            client,
+            "/v1/completions",
+            {"model": "tiny", "prompt": "x", "stream": True, "background": True},
+            "bg1",
+            lambda: _has(real_bus, "bg1", Tokens, 1),
+        )
         assert await wait_for(lambda: _has(real_bus, "bg1", Final))
         await asyncio.sleep(0.2)
         assert await _disconnect_aborts(real_bus, "bg1") == []
         # the client comes back and gets the whole answer
         events = parse_sse(await (await client.get("/v1/requests/bg1/stream")).read())
-        text = "".join(orjson.loads(d)["choices"][0]["text"] for _, d in events[:-1] if orjson.loads(d)["choices"])
+        text = "".join(
+            orjson.loads(d)["choices"][0]["text"] for _, d in events[:-1] if orjson.loads(d)["choices"]
+        )
         assert text == "Hello, world!"
 
 
 async def test_no_abort_after_final(real_bus):
     async with setup(real_bus, FakeEngine(real_bus)) as client:
-        resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "stream": True},
-                                 headers={"X-Request-Id": "fin1"})
+        resp = await client.post(
+            "/v1/completions",
+            json={"model": "tiny", "prompt": "x", "stream": True},
+            headers={"X-Request-Id": "fin1"},
+        )
         await resp.read()
         resp.close()
         await asyncio.sleep(0.2)
@@ -434,7 +530,9 @@ async def test_health(real_bus):
         resp = await client.get("/health")
         assert resp.status == 503
         assert (await resp.json())["error"]["type"] == "service_unavailable"
-        await real_bus.heartbeat("e1", {"blocks_total": 100, "blocks_free": 40, "running": 2, "waiting": 1}, 10)
+        await real_bus.heartbeat(
+            "e1", {"blocks_total": 100, "blocks_free": 40, "running": 2, "waiting": 1}, 10
+        )
         resp = await client.get("/health")
         body = await resp.json()
         assert resp.status == 200 and body["status"] == "ok" and "e1" in body["engines"]
@@ -444,6 +542,7 @@ async def test_health_503_when_redis_is_down(real_bus):
     from control.bus import Bus
     from control.connect import connect
     from control.keys import Keys
+
     dead = connect("redis://127.0.0.1:1")  # nothing listens there
     mux = StreamMux(dead, Keys("x"), "api-dead", block_ms=100)
     app = make_app(ApiConfig("tiny", 64), Bus(dead, Keys("x")), mux, FakeTokenizer(), Metrics())
@@ -461,16 +560,28 @@ async def test_metrics_names_and_engine_gauges(real_bus):
     metrics = Metrics()
     async with setup(real_bus, FakeEngine(real_bus), metrics=metrics) as client:
         await (await client.post("/v1/completions", json={"model": "tiny", "prompt": "x"})).read()
-        await real_bus.heartbeat("e1", {"blocks_total": 100, "blocks_free": 40, "running": 2, "waiting": 1}, 10)
-        await real_bus.heartbeat("e2", {"blocks_total": 50, "blocks_free": 10, "running": 1, "waiting": 0}, 10)
+        await real_bus.heartbeat(
+            "e1", {"blocks_total": 100, "blocks_free": 40, "running": 2, "waiting": 1}, 10
+        )
+        await real_bus.heartbeat(
+            "e2", {"blocks_total": 50, "blocks_free": 10, "running": 1, "waiting": 0}, 10
+        )
         resp = await client.get("/metrics")
         assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/plain")
         text = (await resp.read()).decode()
-        for name in ("fd_requests_total", "fd_abort_requests_total", "fd_abort_release_seconds",
-                     "fd_kv_blocks_total", "fd_kv_blocks_free", "fd_num_requests_running",
-                     "fd_num_requests_waiting", "fd_time_to_first_token_seconds",
-                     "fd_inter_token_latency_seconds", "fd_e2e_request_latency_seconds",
-                     "fd_dead_letters_total"):
+        for name in (
+            "fd_requests_total",
+            "fd_abort_requests_total",
+            "fd_abort_release_seconds",
+            "fd_kv_blocks_total",
+            "fd_kv_blocks_free",
+            "fd_num_requests_running",
+            "fd_num_requests_waiting",
+            "fd_time_to_first_token_seconds",
+            "fd_inter_token_latency_seconds",
+            "fd_e2e_request_latency_seconds",
+            "fd_dead_letters_total",
+        ):
             assert name in text, name
         assert 'fd_requests_total{finish_reason="stop"} 1.0' in text
         assert "fd_kv_blocks_total 150.0" in text and "fd_kv_blocks_free 50.0" in text

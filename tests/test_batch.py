@@ -20,30 +20,47 @@ def _line(custom_id, url, body, method="POST") -> bytes:
 
 
 def test_what_a_line_may_be():
-    assert parse_line(_line("a", "/v1/completions", {"prompt": "x"}), 1) == BatchLine("a", "/v1/completions",
-                                                                                      {"prompt": "x"})
-    for raw, says in ((b"{nope", "not JSON"), (b"[1]", "not a JSON object"),
-                      (_line(5, "/v1/completions", {}), "custom_id"),
-                      (_line("a", "/v1/completions", {}, method="GET"), "POST"),
-                      (_line("a", "/v1/files", {}), "url must be one of"),
-                      (_line("a", "/v1/completions", "x"), "body must be"),
-                      (_line("a", "/v1/completions", {"prompt": "x", "stream": True}), "cannot stream")):
+    assert parse_line(_line("a", "/v1/completions", {"prompt": "x"}), 1) == BatchLine(
+        "a", "/v1/completions", {"prompt": "x"}
+    )
+    for raw, says in (
+        (b"{nope", "not JSON"),
+        (b"[1]", "not a JSON object"),
+        (_line(5, "/v1/completions", {}), "custom_id"),
+        (_line("a", "/v1/completions", {}, method="GET"), "POST"),
+        (_line("a", "/v1/files", {}), "url must be one of"),
+        (_line("a", "/v1/completions", "x"), "body must be"),
+        (_line("a", "/v1/completions", {"prompt": "x", "stream": True}), "cannot stream"),
+    ):
         err = parse_line(raw, 7)
-        assert isinstance(err, dict) and says in err["error"]["message"] and "line 7" in err["error"]["message"]
+        assert (
+            isinstance(err, dict) and says in err["error"]["message"] and "line 7" in err["error"]["message"]
+        )
 
 
 async def test_a_batch_through_the_api(served, tiny_runner, tiny_tokenizer):
     api, _ = served
     ids = tiny_tokenizer.encode("Hello there")
-    want = LLM(tiny_runner, tiny_tokenizer).generate(
-        [ids], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0].text
-    lines = [_line("greedy", "/v1/completions", {"prompt": ids, "max_tokens": 6, "temperature": 0, "ignore_eos": True}),
-             _line("chat", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}),
-             b"this is not json\n",
-             b"   \n",  # (blank: skipped)
-             _line("vectors", "/v1/embeddings", {"input": ["a", "b"]}),
-             _line("refused", "/v1/completions", {"prompt": "x", "max_tokens": 0}),
-             _line("ranked", "/v1/rerank", {"query": "a", "documents": ["b", "a"]})]
+    want = (
+        LLM(tiny_runner, tiny_tokenizer)
+        .generate([ids], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0]
+        .text
+    )
+    lines = [
+        _line(
+            "greedy",
+            "/v1/completions",
+            {"prompt": ids, "max_tokens": 6, "temperature": 0, "ignore_eos": True},
+        ),
+        _line(
+            "chat", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        ),
+        b"this is not json\n",
+        b"   \n",  # (blank: skipped)
+        _line("vectors", "/v1/embeddings", {"input": ["a", "b"]}),
+        _line("refused", "/v1/completions", {"prompt": "x", "max_tokens": 0}),
+        _line("ranked", "/v1/rerank", {"query": "a", "documents": ["b", "a"]}),
+    ]
     out = io.BytesIO()
     ok, failed = await run_batch(api.url, lines, out, concurrency=3, progress=False)
     assert (ok, failed) == (4, 2)
@@ -65,12 +82,35 @@ async def test_a_batch_through_the_api(served, tiny_runner, tiny_tokenizer):
 def test_fd_run_batch_serves_a_file_by_itself(tiny_model_dir, tmp_path):
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     # (ignore_eos: sampled, the random model ends "Say k" within 3 tokens now and then: "Say 3" 8%)
-    src.write_bytes(b"\n".join([_line(f"r{k}", "/v1/completions",
-                                       {"prompt": f"Say {k}", "max_tokens": 3, "ignore_eos": True})
-                                for k in range(5)] + [b"oops"]) + b"\n")
-    r = subprocess.run([sys.executable, "-m", "fd", "run-batch", "-i", str(src), "-o", str(dst),
-                        "--model", str(tiny_model_dir), "--executor", "paddle-thread"],
-                       capture_output=True, text=True, timeout=120)
+    src.write_bytes(
+        b"\n".join(
+            [
+                _line(f"r{k}", "/v1/completions", {"prompt": f"Say {k}", "max_tokens": 3, "ignore_eos": True})
+                for k in range(5)
+            ]
+            + [b"oops"]
+        )
+        + b"\n"
+    )
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fd",
+            "run-batch",
+            "-i",
+            str(src),
+            "-o",
+            str(dst),
+            "--model",
+            str(tiny_model_dir),
+            "--executor",
+            "paddle-thread",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert "5 succeeded, 1 failed" in r.stderr
     got = [json.loads(x) for x in dst.read_text().splitlines()]

@@ -24,8 +24,7 @@ def request(rid: str) -> E.Request:
 
 
 def story(rid: str, n_tokens: int = 3) -> list[E.Event]:
-    evs: list[E.Event] = [E.Accepted(request_id=rid, prompt_tokens=3),
-                          E.Claimed(request_id=rid, engine="e1")]
+    evs: list[E.Event] = [E.Accepted(request_id=rid, prompt_tokens=3), E.Claimed(request_id=rid, engine="e1")]
     evs += [E.Tokens(request_id=rid, token_ids=(i,), text=f"t{i}", step=i) for i in range(n_tokens)]
     evs.append(E.Final(request_id=rid, finish_reason="length", usage={"completion_tokens": n_tokens}))
     return evs
@@ -47,7 +46,9 @@ async def test_publish_then_read_req_round_trip(bus):
     evs = story("r1")
     ids = [await bus.publish(bus.keys.req("r1"), ev) for ev in evs[:2]]
     ids += await bus.publish_many([(bus.keys.req("r1"), ev) for ev in evs[2:]])
-    assert all(isinstance(i, bytes) for i in ids) and ids == sorted(ids, key=lambda x: tuple(map(int, x.split(b"-"))))
+    assert all(isinstance(i, bytes) for i in ids) and ids == sorted(
+        ids, key=lambda x: tuple(map(int, x.split(b"-")))
+    )
     got = await bus.read_req("r1")
     assert [i for i, _ in got] == ids
     assert all(same(a, b) for a, (_, b) in zip(evs, got)) and len(got) == len(evs)
@@ -65,10 +66,10 @@ async def test_publish_many_expires_in_the_same_round_trip(bus):
 async def test_submit_writes_accepted_then_request(bus):
     await bus.ensure_group()
     await bus.submit(request("r1"), E.Accepted(request_id="r1", api="api-1", prompt_tokens=3))
-    (_, acc), = await bus.read_req("r1")
+    ((_, acc),) = await bus.read_req("r1")
     assert isinstance(acc, E.Accepted) and acc.api == "api-1"
     assert 0 < await bus.redis.ttl(bus.keys.req("r1")) <= bus.req_ttl_s
-    (_, req), = await bus.claim_requests("e1", 10, None)
+    ((_, req),) = await bus.claim_requests("e1", 10, None)
     assert req.request_id == "r1" and req.data == DATA
 
 
@@ -87,10 +88,12 @@ async def test_streams_are_trimmed_approximately(redis_client, keys):
 async def test_hand_typed_abort_is_read_by_read_control(bus):
     cursor = await bus.control_cursor()
     assert cursor == b"0-0"
-    entry = await bus.redis.execute_command("XADD", bus.keys.control, "*", "type", "abort", "request_id", "r1")
+    entry = await bus.redis.execute_command(
+        "XADD", bus.keys.control, "*", "type", "abort", "request_id", "r1"
+    )
     cursor, evs = await bus.read_control(cursor, block_ms=None)
     assert cursor == entry
-    (eid, ev), = evs
+    ((eid, ev),) = evs
     assert eid == entry and ev == E.Abort(request_ids=("r1",), ts=int(entry.split(b"-")[0]))
     assert await bus.read_control(cursor, block_ms=None) == (cursor, [])
 
@@ -146,8 +149,13 @@ async def test_bad_control_events_are_dead_lettered_and_reading_goes_on(bus, cap
 async def test_dead_letter_prefixes_clashing_fields(bus):
     await bus.dead_letter("src", b"1-1", {"reason": "mine", "x": "1"}, "because")
     (f,) = await dead(bus)
-    assert f == {b"reason": b"because", b"stream": b"src", b"entry_id": b"1-1",
-                 b"orig.reason": b"mine", b"x": b"1"}
+    assert f == {
+        b"reason": b"because",
+        b"stream": b"src",
+        b"entry_id": b"1-1",
+        b"orig.reason": b"mine",
+        b"x": b"1",
+    }
 
 
 # ------------------------------------------------------------------ requests (group)
@@ -184,8 +192,9 @@ async def test_a_dead_letter_that_failed_to_write_is_written_when_the_entry_come
     bus = real_bus
     await bus.ensure_group()
     r = bus.keys.requests
-    bad = await bus.redis.execute_command("XADD", r, "*", "type", "request", "request_id", "r1",
-                                          "data", "{not json")
+    bad = await bus.redis.execute_command(
+        "XADD", r, "*", "type", "request", "request_id", "r1", "data", "{not json"
+    )
     real_xadd = bus.redis.xadd
     fails = [1]
 
@@ -306,8 +315,10 @@ async def test_heartbeat_and_engines(bus):
     assert await bus.engines() == {}
     await bus.heartbeat("e1", {"running": 2, "kv_free": 0.5, "state": "up"}, ttl_s=30)
     await bus.heartbeat("e2", {"running": 0}, ttl_s=30)
-    assert await bus.engines() == {"e1": {"running": "2", "kv_free": "0.5", "state": "up"},
-                                   "e2": {"running": "0"}}
+    assert await bus.engines() == {
+        "e1": {"running": "2", "kv_free": "0.5", "state": "up"},
+        "e2": {"running": "0"},
+    }
     assert 0 < await bus.redis.ttl(bus.keys.engine("e1")) <= 30
 
 
@@ -498,8 +509,23 @@ async def test_redis_cli_reaches_the_embedded_server(embedded_redis, keys):
     bus = Bus(client, keys)
     try:
         cursor = await bus.control_cursor()
-        out = subprocess.run([cli, "-p", str(embedded_redis.port), "XADD", keys.control, "*",
-                              "type", "abort", "request_id", "r1"], capture_output=True, timeout=10, check=True)
+        out = subprocess.run(
+            [
+                cli,
+                "-p",
+                str(embedded_redis.port),
+                "XADD",
+                keys.control,
+                "*",
+                "type",
+                "abort",
+                "request_id",
+                "r1",
+            ],
+            capture_output=True,
+            timeout=10,
+            check=True,
+        )
         cursor, evs = await bus.read_control(cursor, block_ms=1000)
         assert cursor == out.stdout.strip()
         assert [e.request_ids for _, e in evs] == [("r1",)]
@@ -513,7 +539,7 @@ async def test_tcp_and_in_process_clients_share_data(embedded_redis, keys):
         a, b = Bus(tcp, keys), Bus(local, keys)
         await a.ensure_group()
         await a.submit(request("r1"), E.Accepted(request_id="r1"))
-        (_, got), = await b.claim_requests("e1", 10, block_ms=None)
+        ((_, got),) = await b.claim_requests("e1", 10, block_ms=None)
         assert got.request_id == "r1"
         # a blocked in-process reader is woken by a TCP writer
         task = asyncio.create_task(b.read_control(b"0-0", block_ms=3000))

@@ -39,14 +39,22 @@ SHARED = "The harbour town woke slowly on winter mornings, and the boats came ba
 GUIDED = r"[a-z]{3,12}( [a-z]{3,12}){0,3}\."  # finite: a guided request ends with `stop`
 
 
-async def _client(url: str, rid: str, body: dict, kind: str, abort_url: str, cut_after: int,
-                  log: dict) -> None:
-    rec = log[rid] = {"kind": kind, "text": "", "finish_reason": None, "done": False,
-                      "errors": [], "status": None, "t0": time.monotonic(), "t1": None}
+async def _client(
+    url: str, rid: str, body: dict, kind: str, abort_url: str, cut_after: int, log: dict
+) -> None:
+    rec = log[rid] = {
+        "kind": kind,
+        "text": "",
+        "finish_reason": None,
+        "done": False,
+        "errors": [],
+        "status": None,
+        "t0": time.monotonic(),
+        "t1": None,
+    }
     timeout = aiohttp.ClientTimeout(total=120)
     async with aiohttp.ClientSession(timeout=timeout) as s:
-        async with s.post(f"{url}/v1/completions", json=body,
-                          headers={"X-Request-Id": rid}) as resp:
+        async with s.post(f"{url}/v1/completions", json=body, headers={"X-Request-Id": rid}) as resp:
             rec["status"] = resp.status
             if resp.status != 200:  # a 503 while Redis stalls, a 400 for a poison body
                 rec["body"] = await resp.json(content_type=None)
@@ -93,9 +101,14 @@ async def test_chaos(redis_server, real_bus, keys, tiny_model_dir, tiny_runner, 
         a = await engines.start("A", delay=0.005)
         b = await engines.start("B", delay=0.005)
         for _ in range(2):
-            apis.append(await start_api(lambda: connect(redis_server.url), keys,
-                                        ApiOptions(model_dir=str(tiny_model_dir)),
-                                        tokenizer=tiny_tokenizer))
+            apis.append(
+                await start_api(
+                    lambda: connect(redis_server.url),
+                    keys,
+                    ApiOptions(model_dir=str(tiny_model_dir)),
+                    tokenizer=tiny_tokenizer,
+                )
+            )
         words = ["fox", "river", "cloud", "stone", "lamp", "tree", "bird", "sand"]
         plan = []
         for i in range(N):
@@ -110,9 +123,15 @@ async def test_chaos(redis_server, real_bus, keys, tiny_model_dir, tiny_runner, 
         complete = {p[0] for p in done_plan}
         llm = LLM(tiny_runner, tiny_tokenizer, enable_prefix_caching=False)
         for rid, _, prompt, max_tokens, _, guided in done_plan:
-            (refs[rid],) = llm.generate([tiny_tokenizer.encode(prompt)], SamplingParams(
-                temperature=0.0, max_tokens=max_tokens, ignore_eos=not guided,
-                guided=canonical({"regex": GUIDED}) if guided else ""))
+            (refs[rid],) = llm.generate(
+                [tiny_tokenizer.encode(prompt)],
+                SamplingParams(
+                    temperature=0.0,
+                    max_tokens=max_tokens,
+                    ignore_eos=not guided,
+                    guided=canonical({"regex": GUIDED}) if guided else "",
+                ),
+            )
 
         log: dict = {}
         finished = 0
@@ -120,8 +139,14 @@ async def test_chaos(redis_server, real_bus, keys, tiny_model_dir, tiny_runner, 
 
         async def one(i, rid, kind, prompt, max_tokens, cut, guided):
             nonlocal finished
-            body = {"model": apis[0].cfg.model_name, "prompt": prompt, "max_tokens": max_tokens,
-                    "temperature": 0, "ignore_eos": not guided, "stream": True}
+            body = {
+                "model": apis[0].cfg.model_name,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": not guided,
+                "stream": True,
+            }
             if guided:
                 body["guided_regex"] = GUIDED
             async with sem:
@@ -133,17 +158,16 @@ async def test_chaos(redis_server, real_bus, keys, tiny_model_dir, tiny_runner, 
             # every Redis connection but the test's own is killed under its user, a few times
             # over, so commands in flight (blocking reads, pipelines) are cut, not just idle ones
             for _ in range(3):
-                await real_bus.redis.execute_command("CLIENT", "KILL", "TYPE", "normal",
-                                                     "SKIPME", "yes")
+                await real_bus.redis.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
                 await asyncio.sleep(0.05)
             await wait_for(lambda: finished >= 2 * N // 5, 60, "two fifths of the requests")
+
             # (kill A while it runs a request nobody aborts and whose `claimed` is out, so B
             # must take one over; with requests still flowing it soon does)
             async def a_runs_a_claimed_request() -> bool:
                 for rid in [r for r in complete if a.node.sched.knows(r)]:
                     evs = [e for _, e in await real_bus.read_req(rid)]
-                    if (any(e.TYPE == "claimed" and e.engine == "A" for e in evs)
-                            and a.node.sched.knows(rid)):
+                    if any(e.TYPE == "claimed" and e.engine == "A" for e in evs) and a.node.sched.knows(rid):
                         return True  # (and nothing runs between here and the kill)
                 return False
 
@@ -190,12 +214,16 @@ async def test_chaos(redis_server, real_bus, keys, tiny_model_dir, tiny_runner, 
             if p[5]:
                 claims = [e.engine for _, e in await real_bus.read_req(p[0]) if e.TYPE == "claimed"]
                 guided_moved += len(set(claims)) > 1
-        assert sum(p[5] for p in plan) >= 3 and (a.node.sched.num_cache_hits + b.node.sched.num_cache_hits) > 0
-        print(f"\nchaos: {N} requests ({kinds.count('complete')} complete, "
-              f"{kinds.count('disconnect')} disconnected, {kinds.count('abort')} aborted) in "
-              f"{elapsed:.1f} s; B took over {b.node.taken_over} from the killed A; "
-              f"{b.node.redis_errors} Redis errors retried; {guided_moved} guided requests moved "
-              f"engines; prefix cache hits {a.node.sched.num_cache_hits + b.node.sched.num_cache_hits} tokens")
+        assert (
+            sum(p[5] for p in plan) >= 3 and (a.node.sched.num_cache_hits + b.node.sched.num_cache_hits) > 0
+        )
+        print(
+            f"\nchaos: {N} requests ({kinds.count('complete')} complete, "
+            f"{kinds.count('disconnect')} disconnected, {kinds.count('abort')} aborted) in "
+            f"{elapsed:.1f} s; B took over {b.node.taken_over} from the killed A; "
+            f"{b.node.redis_errors} Redis errors retried; {guided_moved} guided requests moved "
+            f"engines; prefix cache hits {a.node.sched.num_cache_hits + b.node.sched.num_cache_hits} tokens"
+        )
         assert b.node.taken_over >= 1
         assert b.node.redis_errors >= 1  # the killed connections did hit the engine
     finally:
@@ -226,8 +254,10 @@ POISON_HTTP = [  # (the field the 400 names, what the body adds)
 ]
 #: hand-written `P:requests` entries: (the entry's fields but the id, what it must come to)
 HAND_WRITTEN = {
-    "far-allowed": ('{"prompt_token_ids":[5,6],"sampling":{"max_tokens":3,"allowed_token_ids":[%d]}}' % FAR,
-                    "allowed_token_ids"),
+    "far-allowed": (
+        '{"prompt_token_ids":[5,6],"sampling":{"max_tokens":3,"allowed_token_ids":[%d]}}' % FAR,
+        "allowed_token_ids",
+    ),
     "far-prompt": ('{"prompt_token_ids":[5,%d],"sampling":{"max_tokens":3}}' % (VOCAB + 3), "prompt"),
     "e-notation": ('{"prompt_token_ids":[5],"sampling":{"max_tokens":2,"allowed_token_ids":[1e9]}}', None),
     "bad-json": ('{"prompt_token_ids":[5],"sampling":', None),
@@ -259,8 +289,18 @@ async def test_chaos_with_outside_faults(tmp_path, keys, tiny_model_dir, tiny_ru
     factory = lambda: connect(redis.url, REDIS_TIMEOUT)  # noqa: E731
     bus = Bus(connect(redis.url), keys)  # the test's own: no timeout, it waits a stall out
     # P, the engine to pause, is a process of its own: SIGSTOP stops all of it, its clocks too
-    proc = spawn_engine(redis.url, keys, tiny_model_dir, "P", "--redis-timeout", str(REDIS_TIMEOUT),
-                        "--max-num-seqs", str(SEATS), "--max-attempts", str(ATTEMPTS))
+    proc = spawn_engine(
+        redis.url,
+        keys,
+        tiny_model_dir,
+        "P",
+        "--redis-timeout",
+        str(REDIS_TIMEOUT),
+        "--max-num-seqs",
+        str(SEATS),
+        "--max-attempts",
+        str(ATTEMPTS),
+    )
     engines = Engines(factory, keys, tiny_model_dir, tiny_runner, tiny_tokenizer)
     apis = []
     paused: list[int] = []
@@ -285,7 +325,9 @@ async def test_chaos_with_outside_faults(tmp_path, keys, tiny_model_dir, tiny_ru
                 kind = "disconnect" if r < 0.15 else "abort" if r < 0.25 else "complete"
                 seg.append(request(f"s{s_i}-{j}", kind, long=j < 2))  # two long ones, for the faults
             for j, (field, extra) in enumerate(rnd.sample(POISON_HTTP, 2)):
-                seg.insert(rnd.randrange(len(seg) + 1), (f"s{s_i}-bad{j}", "poison", "x", 4, 0, (field, extra)))
+                seg.insert(
+                    rnd.randrange(len(seg) + 1), (f"s{s_i}-bad{j}", "poison", "x", 4, 0, (field, extra))
+                )
             name = rnd.choice(sorted(HAND_WRITTEN))
             seg.insert(rnd.randrange(len(seg) + 1), (f"s{s_i}-hand", "hand", "", 0, 0, name))
             segments.append(seg)
@@ -297,15 +339,20 @@ async def test_chaos_with_outside_faults(tmp_path, keys, tiny_model_dir, tiny_ru
         llm = LLM(tiny_runner, tiny_tokenizer, enable_prefix_caching=False)
         for rid, kind, prompt, max_tokens, *_ in plan:
             if kind == "complete":
-                (refs[rid],) = llm.generate([tiny_tokenizer.encode(prompt)], SamplingParams(
-                    temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+                (refs[rid],) = llm.generate(
+                    [tiny_tokenizer.encode(prompt)],
+                    SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                )
 
         spec = dict(delay=0.005, max_num_seqs=SEATS, max_attempts=ATTEMPTS)
         a = await engines.start("A", **spec)
         b = await engines.start("B", **spec)
         for _ in range(2):
-            apis.append(await start_api(factory, keys, ApiOptions(model_dir=str(tiny_model_dir)),
-                                        tokenizer=tiny_tokenizer))
+            apis.append(
+                await start_api(
+                    factory, keys, ApiOptions(model_dir=str(tiny_model_dir)), tokenizer=tiny_tokenizer
+                )
+            )
         await wait_for(lambda: _heartbeat(bus, "P"), 120, "engine P up")
 
         log: dict = {}
@@ -326,12 +373,25 @@ async def test_chaos_with_outside_faults(tmp_path, keys, tiny_model_dir, tiny_ru
                     eid = await bus.redis.execute_command("XADD", keys.requests, "*", *fields)
                     hand[rid] = (extra, eid, t)
                     return
-                body = {"model": apis[0].cfg.model_name, "prompt": prompt, "max_tokens": max_tokens,
-                        "temperature": 0, "ignore_eos": True, "stream": True}
+                body = {
+                    "model": apis[0].cfg.model_name,
+                    "prompt": prompt,
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stream": True,
+                }
                 if kind == "poison":
                     body.update(extra[1])
-                await _client(apis[i % 2].url, rid, body, kind if kind != "burst" else "complete",
-                              apis[(i + 1) % 2].url, cut, log)
+                await _client(
+                    apis[i % 2].url,
+                    rid,
+                    body,
+                    kind if kind != "burst" else "complete",
+                    apis[(i + 1) % 2].url,
+                    cut,
+                    log,
+                )
 
         def launch(p):
             tasks.append(asyncio.create_task(asyncio.wait_for(one(*p), 120)))
@@ -374,7 +434,9 @@ async def test_chaos_with_outside_faults(tmp_path, keys, tiny_model_dir, tiny_ru
                 os.kill(proc.pid, signal.SIGSTOP)
                 paused.append(proc.pid)
                 # until nothing unfinished is P's: its heartbeat expired, a peer took them over
-                await wait_for(lambda: _none_left(unfinished_on("P"), bus, "P"), 60, "P's requests taken over")
+                await wait_for(
+                    lambda: _none_left(unfinished_on("P"), bus, "P"), 60, "P's requests taken over"
+                )
                 os.kill(proc.pid, signal.SIGCONT)
                 paused.clear()
                 summary["p_paused_s"] = time.monotonic() - t0
@@ -384,8 +446,11 @@ async def test_chaos_with_outside_faults(tmp_path, keys, tiny_model_dir, tiny_ru
                 plan.extend(burst)
                 for p in burst:
                     launch(p)
-                await wait_for(lambda: _running_and_queued(bus, [p[0] for p in burst]), 60,
-                               "burst requests running and queued")
+                await wait_for(
+                    lambda: _running_and_queued(bus, [p[0] for p in burst]),
+                    60,
+                    "burst requests running and queued",
+                )
                 async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
                     async with s.post(f"{apis[0].url}/v1/abort_requests", json={"abort_all": True}) as r:
                         assert r.status == 200, await r.text()
@@ -399,8 +464,13 @@ async def test_chaos_with_outside_faults(tmp_path, keys, tiny_model_dir, tiny_ru
 
         # A hang (a fault that never returns: nothing else bounds it) prints every task's
         # awaits and the clients still waiting, and fails the test.
-        watchdog = dump_tasks_after(150, "chaos with outside faults", lambda: "clients waiting: %r" % {
-            rid: rec["kind"] for rid, rec in log.items() if rec["t1"] is None})
+        watchdog = dump_tasks_after(
+            150,
+            "chaos with outside faults",
+            lambda: (
+                "clients waiting: %r" % {rid: rec["kind"] for rid, rec in log.items() if rec["t1"] is None}
+            ),
+        )
         t_start = time.monotonic()
         for s_i, seg in enumerate(segments):
             for p in seg:
@@ -408,8 +478,11 @@ async def test_chaos_with_outside_faults(tmp_path, keys, tiny_model_dir, tiny_ru
             if s_i < len(faults):
                 # the fault comes once a seeded number of this segment's requests has begun
                 k = rnd.randint(1, len(seg) // 2)
-                await wait_for(lambda: sum(p[0] in log or p[0] in hand for p in seg) >= k, 60,
-                               f"{k} requests of segment {s_i} begun")
+                await wait_for(
+                    lambda: sum(p[0] in log or p[0] in hand for p in seg) >= k,
+                    60,
+                    f"{k} requests of segment {s_i} begun",
+                )
                 await fault(faults[s_i])
         results = await asyncio.gather(*tasks, return_exceptions=True)
         # no client hangs: each is bounded, and none ran into its bound
@@ -502,8 +575,11 @@ async def test_chaos_with_outside_faults(tmp_path, keys, tiny_model_dir, tiny_ru
 
         # dead letters: exactly the hand-written entries that do not decode, nothing else
         dead = {f[b"entry_id"]: f for _, f in await bus.redis.xrange(keys.dead)}
-        want = {eid if isinstance(eid, bytes) else str(eid).encode(): name
-                for _, (name, eid, _) in hand.items() if HAND_WRITTEN[name][1] is None}
+        want = {
+            eid if isinstance(eid, bytes) else str(eid).encode(): name
+            for _, (name, eid, _) in hand.items()
+            if HAND_WRITTEN[name][1] is None
+        }
         assert set(dead) == set(want), ({k: v.get(b"reason") for k, v in dead.items()}, want)
         assert all(dead[e][b"stream"] == keys.requests.encode() for e in want)
         counts["dead"] = len(dead)
@@ -518,13 +594,15 @@ async def test_chaos_with_outside_faults(tmp_path, keys, tiny_model_dir, tiny_ru
         assert {rid: [e for _, e in await bus.read_req(rid)] for rid in stories} == stories
         assert set(windows) == set(FAULTS)
         burst_queued = sum("claimed" not in types(evs) for rid, evs in stories.items() if rid.startswith("b"))
-        print(f"\nchaos with outside faults (seed {SEED}, faults {faults}): {len(sent)} requests "
-              f"({len(log)} over HTTP, {len(hand)} by hand), {counts['finals']} finals, "
-              f"{counts['aborts']} aborts ({burst_queued} of the burst never claimed), "
-              f"{counts['errors']} error finals, {counts['http_503']} 503s, {counts['http_400']} 400s, "
-              f"{counts['dead']} dead letters, {late_aborts} aborts after the end, 0 leaked blocks, 0 engine deaths; P paused "
-              f"{summary['p_paused_s']:.1f} s, fenced {hb.get('fenced')}; B took over {b.node.taken_over}, "
-              f"{b.node.redis_errors} Redis errors retried; {elapsed:.1f} s")
+        print(
+            f"\nchaos with outside faults (seed {SEED}, faults {faults}): {len(sent)} requests "
+            f"({len(log)} over HTTP, {len(hand)} by hand), {counts['finals']} finals, "
+            f"{counts['aborts']} aborts ({burst_queued} of the burst never claimed), "
+            f"{counts['errors']} error finals, {counts['http_503']} 503s, {counts['http_400']} 400s, "
+            f"{counts['dead']} dead letters, {late_aborts} aborts after the end, 0 leaked blocks, 0 engine deaths; P paused "
+            f"{summary['p_paused_s']:.1f} s, fenced {hb.get('fenced')}; B took over {b.node.taken_over}, "
+            f"{b.node.redis_errors} Redis errors retried; {elapsed:.1f} s"
+        )
     finally:
         if watchdog is not None:
             watchdog.cancel()
@@ -561,7 +639,11 @@ async def _running_and_queued(bus, rids: list[str]) -> bool:
 
 async def _idle_beat(bus, engine_id: str) -> dict[str, str] | None:
     hb = await _heartbeat(bus, engine_id)
-    if hb and hb.get("running") == "0" and hb.get("waiting") == "0" \
-            and hb.get("blocks_free") == hb.get("blocks_total"):
+    if (
+        hb
+        and hb.get("running") == "0"
+        and hb.get("waiting") == "0"
+        and hb.get("blocks_free") == hb.get("blocks_total")
+    ):
         return hb
     return None

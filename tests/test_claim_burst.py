@@ -13,15 +13,20 @@ from tests.enginekit import submit_together
 
 
 async def _node(embedded_redis, keys, tiny_runner, tiny_tokenizer) -> EngineNode:
-    node = EngineNode(Bus(embedded_redis.client(), keys), Bus(embedded_redis.client(), keys),
-                      tiny_runner, tiny_tokenizer,
-                      EngineConfig(engine_id="burst", max_num_seqs=64, max_num_waiting=16))
+    node = EngineNode(
+        Bus(embedded_redis.client(), keys),
+        Bus(embedded_redis.client(), keys),
+        tiny_runner,
+        tiny_tokenizer,
+        EngineConfig(engine_id="burst", max_num_seqs=64, max_num_waiting=16),
+    )
     await node.prepare()
     return node
 
 
 async def test_a_capped_claim_leaves_the_rest_for_the_next_chance_not_the_poll(
-        embedded_redis, keys, tiny_runner, tiny_tokenizer):
+    embedded_redis, keys, tiny_runner, tiny_tokenizer
+):
     node = await _node(embedded_redis, keys, tiny_runner, tiny_tokenizer)
     try:
         await submit_together(node.bus, [(f"b{i}", [3, 4, 5], {"max_tokens": 2}) for i in range(20)])
@@ -39,7 +44,8 @@ async def test_a_capped_claim_leaves_the_rest_for_the_next_chance_not_the_poll(
 
 
 async def test_an_idle_engine_is_urgent_once_a_request_is_announced(
-        embedded_redis, keys, tiny_runner, tiny_tokenizer):
+    embedded_redis, keys, tiny_runner, tiny_tokenizer
+):
     """fd serve's loop runs the engine's turn first while it is urgent: idle with a request
     announced, it is (the model must not wait while the rest of a burst comes in)."""
     node = await _node(embedded_redis, keys, tiny_runner, tiny_tokenizer)

@@ -24,8 +24,14 @@ def _fd(*args: str, **kw) -> subprocess.CompletedProcess:
 
 
 def _spawn(*args: str, env=None) -> subprocess.Popen:
-    return subprocess.Popen([PY, "-m", "fd", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env, start_new_session=True)
+    return subprocess.Popen(
+        [PY, "-m", "fd", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
 
 
 def _stop(proc: subprocess.Popen, sig=signal.SIGTERM) -> tuple[int, str]:
@@ -59,8 +65,7 @@ async def _wait_healthy(url: str, procs, timeout=60.0) -> None:
 def _redis_cli() -> str:
     exe = shutil.which("redis-cli")
     if exe is None:
-        pytest.fail("redis-cli is not on PATH; install it with `apt-get install redis-tools`",
-                    pytrace=False)
+        pytest.fail("redis-cli is not on PATH; install it with `apt-get install redis-tools`", pytrace=False)
     return exe
 
 
@@ -85,31 +90,64 @@ async def test_split_deployment_operator_commands(redis_server, keys, tmp_path):
     assert (model / "config.json").exists() and (model / "tokenizer.json").exists()
     url, prefix, port = redis_server.url, keys.prefix, free_port()
     common = ("--redis-url", url, "--prefix", prefix)
-    engine = _spawn("engine", *common, "--model", str(model), "--engine-id", "cli-e1",
-                    "--kv-cache-mb", "16", "--log-format", "json")
+    engine = _spawn(
+        "engine",
+        *common,
+        "--model",
+        str(model),
+        "--engine-id",
+        "cli-e1",
+        "--kv-cache-mb",
+        "16",
+        "--log-format",
+        "json",
+    )
     api = _spawn("api", *common, "--model", str(model), "--port", str(port))
     base = f"http://127.0.0.1:{port}"
     try:
         await _wait_healthy(base, [engine, api])
         async with aiohttp.ClientSession() as http:
-            async with http.post(f"{base}/v1/completions", json={
-                    "model": "tiny", "prompt": "Hello", "max_tokens": 8, "temperature": 0}) as resp:
+            async with http.post(
+                f"{base}/v1/completions",
+                json={"model": "tiny", "prompt": "Hello", "max_tokens": 8, "temperature": 0},
+            ) as resp:
                 body = await resp.json()
             assert resp.status == 200, body
             assert body["usage"]["completion_tokens"] == 8
             rid_done = body["id"]
-            async with http.post(f"{base}/v1/completions", json={
-                    "model": "tiny", "prompt": "Hello", "max_tokens": 4, "n": 2}) as resp:
+            async with http.post(
+                f"{base}/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 4, "n": 2}
+            ) as resp:
                 rid_two = (await resp.json())["id"]
 
             # an operator aborts a long request by hand with redis-cli
-            long = {"model": "tiny", "prompt": "Go on", "max_tokens": 1500, "temperature": 0,
-                    "stream": True, "ignore_eos": True}
+            long = {
+                "model": "tiny",
+                "prompt": "Go on",
+                "max_tokens": 1500,
+                "temperature": 0,
+                "stream": True,
+                "ignore_eos": True,
+            }
             task = asyncio.create_task(_stream_until_final(http, base, long, "by-hand"))
             await asyncio.sleep(0.5)
-            xadd = subprocess.run([_redis_cli(), "-p", str(redis_server.port), "XADD",
-                                   f"{prefix}:control", "*", "type", "abort", "request_id", "by-hand"],
-                                  capture_output=True, text=True, timeout=10)
+            xadd = subprocess.run(
+                [
+                    _redis_cli(),
+                    "-p",
+                    str(redis_server.port),
+                    "XADD",
+                    f"{prefix}:control",
+                    "*",
+                    "type",
+                    "abort",
+                    "request_id",
+                    "by-hand",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            )
             assert xadd.returncode == 0, xadd.stderr
             text, reason = await asyncio.wait_for(task, 30)
             assert reason == "abort" and text
@@ -135,7 +173,12 @@ async def test_split_deployment_operator_commands(redis_server, keys, tmp_path):
         assert r.returncode == 0, r.stderr
         rows = json.loads(r.stdout)
         assert [row["request_id"] for row in rows if row["type"] in ("accepted", "final")] == [
-            rid_two, f"{rid_two}.0", f"{rid_two}.0", f"{rid_two}.1", f"{rid_two}.1"]
+            rid_two,
+            f"{rid_two}.0",
+            f"{rid_two}.0",
+            f"{rid_two}.1",
+            f"{rid_two}.1",
+        ]
 
         for _ in range(20):  # the heartbeat refreshes once a second
             r = _fd("status", *common, "--json")
@@ -177,20 +220,46 @@ async def test_fd_serve_embedded_as_a_new_user(tmp_path):
     base = f"http://127.0.0.1:{port}"
     try:
         await _wait_healthy(base, [serve], timeout=90)
-        ping = subprocess.run([_redis_cli(), "-p", str(rport), "PING"], capture_output=True, text=True,
-                              timeout=10)
+        ping = subprocess.run(
+            [_redis_cli(), "-p", str(rport), "PING"], capture_output=True, text=True, timeout=10
+        )
         assert ping.stdout.strip() == "PONG"
         async with aiohttp.ClientSession() as http:
-            long = {"model": "tiny-llama", "prompt": "Hi", "max_tokens": 1500, "temperature": 0,
-                    "stream": True, "ignore_eos": True}
+            long = {
+                "model": "tiny-llama",
+                "prompt": "Hi",
+                "max_tokens": 1500,
+                "temperature": 0,
+                "stream": True,
+                "ignore_eos": True,
+            }
             task = asyncio.create_task(_stream_until_final(http, base, long, "embedded-1"))
             await asyncio.sleep(0.5)
-            subprocess.run([_redis_cli(), "-p", str(rport), "XADD", "fd:control", "*", "type", "abort",
-                            "request_id", "embedded-1"], check=True, capture_output=True, timeout=10)
+            subprocess.run(
+                [
+                    _redis_cli(),
+                    "-p",
+                    str(rport),
+                    "XADD",
+                    "fd:control",
+                    "*",
+                    "type",
+                    "abort",
+                    "request_id",
+                    "embedded-1",
+                ],
+                check=True,
+                capture_output=True,
+                timeout=10,
+            )
             text, reason = await asyncio.wait_for(task, 30)
             assert reason == "abort"
-            n = subprocess.run([_redis_cli(), "-p", str(rport), "XLEN", "fd:req:{embedded-1}"],
-                               capture_output=True, text=True, timeout=10)
+            n = subprocess.run(
+                [_redis_cli(), "-p", str(rport), "XLEN", "fd:req:{embedded-1}"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            )
             assert int(n.stdout) >= 6
     finally:
         code, out = _stop(serve, signal.SIGINT)
@@ -256,8 +325,14 @@ async def test_fd_serve_whose_model_worker_dies_says_so_and_exits(tmp_path):
         workers = _children(serve.pid, b"spawn_main")
         assert workers, "no model worker process found"
         async with aiohttp.ClientSession() as http:
-            long = {"model": "tiny-llama", "prompt": "Hi", "max_tokens": 1500, "temperature": 0,
-                    "stream": True, "ignore_eos": True}
+            long = {
+                "model": "tiny-llama",
+                "prompt": "Hi",
+                "max_tokens": 1500,
+                "temperature": 0,
+                "stream": True,
+                "ignore_eos": True,
+            }
             task = asyncio.create_task(_stream_until_final(http, base, long, "orphaned-1"))
             await asyncio.sleep(0.5)
             for w in workers:
@@ -316,19 +391,40 @@ def test_a_vllm_command_line_runs_here():
     from fd.cli import build_parser, vllm_compat
 
     args = build_parser().parse_args(
-        ["serve", "/models/qwen", "--trust-remote-code", "--dtype", "auto", "-tp", "1", "--enforce-eager",
-         "--enable-chunked-prefill", "--enable-prefix-caching", "--gpu-memory-utilization", "0.9",
-         "--disable-log-requests", "--port", "8001"])
+        [
+            "serve",
+            "/models/qwen",
+            "--trust-remote-code",
+            "--dtype",
+            "auto",
+            "-tp",
+            "1",
+            "--enforce-eager",
+            "--enable-chunked-prefill",
+            "--enable-prefix-caching",
+            "--gpu-memory-utilization",
+            "0.9",
+            "--disable-log-requests",
+            "--port",
+            "8001",
+        ]
+    )
     notes = vllm_compat(args)
     assert args.model == "/models/qwen" and args.port == 8001
-    assert [n.split(" ")[0] for n in notes] == ["--trust-remote-code", "--enforce-eager",
-                                                "--enable-chunked-prefill", "--disable-log-requests",
-                                                "--gpu-memory-utilization"]
+    assert [n.split(" ")[0] for n in notes] == [
+        "--trust-remote-code",
+        "--enforce-eager",
+        "--enable-chunked-prefill",
+        "--disable-log-requests",
+        "--gpu-memory-utilization",
+    ]
     assert vllm_compat(build_parser().parse_args(["serve"])) == []  # (nothing pasted: nothing said)
-    for argv, says in ((["serve", "-tp", "2"], "one device"),
-                       (["serve", "m1", "--model", "m2"], "given twice"),
-                       (["serve", "--enable-prefix-caching", "--no-enable-prefix-caching"], "together"),
-                       (["engine", "--device", "gpu", "--gpu-memory-utilization", "0.9"], "--kv-cache-mb")):
+    for argv, says in (
+        (["serve", "-tp", "2"], "one device"),
+        (["serve", "m1", "--model", "m2"], "given twice"),
+        (["serve", "--enable-prefix-caching", "--no-enable-prefix-caching"], "together"),
+        (["engine", "--device", "gpu", "--gpu-memory-utilization", "0.9"], "--kv-cache-mb"),
+    ):
         with pytest.raises(SystemExit, match=says):
             vllm_compat(build_parser().parse_args(argv))
     with pytest.raises(SystemExit):  # fd runs float32: argparse names the choices
@@ -343,9 +439,19 @@ async def test_fd_serve_api_server_count_spreads_connections_over_api_processes(
     env = {**os.environ, "FD_CACHE_DIR": str(tmp_path / "cache")}
     for extra in ([], ["--redis-url", redis_server.url, "--prefix", "apis"]):
         port, rport = free_port(), free_port()
-        serve = _spawn("serve", "--model", "tiny", "--port", str(port), "--embedded-port", str(rport),
-                       "--api-server-count", "3",
-                       *extra, env=env)
+        serve = _spawn(
+            "serve",
+            "--model",
+            "tiny",
+            "--port",
+            str(port),
+            "--embedded-port",
+            str(rport),
+            "--api-server-count",
+            "3",
+            *extra,
+            env=env,
+        )
         base = f"http://127.0.0.1:{port}"
         try:
             await _wait_healthy(base, [serve], timeout=90)
@@ -359,12 +465,19 @@ async def test_fd_serve_api_server_count_spreads_connections_over_api_processes(
                 k = 0
                 while len(taken) < 3 and time.monotonic() < deadline:
                     k += 1  # (a new connection each: the kernel picks a process for each)
-                    async with http.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
-                                         headers={"X-Request-Id": f"spread-{k}"}) as r:
+                    async with http.post(
+                        f"{base}/v1/completions",
+                        json={"prompt": "Hi", "max_tokens": 2},
+                        headers={"X-Request-Id": f"spread-{k}"},
+                    ) as r:
                         assert r.status == 200
                         rid = (await r.json())["id"]
-                    first = subprocess.run([*cli, "XRANGE", f"{prefix}:req:{{{rid}}}", "-", "+", "COUNT", "1"],
-                                           capture_output=True, text=True, timeout=10).stdout.split()
+                    first = subprocess.run(
+                        [*cli, "XRANGE", f"{prefix}:req:{{{rid}}}", "-", "+", "COUNT", "1"],
+                        capture_output=True,
+                        text=True,
+                        timeout=10,
+                    ).stdout.split()
                     taken.add(first[first.index("api") + 1])
             assert len(taken) == 3, taken
         finally:

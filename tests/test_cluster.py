@@ -26,8 +26,11 @@ MASTERS = 3
 def _tool(name: str) -> str:
     exe = shutil.which(name)
     if exe is None:
-        pytest.fail(f"{name} is not on PATH; install it (e.g. `apt-get install redis-server`, which "
-                    "also brings redis-cli) -- the cluster tests need a real Redis Cluster", pytrace=False)
+        pytest.fail(
+            f"{name} is not on PATH; install it (e.g. `apt-get install redis-server`, which "
+            "also brings redis-cli) -- the cluster tests need a real Redis Cluster",
+            pytrace=False,
+        )
     return exe
 
 
@@ -36,24 +39,62 @@ def _start_cluster(tmpdir: str, procs: list[subprocess.Popen]) -> list[int]:
     ports = []
     for i in range(MASTERS):
         port, bus_port = free_port(), free_port()
-        procs.append(subprocess.Popen(
-            [server, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
-             "--cluster-port", str(bus_port), "--cluster-config-file", f"nodes-{i}.conf",
-             "--save", "", "--appendonly", "no", "--dir", tmpdir, "--loglevel", "warning",
-             "--logfile", f"redis-{i}.log"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        procs.append(
+            subprocess.Popen(
+                [
+                    server,
+                    "--port",
+                    str(port),
+                    "--bind",
+                    "127.0.0.1",
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-port",
+                    str(bus_port),
+                    "--cluster-config-file",
+                    f"nodes-{i}.conf",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--dir",
+                    tmpdir,
+                    "--loglevel",
+                    "warning",
+                    "--logfile",
+                    f"redis-{i}.log",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
         ports.append(port)
     deadline = time.monotonic() + 10
     while not all(_ping(p) for p in ports):
         if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
             raise RuntimeError("a cluster node did not start")
         time.sleep(0.02)
-    subprocess.run([cli, "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
-                    "--cluster-replicas", "0", "--cluster-yes"],
-                   check=True, capture_output=True, timeout=30)
+    subprocess.run(
+        [
+            cli,
+            "--cluster",
+            "create",
+            *[f"127.0.0.1:{p}" for p in ports],
+            "--cluster-replicas",
+            "0",
+            "--cluster-yes",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
     while True:
-        infos = [subprocess.run([cli, "-p", str(p), "cluster", "info"], capture_output=True,
-                                text=True, timeout=5).stdout for p in ports]
+        infos = [
+            subprocess.run(
+                [cli, "-p", str(p), "cluster", "info"], capture_output=True, text=True, timeout=5
+            ).stdout
+            for p in ports
+        ]
         if all("cluster_state:ok" in i for i in infos):
             return ports
         if time.monotonic() > deadline + 20:
@@ -119,7 +160,9 @@ def ids_on_every_master(bus: Bus, key_of, n_per_master: int, stem: str = "r") ->
 def twin(bus: Bus, rid: str) -> str:
     """Another request id whose stream shares the slot of ``rid``'s."""
     slot = key_slot(bus.keys.req(rid).encode())
-    return next(f"{rid}-{i}" for i in range(1_000_000) if key_slot(bus.keys.req(f"{rid}-{i}").encode()) == slot)
+    return next(
+        f"{rid}-{i}" for i in range(1_000_000) if key_slot(bus.keys.req(f"{rid}-{i}").encode()) == slot
+    )
 
 
 # ------------------------------------------------------------------ connect
@@ -165,11 +208,12 @@ async def test_submit_claim_and_ack_with_the_final(cbus):
     claimed = await cbus.claim_requests("e1", 100, None)
     assert sorted(r.request_id for _, r in claimed) == sorted(rids)
     for entry_id, req in claimed:
-        (_, acc), = await cbus.read_req(req.request_id)
+        ((_, acc),) = await cbus.read_req(req.request_id)
         assert isinstance(acc, E.Accepted)
         final = E.Final(request_id=req.request_id, finish_reason="stop")
-        await cbus.publish_many([(cbus.keys.req(req.request_id), final)],
-                                expire=[cbus.keys.req(req.request_id)], ack=[entry_id])
+        await cbus.publish_many(
+            [(cbus.keys.req(req.request_id), final)], expire=[cbus.keys.req(req.request_id)], ack=[entry_id]
+        )
         assert isinstance((await cbus.read_req(req.request_id))[-1][1], E.Final)
     assert await cbus.redis.xlen(cbus.keys.requests) == 0
     assert (await cbus.redis.xpending(cbus.keys.requests, "engines"))["pending"] == 0
@@ -194,8 +238,10 @@ async def test_the_fence_per_request_on_every_master(cbus):
     await cbus.redis.set(cbus.keys.owner(lost), owner_token("e2", 2))
     items = []
     for rid in rids:
-        items += [(cbus.keys.req(rid), E.Tokens(request_id=rid, token_ids=(7,), text="x", step=1)),
-                  (cbus.keys.req(rid), E.Final(request_id=rid, finish_reason="stop", engine="e1"))]
+        items += [
+            (cbus.keys.req(rid), E.Tokens(request_id=rid, token_ids=(7,), text="x", step=1)),
+            (cbus.keys.req(rid), E.Final(request_id=rid, finish_reason="stop", engine="e1")),
+        ]
     refused = await cbus.publish_owned(items, mine, ack=[(rid, entries[rid]) for rid in rids])
     assert refused == {lost: Refused("owner", owner_token("e2", 2))}
     for rid in rids:
@@ -223,7 +269,12 @@ async def test_try_own_tombstone_and_expire(cbus):
     assert not await cbus.submit(request("own-2"), E.Accepted(request_id="own-2"))
     assert not await cbus.submit(request("own-2"), E.Accepted(request_id="own-2"))
     assert [ev.TYPE for _, ev in await cbus.read_req("own-2")] == [
-        "accepted", "abort_requested", "drained", "blocks_released", "final"]
+        "accepted",
+        "abort_requested",
+        "drained",
+        "blocks_released",
+        "final",
+    ]
     assert await cbus.redis.xlen(cbus.keys.requests) == 0
 
 
@@ -264,8 +315,9 @@ async def _stream_all(bus: Bus, mux: StreamMux, rids: list[str]) -> None:
         for ev in story(rid, n_tokens=5):
             await bus.publish(bus.keys.req(rid), ev)
 
-    _, got = await asyncio.gather(asyncio.gather(*map(write, rids)),
-                                  asyncio.wait_for(asyncio.gather(*map(_drain, subs.values())), 10))
+    _, got = await asyncio.gather(
+        asyncio.gather(*map(write, rids)), asyncio.wait_for(asyncio.gather(*map(_drain, subs.values())), 10)
+    )
     for rid, evs in zip(rids, got):
         want = story(rid, n_tokens=5)
         assert len(evs) == len(want) and all(same(a, b) for a, b in zip(want, evs)), rid

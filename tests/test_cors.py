@@ -6,17 +6,21 @@ answers carry no CORS header."""
 from __future__ import annotations
 
 import pytest
+from test_api_streaming import FakeEngine, parse_sse, setup
 
 from fd.api.cors import Cors
 from fd.cli import build_parser
-from test_api_streaming import FakeEngine, parse_sse, setup
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
 def _preflight(origin: str, method: str = "POST", headers: str = "authorization, content-type") -> dict:
-    return {"Origin": origin, "Access-Control-Request-Method": method, "Access-Control-Request-Headers": headers}
+    return {
+        "Origin": origin,
+        "Access-Control-Request-Method": method,
+        "Access-Control-Request-Headers": headers,
+    }
 
 
 async def test_any_origin_by_default(real_bus):
@@ -26,8 +30,11 @@ async def test_any_origin_by_default(real_bus):
         assert r.headers["Access-Control-Allow-Origin"] == "*"
         assert r.headers["Access-Control-Allow-Methods"] == "POST"
         assert r.headers["Access-Control-Allow-Headers"] == "authorization, content-type"
-        r = await client.post(CHAT, json={**BODY, "stream": True},
-                              headers={"Origin": "https://app.example", "Authorization": "Bearer k"})
+        r = await client.post(
+            CHAT,
+            json={**BODY, "stream": True},
+            headers={"Origin": "https://app.example", "Authorization": "Bearer k"},
+        )
         assert r.status == 200 and r.headers["Access-Control-Allow-Origin"] == "*"
         assert r.headers["Access-Control-Expose-Headers"] == "X-Request-Id"
         assert parse_sse(await r.read())[-1] == (None, "[DONE]")
@@ -38,16 +45,19 @@ async def test_any_origin_by_default(real_bus):
 
 
 async def test_only_the_allowed_origins(real_bus):
-    cors = Cors(origins=("https://a.example",), methods=("GET", "POST"), headers=("content-type",),
-                credentials=True)
+    cors = Cors(
+        origins=("https://a.example",), methods=("GET", "POST"), headers=("content-type",), credentials=True
+    )
     async with setup(real_bus, FakeEngine(real_bus), cors=cors) as client:
         r = await client.options(CHAT, headers=_preflight("https://a.example", headers="content-type"))
         assert r.status == 200 and r.headers["Access-Control-Allow-Origin"] == "https://a.example"
         assert r.headers["Access-Control-Allow-Credentials"] == "true" and r.headers["Vary"] == "Origin"
         assert r.headers["Access-Control-Allow-Methods"] == "GET, POST"
-        for refused in (_preflight("https://b.example", headers="content-type"),
-                        _preflight("https://a.example", method="DELETE", headers="content-type"),
-                        _preflight("https://a.example", headers="x-secret")):
+        for refused in (
+            _preflight("https://b.example", headers="content-type"),
+            _preflight("https://a.example", method="DELETE", headers="content-type"),
+            _preflight("https://a.example", headers="x-secret"),
+        ):
             r = await client.options(CHAT, headers=refused)
             assert r.status == 400 and "Access-Control-Allow-Origin" not in r.headers, refused
         r = await client.post(CHAT, json=BODY, headers={"Origin": "https://b.example"})
@@ -60,8 +70,9 @@ async def test_only_the_allowed_origins(real_bus):
 
 
 def test_the_flags_take_vllms_json_lists():
-    args = build_parser().parse_args(["serve", "--allowed-origins", '["https://a.example"]',
-                                      "--allow-credentials"])
+    args = build_parser().parse_args(
+        ["serve", "--allowed-origins", '["https://a.example"]', "--allow-credentials"]
+    )
     assert args.allowed_origins == ["https://a.example"] and args.allow_credentials
     assert build_parser().parse_args(["api"]).allowed_origins == ["*"]
     with pytest.raises(SystemExit):

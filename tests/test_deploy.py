@@ -27,8 +27,10 @@ def _need(module: str, package: str):
     try:
         return importlib.import_module(module)
     except ImportError:
-        pytest.fail(f"{package} is needed to validate deploy/: pip install {package} "
-                    f"(or pip install -e '.[test]')", pytrace=False)
+        pytest.fail(
+            f"{package} is needed to validate deploy/: pip install {package} (or pip install -e '.[test]')",
+            pytrace=False,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -124,8 +126,10 @@ def _fd_args(argv: list[str]):
     try:
         return build_parser().parse_args(argv[1:])
     except SystemExit:
-        pytest.fail(f"`{' '.join(argv)}` does not parse with fd.cli.build_parser() "
-                    "(see the argparse error above)", pytrace=False)
+        pytest.fail(
+            f"`{' '.join(argv)}` does not parse with fd.cli.build_parser() (see the argparse error above)",
+            pytrace=False,
+        )
 
 
 def _python_c(argv: list[str]) -> str | None:
@@ -139,8 +143,9 @@ def _run_snippet(code: str, env: dict[str, str], monkeypatch, server) -> int:
     import fakeredis
     import redis
 
-    monkeypatch.setattr(redis.Redis, "from_url",
-                        classmethod(lambda cls, url, **kw: fakeredis.FakeRedis(server=server)))
+    monkeypatch.setattr(
+        redis.Redis, "from_url", classmethod(lambda cls, url, **kw: fakeredis.FakeRedis(server=server))
+    )
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     try:
@@ -170,11 +175,13 @@ def test_k8s_manifests_validate_against_schema(docs, kv):
         try:
             kv.validate(doc, K8S_VERSION, strict=True)
         except kv.ValidationError as e:
-            errors.append(f"{d['__file__']}: {d['kind']}/{d['metadata'].get('name')}: "
-                          f"{str(e).splitlines()[0]}")
+            errors.append(
+                f"{d['__file__']}: {d['kind']}/{d['metadata'].get('name')}: {str(e).splitlines()[0]}"
+            )
         except kv.SchemaNotFoundError:
-            errors.append(f"{d['__file__']}: no Kubernetes {K8S_VERSION} schema for "
-                          f"{d['apiVersion']} {d['kind']}")
+            errors.append(
+                f"{d['__file__']}: no Kubernetes {K8S_VERSION} schema for {d['apiVersion']} {d['kind']}"
+            )
     assert not errors, "\n".join(errors)
 
 
@@ -204,10 +211,15 @@ def test_selectors_match_pod_labels(docs):
             assert p.get("targetPort", p["port"]) in ports, f"{svc['metadata']['name']}: {p}"
     for pdb in _of(docs, "PodDisruptionBudget"):
         sel = pdb["spec"]["selector"]["matchLabels"]
-        assert [w for w in _workloads(docs) if _matches(sel, _pod_labels(w))], \
+        assert [w for w in _workloads(docs) if _matches(sel, _pod_labels(w))], (
             f"PDB {pdb['metadata']['name']} selects no pods"
-    pdb_targets = {w["metadata"]["name"] for w in _workloads(docs) for pdb in _of(docs, "PodDisruptionBudget")
-                   if _matches(pdb["spec"]["selector"]["matchLabels"], _pod_labels(w))}
+        )
+    pdb_targets = {
+        w["metadata"]["name"]
+        for w in _workloads(docs)
+        for pdb in _of(docs, "PodDisruptionBudget")
+        if _matches(pdb["spec"]["selector"]["matchLabels"], _pod_labels(w))
+    }
     assert {"fd-api", "fd-engine"} <= pdb_targets
 
 
@@ -234,8 +246,9 @@ def test_hpa_targets_a_deployment_with_cpu_requests(docs):
         dep = _named(docs, "Deployment", ref["name"])
         if any(m["resource"]["name"] == "cpu" for m in h["spec"]["metrics"] if m["type"] == "Resource"):
             for c in _containers(dep):
-                assert "cpu" in c.get("resources", {}).get("requests", {}), \
+                assert "cpu" in c.get("resources", {}).get("requests", {}), (
                     f"HPA on CPU needs cpu requests on {ref['name']}/{c['name']}"
+                )
 
 
 def test_secret_configmap_and_pvc_references_exist(docs):
@@ -299,8 +312,9 @@ def test_engine_gpu_drain_and_grace_period(docs):
     assert args.model == _named(docs, "ConfigMap", "fd-config")["data"]["model-dir"]
     drain = getattr(args, "drain_timeout", None)
     assert drain is not None, "the engine must be started with --drain-timeout"
-    assert spec["terminationGracePeriodSeconds"] > float(drain) + 5, \
+    assert spec["terminationGracePeriodSeconds"] > float(drain) + 5, (
         "terminationGracePeriodSeconds must exceed --drain-timeout (plus the preStop hook)"
+    )
     for side in ("requests", "limits"):
         assert int(c["resources"][side]["nvidia.com/gpu"]) == 1
     assert "preStop" in c["lifecycle"]
@@ -318,8 +332,10 @@ def test_engine_prestop_publishes_a_drain_for_its_own_id(docs, monkeypatch):
     code = _python_c(c["lifecycle"]["preStop"]["exec"]["command"])
     assert code, "preStop should be a `python3 -c` drain publisher"
     server = fakeredis.FakeServer()
-    assert _run_snippet(code, {"FD_REDIS_URL": "redis://x:6379/0", "FD_ENGINE_ID": POD},
-                        monkeypatch, server) == 0
+    assert (
+        _run_snippet(code, {"FD_REDIS_URL": "redis://x:6379/0", "FD_ENGINE_ID": POD}, monkeypatch, server)
+        == 0
+    )
     entries = fakeredis.FakeRedis(server=server).xrange(Keys().control)
     assert len(entries) == 1
     ev = decode(entries[0][1], entries[0][0])
@@ -360,10 +376,11 @@ def test_compose_services_and_dependencies(compose):
     assert len(_services(compose, "api")) >= 2 and len(_services(compose, "engine")) >= 2
     for name, s in svcs.items():
         deps = s.get("depends_on", {})
-        for dep, cond in (deps.items() if isinstance(deps, dict) else ((d, {}) for d in deps)):
+        for dep, cond in deps.items() if isinstance(deps, dict) else ((d, {}) for d in deps):
             assert dep in svcs, f"{name} depends on unknown service {dep}"
-            assert cond.get("condition") in ("service_healthy", "service_completed_successfully"), \
+            assert cond.get("condition") in ("service_healthy", "service_completed_successfully"), (
                 f"{name} -> {dep}: give depends_on a condition"
+            )
             if cond.get("condition") == "service_healthy":
                 assert "test" in svcs[dep].get("healthcheck", {}), f"{dep} has no healthcheck"
     for name, s in list(_services(compose, "api").items()) + list(_services(compose, "engine").items()):
@@ -391,15 +408,18 @@ def test_compose_fd_command_lines(compose):
         env = s.get("environment") or {}
         if name.startswith("api"):
             assert args.cmd == "api" and args.host == "0.0.0.0"
-            assert str(args.port) in " ".join(s["healthcheck"]["test"]) and "/health" in " ".join(s["healthcheck"]["test"])
+            assert str(args.port) in " ".join(s["healthcheck"]["test"]) and "/health" in " ".join(
+                s["healthcheck"]["test"]
+            )
         if name.startswith("engine"):
             assert args.cmd == "engine" and args.engine_id
             assert env.get("FD_ENGINE_ID") == args.engine_id, f"{name}: healthcheck id != --engine-id"
             ids.append(args.engine_id)
             drain = getattr(args, "drain_timeout", None)
             assert drain is not None, f"{name} must be started with --drain-timeout"
-            assert _duration_s(s["stop_grace_period"]) > float(drain), \
+            assert _duration_s(s["stop_grace_period"]) > float(drain), (
                 f"{name}: stop_grace_period must exceed --drain-timeout"
+            )
         if name.startswith(("api", "engine")):
             assert env.get("FD_REDIS_URL", "").startswith("redis://redis:")
     assert len(ids) >= 2 and len(set(ids)) == len(ids), f"engine ids must be distinct: {ids}"
@@ -426,7 +446,7 @@ def test_nginx_upstream_is_the_api_services(compose):
     conf = re.sub(r"#[^\n]*", "", conf)
     upstreams = dict(re.findall(r"upstream\s+(\S+)\s*\{([^}]*)\}", conf))
     assert len(upstreams) == 1
-    (name, body), = upstreams.items()
+    ((name, body),) = upstreams.items()
     servers = re.findall(r"^\s*server\s+([\w.-]+):(\d+)", body, re.M)
     want = {(n, str(_fd_args(["fd", *s["command"]]).port)) for n, s in _services(compose, "api").items()}
     assert set(servers) == want

@@ -17,7 +17,7 @@ def tok(tmp_path_factory):
 def _stream(d, ids, step=1):
     deltas, stop = [], None
     for i in range(0, len(ids), step):
-        delta, stop = d.push(ids[i:i + step])
+        delta, stop = d.push(ids[i : i + step])
         deltas.append(delta)
         if stop:
             break
@@ -154,12 +154,14 @@ def test_the_token_that_ends_a_request_is_counted_but_not_shown(tok):
     d = IncrementalDetokenizer.for_request(tok, SamplingParams(stop_token_ids=(stop,)), tok.eos_token_ids)
     assert "".join(_stream(d, ids)[0]) + d.flush() == tok.decode(ids[:-1])
     shown = IncrementalDetokenizer.for_request(
-        tok, SamplingParams(stop_token_ids=(stop,), include_stop_str_in_output=True), tok.eos_token_ids)
+        tok, SamplingParams(stop_token_ids=(stop,), include_stop_str_in_output=True), tok.eos_token_ids
+    )
     assert "".join(_stream(shown, ids)[0]) + shown.flush() == tok.decode(ids)
     raw = SamplingParams(skip_special_tokens=False)
     d = IncrementalDetokenizer.for_request(tok, raw, tok.eos_token_ids)
     assert "".join(_stream(d, [*ids, eos])[0]) == tok.decode(ids)  # the EOS: not shown
     assert tok.decode([eos], skip_special_tokens=False)  # (though it has text)
-    kept = IncrementalDetokenizer.for_request(tok, SamplingParams(skip_special_tokens=False, ignore_eos=True),
-                                              tok.eos_token_ids)  # (ignored, it ends nothing)
+    kept = IncrementalDetokenizer.for_request(
+        tok, SamplingParams(skip_special_tokens=False, ignore_eos=True), tok.eos_token_ids
+    )  # (ignored, it ends nothing)
     assert "".join(_stream(kept, [*ids, eos])[0]) == tok.decode([*ids, eos], skip_special_tokens=False)

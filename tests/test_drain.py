@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import signal
 
-
 from control.events import Claimed, Drain, Preempted, SamplingParams, Tokens
 from engine.llm import LLM
 from engine.replay import load_journal_from_redis, replay
@@ -17,8 +16,9 @@ from tests.faultkit import all_blocks_free, engines, reap, spawn_engine, wait_fo
 PROMPT = [5, 17, 33, 9, 41, 12, 7, 19]
 
 
-async def test_drain_finishes_running_hands_back_the_rest_and_exits(real_bus, engines, tiny_runner,
-                                                                    tiny_tokenizer):
+async def test_drain_finishes_running_hands_back_the_rest_and_exits(
+    real_bus, engines, tiny_runner, tiny_tokenizer
+):
     sp = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
     ref = LLM(tiny_runner, tiny_tokenizer).generate([PROMPT], sp)[0]
     a = await engines.start("A", delay=0.02, drain_timeout_s=0.6)
@@ -62,8 +62,7 @@ async def test_drain_of_an_idle_engine_exits_at_once(real_bus, engines):
     assert a.task.exception() is None
 
 
-async def test_sigterm_drains_fd_engine_and_it_exits_0(real_bus, redis_server, keys,
-                                                        tiny_model_dir):
+async def test_sigterm_drains_fd_engine_and_it_exits_0(real_bus, redis_server, keys, tiny_model_dir):
     proc = spawn_engine(redis_server.url, keys, tiny_model_dir, "P")
     try:
         await submit(real_bus, "r", PROMPT, max_tokens=300, ignore_eos=True)

@@ -8,12 +8,12 @@ import numpy as np
 import openai
 import orjson
 import pytest
+from test_api_streaming import FakeEngine, parse_sse, setup
 
 from control.events import SamplingParams
 from engine.config import SchedulerConfig
 from engine.llm import LLM
 from engine.scheduler import Scheduler
-from test_api_streaming import FakeEngine, parse_sse, setup
 from tests.enginekit import prefix_logits
 
 
@@ -31,8 +31,9 @@ async def test_score_a_prompt_with_max_tokens_0(served, tiny_runner, tiny_tokeni
     client = _client(api)
     prompt = "The river runs by the old stone"
     ids = tiny_tokenizer.encode(prompt)
-    c = await client.completions.create(model=api.cfg.model_name, prompt=prompt, max_tokens=0, echo=True,
-                                        logprobs=2, temperature=0)
+    c = await client.completions.create(
+        model=api.cfg.model_name, prompt=prompt, max_tokens=0, echo=True, logprobs=2, temperature=0
+    )
     ch = c.choices[0]
     assert ch.text == prompt and ch.finish_reason == "length"
     assert c.usage.prompt_tokens == len(ids) and c.usage.completion_tokens == 0
@@ -57,9 +58,16 @@ async def test_echo_with_a_completion_streamed_and_not(served, tiny_runner, tiny
     prompt = "A lamp and a bird"
     ids = tiny_tokenizer.encode(prompt)
     ref = LLM(tiny_runner, tiny_tokenizer).generate(
-        [ids], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))[0]
-    kw = dict(model=api.cfg.model_name, prompt=prompt, max_tokens=5, temperature=0, echo=True,
-              extra_body={"ignore_eos": True})
+        [ids], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    )[0]
+    kw = dict(
+        model=api.cfg.model_name,
+        prompt=prompt,
+        max_tokens=5,
+        temperature=0,
+        echo=True,
+        extra_body={"ignore_eos": True},
+    )
     c = await client.completions.create(**kw)
     assert c.choices[0].text == prompt + ref.text and c.usage.completion_tokens == 5
     c = await client.completions.create(**kw, logprobs=0)
@@ -74,8 +82,9 @@ async def test_echo_with_a_completion_streamed_and_not(served, tiny_runner, tiny
             text += ch.text
     assert first.startswith(prompt) and text == prompt + ref.text
     # a token-id prompt echoes its text; a batch echoes each prompt before its own completion
-    b = await client.completions.create(model=api.cfg.model_name, prompt=[ids, "Sand"], max_tokens=0,
-                                        echo=True, temperature=0)
+    b = await client.completions.create(
+        model=api.cfg.model_name, prompt=[ids, "Sand"], max_tokens=0, echo=True, temperature=0
+    )
     assert [ch.text for ch in b.choices] == [tiny_tokenizer.decode(ids), "Sand"]
     await client.close()
 
@@ -90,8 +99,7 @@ def test_prompt_scores_do_not_depend_on_how_the_prompt_was_chunked(tiny_runner, 
     sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=3)
 
     def scores(budget: int) -> dict[int, tuple]:
-        sched = Scheduler(SchedulerConfig(num_blocks=64, max_num_batched_tokens=budget,
-                                          max_model_len=128))
+        sched = Scheduler(SchedulerConfig(num_blocks=64, max_num_batched_tokens=budget, max_model_len=128))
         sched.add("r", RequestData(prompt_token_ids=prompt, sampling=sp))
         got: dict[int, tuple] = {}
         steps = 0
@@ -120,8 +128,15 @@ async def test_an_echo_replays_the_same_from_the_stream(served):
     import aiohttp
 
     api, _ = served
-    body = {"model": api.cfg.model_name, "prompt": "Stone and sand", "max_tokens": 3, "echo": True,
-            "logprobs": 1, "temperature": 0, "stream": True}
+    body = {
+        "model": api.cfg.model_name,
+        "prompt": "Stone and sand",
+        "max_tokens": 3,
+        "echo": True,
+        "logprobs": 1,
+        "temperature": 0,
+        "stream": True,
+    }
     async with aiohttp.ClientSession() as s:
         async with s.post(f"{api.url}/v1/completions", json=body, headers={"X-Request-Id": "echo-r"}) as r:
             original = await r.read()
@@ -136,8 +151,11 @@ async def test_an_echo_aborted_before_it_ran_still_shows_the_prompt(real_bus):
         for stream in (False, True):
             rid = f"early-echo-{stream}"
             await real_bus.tombstone_many([rid], "http", 60)
-            resp = await client.post("/v1/completions", headers={"X-Request-Id": rid}, json={
-                "model": "tiny", "prompt": "hey", "echo": True, "max_tokens": 3, "stream": stream})
+            resp = await client.post(
+                "/v1/completions",
+                headers={"X-Request-Id": rid},
+                json={"model": "tiny", "prompt": "hey", "echo": True, "max_tokens": 3, "stream": stream},
+            )
             if stream:
                 chunks = [orjson.loads(d) for _, d in parse_sse(await resp.read())[:-1]]
                 assert "".join(c["choices"][0]["text"] for c in chunks) == "hey"
@@ -157,8 +175,9 @@ async def test_vllm_prompt_logprobs_with_ranks(served, tiny_runner, tiny_tokeniz
     api, _ = served
     client = _client(api)
     ids = [40, 41, 300, 7, 41]
-    c = await client.completions.create(model=api.cfg.model_name, prompt=ids, max_tokens=1,
-                                        extra_body={"prompt_logprobs": 2})
+    c = await client.completions.create(
+        model=api.cfg.model_name, prompt=ids, max_tokens=1, extra_body={"prompt_logprobs": 2}
+    )
     got = c.choices[0].model_extra["prompt_logprobs"]
     assert got[0] is None and len(got) == len(ids)
     for t in range(1, len(ids)):
@@ -175,15 +194,17 @@ async def test_vllm_prompt_logprobs_with_ranks(served, tiny_runner, tiny_tokeniz
                 assert d[str(int(b))]["logprob"] == pytest.approx(ref[b], abs=1e-4)
         assert len(d) == 2 + (str(ids[t]) not in {str(int(b)) for b in order})
     messages = [{"role": "user", "content": "Hi there"}]
-    chat = await client.chat.completions.create(model=api.cfg.model_name, messages=messages, max_tokens=1,
-                                                n=2, extra_body={"prompt_logprobs": 0})
+    chat = await client.chat.completions.create(
+        model=api.cfg.model_name, messages=messages, max_tokens=1, n=2, extra_body={"prompt_logprobs": 0}
+    )
     chat_ids = tiny_tokenizer.encode(tiny_tokenizer.apply_chat_template(messages), add_special_tokens=False)
     plp = chat.model_extra["prompt_logprobs"]
     assert len(plp) == len(chat_ids) and [list(d) for d in plp[1:]] == [[str(t)] for t in chat_ids[1:]]
     async with aiohttp.ClientSession() as s:
         for body in ({"stream": True}, {"echo": True}, {"prompt_logprobs": 21}):
-            async with s.post(f"{api.url}/v1/completions",
-                              json={"prompt": ids, "prompt_logprobs": 1, **body}) as r:
+            async with s.post(
+                f"{api.url}/v1/completions", json={"prompt": ids, "prompt_logprobs": 1, **body}
+            ) as r:
                 out = await r.json()
                 assert r.status == 400 and out["error"]["param"] == "prompt_logprobs", (body, out)
     await client.close()

@@ -17,21 +17,32 @@ from control.embedded import EmbeddedRedis
 def _redis_cli() -> str:
     exe = shutil.which("redis-cli")
     if exe is None:
-        pytest.fail("redis-cli is not on PATH; install it with `apt-get install redis-tools`",
-                    pytrace=False)
+        pytest.fail("redis-cli is not on PATH; install it with `apt-get install redis-tools`", pytrace=False)
     return exe
 
 
 def test_redis_cli_info_has_every_default_section(embedded_redis):
-    out = subprocess.run([_redis_cli(), "-p", str(embedded_redis.port), "INFO"],
-                         capture_output=True, text=True, timeout=10)
+    out = subprocess.run(
+        [_redis_cli(), "-p", str(embedded_redis.port), "INFO"], capture_output=True, text=True, timeout=10
+    )
     assert out.returncode == 0, out.stderr
     headers = [line.strip() for line in out.stdout.splitlines() if line.startswith("# ")]
-    assert headers == ["# Server", "# Clients", "# Memory", "# Persistence", "# Replication",
-                       "# Cpu", "# Keyspace"]
+    assert headers == [
+        "# Server",
+        "# Clients",
+        "# Memory",
+        "# Persistence",
+        "# Replication",
+        "# Cpu",
+        "# Keyspace",
+    ]
     assert f"tcp_port:{embedded_redis.port}" in out.stdout.split()
-    one = subprocess.run([_redis_cli(), "-p", str(embedded_redis.port), "INFO", "memory"],
-                         capture_output=True, text=True, timeout=10)
+    one = subprocess.run(
+        [_redis_cli(), "-p", str(embedded_redis.port), "INFO", "memory"],
+        capture_output=True,
+        text=True,
+        timeout=10,
+    )
     assert [ln for ln in one.stdout.splitlines() if ln.startswith("# ")] == ["# Memory"]
 
 

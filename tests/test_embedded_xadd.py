@@ -116,14 +116,18 @@ async def test_bus_publish_many_appends_directly_in_order(embedded_redis, k):
     client = embedded_redis.client()
     appended = []
     real = client.fd_append
-    client.fd_append = lambda stream, fields, event=None: appended.append(stream) or real(stream, fields, event)
+    client.fd_append = lambda stream, fields, event=None: (
+        appended.append(stream) or real(stream, fields, event)
+    )
     try:
         bus = Bus(client, Keys(k("p")))
         a, b = bus.keys.req("a"), bus.keys.req("b")
-        items = [(a, Tokens(request_id="a", token_ids=(1,), text="x", step=1)),
-                 (b, Tokens(request_id="b", token_ids=(2,), text="y", step=1)),
-                 (bus.keys.control, Abort(request_ids=("a",), source="cli")),  # capped
-                 (a, Tokens(request_id="a", token_ids=(3,), text="z", step=2))]
+        items = [
+            (a, Tokens(request_id="a", token_ids=(1,), text="x", step=1)),
+            (b, Tokens(request_id="b", token_ids=(2,), text="y", step=1)),
+            (bus.keys.control, Abort(request_ids=("a",), source="cli")),  # capped
+            (a, Tokens(request_id="a", token_ids=(3,), text="z", step=2)),
+        ]
         ids = await bus.publish_many(items, expire=[a])
         assert appended == [a, b, bus.keys.control, a]  # capped streams too (trimmed now and then)
         got_a = [e for e, _ in await client.xrange(a)]
@@ -175,9 +179,16 @@ async def test_tombstones_laid_directly_match_set_nx_get(embedded_redis, k):
             results[name] = await bus.tombstone_many(ids, "http", 600)
             assert 590 <= await client.ttl(bus.keys.owner("ghost")) <= 600
             assert await client.get(bus.keys.owner("owned")) == b"engine-1"
-        assert results["fast"] == results["tcp"] == [
-            (True, "aborted:http", False), (False, "engine-1", False),
-            (True, "aborted:http", True), (False, "aborted:http", False)]
+        assert (
+            results["fast"]
+            == results["tcp"]
+            == [
+                (True, "aborted:http", False),
+                (False, "engine-1", False),
+                (True, "aborted:http", True),
+                (False, "aborted:http", False),
+            ]
+        )
         bus = Bus(fast_client, Keys(k("w")))
         async with tcp_client.pipeline(transaction=True) as pipe:  # take_abort_story's WATCH
             await pipe.watch(bus.keys.owner("x"))
@@ -389,15 +400,21 @@ async def test_a_direct_claim_and_ack_match_xreadgroup_xack_and_xdel(clients, k)
     assert [e for e, _ in first[0][1]] == ids[a][:3] and first[0][0] == a.encode()
     rest = fast.fd_read_group(a, "g", "c2", None)
     assert same(rest, await tcp.xreadgroup("g", "c2", {b: ">"}))
-    assert fast.fd_read_group(a, "g", "c1", 5) == [] == (await tcp.xreadgroup("g", "c1", {b: ">"}, count=5) or [])
+    assert (
+        fast.fd_read_group(a, "g", "c1", 5)
+        == []
+        == (await tcp.xreadgroup("g", "c1", {b: ">"}, count=5) or [])
+    )
     for key in (a, b):  # both groups now hold the same pending entries, per consumer
         p = await tcp.xpending(key, "g")
         assert p["pending"] == 7 and sorted(c["pending"] for c in p["consumers"]) == [3, 4]
 
     done = [ids[a][0], ids[a][4], b"1-1"]  # (one id that is not there)
     assert fast.fd_ack_delete(a, "g", done) == (2, 2)
-    assert (await tcp.xack(b, "g", ids[b][0], ids[b][4], b"1-1"),
-            await tcp.xdel(b, ids[b][0], ids[b][4], b"1-1")) == (2, 2)
+    assert (
+        await tcp.xack(b, "g", ids[b][0], ids[b][4], b"1-1"),
+        await tcp.xdel(b, ids[b][0], ids[b][4], b"1-1"),
+    ) == (2, 2)
     assert (await tcp.xpending(a, "g"))["pending"] == (await tcp.xpending(b, "g"))["pending"] == 5
     assert [f for _, f in await tcp.xrange(a)] == [f for _, f in await tcp.xrange(b)]
     assert await tcp.xlen(a) == 5
@@ -430,14 +447,16 @@ async def test_an_engine_claims_and_acks_directly_on_the_embedded_client(embedde
         def spy(self, *args):  # every command of the client, alone or in a pipeline
             sent.append(args[0])
             return real(self, *args)
+
         monkeypatch.setattr(_DirectConnection, "pack_command", spy)
         data = E.RequestData(prompt_token_ids=(1, 2), sampling=E.SamplingParams(max_tokens=2))
         for rid in ("d1", "d2"):
             await bus.submit(E.Request(request_id=rid, data=data), E.Accepted(request_id=rid))
         got = await bus.claim_requests("e1", 10, None)
         assert [r.request_id for _, r in got] == ["d1", "d2"]
-        await bus.publish_many([(bus.keys.req("d1"), E.Final(request_id="d1", finish_reason="length"))],
-                               ack=[got[0][0]])
+        await bus.publish_many(
+            [(bus.keys.req("d1"), E.Final(request_id="d1", finish_reason="length"))], ack=[got[0][0]]
+        )
         names = {(c.decode() if isinstance(c, bytes) else c).split()[0].upper() for c in sent}
         assert not {"XREADGROUP", "XACK", "XDEL"} & names, names
         assert await client.xlen(bus.keys.requests) == 1
@@ -462,17 +481,31 @@ def test_the_direct_add_builds_the_stream_fakeredis_add_would(limits):
     from control.embedded import _add
 
     rnd = random.Random(7)
-    values = [b"0", b"1", b"-5", b"0123", b"9" * 19, b"9" * 25, b"-" , b"", b"x" * 63, b"x" * 64,
-              b"y" * 5000, b"tokens", b"1796012055123", "é".encode()]
+    values = [
+        b"0",
+        b"1",
+        b"-5",
+        b"0123",
+        b"9" * 19,
+        b"9" * 25,
+        b"-",
+        b"",
+        b"x" * 63,
+        b"x" * 64,
+        b"y" * 5000,
+        b"tokens",
+        b"1796012055123",
+        "é".encode(),
+    ]
     field_sets = [[b"type", b"v", b"ts", b"text"], [b"type", b"v"], [b"other"]]
     a, b = XStream(), XStream()
     ts, seq = 1000, 0
     for _ in range(400):
         if rnd.random() < 0.5:
-            ts += rnd.choice((1, 1, 1, 70_000, 2 ** 40))
+            ts += rnd.choice((1, 1, 1, 70_000, 2**40))
             seq = 0
         else:
-            seq += rnd.choice((1, 1, 300, 2 ** 20))
+            seq += rnd.choice((1, 1, 300, 2**20))
         key = StreamEntryKey(ts, seq)
         names = rnd.choice(field_sets) if rnd.random() < 0.2 else field_sets[0]
         fields = [x for n in names for x in (n, rnd.choice(values))]
@@ -480,4 +513,6 @@ def test_the_direct_add_builds_the_stream_fakeredis_add_would(limits):
         _add(b, fields, key, *limits)
     assert b._ids == a._ids and b._last_id == a._last_id and b._entries_added == a._entries_added
     assert {k: list(v) for k, v in b._values_dict.items()} == a._values_dict
-    assert len(a._nodes) > (3 if limits[0] else 0) and [vars(n) for n in b._nodes] == [vars(n) for n in a._nodes]
+    assert len(a._nodes) > (3 if limits[0] else 0) and [vars(n) for n in b._nodes] == [
+        vars(n) for n in a._nodes
+    ]

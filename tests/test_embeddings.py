@@ -17,16 +17,25 @@ import aiohttp
 import numpy as np
 import openai
 import pytest
+from test_api_streaming import FakeEngine, control_events, setup, wait_for
+from test_api_validation import MAX_LEN, api_client, assert_openai_error
 
-from control.events import (Abort, Accepted, BlocksReleased, Claimed, Final, SamplingParams, Tokens, decode,
-                            embedding_vector)
+from control.events import (
+    Abort,
+    Accepted,
+    BlocksReleased,
+    Claimed,
+    Final,
+    SamplingParams,
+    Tokens,
+    decode,
+    embedding_vector,
+)
 from control.tokenizer import Tokenizer
 from engine.llm import LLM
 from engine.outputs import ScheduledSeq, SchedulerOutput
 from engine.timed_runner import EMBED_DIM, TimedRunner
 from fd.api.embeddings import SAMPLING
-from test_api_streaming import FakeEngine, control_events, setup, wait_for
-from test_api_validation import MAX_LEN, api_client, assert_openai_error
 
 TEXTS = ["Hello world", "The quick brown fox jumps over the lazy dog " * 6, "a"]
 
@@ -46,8 +55,9 @@ async def _story(bus, rid: str) -> list:
     return [decode(f, e) for e, f in await bus.redis.xrange(bus.keys.req(rid))]
 
 
-async def test_embeddings_are_the_models_last_hidden_state(served, openai_client, tiny_runner,
-                                                           tiny_tokenizer):
+async def test_embeddings_are_the_models_last_hidden_state(
+    served, openai_client, tiny_runner, tiny_tokenizer
+):
     api, eng = served
     _, oa = openai_client
     total = eng.node.sched.num_free_blocks
@@ -77,7 +87,8 @@ async def test_embeddings_are_the_models_last_hidden_state(served, openai_client
     for k, d in enumerate(body["data"]):
         np.testing.assert_allclose(d["embedding"], raw[k], rtol=1e-6, atol=1e-6)
         g = LLM(tiny_runner, tiny_tokenizer).generate(
-            [ids[k]], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))[0]
+            [ids[k]], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        )[0]
         assert int(np.argmax(np.asarray(d["embedding"], dtype=np.float32) @ head)) == g.token_ids[0]
 
     # vLLM's truncate_prompt_tokens: the input's last k tokens
@@ -95,8 +106,9 @@ async def test_embeddings_are_the_models_last_hidden_state(served, openai_client
         story = await _story(api.bus, f"emb-1.{k}")
         assert [type(e) for e in story] == [Accepted, Claimed, Tokens, BlocksReleased, Final], story
         assert story[0].endpoint == "embeddings" and (story[0].parent, story[0].index) == ("emb-1", k)
-        np.testing.assert_allclose(_unit(embedding_vector(story[2].embedding)), body["data"][k]["embedding"],
-                                   atol=1e-6)
+        np.testing.assert_allclose(
+            _unit(embedding_vector(story[2].embedding)), body["data"][k]["embedding"], atol=1e-6
+        )
         assert story[-1].finish_reason == "length"
     assert await wait_for(lambda: _idle(eng, total))
     # an embeddings request has no stream to replay
@@ -110,8 +122,9 @@ async def _idle(eng, total) -> bool:
     return eng.node.sched.num_free_blocks == total and not eng.node.sched.has_work()
 
 
-async def test_dimensions_only_for_a_matryoshka_model(openai_client, tiny_runner, tiny_tokenizer,
-                                                      tiny_model_dir, tmp_path):
+async def test_dimensions_only_for_a_matryoshka_model(
+    openai_client, tiny_runner, tiny_tokenizer, tiny_model_dir, tmp_path
+):
     api, oa = openai_client
     ids = tiny_tokenizer.encode(TEXTS[0], add_special_tokens=True)
     raw = np.frombuffer(LLM(tiny_runner, tiny_tokenizer).embed([ids])[0], dtype="<f4")
@@ -138,24 +151,27 @@ async def test_dimensions_only_for_a_matryoshka_model(openai_client, tiny_runner
     assert Tokenizer.from_dir(str(tiny_model_dir)).matryoshka is False
 
 
-@pytest.mark.parametrize("body, status, param, code", [
-    ({}, 400, "input", "missing_required_parameter"),
-    ({"input": ""}, 400, "input", "invalid_value"),
-    ({"input": []}, 400, "input", "invalid_type"),
-    ({"input": 5}, 400, "input", "invalid_type"),
-    ({"input": ["ok", ""]}, 400, "input", "invalid_value"),
-    ({"input": ["ok", []]}, 400, "input", "invalid_value"),
-    ({"input": [["x"]]}, 400, "input", "invalid_value"),
-    ({"input": [1, 999]}, 400, "input", "invalid_value"),  # not a token id of the vocabulary
-    ({"input": ["x"] * 2049}, 400, "input", "invalid_value"),
-    ({"input": "y" * MAX_LEN}, 400, "input", "context_length_exceeded"),
-    ({"input": "x", "encoding_format": "hex"}, 400, "encoding_format", "invalid_type"),
-    ({"input": "x", "dimensions": 0}, 400, "dimensions", "invalid_value"),
-    ({"input": "x", "dimensions": 8}, 400, "dimensions", "unsupported"),
-    ({"input": "x", "normalize": "yes"}, 400, "normalize", "invalid_type"),
-    ({"input": "x", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens", "invalid_value"),
-    ({"input": "x", "model": "other"}, 404, "model", "model_not_found"),
-])
+@pytest.mark.parametrize(
+    "body, status, param, code",
+    [
+        ({}, 400, "input", "missing_required_parameter"),
+        ({"input": ""}, 400, "input", "invalid_value"),
+        ({"input": []}, 400, "input", "invalid_type"),
+        ({"input": 5}, 400, "input", "invalid_type"),
+        ({"input": ["ok", ""]}, 400, "input", "invalid_value"),
+        ({"input": ["ok", []]}, 400, "input", "invalid_value"),
+        ({"input": [["x"]]}, 400, "input", "invalid_value"),
+        ({"input": [1, 999]}, 400, "input", "invalid_value"),  # not a token id of the vocabulary
+        ({"input": ["x"] * 2049}, 400, "input", "invalid_value"),
+        ({"input": "y" * MAX_LEN}, 400, "input", "context_length_exceeded"),
+        ({"input": "x", "encoding_format": "hex"}, 400, "encoding_format", "invalid_type"),
+        ({"input": "x", "dimensions": 0}, 400, "dimensions", "invalid_value"),
+        ({"input": "x", "dimensions": 8}, 400, "dimensions", "unsupported"),
+        ({"input": "x", "normalize": "yes"}, 400, "normalize", "invalid_type"),
+        ({"input": "x", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens", "invalid_value"),
+        ({"input": "x", "model": "other"}, 404, "model", "model_not_found"),
+    ],
+)
 async def test_bad_embeddings_requests_reach_no_engine(real_bus, body, status, param, code):
     async with api_client(real_bus) as client:
         resp = await client.post("/v1/embeddings", json=body)
@@ -175,14 +191,17 @@ async def test_a_long_input_cut_by_truncate_prompt_tokens_is_taken(real_bus):
 async def test_a_hang_up_aborts_every_input(real_bus):
     eng = FakeEngine(real_bus, hold=True)
     async with setup(real_bus, eng) as client:
-        task = asyncio.create_task(client.post("/v1/embeddings", headers={"X-Request-Id": "gone"},
-                                               json={"input": ["a", "b", "c"]}))
+        task = asyncio.create_task(
+            client.post("/v1/embeddings", headers={"X-Request-Id": "gone"}, json={"input": ["a", "b", "c"]})
+        )
         assert await wait_for(lambda: _claimed(eng, 3))
         task.cancel()  # the client goes before the answer
         ids = ["gone.0", "gone.1", "gone.2"]
         assert await wait_for(lambda: _all_end(real_bus, ids, "abort"))
         aborts = [ev for ev in await control_events(real_bus) if isinstance(ev, Abort)]
-        assert len(aborts) == 1 and aborts[0].source == "disconnect" and set(aborts[0].request_ids) == set(ids)
+        assert (
+            len(aborts) == 1 and aborts[0].source == "disconnect" and set(aborts[0].request_ids) == set(ids)
+        )
 
 
 async def _claimed(eng, n) -> bool:
@@ -200,8 +219,9 @@ async def _all_end(bus, ids, reason) -> bool:
 async def test_an_aborted_input_fails_the_answer_and_stops_the_rest(real_bus):
     eng = FakeEngine(real_bus, hold=True)
     async with setup(real_bus, eng) as client:
-        task = asyncio.create_task(client.post("/v1/embeddings", headers={"X-Request-Id": "op"},
-                                               json={"input": ["a", "b"]}))
+        task = asyncio.create_task(
+            client.post("/v1/embeddings", headers={"X-Request-Id": "op"}, json={"input": ["a", "b"]})
+        )
         assert await wait_for(lambda: _claimed(eng, 2))
         await real_bus.redis.xadd(real_bus.keys.control, {"type": "abort", "request_id": "op.1"})
         resp = await task
@@ -228,13 +248,21 @@ async def test_every_documented_field_is_read(openai_client, caplog):
     with caplog.at_level(logging.WARNING, logger="fd.api"):
         chat_only = {"messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
         for path, name, given, leave in (
-                ("/v1/embeddings", "EmbeddingRequest", {"input": "x"}, chat_only),
-                ("/v1/embeddings", "EmbeddingRequest", {"messages": [{"role": "user", "content": "x"}]}, {"input"}),
-                ("/score", "ScoreRequest", {"text_1": "x", "text_2": "y"}, set()),
-                ("/v2/rerank", "RerankRequest", {"query": "x", "documents": ["y"]}, set())):
+            ("/v1/embeddings", "EmbeddingRequest", {"input": "x"}, chat_only),
+            (
+                "/v1/embeddings",
+                "EmbeddingRequest",
+                {"messages": [{"role": "user", "content": "x"}]},
+                {"input"},
+            ),
+            ("/score", "ScoreRequest", {"text_1": "x", "text_2": "y"}, set()),
+            ("/v2/rerank", "RerankRequest", {"query": "x", "documents": ["y"]}, set()),
+        ):
             assert path in doc["paths"]
-            status, out = await _post(f"{api.url}{path}", {
-                **{k: None for k in schemas[name]["properties"] if k not in leave}, **given})
+            status, out = await _post(
+                f"{api.url}{path}",
+                {**{k: None for k in schemas[name]["properties"] if k not in leave}, **given},
+            )
             assert status == 200, out
     assert not [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
 
@@ -244,8 +272,15 @@ def test_timed_runner_vectors_are_the_same_for_the_same_request():
     sp = SamplingParams(max_tokens=1, embed=True)
 
     def step(rid: str) -> bytes:
-        seq = ScheduledSeq(request_id=rid, token_ids=(1, 2), start_pos=0, block_table=(0,), sample=True,
-                           sampling=sp, num_generated=0)
+        seq = ScheduledSeq(
+            request_id=rid,
+            token_ids=(1, 2),
+            start_pos=0,
+            block_table=(0,),
+            sample=True,
+            sampling=sp,
+            num_generated=0,
+        )
         return runner.execute(SchedulerOutput(step=0, seqs=(seq,))).embeddings[rid]
 
     assert step("a") == step("a") != step("b")
@@ -257,51 +292,68 @@ def _cos(a: bytes, b: bytes) -> float:
     return float(np.dot(_unit(np.frombuffer(a, dtype="<f4")), _unit(np.frombuffer(b, dtype="<f4"))))
 
 
-async def test_score_and_rerank_are_cosine_similarities_of_the_embeddings(served, tiny_runner, tiny_tokenizer):
+async def test_score_and_rerank_are_cosine_similarities_of_the_embeddings(
+    served, tiny_runner, tiny_tokenizer
+):
     """vLLM's /score and /rerank over an embedding model: each pair's cosine similarity,
     each distinct text embedded once (a request of its own on the engines)."""
     api, eng = served
     q, docs = "capital of France", ["Bananas are yellow", "Paris is the capital", "capital of France"]
-    vec = dict(zip([q, *docs], LLM(tiny_runner, tiny_tokenizer).embed(
-        [tiny_tokenizer.encode(t, add_special_tokens=True) for t in [q, *docs]])))
+    vec = dict(
+        zip(
+            [q, *docs],
+            LLM(tiny_runner, tiny_tokenizer).embed(
+                [tiny_tokenizer.encode(t, add_special_tokens=True) for t in [q, *docs]]
+            ),
+        )
+    )
     status, body = await _post(f"{api.url}/score", {"text_1": q, "text_2": docs}, {"X-Request-Id": "sc"})
     assert status == 200 and body["object"] == "list" and body["id"] == "sc"
     assert [d["index"] for d in body["data"]] == [0, 1, 2]
-    np.testing.assert_allclose([d["score"] for d in body["data"]], [_cos(vec[q], vec[d]) for d in docs], atol=1e-6)
+    np.testing.assert_allclose(
+        [d["score"] for d in body["data"]], [_cos(vec[q], vec[d]) for d in docs], atol=1e-6
+    )
     assert body["data"][2]["score"] == pytest.approx(1.0, abs=1e-9)  # the query itself
     # the query is among the documents: three texts, three requests, not four
     parent = await _story(api.bus, "sc")
     assert parent[0].choices == 3 and await _story(api.bus, "sc.2") and not await _story(api.bus, "sc.3")
-    assert body["usage"]["prompt_tokens"] == sum(len(tiny_tokenizer.encode(t, add_special_tokens=True))
-                                                  for t in [q, *docs[:2]])
+    assert body["usage"]["prompt_tokens"] == sum(
+        len(tiny_tokenizer.encode(t, add_special_tokens=True)) for t in [q, *docs[:2]]
+    )
     # pairwise: as many text_1 as text_2
     status, body = await _post(f"{api.url}/v1/score", {"text_1": [q, docs[0]], "text_2": [docs[1], docs[0]]})
     assert status == 200
-    np.testing.assert_allclose([d["score"] for d in body["data"]], [_cos(vec[q], vec[docs[1]]), 1.0], atol=1e-6)
+    np.testing.assert_allclose(
+        [d["score"] for d in body["data"]], [_cos(vec[q], vec[docs[1]]), 1.0], atol=1e-6
+    )
 
     status, body = await _post(f"{api.url}/v1/rerank", {"query": q, "documents": docs, "top_n": 2})
     assert status == 200, body
     want = sorted(range(3), key=lambda k: -_cos(vec[q], vec[docs[k]]))[:2]
     assert [r["index"] for r in body["results"]] == want and want[0] == 2
     assert [r["document"]["text"] for r in body["results"]] == [docs[k] for k in want]
-    np.testing.assert_allclose([r["relevance_score"] for r in body["results"]],
-                               [_cos(vec[q], vec[docs[k]]) for k in want], atol=1e-6)
+    np.testing.assert_allclose(
+        [r["relevance_score"] for r in body["results"]], [_cos(vec[q], vec[docs[k]]) for k in want], atol=1e-6
+    )
     for path in ("/rerank", "/v2/rerank"):
         status, body = await _post(f"{api.url}{path}", {"query": q, "documents": docs})
         assert status == 200 and len(body["results"]) == 3  # (no top_n: every document)
 
 
-@pytest.mark.parametrize("path, body, param", [
-    ("/score", {"text_2": "x"}, "text_1"),
-    ("/score", {"text_1": ["a", "b"], "text_2": ["a", "b", "c"]}, "text_1"),
-    ("/score", {"text_1": "a", "text_2": [1, 2]}, "text_2"),
-    ("/score", {"text_1": "a", "text_2": ""}, "text_2"),
-    ("/rerank", {"documents": ["a"]}, "query"),
-    ("/rerank", {"query": ["a"], "documents": ["a"]}, "query"),
-    ("/rerank", {"query": "a", "documents": []}, "documents"),
-    ("/v1/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n"),
-    ("/v2/rerank", {"query": "a", "documents": ["y" * MAX_LEN]}, "documents"),
-])
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/score", {"text_2": "x"}, "text_1"),
+        ("/score", {"text_1": ["a", "b"], "text_2": ["a", "b", "c"]}, "text_1"),
+        ("/score", {"text_1": "a", "text_2": [1, 2]}, "text_2"),
+        ("/score", {"text_1": "a", "text_2": ""}, "text_2"),
+        ("/rerank", {"documents": ["a"]}, "query"),
+        ("/rerank", {"query": ["a"], "documents": ["a"]}, "query"),
+        ("/rerank", {"query": "a", "documents": []}, "documents"),
+        ("/v1/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n"),
+        ("/v2/rerank", {"query": "a", "documents": ["y" * MAX_LEN]}, "documents"),
+    ],
+)
 async def test_bad_score_and_rerank_requests_reach_no_engine(real_bus, path, body, param):
     async with api_client(real_bus) as client:
         resp = await client.post(path, json=body)
@@ -313,7 +365,9 @@ async def test_bad_score_and_rerank_requests_reach_no_engine(real_bus, path, bod
 async def test_scoring_routes_outside_v1_need_the_api_key(real_bus):
     async with api_client(real_bus, api_key="k") as client:
         for path in ("/score", "/rerank", "/v2/rerank"):
-            resp = await client.post(path, json={"text_1": "a", "text_2": "b", "query": "a", "documents": ["b"]})
+            resp = await client.post(
+                path, json={"text_1": "a", "text_2": "b", "query": "a", "documents": ["b"]}
+            )
             assert resp.status == 401, path
             assert assert_openai_error(await resp.json())["type"] == "authentication_error"
         assert await real_bus.redis.xlen(real_bus.keys.requests) == 0
@@ -325,8 +379,9 @@ async def test_a_conversation_embedded_as_vllms_chat_embeddings(openai_client, t
     api, _ = openai_client
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
     for extra, gen in (({}, False), ({"add_generation_prompt": True}, True)):
-        ids = tiny_tokenizer.encode(tiny_tokenizer.apply_chat_template(msgs, add_generation_prompt=gen),
-                                    add_special_tokens=False)
+        ids = tiny_tokenizer.encode(
+            tiny_tokenizer.apply_chat_template(msgs, add_generation_prompt=gen), add_special_tokens=False
+        )
         want = _unit(np.frombuffer(LLM(tiny_runner, tiny_tokenizer).embed([ids])[0], dtype="<f4"))
         status, body = await _post(f"{api.url}/v1/embeddings", {"messages": msgs, **extra})
         assert status == 200 and body["usage"]["prompt_tokens"] == len(ids), body

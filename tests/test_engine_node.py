@@ -13,16 +13,25 @@ from tests.enginekit import story, submit, text_of, tokens_of, types
 
 async def _start(redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer, **kw):
     opts = EngineOptions(model_dir=str(tiny_model_dir), engine_id=kw.pop("engine_id", "e0"), **kw)
-    return await start_engine(lambda: connect(redis_server.url), keys, opts, runner=tiny_runner,
-                              tokenizer=tiny_tokenizer)
+    return await start_engine(
+        lambda: connect(redis_server.url), keys, opts, runner=tiny_runner, tokenizer=tiny_tokenizer
+    )
 
 
-async def test_served_greedy_equals_offline_and_story_is_whole(real_bus, redis_server, keys,
-                                                                 tiny_model_dir, tiny_runner,
-                                                                 tiny_tokenizer):
-    prompts = [tiny_tokenizer.encode(p) for p in
-               ["Hello there", "The quick brown fox", "a", "Once upon a time in a land far away",
-                "1 2 3 4 5 6 7 8 9 10 11 12 13", "What is the capital"]]
+async def test_served_greedy_equals_offline_and_story_is_whole(
+    real_bus, redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer
+):
+    prompts = [
+        tiny_tokenizer.encode(p)
+        for p in [
+            "Hello there",
+            "The quick brown fox",
+            "a",
+            "Once upon a time in a land far away",
+            "1 2 3 4 5 6 7 8 9 10 11 12 13",
+            "What is the capital",
+        ]
+    ]
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     ref = LLM(tiny_runner, tiny_tokenizer).generate(prompts, sp)
     eng = await _start(redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer)
@@ -37,8 +46,11 @@ async def test_served_greedy_equals_offline_and_story_is_whole(real_bus, redis_s
             assert tokens_of(evs) == ref[i].token_ids
             assert text_of(evs) == ref[i].text
             assert evs[-1].finish_reason == "length"
-            assert evs[-1].usage == {"prompt_tokens": len(p), "completion_tokens": 12,
-                                     "total_tokens": len(p) + 12}
+            assert evs[-1].usage == {
+                "prompt_tokens": len(p),
+                "completion_tokens": 12,
+                "total_tokens": len(p) + 12,
+            }
             assert evs[1].engine == "e0" and evs[1].attempt == 1
         # every request was acked after its final; all blocks came back
         pending = await real_bus.redis.xpending(keys.requests, "engines")
@@ -57,12 +69,13 @@ async def test_served_greedy_equals_offline_and_story_is_whole(real_bus, redis_s
         await eng.stop()
 
 
-async def test_stop_string_ends_request_without_leaking_it(real_bus, redis_server, keys,
-                                                            tiny_model_dir, tiny_runner,
-                                                            tiny_tokenizer):
+async def test_stop_string_ends_request_without_leaking_it(
+    real_bus, redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer
+):
     prompt = tiny_tokenizer.encode("The quick brown fox")
     free = LLM(tiny_runner, tiny_tokenizer).generate(
-        [prompt], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))[0]
+        [prompt], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    )[0]
     assert len(free.text) > 4
     stop = free.text[2:4]
     eng = await _start(redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer)
@@ -75,17 +88,20 @@ async def test_stop_string_ends_request_without_leaking_it(real_bus, redis_serve
         await eng.stop()
 
 
-async def test_bad_events_never_stop_the_engine(real_bus, redis_server, keys, tiny_model_dir,
-                                                tiny_runner, tiny_tokenizer):
+async def test_bad_events_never_stop_the_engine(
+    real_bus, redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer
+):
     eng = await _start(redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer)
     try:
         r = real_bus.redis
         await r.execute_command("XADD", keys.control, "*", "type", "abrot", "request_id", "x")
         await r.execute_command("XADD", keys.control, "*", "type", "abort")
-        await r.execute_command("XADD", keys.requests, "*", "type", "request", "request_id", "y",
-                                "data", "{not json")
-        await r.execute_command("XADD", keys.requests, "*", "type", "request", "request_id", "z",
-                                "data", b"\xff\xfe")
+        await r.execute_command(
+            "XADD", keys.requests, "*", "type", "request", "request_id", "y", "data", "{not json"
+        )
+        await r.execute_command(
+            "XADD", keys.requests, "*", "type", "request", "request_id", "z", "data", b"\xff\xfe"
+        )
         await submit(real_bus, "ok", [5, 6, 7], max_tokens=3)
         evs = await story(real_bus, "ok")
         assert evs[-1].finish_reason == "length"
@@ -102,14 +118,21 @@ async def test_bad_events_never_stop_the_engine(real_bus, redis_server, keys, ti
         await eng.stop()
 
 
-async def test_dead_letters_are_counted_in_metrics(real_bus, redis_server, keys, tiny_model_dir,
-                                                   tiny_runner, tiny_tokenizer):
+async def test_dead_letters_are_counted_in_metrics(
+    real_bus, redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer
+):
     from control.metrics import Metrics
 
     metrics = Metrics()
     opts = EngineOptions(model_dir=str(tiny_model_dir), engine_id="e-dead")
-    eng = await start_engine(lambda: connect(redis_server.url), keys, opts, runner=tiny_runner,
-                             tokenizer=tiny_tokenizer, metrics=metrics)
+    eng = await start_engine(
+        lambda: connect(redis_server.url),
+        keys,
+        opts,
+        runner=tiny_runner,
+        tokenizer=tiny_tokenizer,
+        metrics=metrics,
+    )
     try:
         await real_bus.redis.execute_command("XADD", keys.control, "*", "type", "abrot")
         await real_bus.redis.execute_command("XADD", keys.control, "*", "type", "abort")
@@ -122,14 +145,17 @@ async def test_dead_letters_are_counted_in_metrics(real_bus, redis_server, keys,
         await eng.stop()
 
 
-async def test_journal_can_be_turned_off_and_bounded(real_bus, redis_server, keys, tiny_model_dir,
-                                                     tiny_runner, tiny_tokenizer):
+async def test_journal_can_be_turned_off_and_bounded(
+    real_bus, redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer
+):
     for journal, maxlen in ((False, 10_000), (True, 500)):
         eid = f"j-{journal}"
-        opts = EngineOptions(model_dir=str(tiny_model_dir), engine_id=eid, journal=journal,
-                             journal_maxlen=maxlen)
-        eng = await start_engine(lambda: connect(redis_server.url), keys, opts,
-                                 runner=tiny_runner, tokenizer=tiny_tokenizer)
+        opts = EngineOptions(
+            model_dir=str(tiny_model_dir), engine_id=eid, journal=journal, journal_maxlen=maxlen
+        )
+        eng = await start_engine(
+            lambda: connect(redis_server.url), keys, opts, runner=tiny_runner, tokenizer=tiny_tokenizer
+        )
         try:
             await submit(real_bus, f"r-{journal}", [5, 6, 7], max_tokens=3)
             await story(real_bus, f"r-{journal}")
@@ -150,9 +176,9 @@ def _parked_in_step_loop(task: asyncio.Task) -> bool:
     return len(names) >= 2 and names[-2] == "_step_loop" and names[-1] in ("wait_for", "wait")
 
 
-async def test_a_cancel_that_meets_a_wake_up_still_stops_the_engine(real_bus, redis_server, keys,
-                                                                    tiny_model_dir, tiny_runner,
-                                                                    tiny_tokenizer):
+async def test_a_cancel_that_meets_a_wake_up_still_stops_the_engine(
+    real_bus, redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer
+):
     # Work that cannot run (here: a scheduler with nothing to give) parks the step loop on its
     # wake-up event. A cancel (a kill, the loop shutting down) that arrives in the same turn as a
     # wake-up must still end the task: asyncio.wait_for of Python 3.11 returns the result then

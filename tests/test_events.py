@@ -14,10 +14,22 @@ TS = 1_700_000_000_123
 
 REQ_DATA = E.RequestData(
     prompt_token_ids=(1, 2, 3),
-    sampling=E.SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=5, seed=42,
-                              stop=("\n\n", "END"), stop_token_ids=(2, 9), ignore_eos=True,
-                              frequency_penalty=0.25, repetition_penalty=1.1),
-    arrival_ts=TS, model="tiny", api="api-1", background=True,
+    sampling=E.SamplingParams(
+        max_tokens=7,
+        temperature=0.5,
+        top_p=0.9,
+        top_k=5,
+        seed=42,
+        stop=("\n\n", "END"),
+        stop_token_ids=(2, 9),
+        ignore_eos=True,
+        frequency_penalty=0.25,
+        repetition_penalty=1.1,
+    ),
+    arrival_ts=TS,
+    model="tiny",
+    api="api-1",
+    background=True,
 )
 
 SAMPLES = [
@@ -31,20 +43,33 @@ SAMPLES = [
     E.Request(request_id="r1", data=REQ_DATA, ts=TS),
     E.Accepted(request_id="r1", api="api-1", prompt_tokens=3, ts=TS),
     E.Claimed(request_id="r1", engine="e1", attempt=2, ts=TS),
-    E.Tokens(request_id="r1", token_ids=(5, 6, 7), text="hé, \"x\"\n", step=12, ts=TS),
+    E.Tokens(request_id="r1", token_ids=(5, 6, 7), text='hé, "x"\n', step=12, ts=TS),
     E.Tokens(request_id="r1", token_ids=(), text="", ts=TS),
-    E.Tokens(request_id="r1", token_ids=(9,), text="a", step=3, ts=TS,
-             logprobs={"lp": [-0.25], "top": [[[9, -0.25], [4, -1.5]]]}),
+    E.Tokens(
+        request_id="r1",
+        token_ids=(9,),
+        text="a",
+        step=3,
+        ts=TS,
+        logprobs={"lp": [-0.25], "top": [[[9, -0.25], [4, -1.5]]]},
+    ),
     E.Preempted(request_id="r1", count=4, engine="e1", step=3, ts=TS),
     E.AbortRequested(request_id="r1", source="disconnect", engine="e1", step=3, ts=TS),
     E.Drained(request_id="r1", engine="e1", step=4, discarded_tokens=1, ts=TS),
     E.BlocksReleased(request_id="r1", count=3, engine="e1", step=4, ts=TS),
-    E.Final(request_id="r1", finish_reason="stop", usage={"prompt_tokens": 3, "completion_tokens": 2},
-            engine="e1", stop_reason="END", ts=TS),
+    E.Final(
+        request_id="r1",
+        finish_reason="stop",
+        usage={"prompt_tokens": 3, "completion_tokens": 2},
+        engine="e1",
+        stop_reason="END",
+        ts=TS,
+    ),
     E.Final(request_id="r1", finish_reason="error", error="boom", ts=TS),
     E.JournalStart(engine="e1", config={"block_size": 16, "num_blocks": 64}, ts=TS),
-    E.JournalStep(engine="e1", step=9, seq=3, data={"calls": [["schedule", {}], ["update", {"r1": 5}]]},
-                  ts=TS),
+    E.JournalStep(
+        engine="e1", step=9, seq=3, data={"calls": [["schedule", {}], ["update", {"r1": 5}]]}, ts=TS
+    ),
 ]
 
 
@@ -107,25 +132,49 @@ BAD = [
     ("non-JSON data", _req(data="{not json"), "data"),
     ("data not an object", _req(data="[1,2]"), "data"),
     ("empty prompt", _req(data=orjson.dumps({"prompt_token_ids": []}).decode()), "data"),
-    ("unknown sampling key", _req(data=orjson.dumps({"prompt_token_ids": [1], "sampling": {"temp": 1}}).decode()),
-     "data"),
-    ("max_tokens 0", _req(data=orjson.dumps({"prompt_token_ids": [1], "sampling": {"max_tokens": 0}}).decode()),
-     "data"),
-    ("presence_penalty 3", _req(data=orjson.dumps({"prompt_token_ids": [1],
-                                                   "sampling": {"presence_penalty": 3}}).decode()), "data"),
-    ("repetition_penalty -1", _req(data=orjson.dumps({"prompt_token_ids": [1],
-                                                      "sampling": {"repetition_penalty": -1}}).decode()), "data"),
-    ("oversize field", {"type": "abort", "request_id": "r1", "reason": "x" * (E.MAX_FIELD_BYTES + 1)}, "reason"),
+    (
+        "unknown sampling key",
+        _req(data=orjson.dumps({"prompt_token_ids": [1], "sampling": {"temp": 1}}).decode()),
+        "data",
+    ),
+    (
+        "max_tokens 0",
+        _req(data=orjson.dumps({"prompt_token_ids": [1], "sampling": {"max_tokens": 0}}).decode()),
+        "data",
+    ),
+    (
+        "presence_penalty 3",
+        _req(data=orjson.dumps({"prompt_token_ids": [1], "sampling": {"presence_penalty": 3}}).decode()),
+        "data",
+    ),
+    (
+        "repetition_penalty -1",
+        _req(data=orjson.dumps({"prompt_token_ids": [1], "sampling": {"repetition_penalty": -1}}).decode()),
+        "data",
+    ),
+    (
+        "oversize field",
+        {"type": "abort", "request_id": "r1", "reason": "x" * (E.MAX_FIELD_BYTES + 1)},
+        "reason",
+    ),
     ("binary junk value", {b"type": b"abort", b"request_id": b"\xff\xfe\x00"}, "request_id"),
     ("binary junk name", {b"type": b"abort", b"request_id": b"r1", b"\xc3\x28": b"x"}, "<field name>"),
     ("hash tag in id", {"type": "abort", "request_id": "a{b}"}, "request_ids"),
     ("hash tag in request_id", {"type": "claimed", "request_id": "a{b}", "engine": "e1"}, "request_id"),
     ("space in one of many ids", {"type": "abort", "request_ids": "a,b c"}, "request_ids"),
     ("glob in engine id", {"type": "drain", "engine": "e*"}, "engine"),
-    ("int field not int", {"type": "claimed", "request_id": "r1", "engine": "e1", "attempt": "two"}, "attempt"),
+    (
+        "int field not int",
+        {"type": "claimed", "request_id": "r1", "engine": "e1", "attempt": "two"},
+        "attempt",
+    ),
     ("token ids not ints", {"type": "tokens", "request_id": "r1", "token_ids": "1,x"}, "token_ids"),
     ("bad finish_reason", {"type": "final", "request_id": "r1", "finish_reason": "bored"}, "finish_reason"),
-    ("usage not JSON", {"type": "final", "request_id": "r1", "finish_reason": "stop", "usage": "nope"}, "usage"),
+    (
+        "usage not JSON",
+        {"type": "final", "request_id": "r1", "finish_reason": "stop", "usage": "nope"},
+        "usage",
+    ),
     ("newer schema", {"type": "abort", "request_id": "r1", "v": str(E.SCHEMA_VERSION + 1)}, "v"),
 ]
 
@@ -144,9 +193,15 @@ def test_events_are_immutable():
 
 
 def test_lora_commands_as_an_operator_types_them():
-    assert decode({"type": "load_lora", "name": "sql", "path": "/a"}, "5-0") == E.LoadLora(name="sql", path="/a", ts=5)
-    for fields, field in (({"type": "load_lora", "name": "sql"}, "path"), ({"type": "load_lora", "name": "a b", "path": "/a"}, "name"),
-                          ({"type": "load_lora", "name": "sql", "path": ""}, "path"), ({"type": "unload_lora"}, "name")):
+    assert decode({"type": "load_lora", "name": "sql", "path": "/a"}, "5-0") == E.LoadLora(
+        name="sql", path="/a", ts=5
+    )
+    for fields, field in (
+        ({"type": "load_lora", "name": "sql"}, "path"),
+        ({"type": "load_lora", "name": "a b", "path": "/a"}, "name"),
+        ({"type": "load_lora", "name": "sql", "path": ""}, "path"),
+        ({"type": "unload_lora"}, "name"),
+    ):
         with pytest.raises(BadEvent) as e:
             decode(fields)
         assert e.value.field == field, fields

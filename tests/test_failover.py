@@ -7,30 +7,28 @@ from __future__ import annotations
 import asyncio
 import signal
 
-
 from control.connect import connect
 from control.events import Abort, Claimed, Final, Preempted, SamplingParams, Tokens
 from engine.failover import History, cas_owner
 from engine.llm import LLM
 from engine.replay import load_journal_from_redis, replay
 from tests.enginekit import story, submit, text_of, tokens_of, types
-from tests.faultkit import (all_blocks_free, engines, kill, reap,  # noqa: F401
-                            spawn_engine, wait_for)
+from tests.faultkit import all_blocks_free, engines, kill, reap, spawn_engine, wait_for  # noqa: F401
 
 PROMPT = [5, 17, 33, 9, 41, 12, 7, 19]
 
 
 def _reference(runner, tokenizer, max_tokens, prompt=PROMPT):
     return LLM(runner, tokenizer).generate(
-        [prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))[0]
+        [prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    )[0]
 
 
 async def _n_tokens(bus, rid):
     return len(tokens_of([e for _, e in await bus.read_req(rid)]))
 
 
-async def test_dead_engines_request_is_continued_exactly(real_bus, engines, tiny_runner,
-                                                         tiny_tokenizer):
+async def test_dead_engines_request_is_continued_exactly(real_bus, engines, tiny_runner, tiny_tokenizer):
     # 100 tokens at >= 20 ms a step: A is still at it when it is killed (with 40, a fast
     # model finished them all within the 0.8 s below)
     n = 100
@@ -52,8 +50,11 @@ async def test_dead_engines_request_is_continued_exactly(real_bus, engines, tiny
     assert text_of(evs) == ref.text
     assert types(evs).count("final") == 1 and types(evs)[-1] == "final"
     assert evs[-1].finish_reason == "length" and evs[-1].engine == "B"
-    assert evs[-1].usage == {"prompt_tokens": len(PROMPT), "completion_tokens": n,
-                             "total_tokens": len(PROMPT) + n}
+    assert evs[-1].usage == {
+        "prompt_tokens": len(PROMPT),
+        "completion_tokens": n,
+        "total_tokens": len(PROMPT) + n,
+    }
     assert (await real_bus.redis.xpending(real_bus.keys.requests, "engines"))["pending"] == 0
     assert await real_bus.owner("r") == "B#2"  # (the owner token: engine, attempt)
     await all_blocks_free(b.node)
@@ -86,9 +87,8 @@ async def test_abort_while_the_owner_is_dead_wins_over_the_takeover(real_bus, en
     await kill(a)
     await real_bus.publish(real_bus.keys.control, Abort(request_ids=("r",), source="cli"))
     evs = await story(real_bus, "r", timeout=20)
-    after_a = types(evs)[types(evs).index("tokens"):]
-    assert [t for t in after_a if t != "tokens"] == ["abort_requested", "drained",
-                                                     "blocks_released", "final"]
+    after_a = types(evs)[types(evs).index("tokens") :]
+    assert [t for t in after_a if t != "tokens"] == ["abort_requested", "drained", "blocks_released", "final"]
     assert evs[-1].finish_reason == "abort" and evs[-1].engine == "B"
     assert [e.source for e in evs if e.TYPE == "abort_requested"] == ["cli"]
     await asyncio.sleep(0.5)
@@ -101,8 +101,9 @@ async def test_owner_takeover_is_a_compare_and_set(redis_server, keys):
     try:
         key = keys.owner("x")
         await r1.set(key, "dead")
-        wins = await asyncio.gather(*[cas_owner(r, key, "dead", f"e{i}", 60)
-                                      for i, r in enumerate([r1, r2, r1, r2])])
+        wins = await asyncio.gather(
+            *[cas_owner(r, key, "dead", f"e{i}", 60) for i, r in enumerate([r1, r2, r1, r2])]
+        )
         assert sum(wins) == 1
         assert (await r1.get(key)).decode() == f"e{wins.index(True)}"
         assert not await cas_owner(r1, key, "dead", "late", 60)  # never from a live owner
@@ -115,19 +116,22 @@ async def test_owner_takeover_is_a_compare_and_set(redis_server, keys):
 
 
 def test_history_counts_claims_handbacks_and_tokens():
-    evs = [Claimed(request_id="r", engine="A", attempt=1),
-           Tokens(request_id="r", token_ids=(1, 2), text="ab"),
-           Preempted(request_id="r", engine="A", handback=True),
-           Claimed(request_id="r", engine="B", attempt=2),
-           Tokens(request_id="r", token_ids=(3,), text="c")]
+    evs = [
+        Claimed(request_id="r", engine="A", attempt=1),
+        Tokens(request_id="r", token_ids=(1, 2), text="ab"),
+        Preempted(request_id="r", engine="A", handback=True),
+        Claimed(request_id="r", engine="B", attempt=2),
+        Tokens(request_id="r", token_ids=(3,), text="c"),
+    ]
     h = History.of(evs)
     assert h.tokens == [1, 2, 3] and h.text == "abc"
     assert (h.claims, h.handbacks, h.failures, h.final) == (2, 1, 1, False)
     assert History.of(evs + [Final(request_id="r", finish_reason="stop")]).final
 
 
-async def test_sigkilled_engine_process_is_taken_over(real_bus, redis_server, keys, engines,
-                                                      tiny_model_dir, tiny_runner, tiny_tokenizer):
+async def test_sigkilled_engine_process_is_taken_over(
+    real_bus, redis_server, keys, engines, tiny_model_dir, tiny_runner, tiny_tokenizer
+):
     ref = _reference(tiny_runner, tiny_tokenizer, 600)
     proc = spawn_engine(redis_server.url, keys, tiny_model_dir, "P")
     try:
@@ -156,8 +160,9 @@ async def test_a_pending_entry_that_never_decodes_is_dead_lettered_by_the_scan(r
     # finds it, writes the dead letter before it acks the entry (and never runs it).
     bus, r = real_bus, real_bus.keys.requests
     await bus.ensure_group()
-    bad = await bus.redis.execute_command("XADD", r, "*", "type", "request", "request_id", "x",
-                                          "data", '{"prompt_token_ids":[5],"sampling":')
+    bad = await bus.redis.execute_command(
+        "XADD", r, "*", "type", "request", "request_id", "x", "data", '{"prompt_token_ids":[5],"sampling":'
+    )
     gone = await bus.redis.execute_command("XADD", r, "*", "type", "request")
     await bus.redis.xreadgroup("engines", "dead-engine", {r: ">"}, count=10)
     await engines.start("B")

@@ -58,8 +58,9 @@ async def check_the_fence(bus: Bus) -> None:
     # taken over: A's next step, final and ack are all turned away
     await bus.redis.set(bus.keys.owner("r"), theirs)
     final = Final(request_id="r", finish_reason="length", engine="A")
-    refused = await bus.publish_owned(on(bus, toks("r", 3)) + [(bus.keys.req("r"), final)],
-                                      {"r": mine}, ack=[("r", entry)])
+    refused = await bus.publish_owned(
+        on(bus, toks("r", 3)) + [(bus.keys.req("r"), final)], {"r": mine}, ack=[("r", entry)]
+    )
     assert refused == {"r": Refused("owner", theirs)}
     assert await story_types(bus, "r") == ["accepted", "tokens", "tokens"]
     assert await pending(bus) == 1  # B runs it now: its entry stays for B's final (or failover)
@@ -78,9 +79,9 @@ async def check_the_fence(bus: Bus) -> None:
     await bus.redis.expire(bus.keys.owner("r"), 10_000_000)
     journal = bus.keys.journal("A")
     step = JournalStep(engine="A", step=1, seq=0, data={"calls": []})
-    refused = await bus.publish_owned(on(bus, toks("r", 3)) + [(bus.keys.req("r"), final),
-                                                               (journal, step)],
-                                      {"r": now}, ack=[("r", entry)])
+    refused = await bus.publish_owned(
+        on(bus, toks("r", 3)) + [(bus.keys.req("r"), final), (journal, step)], {"r": now}, ack=[("r", entry)]
+    )
     assert refused == {}
     evs = [ev for _, ev in await bus.read_req("r")]
     assert types(evs) == ["accepted", "tokens", "tokens", "tokens", "final"]
@@ -103,8 +104,10 @@ async def check_the_fence(bus: Bus) -> None:
     ts = 1_700_000_000_000
     first = [Tokens(request_id="q", token_ids=(7, 8), text="ab", step=9, ts=ts)]
     second = [Tokens(request_id="q", token_ids=(9,), text="c", step=10, ts=ts + 5)]
-    last = [Tokens(request_id="q", token_ids=(4,), text="d", step=11, ts=ts + 9),
-            Final(request_id="q", finish_reason="length", engine="A", step=11, ts=ts + 9)]
+    last = [
+        Tokens(request_id="q", token_ids=(4,), text="d", step=11, ts=ts + 9),
+        Final(request_id="q", finish_reason="length", engine="A", step=11, ts=ts + 9),
+    ]
     for batch in (first, second, first, last, second, last):
         assert await bus.publish_owned(on(bus, batch), {"q": now}) == {}
     evs = [ev for _, ev in await bus.read_req("q")]
@@ -114,8 +117,12 @@ async def check_the_fence(bus: Bus) -> None:
     # a batch that goes on past its own final stops at it
     await bus.redis.set(bus.keys.owner("s"), now)
     f2 = Final(request_id="s", finish_reason="stop", engine="A")
-    assert await bus.publish_owned(on(bus, toks("s", 1)) + [(bus.keys.req("s"), f2)]
-                                   + on(bus, toks("s", 2)), {"s": now}) == {}
+    assert (
+        await bus.publish_owned(
+            on(bus, toks("s", 1)) + [(bus.keys.req("s"), f2)] + on(bus, toks("s", 2)), {"s": now}
+        )
+        == {}
+    )
     assert await story_types(bus, "s") == ["tokens", "final"]
 
 
@@ -182,8 +189,12 @@ async def test_a_step_that_finishes_after_a_takeover_writes_nothing(fenced_engin
     assert node.status()["fenced"] == 1
     # the journal has the scheduler dropping it: an abort, its blocks released
     await node._flush()
-    calls = [c for ev in await load_journal_from_redis(bus, "A") if isinstance(ev, JournalStep)
-             for c in ev.data["calls"]]
+    calls = [
+        c
+        for ev in await load_journal_from_redis(bus, "A")
+        if isinstance(ev, JournalStep)
+        for c in ev.data["calls"]
+    ]
     aborts = [c for c in calls if c["op"] == "abort" and c["rid"] == "r"]
     assert len(aborts) == 1 and aborts[0]["source"] == "engine"
     assert calls[-1]["free"] == node.sched.num_total_blocks  # and every block came back

@@ -18,8 +18,16 @@ from hypothesis import strategies as st
 
 from control.bus import Bus
 from control.connect import connect
-from control.events import (CONTROL_TYPES, MAX_FIELD_BYTES, Accepted, BadEvent, Request, RequestData,
-                            SamplingParams, decode)
+from control.events import (
+    CONTROL_TYPES,
+    MAX_FIELD_BYTES,
+    Accepted,
+    BadEvent,
+    Request,
+    RequestData,
+    SamplingParams,
+    decode,
+)
 from engine.llm import LLM
 from fd.compose import EngineOptions, start_engine
 from tests.enginekit import story, submit, text_of, tokens_of
@@ -38,8 +46,19 @@ some_id = st.sampled_from(IDS) | st.sampled_from(BAD_IDS) | text
 value = text | binary | numberish | some_id | st.just(b"")
 # huge values are costly (1 MiB each): rarely
 rare_huge = st.one_of(value, value, value, value, value, value, value, huge)
-FIELD_NAMES = ["type", "request_id", "request_ids", "engine", "source", "reason", "abort_id", "data",
-               "v", "ts", "resume"]
+FIELD_NAMES = [
+    "type",
+    "request_id",
+    "request_ids",
+    "engine",
+    "source",
+    "reason",
+    "abort_id",
+    "data",
+    "v",
+    "ts",
+    "resume",
+]
 
 
 def ids_field(draw_ids: list[str]) -> str:
@@ -48,21 +67,38 @@ def ids_field(draw_ids: list[str]) -> str:
 
 sampling = st.fixed_dictionaries(
     {"max_tokens": st.integers(1, 6)},
-    optional={"temperature": st.sampled_from([0.0, 0.7, -1.0, "hot", None]),
-              "top_p": st.sampled_from([1.0, 0.5, 0.9, 0.0, 2.0]), "top_k": st.sampled_from([0, -1, 1, 5, 10**6]),
-              # (seeds that are not ints and stops that are not strings: POISON below)
-              "seed": st.sampled_from([None, 0, -5, 2**63]), "stop": st.sampled_from([[], ["a"], "a"]),
-              "stop_token_ids": st.sampled_from([[], [3], [-1], ["x"], [10**6]]),
-              "ignore_eos": st.sampled_from([True, False, "yes"]),
-              # an embeddings request, a LoRA adapter this engine lacks, and their wrong types
-              "embed": st.sampled_from([True, False, "yes"]), "lora": st.sampled_from(["", "missing", 5]),
-              "bogus_param": st.just(1)})
+    optional={
+        "temperature": st.sampled_from([0.0, 0.7, -1.0, "hot", None]),
+        "top_p": st.sampled_from([1.0, 0.5, 0.9, 0.0, 2.0]),
+        "top_k": st.sampled_from([0, -1, 1, 5, 10**6]),
+        # (seeds that are not ints and stops that are not strings: POISON below)
+        "seed": st.sampled_from([None, 0, -5, 2**63]),
+        "stop": st.sampled_from([[], ["a"], "a"]),
+        "stop_token_ids": st.sampled_from([[], [3], [-1], ["x"], [10**6]]),
+        "ignore_eos": st.sampled_from([True, False, "yes"]),
+        # an embeddings request, a LoRA adapter this engine lacks, and their wrong types
+        "embed": st.sampled_from([True, False, "yes"]),
+        "lora": st.sampled_from(["", "missing", 5]),
+        "bogus_param": st.just(1),
+    },
+)
 request_data = st.fixed_dictionaries(
-    {"prompt_token_ids": st.one_of(*[st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12)] * 3,
-                                   st.sampled_from([[], [-1], ["a"], [1.5], None, "1,2"])),  # past vocab: POISON
-     "sampling": st.one_of(sampling, sampling, st.sampled_from([None, [], "x", {"max_tokens": 0}, {"max_tokens": "3"}]))},
-    optional={"arrival_ts": st.sampled_from([0, None, 1.5, 2**63]), "model": text,  # "x": POISON
-              "background": st.booleans(), "api": text})
+    {
+        "prompt_token_ids": st.one_of(
+            *[st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12)] * 3,
+            st.sampled_from([[], [-1], ["a"], [1.5], None, "1,2"]),
+        ),  # past vocab: POISON
+        "sampling": st.one_of(
+            sampling, sampling, st.sampled_from([None, [], "x", {"max_tokens": 0}, {"max_tokens": "3"}])
+        ),
+    },
+    optional={
+        "arrival_ts": st.sampled_from([0, None, 1.5, 2**63]),
+        "model": text,  # "x": POISON
+        "background": st.booleans(),
+        "api": text,
+    },
+)
 
 
 def _json_text(d) -> str:
@@ -77,8 +113,21 @@ def _json_text(d) -> str:
 @st.composite
 def valid_looking(draw) -> tuple[str, dict]:
     """An event of a real type with plausible, sometimes wrong, fields."""
-    kind = draw(st.sampled_from(["abort", "abort_ids", "abort_all", "drain", "request", "request", "request",
-                                 "request_on_control", "abort_on_requests"]))
+    kind = draw(
+        st.sampled_from(
+            [
+                "abort",
+                "abort_ids",
+                "abort_all",
+                "drain",
+                "request",
+                "request",
+                "request",
+                "request_on_control",
+                "abort_on_requests",
+            ]
+        )
+    )
     if kind == "abort":
         f = {"type": "abort", "request_id": draw(some_id)}
     elif kind == "abort_ids":
@@ -94,13 +143,18 @@ def valid_looking(draw) -> tuple[str, dict]:
             f["resume"] = draw(st.sampled_from(["1", "0", "maybe"]))
     else:
         f = {"type": "abort", "request_id": draw(st.sampled_from(IDS))}
-    extra = draw(st.lists(st.sampled_from(FIELD_NAMES[3:]), max_size=2)) if draw(st.integers(0, 3)) == 0 else []
+    extra = (
+        draw(st.lists(st.sampled_from(FIELD_NAMES[3:]), max_size=2)) if draw(st.integers(0, 3)) == 0 else []
+    )
     for name in extra:
         if name in ("engine",) and f["type"] in ("drain", "abort_all"):
             continue  # never aim a drain or abort_all at the engine under test
         f[name] = draw(value)
-    stream = "requests" if kind.startswith("request") and kind != "request_on_control" \
-        or kind == "abort_on_requests" else "control"
+    stream = (
+        "requests"
+        if kind.startswith("request") and kind != "request_on_control" or kind == "abort_on_requests"
+        else "control"
+    )
     return stream, f
 
 
@@ -109,8 +163,24 @@ def junk(draw) -> tuple[str, dict]:
     names = draw(st.lists(st.sampled_from(FIELD_NAMES) | text | binary, min_size=1, max_size=4))
     f = {n: draw(rare_huge) for n in names}
     if draw(st.booleans()):
-        f["type"] = draw(st.sampled_from(["abort", "abort_all", "drain", "request", "final", "tokens", "accepted",
-                                          "ABORT", "", "step", "journal_start"]) | text)
+        f["type"] = draw(
+            st.sampled_from(
+                [
+                    "abort",
+                    "abort_all",
+                    "drain",
+                    "request",
+                    "final",
+                    "tokens",
+                    "accepted",
+                    "ABORT",
+                    "",
+                    "step",
+                    "journal_start",
+                ]
+            )
+            | text
+        )
     return draw(st.sampled_from(["control", "requests"])), f
 
 
@@ -134,19 +204,36 @@ def _req(rid: str, data) -> dict:
 SHARP = [  # entries a generator finds only by luck; each decodes, so each must be *handled*
     ("requests", _req("too-long", {"prompt_token_ids": [5] * 2049, "sampling": {"max_tokens": 2}})),
     ("requests", _req("neg-seed", {"prompt_token_ids": [5, 6], "sampling": {"max_tokens": 2, "seed": -7}})),
-    ("requests", _req("big-topk", {"prompt_token_ids": [5, 6], "sampling": {"max_tokens": 2, "top_k": 10**6}})),
+    (
+        "requests",
+        _req("big-topk", {"prompt_token_ids": [5, 6], "sampling": {"max_tokens": 2, "top_k": 10**6}}),
+    ),
     ("requests", _req("neg-topk", {"prompt_token_ids": [5, 6], "sampling": {"max_tokens": 2, "top_k": -9}})),
-    ("requests", _req("big-stop-id", {"prompt_token_ids": [5], "sampling": {"max_tokens": 2,
-                                                                             "stop_token_ids": [10**6, 2**63]}})),
-    ("requests", _req("temp-big", {"prompt_token_ids": [5], "sampling": {"max_tokens": 2, "temperature": 1e308}})),
-    ("requests", _req("temp-str", {"prompt_token_ids": [5], "sampling": {"max_tokens": 2, "temperature": "1"}})),
+    (
+        "requests",
+        _req(
+            "big-stop-id",
+            {"prompt_token_ids": [5], "sampling": {"max_tokens": 2, "stop_token_ids": [10**6, 2**63]}},
+        ),
+    ),
+    (
+        "requests",
+        _req("temp-big", {"prompt_token_ids": [5], "sampling": {"max_tokens": 2, "temperature": 1e308}}),
+    ),
+    (
+        "requests",
+        _req("temp-str", {"prompt_token_ids": [5], "sampling": {"max_tokens": 2, "temperature": "1"}}),
+    ),
     ("requests", _req("stop-str", {"prompt_token_ids": [5], "sampling": {"max_tokens": 2, "stop": "ab"}})),
     ("requests", _req("mt-float", {"prompt_token_ids": [5], "sampling": {"max_tokens": 2.5}})),
     ("requests", _req("mt-bool", {"prompt_token_ids": [5], "sampling": {"max_tokens": True}})),
     ("requests", _req("ids-bool", {"prompt_token_ids": [True, False], "sampling": {"max_tokens": 2}})),
     ("requests", _req("dup", {"prompt_token_ids": [5, 6], "sampling": {"max_tokens": 3}})),
     ("requests", _req("dup", {"prompt_token_ids": [5, 6], "sampling": {"max_tokens": 3}})),
-    ("requests", {**_req("resumed", {"prompt_token_ids": [5, 6], "sampling": {"max_tokens": 2}}), "resume": "1"}),
+    (
+        "requests",
+        {**_req("resumed", {"prompt_token_ids": [5, 6], "sampling": {"max_tokens": 2}}), "resume": "1"},
+    ),
     ("requests", {"type": "request", "request_id": "no-data"}),
     ("requests", {"type": "request", "request_id": "v-new", "data": "{}", "v": "2"}),
     ("control", {"type": "abort", "request_ids": ",".join(f"id{i}" for i in range(10_001))}),
@@ -167,20 +254,35 @@ async def send_sharp(bus, sent) -> None:
         await asyncio.sleep(0.002)
 
 
-def test_random_entries_never_stop_the_engine(redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer):
+def test_random_entries_never_stop_the_engine(
+    redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer
+):
     prompt = tiny_tokenizer.encode("The quick brown fox")
     ref = LLM(tiny_runner, tiny_tokenizer).generate(
-        [prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
+        [prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    )[0]
     loop = asyncio.new_event_loop()
     url = redis_server.url
-    eng = loop.run_until_complete(start_engine(
-        lambda: connect(url), keys, EngineOptions(model_dir=str(tiny_model_dir), engine_id=ENGINE),
-        runner=tiny_runner, tokenizer=tiny_tokenizer))
+    eng = loop.run_until_complete(
+        start_engine(
+            lambda: connect(url),
+            keys,
+            EngineOptions(model_dir=str(tiny_model_dir), engine_id=ENGINE),
+            runner=tiny_runner,
+            tokenizer=tiny_tokenizer,
+        )
+    )
     bus = Bus(connect(url), keys)
     sent: list[tuple[str, bytes, dict]] = []
     try:
-        @settings(max_examples=100, deadline=None, derandomize=True, database=None,
-                  suppress_health_check=list(HealthCheck))
+
+        @settings(
+            max_examples=100,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        )
         @given(batch=st.lists(st.one_of(valid_looking(), valid_looking(), junk()), min_size=1, max_size=5))
         def one(batch):
             async def go():
@@ -192,6 +294,7 @@ def test_random_entries_never_stop_the_engine(redis_server, keys, tiny_model_dir
                     eid = await bus.redis.execute_command("XADD", key, "*", *flat)
                     sent.append((stream, eid, fields))
                 await asyncio.sleep(0.005)  # let the engine read some of it now
+
             loop.run_until_complete(go())
             assert not eng.task.done(), eng.task
 
@@ -203,8 +306,10 @@ def test_random_entries_never_stop_the_engine(redis_server, keys, tiny_model_dir
             assert dead_expected, "the generator should produce undecodable entries"
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline:
-                if await bus.redis.xlen(keys.dead) >= len(dead_expected) and \
-                        await bus.redis.xlen(keys.requests) == 0:
+                if (
+                    await bus.redis.xlen(keys.dead) >= len(dead_expected)
+                    and await bus.redis.xlen(keys.requests) == 0
+                ):
                     break
                 await asyncio.sleep(0.05)
             assert not eng.task.done(), eng.task
@@ -224,10 +329,17 @@ def test_random_entries_never_stop_the_engine(redis_server, keys, tiny_model_dir
             # and it still serves, exactly as offline
             # (accepted now, as the API stamps it: an abort_all of the fuzz that the engine
             # reads only after claiming it does not end it)
-            await bus.submit(Request(request_id="after-fuzz", data=RequestData(
-                                 prompt_token_ids=tuple(prompt), arrival_ts=int(time.time() * 1000),
-                                 sampling=SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))),
-                             Accepted(request_id="after-fuzz", prompt_tokens=len(prompt), endpoint="completion"))
+            await bus.submit(
+                Request(
+                    request_id="after-fuzz",
+                    data=RequestData(
+                        prompt_token_ids=tuple(prompt),
+                        arrival_ts=int(time.time() * 1000),
+                        sampling=SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                    ),
+                ),
+                Accepted(request_id="after-fuzz", prompt_tokens=len(prompt), endpoint="completion"),
+            )
             evs = await story(bus, "after-fuzz", timeout=30)
             assert evs[-1].finish_reason == "length"
             assert tokens_of(evs) == ref.token_ids and text_of(evs) == ref.text
@@ -262,15 +374,22 @@ POISON = {
 
 
 @pytest.mark.parametrize("name", sorted(POISON))
-async def test_poisonous_request_is_refused_not_fatal(name, real_bus, redis_server, keys, tiny_model_dir,
-                                                      tiny_runner, tiny_tokenizer):
+async def test_poisonous_request_is_refused_not_fatal(
+    name, real_bus, redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer
+):
     url = redis_server.url
-    eng = await start_engine(lambda: connect(url), keys, EngineOptions(model_dir=str(tiny_model_dir),
-                                                                        engine_id=ENGINE),
-                             runner=tiny_runner, tokenizer=tiny_tokenizer)
+    eng = await start_engine(
+        lambda: connect(url),
+        keys,
+        EngineOptions(model_dir=str(tiny_model_dir), engine_id=ENGINE),
+        runner=tiny_runner,
+        tokenizer=tiny_tokenizer,
+    )
     try:
         fields = _req("poison", POISON[name])
-        await real_bus.redis.execute_command("XADD", keys.requests, "*", *[x for kv in fields.items() for x in kv])
+        await real_bus.redis.execute_command(
+            "XADD", keys.requests, "*", *[x for kv in fields.items() for x in kv]
+        )
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and not eng.task.done():
             dead = await real_bus.redis.xlen(keys.dead)

@@ -20,21 +20,22 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_api_streaming import FakeEngine, parse_sse
+from test_api_validation import MAX_LEN, FakeTokenizer, assert_openai_error
 
 from control.bus import Bus, StreamMux
 from control.connect import connect
 from control.metrics import Metrics
 from fd.api import ApiConfig, make_app
-from test_api_streaming import FakeEngine, parse_sse
-from test_api_validation import MAX_LEN, FakeTokenizer, assert_openai_error
 
 CHAT, COMP, ABORT = "/v1/chat/completions", "/v1/completions", "/v1/abort_requests"
 RESP = "/v1/responses"
 EMB = "/v1/embeddings"
 MAX_BODY = 16 << 10
 TIMEOUT_S = 10.0  # per call: a call that takes longer is a hang
-FUZZ = settings(max_examples=200, deadline=None, derandomize=True, database=None,
-                suppress_health_check=list(HealthCheck))
+FUZZ = settings(
+    max_examples=200, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
+)
 
 
 class Harness:
@@ -54,8 +55,13 @@ class Harness:
         self.engine_task = asyncio.create_task(self.engine.run())
         mux = StreamMux(connect(self.url), self.keys, "api-fuzz", block_ms=50)
         self.mux = mux
-        app = make_app(ApiConfig("tiny", MAX_LEN, max_body_bytes=MAX_BODY, **self.cfg), self.bus, mux,
-                       FakeTokenizer(), Metrics())
+        app = make_app(
+            ApiConfig("tiny", MAX_LEN, max_body_bytes=MAX_BODY, **self.cfg),
+            self.bus,
+            mux,
+            FakeTokenizer(),
+            Metrics(),
+        )
         self.client = TestClient(TestServer(app))
         await self.client.start_server()
 
@@ -73,6 +79,7 @@ class Harness:
             await self.engine.bus.redis.aclose()
             await self.mux.redis.aclose()
             await self.redis.aclose()
+
         self.loop.run_until_complete(stop())
         self.loop.close()
 
@@ -118,40 +125,101 @@ async def check(resp, *, wire_error_ok: bool = False) -> tuple[int, Any]:
 # --------------------------------------------------------------------------- strategies
 
 JUNK_TEXT = st.text(max_size=12) | st.sampled_from(["\ud800", "\x00", "{x}", "a" * 300, "tiny", "\u202e"])
-SCALARS = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.integers(-3, 70)
-           | st.floats(allow_nan=True, allow_infinity=True) | JUNK_TEXT)
-JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4)
-                    | st.dictionaries(JUNK_TEXT, inner, max_size=4), max_leaves=10)
+SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.integers(-3, 70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | JUNK_TEXT
+)
+JSON = st.recursive(
+    SCALARS,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(JUNK_TEXT, inner, max_size=4),
+    max_leaves=10,
+)
 
 ROLES = ["system", "developer", "user", "assistant", "tool", "", "USER"]
-CONTENT = (st.text(max_size=10) | st.lists(st.fixed_dictionaries(
-    {"type": st.sampled_from(["text", "image_url", 3]), "text": st.text(max_size=6) | JSON}), max_size=3)
-    | JSON)
-FUNCTION = st.fixed_dictionaries({}, optional={"name": st.sampled_from(["f", ""]) | JSON,
-                                               "arguments": st.sampled_from(['{"a": 1}', "{x", ""]) | JSON,
-                                               "parameters": JSON})
-TOOL = st.fixed_dictionaries({}, optional={"type": st.sampled_from(["function"]) | JSON,
-                                           "function": FUNCTION | JSON})
-MESSAGE = st.fixed_dictionaries({}, optional={"role": st.sampled_from(ROLES) | JSON, "content": CONTENT,
-                                              "name": JSON, "tool_call_id": JSON,
-                                              "tool_calls": st.lists(TOOL | JSON, max_size=2) | JSON})
-SAMPLING_FIELDS = ["model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-                   "seed", "presence_penalty", "frequency_penalty", "n", "best_of", "stop",
-                   "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "stream",
-                   "stream_options", "background", "logprobs", "top_logprobs", "tools",
-                   "tool_choice", "response_format", "echo", "suffix", "user", "x_unknown",
-                   "repetition_penalty", "logit_bias", "min_p", "min_tokens", "parallel_tool_calls"]
+CONTENT = (
+    st.text(max_size=10)
+    | st.lists(
+        st.fixed_dictionaries(
+            {"type": st.sampled_from(["text", "image_url", 3]), "text": st.text(max_size=6) | JSON}
+        ),
+        max_size=3,
+    )
+    | JSON
+)
+FUNCTION = st.fixed_dictionaries(
+    {},
+    optional={
+        "name": st.sampled_from(["f", ""]) | JSON,
+        "arguments": st.sampled_from(['{"a": 1}', "{x", ""]) | JSON,
+        "parameters": JSON,
+    },
+)
+TOOL = st.fixed_dictionaries(
+    {}, optional={"type": st.sampled_from(["function"]) | JSON, "function": FUNCTION | JSON}
+)
+MESSAGE = st.fixed_dictionaries(
+    {},
+    optional={
+        "role": st.sampled_from(ROLES) | JSON,
+        "content": CONTENT,
+        "name": JSON,
+        "tool_call_id": JSON,
+        "tool_calls": st.lists(TOOL | JSON, max_size=2) | JSON,
+    },
+)
+SAMPLING_FIELDS = [
+    "model",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "n",
+    "best_of",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "include_stop_str_in_output",
+    "stream",
+    "stream_options",
+    "background",
+    "logprobs",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "response_format",
+    "echo",
+    "suffix",
+    "user",
+    "x_unknown",
+    "repetition_penalty",
+    "logit_bias",
+    "min_p",
+    "min_tokens",
+    "parallel_tool_calls",
+]
 INTERESTING = {
     "model": st.sampled_from(["tiny", "gpt-4", "", None]),
     "stream": st.booleans(),
-    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans() | JSON,
-                                                          "continuous_usage_stats": st.booleans() | JSON}) | JSON,
+    "stream_options": st.fixed_dictionaries(
+        {}, optional={"include_usage": st.booleans() | JSON, "continuous_usage_stats": st.booleans() | JSON}
+    )
+    | JSON,
     "max_tokens": st.integers(-2, MAX_LEN + 2),
     "temperature": st.floats(-0.5, 2.5),
     "top_p": st.floats(-0.2, 1.2),
     "stop": st.lists(st.text(max_size=3), max_size=3) | st.text(max_size=3),
     "stop_token_ids": st.lists(st.integers(-1, 300), max_size=3),
-    "logit_bias": st.dictionaries(st.integers(-2, 300).map(str) | JUNK_TEXT, st.floats(-120, 120), max_size=3),
+    "logit_bias": st.dictionaries(
+        st.integers(-2, 300).map(str) | JUNK_TEXT, st.floats(-120, 120), max_size=3
+    ),
     "min_tokens": st.integers(-1, MAX_LEN + 2),
     "min_p": st.floats(-0.5, 1.5),
     "repetition_penalty": st.floats(-1, 3),
@@ -171,87 +239,202 @@ def mutated(draw, base: dict, junk: bool) -> dict:
             body.pop(name)
     names = SAMPLING_FIELDS if junk else sorted(INTERESTING)
     for name in draw(st.lists(st.sampled_from(names), max_size=4)):
-        body[name] = draw(INTERESTING[name] | JSON if junk and name in INTERESTING
-                          else INTERESTING[name] if name in INTERESTING else JSON)
+        body[name] = draw(
+            INTERESTING[name] | JSON
+            if junk and name in INTERESTING
+            else INTERESTING[name]
+            if name in INTERESTING
+            else JSON
+        )
     return body
 
 
 CHAT_BASE = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 COMP_BASE = {"model": "tiny", "prompt": "hi", "max_tokens": 3}
 CHAT_BODIES = st.one_of(
-    mutated(CHAT_BASE, junk=False), mutated(CHAT_BASE, junk=True),
-    st.builds(lambda ms, extra: {"messages": ms, **extra}, st.lists(MESSAGE, max_size=3) | JSON,
-              st.dictionaries(st.sampled_from(SAMPLING_FIELDS), JSON, max_size=2)),
+    mutated(CHAT_BASE, junk=False),
+    mutated(CHAT_BASE, junk=True),
+    st.builds(
+        lambda ms, extra: {"messages": ms, **extra},
+        st.lists(MESSAGE, max_size=3) | JSON,
+        st.dictionaries(st.sampled_from(SAMPLING_FIELDS), JSON, max_size=2),
+    ),
     JSON,
 )
 COMP_BODIES = st.one_of(
-    mutated(COMP_BASE, junk=False), mutated(COMP_BASE, junk=True),
-    st.builds(lambda p, extra: {"prompt": p, **extra},
-              st.lists(st.integers(-2, 300), max_size=5) | st.lists(st.text(max_size=4), max_size=2)
-              | st.lists(st.lists(st.integers(0, 300), max_size=3), max_size=2) | JSON,
-              st.dictionaries(st.sampled_from(SAMPLING_FIELDS), JSON, max_size=2)),
+    mutated(COMP_BASE, junk=False),
+    mutated(COMP_BASE, junk=True),
+    st.builds(
+        lambda p, extra: {"prompt": p, **extra},
+        st.lists(st.integers(-2, 300), max_size=5)
+        | st.lists(st.text(max_size=4), max_size=2)
+        | st.lists(st.lists(st.integers(0, 300), max_size=3), max_size=2)
+        | JSON,
+        st.dictionaries(st.sampled_from(SAMPLING_FIELDS), JSON, max_size=2),
+    ),
     JSON,
 )
-RESP_FIELDS = ["model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
-               "text", "tools", "tool_choice", "parallel_tool_calls", "previous_response_id", "background",
-               "seed", "store", "x_unknown"]
-RESP_ITEM = st.fixed_dictionaries({}, optional={
-    "type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning"]) | JSON,
-    "role": st.sampled_from(ROLES) | JSON, "call_id": st.sampled_from(["c1"]) | JSON,
-    "name": st.sampled_from(["f"]) | JSON, "arguments": st.sampled_from(["{}", "{x"]) | JSON,
-    "output": st.text(max_size=4) | JSON,
-    "content": st.text(max_size=8) | st.lists(st.fixed_dictionaries(
-        {"type": st.sampled_from(["input_text", "output_text", "input_image"]) | JSON,
-         "text": st.text(max_size=6) | JSON}), max_size=2) | JSON})
+RESP_FIELDS = [
+    "model",
+    "input",
+    "instructions",
+    "max_output_tokens",
+    "temperature",
+    "top_p",
+    "stream",
+    "text",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "previous_response_id",
+    "background",
+    "seed",
+    "store",
+    "x_unknown",
+]
+RESP_ITEM = st.fixed_dictionaries(
+    {},
+    optional={
+        "type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning"]) | JSON,
+        "role": st.sampled_from(ROLES) | JSON,
+        "call_id": st.sampled_from(["c1"]) | JSON,
+        "name": st.sampled_from(["f"]) | JSON,
+        "arguments": st.sampled_from(["{}", "{x"]) | JSON,
+        "output": st.text(max_size=4) | JSON,
+        "content": st.text(max_size=8)
+        | st.lists(
+            st.fixed_dictionaries(
+                {
+                    "type": st.sampled_from(["input_text", "output_text", "input_image"]) | JSON,
+                    "text": st.text(max_size=6) | JSON,
+                }
+            ),
+            max_size=2,
+        )
+        | JSON,
+    },
+)
 RESP_BASE = {"model": "tiny", "input": "hi", "max_output_tokens": 3}
 RESP_BODIES = st.one_of(
-    st.builds(lambda extra: {**RESP_BASE, **extra}, st.fixed_dictionaries({}, optional={
-        "stream": st.booleans(), "instructions": st.text(max_size=5) | JSON,
-        "max_output_tokens": st.integers(-1, MAX_LEN + 2),
-        "text": st.sampled_from([{"format": {"type": "text"}}, {"format": {"type": "json_object"}},
-                                 {"format": {"type": "xml"}}]) | JSON,
-        "input": st.lists(RESP_ITEM, max_size=3) | JSON,
-        "tools": st.lists(st.fixed_dictionaries({"type": st.sampled_from(["function", "web_search"]),
-                                                 "name": st.sampled_from(["f", ""]) | JSON}), max_size=2),
-        "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function", "name": "f"}]) | JSON})),
-    st.builds(lambda extra: {**RESP_BASE, **extra}, st.dictionaries(st.sampled_from(RESP_FIELDS), JSON, max_size=3)),
+    st.builds(
+        lambda extra: {**RESP_BASE, **extra},
+        st.fixed_dictionaries(
+            {},
+            optional={
+                "stream": st.booleans(),
+                "instructions": st.text(max_size=5) | JSON,
+                "max_output_tokens": st.integers(-1, MAX_LEN + 2),
+                "text": st.sampled_from(
+                    [
+                        {"format": {"type": "text"}},
+                        {"format": {"type": "json_object"}},
+                        {"format": {"type": "xml"}},
+                    ]
+                )
+                | JSON,
+                "input": st.lists(RESP_ITEM, max_size=3) | JSON,
+                "tools": st.lists(
+                    st.fixed_dictionaries(
+                        {
+                            "type": st.sampled_from(["function", "web_search"]),
+                            "name": st.sampled_from(["f", ""]) | JSON,
+                        }
+                    ),
+                    max_size=2,
+                ),
+                "tool_choice": st.sampled_from(
+                    ["none", "auto", "required", {"type": "function", "name": "f"}]
+                )
+                | JSON,
+            },
+        ),
+    ),
+    st.builds(
+        lambda extra: {**RESP_BASE, **extra}, st.dictionaries(st.sampled_from(RESP_FIELDS), JSON, max_size=3)
+    ),
     JSON,
 )
-EMB_FIELDS = ["model", "input", "encoding_format", "dimensions", "normalize", "add_special_tokens",
-              "truncate_prompt_tokens", "priority", "user", "x_unknown"]
+EMB_FIELDS = [
+    "model",
+    "input",
+    "encoding_format",
+    "dimensions",
+    "normalize",
+    "add_special_tokens",
+    "truncate_prompt_tokens",
+    "priority",
+    "user",
+    "x_unknown",
+]
 EMB_BODIES = st.one_of(
-    st.builds(lambda extra: {"model": "tiny", "input": "hi", **extra}, st.fixed_dictionaries({}, optional={
-        "input": st.text(max_size=6) | st.lists(st.text(max_size=4), max_size=3)
-        | st.lists(st.integers(-2, 300), max_size=5) | st.lists(st.lists(st.integers(-1, 300), max_size=3), max_size=2)
-        | st.sampled_from(["y" * (MAX_LEN - 1), "y" * MAX_LEN]) | JSON,
-        "encoding_format": st.sampled_from(["float", "base64", "hex"]) | JSON,
-        "dimensions": st.integers(-1, 9) | JSON, "normalize": st.booleans() | JSON,
-        "truncate_prompt_tokens": st.integers(-2, MAX_LEN + 2) | JSON})),
-    st.builds(lambda extra: {"input": "hi", **extra}, st.dictionaries(st.sampled_from(EMB_FIELDS), JSON, max_size=3)),
+    st.builds(
+        lambda extra: {"model": "tiny", "input": "hi", **extra},
+        st.fixed_dictionaries(
+            {},
+            optional={
+                "input": st.text(max_size=6)
+                | st.lists(st.text(max_size=4), max_size=3)
+                | st.lists(st.integers(-2, 300), max_size=5)
+                | st.lists(st.lists(st.integers(-1, 300), max_size=3), max_size=2)
+                | st.sampled_from(["y" * (MAX_LEN - 1), "y" * MAX_LEN])
+                | JSON,
+                "encoding_format": st.sampled_from(["float", "base64", "hex"]) | JSON,
+                "dimensions": st.integers(-1, 9) | JSON,
+                "normalize": st.booleans() | JSON,
+                "truncate_prompt_tokens": st.integers(-2, MAX_LEN + 2) | JSON,
+            },
+        ),
+    ),
+    st.builds(
+        lambda extra: {"input": "hi", **extra}, st.dictionaries(st.sampled_from(EMB_FIELDS), JSON, max_size=3)
+    ),
     JSON,
 )
-TEXTS = st.sampled_from(["a", "b", "", "y" * MAX_LEN]) | st.lists(st.sampled_from(["a", "b", "c", ""]), max_size=3)
+TEXTS = st.sampled_from(["a", "b", "", "y" * MAX_LEN]) | st.lists(
+    st.sampled_from(["a", "b", "c", ""]), max_size=3
+)
 SCORE_BODIES = st.one_of(
-    st.fixed_dictionaries({"text_1": TEXTS | JSON, "text_2": TEXTS | JSON}, optional={
-        "model": st.sampled_from(["tiny", "other"]), "truncate_prompt_tokens": st.integers(-2, 3) | JSON}),
-    st.fixed_dictionaries({"query": TEXTS | JSON, "documents": TEXTS | JSON}, optional={
-        "top_n": st.integers(-1, 4) | JSON, "add_special_tokens": st.booleans() | JSON}),
+    st.fixed_dictionaries(
+        {"text_1": TEXTS | JSON, "text_2": TEXTS | JSON},
+        optional={
+            "model": st.sampled_from(["tiny", "other"]),
+            "truncate_prompt_tokens": st.integers(-2, 3) | JSON,
+        },
+    ),
+    st.fixed_dictionaries(
+        {"query": TEXTS | JSON, "documents": TEXTS | JSON},
+        optional={"top_n": st.integers(-1, 4) | JSON, "add_special_tokens": st.booleans() | JSON},
+    ),
     JSON,
 )
 ABORT_BODIES = st.one_of(
-    st.fixed_dictionaries({}, optional={
-        "req_ids": st.lists(st.text(max_size=6) | JSON, max_size=4) | JSON,
-        "request_ids": st.lists(st.from_regex(r"[A-Za-z0-9_.:@-]{1,8}", fullmatch=True), max_size=3) | JSON,
-        "abort_all": st.booleans() | JSON,
-        "engine": st.sampled_from(["e0", "bad id", "", "x" * 65]) | JSON}),
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "req_ids": st.lists(st.text(max_size=6) | JSON, max_size=4) | JSON,
+            "request_ids": st.lists(st.from_regex(r"[A-Za-z0-9_.:@-]{1,8}", fullmatch=True), max_size=3)
+            | JSON,
+            "abort_all": st.booleans() | JSON,
+            "engine": st.sampled_from(["e0", "bad id", "", "x" * 65]) | JSON,
+        },
+    ),
     JSON,
 )
 HEADER_TEXT = st.text(st.characters(blacklist_categories=("Cc",)), max_size=140) | st.sampled_from(
-    ["ok-id", "{tag}", "a*b", "has space", "x" * 129, "x" * 128, "é", "日本語", "a\tb", "id:1@host.a-b_c"])
+    ["ok-id", "{tag}", "a*b", "has space", "x" * 129, "x" * 128, "é", "日本語", "a\tb", "id:1@host.a-b_c"]
+)
 VALID_ID = st.from_regex(r"[A-Za-z0-9_.:@-]{1,128}", fullmatch=True)
-CONTENT_TYPES = st.sampled_from(["application/json", "text/plain", "", "application/x-www-form-urlencoded",
-                                 "multipart/form-data; boundary=zz", "application/json; charset=latin-1",
-                                 "\u00e9/\u00e9"])
+CONTENT_TYPES = st.sampled_from(
+    [
+        "application/json",
+        "text/plain",
+        "",
+        "application/x-www-form-urlencoded",
+        "multipart/form-data; boundary=zz",
+        "application/json; charset=latin-1",
+        "\u00e9/\u00e9",
+    ]
+)
 
 
 def dumps(body: Any) -> bytes:
@@ -266,8 +449,11 @@ def _choices_of(data: bytes, headers: dict) -> int:
         data = gzip.decompress(data) if headers["Content-Encoding"] == "gzip" else zlib.decompress(data)
     body = json.loads(data)
     if "text_1" in body or "query" in body:  # (score, rerank: one a distinct text)
-        texts = [t for name in ("text_1", "text_2", "query", "documents")
-                 for t in ([body[name]] if isinstance(body.get(name), str) else body.get(name) or [])]
+        texts = [
+            t
+            for name in ("text_1", "text_2", "query", "documents")
+            for t in ([body[name]] if isinstance(body.get(name), str) else body.get(name) or [])
+        ]
         return len(set(texts))
     if "input" in body and "prompt" not in body and "messages" not in body:  # (embeddings: one an input)
         x = body["input"]
@@ -299,9 +485,18 @@ async def post(h: Harness, path: str, data: bytes, headers: dict) -> tuple[int, 
 # --------------------------------------------------------------------------- tests
 
 
-@pytest.mark.parametrize("path,bodies", [(CHAT, CHAT_BODIES), (COMP, COMP_BODIES), (RESP, RESP_BODIES),
-                                        (EMB, EMB_BODIES), ("/score", SCORE_BODIES), ("/v1/rerank", SCORE_BODIES)],
-                         ids=["chat", "completions", "responses", "embeddings", "score", "rerank"])
+@pytest.mark.parametrize(
+    "path,bodies",
+    [
+        (CHAT, CHAT_BODIES),
+        (COMP, COMP_BODIES),
+        (RESP, RESP_BODIES),
+        (EMB, EMB_BODIES),
+        ("/score", SCORE_BODIES),
+        ("/v1/rerank", SCORE_BODIES),
+    ],
+    ids=["chat", "completions", "responses", "embeddings", "score", "rerank"],
+)
 def test_generating_bodies_and_headers(harness, path, bodies):
     seen: set[int] = set()
 
@@ -318,7 +513,8 @@ def test_generating_bodies_and_headers(harness, path, bodies):
         if status == 200 and isinstance(out, dict):
             if "results" in out:  # rerank: best first
                 assert [r["relevance_score"] for r in out["results"]] == sorted(
-                    (r["relevance_score"] for r in out["results"]), reverse=True)
+                    (r["relevance_score"] for r in out["results"]), reverse=True
+                )
             elif out["object"] == "list":  # embeddings: one a vector each input, in order
                 assert [d["index"] for d in out["data"]] == list(range(len(out["data"]))) and out["data"]
             elif out["object"] == "response":
@@ -333,7 +529,9 @@ def test_generating_bodies_and_headers(harness, path, bodies):
 
 def test_abort_bodies(harness):
     @FUZZ
-    @given(body=ABORT_BODIES, wait=st.none() | st.sampled_from(["0", "0.05", "-1", "nan", "inf", "x", "1e400"]))
+    @given(
+        body=ABORT_BODIES, wait=st.none() | st.sampled_from(["0", "0.05", "-1", "nan", "inf", "x", "1e400"])
+    )
     def one(body, wait):
         path = ABORT if wait is None else f"{ABORT}?wait={urllib.parse.quote(wait)}"
         harness.call(post(harness, path, dumps(body), {}))
@@ -347,20 +545,30 @@ def test_ids_in_paths(harness):
         try:  # (an id no client can send, a lone surrogate, ends here: UnicodeEncodeError)
             url = f"/v1/requests/{urllib.parse.quote(rid, safe='')}/{what}"
             headers = {"Last-Event-ID": last} if last is not None else {}
-            resp = await (harness.client.post(url) if what == "cancel" else harness.client.get(url, headers=headers))
+            resp = await (
+                harness.client.post(url) if what == "cancel" else harness.client.get(url, headers=headers)
+            )
         except ValueError:
             return
         async with resp:
             status, _ = await check(resp)
         if status >= 400:
             assert await harness.lens() == before
-        if not rid or any(c not in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.:@-" for c in rid) \
-                or len(rid) > 128:
+        if (
+            not rid
+            or any(
+                c not in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.:@-" for c in rid
+            )
+            or len(rid) > 128
+        ):
             assert status in (400, 404, 405), (rid, status)  # 404/405: did not even route
 
     @FUZZ
-    @given(rid=HEADER_TEXT | st.sampled_from(["abc\n", "abc%0A", "a/b", "..", "."]),
-           what=st.sampled_from(["cancel", "stream"]), last=st.none() | HEADER_TEXT)
+    @given(
+        rid=HEADER_TEXT | st.sampled_from(["abc\n", "abc%0A", "a/b", "..", "."]),
+        what=st.sampled_from(["cancel", "stream"]),
+        last=st.none() | HEADER_TEXT,
+    )
     def one(rid, what, last):
         harness.call(run(rid, what, last))
 
@@ -369,10 +577,22 @@ def test_ids_in_paths(harness):
 
 def test_raw_bytes_bodies(harness):
     @FUZZ
-    @given(data=st.binary(max_size=200) | st.sampled_from([b"{", b"\xff\xfe{}", b"null", b"[]", b"{}" * 9,
-                                                           b'{"messages":[{"role":"user","content":"\xff"}]}']),
-           path=st.sampled_from([CHAT, COMP, ABORT]), gz=st.sampled_from([None, "gzip", "deflate", "identity"]),
-           real_gzip=st.booleans())
+    @given(
+        data=st.binary(max_size=200)
+        | st.sampled_from(
+            [
+                b"{",
+                b"\xff\xfe{}",
+                b"null",
+                b"[]",
+                b"{}" * 9,
+                b'{"messages":[{"role":"user","content":"\xff"}]}',
+            ]
+        ),
+        path=st.sampled_from([CHAT, COMP, ABORT]),
+        gz=st.sampled_from([None, "gzip", "deflate", "identity"]),
+        real_gzip=st.booleans(),
+    )
     def one(data, path, gz, real_gzip):
         headers = {"Content-Type": "application/json"}
         if gz:
@@ -415,9 +635,19 @@ def test_huge_and_deep_bodies(harness):
         s, err = await post(harness, COMP, dumps({"prompt": "x" * (MAX_LEN + 1)}), {})
         assert s == 400 and err["code"] == "context_length_exceeded"
         # many stop strings and ids (every id of the vocabulary), all within the body limit
-        s, _ = await post(harness, CHAT, dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-                                                "stop": ["a"] * 2000,
-                                                "stop_token_ids": list(range(FakeTokenizer.vocab_size))}), {})
+        s, _ = await post(
+            harness,
+            CHAT,
+            dumps(
+                {
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 2,
+                    "stop": ["a"] * 2000,
+                    "stop_token_ids": list(range(FakeTokenizer.vocab_size)),
+                }
+            ),
+            {},
+        )
         assert s == 200
 
     harness.call(run())
@@ -439,15 +669,23 @@ def from_schema(schema: dict, doc: dict, depth: int = 0):
         if t == "object":
             props = {k: from_schema(v, doc, depth + 1) for k, v in schema.get("properties", {}).items()}
             req = set(schema.get("required", ()))
-            s = st.fixed_dictionaries({k: v for k, v in props.items() if k in req},
-                                      optional={k: v for k, v in props.items() if k not in req})
+            s = st.fixed_dictionaries(
+                {k: v for k, v in props.items() if k in req},
+                optional={k: v for k, v in props.items() if k not in req},
+            )
         elif t == "array":
-            s = st.lists(from_schema(schema["items"], doc, depth + 1), min_size=schema.get("minItems", 0),
-                         max_size=min(schema.get("maxItems", 3), 3))
+            s = st.lists(
+                from_schema(schema["items"], doc, depth + 1),
+                min_size=schema.get("minItems", 0),
+                max_size=min(schema.get("maxItems", 3), 3),
+            )
         elif t == "integer":
             lo, hi = schema.get("minimum"), schema.get("maximum")
             if schema.get("format") == "int64":
-                lo, hi = max(lo, -(2**63)) if lo is not None else -(2**63), min(hi, 2**63 - 1) if hi is not None else 2**63 - 1
+                lo, hi = (
+                    max(lo, -(2**63)) if lo is not None else -(2**63),
+                    min(hi, 2**63 - 1) if hi is not None else 2**63 - 1,
+                )
             s = st.integers(lo, hi)
         elif t == "number":
             lo, hi = schema.get("minimum"), schema.get("maximum")
@@ -469,8 +707,16 @@ def test_openapi_document_is_served_and_schema_bodies_are_accepted(harness):
 
     doc = harness.call(get_doc())
     assert doc["openapi"].startswith("3.")
-    for path in (CHAT, COMP, "/v1/models", "/health", "/metrics", ABORT, "/v1/requests/{id}/stream",
-                 "/v1/requests/{id}/cancel"):
+    for path in (
+        CHAT,
+        COMP,
+        "/v1/models",
+        "/health",
+        "/metrics",
+        ABORT,
+        "/v1/requests/{id}/stream",
+        "/v1/requests/{id}/cancel",
+    ):
         assert path in doc["paths"], path
     schemas = doc["components"]["schemas"]
     body_schema = doc["paths"][CHAT]["post"]["requestBody"]["content"]["application/json"]["schema"]
@@ -491,11 +737,26 @@ def test_openapi_document_is_served_and_schema_bodies_are_accepted(harness):
             # structured output whose regex or schema compiles (and only one of them), a
             # final message to continue that is the assistant's (and no generation prompt),
             # prompt_logprobs neither on a stream nor with echo
-            assert status == 400 and (out["code"] == "context_length_exceeded" or out["param"] in (
-                "stream_options", "top_logprobs", "min_tokens", "logit_bias", "best_of", "tool_choice",
-                "response_format", "guided_regex", "guided_choice", "continue_final_message",
-                "prompt_logprobs", "allowed_token_ids", "priority")
-                or str(out["param"]).endswith(".tool_calls")), (body, out)
+            assert status == 400 and (
+                out["code"] == "context_length_exceeded"
+                or out["param"]
+                in (
+                    "stream_options",
+                    "top_logprobs",
+                    "min_tokens",
+                    "logit_bias",
+                    "best_of",
+                    "tool_choice",
+                    "response_format",
+                    "guided_regex",
+                    "guided_choice",
+                    "continue_final_message",
+                    "prompt_logprobs",
+                    "allowed_token_ids",
+                    "priority",
+                )
+                or str(out["param"]).endswith(".tool_calls")
+            ), (body, out)
 
     one()
 
@@ -507,8 +768,12 @@ def test_replay_of_a_story_without_accepted(harness):
 
     async def run():
         bus = harness.bus
-        for ev in (AbortRequested(request_id="tomb"), Drained(request_id="tomb"),
-                   BlocksReleased(request_id="tomb", count=0), Final(request_id="tomb", finish_reason="abort")):
+        for ev in (
+            AbortRequested(request_id="tomb"),
+            Drained(request_id="tomb"),
+            BlocksReleased(request_id="tomb", count=0),
+            Final(request_id="tomb", finish_reason="abort"),
+        ):
             await bus.publish(bus.keys.req("tomb"), ev)
         resp = await harness.client.get("/v1/requests/tomb/stream")
         async with resp:

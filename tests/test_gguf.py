@@ -38,15 +38,16 @@ def test_dequantized_tensors_equal_transformers(smollm2_dir, smollm2_reference):
     for name, ref in smollm2_reference["tensors"].items():
         w = weights[name]
         assert list(w.shape) == ref["shape"], name
-        rows = w.reshape(w.shape[0], -1)[:len(ref["row_sums"])]
-        np.testing.assert_allclose(rows.astype(np.float64).sum(axis=1), ref["row_sums"], rtol=1e-6,
-                                   atol=1e-6, err_msg=name)
-        np.testing.assert_allclose(rows[:4, :8], np.array(ref["corner"], np.float32), rtol=1e-7,
-                                   err_msg=name)
+        rows = w.reshape(w.shape[0], -1)[: len(ref["row_sums"])]
+        np.testing.assert_allclose(
+            rows.astype(np.float64).sum(axis=1), ref["row_sums"], rtol=1e-6, atol=1e-6, err_msg=name
+        )
+        np.testing.assert_allclose(rows[:4, :8], np.array(ref["corner"], np.float32), rtol=1e-7, err_msg=name)
 
 
-def test_tokenizer_from_gguf_metadata_encodes_and_decodes_like_transformers(smollm2_tokenizer,
-                                                                            smollm2_reference):
+def test_tokenizer_from_gguf_metadata_encodes_and_decodes_like_transformers(
+    smollm2_tokenizer, smollm2_reference
+):
     for case in smollm2_reference["texts"]:
         ids = smollm2_tokenizer.encode(case["text"])
         assert ids == case["ids"], case["text"]
@@ -64,12 +65,18 @@ def test_the_default_model_is_named_for_itself(smollm2_dir, smollm2_tokenizer):
 
 
 def test_fd_convert_writes_a_directory_fd_serves_with_the_same_greedy_ids(
-        smollm2_gguf, smollm2_reference, tmp_path):
+    smollm2_gguf, smollm2_reference, tmp_path
+):
     out = tmp_path / "smollm2-hf"
     assert main(["convert", str(smollm2_gguf), str(out)]) == 0
     names = {p.name for p in out.iterdir()}
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-            "generation_config.json"} <= names
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    } <= names
     assert "chat_template" in json.loads((out / "tokenizer_config.json").read_text())
     # (HF's layout, as vLLM and transformers read it: the older rope_theta spelling)
     cfg = json.loads((out / "config.json").read_text())
@@ -77,7 +84,9 @@ def test_fd_convert_writes_a_directory_fd_serves_with_the_same_greedy_ids(
     tok = Tokenizer.from_dir(str(out))
     chat = smollm2_reference["chat"]
     llm = LLM(ModelRunner(str(out), num_blocks=16), tok)
-    got = llm.generate([chat["prompt_ids"]], SamplingParams(temperature=0.0, max_tokens=len(chat["output_ids"])))
+    got = llm.generate(
+        [chat["prompt_ids"]], SamplingParams(temperature=0.0, max_tokens=len(chat["output_ids"]))
+    )
     assert got[0].token_ids == chat["output_ids"]
     # a second conversion into the same place is refused, not silently mixed
     with pytest.raises(SystemExit, match="already holds a model"):
@@ -92,13 +101,22 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-_GGUF_NAMES = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-               "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-               "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-               "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
-               "self_attn.v_proj.bias": "attn_v.bias", "self_attn.q_norm.weight": "attn_q_norm.weight",
-               "self_attn.k_norm.weight": "attn_k_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
-               "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+_GGUF_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
 
 
 def _hf_weights(hf_dir: Path, arch: str) -> dict[str, np.ndarray]:
@@ -110,15 +128,27 @@ def _hf_weights(hf_dir: Path, arch: str) -> dict[str, np.ndarray]:
         p = f"model.layers.{i}.self_attn."
         if arch == "qwen2":
             for n in ("q", "k", "v"):
-                w[p + f"{n}_proj.bias"] = rng.standard_normal(w[p + f"{n}_proj.weight"].shape[0]).astype(np.float32)
+                w[p + f"{n}_proj.bias"] = rng.standard_normal(w[p + f"{n}_proj.weight"].shape[0]).astype(
+                    np.float32
+                )
         if arch == "qwen3":
             for n in ("q", "k"):
-                w[p + f"{n}_norm.weight"] = (1 + 0.1 * rng.standard_normal(cfg["head_dim"])).astype(np.float32)
+                w[p + f"{n}_norm.weight"] = (1 + 0.1 * rng.standard_normal(cfg["head_dim"])).astype(
+                    np.float32
+                )
     return w
 
 
-def write_gguf(path: Path, hf_dir: Path, arch: str = "llama", quant=Q.F32, meta=None, pre="gpt-2",
-               tokenizer_model="gpt2", extra=None) -> dict[str, np.ndarray]:
+def write_gguf(
+    path: Path,
+    hf_dir: Path,
+    arch: str = "llama",
+    quant=Q.F32,
+    meta=None,
+    pre="gpt-2",
+    tokenizer_model="gpt2",
+    extra=None,
+) -> dict[str, np.ndarray]:
     """The tiny HF model at ``hf_dir`` as a GGUF file, as llama.cpp's converter writes one
     (``quant``: the 2-D weights' type); returns the HF weights it holds."""
     cfg = json.loads((hf_dir / "config.json").read_text())
@@ -151,10 +181,15 @@ def write_gguf(path: Path, hf_dir: Path, arch: str = "llama", quant=Q.F32, meta=
             w.add_string(key, value)
         else:
             w.add_uint32(key, value)
-    heads = {"self_attn.q_proj.weight": cfg["num_attention_heads"],
-             "self_attn.k_proj.weight": cfg["num_key_value_heads"]}
-    globals_ = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                "lm_head.weight": "output.weight"}
+    heads = {
+        "self_attn.q_proj.weight": cfg["num_attention_heads"],
+        "self_attn.k_proj.weight": cfg["num_key_value_heads"],
+    }
+    globals_ = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
     for name, t in weights.items():
         if name in globals_:
             gname = globals_[name]
@@ -205,9 +240,11 @@ def test_a_quantized_gguf_converts_to_its_dequantized_weights_in_hf_layout(tiny_
     assert main(["convert", str(src), str(out)]) == 0
     got = load_file(str(out / "model.safetensors"))
     cfg = json.loads((tiny_model_dir / "config.json").read_text())
-    for name, heads in (("model.layers.1.self_attn.q_proj.weight", cfg["num_attention_heads"]),
-                        ("model.layers.1.self_attn.k_proj.weight", cfg["num_key_value_heads"]),
-                        ("model.layers.1.mlp.down_proj.weight", None)):
+    for name, heads in (
+        ("model.layers.1.self_attn.q_proj.weight", cfg["num_attention_heads"]),
+        ("model.layers.1.self_attn.k_proj.weight", cfg["num_key_value_heads"]),
+        ("model.layers.1.mlp.down_proj.weight", None),
+    ):
         w = want[name]
         order = _permute(np.arange(w.shape[0])[:, None], heads).ravel() if heads else np.arange(w.shape[0])
         stored = gguf.quants.dequantize(gguf.quants.quantize(w[order], Q.Q8_0), Q.Q8_0)
@@ -221,30 +258,40 @@ def test_a_quantized_gguf_converts_to_its_dequantized_weights_in_hf_layout(tiny_
     assert len(gen[0].token_ids) == 4 and gen[0].finish_reason == "length"
 
 
-@pytest.mark.parametrize("pre, words", [
-    # how each model's own tokenizer.json splits text into words before BPE
-    ("gpt-2", ["Hi", "Ġ12345", "Ġ!!"]),                        # GPT-2: numbers whole
-    ("smollm", ["Hi", "Ġ", "1", "2", "3", "4", "5", "Ġ!!"]),    # SmolLM, StarCoder: digit by digit
-    ("llama-bpe", ["Hi", "Ġ", "123", "45", "Ġ!!"]),             # Llama 3: up to three digits
-    ("qwen2", ["Hi", "Ġ", "1", "2", "3", "4", "5", "Ġ!!"]),     # Qwen 2 and 3: digit by digit
-])
-def test_the_gguf_pre_tokenizer_name_splits_words_as_that_models_tokenizer(pre, words, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize(
+    "pre, words",
+    [
+        # how each model's own tokenizer.json splits text into words before BPE
+        ("gpt-2", ["Hi", "Ġ12345", "Ġ!!"]),  # GPT-2: numbers whole
+        ("smollm", ["Hi", "Ġ", "1", "2", "3", "4", "5", "Ġ!!"]),  # SmolLM, StarCoder: digit by digit
+        ("llama-bpe", ["Hi", "Ġ", "123", "45", "Ġ!!"]),  # Llama 3: up to three digits
+        ("qwen2", ["Hi", "Ġ", "1", "2", "3", "4", "5", "Ġ!!"]),  # Qwen 2 and 3: digit by digit
+    ],
+)
+def test_the_gguf_pre_tokenizer_name_splits_words_as_that_models_tokenizer(
+    pre, words, tiny_model_dir, tmp_path
+):
     src = tmp_path / "t.gguf"
     write_gguf(src, tiny_model_dir, pre=pre)
     tok = GGUFCheckpoint(str(src)).vocab.tokenizer()
     assert [w for w, _ in tok.pre_tokenizer.pre_tokenize_str("Hi 12345 !!")] == words
 
 
-@pytest.mark.parametrize("change, says", [
-    (dict(arch="gpt2"), "GGUF architecture 'gpt2' is not supported"),
-    (dict(tokenizer_model="llama"), "tokenizer.ggml.model 'llama' is not supported"),
-    (dict(pre="tekken"), "tokenizer.ggml.pre 'tekken' is not supported"),
-    (dict(extra={"blk.0.attn_q.scales": (np.zeros((4, 40), np.uint8), Q.Q8_1)}),
-     "GGUF quantization type Q8_1 (tensor blk.0.attn_q.scales) is not supported"),
-    (dict(extra={"rope_freqs.weight": (np.ones(16, np.float32), Q.F32)}), "rope_freqs.weight"),
-    (dict(meta={"llama.rope.scaling.type": "yarn"}), "rope.scaling.type 'yarn' is not supported"),
-    (dict(meta={"llama.expert_count": 8}), "mixture of experts"),
-])
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        (dict(arch="gpt2"), "GGUF architecture 'gpt2' is not supported"),
+        (dict(tokenizer_model="llama"), "tokenizer.ggml.model 'llama' is not supported"),
+        (dict(pre="tekken"), "tokenizer.ggml.pre 'tekken' is not supported"),
+        (
+            dict(extra={"blk.0.attn_q.scales": (np.zeros((4, 40), np.uint8), Q.Q8_1)}),
+            "GGUF quantization type Q8_1 (tensor blk.0.attn_q.scales) is not supported",
+        ),
+        (dict(extra={"rope_freqs.weight": (np.ones(16, np.float32), Q.F32)}), "rope_freqs.weight"),
+        (dict(meta={"llama.rope.scaling.type": "yarn"}), "rope.scaling.type 'yarn' is not supported"),
+        (dict(meta={"llama.expert_count": 8}), "mixture of experts"),
+    ],
+)
 def test_what_fd_cannot_convert_is_refused_by_name(change, says, tiny_model_dir, tmp_path, capsys):
     src = tmp_path / "bad.gguf"
     write_gguf(src, tiny_model_dir, **change)

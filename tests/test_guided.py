@@ -17,13 +17,21 @@ from control.guided import canonical
 from engine.llm import LLM
 from engine.model_runner import ModelRunner
 
-PERSON = {"type": "object", "additionalProperties": False, "required": ["city", "age", "ok"],
-          "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
-                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                         "ok": {"type": "boolean"}}}
-SPECS = {"json": ({"json": PERSON}, lambda t: _person(_loads(t))),
-         "regex": ({"regex": r"[a-c]{3}-[0-9]{2}"}, lambda t: re.fullmatch(r"[a-c]{3}-[0-9]{2}", t)),
-         "choice": ({"choice": ["yes", "no", "maybe so"]}, lambda t: t in ("yes", "no", "maybe so"))}
+PERSON = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["city", "age", "ok"],
+    "properties": {
+        "city": {"enum": ["Paris", "Rome", "Oslo"]},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "ok": {"type": "boolean"},
+    },
+}
+SPECS = {
+    "json": ({"json": PERSON}, lambda t: _person(_loads(t))),
+    "regex": ({"regex": r"[a-c]{3}-[0-9]{2}"}, lambda t: re.fullmatch(r"[a-c]{3}-[0-9]{2}", t)),
+    "choice": ({"choice": ["yes", "no", "maybe so"]}, lambda t: t in ("yes", "no", "maybe so")),
+}
 
 
 def _loads(text: str):
@@ -34,8 +42,14 @@ def _loads(text: str):
 
 
 def _person(obj) -> bool:
-    return (isinstance(obj, dict) and set(obj) == {"city", "age", "ok"} and obj["city"] in ("Paris", "Rome", "Oslo")
-            and isinstance(obj["age"], int) and 0 <= obj["age"] <= 120 and isinstance(obj["ok"], bool))
+    return (
+        isinstance(obj, dict)
+        and set(obj) == {"city", "age", "ok"}
+        and obj["city"] in ("Paris", "Rome", "Oslo")
+        and isinstance(obj["age"], int)
+        and 0 <= obj["age"] <= 120
+        and isinstance(obj["ok"], bool)
+    )
 
 
 @pytest.mark.parametrize("kind", sorted(SPECS))
@@ -46,10 +60,12 @@ def test_the_model_answers_in_the_shape_asked(kind, async_scheduling, tiny_model
     # a pool small enough that the requests preempt each other: rebuilt matchers must agree
     runner = ModelRunner(str(tiny_model_dir), num_blocks=6, block_size=16)
     llm = LLM(runner, tiny_tokenizer, max_num_seqs=4, async_scheduling=async_scheduling)
-    sps = [SamplingParams(temperature=0.0, max_tokens=60, guided=canonical(spec)),
-           SamplingParams(temperature=1.0, seed=3, max_tokens=60, guided=canonical(spec)),
-           SamplingParams(temperature=1.0, seed=4, max_tokens=60, guided=canonical(spec)),
-           SamplingParams(temperature=0.7, top_p=0.9, seed=5, max_tokens=60, guided=canonical(spec))]
+    sps = [
+        SamplingParams(temperature=0.0, max_tokens=60, guided=canonical(spec)),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=60, guided=canonical(spec)),
+        SamplingParams(temperature=1.0, seed=4, max_tokens=60, guided=canonical(spec)),
+        SamplingParams(temperature=0.7, top_p=0.9, seed=5, max_tokens=60, guided=canonical(spec)),
+    ]
     events = []
     gens = llm.generate(prompts, sps, on_event=events.append)
     for g in gens:
@@ -69,8 +85,14 @@ def test_preemption_and_one_step_ahead_give_the_same_guided_output(tiny_model_di
     for blocks, ahead in ((64, False), (5, False), (5, True)):
         runner = ModelRunner(str(tiny_model_dir), num_blocks=blocks, block_size=16)
         events = []
-        outs.append([g.token_ids for g in LLM(runner, tiny_tokenizer, max_num_seqs=5,
-                                               async_scheduling=ahead).generate(prompts, sp, on_event=events.append)])
+        outs.append(
+            [
+                g.token_ids
+                for g in LLM(runner, tiny_tokenizer, max_num_seqs=5, async_scheduling=ahead).generate(
+                    prompts, sp, on_event=events.append
+                )
+            ]
+        )
         if blocks == 5:
             assert any(e.TYPE == "preempted" for e in events)
     assert outs[0] == outs[1] == outs[2]
@@ -86,15 +108,19 @@ def test_the_mask_is_llguidances_and_survives_a_rebuild(tiny_model_dir, tiny_run
     spec = canonical({"json": PERSON})
     tj = (tiny_model_dir / "tokenizer.json").read_text()
     guides = Guides(tj, tiny_runner.vocab_size, tiny_runner.eos_token_ids)
-    ref = llguidance.LLMatcher(llguidance.LLTokenizer(tj, n_vocab=tiny_runner.vocab_size,
-                                                      eos_token=list(tiny_runner.eos_token_ids)), grammar(spec))
+    ref = llguidance.LLMatcher(
+        llguidance.LLTokenizer(tj, n_vocab=tiny_runner.vocab_size, eos_token=list(tiny_runner.eos_token_ids)),
+        grammar(spec),
+    )
     out: list[int] = []
     rng = np.random.default_rng(0)
     bitmask = lnp.allocate_token_bitmask(1, tiny_runner.vocab_size)
     for step in range(40):
         mask = guides.allowed("r", spec, out)
         lnp.fill_next_token_bitmask(ref, bitmask)
-        want = np.unpackbits(bitmask.view(np.uint8)[0], bitorder="little")[:tiny_runner.vocab_size].astype(bool)
+        want = np.unpackbits(bitmask.view(np.uint8)[0], bitorder="little")[: tiny_runner.vocab_size].astype(
+            bool
+        )
         assert (mask == want).all(), step
         token = int(rng.choice(np.flatnonzero(mask)))
         if token in tiny_runner.eos_token_ids:
@@ -117,23 +143,44 @@ async def test_structured_outputs_through_the_api(served):
     model = api.cfg.model_name
     msgs = [{"role": "user", "content": "Describe someone."}]
     c = await client.chat.completions.create(
-        model=model, messages=msgs, max_tokens=60, temperature=0,
-        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+        model=model,
+        messages=msgs,
+        max_tokens=60,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
+    )
     assert c.choices[0].finish_reason == "stop" and _person(json.loads(c.choices[0].message.content))
-    c = await client.chat.completions.create(model=model, messages=msgs, max_tokens=60, temperature=1.0,
-                                             seed=2, response_format={"type": "json_object"})
+    c = await client.chat.completions.create(
+        model=model,
+        messages=msgs,
+        max_tokens=60,
+        temperature=1.0,
+        seed=2,
+        response_format={"type": "json_object"},
+    )
     text = c.choices[0].message.content
     assert c.choices[0].finish_reason in ("stop", "length")
     if c.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(text), dict)
     else:  # cut by max_tokens: still the start of an object
         assert text.startswith("{")
-    stream = await client.completions.create(model=model, prompt="Answer:", max_tokens=10, temperature=1.0,
-                                             stream=True, extra_body={"guided_choice": ["yes", "no", "maybe so"]})
+    stream = await client.completions.create(
+        model=model,
+        prompt="Answer:",
+        max_tokens=10,
+        temperature=1.0,
+        stream=True,
+        extra_body={"guided_choice": ["yes", "no", "maybe so"]},
+    )
     text = "".join([ch.text async for chunk in stream for ch in chunk.choices])
     assert text in ("yes", "no", "maybe so")
-    r = await client.completions.create(model=model, prompt="Code:", max_tokens=10, temperature=0,
-                                        extra_body={"guided_regex": r"[a-c]{3}-[0-9]{2}"})
+    r = await client.completions.create(
+        model=model,
+        prompt="Code:",
+        max_tokens=10,
+        temperature=0,
+        extra_body={"guided_regex": r"[a-c]{3}-[0-9]{2}"},
+    )
     assert re.fullmatch(r"[a-c]{3}-[0-9]{2}", r.choices[0].text)
     assert eng.node.sched.num_free_blocks == eng.node.sched.num_total_blocks
     await client.close()
@@ -144,12 +191,21 @@ def test_a_hand_written_request_with_a_spec(tiny_runner, tiny_tokenizer):
     from control.events import Request, decode, encode
 
     spec = json.dumps({"choice": ["left", "right"]})
-    ev = decode(encode(Request(request_id="h", data=RequestData(prompt_token_ids=(5, 6, 7), sampling=SamplingParams(
-        max_tokens=5, guided=spec)))))
+    ev = decode(
+        encode(
+            Request(
+                request_id="h",
+                data=RequestData(
+                    prompt_token_ids=(5, 6, 7), sampling=SamplingParams(max_tokens=5, guided=spec)
+                ),
+            )
+        )
+    )
     assert ev.data.sampling.guided == spec
     g = LLM(tiny_runner, tiny_tokenizer).generate([list(ev.data.prompt_token_ids)], ev.data.sampling)[0]
     assert g.text in ("left", "right")
     from control.events import BadEvent
+
     with pytest.raises(BadEvent):
         SamplingParams.from_dict({"guided": '{"regex": 5}'})
 
@@ -157,24 +213,37 @@ def test_a_hand_written_request_with_a_spec(tiny_runner, tiny_tokenizer):
 async def test_a_hand_written_spec_that_does_not_compile_ends_with_an_error(served):
     """`redis-cli XADD fd:requests ...` with a grammar that names an undefined rule: the
     engine answers with an error final instead of generating unconstrained text."""
-    from control.events import Final, Request, encode
     from test_api_streaming import wait_for
+
+    from control.events import Final, Request, encode
 
     api, eng = served
     bad = json.dumps({"grammar": "start: nothing_defined"})
-    await api.bus.redis.xadd(api.bus.keys.requests, encode(Request(request_id="hw", data=RequestData(
-        prompt_token_ids=(5, 6, 7), sampling=SamplingParams(max_tokens=5, guided=bad)))))
+    await api.bus.redis.xadd(
+        api.bus.keys.requests,
+        encode(
+            Request(
+                request_id="hw",
+                data=RequestData(
+                    prompt_token_ids=(5, 6, 7), sampling=SamplingParams(max_tokens=5, guided=bad)
+                ),
+            )
+        ),
+    )
 
     async def ended():
         story = await api.bus.read_req("hw")
         return bool(story) and isinstance(story[-1][1], Final)
+
     assert await wait_for(ended)
     final = (await api.bus.read_req("hw"))[-1][1]
     assert final.finish_reason == "error" and "does not compile" in final.error
 
 
 def test_a_finished_grammar_wins_over_min_tokens(tiny_runner, tiny_tokenizer):
-    sp = SamplingParams(temperature=0.0, max_tokens=40, min_tokens=30, guided=canonical({"choice": ["yes", "no"]}))
+    sp = SamplingParams(
+        temperature=0.0, max_tokens=40, min_tokens=30, guided=canonical({"choice": ["yes", "no"]})
+    )
     g = LLM(tiny_runner, tiny_tokenizer).generate([tiny_tokenizer.encode("Answer:")], sp)[0]
     assert g.text in ("yes", "no") and g.finish_reason == "stop"
     # and it ended there, not after min_tokens tokens of whatever an all-banned row gives

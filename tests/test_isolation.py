@@ -19,14 +19,14 @@ import openai
 import orjson
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from test_api_streaming import FakeEngine, parse_sse
+from test_api_validation import FakeTokenizer
 
 from control.bus import StreamMux
 from control.events import Abort, Accepted, Final, decode
 from control.metrics import Metrics
 from fd.api import ApiConfig, make_app
 from fd.api.tenancy import key_tag
-from test_api_streaming import FakeEngine, parse_sse
-from test_api_validation import FakeTokenizer
 
 A, B, ADMIN = "key-a-7f3c9d", "key-b-21e8aa", "key-admin-5b0c"
 TAG_A = key_tag(A)
@@ -94,8 +94,9 @@ async def aborts_published(bus) -> set[str]:
 
 async def make_response(client, key: str, rid: str | None = None, **extra) -> str:
     headers = {**auth(key), **({"X-Request-Id": rid} if rid else {})}
-    resp = await client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 3, **extra},
-                             headers=headers)
+    resp = await client.post(
+        "/v1/responses", json={"input": "hi", "max_output_tokens": 3, **extra}, headers=headers
+    )
     assert resp.status == 200, await resp.text()
     body = await resp.json()
     assert resp.headers["X-Request-Id"] == body["id"] == (rid or body["id"])
@@ -139,10 +140,12 @@ async def test_only_the_owner_or_the_admin_aborts_a_request(bus):
     engine = FakeEngine(bus, hold=True)  # every request runs until it is aborted
     async with replicas(bus, engine) as (one, two):
         # background: answered at once, running on
-        ids = [await make_response(one, A, background=True),
-               await make_response(one, A, "a-job", background=True),
-               await make_response(one, A, background=True),
-               await make_response(one, A, background=True)]
+        ids = [
+            await make_response(one, A, background=True),
+            await make_response(one, A, "a-job", background=True),
+            await make_response(one, A, background=True),
+            await make_response(one, A, background=True),
+        ]
         logged = [ids[0], f"{TAG_A}:a-job", ids[2], ids[3]]
         for rid in ids:
             for method, path, body in ROUTES[4:8]:
@@ -176,23 +179,31 @@ async def test_a_reused_request_id_tells_nothing_of_another_tenant(bus):
     engine = FakeEngine(bus)
     async with replicas(bus, engine) as (one, two):
         for key, n in ((A, 2), (B, 4)):
-            resp = await one.post("/v1/chat/completions", headers={**auth(key), "X-Request-Id": "job-1"},
-                                  json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": n})
+            resp = await one.post(
+                "/v1/chat/completions",
+                headers={**auth(key), "X-Request-Id": "job-1"},
+                json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": n},
+            )
             assert resp.status == 200, await resp.text()  # B's job-1 is not A's: no 409
             body = await resp.json()
             assert body["id"] == resp.headers["X-Request-Id"] == "job-1"
             assert body["usage"]["completion_tokens"] == n
         # each tenant's job-1 is its own: a reuse is a 409 for the one who made it
         for key in (A, B):
-            resp = await two.post("/v1/chat/completions", headers={**auth(key), "X-Request-Id": "job-1"},
-                                  json={"messages": [{"role": "user", "content": "hi"}]})
+            resp = await two.post(
+                "/v1/chat/completions",
+                headers={**auth(key), "X-Request-Id": "job-1"},
+                json={"messages": [{"role": "user", "content": "hi"}]},
+            )
             assert resp.status == 409
             assert (await resp.json())["error"]["code"] == "duplicate_request_id"
         texts = {}
         for key in (A, B):
             resp = await two.get("/v1/requests/job-1/stream", headers=auth(key))
             chunks = [orjson.loads(d) for _, d in parse_sse(await resp.read()) if d != "[DONE]"]
-            texts[key] = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+            texts[key] = "".join(
+                c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]
+            )
         assert texts == {A: "Hello,", B: "Hello, world"}
         # in the event log: one story each, tagged with a hash of its key, never the key
         assert not await bus.request_exists("job-1")
@@ -203,8 +214,11 @@ async def test_a_reused_request_id_tells_nothing_of_another_tenant(bus):
             assert re.fullmatch(r"[0-9a-f]{16}", first.tenant)
             assert all(key.encode() not in v for _, fields in story for v in fields.values())
         # an id too long for A's space is refused as any bad id is, with nothing written
-        resp = await one.post("/v1/chat/completions", headers={**auth(A), "X-Request-Id": "x" * 120},
-                              json={"messages": [{"role": "user", "content": "hi"}]})
+        resp = await one.post(
+            "/v1/chat/completions",
+            headers={**auth(A), "X-Request-Id": "x" * 120},
+            json={"messages": [{"role": "user", "content": "hi"}]},
+        )
         assert resp.status == 400
         assert (await resp.json())["error"]["param"] == "X-Request-Id"
 
@@ -214,10 +228,19 @@ async def test_server_made_ids_are_long_and_random(real_bus):
     async with replicas(real_bus, engine, n=1) as (one,):
         ids = []
         for path, body, prefix in (
-                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}, "chatcmpl"),
-                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}, "chatcmpl"),
-                ("/v1/completions", {"prompt": "hi", "max_tokens": 1}, "cmpl"),
-                ("/v1/responses", {"input": "hi", "max_output_tokens": 1}, "resp")):
+            (
+                "/v1/chat/completions",
+                {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+                "chatcmpl",
+            ),
+            (
+                "/v1/chat/completions",
+                {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+                "chatcmpl",
+            ),
+            ("/v1/completions", {"prompt": "hi", "max_tokens": 1}, "cmpl"),
+            ("/v1/responses", {"input": "hi", "max_output_tokens": 1}, "resp"),
+        ):
             resp = await one.post(path, json=body, headers=auth(A))
             rid = (await resp.json())["id"]
             assert rid == resp.headers["X-Request-Id"]
@@ -233,7 +256,9 @@ async def test_the_openai_client_sees_only_its_own_responses(real_bus):
     engine = FakeEngine(real_bus)
     async with replicas(real_bus, engine) as (one, two):
         url = str(one.make_url("/v1"))
-        oa_a, oa_b, oa_admin = (openai.AsyncOpenAI(base_url=url, api_key=k, max_retries=0) for k in (A, B, ADMIN))
+        oa_a, oa_b, oa_admin = (
+            openai.AsyncOpenAI(base_url=url, api_key=k, max_retries=0) for k in (A, B, ADMIN)
+        )
         try:
             r = await oa_a.responses.create(model="tiny", input="hi", max_output_tokens=3)
             assert (await oa_a.responses.retrieve(r.id)).output_text == r.output_text
@@ -244,8 +269,12 @@ async def test_the_openai_client_sees_only_its_own_responses(real_bus):
                     await call(r.id)
             with pytest.raises(openai.NotFoundError):
                 await oa_b.responses.create(model="tiny", input="more", previous_response_id=r.id)
-            chat = await oa_b.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
-                                                      max_tokens=2, extra_headers={"X-Request-Id": r.id})
+            chat = await oa_b.chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": "x"}],
+                max_tokens=2,
+                extra_headers={"X-Request-Id": r.id},
+            )
             assert chat.id == r.id  # B may name its own request as A's is named
         finally:
             for oa in (oa_a, oa_b, oa_admin):
@@ -277,8 +306,21 @@ def test_api_keys_from_flags_a_file_and_the_environment(tmp_path, monkeypatch):
     keys.write_text("# tenants\nk3\n\n  k4  \n")
     parse = build_parser().parse_args
     assert api_keys(parse(["api", "--api-key", "k1"])) == ["k1"]  # the old single key
-    args = parse(["serve", "m", "--api-key", "k1", "k2", "--api-key", "k5", "--api-key-file", str(keys),
-                  "--admin-api-key", "adm"])
+    args = parse(
+        [
+            "serve",
+            "m",
+            "--api-key",
+            "k1",
+            "k2",
+            "--api-key",
+            "k5",
+            "--api-key-file",
+            str(keys),
+            "--admin-api-key",
+            "adm",
+        ]
+    )
     assert api_keys(args) == ["k1", "k2", "k5", "k3", "k4"] and args.admin_key == "adm"
     assert parse(["api", "--admin-key", "adm"]).admin_key == "adm"
     assert api_keys(parse(["api"])) == []

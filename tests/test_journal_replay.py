@@ -13,19 +13,43 @@ import json
 import orjson
 import pytest
 
-from control.events import (AbortRequested, BlocksReleased, Drained, Event, Final, JournalStep,
-                            Preempted, RequestData, SamplingParams, Tokens, decode)
+from control.events import (
+    AbortRequested,
+    BlocksReleased,
+    Drained,
+    Event,
+    Final,
+    JournalStep,
+    Preempted,
+    RequestData,
+    SamplingParams,
+    Tokens,
+    decode,
+)
 from engine.config import SchedulerConfig
 from engine.journal import JournalRecorder, config_from_json, journaled
 from engine.outputs import RunnerOutput
-from engine.replay import (check_journal, export_jsonl, load_journal_from_redis,
-                           load_journal_jsonl, main, replay)
+from engine.replay import (
+    check_journal,
+    export_jsonl,
+    load_journal_from_redis,
+    load_journal_jsonl,
+    main,
+    replay,
+)
 from engine.scheduler import Scheduler
 from engine.sequence import Status
 
 EOS = 2
-CFG = SchedulerConfig(num_blocks=14, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
-                      max_model_len=64, eos_token_ids=(EOS,), long_prefill_threshold=8)
+CFG = SchedulerConfig(
+    num_blocks=14,
+    block_size=4,
+    max_num_seqs=4,
+    max_num_batched_tokens=16,
+    max_model_len=64,
+    eos_token_ids=(EOS,),
+    long_prefill_threshold=8,
+)
 
 
 def model(ctx):
@@ -51,14 +75,14 @@ class FakeRunner:
                 self.kv[s.block_table[p // self.bs]][p % self.bs] = (p, t)
             if s.sample:
                 kv = [self.kv[s.block_table[p // self.bs]][p % self.bs] for p in range(end)]
-                sampled[s.request_id] = model([t if q == p else t + 1000
-                                               for p, (q, t) in enumerate(kv)])
+                sampled[s.request_id] = model([t if q == p else t + 1000 for p, (q, t) in enumerate(kv)])
         return RunnerOutput(step=out.step, sampled=sampled, stopped=dict(stopped or {}))
 
 
 def req(n, max_tokens=6, start=10, **sp):
-    return RequestData(prompt_token_ids=tuple(range(start, start + n)),
-                       sampling=SamplingParams(max_tokens=max_tokens, **sp))
+    return RequestData(
+        prompt_token_ids=tuple(range(start, start + n)), sampling=SamplingParams(max_tokens=max_tokens, **sp)
+    )
 
 
 class Run:
@@ -117,15 +141,27 @@ def record_run(sched_cls=Scheduler) -> Run:
         s.add("a", req(3))  # duplicate add raises; the journal records that too
     run.step()
     run.call("add", "c", req(9, max_tokens=20, start=70))
-    run.call("add", "d", req(5, max_tokens=20, start=90, frequency_penalty=0.5, repetition_penalty=1.1,
-                             logit_bias=((3, 1.0), (7, -2.5)), min_p=0.1, min_tokens=2, logprobs=2,
-                             prompt_logprobs=1))
+    run.call(
+        "add",
+        "d",
+        req(
+            5,
+            max_tokens=20,
+            start=90,
+            frequency_penalty=0.5,
+            repetition_penalty=1.1,
+            logit_bias=((3, 1.0), (7, -2.5)),
+            min_p=0.1,
+            min_tokens=2,
+            logprobs=2,
+            prompt_logprobs=1,
+        ),
+    )
     run.step()
     # 'long' has had one or two 8-token chunks of 20: abort it between steps, mid-prefill
     snap = {r["request_id"]: r for r in s.snapshot()["requests"]}
     assert 0 < snap["long"]["num_computed_tokens"] < 20
-    abort_case(run, "long", "mid_prefill",
-               ["AbortRequested", "Drained", "BlocksReleased", "Final"])
+    abort_case(run, "long", "mid_prefill", ["AbortRequested", "Drained", "BlocksReleased", "Final"])
     run.call("add", "w1", req(30, max_tokens=4, start=5))
     run.call("add", "w2", req(4, max_tokens=4, start=15))
     run.step()
@@ -156,15 +192,21 @@ def record_run(sched_cls=Scheduler) -> Run:
             run.call("add", "late1", req(6, max_tokens=30, start=3))
             run.call("add", "late2", req(6, max_tokens=30, start=4))
         if s.step == 16 and "released_before_fold_in" not in run.cases:
+
             def finished_early(r):
                 rid = next(x for x in ("late1", "late2", "c", "d") if r.rec.in_flight(x))
                 abort_case(r, rid, "released_before_fold_in", ["AbortRequested"])
                 r.early = rid
+
             run.step(during=finished_early, finished=True)
             # released by `finished`, before the step was folded in: its token dropped there
             mine = [type(e).__name__ for e in run.events if e.request_id == run.early]
-            assert mine[mine.index("AbortRequested"):] == [
-                "AbortRequested", "Drained", "BlocksReleased", "Final"]
+            assert mine[mine.index("AbortRequested") :] == [
+                "AbortRequested",
+                "Drained",
+                "BlocksReleased",
+                "Final",
+            ]
         if s.step == 18:
             evs = run.call("abort_all", "engine")
             assert any(isinstance(e, AbortRequested) for e in evs)
@@ -176,10 +218,17 @@ def record_run(sched_cls=Scheduler) -> Run:
 def test_recorded_run_covers_the_cases_and_replays_exactly(tmp_path):
     run = record_run()
     evs = run.events
-    assert run.cases == {"waiting", "mid_prefill", "in_flight", "duplicate", "unknown", "finished",
-                         "released_before_fold_in", "abort_all"}
-    assert any(c["op"] == "finished" and c["ev"] for e in run.entries[1:]
-               for c in e.data["calls"])
+    assert run.cases == {
+        "waiting",
+        "mid_prefill",
+        "in_flight",
+        "duplicate",
+        "unknown",
+        "finished",
+        "released_before_fold_in",
+        "abort_all",
+    }
+    assert any(c["op"] == "finished" and c["ev"] for e in run.entries[1:] for c in e.data["calls"])
     assert any(isinstance(e, Preempted) for e in evs), "the pool is small enough to preempt"
     assert any(isinstance(e, Final) and e.finish_reason == "error" for e in evs)
     assert any(isinstance(e, Final) and e.stop_reason == "</s>" for e in evs)
@@ -206,8 +255,11 @@ def test_recorded_run_covers_the_cases_and_replays_exactly(tmp_path):
     assert s["finish_reasons"]["abort"] == sum(f.finish_reason == "abort" for f in finals)
     assert s["open_requests"] == 0
     assert 0 < s["peak_blocks_in_use"] <= CFG.num_blocks
-    assert s["aborts_released"] == sum(isinstance(e, BlocksReleased) and any(
-        isinstance(a, AbortRequested) and a.request_id == e.request_id for a in evs) for e in evs)
+    assert s["aborts_released"] == sum(
+        isinstance(e, BlocksReleased)
+        and any(isinstance(a, AbortRequested) and a.request_id == e.request_id for a in evs)
+        for e in evs
+    )
     # every abort released within its step; the in-flight one waited 5 ms for the step to end
     assert s["abort_release_steps"]["max"] == 0
     assert s["abort_release_ms"]["max"] == 5 and s["abort_release_ms"]["p50"] == 0
@@ -301,8 +353,9 @@ class ForgetfulScheduler(Scheduler):
         seq.status = Status.FINISHED
         del self._seqs[seq.request_id]
         events.append(BlocksReleased(request_id=seq.request_id, count=0, step=step))
-        events.append(Final(request_id=seq.request_id, finish_reason=reason, usage=seq.usage(),
-                            stop_reason=stop_reason))
+        events.append(
+            Final(request_id=seq.request_id, finish_reason=reason, usage=seq.usage(), stop_reason=stop_reason)
+        )
 
 
 class LyingScheduler(ForgetfulScheduler):
@@ -336,8 +389,10 @@ def test_a_leaking_scheduler_is_caught_by_the_journal_alone(cls, tmp_path, capsy
     # the correct scheduler disagrees with the recorded decisions
     report = replay(run.entries)
     assert report.divergence is not None
-    assert report.divergence.recorded["free"] != report.divergence.replayed["free"] or \
-        report.divergence.recorded["ev"] != report.divergence.replayed["ev"]
+    assert (
+        report.divergence.recorded["free"] != report.divergence.replayed["free"]
+        or report.divergence.recorded["ev"] != report.divergence.replayed["ev"]
+    )
     path = tmp_path / "leak.jsonl"
     export_jsonl(run.entries, path)
     assert main([str(path), "--json"]) == 1
@@ -351,8 +406,15 @@ def test_double_final_and_missing_entries_are_violations():
     # a second final for a finished request
     last = entries[-1]
     data = json.loads(json.dumps(last.data))
-    data["calls"].append({"op": "abort", "rid": "a", "source": "http",
-                          "ev": [["final", "a", "abort", 0, None, None]], "free": 14})
+    data["calls"].append(
+        {
+            "op": "abort",
+            "rid": "a",
+            "source": "http",
+            "ev": [["final", "a", "abort", 0, None, None]],
+            "free": 14,
+        }
+    )
     a = check_journal(entries[:-1] + [dataclasses.replace(last, data=data)])
     assert any("final #2" in v for v in a.violations)
     # a gap in the entries (trimming, a lost write) is reported, not silently replayed
@@ -395,15 +457,18 @@ async def test_journal_through_real_redis(real_bus, redis_server):
     # as the node does: the start, then each step's entry with the step's other events
     await bus.publish_many([(key, run.entries[0])])
     for ev in run.entries[1:]:
-        await bus.publish_many([(key, ev), (bus.keys.req("a"), Tokens(request_id="a",
-                                                                          token_ids=(5,)))])
+        await bus.publish_many([(key, ev), (bus.keys.req("a"), Tokens(request_id="a", token_ids=(5,)))])
     loaded = await load_journal_from_redis(bus, "eng-1")
     assert loaded == run.entries
     assert replay(loaded).ok
     argv = ["--engine", "eng-1", "--redis-url", redis_server.url, "--prefix", bus.keys.prefix]
     assert await asyncio.to_thread(main, argv) == 0
-    assert await asyncio.to_thread(main, ["--engine", "nope", "--redis-url", redis_server.url,
-                                          "--prefix", bus.keys.prefix]) == 2
+    assert (
+        await asyncio.to_thread(
+            main, ["--engine", "nope", "--redis-url", redis_server.url, "--prefix", bus.keys.prefix]
+        )
+        == 2
+    )
 
 
 async def test_export_all_engines_then_replay_the_file(real_bus, redis_server, tmp_path, capsys):
@@ -430,21 +495,32 @@ async def test_export_all_engines_then_replay_the_file(real_bus, redis_server, t
 def _shared_prefix_run(caching: bool, async_: bool) -> Run:
     """Requests whose prompts share prefixes, coming while others run, in a pool small enough
     to evict and preempt, one aborted while it shares blocks."""
-    cfg = dataclasses.replace(CFG, num_blocks=12, enable_prefix_caching=caching,
-                              max_steps_in_flight=2 if async_ else 1)
+    cfg = dataclasses.replace(
+        CFG, num_blocks=12, enable_prefix_caching=caching, max_steps_in_flight=2 if async_ else 1
+    )
     run = Run(Scheduler(cfg), "eng-cache")
     system = tuple(range(20, 29))  # 9 tokens: two full blocks of 4
-    run.call("add", "p0", RequestData(prompt_token_ids=system + (1, 2), sampling=SamplingParams(max_tokens=8)))
+    run.call(
+        "add", "p0", RequestData(prompt_token_ids=system + (1, 2), sampling=SamplingParams(max_tokens=8))
+    )
     run.step()
     for i in range(1, 7):
-        run.call("add", f"p{i}", RequestData(prompt_token_ids=system + (i, i + 1, i + 2),
-                                             sampling=SamplingParams(max_tokens=6 + i)))
+        run.call(
+            "add",
+            f"p{i}",
+            RequestData(
+                prompt_token_ids=system + (i, i + 1, i + 2), sampling=SamplingParams(max_tokens=6 + i)
+            ),
+        )
         run.step()
         if i == 3:
             run.call("abort", "p2", "http")
         if i == 4:  # the system prompt's second block's tokens, at the start: other contents
-            run.call("add", "p7", RequestData(prompt_token_ids=system[4:8] * 2 + (9,),
-                                              sampling=SamplingParams(max_tokens=5)))
+            run.call(
+                "add",
+                "p7",
+                RequestData(prompt_token_ids=system[4:8] * 2 + (9,), sampling=SamplingParams(max_tokens=5)),
+            )
     for _ in range(80):
         if not run.rec.has_work():
             break
@@ -471,7 +547,7 @@ def test_shared_prefixes_give_the_same_tokens_and_replay_clean(async_, tmp_path)
     assert sorted(a) == sorted(b) == [f"p{i}" for i in range(8)]
     # p2 was aborted after as many steps either way, further along with the cache
     x, y = a.pop("p2"), b.pop("p2")
-    assert x[:len(y)] == y and len(x) >= len(y)
+    assert x[: len(y)] == y and len(x) >= len(y)
     assert a == b
     assert cached.rec.scheduler.num_cache_hits > 0
     assert cached.rec.num_free_blocks == cached.rec.scheduler.num_total_blocks
@@ -492,8 +568,15 @@ def test_a_priority_policy_replays_clean(tmp_path):
     cfg = dataclasses.replace(CFG, num_blocks=8, scheduling_policy="priority")
     run = Run(Scheduler(cfg), "eng-prio")
     for i, p in enumerate((3, 0, 2, 0, 1)):
-        run.call("add", f"r{i}", RequestData(prompt_token_ids=tuple(range(20 * i, 20 * i + 6)),
-                                             sampling=SamplingParams(max_tokens=10), priority=p))
+        run.call(
+            "add",
+            f"r{i}",
+            RequestData(
+                prompt_token_ids=tuple(range(20 * i, 20 * i + 6)),
+                sampling=SamplingParams(max_tokens=10),
+                priority=p,
+            ),
+        )
         run.step()
     for _ in range(200):
         if not run.rec.has_work():
@@ -506,6 +589,8 @@ def test_a_priority_policy_replays_clean(tmp_path):
     report = replay(run.entries)
     assert report.divergence is None, report.divergence.describe()
     assert report.violations == []
-    tampered = [dataclasses.replace(run.entries[0], config={**run.entries[0].config, "scheduling_policy": "fcfs"}),
-                *run.entries[1:]]
+    tampered = [
+        dataclasses.replace(run.entries[0], config={**run.entries[0].config, "scheduling_policy": "fcfs"}),
+        *run.entries[1:],
+    ]
     assert replay(tampered).divergence is not None  # (the policy is what decided)

@@ -12,13 +12,22 @@ from engine.model_runner import ModelRunner
 
 @pytest.fixture(scope="module")
 def prompts(tiny_tokenizer):
-    texts = ["Hello there", "The quick brown fox jumps", "a", "Once upon a time in a far land",
-             "1 2 3 4 5 6 7 8 9", "What is the capital of", "zz", "Tell me a story about"]
+    texts = [
+        "Hello there",
+        "The quick brown fox jumps",
+        "a",
+        "Once upon a time in a far land",
+        "1 2 3 4 5 6 7 8 9",
+        "What is the capital of",
+        "zz",
+        "Tell me a story about",
+    ]
     return [tiny_tokenizer.encode(t) for t in texts]
 
 
-def test_preemption_keeps_greedy_output_and_frees_every_block(tiny_model_dir, tiny_runner,
-                                                             tiny_tokenizer, prompts):
+def test_preemption_keeps_greedy_output_and_frees_every_block(
+    tiny_model_dir, tiny_runner, tiny_tokenizer, prompts
+):
     sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     ample = LLM(tiny_runner, tiny_tokenizer).generate(prompts, sp)
     # 8 requests of up to ~46 tokens need ~3 blocks of 16 each (24 in all); give them 10, so
@@ -34,42 +43,48 @@ def test_preemption_keeps_greedy_output_and_frees_every_block(tiny_model_dir, ti
     assert llm.last_free_blocks == small.num_blocks
 
 
-def test_seeded_sampling_is_reproducible_across_batch_compositions(tiny_runner, tiny_tokenizer,
-                                                                   prompts):
+def test_seeded_sampling_is_reproducible_across_batch_compositions(tiny_runner, tiny_tokenizer, prompts):
     llm = LLM(tiny_runner, tiny_tokenizer)
     seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24, seed=1234, ignore_eos=True)
     alone = llm.generate([prompts[1]], seeded)[0]
     again = llm.generate([prompts[1]], seeded)[0]
     others = [SamplingParams(temperature=0.8, max_tokens=n, ignore_eos=True) for n in (5, 30, 12)]
-    crowd = llm.generate([prompts[0], prompts[1], prompts[3], prompts[5]],
-                         [others[0], seeded, others[1], others[2]])[1]
+    crowd = llm.generate(
+        [prompts[0], prompts[1], prompts[3], prompts[5]], [others[0], seeded, others[1], others[2]]
+    )[1]
     assert alone.token_ids == again.token_ids == crowd.token_ids
     # and it is sampling, not greedy: another seed gives another continuation
-    other_seed = llm.generate([prompts[1]], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24,
-                                                            seed=99, ignore_eos=True))[0]
+    other_seed = llm.generate(
+        [prompts[1]], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24, seed=99, ignore_eos=True)
+    )[0]
     assert other_seed.token_ids != alone.token_ids
 
 
-def test_async_scheduling_gives_the_same_output_as_one_step_at_a_time(tiny_model_dir, tiny_runner,
-                                                                      tiny_tokenizer, prompts):
+def test_async_scheduling_gives_the_same_output_as_one_step_at_a_time(
+    tiny_model_dir, tiny_runner, tiny_tokenizer, prompts
+):
     """Step N+1 fed placeholders for step N's tokens, the real runner filling them in: greedy,
     seeded sampling, stop strings, EOS and max_tokens end where they do one step at a time,
     also while preemptions (which a speculative schedule leaves to the next ordinary one) run."""
-    sps = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
-           SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24, seed=7, ignore_eos=True),
-           SamplingParams(temperature=0.0, max_tokens=30),
-           SamplingParams(temperature=0.0, max_tokens=1),
-           SamplingParams(temperature=0.9, top_k=20, max_tokens=35, seed=3)]
+    sps = [
+        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24, seed=7, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=30),
+        SamplingParams(temperature=0.0, max_tokens=1),
+        SamplingParams(temperature=0.9, top_k=20, max_tokens=35, seed=3),
+    ]
     sync = LLM(tiny_runner, tiny_tokenizer).generate(prompts, [sps[i % 5] for i in range(8)])
     # a stop string on text the greedy run is known to produce
     stop_at = sync[0].text[5:8]
-    sps_stop = sps + [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
-                                     stop=(stop_at,))]
+    sps_stop = sps + [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=(stop_at,))]
     batch = [sps_stop[i % 5] for i in range(8)]
     batch[0] = sps_stop[5]
     sync = LLM(tiny_runner, tiny_tokenizer).generate(prompts, batch)
     assert sync[0].finish_reason == "stop" and stop_at not in sync[0].text
-    for runner in (tiny_runner, ModelRunner(str(tiny_model_dir), num_blocks=10, block_size=16, batch_invariant=True)):
+    for runner in (
+        tiny_runner,
+        ModelRunner(str(tiny_model_dir), num_blocks=10, block_size=16, batch_invariant=True),
+    ):
         llm = LLM(runner, tiny_tokenizer, async_scheduling=True)
         events = []
         got = llm.generate(prompts, batch, on_event=events.append)
@@ -101,20 +116,31 @@ def _penalized_reference(runner, prompt: list[int], out: list[int], sp: Sampling
 
 
 def test_penalties_reach_the_model_one_step_at_a_time_ahead_and_after_preemption(
-        tiny_model_dir, tiny_runner, tiny_tokenizer, prompts):
+    tiny_model_dir, tiny_runner, tiny_tokenizer, prompts
+):
     """frequency/presence/repetition penalties, greedy: each token is the argmax of that step's
     logits penalized for what the request has seen so far, also when the step was decided
     before the last token was known (async scheduling) and after a recompute (preemption)."""
     plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     # penalizing repeats, and (below 0 and 1) rewarding them, which makes a request's newest
     # token, the one async scheduling feeds as a placeholder, decide what comes next
-    sps = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, frequency_penalty=0.7,
-                          presence_penalty=0.4, repetition_penalty=1.3),
-           SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, frequency_penalty=-0.5,
-                          repetition_penalty=0.8),
-           # (without a repetition penalty only the output counts: the prompt is not sent)
-           SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, frequency_penalty=-1.0,
-                          presence_penalty=-0.5)]
+    sps = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=24,
+            ignore_eos=True,
+            frequency_penalty=0.7,
+            presence_penalty=0.4,
+            repetition_penalty=1.3,
+        ),
+        SamplingParams(
+            temperature=0.0, max_tokens=24, ignore_eos=True, frequency_penalty=-0.5, repetition_penalty=0.8
+        ),
+        # (without a repetition penalty only the output counts: the prompt is not sent)
+        SamplingParams(
+            temperature=0.0, max_tokens=24, ignore_eos=True, frequency_penalty=-1.0, presence_penalty=-0.5
+        ),
+    ]
     batch = [sps[i % 3] for i in range(len(prompts))]
     base = LLM(tiny_runner, tiny_tokenizer).generate(prompts, plain)
     sync = LLM(tiny_runner, tiny_tokenizer).generate(prompts, batch)
@@ -157,17 +183,26 @@ def test_prefix_caching_gives_the_real_models_own_output(tiny_model_dir, tiny_to
     """Requests whose prompts share a 40-token prefix (two and a half 16-token blocks), one
     at a time so the later ones find it cached, in a pool that preempts and evicts: greedy
     output equals a run that computes every prompt whole, and every block comes back."""
-    system = tiny_tokenizer.encode("You are a helpful assistant. Answer briefly and kindly, "
-                                   "and never make things up about the harbour town.")[:40]
+    system = tiny_tokenizer.encode(
+        "You are a helpful assistant. Answer briefly and kindly, "
+        "and never make things up about the harbour town."
+    )[:40]
     assert len(system) == 40
-    prompts = [system + tiny_tokenizer.encode(q) for q in (" Who bakes?", " Boats?", " Tide",
-                                                           " Who bakes?", " Nets and fish")]
+    prompts = [
+        system + tiny_tokenizer.encode(q)
+        for q in (" Who bakes?", " Boats?", " Tide", " Who bakes?", " Nets and fish")
+    ]
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outs, hits = {}, {}
     for caching in (False, True):
         runner = ModelRunner(str(tiny_model_dir), num_blocks=12, block_size=16, batch_invariant=True)
-        llm = LLM(runner, tiny_tokenizer, max_num_seqs=2, async_scheduling=async_scheduling,
-                  enable_prefix_caching=caching)
+        llm = LLM(
+            runner,
+            tiny_tokenizer,
+            max_num_seqs=2,
+            async_scheduling=async_scheduling,
+            enable_prefix_caching=caching,
+        )
         outs[caching] = [g.token_ids for g in llm.generate(prompts, sp)]
         hits[caching] = llm.last_cache_hits
         assert llm.last_free_blocks == runner.num_blocks

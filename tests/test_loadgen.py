@@ -21,11 +21,20 @@ def _ordered(d: dict) -> None:
 
 
 def test_plan_is_deterministic_with_exact_cancel_shares():
-    cfg = loadgen.BenchConfig(base_urls=["http://a", "http://b"], num_prompts=20, input_len=10,
-                              output_len=40, range_ratio=0.5, disconnect_ratio=0.3, abort_ratio=0.2,
-                              seed=7)
+    cfg = loadgen.BenchConfig(
+        base_urls=["http://a", "http://b"],
+        num_prompts=20,
+        input_len=10,
+        output_len=40,
+        range_ratio=0.5,
+        disconnect_ratio=0.3,
+        abort_ratio=0.2,
+        seed=7,
+    )
     p1, p2 = loadgen.plan_requests(cfg, "x"), loadgen.plan_requests(cfg, "x")
-    assert [(p.prompt, p.max_tokens, p.cancel) for p in p1] == [(p.prompt, p.max_tokens, p.cancel) for p in p2]
+    assert [(p.prompt, p.max_tokens, p.cancel) for p in p1] == [
+        (p.prompt, p.max_tokens, p.cancel) for p in p2
+    ]
     kinds = [p.cancel for p in p1]
     assert kinds.count("disconnect") == 6 and kinds.count("abort") == 4
     assert all(20 <= p.max_tokens <= 60 for p in p1) and len({p.max_tokens for p in p1}) > 1
@@ -46,10 +55,21 @@ def test_poisson_arrivals_and_percentiles():
 
 async def test_bench_with_cancels_reads_release_from_events(served, embedded_redis, keys):
     api, eng = served
-    cfg = loadgen.BenchConfig(base_urls=[api.url], num_prompts=10, max_concurrency=4,
-                              input_len=12, output_len=24, disconnect_ratio=0.3, abort_ratio=0.2,
-                              cancel_after_tokens=4, num_warmups=1, redis_url=embedded_redis.url,
-                              prefix=keys.prefix, progress=False, request_id_prefix="lgA")
+    cfg = loadgen.BenchConfig(
+        base_urls=[api.url],
+        num_prompts=10,
+        max_concurrency=4,
+        input_len=12,
+        output_len=24,
+        disconnect_ratio=0.3,
+        abort_ratio=0.2,
+        cancel_after_tokens=4,
+        num_warmups=1,
+        redis_url=embedded_redis.url,
+        prefix=keys.prefix,
+        progress=False,
+        request_id_prefix="lgA",
+    )
     r = await loadgen.run_bench(cfg)
 
     assert r["num_errors"] == 0, r["errors"]
@@ -97,15 +117,42 @@ async def test_cli_with_metrics_gauges_and_json(served, tmp_path):
     arrivals, cancel by time, release read from the /metrics gauges."""
     api, eng = served
     out = tmp_path / "bench.json"
-    rc = await asyncio.to_thread(loadgen.main, [
-        "--base-url", api.url, "--endpoint", "chat", "--num-prompts", "8", "--request-rate", "50",
-        "--max-concurrency", "4", "--input-len", "8", "--output-len", "200",
-        "--disconnect-ratio", "0.25", "--abort-ratio", "0.25", "--cancel-after-ms", "60",
-        "--output-json", str(out), "--disable-tqdm", "--redis-url", ""])
+    rc = await asyncio.to_thread(
+        loadgen.main,
+        [
+            "--base-url",
+            api.url,
+            "--endpoint",
+            "chat",
+            "--num-prompts",
+            "8",
+            "--request-rate",
+            "50",
+            "--max-concurrency",
+            "4",
+            "--input-len",
+            "8",
+            "--output-len",
+            "200",
+            "--disconnect-ratio",
+            "0.25",
+            "--abort-ratio",
+            "0.25",
+            "--cancel-after-ms",
+            "60",
+            "--output-json",
+            str(out),
+            "--disable-tqdm",
+            "--redis-url",
+            "",
+        ],
+    )
     assert rc == 0
     r = json.loads(out.read_text())
     assert r["cancel"]["release_source"] == "metrics"
-    assert r["counts"].get("length", 0) + r["counts"].get("disconnected", 0) + r["counts"].get("abort", 0) == 8
+    assert (
+        r["counts"].get("length", 0) + r["counts"].get("disconnected", 0) + r["counts"].get("abort", 0) == 8
+    )
     assert r["counts"]["length"] == 4
     assert r["cancel"]["disconnect"]["fired"] == 2 and r["cancel"]["abort"]["fired"] == 2
     assert r["cancel"]["disconnect"]["release_ms"]["n"] + r["cancel"]["abort"]["release_ms"]["n"] >= 1

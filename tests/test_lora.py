@@ -40,8 +40,10 @@ def _merged(base_dir, adapter_dir, out_dir) -> str:
     for f in os.listdir(out_dir):
         if f.endswith(".safetensors") or f.endswith(".index.json"):
             os.remove(os.path.join(out_dir, f))
-    save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in w.items()},
-              os.path.join(out_dir, "model.safetensors"))
+    save_file(
+        {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in w.items()},
+        os.path.join(out_dir, "model.safetensors"),
+    )
     return str(out_dir)
 
 
@@ -55,14 +57,20 @@ def adapters(tiny_model_dir, tmp_path_factory):
     save_adapter(str(root / "attn"), cfg, rank=4, alpha=8, seed=2, modules=("q_proj", "v_proj"))
     conf = json.loads((root / "attn" / "adapter_config.json").read_text())
     (root / "attn" / "adapter_config.json").write_text(json.dumps({**conf, "use_rslora": True}))
-    return {name: (str(root / name), _merged(tiny_model_dir, root / name, root / f"{name}-merged"))
-            for name in ("full", "attn")}
+    return {
+        name: (str(root / name), _merged(tiny_model_dir, root / name, root / f"{name}-merged"))
+        for name in ("full", "attn")
+    }
 
 
 @pytest.fixture(scope="module")
 def lora_runner(tiny_model_dir, adapters):
-    return ModelRunner(str(tiny_model_dir), num_blocks=256, block_size=16,
-                       lora_modules={name: a for name, (a, _) in adapters.items()})
+    return ModelRunner(
+        str(tiny_model_dir),
+        num_blocks=256,
+        block_size=16,
+        lora_modules={name: a for name, (a, _) in adapters.items()},
+    )
 
 
 def test_an_adapter_is_its_merged_checkpoint(tiny_model_dir, adapters):
@@ -96,13 +104,18 @@ def test_one_batch_of_the_base_and_two_adapters(lora_runner, tiny_model_dir, ada
 
 
 def test_greedy_output_is_the_merged_models_and_the_prefix_cache_keeps_them_apart(
-        lora_runner, tiny_tokenizer, adapters):
-    ids = tiny_tokenizer.encode("The harbour town woke slowly on winter mornings, and the boats went out "
-                                "before the sun was up over the hills")
+    lora_runner, tiny_tokenizer, adapters
+):
+    ids = tiny_tokenizer.encode(
+        "The harbour town woke slowly on winter mornings, and the boats went out "
+        "before the sun was up over the hills"
+    )
     assert len(ids) > 32  # (two full blocks a later request could take from the cache)
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    want = {name: LLM(ModelRunner(merged, num_blocks=64), tiny_tokenizer).generate([ids], sp)[0].token_ids
-            for name, (_, merged) in adapters.items()}
+    want = {
+        name: LLM(ModelRunner(merged, num_blocks=64), tiny_tokenizer).generate([ids], sp)[0].token_ids
+        for name, (_, merged) in adapters.items()
+    }
     lora = {name: SamplingParams(**{**sp.to_dict(), "lora": name}) for name in adapters}
     # one at a time on one scheduler, with prefix caching: the base's blocks are cached first
     llm = LLM(lora_runner, tiny_tokenizer, max_num_seqs=1)
@@ -117,43 +130,67 @@ def test_greedy_output_is_the_merged_models_and_the_prefix_cache_keeps_them_apar
     assert [o.token_ids for o in outs] == [base, want["full"], want["attn"]]
 
 
-async def test_the_openai_client_names_an_adapter_as_its_model(embedded_redis, keys, tiny_model_dir,
-                                                                tiny_tokenizer, lora_runner, adapters):
+async def test_the_openai_client_names_an_adapter_as_its_model(
+    embedded_redis, keys, tiny_model_dir, tiny_tokenizer, lora_runner, adapters
+):
     from control.metrics import Metrics
     from fd.compose import ApiOptions, EngineOptions, join_in_process, start_api, start_engine
 
     mods = {name: a for name, (a, _) in adapters.items()}
-    eng = await start_engine(embedded_redis.client, keys,
-                             EngineOptions(model_dir=str(tiny_model_dir), engine_id="e-lora", lora_modules=mods),
-                             runner=lora_runner, tokenizer=tiny_tokenizer, metrics=Metrics())
-    api = await start_api(embedded_redis.client, keys, ApiOptions(model_dir=str(tiny_model_dir), lora_modules=mods),
-                          tokenizer=tiny_tokenizer)
+    eng = await start_engine(
+        embedded_redis.client,
+        keys,
+        EngineOptions(model_dir=str(tiny_model_dir), engine_id="e-lora", lora_modules=mods),
+        runner=lora_runner,
+        tokenizer=tiny_tokenizer,
+        metrics=Metrics(),
+    )
+    api = await start_api(
+        embedded_redis.client,
+        keys,
+        ApiOptions(model_dir=str(tiny_model_dir), lora_modules=mods),
+        tokenizer=tiny_tokenizer,
+    )
     join_in_process(api, eng)
     client = openai.AsyncOpenAI(base_url=f"{api.url}/v1", api_key="none", max_retries=0)
     try:
         cards = {m.id: m for m in (await client.models.list()).data}
         assert set(cards) == {api.cfg.model_name, "full", "attn"}
-        assert cards["full"].model_extra["parent"] == api.cfg.model_name and cards["full"].model_extra["root"] == mods["full"]
+        assert (
+            cards["full"].model_extra["parent"] == api.cfg.model_name
+            and cards["full"].model_extra["root"] == mods["full"]
+        )
         ids = tiny_tokenizer.encode("Once upon a time")
         sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
         for name in (api.cfg.model_name, "full", "attn"):
-            ref = (LLM(ModelRunner(adapters[name][1], num_blocks=64), tiny_tokenizer) if name in adapters
-                   else LLM(ModelRunner(str(tiny_model_dir), num_blocks=64), tiny_tokenizer))
+            ref = (
+                LLM(ModelRunner(adapters[name][1], num_blocks=64), tiny_tokenizer)
+                if name in adapters
+                else LLM(ModelRunner(str(tiny_model_dir), num_blocks=64), tiny_tokenizer)
+            )
             want = ref.generate([ids], sp)[0].text
-            c = await client.completions.create(model=name, prompt=ids, max_tokens=8, temperature=0,
-                                                extra_body={"ignore_eos": True})
+            c = await client.completions.create(
+                model=name, prompt=ids, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+            )
             assert c.model == name and c.choices[0].text == want, name
-            s = await client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}],
-                                                     max_tokens=3, stream=True)
+            s = await client.chat.completions.create(
+                model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True
+            )
             assert [ch.model async for ch in s] and True
         reqs = [decode(f, e) for e, f in await api.bus.redis.xrange(api.bus.keys.req(c.id))]
         assert reqs[0].model == "attn"
         with pytest.raises(openai.NotFoundError):
             await client.completions.create(model="nope", prompt="x", max_tokens=1)
         # an adapter the engine lacks (a hand-written request): an error final, not a crash
-        await api.bus.submit(Request(request_id="no-adapter", data=RequestData(
-            prompt_token_ids=(1, 2, 3), sampling=SamplingParams(max_tokens=2, lora="missing"))),
-            __import__("control.events", fromlist=["Accepted"]).Accepted(request_id="no-adapter"))
+        await api.bus.submit(
+            Request(
+                request_id="no-adapter",
+                data=RequestData(
+                    prompt_token_ids=(1, 2, 3), sampling=SamplingParams(max_tokens=2, lora="missing")
+                ),
+            ),
+            __import__("control.events", fromlist=["Accepted"]).Accepted(request_id="no-adapter"),
+        )
         for _ in range(200):
             story = [decode(f, e) for e, f in await api.bus.redis.xrange(api.bus.keys.req("no-adapter"))]
             if story and isinstance(story[-1], Final):
@@ -175,8 +212,12 @@ def test_what_an_adapter_may_not_be(tiny_model_dir, tmp_path):
     with pytest.raises(FileNotFoundError, match="adapter_config.json"):
         load_adapter("a", str(tmp_path), cfg)
     conf = json.loads((good / "adapter_config.json").read_text())
-    for bad, match in (({"use_dora": True}, "use_dora"), ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
-                       ({"peft_type": "IA3"}, "IA3"), ({"r": 8}, "shape")):
+    for bad, match in (
+        ({"use_dora": True}, "use_dora"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"peft_type": "IA3"}, "IA3"),
+        ({"r": 8}, "shape"),
+    ):
         d = tmp_path / f"bad{len(os.listdir(tmp_path))}"
         shutil.copytree(good, d)
         (d / "adapter_config.json").write_text(json.dumps({**conf, **bad}))
@@ -187,13 +228,17 @@ def test_what_an_adapter_may_not_be(tiny_model_dir, tmp_path):
 def test_the_flags(tmp_path):
     from fd.cli import build_parser, lora_modules
 
-    args = build_parser().parse_args(["serve", "--enable-lora", "--lora-modules", "a=/x", '{"name": "b", "path": "/y"}'])
+    args = build_parser().parse_args(
+        ["serve", "--enable-lora", "--lora-modules", "a=/x", '{"name": "b", "path": "/y"}']
+    )
     assert lora_modules(args) == {"a": "/x", "b": "/y"}
     with pytest.raises(SystemExit, match="--enable-lora"):
         lora_modules(build_parser().parse_args(["serve", "--lora-modules", "a=/x"]))
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--enable-lora", "--lora-modules", "nopath"])
-    assert lora_modules(build_parser().parse_args(["api", "--enable-lora", "--lora-modules", "a=/x"])) == {"a": "/x"}
+    assert lora_modules(build_parser().parse_args(["api", "--enable-lora", "--lora-modules", "a=/x"])) == {
+        "a": "/x"
+    }
     from fd.cli import vllm_compat
 
     notes = vllm_compat(build_parser().parse_args(["serve", "--enable-lora", "--max-loras", "4"]))
@@ -203,8 +248,9 @@ def test_the_flags(tmp_path):
 # ----------------------------------------------------------------------------- at run time
 
 
-async def test_adapters_loaded_and_unloaded_at_run_time(embedded_redis, keys, tiny_model_dir, tiny_tokenizer,
-                                                        adapters, tmp_path):
+async def test_adapters_loaded_and_unloaded_at_run_time(
+    embedded_redis, keys, tiny_model_dir, tiny_tokenizer, adapters, tmp_path
+):
     """vLLM's /v1/load_lora_adapter over the event log: every engine loads it (one told by the
     control stream, one started later from P:loras), requests to any replica may then name it
     and get the merged model's output; a load that fails anywhere is taken back everywhere;
@@ -219,43 +265,74 @@ async def test_adapters_loaded_and_unloaded_at_run_time(embedded_redis, keys, ti
     def runner():
         return ModelRunner(str(tiny_model_dir), num_blocks=256, block_size=16)
 
-    e1 = await start_engine(embedded_redis.client, keys, EngineOptions(model_dir=str(tiny_model_dir), engine_id="rt1"),
-                            runner=runner(), tokenizer=tiny_tokenizer, metrics=Metrics())
-    api = await start_api(embedded_redis.client, keys, ApiOptions(model_dir=str(tiny_model_dir), runtime_lora=True,
-                                                                  admin_key="adm"), tokenizer=tiny_tokenizer)
-    other = await start_api(embedded_redis.client, keys, ApiOptions(model_dir=str(tiny_model_dir)),
-                            tokenizer=tiny_tokenizer)  # (a replica without the routes)
+    e1 = await start_engine(
+        embedded_redis.client,
+        keys,
+        EngineOptions(model_dir=str(tiny_model_dir), engine_id="rt1"),
+        runner=runner(),
+        tokenizer=tiny_tokenizer,
+        metrics=Metrics(),
+    )
+    api = await start_api(
+        embedded_redis.client,
+        keys,
+        ApiOptions(model_dir=str(tiny_model_dir), runtime_lora=True, admin_key="adm"),
+        tokenizer=tiny_tokenizer,
+    )
+    other = await start_api(
+        embedded_redis.client, keys, ApiOptions(model_dir=str(tiny_model_dir)), tokenizer=tiny_tokenizer
+    )  # (a replica without the routes)
     join_in_process(api, e1)
     engines = [e1]
     admin = {"Authorization": "Bearer adm"}
     client = openai.AsyncOpenAI(base_url=f"{other.url}/v1", api_key="none", max_retries=0)
     try:
         async with aiohttp.ClientSession() as s:
+
             async def post(path, body, headers=admin, base=api.url):
                 async with s.post(f"{base}{path}", json=body, headers=headers) as r:
                     return r.status, await r.text()
 
             ids = tiny_tokenizer.encode("Once upon a time")
             sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-            want = LLM(ModelRunner(adapters["full"][1], num_blocks=64), tiny_tokenizer).generate([ids], sp)[0].text
+            want = (
+                LLM(ModelRunner(adapters["full"][1], num_blocks=64), tiny_tokenizer)
+                .generate([ids], sp)[0]
+                .text
+            )
             with pytest.raises(openai.NotFoundError):
                 await client.completions.create(model="live", prompt=ids, max_tokens=1)
-            assert (await post("/v1/load_lora_adapter", {"lora_name": "live", "lora_path": adapters["full"][0]},
-                               headers={}))[0] == 401  # the admin key's
-            status, text = await post("/v1/load_lora_adapter", {"lora_name": "live", "lora_path": adapters["full"][0]})
+            assert (
+                await post(
+                    "/v1/load_lora_adapter",
+                    {"lora_name": "live", "lora_path": adapters["full"][0]},
+                    headers={},
+                )
+            )[0] == 401  # the admin key's
+            status, text = await post(
+                "/v1/load_lora_adapter", {"lora_name": "live", "lora_path": adapters["full"][0]}
+            )
             assert status == 200 and text == "Success: LoRA adapter 'live' added successfully."
             assert "live" in (await api.bus.engines())["rt1"]["loras"].split(",")
             # through the other replica, which learns the name from P:loras
-            c = await client.completions.create(model="live", prompt=ids, max_tokens=8, temperature=0,
-                                                extra_body={"ignore_eos": True})
+            c = await client.completions.create(
+                model="live", prompt=ids, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+            )
             assert c.model == "live" and c.choices[0].text == want
             assert "live" in {m.id for m in (await client.models.list()).data}
-            assert (await post("/v1/load_lora_adapter", {"lora_name": "live", "lora_path": adapters["attn"][0]}))[0] == 400
+            assert (
+                await post("/v1/load_lora_adapter", {"lora_name": "live", "lora_path": adapters["attn"][0]})
+            )[0] == 400
 
             # an engine that starts now loads what P:loras holds
-            e2 = await start_engine(embedded_redis.client, keys,
-                                    EngineOptions(model_dir=str(tiny_model_dir), engine_id="rt2"),
-                                    runner=runner(), tokenizer=tiny_tokenizer, metrics=Metrics())
+            e2 = await start_engine(
+                embedded_redis.client,
+                keys,
+                EngineOptions(model_dir=str(tiny_model_dir), engine_id="rt2"),
+                runner=runner(),
+                tokenizer=tiny_tokenizer,
+                metrics=Metrics(),
+            )
             engines.append(e2)
             assert "live" in e2.node.adapters.ready
 
@@ -266,11 +343,17 @@ async def test_adapters_loaded_and_unloaded_at_run_time(embedded_redis, keys, ti
             status, text = await post("/v1/load_lora_adapter", {"lora_name": "broken", "lora_path": str(bad)})
             assert status == 400 and "use_dora" in text
             assert "broken" not in await api.bus.loras()
-            assert status == 400 and (await post("/v1/load_lora_adapter", {"lora_name": "x y", "lora_path": "/p"}))[0] == 400
+            assert (
+                status == 400
+                and (await post("/v1/load_lora_adapter", {"lora_name": "x y", "lora_path": "/p"}))[0] == 400
+            )
 
             # unloading: a request running with it finishes; new ones are refused
-            running = asyncio.create_task(client.completions.create(
-                model="live", prompt=ids, max_tokens=200, temperature=0, extra_body={"ignore_eos": True}))
+            running = asyncio.create_task(
+                client.completions.create(
+                    model="live", prompt=ids, max_tokens=200, temperature=0, extra_body={"ignore_eos": True}
+                )
+            )
             for _ in range(200):
                 if any(e.node.adapters and e.node._lora_in_use("live") for e in engines):
                     break
@@ -278,8 +361,11 @@ async def test_adapters_loaded_and_unloaded_at_run_time(embedded_redis, keys, ti
             status, text = await post("/v1/unload_lora_adapter", {"lora_name": "live"})
             assert status == 200 and text == "Success: LoRA adapter 'live' removed successfully."
             done = await running
-            long_want = LLM(ModelRunner(adapters["full"][1], num_blocks=64), tiny_tokenizer).generate(
-                [ids], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))[0].text
+            long_want = (
+                LLM(ModelRunner(adapters["full"][1], num_blocks=64), tiny_tokenizer)
+                .generate([ids], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))[0]
+                .text
+            )
             assert done.choices[0].finish_reason == "length" and done.choices[0].text == long_want
             await asyncio.sleep(0.05)  # (the other replica reads P:loras again after REFRESH_S)
             with pytest.raises(openai.NotFoundError):
@@ -312,7 +398,9 @@ def test_an_engines_adapters_as_the_control_stream_changes_them():
 
     a = Adapters(("static",))
     assert a.want_load("x") and not a.want_load("x") and not a.want_load("static")  # (once; not twice)
-    assert a.loaded("x", None) == "ready" and "x" in a.ready and a.loaded("x", None) is None  # (an unload's answer)
+    assert (
+        a.loaded("x", None) == "ready" and "x" in a.ready and a.loaded("x", None) is None
+    )  # (an unload's answer)
     assert a.want_load("bad") and a.loaded("bad", "no such file") == "failed" and "bad" not in a.ready
     assert a.status() == {"loras": "static,x", "lora_errors": '{"bad":"no such file"}'}
     assert not a.unload("static", in_use=False) and "static" in a.ready  # given at start: stays

@@ -37,14 +37,21 @@ def probe(setup: str, env_extra: dict[str, str] | None = None, size: int = 4 << 
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     env.update(env_extra or {})
     env["PYTHONPATH"] = ROOT
-    r = subprocess.run([sys.executable, "-c", PROBE.format(setup=setup, size=size)], capture_output=True,
-                       text=True, env=env, timeout=120, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-c", PROBE.format(setup=setup, size=size)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr
     return r.stdout.split()[-1]
 
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
-                                reason="glibc malloc thresholds are Linux-only")
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="glibc malloc thresholds are Linux-only"
+)
 
 
 def test_default_glibc_puts_four_megabytes_in_an_mmap():
@@ -59,8 +66,10 @@ def test_pinned_thresholds_put_it_on_the_heap():
 def test_the_model_runner_pins_them(tiny_model_dir):
     # Loading Paddle alone moves glibc's dynamic threshold past 1 MiB (checked: without the
     # pin this probe says "mmap" after the same load), hence 4 MiB.
-    setup = ("from engine.model_runner import ModelRunner; "
-             f"ModelRunner({str(tiny_model_dir)!r}, device='cpu', num_blocks=8)")
+    setup = (
+        "from engine.model_runner import ModelRunner; "
+        f"ModelRunner({str(tiny_model_dir)!r}, device='cpu', num_blocks=8)"
+    )
     assert probe(setup) == "heap"
 
 

@@ -89,7 +89,7 @@ def _run(runner, prompts: dict[str, list[int]], steps: int, chunk: dict[str, int
             if len(gen[r]) >= steps:
                 continue
             if done[r] < len(p):
-                toks = tuple(p[done[r]:done[r] + chunk.get(r, len(p))])
+                toks = tuple(p[done[r] : done[r] + chunk.get(r, len(p))])
                 start = done[r]
                 done[r] += len(toks)
                 sample = done[r] == len(p)
@@ -172,7 +172,9 @@ def test_shape_mismatch_and_missing_tensor_are_named(tiny_dir, tmp_path):
     name = "model.layers.1.mlp.up_proj.weight"
     w[name] = w[name][:100]
     save_file(w, str(d / "model.safetensors"))
-    with pytest.raises(WeightError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*\[100, 128\].*\[256, 128\]"):
+    with pytest.raises(
+        WeightError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*\[100, 128\].*\[256, 128\]"
+    ):
         load_model(str(d), progress=False)
     del w[name]
     save_file(w, str(d / "model.safetensors"))
@@ -185,8 +187,11 @@ def _save_bf16(tensors: dict[str, np.ndarray], path):
     header, blobs, off = {}, [], 0
     for name in sorted(tensors):
         raw = (tensors[name].astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).tobytes()
-        header[name] = {"dtype": "BF16", "shape": list(tensors[name].shape),
-                        "data_offsets": [off, off + len(raw)]}
+        header[name] = {
+            "dtype": "BF16",
+            "shape": list(tensors[name].shape),
+            "data_offsets": [off, off + len(raw)],
+        }
         blobs.append(raw)
         off += len(raw)
     h = json.dumps(header).encode()
@@ -208,8 +213,9 @@ def test_bf16_and_sharded_checkpoints_load_the_same_weights(tiny_dir, tmp_path):
     parts = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
     for fname, keys in parts.items():
         save_file({k: truncated[k] for k in keys}, str(sharded / fname))
-    (sharded / "model.safetensors.index.json").write_text(json.dumps(
-        {"weight_map": {k: f for f, ks in parts.items() for k in ks}}))
+    (sharded / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {k: f for f, ks in parts.items() for k in ks}})
+    )
     prompt = _prompt(2, 12)
     want = load_model(str(f32), progress=False).reference_logits(prompt)
     assert np.array_equal(load_model(str(bf16), progress=False).reference_logits(prompt), want)
@@ -246,14 +252,18 @@ def test_execute_samples_greedy_and_seeded(runner):
     blocks = Blocks(runner.num_blocks, seed=1)
     p = _prompt(3, 10)
     t = blocks.table((), 10)
-    seqs = (ScheduledSeq("g", tuple(p), 0, t, True, GREEDY, 0),
-            ScheduledSeq("s", tuple(p), 0, t, True, seeded, 0))
+    seqs = (
+        ScheduledSeq("g", tuple(p), 0, t, True, GREEDY, 0),
+        ScheduledSeq("s", tuple(p), 0, t, True, seeded, 0),
+    )
     res = runner.execute(SchedulerOutput(step=0, seqs=seqs))
     assert res.sampled["g"] == int(np.argmax(runner.model.reference_logits(p)[-1]))
     again = runner.execute(SchedulerOutput(step=1, seqs=seqs[1:]))
     assert again.sampled["s"] == res.sampled["s"]
     # a chunk that does not end the prompt samples nothing
-    part = runner.execute(SchedulerOutput(step=2, seqs=(ScheduledSeq("g", tuple(p[:4]), 0, t, False, GREEDY, 0),)))
+    part = runner.execute(
+        SchedulerOutput(step=2, seqs=(ScheduledSeq("g", tuple(p[:4]), 0, t, False, GREEDY, 0),))
+    )
     assert part.sampled == {}
     blocks.release(t)
 
@@ -323,7 +333,8 @@ def _numpy_llama(model_dir, ids):
                 scaled.append(f / rs["factor"])
             else:
                 sm = (rs["original_max_position_embeddings"] / wl - rs["low_freq_factor"]) / (
-                    rs["high_freq_factor"] - rs["low_freq_factor"])
+                    rs["high_freq_factor"] - rs["low_freq_factor"]
+                )
                 scaled.append((1 - sm) * f / rs["factor"] + sm * f)
         inv = np.array(scaled)
     ang = np.arange(n)[:, None] * np.concatenate([inv, inv])[None]
@@ -333,20 +344,27 @@ def _numpy_llama(model_dir, ids):
         return x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg["rms_norm_eps"]) * g
 
     def rope(x):
-        return x * cos + np.concatenate([-x[..., hd // 2:], x[..., :hd // 2]], -1) * sin
+        return x * cos + np.concatenate([-x[..., hd // 2 :], x[..., : hd // 2]], -1) * sin
 
     def proj(h, name):
         return h @ w[name + ".weight"].T + w.get(name + ".bias", 0.0)
 
     x = w["model.embed_tokens.weight"][ids]
     causal = np.triu(np.full((n, n), -np.inf), 1)
-    window = cfg.get("sliding_window") if cfg["architectures"][0] in ("MistralForCausalLM", "Phi3ForCausalLM") else None
+    window = (
+        cfg.get("sliding_window")
+        if cfg["architectures"][0] in ("MistralForCausalLM", "Phi3ForCausalLM")
+        else None
+    )
     if window:  # key k seen from q only when q - window < k (transformers' sliding window)
         causal = causal + np.tril(np.full((n, n), -np.inf), -window)
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         h = rms(x, w[p + "input_layernorm.weight"])
-        q, k = proj(h, p + "self_attn.q_proj").reshape(n, nh, hd), proj(h, p + "self_attn.k_proj").reshape(n, nkv, hd)
+        q, k = (
+            proj(h, p + "self_attn.q_proj").reshape(n, nh, hd),
+            proj(h, p + "self_attn.k_proj").reshape(n, nkv, hd),
+        )
         if p + "self_attn.q_norm.weight" in w:  # Qwen3
             q, k = rms(q, w[p + "self_attn.q_norm.weight"]), rms(k, w[p + "self_attn.k_norm.weight"])
         q = rope(q)
@@ -381,16 +399,24 @@ def _numpy_moe(cfg, w, p, h, proj):
         top = np.argsort(-prob, kind="stable")[:k]
         weight = prob[top] / (prob[top].sum() if mixtral or cfg.get("norm_topk_prob") else 1.0)
         if p + "mlp.shared_expert_gate.weight" in w:  # Qwen2-MoE's shared expert, sigmoid-gated
-            g = proj(h[t:t + 1], p + "mlp.shared_expert.gate_proj")
-            shared = proj(g / (1 + np.exp(-g)) * proj(h[t:t + 1], p + "mlp.shared_expert.up_proj"),
-                          p + "mlp.shared_expert.down_proj")[0]
+            g = proj(h[t : t + 1], p + "mlp.shared_expert.gate_proj")
+            shared = proj(
+                g / (1 + np.exp(-g)) * proj(h[t : t + 1], p + "mlp.shared_expert.up_proj"),
+                p + "mlp.shared_expert.down_proj",
+            )[0]
             out[t] += shared / (1 + np.exp(-(w[p + "mlp.shared_expert_gate.weight"] @ h[t])[0]))
         for e, wt in zip(top, weight):
-            names = ((f"block_sparse_moe.experts.{e}.w1", f"block_sparse_moe.experts.{e}.w3",
-                      f"block_sparse_moe.experts.{e}.w2") if mixtral else
-                     (f"mlp.experts.{e}.gate_proj", f"mlp.experts.{e}.up_proj", f"mlp.experts.{e}.down_proj"))
-            g = proj(h[t:t + 1], p + names[0])
-            out[t] += wt * proj(g / (1 + np.exp(-g)) * proj(h[t:t + 1], p + names[1]), p + names[2])[0]
+            names = (
+                (
+                    f"block_sparse_moe.experts.{e}.w1",
+                    f"block_sparse_moe.experts.{e}.w3",
+                    f"block_sparse_moe.experts.{e}.w2",
+                )
+                if mixtral
+                else (f"mlp.experts.{e}.gate_proj", f"mlp.experts.{e}.up_proj", f"mlp.experts.{e}.down_proj")
+            )
+            g = proj(h[t : t + 1], p + names[0])
+            out[t] += wt * proj(g / (1 + np.exp(-g)) * proj(h[t : t + 1], p + names[1]), p + names[2])[0]
     return out
 
 
@@ -401,43 +427,85 @@ def _moe(tiny_dir, tmp_path, arch: str):
     rng = np.random.default_rng(21)
     w = load_file(str(d / "model.safetensors"))
     if arch == "qwen2_moe":  # (q/k/v biases, a shared expert; the top 2 not renormalised)
-        _edit_config(d, architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", num_experts=4,
-                     num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96,
-                     norm_topk_prob=False)
+        _edit_config(
+            d,
+            architectures=["Qwen2MoeForCausalLM"],
+            model_type="qwen2_moe",
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=96,
+            norm_topk_prob=False,
+        )
         for i in range(2):
             for proj, n in (("q", 128), ("k", 64), ("v", 64)):
-                w[f"model.layers.{i}.self_attn.{proj}_proj.bias"] = (rng.standard_normal(n) * 0.1).astype(np.float32)
+                w[f"model.layers.{i}.self_attn.{proj}_proj.bias"] = (rng.standard_normal(n) * 0.1).astype(
+                    np.float32
+                )
             s = f"model.layers.{i}.mlp.shared_expert"
             w[s + ".gate_proj.weight"] = (rng.standard_normal((96, 128)) / np.sqrt(128)).astype(np.float32)
             w[s + ".up_proj.weight"] = (rng.standard_normal((96, 128)) / np.sqrt(128)).astype(np.float32)
             w[s + ".down_proj.weight"] = (rng.standard_normal((128, 96)) * 2 / np.sqrt(96)).astype(np.float32)
             w[s + "_gate.weight"] = (rng.standard_normal((1, 128)) * 0.2).astype(np.float32)
-        sparse, router, names = [0, 1], "mlp.gate", ("mlp.experts.{}.gate_proj", "mlp.experts.{}.up_proj",
-                                                     "mlp.experts.{}.down_proj")
+        sparse, router, names = (
+            [0, 1],
+            "mlp.gate",
+            ("mlp.experts.{}.gate_proj", "mlp.experts.{}.up_proj", "mlp.experts.{}.down_proj"),
+        )
     elif arch == "qwen3_moe":
-        _edit_config(d, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=4,
-                     num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
-                     decoder_sparse_step=1, mlp_only_layers=[1])
+        _edit_config(
+            d,
+            architectures=["Qwen3MoeForCausalLM"],
+            model_type="qwen3_moe",
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+        )
         for i in range(2):
             for norm in ("q_norm", "k_norm"):
                 w[f"model.layers.{i}.self_attn.{norm}.weight"] = rng.uniform(0.5, 1.5, 32).astype(np.float32)
-        sparse, router, names = [0], "mlp.gate", ("mlp.experts.{}.gate_proj", "mlp.experts.{}.up_proj",
-                                                  "mlp.experts.{}.down_proj")
+        sparse, router, names = (
+            [0],
+            "mlp.gate",
+            ("mlp.experts.{}.gate_proj", "mlp.experts.{}.up_proj", "mlp.experts.{}.down_proj"),
+        )
     else:
-        _edit_config(d, architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=4,
-                     num_experts_per_tok=2, intermediate_size=64, sliding_window=None)
-        sparse, router, names = [0, 1], "block_sparse_moe.gate", ("block_sparse_moe.experts.{}.w1",
-                                                                  "block_sparse_moe.experts.{}.w3",
-                                                                  "block_sparse_moe.experts.{}.w2")
+        _edit_config(
+            d,
+            architectures=["MixtralForCausalLM"],
+            model_type="mixtral",
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=64,
+            sliding_window=None,
+        )
+        sparse, router, names = (
+            [0, 1],
+            "block_sparse_moe.gate",
+            (
+                "block_sparse_moe.experts.{}.w1",
+                "block_sparse_moe.experts.{}.w3",
+                "block_sparse_moe.experts.{}.w2",
+            ),
+        )
     for i in sparse:
         p = f"model.layers.{i}."
         for m in ("gate_proj", "up_proj", "down_proj"):
             del w[p + f"mlp.{m}.weight"]
         w[p + router + ".weight"] = (rng.standard_normal((4, 128)) * 0.3).astype(np.float32)
         for e in range(4):
-            w[p + names[0].format(e) + ".weight"] = (rng.standard_normal((64, 128)) / np.sqrt(128)).astype(np.float32)
-            w[p + names[1].format(e) + ".weight"] = (rng.standard_normal((64, 128)) / np.sqrt(128)).astype(np.float32)
-            w[p + names[2].format(e) + ".weight"] = (rng.standard_normal((128, 64)) * 2 / 8).astype(np.float32)
+            w[p + names[0].format(e) + ".weight"] = (rng.standard_normal((64, 128)) / np.sqrt(128)).astype(
+                np.float32
+            )
+            w[p + names[1].format(e) + ".weight"] = (rng.standard_normal((64, 128)) / np.sqrt(128)).astype(
+                np.float32
+            )
+            w[p + names[2].format(e) + ".weight"] = (rng.standard_normal((128, 64)) * 2 / 8).astype(
+                np.float32
+            )
     save_file(w, str(d / "model.safetensors"))
     return d, w
 
@@ -451,7 +519,9 @@ def test_mixture_of_experts_matches_numpy_forward_and_its_paged_path(tiny_dir, t
     assert cfg.shared_expert_intermediate_size == (96 if arch == "qwen2_moe" else 0)
     prompt = _prompt(13, 30)
     model = load_model(str(d), progress=False)
-    np.testing.assert_allclose(model.reference_logits(prompt), _numpy_llama(str(d), prompt), atol=2e-3, rtol=0)
+    np.testing.assert_allclose(
+        model.reference_logits(prompt), _numpy_llama(str(d), prompt), atol=2e-3, rtol=0
+    )
     # the router matters: every expert is chosen by some token of the prompt
     h = np.random.default_rng(0).standard_normal((64, 128))
     router = w["model.layers.0." + ("block_sparse_moe.gate" if arch == "mixtral" else "mlp.gate") + ".weight"]
@@ -465,12 +535,19 @@ def test_mixture_of_experts_matches_numpy_forward_and_its_paged_path(tiny_dir, t
     for r, p in prompts.items():
         alone, alone_logits = _run(moe, {r: p}, 6, {}, blocks)
         _assert_same_tokens(batched[r], alone[r], batched_logits[r], alone_logits[r], f"{r} alone")
-        np.testing.assert_allclose(np.stack(batched_logits[r]), np.stack(alone_logits[r][:len(batched_logits[r])]),
-                                   atol=1e-4, err_msg=r)
+        np.testing.assert_allclose(
+            np.stack(batched_logits[r]),
+            np.stack(alone_logits[r][: len(batched_logits[r])]),
+            atol=1e-4,
+            err_msg=r,
+        )
         assert batched[r] == _greedy_reference(moe.model, p, 6), r
     # an expert missing is named
-    del w["model.layers.0." + ("block_sparse_moe.experts.3.w2" if arch == "mixtral" else "mlp.experts.3.down_proj")
-          + ".weight"]
+    del w[
+        "model.layers.0."
+        + ("block_sparse_moe.experts.3.w2" if arch == "mixtral" else "mlp.experts.3.down_proj")
+        + ".weight"
+    ]
     save_file(w, str(d / "model.safetensors"))
     with pytest.raises(WeightError, match="experts.3"):
         load_model(str(d), progress=False)
@@ -478,8 +555,9 @@ def test_mixture_of_experts_matches_numpy_forward_and_its_paged_path(tiny_dir, t
 
 def test_matches_an_independent_numpy_forward(tiny_dir, runner):
     prompt = _prompt(6, 40)
-    np.testing.assert_allclose(runner.model.reference_logits(prompt), _numpy_llama(tiny_dir, prompt),
-                               atol=2e-3, rtol=0)
+    np.testing.assert_allclose(
+        runner.model.reference_logits(prompt), _numpy_llama(tiny_dir, prompt), atol=2e-3, rtol=0
+    )
 
 
 def test_qwen2_matches_numpy_forward(tiny_dir, tmp_path):
@@ -492,8 +570,12 @@ def test_qwen2_matches_numpy_forward(tiny_dir, tmp_path):
             w[f"model.layers.{i}.self_attn.{proj}_proj.bias"] = rng.standard_normal(n).astype(np.float32)
     save_file(w, str(d / "model.safetensors"))
     prompt = _prompt(7, 25)
-    np.testing.assert_allclose(load_model(str(d), progress=False).reference_logits(prompt),
-                               _numpy_llama(str(d), prompt), atol=2e-3, rtol=0)
+    np.testing.assert_allclose(
+        load_model(str(d), progress=False).reference_logits(prompt),
+        _numpy_llama(str(d), prompt),
+        atol=2e-3,
+        rtol=0,
+    )
 
 
 def test_fast_mode_is_close_to_the_reference(tiny_dir, runner):
@@ -517,8 +599,9 @@ def test_packed_gemms_agree_with_the_eager_ones(tiny_dir, runner):
     w = fast.model.layers[0]["gate_up"]
     for rows in (1, 8, 33, 700):
         x = np.random.default_rng(rows).standard_normal((rows, 128)).astype(np.float32)
-        np.testing.assert_allclose(fast.model.layers[0]["gate_up_packed"](fast.model.tensor(x)).numpy(),
-                                   x @ w.numpy(), atol=1e-4)
+        np.testing.assert_allclose(
+            fast.model.layers[0]["gate_up_packed"](fast.model.tensor(x)).numpy(), x @ w.numpy(), atol=1e-4
+        )
     with pytest.raises(ValueError, match="float32 \\[rows, 128\\]"):
         fast.model.layers[0]["gate_up_packed"](fast.model.tensor(np.ones((2, 64), np.float32)))
     p = _prompt(21, 200)
@@ -558,7 +641,9 @@ def test_qwen3_matches_numpy_forward_and_its_paged_path(tiny_dir, tmp_path):
     assert cfg.qk_norm and cfg.head_dim == 48 and not cfg.qkv_bias
     prompt = _prompt(12, 30)
     model = load_model(str(d), progress=False)
-    np.testing.assert_allclose(model.reference_logits(prompt), _numpy_llama(str(d), prompt), atol=2e-3, rtol=0)
+    np.testing.assert_allclose(
+        model.reference_logits(prompt), _numpy_llama(str(d), prompt), atol=2e-3, rtol=0
+    )
     qwen = ModelRunner(str(d), num_blocks=64)
     prompts = {f"q{i}": _prompt(300 + i, n) for i, n in enumerate([5, 21, 34])}
     gen, _ = _run(qwen, prompts, 6, {"q2": 10}, Blocks(64, seed=3))
@@ -571,8 +656,13 @@ def test_qwen3_matches_numpy_forward_and_its_paged_path(tiny_dir, tmp_path):
         load_model(str(d), progress=False)
 
 
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 def test_llama3_rope_scaling_frequencies():
@@ -580,9 +670,16 @@ def test_llama3_rope_scaling_frequencies():
     ones slowed by the factor, the band between blended, the whole still decreasing."""
     from engine.model.config import rope_inv_freq
 
-    base = dict(architectures=["LlamaForCausalLM"], hidden_size=4096, num_hidden_layers=1,
-                num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
-                vocab_size=128256, rope_theta=500000.0)
+    base = dict(
+        architectures=["LlamaForCausalLM"],
+        hidden_size=4096,
+        num_hidden_layers=1,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        vocab_size=128256,
+        rope_theta=500000.0,
+    )
     plain = rope_inv_freq(ModelConfig.from_dict(base))
     got = rope_inv_freq(ModelConfig.from_dict({**base, "rope_scaling": LLAMA3_ROPE}))
     wavelen = 2 * np.pi / plain
@@ -606,11 +703,16 @@ def test_a_llama3_scaled_model_matches_numpy_forward_and_its_paged_path(tiny_dir
     _edit_config(d, rope_scaling={**LLAMA3_ROPE, "original_max_position_embeddings": 64}, rope_theta=5000.0)
     prompt = _prompt(13, 40)
     model = load_model(str(d), progress=False)
-    np.testing.assert_allclose(model.reference_logits(prompt), _numpy_llama(str(d), prompt), atol=2e-3, rtol=0)
+    np.testing.assert_allclose(
+        model.reference_logits(prompt), _numpy_llama(str(d), prompt), atol=2e-3, rtol=0
+    )
     plain = _copy(tiny_dir, tmp_path, "llama31-plain")
     _edit_config(plain, rope_theta=5000.0)
-    assert not np.allclose(model.reference_logits(prompt), load_model(str(plain), progress=False)
-                           .reference_logits(prompt), atol=1e-2)
+    assert not np.allclose(
+        model.reference_logits(prompt),
+        load_model(str(plain), progress=False).reference_logits(prompt),
+        atol=1e-2,
+    )
     runner = ModelRunner(str(d), num_blocks=64)
     prompts = {f"l{i}": _prompt(400 + i, n) for i, n in enumerate([6, 23, 37])}
     gen, _ = _run(runner, prompts, 6, {"l2": 10}, Blocks(64, seed=4))
@@ -626,8 +728,10 @@ def test_mistral_is_llama_with_a_sliding_window(tiny_dir, tmp_path, runner):
     d = _copy(tiny_dir, tmp_path, "mistral")
     _edit_config(d, architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None)
     p = _prompt(14, 20)
-    np.testing.assert_array_equal(load_model(str(d), progress=False, batch_invariant=True).reference_logits(p),
-                                  runner.model.reference_logits(p))
+    np.testing.assert_array_equal(
+        load_model(str(d), progress=False, batch_invariant=True).reference_logits(p),
+        runner.model.reference_logits(p),
+    )
     _edit_config(d, sliding_window=4096)  # a window as wide as the context changes nothing
     assert ModelConfig.from_dir(str(d)).sliding_window is None
     _edit_config(d, sliding_window=6)
@@ -635,7 +739,9 @@ def test_mistral_is_llama_with_a_sliding_window(tiny_dir, tmp_path, runner):
     assert model.cfg.sliding_window == 6
     got = model.reference_logits(p)
     np.testing.assert_allclose(got, _numpy_llama(str(d), p), atol=2e-3, rtol=0)
-    np.testing.assert_array_equal(got[:6], runner.model.reference_logits(p)[:6])  # (within the window: the same)
+    np.testing.assert_array_equal(
+        got[:6], runner.model.reference_logits(p)[:6]
+    )  # (within the window: the same)
     assert np.abs(got[6:] - runner.model.reference_logits(p)[6:]).max() > 0.1  # (past it: not)
     windowed = ModelRunner(str(d), num_blocks=64)
     prompts = {f"w{i}": _prompt(500 + i, n) for i, n in enumerate([4, 11, 30])}
@@ -658,7 +764,9 @@ def test_phi3_reads_its_fused_projections(tiny_dir, tmp_path):
     for i in range(2):
         a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
         w[a + "qkv_proj.weight"] = np.concatenate([w.pop(a + f"{p}_proj.weight") for p in "qkv"])
-        w[m + "gate_up_proj.weight"] = np.concatenate([w.pop(m + "gate_proj.weight"), w.pop(m + "up_proj.weight")])
+        w[m + "gate_up_proj.weight"] = np.concatenate(
+            [w.pop(m + "gate_proj.weight"), w.pop(m + "up_proj.weight")]
+        )
     save_file(w, str(d / "model.safetensors"))
     prompt = _prompt(14, 25)
     got = load_model(str(d), progress=False).reference_logits(prompt)

@@ -17,34 +17,79 @@ from engine.llm import LLM
 from engine.model.config import ModelConfig, UnsupportedModel, rope_inv_freq
 from engine.model_runner import ModelRunner
 
-BASE = dict(hidden_size=4096, num_hidden_layers=1, num_attention_heads=32, num_key_value_heads=8,
-            intermediate_size=14336, vocab_size=128256)
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 8192}
+BASE = dict(
+    hidden_size=4096,
+    num_hidden_layers=1,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    intermediate_size=14336,
+    vocab_size=128256,
+)
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
-@pytest.mark.parametrize("scaling", [None, {"rope_type": "default"}, LLAMA3,
-                                     {"rope_type": "linear", "factor": 2.0}, {"type": "linear", "factor": 4.0}])
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        None,
+        {"rope_type": "default"},
+        LLAMA3,
+        {"rope_type": "linear", "factor": 2.0},
+        {"type": "linear", "factor": 4.0},
+    ],
+)
 def test_both_rope_spellings_make_the_same_model(scaling):
     arch = {"architectures": ["LlamaForCausalLM"], **BASE}
     old = ModelConfig.from_dict({**arch, "rope_theta": 500000.0, "rope_scaling": scaling})
-    new = ModelConfig.from_dict({**arch, "rope_parameters": {"rope_theta": 500000.0, **(scaling or {"rope_type": "default"})}})
+    new = ModelConfig.from_dict(
+        {**arch, "rope_parameters": {"rope_theta": 500000.0, **(scaling or {"rope_type": "default"})}}
+    )
     assert new == old
     assert new.rope_theta == 500000.0
     np.testing.assert_array_equal(rope_inv_freq(new), rope_inv_freq(old))
     if scaling and scaling.get("rope_type", scaling.get("type")) != "default":
-        assert not np.array_equal(rope_inv_freq(new), rope_inv_freq(ModelConfig.from_dict({**arch, "rope_theta": 500000.0})))
+        assert not np.array_equal(
+            rope_inv_freq(new), rope_inv_freq(ModelConfig.from_dict({**arch, "rope_theta": 500000.0}))
+        )
 
 
-@pytest.mark.parametrize("params, says", [
-    ({"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}, "'yarn'"),
-    ({"rope_theta": 1e6, "rope_type": "dynamic", "factor": 2.0}, "'dynamic'"),
-    ({"rope_theta": 1e6, "rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}, "'longrope'"),
-    ({"full_attention": {"rope_theta": 1e6, "rope_type": "default"},
-      "sliding_attention": {"rope_theta": 1e4, "rope_type": "default"}}, "one RoPE for every layer"),
-    ({"rope_theta": 1e6, "rope_type": "default", "partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
-    ({"rope_theta": 1e6, "rope_type": "llama3", "factor": 8.0}, "lacks one of"),
-])
+@pytest.mark.parametrize(
+    "params, says",
+    [
+        (
+            {
+                "rope_theta": 1e6,
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 32768,
+            },
+            "'yarn'",
+        ),
+        ({"rope_theta": 1e6, "rope_type": "dynamic", "factor": 2.0}, "'dynamic'"),
+        (
+            {"rope_theta": 1e6, "rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]},
+            "'longrope'",
+        ),
+        (
+            {
+                "full_attention": {"rope_theta": 1e6, "rope_type": "default"},
+                "sliding_attention": {"rope_theta": 1e4, "rope_type": "default"},
+            },
+            "one RoPE for every layer",
+        ),
+        (
+            {"rope_theta": 1e6, "rope_type": "default", "partial_rotary_factor": 0.5},
+            "partial_rotary_factor 0.5",
+        ),
+        ({"rope_theta": 1e6, "rope_type": "llama3", "factor": 8.0}, "lacks one of"),
+    ],
+)
 def test_rope_parameters_fd_does_not_implement_are_refused_by_name(params, says):
     with pytest.raises(UnsupportedModel, match="rope_parameters|partial_rotary_factor") as e:
         ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], **BASE, "rope_parameters": params})
@@ -53,11 +98,15 @@ def test_rope_parameters_fd_does_not_implement_are_refused_by_name(params, says)
 
 def test_both_spellings_at_once_must_agree():
     arch = {"architectures": ["LlamaForCausalLM"], **BASE}
-    same = ModelConfig.from_dict({**arch, "rope_theta": 1e6, "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}})
+    same = ModelConfig.from_dict(
+        {**arch, "rope_theta": 1e6, "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}}
+    )
     assert same.rope_theta == 1e6
     for other in ({"rope_theta": 1e4}, {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}):
         with pytest.raises(UnsupportedModel, match="disagree"):
-            ModelConfig.from_dict({**arch, **other, "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}})
+            ModelConfig.from_dict(
+                {**arch, **other, "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}}
+            )
 
 
 def test_architectures_null_is_read_from_model_type():
@@ -68,8 +117,9 @@ def test_architectures_null_is_read_from_model_type():
         ModelConfig.from_dict({"architectures": None, "model_type": "gpt2", **BASE})
 
 
-def test_a_transformers_5_model_dir_serves_like_the_older_one(tiny_model_dir, tiny_runner, tiny_tokenizer,
-                                                              tmp_path):
+def test_a_transformers_5_model_dir_serves_like_the_older_one(
+    tiny_model_dir, tiny_runner, tiny_tokenizer, tmp_path
+):
     """The tiny model saved transformers 5's way: rope_parameters, architectures null, the chat
     template in chat_template.jinja. Same tokens, same chat prompt."""
     d = tmp_path / "tiny-v5"

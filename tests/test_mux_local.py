@@ -16,8 +16,7 @@ from control.connect import connect
 
 
 def story(rid: str, n: int) -> list[E.Event]:
-    evs: list[E.Event] = [E.Accepted(request_id=rid, prompt_tokens=3),
-                          E.Claimed(request_id=rid, engine="e1")]
+    evs: list[E.Event] = [E.Accepted(request_id=rid, prompt_tokens=3), E.Claimed(request_id=rid, engine="e1")]
     evs += [E.Tokens(request_id=rid, token_ids=(i, i + 1), text=f"t{i}", step=i) for i in range(n)]
     evs.append(E.Final(request_id=rid, finish_reason="length", usage={"completion_tokens": n}))
     return evs
@@ -56,6 +55,7 @@ def decodes(monkeypatch):
     def counting(*a, **k):
         n[0] += 1
         return real(*a, **k)
+
     monkeypatch.setattr(bus_mod, "decode", counting)
     return n
 
@@ -76,7 +76,7 @@ async def test_live_subscriber_gets_each_entry_once_without_decoding(pair, decod
     evs = story(rid, 20)
     ids = []
     for i in range(0, len(evs), 3):  # flush by flush, as the engine does
-        ids += await bus.publish_many([(keys.req(rid), e) for e in evs[i:i + 3]])
+        ids += await bus.publish_many([(keys.req(rid), e) for e in evs[i : i + 3]])
         await asyncio.sleep(0)
     got = await take_all(sub)
     assert [i for i, _ in got] == ids
@@ -131,8 +131,9 @@ async def test_entries_from_the_tcp_door_are_still_read(pair, embedded_redis, ke
     a = await bus.publish_many([(keys.req(rid), e) for e in story(rid, 2)[:3]])
     tcp = connect(embedded_redis.url)
     try:
-        b = await tcp.xadd(keys.req(rid), {"type": "tokens", "request_id": rid, "token_ids": "7",
-                                           "text": "x", "step": "5"})
+        b = await tcp.xadd(
+            keys.req(rid), {"type": "tokens", "request_id": rid, "token_ids": "7", "text": "x", "step": "5"}
+        )
     finally:
         await tcp.aclose()
     c = await bus.publish_many([(keys.req(rid), story(rid, 2)[-1])])

@@ -31,8 +31,9 @@ async def stream_completion(url: str, body: dict, headers: dict | None = None) -
     """A streaming client: the text it saw, its finish reason, and whether it ended in [DONE]."""
     out = {"text": "", "finish_reason": None, "done": False, "errors": [], "chunks": 0}
     async with aiohttp.ClientSession() as s:
-        async with s.post(f"{url}/v1/completions", json={**body, "stream": True},
-                          headers=headers or {}) as resp:
+        async with s.post(
+            f"{url}/v1/completions", json={**body, "stream": True}, headers=headers or {}
+        ) as resp:
             out["status"] = resp.status
             async for obj in sse_objects(resp):
                 if obj is None:
@@ -49,8 +50,7 @@ async def stream_completion(url: str, body: dict, headers: dict | None = None) -
     return out
 
 
-async def test_redis_restart_mid_stream(tmp_path, keys, tiny_model_dir, tiny_runner,
-                                        tiny_tokenizer):
+async def test_redis_restart_mid_stream(tmp_path, keys, tiny_model_dir, tiny_runner, tiny_tokenizer):
     redis = OwnRedis(str(tmp_path))
     redis.start()
     engines = Engines(redis.url, keys, tiny_model_dir, tiny_runner, tiny_tokenizer)
@@ -58,17 +58,26 @@ async def test_redis_restart_mid_stream(tmp_path, keys, tiny_model_dir, tiny_run
     api = None
     try:
         eng = await engines.start("E", delay=0.03)
-        api = await start_api(lambda: connect(redis.url), keys,
-                              ApiOptions(model_dir=str(tiny_model_dir)), tokenizer=tiny_tokenizer)
+        api = await start_api(
+            lambda: connect(redis.url),
+            keys,
+            ApiOptions(model_dir=str(tiny_model_dir)),
+            tokenizer=tiny_tokenizer,
+        )
         prompt = "Once upon a time"
         ids = tiny_tokenizer.encode(prompt)
         ref = LLM(tiny_runner, tiny_tokenizer).generate(
-            [ids], SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True))[0]
-        body = {"model": api.cfg.model_name, "prompt": prompt, "max_tokens": 120,
-                "temperature": 0, "ignore_eos": True}
+            [ids], SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+        )[0]
+        body = {
+            "model": api.cfg.model_name,
+            "prompt": prompt,
+            "max_tokens": 120,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         client = asyncio.create_task(stream_completion(api.url, body, {"X-Request-Id": "s1"}))
-        await wait_for(lambda: eng.node.sched.knows("s1") and eng.node.steps > 5,
-                       what="s1 decoding")
+        await wait_for(lambda: eng.node.sched.knows("s1") and eng.node.steps > 5, what="s1 decoding")
         redis.stop()
         t0 = time.monotonic()
         async with aiohttp.ClientSession() as s:
@@ -121,9 +130,15 @@ async def test_request_without_progress_times_out_with_an_error(real_bus, engine
     gate.open()
     evs = await story(real_bus, "stuck")
     assert [t for t in types(evs) if t != "tokens"] == [
-        "accepted", "claimed", "abort_requested", "drained", "blocks_released", "final"]
+        "accepted",
+        "claimed",
+        "abort_requested",
+        "drained",
+        "blocks_released",
+        "final",
+    ]
     assert evs[-1].finish_reason == "error" and "request timeout" in evs[-1].error
-    assert not any(isinstance(e, Tokens) for e in evs[types(evs).index("abort_requested"):])
+    assert not any(isinstance(e, Tokens) for e in evs[types(evs).index("abort_requested") :])
     await all_blocks_free(eng.node)
 
 
@@ -132,8 +147,9 @@ async def test_a_batch_cut_off_midway_is_completed_not_repeated(real_bus):
     from engine.outbox import unwritten
 
     k1, k2 = real_bus.keys.req("o1"), real_bus.keys.req("o2")
-    items = [(k1, Tokens(request_id="o1", token_ids=(i,), text=f"t{i}", step=i, ts=1000 + i))
-             for i in range(3)]
+    items = [
+        (k1, Tokens(request_id="o1", token_ids=(i,), text=f"t{i}", step=i, ts=1000 + i)) for i in range(3)
+    ]
     items += [(k2, Tokens(request_id="o2", token_ids=(9,), text="x", step=1, ts=2000))]
     items.insert(1, (k2, Tokens(request_id="o2", token_ids=(8,), text="w", step=0, ts=1999)))
     await real_bus.publish_many(items[:3])  # o1's first two and o2's first one got through
@@ -146,7 +162,8 @@ async def test_a_batch_cut_off_midway_is_completed_not_repeated(real_bus):
 
 
 async def test_a_paused_redis_is_a_503_within_the_timeout_and_then_serves_again(
-        tmp_path, keys, tiny_model_dir, tiny_runner, tiny_tokenizer):
+    tmp_path, keys, tiny_model_dir, tiny_runner, tiny_tokenizer
+):
     """redis-server under SIGSTOP: its sockets stay open and nothing answers. A new request
     gets the documented 503 once a command has waited ``--redis-timeout``; a stream already
     running waits (it is not cut off), and after SIGCONT it ends complete, exactly once, and
@@ -161,17 +178,22 @@ async def test_a_paused_redis_is_a_503_within_the_timeout_and_then_serves_again(
     paused = False
     try:
         eng = await engines.start("E", delay=0.03)
-        api = await start_api(factory, keys, ApiOptions(model_dir=str(tiny_model_dir)),
-                              tokenizer=tiny_tokenizer)
+        api = await start_api(
+            factory, keys, ApiOptions(model_dir=str(tiny_model_dir)), tokenizer=tiny_tokenizer
+        )
         prompt = "Once upon a time"
         ref = LLM(tiny_runner, tiny_tokenizer).generate(
-            [tiny_tokenizer.encode(prompt)],
-            SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))[0]
-        body = {"model": api.cfg.model_name, "prompt": prompt, "max_tokens": 60,
-                "temperature": 0, "ignore_eos": True}
+            [tiny_tokenizer.encode(prompt)], SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+        )[0]
+        body = {
+            "model": api.cfg.model_name,
+            "prompt": prompt,
+            "max_tokens": 60,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         client = asyncio.create_task(stream_completion(api.url, body, {"X-Request-Id": "s1"}))
-        await wait_for(lambda: eng.node.sched.knows("s1") and eng.node.steps > 3,
-                       what="s1 decoding")
+        await wait_for(lambda: eng.node.sched.knows("s1") and eng.node.steps > 3, what="s1 decoding")
         os.kill(redis.proc.pid, signal.SIGSTOP)
         paused = True
         t0 = time.monotonic()

@@ -28,17 +28,23 @@ def _aiohttp_records(caplog) -> list[logging.LogRecord]:
     return [r for r in caplog.records if r.name.startswith("aiohttp")]
 
 
-async def test_malformed_requests_are_400_and_one_log_line(embedded_redis, keys, tiny_model_dir,
-                                                          tiny_tokenizer, caplog):
-    api = await start_api(embedded_redis.client, keys, ApiOptions(model_dir=str(tiny_model_dir)),
-                          tokenizer=tiny_tokenizer)
+async def test_malformed_requests_are_400_and_one_log_line(
+    embedded_redis, keys, tiny_model_dir, tiny_tokenizer, caplog
+):
+    api = await start_api(
+        embedded_redis.client, keys, ApiOptions(model_dir=str(tiny_model_dir)), tokenizer=tiny_tokenizer
+    )
     caplog.set_level(logging.INFO)
     try:
         junk = b"\x1f\x8b\x08\x00 this is not gzip at all"
-        status, body = await _raw(api.port, (
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Content-Encoding: gzip\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
-            % len(junk)) + junk)
+        status, body = await _raw(
+            api.port,
+            (
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Encoding: gzip\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(junk)
+            )
+            + junk,
+        )
         assert status.split()[1] == b"400"
         assert orjson.loads(body)["error"]["type"] == "invalid_request_error"
         await asyncio.sleep(0.2)  # (aiohttp logs after the answer, as it drains the body)
@@ -47,11 +53,14 @@ async def test_malformed_requests_are_400_and_one_log_line(embedded_redis, keys,
         assert "content-encoding: gzip" in gz.getMessage() and "\n" not in gz.getMessage()
         caplog.clear()
 
-        status, _ = await _raw(api.port, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: "
-                               + b"a" * 20_000 + b"\r\nConnection: close\r\n\r\n")
+        status, _ = await _raw(
+            api.port,
+            b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20_000 + b"\r\nConnection: close\r\n\r\n",
+        )
         assert status.split()[1] == b"400"
-        status, _ = await _raw(api.port, b"GET /" + b"a" * 20_000 + b" HTTP/1.1\r\nHost: x\r\n"
-                               b"Connection: close\r\n\r\n")
+        status, _ = await _raw(
+            api.port, b"GET /" + b"a" * 20_000 + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        )
         assert status.split()[1] == b"400"
         await asyncio.sleep(0.2)
         records = _aiohttp_records(caplog)

@@ -27,15 +27,17 @@ async def _events(bus, rid):
 
 
 async def test_a_resumed_engine_writes_nothing_into_streams_it_lost(
-        real_bus, redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer):
+    real_bus, redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer
+):
     bus = real_bus
     rids = [f"s{i}" for i in range(N_STREAMS)]
     prompts = [[5 + i, 17, 33, 9, 41, 12, 7, 19] for i in range(N_STREAMS)]
     sampling = dict(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     refs = LLM(tiny_runner, tiny_tokenizer).generate(prompts, SamplingParams(**sampling))
     engines = Engines(redis_server.url, keys, tiny_model_dir, tiny_runner, tiny_tokenizer, slices=1)
-    proc = spawn_engine(redis_server.url, keys, tiny_model_dir, "A", "--num-blocks", "1024",
-                        "--max-num-seqs", "32")
+    proc = spawn_engine(
+        redis_server.url, keys, tiny_model_dir, "A", "--num-blocks", "1024", "--max-num-seqs", "32"
+    )
     stopped = False
     try:
         await wait_for(lambda: _heartbeat(bus, "A"), timeout=90, what="engine A up")
@@ -74,7 +76,7 @@ async def test_a_resumed_engine_writes_nothing_into_streams_it_lost(
             assert tokens_of(evs) == ref.token_ids, rid  # none lost, none repeated, none stale
             assert text_of(evs) == ref.text
             assert final.usage["completion_tokens"] == len(tokens_of(evs)) == MAX_TOKENS
-            assert all(isinstance(e, Tokens) for e in evs[took_over + 1:-2])
+            assert all(isinstance(e, Tokens) for e in evs[took_over + 1 : -2])
         # nothing came after: A is done with them, the stories are as they were
         assert {rid: await _events(bus, rid) for rid in rids} == stories
         assert (await bus.redis.xpending(bus.keys.requests, "engines"))["pending"] == 0
@@ -89,8 +91,12 @@ async def test_a_resumed_engine_writes_nothing_into_streams_it_lost(
 
 async def _beat_when_dropped(bus) -> dict[str, str] | None:
     hb = await _heartbeat(bus, "A")
-    if hb and hb.get("running") == "0" and hb.get("waiting") == "0" and int(hb.get("fenced", 0)) >= N_STREAMS \
-            and hb.get("blocks_free") == hb.get("blocks_total"):
+    if (
+        hb
+        and hb.get("running") == "0"
+        and hb.get("waiting") == "0"
+        and int(hb.get("fenced", 0)) >= N_STREAMS
+        and hb.get("blocks_free") == hb.get("blocks_total")
+    ):
         return hb
     return None
-

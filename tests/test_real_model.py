@@ -42,8 +42,9 @@ def test_engine_greedy_ids_equal_transformers(smollm2_runner, smollm2_tokenizer,
     assert got.text == smollm2_tokenizer.decode(want) == "The capital of France is Paris."
 
 
-async def test_fd_serve_with_no_model_answers_the_official_client(smollm2_dir, smollm2_tokenizer,
-                                                                  smollm2_reference):
+async def test_fd_serve_with_no_model_answers_the_official_client(
+    smollm2_dir, smollm2_tokenizer, smollm2_reference
+):
     """A new user's `fd serve`: the default model (converted once into the cache, which the
     session fixture has filled: the same cache `fd serve` looks in), named for itself, answers
     a chat as transformers does."""
@@ -57,8 +58,11 @@ async def test_fd_serve_with_no_model_answers_the_official_client(smollm2_dir, s
             models = [m.id async for m in client.models.list()]
             assert models == ["SmolLM2-135M-Instruct"]
             r = await client.chat.completions.create(
-                model="SmolLM2-135M-Instruct", messages=smollm2_reference["chat"]["messages"],
-                temperature=0, max_tokens=24)
+                model="SmolLM2-135M-Instruct",
+                messages=smollm2_reference["chat"]["messages"],
+                temperature=0,
+                max_tokens=24,
+            )
         finally:
             await client.close()
     finally:

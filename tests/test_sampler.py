@@ -64,7 +64,7 @@ def test_seeded_sampling_is_reproducible_across_runs_and_batches():
     a = SamplingParams(temperature=1.0, seed=42)
     b = SamplingParams(temperature=0.9, top_p=0.95, seed=7)
     free = SamplingParams(temperature=1.0)
-    alone = [Sampler(0).sample(x[i:i + 1], [a], [n])[0] for i, n in enumerate(range(6))]
+    alone = [Sampler(0).sample(x[i : i + 1], [a], [n])[0] for i, n in enumerate(range(6))]
     # another run, another generator, other neighbours in the batch, another order
     params = [free, a, b, a, free, a, a, b, a, a]
     rows = np.stack([x[5], x[0], x[2], x[1], x[3], x[2], x[3], x[4], x[4], x[5]])
@@ -106,8 +106,7 @@ def test_repetition_penalty_shrinks_every_seen_tokens_logit_whatever_its_sign():
 
     row = np.zeros(V, dtype=np.float32)
     row[[1, 2, 3, 4]] = [2.0, -1.0, 3.0, 5.0]
-    got = apply_penalties(row, SamplingParams(repetition_penalty=2.0), prompt_ids=[1, 2, 1],
-                          output_ids=[3])
+    got = apply_penalties(row, SamplingParams(repetition_penalty=2.0), prompt_ids=[1, 2, 1], output_ids=[3])
     assert got[[1, 2, 3, 4]].tolist() == [1.0, -2.0, 1.5, 5.0]  # 4 was never seen
     # below 1 it rewards repeats instead, as in vLLM
     assert apply_penalties(row, SamplingParams(repetition_penalty=0.5), [1], [])[1] == 4.0
@@ -163,7 +162,7 @@ def _reference_row(row, sp, u):
     x = row.astype(np.float64) / sp.temperature
     order = np.argsort(-x, kind="stable")
     if 0 < sp.top_k < len(order):
-        order = order[:sp.top_k]
+        order = order[: sp.top_k]
     p = np.exp(x[order] - x[order[0]])
     if sp.min_p > 0:
         keep = int(np.count_nonzero(p >= sp.min_p))
@@ -183,9 +182,13 @@ def test_the_partial_sort_draws_what_a_full_sort_would():
     from engine.sampler import likeliest, sample_row
 
     rng = np.random.default_rng(11)
-    params = [SamplingParams(temperature=t, top_k=k, top_p=tp, min_p=mp)
-              for t in (0.7, 1.0, 2.5) for k in (0, 5, 300) for tp in (1.0, 0.9, 0.3)
-              for mp in (0.0, 0.01)]
+    params = [
+        SamplingParams(temperature=t, top_k=k, top_p=tp, min_p=mp)
+        for t in (0.7, 1.0, 2.5)
+        for k in (0, 5, 300)
+        for tp in (1.0, 0.9, 0.3)
+        for mp in (0.0, 0.01)
+    ]
     n_draws = 0
     for v, scale in ((50, 1.0), (5000, 1.0), (5000, 6.0), (20000, 0.2)):
         row = (rng.standard_normal(v) * scale).astype(np.float32)

@@ -22,7 +22,7 @@ def reference(prompt, max_tokens):
     toks = list(prompt)
     for _ in range(max_tokens):
         toks.append(model(toks))
-    return toks[len(prompt):]
+    return toks[len(prompt) :]
 
 
 class FakeRunner:
@@ -58,16 +58,23 @@ class FakeRunner:
 
 
 def make(**kw):
-    cfg = dict(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
-               max_model_len=256, eos_token_ids=(EOS,))
+    cfg = dict(
+        num_blocks=64,
+        block_size=4,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        max_model_len=256,
+        eos_token_ids=(EOS,),
+    )
     cfg.update(kw)
     sched = Scheduler(SchedulerConfig(**cfg))
     return sched, FakeRunner(sched)
 
 
 def req(n, max_tokens=4, start=10, **sp):
-    return RequestData(prompt_token_ids=tuple(range(start, start + n)),
-                       sampling=SamplingParams(max_tokens=max_tokens, **sp))
+    return RequestData(
+        prompt_token_ids=tuple(range(start, start + n)), sampling=SamplingParams(max_tokens=max_tokens, **sp)
+    )
 
 
 def kinds(events):
@@ -166,8 +173,7 @@ def test_abort_mid_chunked_prefill_between_steps_and_in_flight():
     sched.add("a", req(20))
     sched.add("b", req(20, start=40))
     out, evs = step(sched, runner)  # a: tokens 0..7
-    assert [(s.request_id, s.start_pos, len(s.token_ids), s.sample) for s in out.seqs] == [
-        ("a", 0, 8, False)]
+    assert [(s.request_id, s.start_pos, len(s.token_ids), s.sample) for s in out.seqs] == [("a", 0, 8, False)]
     assert evs == []
     evs = sched.abort("a", "http")
     assert kinds(evs) == ["AbortRequested", "Drained", "BlocksReleased", "Final"]
@@ -216,12 +222,22 @@ def test_abort_all_covers_every_state_in_arrival_order():
     assert [s.request_id for s in out.seqs] == ["a", "b"]
     evs = sched.abort_all("cli")
     assert [(type(e).__name__, e.request_id) for e in evs] == [
-        ("AbortRequested", "a"), ("AbortRequested", "b"), ("AbortRequested", "c"),
-        ("Drained", "c"), ("BlocksReleased", "c"), ("Final", "c")]
+        ("AbortRequested", "a"),
+        ("AbortRequested", "b"),
+        ("AbortRequested", "c"),
+        ("Drained", "c"),
+        ("BlocksReleased", "c"),
+        ("Final", "c"),
+    ]
     evs = sched.update(out, runner.run(out))
     assert [(type(e).__name__, e.request_id) for e in evs] == [
-        ("Drained", "a"), ("BlocksReleased", "a"), ("Final", "a"),
-        ("Drained", "b"), ("BlocksReleased", "b"), ("Final", "b")]
+        ("Drained", "a"),
+        ("BlocksReleased", "a"),
+        ("Final", "a"),
+        ("Drained", "b"),
+        ("BlocksReleased", "b"),
+        ("Final", "b"),
+    ]
     assert sched.num_free_blocks == sched.num_total_blocks
     assert not sched.has_work() and sched.num_running == 0 and sched.num_waiting == 0
 
@@ -238,7 +254,7 @@ def test_chunked_prefill_splits_the_prompt_and_samples_only_at_the_end():
         out, e = step(sched, runner)
         (s,) = out.seqs
         shapes.append((s.start_pos, len(s.token_ids), s.sample, len(s.block_table)))
-        assert s.token_ids == prompt.prompt_token_ids[s.start_pos:s.start_pos + len(s.token_ids)]
+        assert s.token_ids == prompt.prompt_token_ids[s.start_pos : s.start_pos + len(s.token_ids)]
         evs += e
     assert shapes == [(0, 8, False, 2), (8, 8, False, 4), (16, 4, True, 5)]
     assert kinds(evs) == ["Tokens"]
@@ -252,8 +268,7 @@ def test_decodes_go_first_then_prefills_within_the_budget():
     step(sched, runner)
     sched.add("b", req(30, start=50))
     out = sched.schedule()
-    assert [(s.request_id, len(s.token_ids), s.sample) for s in out.seqs] == [
-        ("a", 1, True), ("b", 7, False)]
+    assert [(s.request_id, len(s.token_ids), s.sample) for s in out.seqs] == [("a", 1, True), ("b", 7, False)]
     assert out.num_batched_tokens == 8
 
 
@@ -266,8 +281,7 @@ def test_long_prefill_threshold_caps_a_chunk():
 
 
 def test_without_chunked_prefill_a_prompt_waits_for_a_step_it_fits_whole():
-    sched, runner = make(enable_chunked_prefill=False, max_num_batched_tokens=16,
-                         max_model_len=16)
+    sched, runner = make(enable_chunked_prefill=False, max_num_batched_tokens=16, max_model_len=16)
     sched.add("a", req(10))
     sched.add("b", req(10, start=40))
     out, _ = step(sched, runner)
@@ -275,8 +289,9 @@ def test_without_chunked_prefill_a_prompt_waits_for_a_step_it_fits_whole():
     out, _ = step(sched, runner)
     assert [(s.request_id, len(s.token_ids)) for s in out.seqs] == [("a", 1), ("b", 10)]
     with pytest.raises(ValueError):
-        SchedulerConfig(num_blocks=4, enable_chunked_prefill=False, max_num_batched_tokens=8,
-                        max_model_len=16)
+        SchedulerConfig(
+            num_blocks=4, enable_chunked_prefill=False, max_num_batched_tokens=8, max_model_len=16
+        )
 
 
 def test_one_step_in_flight_at_a_time():
@@ -466,7 +481,7 @@ def test_snapshot_is_json_and_reflects_state():
     sched, runner = make()
     sched.add("a", req(6, max_tokens=5))
     sched.add("b", req(3))
-    out = sched.schedule()
+    sched.schedule()
     snap = json.loads(json.dumps(sched.snapshot()))
     assert snap["step"] == 1 and snap["in_flight"] == ["a", "b"]
     assert snap["num_free_blocks"] == snap["num_total_blocks"] - 3
@@ -516,11 +531,18 @@ def test_token_ids_outside_the_vocabulary_end_the_request_before_it_runs():
 
 # ----------------------------------------------------------------------------- prefix caching
 
+
 def _cached_cfg(**kw):
     from engine.config import SchedulerConfig
 
-    base = dict(num_blocks=16, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
-                max_model_len=64, enable_prefix_caching=True)
+    base = dict(
+        num_blocks=16,
+        block_size=4,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        max_model_len=64,
+        enable_prefix_caching=True,
+    )
     return SchedulerConfig(**{**base, **kw})
 
 
@@ -528,8 +550,10 @@ def _run_one_step(s, sampled_token=5):
     from engine.outputs import RunnerOutput
 
     out = s.schedule()
-    return out, s.update(out, RunnerOutput(step=out.step, sampled={
-        ss.request_id: sampled_token for ss in out.seqs if ss.sample}))
+    return out, s.update(
+        out,
+        RunnerOutput(step=out.step, sampled={ss.request_id: sampled_token for ss in out.seqs if ss.sample}),
+    )
 
 
 def test_a_prompt_prefix_computed_before_is_shared_not_recomputed():
@@ -572,10 +596,14 @@ def test_a_block_is_shared_only_once_a_finished_step_has_filled_it():
     assert {ss.request_id: ss.start_pos for ss in first.seqs} == {"a": 0, "same-step": 0}
     s.add("next-step", RequestData(prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=4)))
     second = s.schedule()  # decided while `first` runs: nothing is registered yet
-    assert {ss.request_id: ss.start_pos for ss in second.seqs if ss.request_id == "next-step"} == {"next-step": 0}
+    assert {ss.request_id: ss.start_pos for ss in second.seqs if ss.request_id == "next-step"} == {
+        "next-step": 0
+    }
     s.update(first, RunnerOutput(step=first.step, sampled={"a": 5, "same-step": 5}))
     s.add("after", RequestData(prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=4)))
-    s.update(second, RunnerOutput(step=second.step, sampled={ss.request_id: 5 for ss in second.seqs if ss.sample}))
+    s.update(
+        second, RunnerOutput(step=second.step, sampled={ss.request_id: 5 for ss in second.seqs if ss.sample})
+    )
     third = s.schedule()
     assert {ss.request_id: ss.start_pos for ss in third.seqs}["after"] == 8
     s.blocks.check()
@@ -588,7 +616,10 @@ def test_a_request_scoring_its_prompt_computes_all_of_it():
     prompt = tuple(range(10, 20))
     s.add("a", RequestData(prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=2)))
     _run_one_step(s)
-    s.add("score", RequestData(prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=1, prompt_logprobs=0)))
+    s.add(
+        "score",
+        RequestData(prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=1, prompt_logprobs=0)),
+    )
     out, _ = _run_one_step(s)
     assert [ss.start_pos for ss in out.seqs if ss.request_id == "score"] == [0]
 
@@ -597,16 +628,31 @@ def test_a_preempted_request_takes_its_own_cached_blocks_back():
     from control.events import Preempted, RequestData, SamplingParams
 
     s = Scheduler(_cached_cfg(num_blocks=8, max_num_batched_tokens=32))
-    s.add("old", RequestData(prompt_token_ids=tuple(range(10, 22)), sampling=SamplingParams(max_tokens=12, ignore_eos=True)))
-    s.add("new", RequestData(prompt_token_ids=tuple(range(40, 48)), sampling=SamplingParams(max_tokens=12, ignore_eos=True)))
+    s.add(
+        "old",
+        RequestData(
+            prompt_token_ids=tuple(range(10, 22)), sampling=SamplingParams(max_tokens=12, ignore_eos=True)
+        ),
+    )
+    s.add(
+        "new",
+        RequestData(
+            prompt_token_ids=tuple(range(40, 48)), sampling=SamplingParams(max_tokens=12, ignore_eos=True)
+        ),
+    )
     events = []
     resumed = None
     while s.has_work():
         out, evs = _run_one_step(s)
         events += evs + s.take_events()
         for ss in out.seqs:
-            if ss.request_id == "new" and any(isinstance(e, Preempted) and e.request_id == "new" for e in events) \
-                    and resumed is None and ss.start_pos > 0 and len(ss.token_ids) > 1:
+            if (
+                ss.request_id == "new"
+                and any(isinstance(e, Preempted) and e.request_id == "new" for e in events)
+                and resumed is None
+                and ss.start_pos > 0
+                and len(ss.token_ids) > 1
+            ):
                 resumed = ss.start_pos
     assert any(isinstance(e, Preempted) for e in events), "the pool is small enough to preempt"
     assert resumed is not None and resumed % 4 == 0  # its recompute began after cached blocks

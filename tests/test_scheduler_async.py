@@ -12,7 +12,8 @@ import pytest
 from control.events import Final, Tokens
 from engine.outputs import RunnerOutput
 from engine.sequence import PLACEHOLDER
-from tests.test_scheduler import EOS, make as make_sched, req
+from tests.test_scheduler import EOS, req
+from tests.test_scheduler import make as make_sched
 
 
 def make(depth=2, **kw):
@@ -228,10 +229,10 @@ def test_finished_releases_an_abort_before_its_steps_are_folded_in_and_changes_n
         seen += pipeline(sched, runner)
         assert sched.num_free_blocks == sched.num_total_blocks
         runs[early] = seen
-    assert kinds(runs[True], "a") == kinds(runs[False], "a") == [
-        "Tokens", "Drained", "BlocksReleased", "Final"]  # (its prefill's token, then the abort)
-    assert [e for e in runs[True] if e.request_id == "b"] == \
-        [e for e in runs[False] if e.request_id == "b"]
+    assert (
+        kinds(runs[True], "a") == kinds(runs[False], "a") == ["Tokens", "Drained", "BlocksReleased", "Final"]
+    )  # (its prefill's token, then the abort)
+    assert [e for e in runs[True] if e.request_id == "b"] == [e for e in runs[False] if e.request_id == "b"]
     assert len(tokens(runs[True], "b")) == 10
 
 

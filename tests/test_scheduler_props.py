@@ -10,12 +10,19 @@ as late as it can: just before its results are folded in.
 """
 
 import pytest
-
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from control.events import (AbortRequested, BlocksReleased, Drained, Final, Preempted,
-                            RequestData, SamplingParams, Tokens)
+from control.events import (
+    AbortRequested,
+    BlocksReleased,
+    Drained,
+    Final,
+    Preempted,
+    RequestData,
+    SamplingParams,
+    Tokens,
+)
 from engine.config import SchedulerConfig
 from engine.outputs import RunnerOutput
 from engine.scheduler import Scheduler
@@ -70,9 +77,12 @@ class Harness:
                 assert any(isinstance(x, AbortRequested) for x in story)
             if isinstance(e, BlocksReleased):
                 assert e.count >= 0
-                assert not any(e.request_id == x.request_id for o in self.flying for x in o.seqs
-                               if x.request_id not in self.left_out.get(o.step, ())), \
-                    f"{e.request_id}'s blocks released while a step in flight holds them"
+                assert not any(
+                    e.request_id == x.request_id
+                    for o in self.flying
+                    for x in o.seqs
+                    if x.request_id not in self.left_out.get(o.step, ())
+                ), f"{e.request_id}'s blocks released while a step in flight holds them"
             if isinstance(e, Final):
                 assert isinstance(story[-1], BlocksReleased) if story else e.finish_reason == "error"
                 toks = [t for x in story if isinstance(x, Tokens) for t in x.token_ids]
@@ -95,9 +105,11 @@ class Harness:
         rid = f"r{self.n}"
         self.n += 1
         prompt = tuple((self.n * 7 + i) % 19 + 1 for i in range(plen))
-        data = RequestData(prompt_token_ids=prompt,  # (a priority only the priority policy reads)
-                           sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos),
-                           priority=(self.n * 5) % 3)
+        data = RequestData(
+            prompt_token_ids=prompt,  # (a priority only the priority policy reads)
+            sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos),
+            priority=(self.n * 5) % 3,
+        )
         evs = self.sched.add(rid, data)
         if evs:
             assert [type(e) for e in evs] == [Final] and evs[0].finish_reason == "error"
@@ -194,7 +206,7 @@ class Harness:
                 continue  # never written: its blocks may already be someone else's
             end = x.start_pos + len(x.token_ids)
             assert len(x.block_table) * self.bs >= end
-            assert x.block_table == s.blocks.table(x.request_id)[:len(x.block_table)]
+            assert x.block_table == s.blocks.table(x.request_id)[: len(x.block_table)]
             for i, t in enumerate(x.token_ids):
                 if t == PLACEHOLDER:
                     assert len(x.token_ids) == 1
@@ -222,7 +234,7 @@ class Harness:
             f = finals[0]
             toks = [t for e in story if isinstance(e, Tokens) for t in e.token_ids]
             ref = reference(data.prompt_token_ids, data.sampling, self.cfg.max_model_len)
-            assert toks == ref[:len(toks)], (rid, toks, ref)
+            assert toks == ref[: len(toks)], (rid, toks, ref)
             if f.finish_reason == "stop":
                 assert toks == ref
             elif f.finish_reason == "length":
@@ -235,12 +247,28 @@ class Harness:
 def configs(depth):
     return st.builds(
         lambda nb, bs, seqs, budget, mml, chunked, thr, policy: SchedulerConfig(
-            num_blocks=nb, block_size=bs, max_num_seqs=seqs,
-            max_num_batched_tokens=budget if chunked else max(budget, mml), max_model_len=mml,
-            eos_token_ids=(EOS,), enable_chunked_prefill=chunked, long_prefill_threshold=thr,
-            max_num_waiting=4, max_steps_in_flight=depth, scheduling_policy=policy),
-        st.integers(4, 10), st.integers(1, 3), st.integers(1, 4), st.integers(1, 16),
-        st.integers(8, 40), st.booleans(), st.sampled_from([0, 0, 3]), st.sampled_from(["fcfs", "priority"]))
+            num_blocks=nb,
+            block_size=bs,
+            max_num_seqs=seqs,
+            max_num_batched_tokens=budget if chunked else max(budget, mml),
+            max_model_len=mml,
+            eos_token_ids=(EOS,),
+            enable_chunked_prefill=chunked,
+            long_prefill_threshold=thr,
+            max_num_waiting=4,
+            max_steps_in_flight=depth,
+            scheduling_policy=policy,
+        ),
+        st.integers(4, 10),
+        st.integers(1, 3),
+        st.integers(1, 4),
+        st.integers(1, 16),
+        st.integers(8, 40),
+        st.booleans(),
+        st.sampled_from([0, 0, 3]),
+        st.sampled_from(["fcfs", "priority"]),
+    )
+
 
 add = st.tuples(st.just("add"), st.integers(1, 7), st.integers(1, 12), st.booleans())
 step = st.tuples(st.just("step"), st.just([]))
@@ -250,9 +278,9 @@ abort_all = st.tuples(st.just("abort_all"))
 # weights by repetition: mostly arrivals and steps, some aborts, abort_all rarely
 ops = st.tuples(
     st.lists(add, min_size=1, max_size=6),
-    st.lists(st.one_of(add, add, step, step, step, step, step, step_abort, abort, abort_all),
-             max_size=40),
+    st.lists(st.one_of(add, add, step, step, step, step, step, step_abort, abort, abort_all), max_size=40),
 ).map(lambda parts: parts[0] + parts[1])
+
 
 def run_script(cfg, script):
     h = Harness(cfg)
@@ -284,9 +312,17 @@ def test_random_runs_with_async_scheduling_keep_the_pool_and_the_stories_consist
 @pytest.mark.parametrize("depth", [1, 2])
 def test_a_crowded_pool_does_preempt(depth):
     """Guards the property tests above from passing only because nothing ever preempted."""
-    h = Harness(SchedulerConfig(num_blocks=6, block_size=2, max_num_seqs=4,
-                                max_num_batched_tokens=8, max_model_len=40, eos_token_ids=(EOS,),
-                                max_steps_in_flight=depth))
+    h = Harness(
+        SchedulerConfig(
+            num_blocks=6,
+            block_size=2,
+            max_num_seqs=4,
+            max_num_batched_tokens=8,
+            max_model_len=40,
+            eos_token_ids=(EOS,),
+            max_steps_in_flight=depth,
+        )
+    )
     for _ in range(4):
         h.add(3, 12, True)
     h.finish()

@@ -24,13 +24,13 @@ import time
 
 import pytest
 from redis.exceptions import AuthenticationError, ResponseError
+from test_api_streaming import FakeEngine, setup
+from test_api_validation import MAX_LEN, api_client, assert_openai_error
 
 from control.bus import Bus
 from control.connect import connect
 from control.events import Abort, Accepted, Final
 from control.keys import Keys
-from test_api_streaming import FakeEngine, setup
-from test_api_validation import MAX_LEN, api_client, assert_openai_error
 from tests.conftest import free_port
 
 CHAT, COMP = "/v1/chat/completions", "/v1/completions"
@@ -124,10 +124,33 @@ def acl_redis(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("acl"))
     port = free_port()
     proc = subprocess.Popen(
-        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", tmp, "--requirepass", "defaultpw",
-         "--user", "fduser", "on", ">fd pw:1", "~acl:*", "&*", "+@all", "-@dangerous", "+info"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            exe,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            tmp,
+            "--requirepass",
+            "defaultpw",
+            "--user",
+            "fduser",
+            "on",
+            ">fd pw:1",
+            "~acl:*",
+            "&*",
+            "+@all",
+            "-@dangerous",
+            "+info",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and proc.poll() is None:
         try:
@@ -209,17 +232,22 @@ async def test_wrong_redis_password_fails_at_once(acl_redis):
 
 async def test_body_and_prompt_limits(real_bus):
     async with api_client(real_bus, max_body_bytes=4096) as client:
-        for path, body in ((CHAT, {"messages": [{"role": "user", "content": "x" * 5000}]}),
-                           (COMP, {"prompt": "x" * 5000}), (COMP, {"prompt": list(range(2000))}),
-                           ("/v1/abort_requests", {"req_ids": ["a" * 100] * 100})):
+        for path, body in (
+            (CHAT, {"messages": [{"role": "user", "content": "x" * 5000}]}),
+            (COMP, {"prompt": "x" * 5000}),
+            (COMP, {"prompt": list(range(2000))}),
+            ("/v1/abort_requests", {"req_ids": ["a" * 100] * 100}),
+        ):
             resp = await client.post(path, json=body)
             assert resp.status == 413, path
             assert assert_openai_error(await resp.json())["code"] == "request_too_large"
         # within the body limit but past the context: 400, named as such
-        for path, body, param in ((CHAT, {"messages": [{"role": "user", "content": "x" * MAX_LEN}]}, "messages"),
-                                  (COMP, {"prompt": "x" * (MAX_LEN + 1)}, "prompt"),
-                                  (COMP, {"prompt": [1] * MAX_LEN}, "prompt"),
-                                  (COMP, {"prompt": "x" * 10, "max_tokens": MAX_LEN}, "max_tokens")):
+        for path, body, param in (
+            (CHAT, {"messages": [{"role": "user", "content": "x" * MAX_LEN}]}, "messages"),
+            (COMP, {"prompt": "x" * (MAX_LEN + 1)}, "prompt"),
+            (COMP, {"prompt": [1] * MAX_LEN}, "prompt"),
+            (COMP, {"prompt": "x" * 10, "max_tokens": MAX_LEN}, "max_tokens"),
+        ):
             resp = await client.post(path, json=body)
             assert resp.status == 400, (path, param)
             err = assert_openai_error(await resp.json())
@@ -229,8 +257,23 @@ async def test_body_and_prompt_limits(real_bus):
 
 # --------------------------------------------------------------------------- request ids
 
-BAD_IDS = ["{tag}", "a}", "a{", "a*b", "*", "has space", "x" * 129, "a?b", "a[1]", "é", "a/b", "a\\b",
-           "a\"b", "a'b", "a,b"]
+BAD_IDS = [
+    "{tag}",
+    "a}",
+    "a{",
+    "a*b",
+    "*",
+    "has space",
+    "x" * 129,
+    "a?b",
+    "a[1]",
+    "é",
+    "a/b",
+    "a\\b",
+    'a"b',
+    "a'b",
+    "a,b",
+]
 
 
 async def test_bad_request_ids_are_400_and_write_nothing(real_bus):
@@ -271,12 +314,20 @@ async def test_bad_request_ids_are_400_and_write_nothing(real_bus):
 async def test_header_injection_at_the_wire_is_refused(real_bus):
     """Newlines cannot be sent through an HTTP client; send them raw."""
     async with api_client(real_bus) as client:
-        for header in (b"X-Request-Id: a\r\n b", b"X-Request-Id: a\rb", b"X-Request-Id: a\x00b",
-                       b"X-Request-Id: " + b"x" * 129):
+        for header in (
+            b"X-Request-Id: a\r\n b",
+            b"X-Request-Id: a\rb",
+            b"X-Request-Id: a\x00b",
+            b"X-Request-Id: " + b"x" * 129,
+        ):
             reader, writer = await asyncio.open_connection(client.host, client.port)
             body = b'{"prompt":"hi"}'
-            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         + header + b"\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+            writer.write(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + header
+                + b"\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body)
+                + body
+            )
             await writer.drain()
             reply = await asyncio.wait_for(reader.read(), 5)
             writer.close()
@@ -289,8 +340,21 @@ def test_many_ids_are_checked_as_strictly_as_one():
     from control.keys import all_valid_request_ids, valid_request_id
 
     good = ["a", "req-1", "x" * 128, "cmpl-abc_def.ghi:jkl@mno"]
-    cases = [good, good + ["a\nb"], good + [""], good + ["x" * 129], good + ["a b"],
-             good + ["é"], good + [5], ["a\n"], ["\na"], [], ["ok", "ok"], ["a\r"], ["{a}"]]
+    cases = [
+        good,
+        good + ["a\nb"],
+        good + [""],
+        good + ["x" * 129],
+        good + ["a b"],
+        good + ["é"],
+        good + [5],
+        ["a\n"],
+        ["\na"],
+        [],
+        ["ok", "ok"],
+        ["a\r"],
+        ["{a}"],
+    ]
     for ids in cases:
         expect = bool(ids) and all(isinstance(r, str) and valid_request_id(r) for r in ids)
         assert all_valid_request_ids(ids) == expect, ids

@@ -26,17 +26,25 @@ async def test_completions_and_chat_stream_and_not(served, tiny_runner, tiny_tok
     model = api.cfg.model_name
     prompt = "Hello there, how"
     ref = LLM(tiny_runner, tiny_tokenizer).generate(
-        [tiny_tokenizer.encode(prompt)], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))[0]
+        [tiny_tokenizer.encode(prompt)], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    )[0]
 
-    c = await client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0,
-                                        extra_body={"ignore_eos": True})
+    c = await client.completions.create(
+        model=model, prompt=prompt, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert c.choices[0].text == ref.text
     assert c.choices[0].finish_reason == "length"
     assert c.usage.completion_tokens == 10 and c.usage.prompt_tokens == len(tiny_tokenizer.encode(prompt))
 
-    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0,
-                                             stream=True, stream_options={"include_usage": True},
-                                             extra_body={"ignore_eos": True})
+    stream = await client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     text, reasons, usage = "", [], None
     async for chunk in stream:
         if chunk.choices:
@@ -49,16 +57,23 @@ async def test_completions_and_chat_stream_and_not(served, tiny_runner, tiny_tok
     messages = [{"role": "user", "content": "Say something"}]
     chat_ids = tiny_tokenizer.encode(tiny_tokenizer.apply_chat_template(messages))
     chat_ref = LLM(tiny_runner, tiny_tokenizer).generate(
-        [chat_ids], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
-    r = await client.chat.completions.create(model=model, messages=messages, max_tokens=8,
-                                             temperature=0, extra_body={"ignore_eos": True})
+        [chat_ids], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    )[0]
+    r = await client.chat.completions.create(
+        model=model, messages=messages, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content == chat_ref.text
     assert r.usage.prompt_tokens == len(chat_ids) and r.usage.completion_tokens == 8
 
-    s = await client.chat.completions.create(model=model, messages=messages, max_tokens=8,
-                                             temperature=0, stream=True,
-                                             extra_body={"ignore_eos": True})
+    s = await client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     content = ""
     async for chunk in s:
         if chunk.choices and chunk.choices[0].delta.content:
@@ -78,9 +93,14 @@ async def test_half_the_clients_hang_up(served):
     api.bus.local_control.insert(0, lambda ev: heard.extend(ev.request_ids))
 
     async def one(i: int):
-        s = await client.completions.create(model=model, prompt=f"Request number {i}", max_tokens=60,
-                                            temperature=0, stream=True,
-                                            extra_body={"ignore_eos": True})
+        s = await client.completions.create(
+            model=model,
+            prompt=f"Request number {i}",
+            max_tokens=60,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         n, last = 0, None
         async for chunk in s:
             ids[i] = chunk.id
@@ -143,25 +163,44 @@ async def _sse_events(resp):
     return out
 
 
-async def test_two_replicas_two_engines_resume_from_any_replica(redis_server, keys, tiny_model_dir,
-                                                                 tiny_runner, tiny_tokenizer):
+async def test_two_replicas_two_engines_resume_from_any_replica(
+    redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer
+):
     from engine.model_runner import ModelRunner
 
     factory = lambda: connect(redis_server.url)  # noqa: E731
     runner2 = ModelRunner(str(tiny_model_dir), device="cpu", num_blocks=256, batch_invariant=True)
-    e1 = await start_engine(factory, keys, EngineOptions(model_dir=str(tiny_model_dir), engine_id="e1"),
-                            runner=tiny_runner, tokenizer=tiny_tokenizer)
-    e2 = await start_engine(factory, keys, EngineOptions(model_dir=str(tiny_model_dir), engine_id="e2"),
-                            runner=runner2, tokenizer=tiny_tokenizer)
+    e1 = await start_engine(
+        factory,
+        keys,
+        EngineOptions(model_dir=str(tiny_model_dir), engine_id="e1"),
+        runner=tiny_runner,
+        tokenizer=tiny_tokenizer,
+    )
+    e2 = await start_engine(
+        factory,
+        keys,
+        EngineOptions(model_dir=str(tiny_model_dir), engine_id="e2"),
+        runner=runner2,
+        tokenizer=tiny_tokenizer,
+    )
     a = await start_api(factory, keys, ApiOptions(model_dir=str(tiny_model_dir)), tokenizer=tiny_tokenizer)
     b = await start_api(factory, keys, ApiOptions(model_dir=str(tiny_model_dir)), tokenizer=tiny_tokenizer)
     try:
         async with aiohttp.ClientSession() as http:
-            body = {"model": a.cfg.model_name, "prompt": "Resume me", "max_tokens": 40,
-                    "temperature": 0, "stream": True, "ignore_eos": True, "background": True}
+            body = {
+                "model": a.cfg.model_name,
+                "prompt": "Resume me",
+                "max_tokens": 40,
+                "temperature": 0,
+                "stream": True,
+                "ignore_eos": True,
+                "background": True,
+            }
             # replica A: read a few events, then go away
-            async with http.post(f"{a.url}/v1/completions", json=body,
-                                 headers={"X-Request-Id": "resume-1"}) as resp:
+            async with http.post(
+                f"{a.url}/v1/completions", json=body, headers={"X-Request-Id": "resume-1"}
+            ) as resp:
                 assert resp.status == 200 and resp.headers["X-Request-Id"] == "resume-1"
                 seen = []
                 async for raw in resp.content:
@@ -184,8 +223,9 @@ async def test_two_replicas_two_engines_resume_from_any_replica(redis_server, ke
             distinct = [i for n, i in enumerate(full_ids) if n == 0 or full_ids[n - 1] != i]
             assert len(distinct) == len(set(distinct))
             # replica B again, resuming after the last event A delivered: no gap, no duplicate
-            async with http.get(f"{b.url}/v1/requests/resume-1/stream",
-                                headers={"Last-Event-ID": seen[-1][0]}) as resp:
+            async with http.get(
+                f"{b.url}/v1/requests/resume-1/stream", headers={"Last-Event-ID": seen[-1][0]}
+            ) as resp:
                 rest = await _sse_events(resp)
             # replays render as the original did (same chunks, byte for byte)
             assert [i for i, _ in seen] + [i for i, _ in rest] == [i for i, _ in full]
@@ -193,19 +233,22 @@ async def test_two_replicas_two_engines_resume_from_any_replica(redis_server, ke
             assert _texts(seen) + _texts(rest) == _texts(full)
         import orjson
 
-        text = "".join(orjson.loads(d)["choices"][0]["text"] for _, d in full
-                       if d != "[DONE]" and orjson.loads(d).get("choices"))
+        text = "".join(
+            orjson.loads(d)["choices"][0]["text"]
+            for _, d in full
+            if d != "[DONE]" and orjson.loads(d).get("choices")
+        )
         ref = LLM(tiny_runner, tiny_tokenizer).generate(
             [tiny_tokenizer.encode("Resume me")],
-            SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))[0]
+            SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+        )[0]
         assert text == ref.text
     finally:
         for x in (a, b, e1, e2):
             await x.stop()
 
 
-async def test_requests_not_announced_in_process_are_still_claimed_while_busy(served, embedded_redis,
-                                                                              keys):
+async def test_requests_not_announced_in_process_are_still_claimed_while_busy(served, embedded_redis, keys):
     """In fd serve the engine claims when its API says it submitted something, and otherwise
     polls P:requests every CLAIM_POLL_S: a request written by anyone else (another API node,
     redis-cli) still starts while the engine is busy."""
@@ -214,9 +257,15 @@ async def test_requests_not_announced_in_process_are_still_claimed_while_busy(se
 
     api, eng = served
     client = _client(api)
-    busy = asyncio.create_task(client.completions.create(
-        model=api.cfg.model_name, prompt="keep busy", max_tokens=300, temperature=0,
-        extra_body={"ignore_eos": True}))
+    busy = asyncio.create_task(
+        client.completions.create(
+            model=api.cfg.model_name,
+            prompt="keep busy",
+            max_tokens=300,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+    )
     for _ in range(500):
         if eng.node.sched.num_running:
             break
@@ -234,8 +283,7 @@ async def test_requests_not_announced_in_process_are_still_claimed_while_busy(se
     await client.close()
 
 
-async def test_requests_not_announced_in_process_are_still_claimed_while_idle(served, embedded_redis,
-                                                                              keys):
+async def test_requests_not_announced_in_process_are_still_claimed_while_idle(served, embedded_redis, keys):
     """Idle, an fd serve engine waits for its API's word instead of in a blocking read of
     P:requests, and asks P:requests every CLAIM_POLL_S meanwhile: a request written by anyone
     else starts too, and one the API announces starts without waiting for the poll."""
@@ -254,14 +302,19 @@ async def test_requests_not_announced_in_process_are_still_claimed_while_idle(se
     try:
         await submit(other, "idle-elsewhere", [5, 6, 7], max_tokens=3)
         evs = await story(other, "idle-elsewhere", timeout=10)
-        assert [e.TYPE for e in evs if e.TYPE != "tokens"] == ["accepted", "claimed", "blocks_released",
-                                                               "final"]
+        assert [e.TYPE for e in evs if e.TYPE != "tokens"] == [
+            "accepted",
+            "claimed",
+            "blocks_released",
+            "final",
+        ]
         assert evs[-1].finish_reason == "length"
     finally:
         await other.redis.aclose()
     # (ignore_eos: sampled, the random model may end it with EOS first)
-    r = await client.completions.create(model=api.cfg.model_name, prompt="announced", max_tokens=3,
-                                        extra_body={"ignore_eos": True})
+    r = await client.completions.create(
+        model=api.cfg.model_name, prompt="announced", max_tokens=3, extra_body={"ignore_eos": True}
+    )
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
     await client.close()
 
@@ -288,20 +341,29 @@ async def test_logprobs_through_the_openai_client(served, tiny_runner, tiny_toke
     model = api.cfg.model_name
     prompt = "Hello there, how"
     ids = tiny_tokenizer.encode(prompt)
-    c = await client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0,
-                                        logprobs=3, extra_body={"ignore_eos": True})
+    c = await client.completions.create(
+        model=model, prompt=prompt, max_tokens=6, temperature=0, logprobs=3, extra_body={"ignore_eos": True}
+    )
     messages = [{"role": "user", "content": "Say something"}]
-    s = await client.chat.completions.create(model=model, messages=messages, max_tokens=5, temperature=0,
-                                             logprobs=True, top_logprobs=2, stream=True,
-                                             extra_body={"ignore_eos": True})
+    s = await client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     content, text = [], ""
     async for chunk in s:
         if chunk.choices and chunk.choices[0].logprobs is not None:
             content += chunk.choices[0].logprobs.content
         if chunk.choices:
             text += chunk.choices[0].delta.content or ""
-    plain = await client.chat.completions.create(model=model, messages=messages, max_tokens=5,
-                                                 temperature=0, extra_body={"ignore_eos": True})
+    plain = await client.chat.completions.create(
+        model=model, messages=messages, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert plain.choices[0].logprobs is None  # only when asked
 
     def word(t: int) -> str:
@@ -309,8 +371,11 @@ async def test_logprobs_through_the_openai_client(served, tiny_runner, tiny_toke
 
     lp = c.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
-    greedy = LLM(tiny_runner, tiny_tokenizer).generate(
-        [ids], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0].token_ids
+    greedy = (
+        LLM(tiny_runner, tiny_tokenizer)
+        .generate([ids], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0]
+        .token_ids
+    )
     ref = _reference_logprobs(tiny_runner, list(ids), list(greedy), 3)
     assert lp.tokens == [word(t) for t in greedy]
     for got, (want, best), top in zip(lp.token_logprobs, ref, lp.top_logprobs):
@@ -320,14 +385,19 @@ async def test_logprobs_through_the_openai_client(served, tiny_runner, tiny_toke
     assert lp.text_offset == [sum(len(word(t)) for t in greedy[:k]) for k in range(6)]
 
     chat_ids = tiny_tokenizer.encode(tiny_tokenizer.apply_chat_template(messages))
-    greedy = LLM(tiny_runner, tiny_tokenizer).generate(
-        [chat_ids], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))[0].token_ids
+    greedy = (
+        LLM(tiny_runner, tiny_tokenizer)
+        .generate([chat_ids], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))[0]
+        .token_ids
+    )
     ref = _reference_logprobs(tiny_runner, list(chat_ids), list(greedy), 2)
     assert [e.token for e in content] == [word(t) for t in greedy]
     assert [e.bytes for e in content] == [list(tiny_tokenizer.id_to_bytes(t)) for t in greedy]
     for e, (want, best) in zip(content, ref):
         assert abs(e.logprob - want) < 1e-4
-        assert [(x.token, round(x.logprob, 4)) for x in e.top_logprobs] == [(word(t), round(v, 4)) for t, v in best]
+        assert [(x.token, round(x.logprob, 4)) for x in e.top_logprobs] == [
+            (word(t), round(v, 4)) for t, v in best
+        ]
 
 
 async def test_tokenize_detokenize_and_version(served, tiny_tokenizer):
@@ -345,9 +415,11 @@ async def test_tokenize_detokenize_and_version(served, tiny_tokenizer):
             assert chat == tiny_tokenizer.encode(tiny_tokenizer.apply_chat_template(messages))
         async with s.post(f"{api.url}/detokenize", json={"tokens": body["tokens"]}) as r:
             assert r.status == 200 and "Hello there" in (await r.json())["prompt"]
-        for path, bad, param in (("/tokenize", {"prompt": 5}, "prompt"),
-                                 ("/detokenize", {"tokens": [1, -1]}, "tokens"),
-                                 ("/detokenize", {"model": "gpt-4", "tokens": [1]}, "model")):
+        for path, bad, param in (
+            ("/tokenize", {"prompt": 5}, "prompt"),
+            ("/detokenize", {"tokens": [1, -1]}, "tokens"),
+            ("/detokenize", {"model": "gpt-4", "tokens": [1]}, "model"),
+        ):
             async with s.post(f"{api.url}{path}", json=bad) as r:
                 assert r.status in (400, 404) and (await r.json())["error"]["param"] == param
         async with s.get(f"{api.url}/version") as r:

@@ -11,26 +11,54 @@ import logging
 import aiohttp
 import openai
 import pytest
+from test_api_streaming import wait_for
 
 from control.events import Final, SamplingParams
 from control.tokenizer import served_context
 from engine.llm import LLM
 from fd.api import protocol
-from fd.compose import (ApiOptions, EngineOptions, join_in_process, read_chat_template,
-                        read_generation_config, start_api, start_engine)
-from test_api_streaming import wait_for
+from fd.compose import (
+    ApiOptions,
+    EngineOptions,
+    join_in_process,
+    read_chat_template,
+    read_generation_config,
+    start_api,
+    start_engine,
+)
 
 CONTEXT = 64
 
 
-async def _serve(embedded_redis, keys, tiny_model_dir, tiny_runner, tiny_tokenizer, *,
-                 engine_max: int | None = None, policy: str = "fcfs", **api_kw):
-    eng = await start_engine(embedded_redis.client, keys,
-                             EngineOptions(model_dir=str(tiny_model_dir), engine_id="e-opts",
-                                           max_model_len=engine_max, scheduling_policy=policy),
-                             runner=tiny_runner, tokenizer=tiny_tokenizer)
-    api = await start_api(embedded_redis.client, keys, ApiOptions(model_dir=str(tiny_model_dir), **api_kw),
-                          tokenizer=tiny_tokenizer)
+async def _serve(
+    embedded_redis,
+    keys,
+    tiny_model_dir,
+    tiny_runner,
+    tiny_tokenizer,
+    *,
+    engine_max: int | None = None,
+    policy: str = "fcfs",
+    **api_kw,
+):
+    eng = await start_engine(
+        embedded_redis.client,
+        keys,
+        EngineOptions(
+            model_dir=str(tiny_model_dir),
+            engine_id="e-opts",
+            max_model_len=engine_max,
+            scheduling_policy=policy,
+        ),
+        runner=tiny_runner,
+        tokenizer=tiny_tokenizer,
+    )
+    api = await start_api(
+        embedded_redis.client,
+        keys,
+        ApiOptions(model_dir=str(tiny_model_dir), **api_kw),
+        tokenizer=tiny_tokenizer,
+    )
     join_in_process(api, eng)
     return api, eng
 
@@ -50,31 +78,48 @@ def test_the_context_served_is_at_most_the_models():
 
 
 async def test_max_model_len_holds_the_api_and_the_engine_to_a_shorter_context(
-        embedded_redis, keys, tiny_model_dir, tiny_runner, tiny_tokenizer):
-    api, eng = await _serve(embedded_redis, keys, tiny_model_dir, tiny_runner, tiny_tokenizer,
-                            engine_max=CONTEXT, max_model_len=CONTEXT)
+    embedded_redis, keys, tiny_model_dir, tiny_runner, tiny_tokenizer
+):
+    api, eng = await _serve(
+        embedded_redis,
+        keys,
+        tiny_model_dir,
+        tiny_runner,
+        tiny_tokenizer,
+        engine_max=CONTEXT,
+        max_model_len=CONTEXT,
+    )
     client = openai.AsyncOpenAI(base_url=f"{api.url}/v1", api_key="none", max_retries=0)
     try:
         models = await client.models.list()
         assert models.data[0].model_extra["max_model_len"] == CONTEXT
         prompt = list(range(10, 70))  # 60 tokens: 4 left to generate
-        status, body = await _post(f"{api.url}/v1/completions",
-                                   {"prompt": prompt, "max_tokens": 10})
+        status, body = await _post(f"{api.url}/v1/completions", {"prompt": prompt, "max_tokens": 10})
         assert status == 400 and body["error"]["code"] == "context_length_exceeded"
         assert f"context is {CONTEXT} tokens" in body["error"]["message"]
-        c = await client.completions.create(model=api.cfg.model_name, prompt=prompt, temperature=0,
-                                            extra_body={"ignore_eos": True})
+        c = await client.completions.create(
+            model=api.cfg.model_name, prompt=prompt, temperature=0, extra_body={"ignore_eos": True}
+        )
         assert c.usage.completion_tokens == CONTEXT - len(prompt) and c.choices[0].finish_reason == "length"
         # The engine holds a request that never passed an API (a hand-written one) to it too.
         rid = "hand-written-long"
         from control.events import Request, RequestData
-        await api.bus.publish(api.bus.keys.requests, Request(request_id=rid, data=RequestData(
-            prompt_token_ids=tuple(range(10, 80)), sampling=SamplingParams(max_tokens=4))))
+
+        await api.bus.publish(
+            api.bus.keys.requests,
+            Request(
+                request_id=rid,
+                data=RequestData(
+                    prompt_token_ids=tuple(range(10, 80)), sampling=SamplingParams(max_tokens=4)
+                ),
+            ),
+        )
         finals = []
 
         async def final() -> bool:
             finals[:] = [ev for _, ev in await api.bus.read_req(rid) if isinstance(ev, Final)]
             return bool(finals)
+
         assert await wait_for(final)
         assert finals[0].finish_reason == "error" and f"max_model_len {CONTEXT}" in finals[0].error
     finally:
@@ -83,19 +128,25 @@ async def test_max_model_len_holds_the_api_and_the_engine_to_a_shorter_context(
         await eng.stop()
 
 
-async def test_a_longer_context_than_the_model_has_is_refused_at_start(embedded_redis, keys,
-                                                                      tiny_model_dir, tiny_tokenizer):
+async def test_a_longer_context_than_the_model_has_is_refused_at_start(
+    embedded_redis, keys, tiny_model_dir, tiny_tokenizer
+):
     with pytest.raises(ValueError, match="max_position_embeddings"):
-        await start_api(embedded_redis.client, keys,
-                        ApiOptions(model_dir=str(tiny_model_dir), max_model_len=10 ** 6),
-                        tokenizer=tiny_tokenizer)
+        await start_api(
+            embedded_redis.client,
+            keys,
+            ApiOptions(model_dir=str(tiny_model_dir), max_model_len=10**6),
+            tokenizer=tiny_tokenizer,
+        )
     with pytest.raises(ValueError, match="max_position_embeddings"):  # before the model loads
-        await start_engine(embedded_redis.client, keys,
-                           EngineOptions(model_dir=str(tiny_model_dir), max_model_len=10 ** 6))
+        await start_engine(
+            embedded_redis.client, keys, EngineOptions(model_dir=str(tiny_model_dir), max_model_len=10**6)
+        )
 
 
-async def test_chat_template_replaces_the_models(embedded_redis, keys, tiny_model_dir, tiny_runner,
-                                                 tiny_tokenizer, tmp_path):
+async def test_chat_template_replaces_the_models(
+    embedded_redis, keys, tiny_model_dir, tiny_runner, tiny_tokenizer, tmp_path
+):
     template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]"
     path = tmp_path / "plain.jinja"
     path.write_text(template)
@@ -103,17 +154,23 @@ async def test_chat_template_replaces_the_models(embedded_redis, keys, tiny_mode
     want = tiny_tokenizer.encode("[system] Be brief.\n[user] Hi there\n[assistant]")
     assert tiny_tokenizer.encode(tiny_tokenizer.apply_chat_template(messages)) != want
     for given in (str(path), template):  # a file, or the template itself
-        api, eng = await _serve(embedded_redis, keys, tiny_model_dir, tiny_runner, tiny_tokenizer,
-                                chat_template=given)
+        api, eng = await _serve(
+            embedded_redis, keys, tiny_model_dir, tiny_runner, tiny_tokenizer, chat_template=given
+        )
         client = openai.AsyncOpenAI(base_url=f"{api.url}/v1", api_key="none", max_retries=0)
         try:
             status, body = await _post(f"{api.url}/tokenize", {"messages": messages})
             assert status == 200 and body["tokens"] == want
-            c = await client.chat.completions.create(model=api.cfg.model_name, messages=messages,
-                                                     max_tokens=6, temperature=0,
-                                                     extra_body={"ignore_eos": True})
+            c = await client.chat.completions.create(
+                model=api.cfg.model_name,
+                messages=messages,
+                max_tokens=6,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
             greedy = LLM(tiny_runner, tiny_tokenizer).generate(
-                [want], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0]
+                [want], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+            )[0]
             assert c.usage.prompt_tokens == len(want) and c.choices[0].message.content == greedy.text
         finally:
             await client.close()
@@ -123,32 +180,46 @@ async def test_chat_template_replaces_the_models(embedded_redis, keys, tiny_mode
     assert tiny_tokenizer.encode(tiny_tokenizer.apply_chat_template(messages)) != want
 
 
-async def test_a_chat_template_that_cannot_be_used_is_said_at_start(embedded_redis, keys,
-                                                                    tiny_model_dir, tiny_tokenizer,
-                                                                    tmp_path):
+async def test_a_chat_template_that_cannot_be_used_is_said_at_start(
+    embedded_redis, keys, tiny_model_dir, tiny_tokenizer, tmp_path
+):
     with pytest.raises(ValueError, match="does not compile"):
-        await start_api(embedded_redis.client, keys,
-                        ApiOptions(model_dir=str(tiny_model_dir), chat_template="{% for m in %}"),
-                        tokenizer=tiny_tokenizer)
+        await start_api(
+            embedded_redis.client,
+            keys,
+            ApiOptions(model_dir=str(tiny_model_dir), chat_template="{% for m in %}"),
+            tokenizer=tiny_tokenizer,
+        )
     with pytest.raises(FileNotFoundError, match="no such file"):
         read_chat_template(str(tmp_path / "missing.jinja"))
 
 
 def test_generation_config_gives_defaults_a_cap_and_leaves_out_what_a_request_could_not_have():
     defaults, cap, ignored = protocol.generation_defaults(
-        {"temperature": 0.6, "top_p": 7, "top_k": 50, "repetition_penalty": 1.05, "min_p": None,
-         "do_sample": True, "max_new_tokens": 5, "eos_token_id": [1]})
+        {
+            "temperature": 0.6,
+            "top_p": 7,
+            "top_k": 50,
+            "repetition_penalty": 1.05,
+            "min_p": None,
+            "do_sample": True,
+            "max_new_tokens": 5,
+            "eos_token_id": [1],
+        }
+    )
     assert defaults == {"temperature": 0.6, "repetition_penalty": 1.05}  # top_k 50: transformers'
     assert cap == 5 and len(ignored) == 1 and ignored[0].startswith("top_p")
     limits = protocol.Limits("m", 2048, sampling_defaults=defaults, max_output_tokens=cap)
     tok = _Ids()
     s = protocol.parse_completion({"prompt": [5, 6], "max_tokens": 20}, limits, tok).sampling
     assert (s.temperature, s.repetition_penalty, s.max_tokens, s.top_p) == (0.6, 1.05, 5, 1.0)
-    s = protocol.parse_completion({"prompt": [5, 6], "temperature": 1.3, "repetition_penalty": 1.0},
-                                  limits, tok).sampling
+    s = protocol.parse_completion(
+        {"prompt": [5, 6], "temperature": 1.3, "repetition_penalty": 1.0}, limits, tok
+    ).sampling
     assert (s.temperature, s.repetition_penalty) == (1.3, 1.0)  # a request's own values win
     assert protocol.generation_defaults({"max_new_tokens": "many"})[2] == [
-        "max_new_tokens: 'many' is not a positive integer"]
+        "max_new_tokens: 'many' is not a positive integer"
+    ]
 
 
 class _Ids:
@@ -160,26 +231,31 @@ class _Ids:
         raise AssertionError("token id prompts only")
 
 
-async def test_generation_config_through_the_api(embedded_redis, keys, tiny_model_dir, tiny_runner,
-                                                 tiny_tokenizer, tmp_path, caplog):
-    (tmp_path / "generation_config.json").write_text(json.dumps(
-        {"temperature": 0.0, "max_new_tokens": 5, "top_p": 7}))
+async def test_generation_config_through_the_api(
+    embedded_redis, keys, tiny_model_dir, tiny_runner, tiny_tokenizer, tmp_path, caplog
+):
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.0, "max_new_tokens": 5, "top_p": 7})
+    )
     assert read_generation_config("vllm", str(tmp_path)) == {}
     assert read_generation_config("auto", str(tmp_path / "elsewhere")) == {}  # a model without one
     with pytest.raises(FileNotFoundError):
         read_generation_config(str(tmp_path / "elsewhere"), str(tiny_model_dir))
     prompt = list(range(20, 40))
     greedy = LLM(tiny_runner, tiny_tokenizer).generate(
-        [prompt], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))[0]
+        [prompt], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    )[0]
     with caplog.at_level(logging.WARNING, logger="fd.api"):
-        api, eng = await _serve(embedded_redis, keys, tiny_model_dir, tiny_runner, tiny_tokenizer,
-                                generation_config=str(tmp_path))
+        api, eng = await _serve(
+            embedded_redis, keys, tiny_model_dir, tiny_runner, tiny_tokenizer, generation_config=str(tmp_path)
+        )
     assert any("top_p" in r.getMessage() and "left out" in r.getMessage() for r in caplog.records)
     assert any("'temperature': 0.0" in r.getMessage() for r in caplog.records)
     client = openai.AsyncOpenAI(base_url=f"{api.url}/v1", api_key="none", max_retries=0)
     try:  # no temperature given: the model's 0 (greedy); max_tokens 20 capped at its 5
-        c = await client.completions.create(model=api.cfg.model_name, prompt=prompt, max_tokens=20,
-                                            extra_body={"ignore_eos": True})
+        c = await client.completions.create(
+            model=api.cfg.model_name, prompt=prompt, max_tokens=20, extra_body={"ignore_eos": True}
+        )
         assert c.choices[0].text == greedy.text and c.usage.completion_tokens == 5
     finally:
         await client.close()
@@ -187,19 +263,22 @@ async def test_generation_config_through_the_api(embedded_redis, keys, tiny_mode
         await eng.stop()
 
 
-async def test_an_engine_whose_kv_cache_is_shorter_than_the_context_says_so(embedded_redis, keys,
-                                                                           tiny_model_dir,
-                                                                           tiny_tokenizer, caplog):
+async def test_an_engine_whose_kv_cache_is_shorter_than_the_context_says_so(
+    embedded_redis, keys, tiny_model_dir, tiny_tokenizer, caplog
+):
     from engine.timed_runner import TimedRunner
 
     for context, warned in ((None, True), (CONTEXT, False)):
         caplog.clear()
         runner = TimedRunner.for_tokenizer(tiny_tokenizer, step_ms=1, num_blocks=CONTEXT // 16)
         with caplog.at_level(logging.WARNING, logger="fd.engine"):
-            eng = await start_engine(embedded_redis.client, keys,
-                                     EngineOptions(model_dir=str(tiny_model_dir), engine_id="e-kv",
-                                                   max_model_len=context),
-                                     runner=runner, tokenizer=tiny_tokenizer)
+            eng = await start_engine(
+                embedded_redis.client,
+                keys,
+                EngineOptions(model_dir=str(tiny_model_dir), engine_id="e-kv", max_model_len=context),
+                runner=runner,
+                tokenizer=tiny_tokenizer,
+            )
         await eng.stop()
         said = [r.getMessage() for r in caplog.records if "KV cache holds" in r.getMessage()]
         assert bool(said) == warned, said
@@ -215,20 +294,31 @@ async def test_skip_special_tokens_false_keeps_their_text(served):
     client = openai.AsyncOpenAI(base_url=f"{api.url}/v1", api_key="none", max_retries=0)
     force = {"logit_bias": {"2": 100}}  # token 2, <|im_start|>, every step
     try:
-        c = await client.completions.create(model=api.cfg.model_name, prompt="Hi", max_tokens=3,
-                                            temperature=0, **force)
+        c = await client.completions.create(
+            model=api.cfg.model_name, prompt="Hi", max_tokens=3, temperature=0, **force
+        )
         assert c.choices[0].text == "" and c.usage.completion_tokens == 3
-        c = await client.completions.create(model=api.cfg.model_name, prompt="Hi", max_tokens=3,
-                                            temperature=0, extra_body={"skip_special_tokens": False},
-                                            **force)
+        c = await client.completions.create(
+            model=api.cfg.model_name,
+            prompt="Hi",
+            max_tokens=3,
+            temperature=0,
+            extra_body={"skip_special_tokens": False},
+            **force,
+        )
         assert c.choices[0].text == "<|im_start|>" * 3
         stream = await client.chat.completions.create(
-            model=api.cfg.model_name, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
-            temperature=0, stream=True, extra_body={"skip_special_tokens": False}, **force)
+            model=api.cfg.model_name,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=2,
+            temperature=0,
+            stream=True,
+            extra_body={"skip_special_tokens": False},
+            **force,
+        )
         text = "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
         assert text == "<|im_start|>" * 2
-        status, body = await _post(f"{api.url}/v1/completions",
-                                   {"prompt": "Hi", "skip_special_tokens": "no"})
+        status, body = await _post(f"{api.url}/v1/completions", {"prompt": "Hi", "skip_special_tokens": "no"})
         assert status == 400 and body["error"]["param"] == "skip_special_tokens"
     finally:
         await client.close()
@@ -249,10 +339,13 @@ async def test_several_served_model_names(embedded_redis, keys, tiny_model_dir, 
     """vLLM's --served-model-name a b: a request may name either, every answer names the first."""
     from fd.cli import build_parser
 
-    names = build_parser().parse_args(["serve", "--served-model-name", "main", "gpt-4o-mini"]).served_model_name
+    names = (
+        build_parser().parse_args(["serve", "--served-model-name", "main", "gpt-4o-mini"]).served_model_name
+    )
     assert names == ["main", "gpt-4o-mini"]
-    api, eng = await _serve(embedded_redis, keys, tiny_model_dir, tiny_runner, tiny_tokenizer,
-                            served_model_name=names)
+    api, eng = await _serve(
+        embedded_redis, keys, tiny_model_dir, tiny_runner, tiny_tokenizer, served_model_name=names
+    )
     client = openai.AsyncOpenAI(base_url=f"{api.url}/v1", api_key="none", max_retries=0)
     try:
         assert [m.id for m in (await client.models.list()).data] == names
@@ -286,8 +379,13 @@ def test_seed_starts_the_samplers_stream_for_unseeded_requests(tiny_model_dir):
         opts.executor, opts.num_blocks = "paddle-thread", 64
         runner = make_runner(opts, progress=False)
         from control.tokenizer import Tokenizer
-        return [g.token_ids for g in LLM(runner, Tokenizer.from_dir(str(tiny_model_dir))).generate(
-            [[20, 21, 22], [30, 31]], sp)]
+
+        return [
+            g.token_ids
+            for g in LLM(runner, Tokenizer.from_dir(str(tiny_model_dir))).generate(
+                [[20, 21, 22], [30, 31]], sp
+            )
+        ]
 
     free = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
     assert sample(1, free) == sample(1, free) != sample(2, free)
@@ -295,29 +393,52 @@ def test_seed_starts_the_samplers_stream_for_unseeded_requests(tiny_model_dir):
     assert sample(1, own) == sample(2, own)
 
 
-async def test_server_wide_usage_and_token_id_defaults(embedded_redis, keys, tiny_model_dir, tiny_runner,
-                                                       tiny_tokenizer):
+async def test_server_wide_usage_and_token_id_defaults(
+    embedded_redis, keys, tiny_model_dir, tiny_runner, tiny_tokenizer
+):
     """vLLM's --enable-force-include-usage (every stream ends with its usage) and
     --return-tokens-as-token-ids (unless a request says otherwise)."""
     from fd.cli import _api_opts, build_parser
 
-    args = build_parser().parse_args(["serve", "--enable-force-include-usage", "--return-tokens-as-token-ids"])
+    args = build_parser().parse_args(
+        ["serve", "--enable-force-include-usage", "--return-tokens-as-token-ids"]
+    )
     opts = _api_opts(args, tiny_model_dir)
     assert opts.force_include_usage and opts.tokens_as_ids
-    api, eng = await _serve(embedded_redis, keys, tiny_model_dir, tiny_runner, tiny_tokenizer,
-                            force_include_usage=True, tokens_as_ids=True)
+    api, eng = await _serve(
+        embedded_redis,
+        keys,
+        tiny_model_dir,
+        tiny_runner,
+        tiny_tokenizer,
+        force_include_usage=True,
+        tokens_as_ids=True,
+    )
     client = openai.AsyncOpenAI(base_url=f"{api.url}/v1", api_key="none", max_retries=0)
     try:
         # (ignore_eos: sampled at temperature 1, the random model ends "Hi" with EOS within 3
         # tokens about once in a hundred: this test failed now and then)
-        stream = await client.completions.create(model=api.cfg.model_name, prompt="Hi", max_tokens=3,
-                                                 stream=True, logprobs=0, extra_body={"ignore_eos": True})
+        stream = await client.completions.create(
+            model=api.cfg.model_name,
+            prompt="Hi",
+            max_tokens=3,
+            stream=True,
+            logprobs=0,
+            extra_body={"ignore_eos": True},
+        )
         chunks = [c async for c in stream]
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
-        named = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+        named = [
+            t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens
+        ]
         assert len(named) == 3 and all(t.startswith("token_id:") for t in named)
-        c = await client.completions.create(model=api.cfg.model_name, prompt="Hi", max_tokens=2, logprobs=0,
-                                            extra_body={"return_tokens_as_token_ids": False})
+        c = await client.completions.create(
+            model=api.cfg.model_name,
+            prompt="Hi",
+            max_tokens=2,
+            logprobs=0,
+            extra_body={"return_tokens_as_token_ids": False},
+        )
         assert not any(t.startswith("token_id:") for t in c.choices[0].logprobs.tokens)
     finally:
         await client.close()
@@ -334,20 +455,35 @@ async def test_scheduling_policy_priority(embedded_redis, keys, tiny_model_dir, 
     args = build_parser().parse_args(["serve", "--scheduling-policy", "priority"])
     assert _api_opts(args, tiny_model_dir).priority_scheduling
     assert _engine_opts(args, tiny_model_dir).scheduling_policy == "priority"
-    assert build_parser().parse_args(["api", "--scheduling-policy", "priority"]).scheduling_policy == "priority"
-    api, eng = await _serve(embedded_redis, keys, tiny_model_dir, tiny_runner, tiny_tokenizer,
-                            policy="priority", priority_scheduling=True)
+    assert (
+        build_parser().parse_args(["api", "--scheduling-policy", "priority"]).scheduling_policy == "priority"
+    )
+    api, eng = await _serve(
+        embedded_redis,
+        keys,
+        tiny_model_dir,
+        tiny_runner,
+        tiny_tokenizer,
+        policy="priority",
+        priority_scheduling=True,
+    )
     try:
         assert eng.node.sched.config.scheduling_policy == "priority"
-        status, body = await _post(f"{api.url}/v1/completions", {"prompt": "Hi", "max_tokens": 2, "priority": -3})
+        status, body = await _post(
+            f"{api.url}/v1/completions", {"prompt": "Hi", "max_tokens": 2, "priority": -3}
+        )
         assert status == 200, body
         adds: list = []
 
         async def journaled() -> bool:
-            journal = [json.loads(f[b"data"]) for _, f in await api.bus.redis.xrange(
-                keys.journal(eng.id)) if f.get(b"type") == b"step"]
+            journal = [
+                json.loads(f[b"data"])
+                for _, f in await api.bus.redis.xrange(keys.journal(eng.id))
+                if f.get(b"type") == b"step"
+            ]
             adds[:] = [c["data"] for e in journal for c in e["calls"] if c["op"] == "add"]
             return bool(adds)
+
         assert await wait_for(journaled)
         assert adds[-1]["priority"] == -3
         status, body = await _post(f"{api.url}/v1/completions", {"prompt": "Hi", "priority": 2**40})

@@ -12,7 +12,7 @@ from bench.sse_client import _Exchange
 def _chunked(body: bytes, sizes) -> bytes:
     out, i = b"", 0
     for n in sizes:
-        part = body[i:i + n]
+        part = body[i : i + n]
         if not part:
             break
         out += b"%x\r\n" % len(part) + part + b"\r\n"
@@ -51,7 +51,7 @@ async def test_frames_come_out_in_order_however_the_bytes_are_split():
         at = 0
         while at < len(wire) and not ex.done.done():
             n = rng.randint(1, 7)
-            ex.data_received(wire[at:at + n])
+            ex.data_received(wire[at : at + n])
             at += n
         assert seen == frames and ex.done.done() and tr.closed
         assert tr.written == b"POST / HTTP/1.1\r\n\r\n"
@@ -99,6 +99,7 @@ async def test_a_kept_alive_client_hanging_up_closes_the_connection():
     ex = _Exchange(b"", lambda i, d: "hang_up", keep_alive=True)
     tr = _Transport()
     ex.connection_made(tr)
-    ex.data_received(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
-                     + _chunked(b'data: {"n": 1}\n\n', [100])[:-5])
+    ex.data_received(
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + _chunked(b'data: {"n": 1}\n\n', [100])[:-5]
+    )
     assert ex.done.done() and tr.closed

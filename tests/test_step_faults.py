@@ -38,7 +38,8 @@ FAR = 10**9
 
 def _reference(runner, tokenizer, prompt, n: int):
     return LLM(runner, tokenizer).generate(
-        [list(prompt)], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))[0]
+        [list(prompt)], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    )[0]
 
 
 def _finals(evs) -> list[Final]:
@@ -62,11 +63,16 @@ async def _assert_serves(bus, eng, runner, tokenizer, rid: str = "after") -> Non
 async def api_and_engine(redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer):
     """``fd api`` and ``fd engine`` as separate nodes on one real Redis."""
     url = redis_server.url
-    eng = await start_engine(lambda: connect(url), keys,
-                             EngineOptions(model_dir=str(tiny_model_dir), engine_id="e0"),
-                             runner=tiny_runner, tokenizer=tiny_tokenizer)
-    api = await start_api(lambda: connect(url), keys, ApiOptions(model_dir=str(tiny_model_dir)),
-                          tokenizer=tiny_tokenizer)
+    eng = await start_engine(
+        lambda: connect(url),
+        keys,
+        EngineOptions(model_dir=str(tiny_model_dir), engine_id="e0"),
+        runner=tiny_runner,
+        tokenizer=tiny_tokenizer,
+    )
+    api = await start_api(
+        lambda: connect(url), keys, ApiOptions(model_dir=str(tiny_model_dir)), tokenizer=tiny_tokenizer
+    )
     yield api, eng
     await api.stop()
     await eng.stop()
@@ -92,11 +98,14 @@ BAD_FIELDS = [  # (field, what the body adds): every id a client can give, one p
 ]
 
 
-async def test_the_testers_body_is_a_400_naming_stop_token_ids(api_and_engine, real_bus,
-                                                               tiny_runner, tiny_tokenizer):
+async def test_the_testers_body_is_a_400_naming_stop_token_ids(
+    api_and_engine, real_bus, tiny_runner, tiny_tokenizer
+):
     api, eng = api_and_engine
-    status, body = await _post(f"{api.url}/v1/completions", {
-        "prompt": "x", "max_tokens": 4, "min_tokens": 1, "stop_token_ids": [512]})
+    status, body = await _post(
+        f"{api.url}/v1/completions",
+        {"prompt": "x", "max_tokens": 4, "min_tokens": 1, "stop_token_ids": [512]},
+    )
     assert status == 400, body
     err = body["error"]
     assert err["param"] == "stop_token_ids" and err["type"] == "invalid_request_error"
@@ -104,8 +113,9 @@ async def test_the_testers_body_is_a_400_naming_stop_token_ids(api_and_engine, r
     assert await _stories(real_bus) == 0  # nothing was submitted
     # the server goes on serving
     ref = _reference(tiny_runner, tiny_tokenizer, tiny_tokenizer.encode("x", add_special_tokens=True), 4)
-    status, body = await _post(f"{api.url}/v1/completions", {
-        "prompt": "x", "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+    status, body = await _post(
+        f"{api.url}/v1/completions", {"prompt": "x", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    )
     assert status == 200 and body["choices"][0]["text"] == ref.text
     assert not eng.task.done()
 
@@ -113,9 +123,11 @@ async def test_the_testers_body_is_a_400_naming_stop_token_ids(api_and_engine, r
 @pytest.mark.parametrize("endpoint", ["completions", "chat/completions", "responses"])
 async def test_every_token_id_field_is_checked_against_the_vocabulary(endpoint, api_and_engine, real_bus):
     api, eng = api_and_engine
-    base = {"completions": {"prompt": "x", "max_tokens": 4},
-            "chat/completions": {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4},
-            "responses": {"input": "x", "max_output_tokens": 4}}[endpoint]
+    base = {
+        "completions": {"prompt": "x", "max_tokens": 4},
+        "chat/completions": {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4},
+        "responses": {"input": "x", "max_output_tokens": 4},
+    }[endpoint]
     cases = list(BAD_FIELDS)
     if endpoint == "completions":  # a prompt given as token ids, alone or in a batch
         cases += [("prompt", {"prompt": [5, VOCAB]}), ("prompt", {"prompt": [[5], [6, FAR]]})]
@@ -124,8 +136,13 @@ async def test_every_token_id_field_is_checked_against_the_vocabulary(endpoint, 
         assert status == 400, (field, extra, body)
         assert body["error"]["param"] == field and body["error"]["type"] == "invalid_request_error", body
     # the ids at the vocabulary's end are fine, and the server still answers
-    ok = {**base, "stop_token_ids": [VOCAB - 1], "min_tokens": 1, "allowed_token_ids": [VOCAB - 1, 7],
-          "logit_bias": {str(VOCAB - 1): 1}}
+    ok = {
+        **base,
+        "stop_token_ids": [VOCAB - 1],
+        "min_tokens": 1,
+        "allowed_token_ids": [VOCAB - 1, 7],
+        "logit_bias": {str(VOCAB - 1): 1},
+    }
     status, body = await _post(f"{api.url}/v1/{endpoint}", ok)
     assert status == 200, body
     assert await _stories(real_bus) == 1  # only that one was submitted
@@ -141,33 +158,50 @@ def _xadd_fields(rid: str, data_json: str) -> list:
 
 
 HAND_WRITTEN = {  # name -> (the request's data, the field its error names)
-    "allowed": ({"prompt_token_ids": [5, 6], "sampling": {"max_tokens": 3, "allowed_token_ids": [FAR]}},
-                "allowed_token_ids"),
-    "bad-word": ({"prompt_token_ids": [5, 6], "sampling": {"max_tokens": 3, "bad_words_ids": [[FAR]]}},
-                 "bad_words_ids"),
-    "stop-min": ({"prompt_token_ids": [5, 6], "sampling": {"max_tokens": 3, "min_tokens": 1,
-                                                           "stop_token_ids": [FAR]}}, "stop_token_ids"),
+    "allowed": (
+        {"prompt_token_ids": [5, 6], "sampling": {"max_tokens": 3, "allowed_token_ids": [FAR]}},
+        "allowed_token_ids",
+    ),
+    "bad-word": (
+        {"prompt_token_ids": [5, 6], "sampling": {"max_tokens": 3, "bad_words_ids": [[FAR]]}},
+        "bad_words_ids",
+    ),
+    "stop-min": (
+        {"prompt_token_ids": [5, 6], "sampling": {"max_tokens": 3, "min_tokens": 1, "stop_token_ids": [FAR]}},
+        "stop_token_ids",
+    ),
     "prompt": ({"prompt_token_ids": [5, FAR], "sampling": {"max_tokens": 3}}, "prompt"),
-    "bias": ({"prompt_token_ids": [5], "sampling": {"max_tokens": 3, "logit_bias": [[FAR, 1.0]]}},
-             "logit_bias"),
-    "after": ({"prompt_token_ids": [5], "sampling": {"max_tokens": 3,
-                                                     "guided": orjson.dumps({"after": FAR, "regex": "a+"}).decode()}},
-              "guided"),
+    "bias": (
+        {"prompt_token_ids": [5], "sampling": {"max_tokens": 3, "logit_bias": [[FAR, 1.0]]}},
+        "logit_bias",
+    ),
+    "after": (
+        {
+            "prompt_token_ids": [5],
+            "sampling": {"max_tokens": 3, "guided": orjson.dumps({"after": FAR, "regex": "a+"}).decode()},
+        },
+        "guided",
+    ),
 }
 
 
 @pytest.mark.parametrize("name", sorted(HAND_WRITTEN))
-async def test_a_hand_written_id_past_the_vocabulary_ends_its_request(name, real_bus, redis_server, keys,
-                                                                      tiny_model_dir, tiny_runner,
-                                                                      tiny_tokenizer):
+async def test_a_hand_written_id_past_the_vocabulary_ends_its_request(
+    name, real_bus, redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer
+):
     data, field = HAND_WRITTEN[name]
     url = redis_server.url
-    eng = await start_engine(lambda: connect(url), keys, EngineOptions(model_dir=str(tiny_model_dir),
-                                                                        engine_id="e0"),
-                             runner=tiny_runner, tokenizer=tiny_tokenizer)
+    eng = await start_engine(
+        lambda: connect(url),
+        keys,
+        EngineOptions(model_dir=str(tiny_model_dir), engine_id="e0"),
+        runner=tiny_runner,
+        tokenizer=tiny_tokenizer,
+    )
     try:
-        await real_bus.redis.execute_command("XADD", keys.requests, "*",
-                                             *_xadd_fields("poison", orjson.dumps(data).decode()))
+        await real_bus.redis.execute_command(
+            "XADD", keys.requests, "*", *_xadd_fields("poison", orjson.dumps(data).decode())
+        )
         evs = await story(real_bus, "poison", timeout=10)
         (final,) = _finals(evs)
         assert types(evs) == ["claimed", "final"] and final.finish_reason == "error"
@@ -179,19 +213,24 @@ async def test_a_hand_written_id_past_the_vocabulary_ends_its_request(name, real
         await eng.stop()
 
 
-async def test_ids_typed_as_1e9_are_dead_letters(real_bus, redis_server, keys, tiny_model_dir, tiny_runner,
-                                                 tiny_tokenizer):
+async def test_ids_typed_as_1e9_are_dead_letters(
+    real_bus, redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer
+):
     """JSON's ``1e9`` is a number with an exponent, not an integer: such a request does not
     decode, and goes to ``P:dead`` with a reason naming the field."""
     url = redis_server.url
-    eng = await start_engine(lambda: connect(url), keys, EngineOptions(model_dir=str(tiny_model_dir),
-                                                                        engine_id="e0"),
-                             runner=tiny_runner, tokenizer=tiny_tokenizer)
+    eng = await start_engine(
+        lambda: connect(url),
+        keys,
+        EngineOptions(model_dir=str(tiny_model_dir), engine_id="e0"),
+        runner=tiny_runner,
+        tokenizer=tiny_tokenizer,
+    )
     texts = {
         "allowed_token_ids": '{"prompt_token_ids":[5],"sampling":{"max_tokens":2,"allowed_token_ids":[1e9]}}',
         "bad_words_ids": '{"prompt_token_ids":[5],"sampling":{"max_tokens":2,"bad_words_ids":[[1e9]]}}',
         "stop_token_ids": '{"prompt_token_ids":[5],"sampling":{"max_tokens":2,"min_tokens":1,'
-                          '"stop_token_ids":[1e9]}}',
+        '"stop_token_ids":[1e9]}}',
         "prompt_token_ids": '{"prompt_token_ids":[5,1e9],"sampling":{"max_tokens":2}}',
     }
     try:
@@ -226,20 +265,29 @@ class VocabBlindRunner:
         return self.inner.execute(out)
 
 
-async def test_a_step_that_fails_in_the_sampler_ends_only_that_request(real_bus, redis_server, keys,
-                                                                      tiny_model_dir, tiny_runner,
-                                                                      tiny_tokenizer):
-    refs = {rid: _reference(tiny_runner, tiny_tokenizer, p, 8)
-            for rid, p in (("a", PROMPT), ("b", PROMPT[:5]))}
+async def test_a_step_that_fails_in_the_sampler_ends_only_that_request(
+    real_bus, redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer
+):
+    refs = {
+        rid: _reference(tiny_runner, tiny_tokenizer, p, 8) for rid, p in (("a", PROMPT), ("b", PROMPT[:5]))
+    }
     url = redis_server.url
-    eng = await start_engine(lambda: connect(url), keys, EngineOptions(model_dir=str(tiny_model_dir),
-                                                                        engine_id="e0"),
-                             runner=VocabBlindRunner(tiny_runner), tokenizer=tiny_tokenizer)
+    eng = await start_engine(
+        lambda: connect(url),
+        keys,
+        EngineOptions(model_dir=str(tiny_model_dir), engine_id="e0"),
+        runner=VocabBlindRunner(tiny_runner),
+        tokenizer=tiny_tokenizer,
+    )
     try:
-        await submit_together(real_bus, [
-            ("a", PROMPT, {"max_tokens": 8, "ignore_eos": True}),
-            ("poison", [5, 6], {"max_tokens": 8, "min_tokens": 2, "stop_token_ids": (FAR,)}),
-            ("b", PROMPT[:5], {"max_tokens": 8, "ignore_eos": True})])
+        await submit_together(
+            real_bus,
+            [
+                ("a", PROMPT, {"max_tokens": 8, "ignore_eos": True}),
+                ("poison", [5, 6], {"max_tokens": 8, "min_tokens": 2, "stop_token_ids": (FAR,)}),
+                ("b", PROMPT[:5], {"max_tokens": 8, "ignore_eos": True}),
+            ],
+        )
         evs = await story(real_bus, "poison", timeout=20)
         (final,) = _finals(evs)
         assert final.finish_reason == "error" and "IndexError" in final.error
@@ -278,28 +326,42 @@ def failing_sampler(tiny_runner, monkeypatch):
     return s
 
 
-async def test_an_injected_step_failure_ends_only_its_request(real_bus, redis_server, keys, tiny_model_dir,
-                                                              tiny_runner, tiny_tokenizer, request):
-    refs = {rid: _reference(tiny_runner, tiny_tokenizer, p, 10)
-            for rid, p in (("a", PROMPT), ("b", PROMPT[2:]))}
+async def test_an_injected_step_failure_ends_only_its_request(
+    real_bus, redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer, request
+):
+    refs = {
+        rid: _reference(tiny_runner, tiny_tokenizer, p, 10) for rid, p in (("a", PROMPT), ("b", PROMPT[2:]))
+    }
     request.getfixturevalue("failing_sampler")  # (after the references: they use the real one)
     url = redis_server.url
-    eng = await start_engine(lambda: connect(url), keys, EngineOptions(model_dir=str(tiny_model_dir),
-                                                                        engine_id="e0"),
-                             runner=tiny_runner, tokenizer=tiny_tokenizer)
+    eng = await start_engine(
+        lambda: connect(url),
+        keys,
+        EngineOptions(model_dir=str(tiny_model_dir), engine_id="e0"),
+        runner=tiny_runner,
+        tokenizer=tiny_tokenizer,
+    )
     try:
-        await submit_together(real_bus, [
-            ("a", PROMPT, {"max_tokens": 10, "ignore_eos": True}),
-            ("poison", [7, 8, 9], {"max_tokens": 10, "ignore_eos": True, "temperature": 0.8,
-                                   "seed": POISON_SEED}),
-            ("b", PROMPT[2:], {"max_tokens": 10, "ignore_eos": True})])
+        await submit_together(
+            real_bus,
+            [
+                ("a", PROMPT, {"max_tokens": 10, "ignore_eos": True}),
+                (
+                    "poison",
+                    [7, 8, 9],
+                    {"max_tokens": 10, "ignore_eos": True, "temperature": 0.8, "seed": POISON_SEED},
+                ),
+                ("b", PROMPT[2:], {"max_tokens": 10, "ignore_eos": True}),
+            ],
+        )
         evs = await story(real_bus, "poison", timeout=20)
         (final,) = _finals(evs)
         assert final.finish_reason == "error" and "injected sampler fault" in final.error
         # its two tokens, then its blocks, then its one final, and nothing after
         assert [t for t in types(evs) if t != "tokens"] == ["accepted", "claimed", "blocks_released", "final"]
         assert len(tokens_of(evs)) == 2 and types(evs).index("blocks_released") > max(
-            i for i, t in enumerate(types(evs)) if t == "tokens")
+            i for i, t in enumerate(types(evs)) if t == "tokens"
+        )
         assert next(e for e in evs if isinstance(e, BlocksReleased)).count > 0
         assert final.usage["completion_tokens"] == 2
         failed_step = [e.step for e in evs if isinstance(e, Tokens) and e.token_ids][-1] + 1
@@ -334,13 +396,17 @@ class BrokenRunner:
         return self.inner.execute(out)
 
 
-async def test_a_runner_that_raises_fails_the_steps_requests_not_the_engine(real_bus, redis_server, keys,
-                                                                          tiny_model_dir, tiny_runner,
-                                                                          tiny_tokenizer):
+async def test_a_runner_that_raises_fails_the_steps_requests_not_the_engine(
+    real_bus, redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer
+):
     url = redis_server.url
-    eng = await start_engine(lambda: connect(url), keys, EngineOptions(model_dir=str(tiny_model_dir),
-                                                                        engine_id="e0"),
-                             runner=BrokenRunner(tiny_runner), tokenizer=tiny_tokenizer)
+    eng = await start_engine(
+        lambda: connect(url),
+        keys,
+        EngineOptions(model_dir=str(tiny_model_dir), engine_id="e0"),
+        runner=BrokenRunner(tiny_runner),
+        tokenizer=tiny_tokenizer,
+    )
     try:
         await submit(real_bus, "boom", PROMPT, max_tokens=4)
         evs = await story(real_bus, "boom", timeout=10)
@@ -415,8 +481,10 @@ def test_the_runner_fails_only_the_request_that_breaks_its_step(tiny_runner):
     res = tiny_runner.execute(SchedulerOutput(step=1, seqs=(good, bad)))
     assert set(res.failed) == {"bad"} and "IndexError" in res.failed["bad"]
     assert res.sampled == {"good": int(np.argmax(alone))}
-    nxt = (ScheduledSeq("good", (PLACEHOLDER,), len(PROMPT), (1,), True, SamplingParams(temperature=0.0), 1),
-           ScheduledSeq("bad", (PLACEHOLDER,), 3, (2,), True, bad_sp, 1))
+    nxt = (
+        ScheduledSeq("good", (PLACEHOLDER,), len(PROMPT), (1,), True, SamplingParams(temperature=0.0), 1),
+        ScheduledSeq("bad", (PLACEHOLDER,), 3, (2,), True, bad_sp, 1),
+    )
     res2 = tiny_runner.execute(SchedulerOutput(step=2, seqs=nxt))
     assert set(res2.failed) == {"bad"} and set(res2.sampled) == {"good"}
 
@@ -427,8 +495,9 @@ def test_a_failed_step_crosses_the_workers_pipe(tiny_model_dir, tiny_runner):
     from engine.worker import ProcessRunner
 
     good = ScheduledSeq("good", tuple(PROMPT), 0, (1,), True, SamplingParams(temperature=0.0), 0)
-    bad = ScheduledSeq("bad", (5, 6, 7), 0, (2,), True,
-                       SamplingParams(temperature=0.0, allowed_token_ids=(FAR,)), 0)
+    bad = ScheduledSeq(
+        "bad", (5, 6, 7), 0, (2,), True, SamplingParams(temperature=0.0, allowed_token_ids=(FAR,)), 0
+    )
     want = tiny_runner.execute(SchedulerOutput(step=1, seqs=(good,))).sampled
     worker = ProcessRunner(str(tiny_model_dir), num_blocks=16)
     try:
@@ -471,15 +540,20 @@ class ClaimWatcher:
         return self.inner.execute(out)
 
 
-async def test_claimed_is_on_the_stream_before_the_request_runs(real_bus, redis_server, keys, tiny_model_dir,
-                                                               tiny_runner, tiny_tokenizer):
+async def test_claimed_is_on_the_stream_before_the_request_runs(
+    real_bus, redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer
+):
     """Even on a slow link to Redis (each publish 50 ms late), no step runs a request whose
     ``claimed`` is not on its stream yet."""
     url = redis_server.url
     watcher = ClaimWatcher(tiny_runner, url, keys)
-    eng = await start_engine(lambda: connect(url), keys, EngineOptions(model_dir=str(tiny_model_dir),
-                                                                        engine_id="e0"),
-                             runner=watcher, tokenizer=tiny_tokenizer)
+    eng = await start_engine(
+        lambda: connect(url),
+        keys,
+        EngineOptions(model_dir=str(tiny_model_dir), engine_id="e0"),
+        runner=watcher,
+        tokenizer=tiny_tokenizer,
+    )
     publish = eng.node.bus.publish_many
 
     async def slow_publish(*args, **kw):

@@ -84,8 +84,7 @@ async def test_tombstones_pair_each_owner_key_with_its_request_key(client_store,
     client, store = client_store
     await client.set(k("o2"), "e7")
     await client.xadd(k("r2"), {"type": "accepted"})
-    res = await store.tombstones([k("o1"), k("o2"), k("o1")], "aborted:http", 30,
-                                 [k("r1"), k("r2"), k("r1")])
+    res = await store.tombstones([k("o1"), k("o2"), k("o1")], "aborted:http", 30, [k("r1"), k("r2"), k("r1")])
     assert res == [(None, False), (b"e7", True), (b"aborted:http", False)]
     assert await client.get(k("o1")) == b"aborted:http" and 0 < await client.ttl(k("o1")) <= 30
     assert await client.get(k("o2")) == b"e7"

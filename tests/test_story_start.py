@@ -22,8 +22,10 @@ def pair(rid: str, prompt_tokens: int = 3) -> tuple[Request, Accepted]:
     """A request and its accepted as the API makes them, ``ts`` fixed (a resend is the same
     fields, as redis-py's resend of the same command is)."""
     data = RequestData(prompt_token_ids=(5, 6, 7), sampling=SamplingParams(max_tokens=4))
-    return (Request(request_id=rid, data=data, ts=TS),
-            Accepted(request_id=rid, prompt_tokens=prompt_tokens, endpoint="completion", ts=TS))
+    return (
+        Request(request_id=rid, data=data, ts=TS),
+        Accepted(request_id=rid, prompt_tokens=prompt_tokens, endpoint="completion", ts=TS),
+    )
 
 
 async def story_types(bus: Bus, rid: str) -> list[str]:
@@ -75,15 +77,21 @@ async def test_a_start_whose_reply_was_lost_is_written_once(redis_server, keys):
         await proxy.close()
 
 
-async def test_the_api_answers_409_for_an_id_taken_under_it(redis_server, keys, tiny_model_dir, tiny_tokenizer):
+async def test_the_api_answers_409_for_an_id_taken_under_it(
+    redis_server, keys, tiny_model_dir, tiny_tokenizer
+):
     """An id whose story another request started after the API checked it (two clients racing
     on one X-Request-Id): a 409, and the other request's story untouched."""
     from fd.compose import ApiOptions, start_api
 
     client = connect(redis_server.url)
     bus = Bus(client, keys)
-    api = await start_api(lambda: connect(redis_server.url), keys, ApiOptions(model_dir=str(tiny_model_dir)),
-                          tokenizer=tiny_tokenizer)
+    api = await start_api(
+        lambda: connect(redis_server.url),
+        keys,
+        ApiOptions(model_dir=str(tiny_model_dir)),
+        tokenizer=tiny_tokenizer,
+    )
     try:
         real_exists = api.bus.request_exists
 
@@ -91,10 +99,14 @@ async def test_the_api_answers_409_for_an_id_taken_under_it(redis_server, keys, 
             free = not await real_exists(rid)
             await bus.submit(*pair(rid))
             return not free
+
         api.bus.request_exists = racing
         async with aiohttp.ClientSession() as s:
-            async with s.post(f"{api.url}/v1/completions", headers={"X-Request-Id": "dup"},
-                              json={"prompt": "hi", "max_tokens": 2}) as resp:
+            async with s.post(
+                f"{api.url}/v1/completions",
+                headers={"X-Request-Id": "dup"},
+                json={"prompt": "hi", "max_tokens": 2},
+            ) as resp:
                 assert resp.status == 409, await resp.text()
                 body = await resp.json()
         assert body["error"]["code"] == "duplicate_request_id"
@@ -119,9 +131,14 @@ async def test_a_second_entry_of_one_request_runs_nothing_twice(engines, redis_s
     try:
         eng = await engines.start("A", delay=0.02, gated=True)
         _, acc = pair("r")
-        req = Request(request_id="r", data=RequestData(
-            prompt_token_ids=(5, 6, 7), sampling=SamplingParams(max_tokens=12, temperature=0.0,
-                                                                ignore_eos=True)), ts=TS)
+        req = Request(
+            request_id="r",
+            data=RequestData(
+                prompt_token_ids=(5, 6, 7),
+                sampling=SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+            ),
+            ts=TS,
+        )
         assert await bus.submit(req, acc)
         await wait_for(lambda: _has_tokens(bus, "r"), 10, "r running")
         await bus.publish(bus.keys.requests, req)  # the copy, while it runs
@@ -130,6 +147,7 @@ async def test_a_second_entry_of_one_request_runs_nothing_twice(engines, redis_s
 
         async def stream_empty():
             return await bus.redis.xlen(bus.keys.requests) == 0
+
         await wait_for(stream_empty, 10, "P:requests empty")
         await all_blocks_free(eng.node)
         evs = [ev for _, ev in await bus.read_req("r")]
@@ -138,8 +156,12 @@ async def test_a_second_entry_of_one_request_runs_nothing_twice(engines, redis_s
         assert len(tokens_of(evs)) == 12
         # and the model ran it once: one prefill (a copy run again would prefill again, for
         # the fence to turn its events away)
-        prefills = [s for out in engines.gates["A"].batches for s in out.seqs
-                    if s.request_id == "r" and s.start_pos == 0]
+        prefills = [
+            s
+            for out in engines.gates["A"].batches
+            for s in out.seqs
+            if s.request_id == "r" and s.start_pos == 0
+        ]
         assert len(prefills) == 1
     finally:
         await client.aclose()

@@ -14,8 +14,9 @@ from fd.compose import EngineOptions, start_engine
 
 def _step(step: int, *seqs: tuple[str, tuple[int, ...], int]) -> SchedulerOutput:
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    return SchedulerOutput(step=step, seqs=tuple(
-        ScheduledSeq(rid, toks, start, (0,), True, sp, 0) for rid, toks, start in seqs))
+    return SchedulerOutput(
+        step=step, seqs=tuple(ScheduledSeq(rid, toks, start, (0,), True, sp, 0) for rid, toks, start in seqs)
+    )
 
 
 def test_tokens_are_deterministic_and_avoid_eos():
@@ -55,9 +56,13 @@ async def test_an_engine_runs_on_it(embedded_redis, keys, tiny_tokenizer):
     """Requests through a real EngineNode on the timed runner: tokens come from the runner,
     ``length`` finishes, an abort mid-decode releases every block."""
     runner = TimedRunner.for_tokenizer(tiny_tokenizer, step_ms=5, num_blocks=64)
-    eng = await start_engine(embedded_redis.client, keys,
-                             EngineOptions(model_dir="unused", engine_id="timed0"),
-                             runner=runner, tokenizer=tiny_tokenizer)
+    eng = await start_engine(
+        embedded_redis.client,
+        keys,
+        EngineOptions(model_dir="unused", engine_id="timed0"),
+        runner=runner,
+        tokenizer=tiny_tokenizer,
+    )
     bus = eng.node.bus
     try:
         from control.events import Accepted, Request
@@ -65,10 +70,14 @@ async def test_an_engine_runs_on_it(embedded_redis, keys, tiny_tokenizer):
         prompt = tuple(tiny_tokenizer.encode("Hello there"))
 
         async def submit(rid: str, n: int) -> None:
-            data = RequestData(prompt_token_ids=prompt, arrival_ts=int(time.time() * 1000),
-                               sampling=SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-            await bus.submit(Request(request_id=rid, data=data),
-                             Accepted(request_id=rid, prompt_tokens=len(prompt)))
+            data = RequestData(
+                prompt_token_ids=prompt,
+                arrival_ts=int(time.time() * 1000),
+                sampling=SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+            )
+            await bus.submit(
+                Request(request_id=rid, data=data), Accepted(request_id=rid, prompt_tokens=len(prompt))
+            )
 
         async def story(rid: str) -> list:
             for _ in range(500):

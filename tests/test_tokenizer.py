@@ -17,7 +17,7 @@ TEXTS = [
     "中文测试，日本語のテキスト、한국어",
     "mixed: naïve café — ½ ∑ ∞ \t tabs\nnewlines\r\n",
     "  leading and trailing spaces  ",
-    "\u0000\u0001 control \U0010FFFF",
+    "\u0000\u0001 control \U0010ffff",
 ]
 
 
@@ -41,9 +41,8 @@ def test_metadata(tok):
 def test_chat_template_renders_chatml(tok):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 😀"}]
     assert tok.apply_chat_template(msgs) == (
-        "<|im_start|>system\nBe brief.<|im_end|>\n"
-        "<|im_start|>user\nHi 😀<|im_end|>\n"
-        "<|im_start|>assistant\n")
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi 😀<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert tok.apply_chat_template(msgs, add_generation_prompt=False).endswith("Hi 😀<|im_end|>\n")
 
 
@@ -73,8 +72,11 @@ def test_same_seed_gives_identical_files(tiny_dir, tmp_path):
     match, mismatch, errors = filecmp.cmpfiles(tiny_dir, other, names, shallow=False)
     assert mismatch == [] and errors == []
     different = make_tiny_model(str(tmp_path / "seed1"), seed=1)
-    assert not filecmp.cmp(os.path.join(tiny_dir, "model.safetensors"),
-                           os.path.join(different, "model.safetensors"), shallow=False)
+    assert not filecmp.cmp(
+        os.path.join(tiny_dir, "model.safetensors"),
+        os.path.join(different, "model.safetensors"),
+        shallow=False,
+    )
 
 
 def test_missing_files_are_named(tmp_path):

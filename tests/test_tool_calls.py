@@ -10,25 +10,37 @@ import aiohttp
 import openai
 import orjson
 import pytest
+from test_api_streaming import FakeEngine, parse_sse, setup
+from test_api_validation import assert_openai_error
 
 from control.events import Accepted, SamplingParams, decode
 from engine.llm import LLM
 from fd.api.tool_calls import HermesParser, ToolCall, call_id, parse_all
-from test_api_streaming import FakeEngine, parse_sse, setup
-from test_api_validation import assert_openai_error
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 # what a hermes model writes: a sentence, then two calls (the first tag split across deltas)
-WORDS = ("Let me look.", "\n<tool", "_call>\n{\"name\": \"get_weather\", ",
-         "\"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n", "<tool_call>{\"name\": \"get_time\", ",
-         "\"arguments\": {}}</tool_call>", "\n")
+WORDS = (
+    "Let me look.",
+    "\n<tool",
+    '_call>\n{"name": "get_weather", ',
+    '"arguments": {"city": "Paris"}}\n</tool_call>\n',
+    '<tool_call>{"name": "get_time", ',
+    '"arguments": {}}</tool_call>',
+    "\n",
+)
 CALLS = [ToolCall("get_weather", '{"city": "Paris"}'), ToolCall("get_time", "{}")]
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER]}
 
 
 # ----------------------------------------------------------------------------- the parser
+
 
 def _feed_all(pieces) -> tuple[str, list[ToolCall]]:
     p = HermesParser()
@@ -53,8 +65,8 @@ def test_what_the_parser_lets_out_and_holds():
     assert p.feed("Sure") == ["Sure"]
     assert p.feed(" <tool") == [" "]  # maybe a tag: held
     assert p.feed("box>") == ["<toolbox>"]  # not one: let out
-    assert p.feed("<tool_call>{\"name\": \"f\", \"argu") == []  # a call: held until its end
-    assert p.feed("ments\": {\"a\": [1, 2]}}</tool_call>") == [ToolCall("f", '{"a": [1, 2]}')]
+    assert p.feed('<tool_call>{"name": "f", "argu') == []  # a call: held until its end
+    assert p.feed('ments": {"a": [1, 2]}}</tool_call>') == [ToolCall("f", '{"a": [1, 2]}')]
     assert p.feed("\n\n") == []  # blank after a call: not content ...
     assert p.feed("Done.") == ["\n\nDone."]  # ... unless more content follows
     assert p.finish() == []
@@ -63,13 +75,15 @@ def test_what_the_parser_lets_out_and_holds():
     assert parse_all('<tool_call>{"name": "f", "argu') == ('<tool_call>{"name": "f", "argu', [])
     # arguments already given as JSON text, or no arguments
     assert parse_all('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>')[1] == [
-        ToolCall("f", '{"x": 1}')]
+        ToolCall("f", '{"x": 1}')
+    ]
     assert parse_all('<tool_call>{"name": "f"}</tool_call>')[1] == [ToolCall("f", "{}")]
     # a call with no name is not a call
     assert parse_all('<tool_call>{"arguments": {}}</tool_call>')[1] == []
 
 
 # ----------------------------------------------------------------------------- over HTTP
+
 
 def _accumulate(chunks: list[dict]) -> dict[int, dict]:
     """What OpenAI's clients do with streamed deltas, per choice."""
@@ -90,16 +104,24 @@ def _accumulate(chunks: list[dict]) -> dict[int, dict]:
 
 async def test_calls_streamed_replayed_and_not_streamed(real_bus):
     async with setup(real_bus, FakeEngine(real_bus, words=WORDS), tool_parser="hermes") as client:
-        resp = await client.post("/v1/chat/completions", json={**CHAT, "stream": True},
-                                 headers={"X-Request-Id": "tc1"})
+        resp = await client.post(
+            "/v1/chat/completions", json={**CHAT, "stream": True}, headers={"X-Request-Id": "tc1"}
+        )
         assert resp.status == 200
         original = await resp.read()
         events = parse_sse(original)
         assert events[-1] == (None, "[DONE]")
         got = _accumulate([orjson.loads(d) for _, d in events[:-1]])
-        assert got == {0: {"content": "Let me look.\n", "finish_reason": "tool_calls", "calls": {
-            0: {"id": call_id("tc1", 0, 0), "name": "get_weather", "arguments": '{"city": "Paris"}'},
-            1: {"id": call_id("tc1", 0, 1), "name": "get_time", "arguments": "{}"}}}}
+        assert got == {
+            0: {
+                "content": "Let me look.\n",
+                "finish_reason": "tool_calls",
+                "calls": {
+                    0: {"id": call_id("tc1", 0, 0), "name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    1: {"id": call_id("tc1", 0, 1), "name": "get_time", "arguments": "{}"},
+                },
+            }
+        }
         # the story says how to render it, so any replica's replay is the same bytes
         story = [decode(f) for _, f in await real_bus.redis.xrange(real_bus.keys.req("tc1"))]
         assert isinstance(story[0], Accepted) and story[0].tool_parser == "hermes"
@@ -107,16 +129,27 @@ async def test_calls_streamed_replayed_and_not_streamed(real_bus):
         assert replay == original
         # the prompt offered the tool (the fake template writes "tool:<name>")
         body = await (await client.post("/v1/chat/completions", json=CHAT)).json()
-        plain = await (await client.post("/v1/chat/completions",
-                                         json={**CHAT, "tools": None})).json()
+        plain = await (await client.post("/v1/chat/completions", json={**CHAT, "tools": None})).json()
         assert body["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"] + len(b"tool:get_weather\n")
         choice = body["choices"][0]
         assert choice["finish_reason"] == "tool_calls"
         rid = body["id"]
-        assert choice["message"] == {"role": "assistant", "content": "Let me look.\n", "tool_calls": [
-            {"id": call_id(rid, 0, 0), "type": "function",
-             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
-            {"id": call_id(rid, 0, 1), "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]}
+        assert choice["message"] == {
+            "role": "assistant",
+            "content": "Let me look.\n",
+            "tool_calls": [
+                {
+                    "id": call_id(rid, 0, 0),
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                },
+                {
+                    "id": call_id(rid, 0, 1),
+                    "type": "function",
+                    "function": {"name": "get_time", "arguments": "{}"},
+                },
+            ],
+        }
         # without tools the same text is just text
         assert plain["choices"][0]["message"]["content"] == "".join(WORDS)
         assert plain["choices"][0]["finish_reason"] == "stop"
@@ -124,8 +157,9 @@ async def test_calls_streamed_replayed_and_not_streamed(real_bus):
 
 async def test_every_choice_calls_on_its_own(real_bus):
     async with setup(real_bus, FakeEngine(real_bus, words=WORDS), tool_parser="hermes") as client:
-        resp = await client.post("/v1/chat/completions", json={**CHAT, "n": 2, "stream": True},
-                                 headers={"X-Request-Id": "tc2"})
+        resp = await client.post(
+            "/v1/chat/completions", json={**CHAT, "n": 2, "stream": True}, headers={"X-Request-Id": "tc2"}
+        )
         got = _accumulate([orjson.loads(d) for _, d in parse_sse(await resp.read())[:-1]])
         assert sorted(got) == [0, 1]
         for k in (0, 1):
@@ -138,8 +172,7 @@ async def test_every_choice_calls_on_its_own(real_bus):
 
 async def test_tool_choice_none_offers_the_tools_but_reads_no_calls(real_bus):
     async with setup(real_bus, FakeEngine(real_bus, words=WORDS), tool_parser="hermes") as client:
-        body = await (await client.post("/v1/chat/completions",
-                                        json={**CHAT, "tool_choice": "none"})).json()
+        body = await (await client.post("/v1/chat/completions", json={**CHAT, "tool_choice": "none"})).json()
         assert body["choices"][0]["message"] == {"role": "assistant", "content": "".join(WORDS)}
         assert body["usage"]["prompt_tokens"] > len(b"u:Weather in Paris?\na:")
 
@@ -147,34 +180,72 @@ async def test_tool_choice_none_offers_the_tools_but_reads_no_calls(real_bus):
 async def test_a_conversation_with_calls_and_their_results(real_bus):
     """The assistant's earlier calls (arguments as JSON text, as OpenAI's clients send them)
     and the tools' answers are accepted and reach the template."""
-    messages = [{"role": "user", "content": "Weather in Paris?"},
-                {"role": "assistant", "content": None, "tool_calls": [
-                    {"id": "call_1", "type": "function",
-                     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-                {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+    ]
     async with setup(real_bus, FakeEngine(real_bus), tool_parser="hermes") as client:
         resp = await client.post("/v1/chat/completions", json={**CHAT, "messages": messages})
         assert resp.status == 200, await resp.text()
         assert (await resp.json())["choices"][0]["message"]["content"] == "Hello, world!"
 
 
-@pytest.mark.parametrize("extra, param, code", [
-    ({"tool_choice": {"type": "function", "function": {"name": "no_such_tool"}}}, "tool_choice", "invalid_value"),
-    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice", "invalid_value"),
-    ({"tool_choice": "sometimes"}, "tool_choice", "invalid_value"),
-    ({"tools": {"type": "function"}}, "tools", "invalid_type"),
-    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools",
-     "missing_required_parameter"),
-    ({"tools": [{"type": "retrieval"}]}, "tools", "invalid_type"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "tools", "invalid_type"),
-    ({"tools": None, "tool_choice": "auto"}, "tool_choice", "invalid_value"),
-    ({"parallel_tool_calls": "yes"}, "parallel_tool_calls", "invalid_type"),
-    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]}]},
-     "messages[0].tool_calls", "invalid_value"),
-    ({"messages": [{"role": "assistant", "tool_calls": "f"}]}, "messages[0].tool_calls", "invalid_type"),
-    ({"messages": [{"role": "tool", "content": "x", "tool_call_id": 5}]}, "messages[0].tool_call_id",
-     "invalid_type"),
-])
+@pytest.mark.parametrize(
+    "extra, param, code",
+    [
+        (
+            {"tool_choice": {"type": "function", "function": {"name": "no_such_tool"}}},
+            "tool_choice",
+            "invalid_value",
+        ),
+        (
+            {"tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice",
+            "invalid_value",
+        ),
+        ({"tool_choice": "sometimes"}, "tool_choice", "invalid_value"),
+        ({"tools": {"type": "function"}}, "tools", "invalid_type"),
+        (
+            {"tools": [{"type": "function", "function": {"description": "no name"}}]},
+            "tools",
+            "missing_required_parameter",
+        ),
+        ({"tools": [{"type": "retrieval"}]}, "tools", "invalid_type"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
+            "tools",
+            "invalid_type",
+        ),
+        ({"tools": None, "tool_choice": "auto"}, "tool_choice", "invalid_value"),
+        ({"parallel_tool_calls": "yes"}, "parallel_tool_calls", "invalid_type"),
+        (
+            {
+                "messages": [
+                    {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]}
+                ]
+            },
+            "messages[0].tool_calls",
+            "invalid_value",
+        ),
+        ({"messages": [{"role": "assistant", "tool_calls": "f"}]}, "messages[0].tool_calls", "invalid_type"),
+        (
+            {"messages": [{"role": "tool", "content": "x", "tool_call_id": 5}]},
+            "messages[0].tool_call_id",
+            "invalid_type",
+        ),
+    ],
+)
 async def test_what_is_refused(real_bus, extra, param, code):
     async with setup(real_bus, tool_parser="hermes") as client:
         resp = await client.post("/v1/chat/completions", json={**CHAT, **extra})
@@ -214,31 +285,62 @@ async def test_the_real_model_sees_the_tools(redis_server, keys, tiny_model_dir,
     api = None
     try:
         await engines.start("E")
-        api = await start_api(lambda: connect(redis_server.url), keys,
-                              ApiOptions(model_dir=str(tiny_model_dir), tool_parser="hermes"),
-                              tokenizer=tiny_tokenizer)
-        messages = [{"role": "user", "content": "Weather in Paris?"},
-                    {"role": "assistant", "content": None, "tool_calls": [
-                        {"id": "call_1", "type": "function",
-                         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-                    {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]
+        api = await start_api(
+            lambda: connect(redis_server.url),
+            keys,
+            ApiOptions(model_dir=str(tiny_model_dir), tool_parser="hermes"),
+            tokenizer=tiny_tokenizer,
+        )
+        messages = [
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+        ]
         text = tiny_tokenizer.apply_chat_template(
-            [messages[0], {**messages[1], "content": "", "tool_calls": [
-                {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}, messages[2]],
-            tools=[WEATHER])
+            [
+                messages[0],
+                {
+                    **messages[1],
+                    "content": "",
+                    "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+                },
+                messages[2],
+            ],
+            tools=[WEATHER],
+        )
         assert "<tools>" in text and '"get_weather"' in text and "<tool_response>" in text
         ids = tiny_tokenizer.encode(text)
-        want = LLM(tiny_runner, tiny_tokenizer).generate(
-            [ids], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0].text
+        want = (
+            LLM(tiny_runner, tiny_tokenizer)
+            .generate([ids], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
+            .text
+        )
         client = openai.AsyncOpenAI(base_url=f"{api.url}/v1", api_key="none", max_retries=0)
-        c = await client.chat.completions.create(model=api.cfg.model_name, messages=messages,
-                                                 tools=[WEATHER], max_tokens=8, temperature=0,
-                                                 extra_body={"ignore_eos": True})
+        c = await client.chat.completions.create(
+            model=api.cfg.model_name,
+            messages=messages,
+            tools=[WEATHER],
+            max_tokens=8,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
         assert c.usage.prompt_tokens == len(ids)
         assert c.choices[0].message.content == want and not c.choices[0].message.tool_calls
         async with aiohttp.ClientSession() as s:  # /tokenize takes the tools too, as vLLM's
-            async with s.post(f"{api.url}/tokenize", json={"model": api.cfg.model_name,
-                                                           "messages": messages, "tools": [WEATHER]}) as r:
+            async with s.post(
+                f"{api.url}/tokenize",
+                json={"model": api.cfg.model_name, "messages": messages, "tools": [WEATHER]},
+            ) as r:
                 assert (await r.json())["tokens"] == ids
         await client.close()
     finally:
@@ -255,9 +357,12 @@ async def test_the_openai_client_reads_the_calls(real_bus):
         msg = c.choices[0].message
         assert c.choices[0].finish_reason == "tool_calls" and msg.content == "Let me look.\n"
         assert [(t.type, t.function.name, t.function.arguments) for t in msg.tool_calls] == [
-            ("function", "get_weather", '{"city": "Paris"}'), ("function", "get_time", "{}")]
-        stream = await client.chat.completions.create(model="tiny", messages=CHAT["messages"],
-                                                      tools=[WEATHER], stream=True)
+            ("function", "get_weather", '{"city": "Paris"}'),
+            ("function", "get_time", "{}"),
+        ]
+        stream = await client.chat.completions.create(
+            model="tiny", messages=CHAT["messages"], tools=[WEATHER], stream=True
+        )
         calls: dict[int, list] = {}
         reasons = []
         async for chunk in stream:
@@ -265,18 +370,38 @@ async def test_the_openai_client_reads_the_calls(real_bus):
                 for t in ch.delta.tool_calls or ():
                     calls.setdefault(t.index, []).append((t.id, t.function.name, t.function.arguments))
                 reasons.append(ch.finish_reason)
-        assert [v[0][1:] for _, v in sorted(calls.items())] == [("get_weather", '{"city": "Paris"}'),
-                                                               ("get_time", "{}")]
+        assert [v[0][1:] for _, v in sorted(calls.items())] == [
+            ("get_weather", '{"city": "Paris"}'),
+            ("get_time", "{}"),
+        ]
         assert reasons[-1] == "tool_calls"
         await client.close()
 
 
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "additionalProperties": False, "required": ["zone"],
-    "properties": {"zone": {"enum": ["UTC", "CET"]}}}}}
-CITY = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "additionalProperties": False, "required": ["city"],
-    "properties": {"city": {"enum": ["Paris", "Rome"]}}}}}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["zone"],
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+        },
+    },
+}
+CITY = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["city"],
+            "properties": {"city": {"enum": ["Paris", "Rome"]}},
+        },
+    },
+}
 
 
 async def test_a_forced_call_is_what_the_model_answers(served):
@@ -285,27 +410,36 @@ async def test_a_forced_call_is_what_the_model_answers(served):
     tiny model, whose free text is noise, returns calls whose arguments fit the schemas."""
     api, _ = served
     client = openai.AsyncOpenAI(base_url=f"{api.url}/v1", api_key="none", max_retries=0)
-    kw = dict(model=api.cfg.model_name, messages=[{"role": "user", "content": "Weather?"}],
-              tools=[CITY, TIME], max_tokens=60)
+    kw = dict(
+        model=api.cfg.model_name,
+        messages=[{"role": "user", "content": "Weather?"}],
+        tools=[CITY, TIME],
+        max_tokens=60,
+    )
     c = await client.chat.completions.create(
-        **kw, temperature=0, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        **kw, temperature=0, tool_choice={"type": "function", "function": {"name": "get_weather"}}
+    )
     ch = c.choices[0]
     assert ch.finish_reason == "stop" and ch.message.content is None  # OpenAI's, for a named one
     (call,) = ch.message.tool_calls
     assert call.function.name == "get_weather"
     assert orjson.loads(call.function.arguments)["city"] in ("Paris", "Rome")
     for seed in (1, 2, 3):  # (one call each: a random model may well list calls without end)
-        c = await client.chat.completions.create(**kw, temperature=1.0, seed=seed, tool_choice="required",
-                                                 parallel_tool_calls=False)
+        c = await client.chat.completions.create(
+            **kw, temperature=1.0, seed=seed, tool_choice="required", parallel_tool_calls=False
+        )
         ch = c.choices[0]
         assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls) == 1
         for call in ch.message.tool_calls:
             args = orjson.loads(call.function.arguments)
             assert (call.function.name, set(args)) in (("get_weather", {"city"}), ("get_time", {"zone"}))
     # streamed: the calls come whole before the last chunk
-    stream = await client.chat.completions.create(**kw, temperature=0, stream=True, tool_choice="required",
-                                                  parallel_tool_calls=False)
-    calls = [t for chunk in [c async for c in stream] for chx in chunk.choices for t in chx.delta.tool_calls or ()]
+    stream = await client.chat.completions.create(
+        **kw, temperature=0, stream=True, tool_choice="required", parallel_tool_calls=False
+    )
+    calls = [
+        t for chunk in [c async for c in stream] for chx in chunk.choices for t in chx.delta.tool_calls or ()
+    ]
     assert calls and all(t.function.name in ("get_weather", "get_time") for t in calls)
     await client.close()
 
@@ -313,8 +447,9 @@ async def test_a_forced_call_is_what_the_model_answers(served):
 def test_forced_answers_read_as_calls():
     from fd.api.tool_calls import forced_calls
 
-    assert forced_calls("required", '[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {}}]') == [
-        ToolCall("f", '{"a": 1}'), ToolCall("g", "{}")]
+    assert forced_calls(
+        "required", '[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {}}]'
+    ) == [ToolCall("f", '{"a": 1}'), ToolCall("g", "{}")]
     assert forced_calls("named:f", ' {"a": [1, 2]} ') == [ToolCall("f", '{"a": [1, 2]}')]
     for mode, cut in (("named:f", '{"a": '), ("required", '[{"name": "f", "param'), ("required", "{}")):
         assert forced_calls(mode, cut) is None
@@ -326,28 +461,39 @@ async def test_a_forced_answer_cut_short_is_shown_as_text(real_bus):
         body = {**CHAT, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
         r = await (await client.post("/v1/chat/completions", json=body)).json()
         assert r["choices"][0]["message"] == {"role": "assistant", "content": "Hello, world!"}
-        events = parse_sse(await (await client.post("/v1/chat/completions", json={**body, "stream": True})).read())
+        events = parse_sse(
+            await (await client.post("/v1/chat/completions", json={**body, "stream": True})).read()
+        )
         got = _accumulate([orjson.loads(d) for _, d in events[:-1]])
         assert got[0]["content"] == "Hello, world!" and not got[0]["calls"]
-        sent = [decode(f).data.sampling.guided for _, f in await real_bus.redis.xrange(real_bus.keys.requests)]
+        sent = [
+            decode(f).data.sampling.guided for _, f in await real_bus.redis.xrange(real_bus.keys.requests)
+        ]
         assert sent and all(orjson.loads(g)["json"] == WEATHER["function"]["parameters"] for g in sent)
 
 
 # ----------------------------------------------------------------------------- llama3_json
 
-LLAMA = ('<|python_', 'tag|>{"name": "get_weather", ', '"parameters": {"city": "Paris"}}; ',
-         '{"name": "get_time", "parameters": {}}')
+LLAMA = (
+    "<|python_",
+    'tag|>{"name": "get_weather", ',
+    '"parameters": {"city": "Paris"}}; ',
+    '{"name": "get_time", "parameters": {}}',
+)
 
 
-@pytest.mark.parametrize("text,want", [
-    ("".join(LLAMA), ("", CALLS)),
-    ('  {"name": "get_time", "arguments": {}}\n', ("", [ToolCall("get_time", "{}")])),
-    ("The weather is fine.", ("The weather is fine.", [])),
-    ("<b>bold</b> {\"name\": \"x\"}", ("<b>bold</b> {\"name\": \"x\"}", [])),  # calls only at the start
-    ('{"name": "f", "parameters": {"a": 1}', ('{"name": "f", "parameters": {"a": 1}', [])),  # cut short
-    ('{"no_name": 1}', ('{"no_name": 1}', [])),
-    ('<|pyth', ('<|pyth', [])),
-])
+@pytest.mark.parametrize(
+    "text,want",
+    [
+        ("".join(LLAMA), ("", CALLS)),
+        ('  {"name": "get_time", "arguments": {}}\n', ("", [ToolCall("get_time", "{}")])),
+        ("The weather is fine.", ("The weather is fine.", [])),
+        ('<b>bold</b> {"name": "x"}', ('<b>bold</b> {"name": "x"}', [])),  # calls only at the start
+        ('{"name": "f", "parameters": {"a": 1}', ('{"name": "f", "parameters": {"a": 1}', [])),  # cut short
+        ('{"no_name": 1}', ('{"no_name": 1}', [])),
+        ("<|pyth", ("<|pyth", [])),
+    ],
+)
 def test_llama3_json_reads_an_answer_that_is_the_calls(text, want):
     _same_parse_at_every_cut(text, "llama3_json", want)
 
@@ -368,12 +514,21 @@ def _same_parse_at_every_cut(text: str, name: str, want) -> None:
 async def _two_calls_streamed_and_replayed(client, rid: str) -> None:
     """The scripted answer's two calls (get_weather for Paris, get_time), streamed as
     tool_calls, and replayed byte for byte."""
-    resp = await client.post("/v1/chat/completions", json={**CHAT, "stream": True}, headers={"X-Request-Id": rid})
+    resp = await client.post(
+        "/v1/chat/completions", json={**CHAT, "stream": True}, headers={"X-Request-Id": rid}
+    )
     original = await resp.read()
     got = _accumulate([orjson.loads(d) for _, d in parse_sse(original)[:-1]])
-    assert got == {0: {"content": "", "finish_reason": "tool_calls", "calls": {
-        0: {"id": call_id(rid, 0, 0), "name": "get_weather", "arguments": '{"city": "Paris"}'},
-        1: {"id": call_id(rid, 0, 1), "name": "get_time", "arguments": "{}"}}}}
+    assert got == {
+        0: {
+            "content": "",
+            "finish_reason": "tool_calls",
+            "calls": {
+                0: {"id": call_id(rid, 0, 0), "name": "get_weather", "arguments": '{"city": "Paris"}'},
+                1: {"id": call_id(rid, 0, 1), "name": "get_time", "arguments": "{}"},
+            },
+        }
+    }
     assert await (await client.get(f"/v1/requests/{rid}/stream")).read() == original
 
 
@@ -383,9 +538,12 @@ async def test_llama3_json_calls_through_the_api(real_bus):
         body = await (await client.post("/v1/chat/completions", json=CHAT)).json()
         message = body["choices"][0]["message"]
         assert message["content"] is None and [c["function"]["name"] for c in message["tool_calls"]] == [
-            "get_weather", "get_time"]
-    async with setup(real_bus, FakeEngine(real_bus, words=("Sunny", " today.")),
-                     tool_parser="llama3_json") as client:  # an answer that is not a call streams
+            "get_weather",
+            "get_time",
+        ]
+    async with setup(
+        real_bus, FakeEngine(real_bus, words=("Sunny", " today.")), tool_parser="llama3_json"
+    ) as client:  # an answer that is not a call streams
         resp = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
         chunks = [orjson.loads(d) for _, d in parse_sse(await resp.read())[:-1]]
         texts = [c["choices"][0]["delta"].get("content") for c in chunks if c["choices"]]
@@ -397,18 +555,23 @@ async def test_llama3_json_calls_through_the_api(real_bus):
 PY = ('[get_weather(city="Par', 'is"), get_time()]')
 
 
-@pytest.mark.parametrize("text,want", [
-    ("".join(PY), ("", [ToolCall("get_weather", '{"city": "Paris"}'), ToolCall("get_time", "{}")])),
-    ('<|python_start|>[f(a=1, b=[1, 2], c={"k": None})]<|python_end|>',
-     ("", [ToolCall("f", '{"a": 1, "b": [1, 2], "c": {"k": null}}')])),
-    ("The weather is fine.", ("The weather is fine.", [])),
-    ("[1, 2, 3]", ("[1, 2, 3]", [])),  # a list, but not of calls
-    ('[f(x)]', ('[f(x)]', [])),  # a positional argument: not a call fd can name
-    ('[f(a=open("x"))]', ('[f(a=open("x"))]', [])),  # not a literal: never run
-    ('[f(a=1)', ('[f(a=1)', [])),  # cut short
-    ('[f(a={1, 2})]', ('[f(a={1, 2})]', [])),  # no JSON for a set
-    ('<|python_st', ('<|python_st', [])),
-])
+@pytest.mark.parametrize(
+    "text,want",
+    [
+        ("".join(PY), ("", [ToolCall("get_weather", '{"city": "Paris"}'), ToolCall("get_time", "{}")])),
+        (
+            '<|python_start|>[f(a=1, b=[1, 2], c={"k": None})]<|python_end|>',
+            ("", [ToolCall("f", '{"a": 1, "b": [1, 2], "c": {"k": null}}')]),
+        ),
+        ("The weather is fine.", ("The weather is fine.", [])),
+        ("[1, 2, 3]", ("[1, 2, 3]", [])),  # a list, but not of calls
+        ("[f(x)]", ("[f(x)]", [])),  # a positional argument: not a call fd can name
+        ('[f(a=open("x"))]', ('[f(a=open("x"))]', [])),  # not a literal: never run
+        ("[f(a=1)", ("[f(a=1)", [])),  # cut short
+        ("[f(a={1, 2})]", ("[f(a={1, 2})]", [])),  # no JSON for a set
+        ("<|python_st", ("<|python_st", [])),
+    ],
+)
 def test_pythonic_reads_an_answer_that_is_a_list_of_calls(text, want):
     _same_parse_at_every_cut(text, "pythonic", want)
 
@@ -417,28 +580,43 @@ async def test_pythonic_calls_through_the_api(real_bus):
     async with setup(real_bus, FakeEngine(real_bus, words=PY), tool_parser="pythonic") as client:
         await _two_calls_streamed_and_replayed(client, "py1")
     from fd.cli import build_parser
-    assert build_parser().parse_args(["serve", "--enable-auto-tool-choice",
-                                      "--tool-call-parser", "pythonic"]).tool_call_parser == "pythonic"
+
+    assert (
+        build_parser()
+        .parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "pythonic"])
+        .tool_call_parser
+        == "pythonic"
+    )
 
 
 # ----------------------------------------------------------------------------- mistral
 
-MISTRAL = ("Let me check. ", "[TOOL_", 'CALLS][{"name": "get_weather", "arguments": {"city": "Par',
-           'is"}}, {"name": "get_time", "arguments": {}}]')
+MISTRAL = (
+    "Let me check. ",
+    "[TOOL_",
+    'CALLS][{"name": "get_weather", "arguments": {"city": "Par',
+    'is"}}, {"name": "get_time", "arguments": {}}]',
+)
 CALLS_2 = [ToolCall("get_weather", '{"city": "Paris"}'), ToolCall("get_time", "{}")]
 
 
-@pytest.mark.parametrize("text,want", [
-    ("".join(MISTRAL), ("Let me check. ", CALLS_2)),
-    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}', ("", CALLS_2)),
-    ('[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Paris"}', ("", CALLS_2[:1])),
-    ('[TOOL_CALLS]get_time{}', ("", CALLS_2[1:])),  # ([ARGS] skipped as special: split at the brace)
-    ("The weather is fine [TOOL_ nope].", ("The weather is fine [TOOL_ nope].", [])),
-    ('[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}', ('[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}', [])),
-    ("[TOOL_CALLS][1, 2]", ("[TOOL_CALLS][1, 2]", [])),
-    ("[TOOL_CALLS]f[ARGS]not json", ("[TOOL_CALLS]f[ARGS]not json", [])),
-    ("[TOOL_CAL", ("[TOOL_CAL", [])),
-])
+@pytest.mark.parametrize(
+    "text,want",
+    [
+        ("".join(MISTRAL), ("Let me check. ", CALLS_2)),
+        ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}', ("", CALLS_2)),
+        ('[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Paris"}', ("", CALLS_2[:1])),
+        ("[TOOL_CALLS]get_time{}", ("", CALLS_2[1:])),  # ([ARGS] skipped as special: split at the brace)
+        ("The weather is fine [TOOL_ nope].", ("The weather is fine [TOOL_ nope].", [])),
+        (
+            '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}',
+            ('[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}', []),
+        ),
+        ("[TOOL_CALLS][1, 2]", ("[TOOL_CALLS][1, 2]", [])),
+        ("[TOOL_CALLS]f[ARGS]not json", ("[TOOL_CALLS]f[ARGS]not json", [])),
+        ("[TOOL_CAL", ("[TOOL_CAL", [])),
+    ],
+)
 def test_mistral_reads_content_then_the_calls(text, want):
     _same_parse_at_every_cut(text, "mistral", want)
 
@@ -447,18 +625,25 @@ async def test_mistral_calls_through_the_api(real_bus):
     """Calls read as vLLM's mistral parser reads them, with 9-character ids (what Mistral's
     chat templates take back), and the request keeps special tokens' text for the parser."""
     async with setup(real_bus, FakeEngine(real_bus, words=MISTRAL), tool_parser="mistral") as client:
-        resp = await client.post("/v1/chat/completions", json={**CHAT, "stream": True}, headers={"X-Request-Id": "mi"})
+        resp = await client.post(
+            "/v1/chat/completions", json={**CHAT, "stream": True}, headers={"X-Request-Id": "mi"}
+        )
         original = await resp.read()
         got = _accumulate([orjson.loads(d) for _, d in parse_sse(original)[:-1]])
         assert got[0]["content"] == "Let me check. " and got[0]["finish_reason"] == "tool_calls"
         calls = got[0]["calls"]
-        assert [(c["name"], c["arguments"]) for c in calls.values()] == [("get_weather", '{"city": "Paris"}'),
-                                                                          ("get_time", "{}")]
+        assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+            ("get_weather", '{"city": "Paris"}'),
+            ("get_time", "{}"),
+        ]
         assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in calls.values())
         assert [c["id"] for c in calls.values()] == [call_id("mi", 0, k, "mistral") for k in range(2)]
         assert await (await client.get("/v1/requests/mi/stream")).read() == original
-        body = await (await client.post("/v1/chat/completions", json=CHAT, headers={"X-Request-Id": "mi2"})).json()
+        body = await (
+            await client.post("/v1/chat/completions", json=CHAT, headers={"X-Request-Id": "mi2"})
+        ).json()
         assert [c["id"] for c in body["choices"][0]["message"]["tool_calls"]] == [
-            call_id("mi2", 0, k, "mistral") for k in range(2)]
+            call_id("mi2", 0, k, "mistral") for k in range(2)
+        ]
     reqs = [decode(f, e) for e, f in await real_bus.redis.xrange(real_bus.keys.requests)]
     assert reqs and all(r.data.sampling.skip_special_tokens is False for r in reqs)

@@ -26,8 +26,14 @@ def test_worker_gives_the_same_tokens_as_in_process(worker, tiny_runner, tiny_to
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=20, ignore_eos=True)
     # penalties on repeats (the request's history crosses the pipe; the worker adds the token
     # it sampled a step earlier), a bias, and a floor on the length
-    shaped = SamplingParams(temperature=0.0, max_tokens=20, frequency_penalty=-0.5, repetition_penalty=0.8,
-                            logit_bias=((7, 2.0),), min_tokens=5)
+    shaped = SamplingParams(
+        temperature=0.0,
+        max_tokens=20,
+        frequency_penalty=-0.5,
+        repetition_penalty=0.8,
+        logit_bias=((7, 2.0),),
+        min_tokens=5,
+    )
     for sp in (greedy, seeded, shaped):
         here = LLM(tiny_runner, tiny_tokenizer).generate(prompts, sp)
         there = LLM(worker, tiny_tokenizer).generate(prompts, sp)
@@ -51,8 +57,17 @@ def test_worker_gives_the_same_tokens_as_in_process(worker, tiny_runner, tiny_to
     # and the prompt's scores (echo): a chunk that is not the prompt's last, scored up to the
     # token after it, which crosses the pipe with it
     score = SamplingParams(temperature=0.0, prompt_logprobs=2)
-    chunk = ScheduledSeq("pl", tuple(prompts[2][:8]), 0, (0, 1), False, score, 0,
-                         prompt_len=len(prompts[2]), prompt_next=prompts[2][8])
+    chunk = ScheduledSeq(
+        "pl",
+        tuple(prompts[2][:8]),
+        0,
+        (0, 1),
+        False,
+        score,
+        0,
+        prompt_len=len(prompts[2]),
+        prompt_next=prompts[2][8],
+    )
     there, here = (r.execute(SchedulerOutput(step=-1, seqs=(chunk,))) for r in (worker, tiny_runner))
     (first, entries), (first0, entries0) = there.prompt_logprobs["pl"], here.prompt_logprobs["pl"]
     assert first == first0 == 1 and len(entries) == len(entries0) == 8
@@ -84,9 +99,15 @@ def _two_steps_ahead(worker):
     from engine.config import SchedulerConfig
     from engine.scheduler import Scheduler
 
-    sched = Scheduler(SchedulerConfig(num_blocks=worker.num_blocks, block_size=16,
-                                      max_num_batched_tokens=4096,
-                                      max_model_len=worker.max_model_len, max_steps_in_flight=2))
+    sched = Scheduler(
+        SchedulerConfig(
+            num_blocks=worker.num_blocks,
+            block_size=16,
+            max_num_batched_tokens=4096,
+            max_model_len=worker.max_model_len,
+            max_steps_in_flight=2,
+        )
+    )
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     sched.add("a", RequestData(prompt_token_ids=tuple(i % 300 + 5 for i in range(1500)), sampling=sp))
     sched.add("b", RequestData(prompt_token_ids=(5, 6, 7), sampling=sp))
@@ -141,13 +162,16 @@ def test_the_pipe_form_of_a_step_round_trips_and_sends_sampling_once():
     enc, dec = _StepEncoder(), _StepDecoder()
 
     def step(n, *seqs):
-        return SchedulerOutput(step=n, num_batched_tokens=sum(len(s.token_ids) for s in seqs),
-                               seqs=seqs)
+        return SchedulerOutput(step=n, num_batched_tokens=sum(len(s.token_ids) for s in seqs), seqs=seqs)
 
-    s1 = step(1, ScheduledSeq("r1", (5, 6, 7), 0, (3,), True, a, 0),
-              ScheduledSeq("r2", (8,), 4, (1, 2), True, b, 2))
-    s2 = step(2, ScheduledSeq("r1", (-1,), 3, (3,), True, a, 1),
-              ScheduledSeq("r2", (-1,), 5, (1, 2), True, b, 3, (8, 9, 9, 4, 4, 7), 4))
+    s1 = step(
+        1, ScheduledSeq("r1", (5, 6, 7), 0, (3,), True, a, 0), ScheduledSeq("r2", (8,), 4, (1, 2), True, b, 2)
+    )
+    s2 = step(
+        2,
+        ScheduledSeq("r1", (-1,), 3, (3,), True, a, 1),
+        ScheduledSeq("r2", (-1,), 5, (1, 2), True, b, 3, (8, 9, 9, 4, 4, 7), 4),
+    )
     m1, m2 = enc.encode(s1), enc.encode(s2)
     assert len(m1[4]) == 2 and m2[4] == []  # the params went once
     assert dec.decode(pickle.loads(pickle.dumps(m1))) == s1
@@ -175,8 +199,7 @@ def test_replies_are_read_without_waiting_skips_before_their_step(worker):
     while sum(isinstance(r, RunnerOutput) for r in replies) < 2 and time.monotonic() < deadline:
         select.select([worker.fileno()], [], [], 1.0)
         replies += worker.take_ready()
-    said = [("result", r.step) if isinstance(r, RunnerOutput) else (r[0], r[1], list(r[2]))
-            for r in replies]
+    said = [("result", r.step) if isinstance(r, RunnerOutput) else (r[0], r[1], list(r[2])) for r in replies]
     assert [x for x in said if x[0] == "result"] == [("result", out1.step), ("result", out2.step)]
     assert said.index(("skipped", out2.step, ["a"])) < said.index(("result", out2.step))
     assert set(replies[-1].sampled) == {"b"}
@@ -206,23 +229,31 @@ def test_vectors_and_adapters_cross_the_pipe(tiny_model_dir, tiny_runner, tiny_t
     ids = [tiny_tokenizer.encode("Hello there"), tiny_tokenizer.encode("The quick brown fox")]
     save_adapter(str(tmp_path / "ad"), ModelConfig.from_dir(str(tiny_model_dir)), rank=4, alpha=8)
     mods = {"ad": str(tmp_path / "ad")}
-    runner = ProcessRunner(str(tiny_model_dir), num_blocks=64, block_size=16, lora_modules=mods,
-                           batch_invariant=True)
+    runner = ProcessRunner(
+        str(tiny_model_dir), num_blocks=64, block_size=16, lora_modules=mods, batch_invariant=True
+    )
     try:
         assert runner.lora_names == ("ad",)
         assert LLM(runner, tiny_tokenizer).embed(ids) == LLM(tiny_runner, tiny_tokenizer).embed(ids)
         sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, lora="ad")
         here = ModelRunner(str(tiny_model_dir), num_blocks=64, lora_modules=mods, batch_invariant=True)
-        assert ([g.token_ids for g in LLM(runner, tiny_tokenizer).generate(ids, sp)]
-                == [g.token_ids for g in LLM(here, tiny_tokenizer).generate(ids, sp)])
+        assert [g.token_ids for g in LLM(runner, tiny_tokenizer).generate(ids, sp)] == [
+            g.token_ids for g in LLM(here, tiny_tokenizer).generate(ids, sp)
+        ]
         # at run time: at start (nothing in flight) the answer is waited for; while steps run
         # it comes among the replies, after the steps sent before it
         assert runner.load_lora("late", mods["ad"], wait=True) is None
         assert "FileNotFoundError" in runner.load_lora("nowhere", str(tmp_path / "nowhere"), wait=True)
         from engine.outputs import ScheduledSeq, SchedulerOutput
 
-        step = SchedulerOutput(step=1, seqs=(ScheduledSeq("s", tuple(ids[0]), 0, (1,), True,
-                                                          SamplingParams(temperature=0.0, lora="late"), 0),))
+        step = SchedulerOutput(
+            step=1,
+            seqs=(
+                ScheduledSeq(
+                    "s", tuple(ids[0]), 0, (1,), True, SamplingParams(temperature=0.0, lora="late"), 0
+                ),
+            ),
+        )
         runner.submit(step)
         runner.unload_lora("late")
         runner.load_lora("again", mods["ad"])

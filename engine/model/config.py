@@ -19,13 +19,26 @@ from dataclasses import dataclass
 import numpy as np
 
 # (Mistral's is Llama's, weights and math, but for the sliding window of its first release)
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
-                           "MixtralForCausalLM", "Phi3ForCausalLM")
-ARCHITECTURE_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                              "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                              "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                              "mixtral": "MixtralForCausalLM", "phi3": "Phi3ForCausalLM"}
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+    "Phi3ForCausalLM",
+)
+ARCHITECTURE_OF_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+}
 
 
 class UnsupportedModel(ValueError):
@@ -90,11 +103,15 @@ class ModelConfig:
         # (transformers 5 sometimes writes `architectures: null` beside the model_type)
         arch = archs[0] if archs else ARCHITECTURE_OF_MODEL_TYPE.get(d.get("model_type"))
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise UnsupportedModel(f"unsupported architecture {arch!r}; supported: "
-                                   f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+            raise UnsupportedModel(
+                f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
         theta, scaling, rotary = _rope(d)
-        window = d.get("sliding_window") if arch in ("MistralForCausalLM", "MixtralForCausalLM",
-                                                    "Phi3ForCausalLM") else None
+        window = (
+            d.get("sliding_window")
+            if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
+            else None
+        )
         if d.get("use_sliding_window"):  # (Qwen2's: windows on some layers only)
             raise UnsupportedModel("use_sliding_window (sliding windows on some layers) is not supported")
         if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
@@ -102,8 +119,9 @@ class ModelConfig:
         if window and window >= int(d.get("max_position_embeddings", 2048)):
             window = None  # (as wide as the context: changes nothing)
         if rotary != 1.0:
-            raise UnsupportedModel(f"partial_rotary_factor {rotary} is not supported "
-                                   "(RoPE over whole heads only)")
+            raise UnsupportedModel(
+                f"partial_rotary_factor {rotary} is not supported (RoPE over whole heads only)"
+            )
         if d.get("mlp_bias"):
             raise UnsupportedModel("mlp_bias is not supported")
         if d.get("hidden_act", "silu") != "silu":
@@ -147,9 +165,13 @@ def _experts(arch: str, d: dict, layers: int) -> dict:
     """The MoE fields of a Qwen3-MoE or Mixtral config (as transformers reads them)."""
     if arch == "MixtralForCausalLM":  # every layer sparse, experts of intermediate_size, renormalised
         n = int(d.get("num_local_experts", 8))
-        return dict(num_experts=n, num_experts_per_tok=int(d.get("num_experts_per_tok", 2)),
-                    moe_intermediate_size=int(d["intermediate_size"]), norm_topk_prob=True,
-                    sparse_layers=tuple(range(layers)))
+        return dict(
+            num_experts=n,
+            num_experts_per_tok=int(d.get("num_experts_per_tok", 2)),
+            moe_intermediate_size=int(d["intermediate_size"]),
+            norm_topk_prob=True,
+            sparse_layers=tuple(range(layers)),
+        )
     if arch not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
         return {}
     n, step = int(d.get("num_experts", 0)), int(d.get("decoder_sparse_step", 1))
@@ -159,9 +181,14 @@ def _experts(arch: str, d: dict, layers: int) -> dict:
     if sparse and not 0 < k <= n:
         raise UnsupportedModel(f"num_experts_per_tok {k} with {n} experts")
     shared = int(d.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
-    return dict(num_experts=n, num_experts_per_tok=k, moe_intermediate_size=int(d.get("moe_intermediate_size", 0)),
-                norm_topk_prob=bool(d.get("norm_topk_prob", False)), sparse_layers=sparse,
-                shared_expert_intermediate_size=shared)
+    return dict(
+        num_experts=n,
+        num_experts_per_tok=k,
+        moe_intermediate_size=int(d.get("moe_intermediate_size", 0)),
+        norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+        sparse_layers=sparse,
+        shared_expert_intermediate_size=shared,
+    )
 
 
 ROPE_TYPES = ("llama3", "linear")
@@ -186,9 +213,13 @@ def _rope(d: dict) -> tuple[float, tuple[tuple[str, float | str], ...], float]:
     rotary = float(params.get("partial_rotary_factor") or old_rotary)
     rest = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")}
     scaling = _rope_scaling(rest or None, "rope_parameters")
-    if (d.get("rope_theta") is not None and float(d["rope_theta"]) != theta) or (d.get("rope_scaling") and old != scaling):
-        raise UnsupportedModel(f"rope_parameters {params!r} and rope_theta {d.get('rope_theta')!r} / "
-                               f"rope_scaling {d.get('rope_scaling')!r} disagree")
+    if (d.get("rope_theta") is not None and float(d["rope_theta"]) != theta) or (
+        d.get("rope_scaling") and old != scaling
+    ):
+        raise UnsupportedModel(
+            f"rope_parameters {params!r} and rope_theta {d.get('rope_theta')!r} / "
+            f"rope_scaling {d.get('rope_scaling')!r} disagree"
+        )
     return theta, scaling, rotary
 
 
@@ -204,15 +235,19 @@ def _rope_scaling(raw, field: str = "rope_scaling") -> tuple[tuple[str, float | 
     if kind == "default":
         return ()
     if kind not in ROPE_TYPES:
-        raise UnsupportedModel(f"{field} {raw!r} is not supported (rope_type: "
-                               f"{', '.join(ROPE_TYPES)})")
-    need = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings") \
-        if kind == "llama3" else ("factor",)
+        raise UnsupportedModel(f"{field} {raw!r} is not supported (rope_type: {', '.join(ROPE_TYPES)})")
+    need = (
+        ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        if kind == "llama3"
+        else ("factor",)
+    )
     try:
         values = {k: float(raw[k]) for k in need}
     except (KeyError, TypeError, ValueError):
         raise UnsupportedModel(f"{field} {raw!r} lacks one of {', '.join(need)}") from None
-    if values["factor"] <= 0 or (kind == "llama3" and values["high_freq_factor"] <= values["low_freq_factor"]):
+    if values["factor"] <= 0 or (
+        kind == "llama3" and values["high_freq_factor"] <= values["low_freq_factor"]
+    ):
         raise UnsupportedModel(f"{field} {raw!r} has impossible factors")
     return tuple(sorted({"rope_type": kind, **values}.items()))
 

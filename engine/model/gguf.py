@@ -33,22 +33,35 @@ from engine.model.gguf_tokenizer import GGUFVocab
 # general.architecture -> (HF architecture, HF model_type); all three are Llama's math with
 # Qwen 2's q/k/v biases or Qwen 3's q/k norms (engine/model/config.py). Mistral's GGUFs are
 # written as `llama`.
-ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-                 "qwen3": ("Qwen3ForCausalLM", "qwen3")}
+ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
 
 # llama.cpp's per-layer tensor names -> HF's (below model.layers.N.)
 _LAYER_TENSORS = {
-    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias", "attn_output.bias": "self_attn.o_proj.bias",
-    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-_GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                   "output.weight": "lm_head.weight"}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 _LAYER = re.compile(r"blk\.(\d+)\.(.+)")
 
 # A quantization tag at the end of a GGUF file's name (Q4_K_M, IQ2_XS, F16, BF16, ...): not
@@ -83,15 +96,19 @@ class GGUFCheckpoint:
             self._reader = gguf.GGUFReader(self.path)
         except (ValueError, KeyError) as e:  # (a bad magic, or a type this gguf does not know)
             raise UnsupportedModel(f"{self.path} is not a GGUF file fd can read: {e}") from None
-        self.meta: dict[str, Any] = {k: f.contents() for k, f in self._reader.fields.items()
-                                     if not k.startswith("GGUF.")}
+        self.meta: dict[str, Any] = {
+            k: f.contents() for k, f in self._reader.fields.items() if not k.startswith("GGUF.")
+        }
         if int(self.meta.get("split.count") or 1) > 1:
-            raise UnsupportedModel(f"{self.path} is one part of a split GGUF checkpoint: merge the "
-                                   "parts first (llama.cpp's `llama-gguf-split --merge`)")
+            raise UnsupportedModel(
+                f"{self.path} is one part of a split GGUF checkpoint: merge the "
+                "parts first (llama.cpp's `llama-gguf-split --merge`)"
+            )
         arch = self.meta.get("general.architecture")
         if arch not in ARCHITECTURES:
-            raise UnsupportedModel(f"GGUF architecture {arch!r} is not supported (supported: "
-                                   f"{', '.join(ARCHITECTURES)})")
+            raise UnsupportedModel(
+                f"GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
+            )
         self.arch = arch
         self.vocab = GGUFVocab(self.meta)
         self._tensors = {t.name: t for t in self._reader.tensors}
@@ -106,8 +123,10 @@ class GGUFCheckpoint:
         if m and m.group(2) in _LAYER_TENSORS:
             return f"model.layers.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}"
         if name == "rope_freqs.weight":
-            raise UnsupportedModel("GGUF tensor rope_freqs.weight (Llama 3.1's RoPE scaling as "
-                                   "per-frequency factors) is not supported")
+            raise UnsupportedModel(
+                "GGUF tensor rope_freqs.weight (Llama 3.1's RoPE scaling as "
+                "per-frequency factors) is not supported"
+            )
         if m and "_exps" in m.group(2):
             raise UnsupportedModel(f"GGUF tensor {name} (mixture of experts) is not supported")
         raise UnsupportedModel(f"GGUF tensor {name} is not supported for architecture {self.arch}")
@@ -124,9 +143,11 @@ class GGUFCheckpoint:
             try:
                 dequantize(t.data[:1] if t.data.ndim > 1 else t.data, t.tensor_type)
             except NotImplementedError:
-                raise UnsupportedModel(f"GGUF quantization type {t.tensor_type.name} (tensor "
-                                       f"{t.name}) is not supported: the gguf package cannot "
-                                       "dequantize it") from None
+                raise UnsupportedModel(
+                    f"GGUF quantization type {t.tensor_type.name} (tensor "
+                    f"{t.name}) is not supported: the gguf package cannot "
+                    "dequantize it"
+                ) from None
             tried.add(t.tensor_type)
 
     def _get(self, key: str, default: Any = None) -> Any:
@@ -138,8 +159,10 @@ class GGUFCheckpoint:
         """HF's config.json for the model (read back by engine/model/config.py, and by vLLM)."""
         hf_arch, model_type = ARCHITECTURES[self.arch]
         if self._get("expert_count"):
-            raise UnsupportedModel(f"GGUF {self.arch} with {self._get('expert_count')} experts "
-                                   "(mixture of experts) is not supported")
+            raise UnsupportedModel(
+                f"GGUF {self.arch} with {self._get('expert_count')} experts "
+                "(mixture of experts) is not supported"
+            )
         heads = int(self._get("attention.head_count"))
         kv_heads = self._get("attention.head_count_kv", heads)
         if isinstance(kv_heads, list):
@@ -148,28 +171,40 @@ class GGUFCheckpoint:
         head_dim = int(self._get("attention.key_length", hidden // heads))
         rotary = int(self._get("rope.dimension_count", head_dim))
         if rotary != head_dim:
-            raise UnsupportedModel(f"GGUF rope.dimension_count {rotary} is not the head size "
-                                   f"{head_dim} (partial RoPE is not supported)")
+            raise UnsupportedModel(
+                f"GGUF rope.dimension_count {rotary} is not the head size "
+                f"{head_dim} (partial RoPE is not supported)"
+            )
         scaling = self._get("rope.scaling.type", "none")
         if scaling not in ("none", "linear"):
             raise UnsupportedModel(f"GGUF rope.scaling.type {scaling!r} is not supported (none, linear)")
         vocab = int(self._get("vocab_size", len(self.vocab.tokens)))
         eos = self.vocab.eos_ids()
         cfg: dict[str, Any] = {
-            "architectures": [hf_arch], "model_type": model_type,
-            "hidden_size": hidden, "intermediate_size": int(self._get("feed_forward_length")),
+            "architectures": [hf_arch],
+            "model_type": model_type,
+            "hidden_size": hidden,
+            "intermediate_size": int(self._get("feed_forward_length")),
             "num_hidden_layers": int(self._get("block_count")),
-            "num_attention_heads": heads, "num_key_value_heads": int(kv_heads), "head_dim": head_dim,
-            "vocab_size": vocab, "max_position_embeddings": int(self._get("context_length", 2048)),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(kv_heads),
+            "head_dim": head_dim,
+            "vocab_size": vocab,
+            "max_position_embeddings": int(self._get("context_length", 2048)),
             "rms_norm_eps": float(self._get("attention.layer_norm_rms_epsilon", 1e-6)),
             "rope_theta": float(self._get("rope.freq_base", 10000.0)),
-            "rope_scaling": ({"rope_type": "linear", "factor": float(self._get("rope.scaling.factor"))}
-                             if scaling == "linear" else None),
+            "rope_scaling": (
+                {"rope_type": "linear", "factor": float(self._get("rope.scaling.factor"))}
+                if scaling == "linear"
+                else None
+            ),
             "tie_word_embeddings": "output.weight" not in self._tensors,
-            "hidden_act": "silu", "mlp_bias": False,
+            "hidden_act": "silu",
+            "mlp_bias": False,
             # (Llama's attention biases, on q/k/v and o; Qwen 2 has q/k/v biases by its type)
             "attention_bias": self.arch == "llama" and "blk.0.attn_q.bias" in self._tensors,
-            "bos_token_id": self.vocab.ids["bos"], "eos_token_id": eos[0] if len(eos) == 1 else eos,
+            "bos_token_id": self.vocab.ids["bos"],
+            "eos_token_id": eos[0] if len(eos) == 1 else eos,
             "torch_dtype": "float32",
         }
         if self.arch == "qwen2":
@@ -190,10 +225,17 @@ class GGUFCheckpoint:
         from gguf.quants import dequantize
 
         cfg = self.config()
-        heads = {"self_attn.q_proj.weight": cfg["num_attention_heads"],
-                 "self_attn.k_proj.weight": cfg["num_key_value_heads"]} if self.arch == "llama" else {}
-        for name in tqdm(self._tensors, desc="dequantizing GGUF", unit="tensor", disable=not progress,
-                         leave=False):
+        heads = (
+            {
+                "self_attn.q_proj.weight": cfg["num_attention_heads"],
+                "self_attn.k_proj.weight": cfg["num_key_value_heads"],
+            }
+            if self.arch == "llama"
+            else {}
+        )
+        for name in tqdm(
+            self._tensors, desc="dequantizing GGUF", unit="tensor", disable=not progress, leave=False
+        ):
             t, hf = self._tensors[name], self._names[name]
             w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
             part = hf.split(".", 3)[-1]
@@ -213,8 +255,10 @@ class GGUFCheckpoint:
         save_file(weights, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
         os.chmod(os.path.join(out_dir, "model.safetensors"), 0o644)  # (safetensors writes 0600)
         self.vocab.tokenizer().save(os.path.join(out_dir, "tokenizer.json"))
-        _write_json(os.path.join(out_dir, "tokenizer_config.json"),
-                    self.vocab.tokenizer_config(cfg["max_position_embeddings"]))
+        _write_json(
+            os.path.join(out_dir, "tokenizer_config.json"),
+            self.vocab.tokenizer_config(cfg["max_position_embeddings"]),
+        )
         _write_json(os.path.join(out_dir, "generation_config.json"), self.generation_config())
         _write_json(os.path.join(out_dir, "config.json"), cfg)  # (last: a dir with one is whole)
         return out_dir

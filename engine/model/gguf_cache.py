@@ -27,12 +27,13 @@ def cached_path(gguf_file: str | os.PathLike, cache_dir: str | os.PathLike) -> P
     """Where ``gguf_file``'s conversion lives (whether or not it is there yet)."""
     real = os.path.realpath(gguf_file)
     st = os.stat(real)
-    key = hashlib.sha256(f"{CONVERTER_VERSION}\0{real}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{CONVERTER_VERSION}\0{real}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[
+        :16
+    ]
     return Path(cache_dir) / "gguf" / key / model_name(real)
 
 
-def cached_hf_dir(gguf_file: str | os.PathLike, cache_dir: str | os.PathLike,
-                  progress: bool = True) -> Path:
+def cached_hf_dir(gguf_file: str | os.PathLike, cache_dir: str | os.PathLike, progress: bool = True) -> Path:
     """The HF directory of ``gguf_file``, converted on first use."""
     target = cached_path(gguf_file, cache_dir)
     if (target / "config.json").exists():

@@ -19,9 +19,18 @@ from tqdm import tqdm
 from engine.model.config import ModelConfig
 from engine.model.llama import Llama, expected_shapes, fused_parts
 
-_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "BF16": np.uint16,
-           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-           "BOOL": np.bool_}
+_DTYPES = {
+    "F32": np.float32,
+    "F16": np.float16,
+    "F64": np.float64,
+    "BF16": np.uint16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
 
 
 class WeightError(ValueError):
@@ -42,8 +51,12 @@ def _tensor(mm: np.memmap, base: int, info: dict) -> np.ndarray:
     if dtype not in _DTYPES:
         raise WeightError(f"unsupported safetensors dtype {dtype}")
     start, end = info["data_offsets"]
-    a = np.frombuffer(mm, dtype=_DTYPES[dtype], count=(end - start) // np.dtype(_DTYPES[dtype]).itemsize,
-                      offset=base + start).reshape(info["shape"])
+    a = np.frombuffer(
+        mm,
+        dtype=_DTYPES[dtype],
+        count=(end - start) // np.dtype(_DTYPES[dtype]).itemsize,
+        offset=base + start,
+    ).reshape(info["shape"])
     if dtype == "BF16":  # the high half of a float32
         return (a.astype(np.uint32) << 16).view(np.float32)
     return a.astype(np.float32)
@@ -58,8 +71,9 @@ def weight_files(model_dir: str) -> list[str]:
         files = [os.path.join(model_dir, n) for n in names]
         for p in files:
             if not os.path.exists(p):
-                raise FileNotFoundError(f"missing {os.path.basename(p)} (listed in "
-                                        f"model.safetensors.index.json) in {model_dir}")
+                raise FileNotFoundError(
+                    f"missing {os.path.basename(p)} (listed in model.safetensors.index.json) in {model_dir}"
+                )
         return files
     if os.path.exists(single):
         return [single]
@@ -97,8 +111,7 @@ def load_weights(model_dir: str, cfg: ModelConfig, progress: bool = True) -> dic
     out: dict[str, np.ndarray] = {}
     maps: dict[str, np.memmap] = {}
     last: tuple[str, np.ndarray | None] = ("", None)  # the fused tensor read last
-    for name in tqdm(want, desc="loading weights", unit="tensor", disable=not progress,
-                     leave=False):
+    for name in tqdm(want, desc="loading weights", unit="tensor", disable=not progress, leave=False):
         path, info, base = where[name]
         if path not in maps:
             maps[path] = np.memmap(path, dtype=np.uint8, mode="r")
@@ -112,11 +125,17 @@ def load_weights(model_dir: str, cfg: ModelConfig, progress: bool = True) -> dic
     return out
 
 
-def load_model(model_dir: str, device: str = "cpu", progress: bool = True,
-               batch_invariant: bool = False, packed: bool = False) -> Llama:
+def load_model(
+    model_dir: str,
+    device: str = "cpu",
+    progress: bool = True,
+    batch_invariant: bool = False,
+    packed: bool = False,
+) -> Llama:
     model_dir = os.fspath(model_dir)
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"model directory {model_dir} does not exist")
     cfg = ModelConfig.from_dir(model_dir)
-    return Llama(cfg, load_weights(model_dir, cfg, progress), device, batch_invariant=batch_invariant,
-                 packed=packed)
+    return Llama(
+        cfg, load_weights(model_dir, cfg, progress), device, batch_invariant=batch_invariant, packed=packed
+    )

@@ -29,8 +29,15 @@ _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\
 def module_shape(cfg: ModelConfig, module: str) -> tuple[int, int]:
     """(input, output) features of a projection."""
     h, q, kv, i = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}[module]
+    return {
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, i),
+        "up_proj": (h, i),
+        "down_proj": (i, h),
+    }[module]
 
 
 @dataclass
@@ -56,8 +63,10 @@ def load_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int | None = 
         if conf.get(key, ok) not in (ok, None):
             raise WeightError(f"LoRA adapter {name!r}: {key}={conf[key]!r} is not supported")
     if conf.get("modules_to_save"):
-        raise WeightError(f"LoRA adapter {name!r}: modules_to_save {conf['modules_to_save']} is not "
-                          "supported (only LoRA of the attention and MLP projections)")
+        raise WeightError(
+            f"LoRA adapter {name!r}: modules_to_save {conf['modules_to_save']} is not "
+            "supported (only LoRA of the attention and MLP projections)"
+        )
     rank = int(conf.get("r", 8))
     if max_rank is not None and rank > max_rank:
         raise WeightError(f"LoRA adapter {name!r} has rank {rank}, more than --max-lora-rank {max_rank}")
@@ -72,34 +81,47 @@ def load_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int | None = 
     for key, info in header.items():
         m = _KEY.match(key.replace(".default.", "."))
         if m is None:
-            raise WeightError(f"LoRA adapter {name!r}: tensor {key} is not a LoRA of a projection "
-                              f"({', '.join(MODULES)}) of a decoder layer")
+            raise WeightError(
+                f"LoRA adapter {name!r}: tensor {key} is not a LoRA of a projection "
+                f"({', '.join(MODULES)}) of a decoder layer"
+            )
         layer, module, which = int(m.group(1)), m.group(2), m.group(3)
         if module not in MODULES or layer >= cfg.num_hidden_layers:
             raise WeightError(f"LoRA adapter {name!r}: tensor {key} names no projection of this model")
         if layer in cfg.sparse_layers and module in ("gate_proj", "up_proj", "down_proj"):
-            raise WeightError(f"LoRA adapter {name!r}: tensor {key} adapts an MLP that is experts in this "
-                              "model (LoRA of experts is not supported)")
+            raise WeightError(
+                f"LoRA adapter {name!r}: tensor {key} adapts an MLP that is experts in this "
+                "model (LoRA of experts is not supported)"
+            )
         fan_in, fan_out = module_shape(cfg, module)
         want = (rank, fan_in) if which == "A" else (fan_out, rank)
         if tuple(info["shape"]) != want:
-            raise WeightError(f"LoRA adapter {name!r}: tensor {key} has shape {info['shape']}, expected "
-                              f"{list(want)}")
+            raise WeightError(
+                f"LoRA adapter {name!r}: tensor {key} has shape {info['shape']}, expected {list(want)}"
+            )
         layers[layer].setdefault(module, [None, None])["AB".index(which)] = _tensor(mm, base, info)
     out: list[dict[str, tuple[np.ndarray, np.ndarray]]] = []
     for n, mods in enumerate(layers):
         for module, (a, b) in mods.items():
             if a is None or b is None:
-                raise WeightError(f"LoRA adapter {name!r}: layer {n} {module} has lora_"
-                                  f"{'A' if a is None else 'B'} missing")
+                raise WeightError(
+                    f"LoRA adapter {name!r}: layer {n} {module} has lora_{'A' if a is None else 'B'} missing"
+                )
         out.append({k: (v[0], v[1]) for k, v in mods.items()})
     if not any(out):
         raise WeightError(f"LoRA adapter {name!r}: no LoRA tensors in {file}")
     return Adapter(name, path, rank, scale, out)
 
 
-def save_adapter(path: str, cfg: ModelConfig, rank: int, alpha: float, seed: int = 0,
-                 modules: tuple[str, ...] = MODULES, std: float = 0.05) -> None:
+def save_adapter(
+    path: str,
+    cfg: ModelConfig,
+    rank: int,
+    alpha: float,
+    seed: int = 0,
+    modules: tuple[str, ...] = MODULES,
+    std: float = 0.05,
+) -> None:
     """A random adapter in PEFT's format (tests and benchmarks: no adapter can be downloaded)."""
     from safetensors.numpy import save_file
 
@@ -115,5 +137,14 @@ def save_adapter(path: str, cfg: ModelConfig, rank: int, alpha: float, seed: int
     os.makedirs(path, exist_ok=True)
     save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
     with open(os.path.join(path, "adapter_config.json"), "w", encoding="utf-8") as f:
-        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(modules),
-                   "bias": "none", "fan_in_fan_out": False}, f)
+        json.dump(
+            {
+                "peft_type": "LORA",
+                "r": rank,
+                "lora_alpha": alpha,
+                "target_modules": list(modules),
+                "bias": "none",
+                "fan_in_fan_out": False,
+            },
+            f,
+        )

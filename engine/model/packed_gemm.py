@@ -35,8 +35,13 @@ def _mkl() -> ctypes.CDLL | None:
     path = os.path.join(os.path.dirname(paddle.__file__), "libs", "libmklml_intel.so")
     try:
         lib = ctypes.CDLL(path)
-        for name in ("cblas_sgemm_alloc", "cblas_sgemm_pack", "cblas_sgemm_compute",
-                     "cblas_sgemm_free", "MKL_Set_Num_Threads_Local"):
+        for name in (
+            "cblas_sgemm_alloc",
+            "cblas_sgemm_pack",
+            "cblas_sgemm_compute",
+            "cblas_sgemm_free",
+            "MKL_Set_Num_Threads_Local",
+        ):
             getattr(lib, name)  # (an older or trimmed MKL lacks them: eager GEMMs then)
     except (OSError, AttributeError):
         return None
@@ -76,22 +81,25 @@ class PackedLinear:
         self._buf = lib.cblas_sgemm_alloc(_B_MATRIX, _PACK_ROWS, n, k)
         if not self._buf:
             raise MemoryError(f"MKL could not allocate a packed {k}x{n} weight")
-        lib.cblas_sgemm_pack(_ROW_MAJOR, _B_MATRIX, _NO_TRANS, _PACK_ROWS, n, k, 1.0,
-                             w.ctypes.data, n, self._buf)
+        lib.cblas_sgemm_pack(
+            _ROW_MAJOR, _B_MATRIX, _NO_TRANS, _PACK_ROWS, n, k, 1.0, w.ctypes.data, n, self._buf
+        )
 
     def __call__(self, x: paddle.Tensor) -> paddle.Tensor:
         k, n = self.shape
         if x.dtype != paddle.float32 or x.ndim != 2 or x.shape[1] != k or not x.place.is_cpu_place():
-            raise ValueError(f"a packed {k}x{n} GEMM takes float32 [rows, {k}] on the CPU, "
-                             f"got {x.dtype} {x.shape}")
+            raise ValueError(
+                f"a packed {k}x{n} GEMM takes float32 [rows, {k}] on the CPU, got {x.dtype} {x.shape}"
+            )
         if not x.is_contiguous():
             x = x.contiguous()
         m = int(x.shape[0])
         out = paddle.empty([m, n], dtype=paddle.float32)
         if m:
             self._lib.MKL_Set_Num_Threads_Local(self._threads)
-            self._lib.cblas_sgemm_compute(_ROW_MAJOR, _NO_TRANS, _PACKED, m, n, k, x.data_ptr(), k,
-                                          self._buf, n, 0.0, out.data_ptr(), n)
+            self._lib.cblas_sgemm_compute(
+                _ROW_MAJOR, _NO_TRANS, _PACKED, m, n, k, x.data_ptr(), k, self._buf, n, 0.0, out.data_ptr(), n
+            )
         return out
 
     def __del__(self) -> None:

@@ -74,9 +74,12 @@ def train_tokenizer(vocab: int):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(CORPUS.splitlines(keepends=True), trainer)
     if tok.get_vocab_size() != vocab:
         raise ValueError(f"the embedded corpus yields {tok.get_vocab_size()} tokens, not {vocab}")
@@ -121,9 +124,17 @@ def _write_json(path: str, obj: dict) -> None:
         f.write("\n")
 
 
-def make_tiny_model(dir: str, seed: int = 0, hidden: int = 128, layers: int = 2, heads: int = 4,
-                    kv_heads: int = 2, intermediate: int = 256, vocab: int = 512,
-                    max_position_embeddings: int = 2048) -> str:
+def make_tiny_model(
+    dir: str,
+    seed: int = 0,
+    hidden: int = 128,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 256,
+    vocab: int = 512,
+    max_position_embeddings: int = 2048,
+) -> str:
     """Write an HF-format model directory at ``dir`` and return its path."""
     from safetensors.numpy import save_file
 
@@ -154,15 +165,20 @@ def make_tiny_model(dir: str, seed: int = 0, hidden: int = 128, layers: int = 2,
         "torch_dtype": "float32",
     }
     _write_json(os.path.join(dir, "config.json"), cfg)
-    _write_json(os.path.join(dir, "generation_config.json"),
-                {"bos_token_id": ids["<s>"], "eos_token_id": eos, "do_sample": False})
-    _write_json(os.path.join(dir, "tokenizer_config.json"), {
-        "bos_token": "<s>",
-        "eos_token": "<|im_end|>",
-        "chat_template": CHATML_TEMPLATE,
-        "model_max_length": max_position_embeddings,
-        "tokenizer_class": "PreTrainedTokenizerFast",
-    })
+    _write_json(
+        os.path.join(dir, "generation_config.json"),
+        {"bos_token_id": ids["<s>"], "eos_token_id": eos, "do_sample": False},
+    )
+    _write_json(
+        os.path.join(dir, "tokenizer_config.json"),
+        {
+            "bos_token": "<s>",
+            "eos_token": "<|im_end|>",
+            "chat_template": CHATML_TEMPLATE,
+            "model_max_length": max_position_embeddings,
+            "tokenizer_class": "PreTrainedTokenizerFast",
+        },
+    )
     with open(os.path.join(dir, "tokenizer.json"), "w", encoding="utf-8") as f:
         f.write(tok.to_str(pretty=True))
     weights = os.path.join(dir, "model.safetensors")

@@ -19,8 +19,7 @@ class AbortBody:
     engine: str | None = None
 
 
-def parse_abort(body: Any, valid_request_id, valid_engine_id, max_ids: int,
-                all_valid=None) -> AbortBody:
+def parse_abort(body: Any, valid_request_id, valid_engine_id, max_ids: int, all_valid=None) -> AbortBody:
     """FastDeploy's ``req_ids``, vLLM's ``request_ids``, or ``abort_all``; both shapes live on,
     because changing this body under existing clients is exactly what must not happen."""
     if not isinstance(body, dict):
@@ -39,8 +38,11 @@ def parse_abort(body: Any, valid_request_id, valid_engine_id, max_ids: int,
             ids, param = body[name], name
             break
     if ids is None:
-        raise bad_request("Give 'req_ids' (or 'request_ids') as a list of request ids, or 'abort_all': true.",
-                          "req_ids", "missing_required_parameter")
+        raise bad_request(
+            "Give 'req_ids' (or 'request_ids') as a list of request ids, or 'abort_all': true.",
+            "req_ids",
+            "missing_required_parameter",
+        )
     if isinstance(ids, str):
         ids = [ids]
     if not isinstance(ids, list):

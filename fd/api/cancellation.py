@@ -70,8 +70,11 @@ class Cancellation:
     publish gets its own task: ``fd serve`` uses it to tell the engine in this process, a loop
     turn or two before the publish would."""
 
-    def __init__(self, on_disconnect: Callable[[tuple[str, ...]], Awaitable[None]],
-                 notice: Callable[[tuple[str, ...]], None] | None = None):
+    def __init__(
+        self,
+        on_disconnect: Callable[[tuple[str, ...]], Awaitable[None]],
+        notice: Callable[[tuple[str, ...]], None] | None = None,
+    ):
         self._on_disconnect = on_disconnect
         self._notice = notice
         self._tasks: set[asyncio.Task] = set()
@@ -106,8 +109,9 @@ class Cancellation:
             except Exception:
                 log.exception("disconnect notice for %s failed", watch.request_id)
         # Published from its own task: this one is being cancelled and must re-raise now.
-        task = asyncio.get_running_loop().create_task(self._publish(ids),
-                                                      name=f"disconnect-abort:{watch.request_id}")
+        task = asyncio.get_running_loop().create_task(
+            self._publish(ids), name=f"disconnect-abort:{watch.request_id}"
+        )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

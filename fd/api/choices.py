@@ -25,10 +25,20 @@ class Choices:
     ended. Like the renderer it needs nothing but the ``accepted`` events' fields, so any
     replica renders the same bytes."""
 
-    def __init__(self, request_id: str, n: int, endpoint: str, model: str, created: int,
-                 prompt_tokens: int, include_usage: bool = False,
-                 token_bytes: Callable[[int], bytes] | None = None, continuous_usage: bool = False,
-                 per_prompt: int | None = None, request_ids: tuple[str, ...] | None = None):
+    def __init__(
+        self,
+        request_id: str,
+        n: int,
+        endpoint: str,
+        model: str,
+        created: int,
+        prompt_tokens: int,
+        include_usage: bool = False,
+        token_bytes: Callable[[int], bytes] | None = None,
+        continuous_usage: bool = False,
+        per_prompt: int | None = None,
+        request_ids: tuple[str, ...] | None = None,
+    ):
         self.rid = request_id
         # the choices' ids in the event log (a tenant's own id is namespaced there, its answer
         # shows the id it gave: fd.api.tenancy)
@@ -40,8 +50,12 @@ class Choices:
         self.prompt_tokens = prompt_tokens
         self.include_usage = include_usage
         self.continuous_usage = include_usage and continuous_usage
-        self.parts = [Renderer(request_id, endpoint, model, created, prompt_tokens, include_usage,
-                               token_bytes, False, k) for k in range(n)]
+        self.parts = [
+            Renderer(
+                request_id, endpoint, model, created, prompt_tokens, include_usage, token_bytes, False, k
+            )
+            for k in range(n)
+        ]
         for r in self.parts:
             r.usage_chunk = False
         self.finals: list[Final | None] = [None] * n
@@ -53,13 +67,17 @@ class Choices:
     def _usage(self) -> dict[str, Any]:
         # what the engines counted for the choices that ended, this replica's count for the rest
         ended = [None if f is None else r.final_usage(f) for f, r in zip(self.finals, self.parts)]
-        c = sum(r.completion_tokens if u is None else u["completion_tokens"]
-                for u, r in zip(ended, self.parts))
+        c = sum(
+            r.completion_tokens if u is None else u["completion_tokens"] for u, r in zip(ended, self.parts)
+        )
         out: dict[str, Any] = usage(self.prompt_tokens, c)
         # Each prompt counted once, so its cached tokens are those of one choice, its first:
         # its siblings may reuse what it computed, which the prompt did not get for free.
-        cached = sum(u.get("prompt_tokens_details", {}).get("cached_tokens", 0)
-                     for u in ended[::self.per_prompt] if u is not None)
+        cached = sum(
+            u.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+            for u in ended[:: self.per_prompt]
+            if u is not None
+        )
         if cached:
             out["prompt_tokens_details"] = {"cached_tokens": cached}
         return out
@@ -78,19 +96,32 @@ class Choices:
     def start_chunks(self, k: int, accepted: Any = None) -> list[dict]:
         return self._stamp(self.parts[k].start_chunks(accepted))
 
-    def token_json(self, k: int, text: str, n_tokens: int, token_ids: tuple[int, ...] = (),
-                   logprobs: Any = None, prompt_logprobs: Any = None) -> bytes | None:
+    def token_json(
+        self,
+        k: int,
+        text: str,
+        n_tokens: int,
+        token_ids: tuple[int, ...] = (),
+        logprobs: Any = None,
+        prompt_logprobs: Any = None,
+    ) -> bytes | None:
         if not self.continuous_usage:
             return self.parts[k].token_json(text, n_tokens, token_ids, logprobs, prompt_logprobs)
-        chunks = self._stamp(self.parts[k].token_chunks(text, n_tokens, token_ids, logprobs,
-                                                        prompt_logprobs))
+        chunks = self._stamp(self.parts[k].token_chunks(text, n_tokens, token_ids, logprobs, prompt_logprobs))
         return orjson.dumps(chunks[0]) if chunks else None
 
     def token_chunks(self, k: int, *args) -> list[dict]:
         return self._stamp(self.parts[k].token_chunks(*args))
 
-    def add_tokens(self, k: int, text: str, n_tokens: int, token_ids: tuple[int, ...] = (),
-                   logprobs: Any = None, prompt_logprobs: Any = None) -> None:
+    def add_tokens(
+        self,
+        k: int,
+        text: str,
+        n_tokens: int,
+        token_ids: tuple[int, ...] = (),
+        logprobs: Any = None,
+        prompt_logprobs: Any = None,
+    ) -> None:
         self.parts[k].add_tokens(text, n_tokens, token_ids, logprobs, prompt_logprobs)
 
     def final_chunks(self, k: int, final: Final) -> list[dict]:

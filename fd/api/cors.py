@@ -52,9 +52,12 @@ class Cors:
             if any(h.lower() not in allowed for h in asked):
                 return None
         out = self.response_headers(origin)
-        out["Access-Control-Allow-Methods"] = (method.upper() if "*" in self.methods
-                                               else ", ".join(self.methods))
+        out["Access-Control-Allow-Methods"] = (
+            method.upper() if "*" in self.methods else ", ".join(self.methods)
+        )
         if asked:
-            out["Access-Control-Allow-Headers"] = ", ".join(asked) if "*" in self.headers else ", ".join(self.headers)
+            out["Access-Control-Allow-Headers"] = (
+                ", ".join(asked) if "*" in self.headers else ", ".join(self.headers)
+            )
         out["Access-Control-Max-Age"] = str(PREFLIGHT_MAX_AGE_S)
         return out

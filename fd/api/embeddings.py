@@ -68,8 +68,15 @@ def parse_embeddings(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Em
         if raw is not None:
             raise bad_request("Give 'input' or 'messages', not both.", "messages", "invalid_value")
         messages = parse_messages(body)
-        raw = list(_chat_ids(messages, tokenizer, _chat_rendering(body, messages, generation_prompt=False), None,
-                             _template_kwargs(body)))
+        raw = list(
+            _chat_ids(
+                messages,
+                tokenizer,
+                _chat_rendering(body, messages, generation_prompt=False),
+                None,
+                _template_kwargs(body),
+            )
+        )
         if not raw:
             raise bad_request("The conversation renders to no tokens.", "messages", "invalid_value")
     if raw is None:
@@ -79,18 +86,28 @@ def parse_embeddings(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Em
     elif isinstance(raw, list) and raw and all(isinstance(x, (str, list)) for x in raw):
         batch = raw
     else:
-        raise bad_request("'input' must be a string, a list of token ids, or a non-empty list of either.",
-                          "input", "invalid_type")
+        raise bad_request(
+            "'input' must be a string, a list of token ids, or a non-empty list of either.",
+            "input",
+            "invalid_type",
+        )
     inputs = _inputs(body, batch, "input", limits, tokenizer)
     fmt = _opt(body, "encoding_format", lambda v: v in ENCODINGS, "'float' or 'base64'", "float")
     dims = _dimensions(body, tokenizer)
-    return EmbeddingRequest(model, inputs, fmt, dims,
-                            _opt(body, "normalize", _is_bool, "a boolean", True), _priority(body, limits),
-                            lora_of(body, limits))
+    return EmbeddingRequest(
+        model,
+        inputs,
+        fmt,
+        dims,
+        _opt(body, "normalize", _is_bool, "a boolean", True),
+        _priority(body, limits),
+        lora_of(body, limits),
+    )
 
 
-def _inputs(body: dict, batch: list, param: str, limits: Limits,
-            tokenizer: TokenizerLike) -> tuple[tuple[int, ...], ...]:
+def _inputs(
+    body: dict, batch: list, param: str, limits: Limits, tokenizer: TokenizerLike
+) -> tuple[tuple[int, ...], ...]:
     """Each text (or token id list) of ``batch`` as the prompt its engine request embeds."""
     if len(batch) > MAX_INPUTS:
         raise bad_request(f"At most {MAX_INPUTS} inputs a request.", param, "invalid_value")
@@ -103,16 +120,23 @@ def _inputs(body: dict, batch: list, param: str, limits: Limits,
         elif isinstance(x, list) and x and all(_is_int(t) for t in x):
             ids = _check_ids(x, limits, param)
         else:
-            raise bad_request("Each input must be a non-empty string or a non-empty list of token ids.",
-                              param, "invalid_value")
+            raise bad_request(
+                "Each input must be a non-empty string or a non-empty list of token ids.",
+                param,
+                "invalid_value",
+            )
         if not ids:
             raise bad_request(f"Input {k} is empty.", param, "invalid_value")
         if keep:
             ids = ids[-keep:]
         if len(ids) >= limits.max_model_len:
-            raise bad_request(f"This model's maximum context length is {limits.max_model_len} tokens; "
-                              f"input {k} has {len(ids)} (at most {limits.max_model_len - 1}). Shorten it, "
-                              "or set 'truncate_prompt_tokens'.", param, "context_length_exceeded")
+            raise bad_request(
+                f"This model's maximum context length is {limits.max_model_len} tokens; "
+                f"input {k} has {len(ids)} (at most {limits.max_model_len - 1}). Shorten it, "
+                "or set 'truncate_prompt_tokens'.",
+                param,
+                "context_length_exceeded",
+            )
         inputs.append(ids)
     return tuple(inputs)
 
@@ -127,18 +151,23 @@ def _dimensions(body: dict, tokenizer: TokenizerLike) -> int | None:
         raise bad_request("'dimensions' must be greater than 0.", "dimensions", "invalid_value")
     m = getattr(tokenizer, "matryoshka", False)
     if not m:
-        raise bad_request("The model does not support matryoshka representation: changing the output "
-                          "dimensions would give poor embeddings.", "dimensions", "unsupported")
+        raise bad_request(
+            "The model does not support matryoshka representation: changing the output "
+            "dimensions would give poor embeddings.",
+            "dimensions",
+            "unsupported",
+        )
     if isinstance(m, tuple) and d not in m:
-        raise bad_request(f"The model supports only {list(m)} as 'dimensions', not {d}.", "dimensions",
-                          "invalid_value")
+        raise bad_request(
+            f"The model supports only {list(m)} as 'dimensions', not {d}.", "dimensions", "invalid_value"
+        )
     return d
 
 
 def finish(vector: np.ndarray, req: EmbeddingRequest) -> np.ndarray:
     """The hidden state an engine returned, as the request asked for it: cut to its
     ``dimensions``, then normalized (both as vLLM: the cut first), in float32."""
-    v = vector[:req.dimensions] if req.dimensions else vector
+    v = vector[: req.dimensions] if req.dimensions else vector
     if req.normalize:
         v = v / max(float(np.linalg.norm(v)), 1e-12)
     return v.astype(np.float32)
@@ -153,9 +182,14 @@ def response(rid: str, created: int, req: EmbeddingRequest, vectors: list[np.nda
     else:
         values = [v.tolist() for v in vectors]
     n = sum(map(len, req.inputs))
-    return {"id": rid, "object": "list", "created": created, "model": req.model,
-            "data": [{"object": "embedding", "index": k, "embedding": e} for k, e in enumerate(values)],
-            "usage": {"prompt_tokens": n, "total_tokens": n}}
+    return {
+        "id": rid,
+        "object": "list",
+        "created": created,
+        "model": req.model,
+        "data": [{"object": "embedding", "index": k, "embedding": e} for k, e in enumerate(values)],
+        "usage": {"prompt_tokens": n, "total_tokens": n},
+    }
 
 
 # ------------------------------------------------------------------ scores and reranking
@@ -184,17 +218,32 @@ def _texts(body: dict, name: str, one: bool = False) -> list[str]:
     raise bad_request(f"'{name}' must be {what}.", name, "invalid_type")
 
 
-def _score_request(body: dict, limits: Limits, tokenizer: TokenizerLike, firsts: list[str],
-                   seconds: list[str], param: str, **extra: Any) -> ScoreRequest:
+def _score_request(
+    body: dict,
+    limits: Limits,
+    tokenizer: TokenizerLike,
+    firsts: list[str],
+    seconds: list[str],
+    param: str,
+    **extra: Any,
+) -> ScoreRequest:
     texts = list(dict.fromkeys(firsts + seconds))
     at = {t: i for i, t in enumerate(texts)}
     if len(firsts) == 1:
         firsts = firsts * len(seconds)
     elif len(firsts) != len(seconds):
-        raise bad_request(f"'text_1' has {len(firsts)} texts and 'text_2' {len(seconds)}: give one "
-                          "'text_1', or as many as 'text_2'.", "text_1", "invalid_value")
-    embed = EmbeddingRequest(_check_model(body, limits), _inputs(body, texts, param, limits, tokenizer),
-                             priority=_priority(body, limits), lora=lora_of(body, limits))
+        raise bad_request(
+            f"'text_1' has {len(firsts)} texts and 'text_2' {len(seconds)}: give one "
+            "'text_1', or as many as 'text_2'.",
+            "text_1",
+            "invalid_value",
+        )
+    embed = EmbeddingRequest(
+        _check_model(body, limits),
+        _inputs(body, texts, param, limits, tokenizer),
+        priority=_priority(body, limits),
+        lora=lora_of(body, limits),
+    )
     return ScoreRequest(embed, tuple((at[a], at[b]) for a, b in zip(firsts, seconds)), **extra)
 
 
@@ -211,8 +260,9 @@ def parse_rerank(body: dict, limits: Limits, tokenizer: TokenizerLike) -> ScoreR
     top = _opt(body, "top_n", _is_int, "an integer", None)
     if top is not None and top < 0:
         raise bad_request("'top_n' must be at least 0 (0: every document).", "top_n", "invalid_value")
-    return _score_request(body, limits, tokenizer, query, docs, "documents", documents=tuple(docs),
-                          top_n=top or None)
+    return _score_request(
+        body, limits, tokenizer, query, docs, "documents", documents=tuple(docs), top_n=top or None
+    )
 
 
 def pair_scores(vectors: list[np.ndarray], req: ScoreRequest) -> list[float]:
@@ -224,13 +274,23 @@ def pair_scores(vectors: list[np.ndarray], req: ScoreRequest) -> list[float]:
 
 def score_response(rid: str, created: int, req: ScoreRequest, scores: list[float]) -> dict[str, Any]:
     n = sum(map(len, req.embed.inputs))
-    return {"id": rid, "object": "list", "created": created, "model": req.embed.model,
-            "data": [{"index": k, "object": "score", "score": s} for k, s in enumerate(scores)],
-            "usage": {"prompt_tokens": n, "total_tokens": n}}
+    return {
+        "id": rid,
+        "object": "list",
+        "created": created,
+        "model": req.embed.model,
+        "data": [{"index": k, "object": "score", "score": s} for k, s in enumerate(scores)],
+        "usage": {"prompt_tokens": n, "total_tokens": n},
+    }
 
 
 def rerank_response(rid: str, req: ScoreRequest, scores: list[float]) -> dict[str, Any]:
-    order = sorted(range(len(scores)), key=lambda k: -scores[k])[:req.top_n]
-    return {"id": rid, "model": req.embed.model, "usage": {"total_tokens": sum(map(len, req.embed.inputs))},
-            "results": [{"index": k, "document": {"text": req.documents[k]}, "relevance_score": scores[k]}
-                        for k in order]}
+    order = sorted(range(len(scores)), key=lambda k: -scores[k])[: req.top_n]
+    return {
+        "id": rid,
+        "model": req.embed.model,
+        "usage": {"total_tokens": sum(map(len, req.embed.inputs))},
+        "results": [
+            {"index": k, "document": {"text": req.documents[k]}, "relevance_score": scores[k]} for k in order
+        ],
+    }

@@ -13,8 +13,14 @@ from typing import Any
 class ApiError(Exception):
     """An error answer: HTTP ``status`` plus the four OpenAI error fields."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -23,8 +29,7 @@ class ApiError(Exception):
         self.code = code
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def __repr__(self) -> str:
         return f"ApiError({self.status}, {self.message!r}, param={self.param!r}, code={self.code!r})"
@@ -52,8 +57,9 @@ def id_taken(shown: str) -> ApiError:
 
 
 def too_large(limit: int) -> ApiError:
-    return ApiError(413, f"Request body is larger than {limit} bytes.", "invalid_request_error",
-                    None, "request_too_large")
+    return ApiError(
+        413, f"Request body is larger than {limit} bytes.", "invalid_request_error", None, "request_too_large"
+    )
 
 
 def server_error(message: str) -> ApiError:

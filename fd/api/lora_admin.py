@@ -46,8 +46,9 @@ class LoraNames:
 def _name(body: Any, key: str = "lora_name") -> str:
     name = body.get(key) if isinstance(body, dict) else None
     if not isinstance(name, str) or not valid_request_id(name):
-        raise bad_request(f"'{key}' must be an adapter name (letters, digits, '_.:@-', 1-128).", key,
-                          "invalid_value")
+        raise bad_request(
+            f"'{key}' must be an adapter name (letters, digits, '_.:@-', 1-128).", key, "invalid_value"
+        )
     return name
 
 
@@ -68,16 +69,21 @@ async def load(bus: Bus, body: Any, taken: set[str], names: LoraNames) -> str:
         if failed:
             await _take_back(bus, name)
             engine, why = next(iter(failed.items()))
-            raise bad_request(f"The lora adapter '{name}' could not be loaded (engine {engine}): {why}",
-                              "lora_path", "invalid_value")
+            raise bad_request(
+                f"The lora adapter '{name}' could not be loaded (engine {engine}): {why}",
+                "lora_path",
+                "invalid_value",
+            )
         waiting = [e for e, (ready, _) in state.items() if name not in ready]
         if state and not waiting:
             await names.refresh(force=True)
             return f"Success: LoRA adapter '{name}' added successfully."
         await asyncio.sleep(0.05)
     await _take_back(bus, name)
-    raise unavailable(f"The lora adapter '{name}' was not loaded in {LOAD_WAIT_S:.0f} s "
-                      + (f"(engines {', '.join(waiting)} did not say they had it)" if waiting else "(no engine is alive)"))
+    raise unavailable(
+        f"The lora adapter '{name}' was not loaded in {LOAD_WAIT_S:.0f} s "
+        + (f"(engines {', '.join(waiting)} did not say they had it)" if waiting else "(no engine is alive)")
+    )
 
 
 async def _take_back(bus: Bus, name: str) -> None:
@@ -88,8 +94,13 @@ async def _take_back(bus: Bus, name: str) -> None:
 async def unload(bus: Bus, body: Any, static: set[str], names: LoraNames) -> str:
     name = _name(body)
     if name in static:
-        raise ApiError(400, f"The lora adapter '{name}' was given at start (--lora-modules) and stays.",
-                       "invalid_request_error", "lora_name", "invalid_value")
+        raise ApiError(
+            400,
+            f"The lora adapter '{name}' was given at start (--lora-modules) and stays.",
+            "invalid_request_error",
+            "lora_name",
+            "invalid_value",
+        )
     if not await bus.forget_lora(name):
         raise not_found(f"The lora adapter '{name}' cannot be found.", "lora_name", "lora_not_found")
     await bus.publish(bus.keys.control, UnloadLora(name=name))

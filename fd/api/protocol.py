@@ -15,15 +15,31 @@ from typing import Any, Callable, Protocol
 
 import orjson
 
-from control.events import (MAX_LOGPROBS, MAX_REPETITION_PENALTY, Final, SamplingParams,
-                            logprobs_entries, prompt_logprob_ranks, prompt_logprobs_entries)
+from control.events import (
+    MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
+    Final,
+    SamplingParams,
+    logprobs_entries,
+    prompt_logprob_ranks,
+    prompt_logprobs_entries,
+)
 from control.guided import GuidedError, canonical, check, starting_after
 from fd.api.errors import ApiError, bad_request, not_found, too_large
 from fd.api.reasoning import END as REASONING_END
-from fd.api.reasoning import START as REASONING_START
 from fd.api.reasoning import REASONING, ReasoningParser, split_all
-from fd.api.tool_calls import (PARSERS as TOOL_PARSERS, HermesParser, Llama3JsonParser, ToolCall, call_id,
-                               forced_calls, forced_spec, make_parser, parse_all)
+from fd.api.reasoning import START as REASONING_START
+from fd.api.tool_calls import PARSERS as TOOL_PARSERS
+from fd.api.tool_calls import (
+    HermesParser,
+    Llama3JsonParser,
+    ToolCall,
+    call_id,
+    forced_calls,
+    forced_spec,
+    make_parser,
+    parse_all,
+)
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_TOOLS = 128
@@ -89,9 +105,13 @@ class GenerationRequest:
 
     def rendering(self) -> dict[str, Any]:
         """The ``accepted`` event's fields that say how every replica renders the output."""
-        return {"tool_parser": self.tool_parser, "reasoning_parser": self.reasoning_parser,
-                "include_reasoning": None if self.include_reasoning or not self.reasoning_parser else False,
-                "tokens_as_ids": self.tokens_as_ids or None, "prompt_logprobs": self.prompt_logprobs}
+        return {
+            "tool_parser": self.tool_parser,
+            "reasoning_parser": self.reasoning_parser,
+            "include_reasoning": None if self.include_reasoning or not self.reasoning_parser else False,
+            "tokens_as_ids": self.tokens_as_ids or None,
+            "prompt_logprobs": self.prompt_logprobs,
+        }
 
     def prompt_ids_field(self, prompt: tuple[int, ...]) -> dict[str, Any]:
         """The ``accepted`` event's ``prompt_ids``: the prompt, when the answer shows it."""
@@ -100,8 +120,11 @@ class GenerationRequest:
     def choices(self) -> list[tuple[tuple[int, ...], SamplingParams]]:
         """Each choice's prompt and sampling, in OpenAI's order: prompt ``i``'s ``j``-th choice
         is choice ``i * n + j``."""
-        return [(p, choice_sampling(self.sampling, j))
-                for p in self.prompts or (self.prompt_token_ids,) for j in range(self.n)]
+        return [
+            (p, choice_sampling(self.sampling, j))
+            for p in self.prompts or (self.prompt_token_ids,)
+            for j in range(self.n)
+        ]
 
 
 MAX_CHOICES = 16  # n: each choice is a request of its own on the engines
@@ -238,13 +261,19 @@ def _stream_opts(body: dict, limits: Limits | None = None) -> tuple[bool, bool, 
             raise bad_request("'stream_options' is only allowed when 'stream' is true.", "stream_options")
         iu = opts.get("include_usage")
         if iu is not None and not isinstance(iu, bool):
-            raise bad_request("'stream_options.include_usage' must be a boolean.",
-                              "stream_options.include_usage", "invalid_type")
+            raise bad_request(
+                "'stream_options.include_usage' must be a boolean.",
+                "stream_options.include_usage",
+                "invalid_type",
+            )
         include_usage = bool(iu)
         cu = opts.get("continuous_usage_stats")
         if cu is not None and not isinstance(cu, bool):
-            raise bad_request("'stream_options.continuous_usage_stats' must be a boolean.",
-                              "stream_options.continuous_usage_stats", "invalid_type")
+            raise bad_request(
+                "'stream_options.continuous_usage_stats' must be a boolean.",
+                "stream_options.continuous_usage_stats",
+                "invalid_type",
+            )
         continuous = include_usage and bool(cu)
     if stream and limits is not None and limits.force_include_usage:
         include_usage = True
@@ -257,15 +286,18 @@ def _top_logprobs(n: int, param: str) -> int:
     return n
 
 
-def _sampling(body: dict, prompt_len: int, limits: Limits, default_max: int | None,
-              logprobs: int | None = None) -> SamplingParams:
+def _sampling(
+    body: dict, prompt_len: int, limits: Limits, default_max: int | None, logprobs: int | None = None
+) -> SamplingParams:
 
     room = limits.max_model_len - prompt_len
     if room < 1:
         raise bad_request(
             f"The prompt is {prompt_len} tokens long; this model's context is {limits.max_model_len} "
-            f"tokens, which leaves no room to generate.", "messages" if default_max is None else "prompt",
-            "context_length_exceeded")
+            f"tokens, which leaves no room to generate.",
+            "messages" if default_max is None else "prompt",
+            "context_length_exceeded",
+        )
     max_tokens = None
     for name in ("max_completion_tokens", "max_tokens"):
         v = _opt(body, name, _is_int, "an integer", None)
@@ -275,8 +307,10 @@ def _sampling(body: dict, prompt_len: int, limits: Limits, default_max: int | No
             if v > room:
                 raise bad_request(
                     f"'{name}' is {v}, but the prompt is {prompt_len} tokens and this model's context "
-                    f"is {limits.max_model_len} tokens: at most {room} can be generated.", name,
-                    "context_length_exceeded")
+                    f"is {limits.max_model_len} tokens: at most {room} can be generated.",
+                    name,
+                    "context_length_exceeded",
+                )
             max_tokens = v
             break
     if max_tokens is None:
@@ -305,16 +339,20 @@ def _sampling(body: dict, prompt_len: int, limits: Limits, default_max: int | No
         penalties[name] = float(v)
     rp = _opt(body, "repetition_penalty", _is_num, "a number", defaults.get("repetition_penalty", 1.0))
     if not 0 < rp <= MAX_REPETITION_PENALTY:
-        raise bad_request(f"'repetition_penalty' must be greater than 0 and at most {MAX_REPETITION_PENALTY:g} "
-                          "(1 is off).", "repetition_penalty", "invalid_value")
+        raise bad_request(
+            f"'repetition_penalty' must be greater than 0 and at most {MAX_REPETITION_PENALTY:g} (1 is off).",
+            "repetition_penalty",
+            "invalid_value",
+        )
     penalties["repetition_penalty"] = float(rp)
     min_p = _opt(body, "min_p", _is_num, "a number", defaults.get("min_p", 0.0))
     if not 0.0 <= min_p <= 1.0:
         raise bad_request("'min_p' must be between 0 and 1.", "min_p", "invalid_value")
     min_tokens = _opt(body, "min_tokens", _is_int, "an integer", 0)
     if not 0 <= min_tokens <= max_tokens:
-        raise bad_request(f"'min_tokens' must be between 0 and max_tokens ({max_tokens}).", "min_tokens",
-                          "invalid_value")
+        raise bad_request(
+            f"'min_tokens' must be between 0 and max_tokens ({max_tokens}).", "min_tokens", "invalid_value"
+        )
     logit_bias = _logit_bias(body, limits)
 
     stop_raw = body.get("stop")
@@ -326,24 +364,49 @@ def _sampling(body: dict, prompt_len: int, limits: Limits, default_max: int | No
         stop = tuple(s for s in stop_raw if s)
     else:
         raise bad_request("'stop' must be a string or a list of strings.", "stop", "invalid_type")
-    stop_token_ids = _check_ids(_opt(body, "stop_token_ids",
-                                     lambda v: isinstance(v, list) and all(_is_int(t) and t >= 0 for t in v),
-                                     "a list of token ids", []), limits, "stop_token_ids")
+    stop_token_ids = _check_ids(
+        _opt(
+            body,
+            "stop_token_ids",
+            lambda v: isinstance(v, list) and all(_is_int(t) and t >= 0 for t in v),
+            "a list of token ids",
+            [],
+        ),
+        limits,
+        "stop_token_ids",
+    )
     allowed = body.get("allowed_token_ids")
     if allowed is not None:
         if not isinstance(allowed, list) or not allowed:
-            raise bad_request("'allowed_token_ids' must be a non-empty list of token ids.",
-                              "allowed_token_ids", "invalid_type")
+            raise bad_request(
+                "'allowed_token_ids' must be a non-empty list of token ids.",
+                "allowed_token_ids",
+                "invalid_type",
+            )
         allowed = tuple(sorted(set(_check_ids(allowed, limits, "allowed_token_ids"))))
     ignore_eos = _opt(body, "ignore_eos", _is_bool, "a boolean", False)
     include_stop = _opt(body, "include_stop_str_in_output", _is_bool, "a boolean", False)
     skip_special = _opt(body, "skip_special_tokens", _is_bool, "a boolean", True)
-    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                          seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
-                          include_stop_str_in_output=include_stop, logit_bias=logit_bias,
-                          min_p=float(min_p), min_tokens=min_tokens, logprobs=logprobs,
-                          guided=_guided(body), skip_special_tokens=skip_special,
-                          allowed_token_ids=allowed or (), lora=lora_of(body, limits), **penalties)
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        stop=stop,
+        stop_token_ids=stop_token_ids,
+        ignore_eos=ignore_eos,
+        include_stop_str_in_output=include_stop,
+        logit_bias=logit_bias,
+        min_p=float(min_p),
+        min_tokens=min_tokens,
+        logprobs=logprobs,
+        guided=_guided(body),
+        skip_special_tokens=skip_special,
+        allowed_token_ids=allowed or (),
+        lora=lora_of(body, limits),
+        **penalties,
+    )
 
 
 def lora_of(body: dict, limits: Limits) -> str:
@@ -382,8 +445,12 @@ def generation_defaults(gen: dict[str, Any]) -> tuple[dict[str, Any], int | None
     return defaults, cap, ignored
 
 
-_GUIDED_PARAMS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-                  "guided_grammar": "grammar"}
+_GUIDED_PARAMS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
 
 
 def _guided(body: dict) -> str:
@@ -395,20 +462,27 @@ def _guided(body: dict) -> str:
     rf = body.get("response_format")
     if rf is not None:
         if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
-            raise bad_request("'response_format' must be an object with a 'type'.", "response_format",
-                              "invalid_type")
+            raise bad_request(
+                "'response_format' must be an object with a 'type'.", "response_format", "invalid_type"
+            )
         if rf["type"] == "json_object":
             asked.append(("response_format", {"json_object": True}))
         elif rf["type"] == "json_schema":
             js = rf.get("json_schema")
             schema = js.get("schema", js.get("json_schema")) if isinstance(js, dict) else None
             if not isinstance(schema, dict):
-                raise bad_request("'response_format.json_schema.schema' must be a JSON Schema object.",
-                                  "response_format", "invalid_value")
+                raise bad_request(
+                    "'response_format.json_schema.schema' must be a JSON Schema object.",
+                    "response_format",
+                    "invalid_value",
+                )
             asked.append(("response_format", {"json": schema}))
         elif rf["type"] != "text":
-            raise bad_request(f"'response_format' type {rf['type']!r} is not one of text, json_object, "
-                              "json_schema.", "response_format", "invalid_value")
+            raise bad_request(
+                f"'response_format' type {rf['type']!r} is not one of text, json_object, json_schema.",
+                "response_format",
+                "invalid_value",
+            )
     for name, kind in _GUIDED_PARAMS.items():
         v = body.get(name)
         if v is not None:
@@ -430,8 +504,13 @@ def _guided(body: dict) -> str:
     if not asked:
         return ""
     if len(asked) > 1:
-        raise bad_request(f"Ask for one structured output, not {len(asked)} ("
-                          + ", ".join(sorted({n for n, _ in asked})) + ").", asked[1][0], "invalid_value")
+        raise bad_request(
+            f"Ask for one structured output, not {len(asked)} ("
+            + ", ".join(sorted({n for n, _ in asked}))
+            + ").",
+            asked[1][0],
+            "invalid_value",
+        )
     name, spec = asked[0]
     try:
         text = canonical(spec)
@@ -451,12 +530,18 @@ def _logit_bias(body: dict, limits: Limits) -> tuple[tuple[int, float], ...]:
         except ValueError:
             token = -1
         if token < 0 or (limits.vocab_size is not None and token >= limits.vocab_size):
-            raise bad_request(f"'logit_bias' has an invalid token id {key!r}"
-                              + (f" (vocabulary size {limits.vocab_size})." if limits.vocab_size else "."),
-                              "logit_bias", "invalid_value")
+            raise bad_request(
+                f"'logit_bias' has an invalid token id {key!r}"
+                + (f" (vocabulary size {limits.vocab_size})." if limits.vocab_size else "."),
+                "logit_bias",
+                "invalid_value",
+            )
         if not _is_num(bias) or not -100 <= bias <= 100:
-            raise bad_request(f"'logit_bias' values must be numbers between -100 and 100, got {bias!r:.20}.",
-                              "logit_bias", "invalid_value")
+            raise bad_request(
+                f"'logit_bias' values must be numbers between -100 and 100, got {bias!r:.20}.",
+                "logit_bias",
+                "invalid_value",
+            )
         out.append((token, float(bias)))
     return tuple(sorted(out))
 
@@ -469,8 +554,12 @@ def _check_ids(ids: list, limits: Limits, param: str) -> tuple[int, ...]:
     vocab = limits.vocab_size
     for t in ids:
         if not _is_int(t) or t < 0 or (vocab is not None and t >= vocab):
-            raise bad_request(f"'{param}' contains an invalid token id {t!r}"
-                              + (f" (vocabulary size {vocab})." if vocab else "."), param, "invalid_value")
+            raise bad_request(
+                f"'{param}' contains an invalid token id {t!r}"
+                + (f" (vocabulary size {vocab})." if vocab else "."),
+                param,
+                "invalid_value",
+            )
     return tuple(ids)
 
 
@@ -481,18 +570,30 @@ def _message_text(content: Any, i: int) -> str:
         parts = []
         for j, part in enumerate(content):
             if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                raise bad_request(f"messages[{i}].content[{j}] must be an object with a 'type'.",
-                                  f"messages[{i}].content", "invalid_type")
+                raise bad_request(
+                    f"messages[{i}].content[{j}] must be an object with a 'type'.",
+                    f"messages[{i}].content",
+                    "invalid_type",
+                )
             if part["type"] != "text":
-                raise bad_request(f"Content parts of type '{part['type']}' are not supported.",
-                                  f"messages[{i}].content", "unsupported")
+                raise bad_request(
+                    f"Content parts of type '{part['type']}' are not supported.",
+                    f"messages[{i}].content",
+                    "unsupported",
+                )
             if not isinstance(part.get("text"), str):
-                raise bad_request(f"messages[{i}].content[{j}].text must be a string.",
-                                  f"messages[{i}].content", "invalid_type")
+                raise bad_request(
+                    f"messages[{i}].content[{j}].text must be a string.",
+                    f"messages[{i}].content",
+                    "invalid_type",
+                )
             parts.append(part["text"])
         return "\n".join(parts)
-    raise bad_request(f"messages[{i}].content must be a string or a list of text parts.",
-                      f"messages[{i}].content", "invalid_type")
+    raise bad_request(
+        f"messages[{i}].content must be a string or a list of text parts.",
+        f"messages[{i}].content",
+        "invalid_type",
+    )
 
 
 def parse_messages(body: dict) -> list[dict[str, str]]:
@@ -510,32 +611,43 @@ def parse_messages(body: dict) -> list[dict[str, str]]:
             raise bad_request(f"messages[{i}] must be an object.", f"messages[{i}]", "invalid_type")
         role = m.get("role")
         if not isinstance(role, str):
-            raise bad_request(f"messages[{i}].role is required and must be a string.",
-                              f"messages[{i}].role", "invalid_type")
+            raise bad_request(
+                f"messages[{i}].role is required and must be a string.", f"messages[{i}].role", "invalid_type"
+            )
         if role not in ROLES:
-            raise bad_request(f"messages[{i}].role '{role}' is not one of {', '.join(ROLES)}.",
-                              f"messages[{i}].role", "invalid_value")
+            raise bad_request(
+                f"messages[{i}].role '{role}' is not one of {', '.join(ROLES)}.",
+                f"messages[{i}].role",
+                "invalid_value",
+            )
         calls = _message_tool_calls(m, i) if role == "assistant" else None
         if m.get("content") is None and not calls:
-            raise bad_request(f"messages[{i}].content is required.", f"messages[{i}].content",
-                              "missing_required_parameter")
-        msg: dict[str, Any] = {"role": "system" if role == "developer" else role,
-                               "content": "" if m.get("content") is None else _message_text(m["content"], i)}
+            raise bad_request(
+                f"messages[{i}].content is required.", f"messages[{i}].content", "missing_required_parameter"
+            )
+        msg: dict[str, Any] = {
+            "role": "system" if role == "developer" else role,
+            "content": "" if m.get("content") is None else _message_text(m["content"], i),
+        }
         if calls:
             msg["tool_calls"] = calls
         if role == "assistant" and m.get("reasoning_content") is not None:
             # an earlier answer's thinking, as this server returned it: for the chat template
             # (Qwen3's keeps the latest turn's), as vLLM passes it
             if not isinstance(m["reasoning_content"], str):
-                raise bad_request(f"messages[{i}].reasoning_content must be a string.",
-                                  f"messages[{i}].reasoning_content", "invalid_type")
+                raise bad_request(
+                    f"messages[{i}].reasoning_content must be a string.",
+                    f"messages[{i}].reasoning_content",
+                    "invalid_type",
+                )
             msg["reasoning_content"] = m["reasoning_content"]
         if role == "tool":
             for key in ("tool_call_id", "name"):
                 if m.get(key) is not None:
                     if not isinstance(m[key], str):
-                        raise bad_request(f"messages[{i}].{key} must be a string.",
-                                          f"messages[{i}].{key}", "invalid_type")
+                        raise bad_request(
+                            f"messages[{i}].{key} must be a string.", f"messages[{i}].{key}", "invalid_type"
+                        )
                     msg[key] = m[key]
         out.append(msg)
     return out
@@ -554,17 +666,20 @@ def _message_tool_calls(m: dict, i: int) -> list[dict] | None:
     for j, c in enumerate(calls):
         fn = c.get("function") if isinstance(c, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise bad_request(f"{where}[{j}] must be an object with a 'function' that has a 'name'.",
-                              where, "invalid_type")
+            raise bad_request(
+                f"{where}[{j}] must be an object with a 'function' that has a 'name'.", where, "invalid_type"
+            )
         args = fn.get("arguments", "{}")
         if isinstance(args, str):
             try:
                 args = orjson.loads(args) if args.strip() else {}
             except orjson.JSONDecodeError:
-                raise bad_request(f"{where}[{j}].function.arguments is not JSON.", where,
-                                  "invalid_value") from None
-        out.append({"id": c.get("id"), "type": "function",
-                    "function": {"name": fn["name"], "arguments": args}})
+                raise bad_request(
+                    f"{where}[{j}].function.arguments is not JSON.", where, "invalid_value"
+                ) from None
+        out.append(
+            {"id": c.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}}
+        )
     return out
 
 
@@ -587,14 +702,15 @@ def _tools(body: dict, limits: Limits) -> tuple[list[dict] | None, str | None]:
     for j, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict):
-            raise bad_request(f"tools[{j}] must be {{\"type\": \"function\", \"function\": {{...}}}}.",
-                              "tools", "invalid_type")
+            raise bad_request(
+                f'tools[{j}] must be {{"type": "function", "function": {{...}}}}.', "tools", "invalid_type"
+            )
         if not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise bad_request(f"tools[{j}].function.name is required.", "tools",
-                              "missing_required_parameter")
+            raise bad_request(f"tools[{j}].function.name is required.", "tools", "missing_required_parameter")
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
-            raise bad_request(f"tools[{j}].function.parameters must be a JSON Schema object.",
-                              "tools", "invalid_type")
+            raise bad_request(
+                f"tools[{j}].function.parameters must be a JSON Schema object.", "tools", "invalid_type"
+            )
     if not tools:
         return None, None
     if choice is None:
@@ -603,9 +719,12 @@ def _tools(body: dict, limits: Limits) -> tuple[list[dict] | None, str | None]:
         return tools, None
     if choice == "auto":
         if limits.tool_parser is None:
-            raise bad_request('"auto" tool choice needs a server started with '
-                              "--enable-auto-tool-choice and --tool-call-parser.", "tool_choice",
-                              "unsupported")
+            raise bad_request(
+                '"auto" tool choice needs a server started with '
+                "--enable-auto-tool-choice and --tool-call-parser.",
+                "tool_choice",
+                "unsupported",
+            )
         return tools, limits.tool_parser
     if choice == "required":
         return tools, "required"
@@ -613,11 +732,17 @@ def _tools(body: dict, limits: Limits) -> tuple[list[dict] | None, str | None]:
         fn = choice.get("function") if choice.get("type") == "function" else None
         name = fn.get("name") if isinstance(fn, dict) else None
         if not isinstance(name, str) or name not in {t["function"]["name"] for t in tools}:
-            raise bad_request("A named tool_choice must be {\"type\": \"function\", \"function\": "
-                              "{\"name\": <one of the tools>}}.", "tool_choice", "invalid_value")
+            raise bad_request(
+                'A named tool_choice must be {"type": "function", "function": {"name": <one of the tools>}}.',
+                "tool_choice",
+                "invalid_value",
+            )
         return tools, "named:" + name
-    raise bad_request("'tool_choice' must be \"none\", \"auto\", \"required\" or a named function.",
-                      "tool_choice", "invalid_value")
+    raise bad_request(
+        '\'tool_choice\' must be "none", "auto", "required" or a named function.',
+        "tool_choice",
+        "invalid_value",
+    )
 
 
 def parse_chat(body: dict, limits: Limits, tokenizer: TokenizerLike) -> GenerationRequest:
@@ -660,20 +785,37 @@ def parse_chat(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Generati
     if forced is not None:  # tool_choice "required" or a named function: the output is the call
         reasoning = None  # (from its first token: no thinking)
         if sampling.guided:
-            raise bad_request("A forced tool_choice and a structured output cannot go together.",
-                              "tool_choice", "invalid_value")
+            raise bad_request(
+                "A forced tool_choice and a structured output cannot go together.",
+                "tool_choice",
+                "invalid_value",
+            )
         try:
             guided = canonical(forced)
             check(guided)
         except GuidedError as e:
-            raise bad_request(f"The tools' parameters do not compile: {e}", "tools", "invalid_value") from None
+            raise bad_request(
+                f"The tools' parameters do not compile: {e}", "tools", "invalid_value"
+            ) from None
         sampling = dataclasses.replace(sampling, guided=guided)
-    return GenerationRequest("chat", model, ids, sampling, stream, include_usage, background, continuous,
-                             _choices(body), tool_parser=parser, reasoning_parser=reasoning,
-                             include_reasoning=_opt(body, "include_reasoning", _is_bool, "a boolean", True),
-                             tokens_as_ids=_tokens_as_ids(body, limits), prompt_logprobs=scored,
-                             return_token_ids=_opt(body, "return_token_ids", _is_bool, "a boolean", False),
-                             priority=priority)
+    return GenerationRequest(
+        "chat",
+        model,
+        ids,
+        sampling,
+        stream,
+        include_usage,
+        background,
+        continuous,
+        _choices(body),
+        tool_parser=parser,
+        reasoning_parser=reasoning,
+        include_reasoning=_opt(body, "include_reasoning", _is_bool, "a boolean", True),
+        tokens_as_ids=_tokens_as_ids(body, limits),
+        prompt_logprobs=scored,
+        return_token_ids=_opt(body, "return_token_ids", _is_bool, "a boolean", False),
+        priority=priority,
+    )
 
 
 def _thinking_closed(ids: tuple[int, ...], start: list[int], end: int) -> bool:
@@ -696,8 +838,9 @@ def _template_kwargs(body: dict) -> dict[str, Any]:
     kw = _opt(body, "chat_template_kwargs", lambda v: isinstance(v, dict), "an object", {})
     taken = sorted(_TEMPLATE_OWN & kw.keys())
     if taken:
-        raise bad_request(f"'chat_template_kwargs' may not set {', '.join(taken)}.",
-                          "chat_template_kwargs", "invalid_value")
+        raise bad_request(
+            f"'chat_template_kwargs' may not set {', '.join(taken)}.", "chat_template_kwargs", "invalid_value"
+        )
     return kw
 
 
@@ -719,16 +862,27 @@ def _chat_rendering(body: dict, messages: list[dict], generation_prompt: bool = 
     cont = _opt(body, "continue_final_message", _is_bool, "a boolean", False)
     special = _opt(body, "add_special_tokens", _is_bool, "a boolean", False)
     if cont and gen:
-        raise bad_request("Cannot set both 'continue_final_message' and 'add_generation_prompt' "
-                          "to true.", "continue_final_message", "invalid_value")
+        raise bad_request(
+            "Cannot set both 'continue_final_message' and 'add_generation_prompt' to true.",
+            "continue_final_message",
+            "invalid_value",
+        )
     if cont and messages[-1]["role"] != "assistant":
-        raise bad_request("'continue_final_message' needs the last message to be the assistant's.",
-                          "continue_final_message", "invalid_value")
+        raise bad_request(
+            "'continue_final_message' needs the last message to be the assistant's.",
+            "continue_final_message",
+            "invalid_value",
+        )
     return ChatRendering(gen, cont, special)
 
 
-def _chat_ids(messages: list[dict], tokenizer: TokenizerLike, how: ChatRendering,
-              tools: list[dict] | None = None, extra: dict[str, Any] | None = None) -> tuple[int, ...]:
+def _chat_ids(
+    messages: list[dict],
+    tokenizer: TokenizerLike,
+    how: ChatRendering,
+    tools: list[dict] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> tuple[int, ...]:
     try:
         kw = {**(extra or {}), **({} if tools is None else {"tools": tools})}
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=how.add_generation_prompt, **kw)
@@ -738,13 +892,20 @@ def _chat_ids(messages: list[dict], tokenizer: TokenizerLike, how: ChatRendering
         # as transformers does: the text ends with the last message's (its end-of-turn cut)
         final = messages[-1]["content"].strip()
         if not final:
-            raise bad_request("'continue_final_message' needs text in the last message.",
-                              "continue_final_message", "invalid_value")
+            raise bad_request(
+                "'continue_final_message' needs text in the last message.",
+                "continue_final_message",
+                "invalid_value",
+            )
         at = text.rfind(final)
         if at < 0:
-            raise bad_request("The chat template does not show the last message's text as it is, "
-                              "so it cannot be continued.", "continue_final_message", "invalid_value")
-        text = text[:at + len(final)]
+            raise bad_request(
+                "The chat template does not show the last message's text as it is, "
+                "so it cannot be continued.",
+                "continue_final_message",
+                "invalid_value",
+            )
+        text = text[: at + len(final)]
     return tuple(tokenizer.encode(text, add_special_tokens=how.add_special_tokens))
 
 
@@ -756,12 +917,14 @@ def parse_tokenize(body: dict, limits: Limits, tokenizer: TokenizerLike) -> tupl
     if body.get("messages") is not None:
         tools, _ = _tools({**body, "tool_choice": "none"}, limits)
         messages = parse_messages(body)
-        return _chat_ids(messages, tokenizer, _chat_rendering(body, messages), tools,
-                         _template_kwargs(body))
+        return _chat_ids(messages, tokenizer, _chat_rendering(body, messages), tools, _template_kwargs(body))
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
-        raise bad_request("Give 'prompt' (a string) or 'messages'.", "prompt",
-                          "missing_required_parameter" if prompt is None else "invalid_type")
+        raise bad_request(
+            "Give 'prompt' (a string) or 'messages'.",
+            "prompt",
+            "missing_required_parameter" if prompt is None else "invalid_type",
+        )
     special = _opt(body, "add_special_tokens", _is_bool, "a boolean", True)
     return tuple(tokenizer.encode(prompt, add_special_tokens=special))
 
@@ -789,7 +952,11 @@ def parse_completion(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Ge
     zero = [k for k in ("max_completion_tokens", "max_tokens") if _is_int(body.get(k)) and body[k] == 0]
     echo_only = echo and bool(zero)
     if echo_only:
-        body = body.replaced({k: 1 for k in zero}) if isinstance(body, Body) else {**body, **{k: 1 for k in zero}}
+        body = (
+            body.replaced({k: 1 for k in zero})
+            if isinstance(body, Body)
+            else {**body, **{k: 1 for k in zero}}
+        )
     prompt = body.get("prompt")
     if prompt is None:
         raise bad_request("'prompt' is required.", "prompt", "missing_required_parameter")
@@ -798,37 +965,58 @@ def parse_completion(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Ge
     elif isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)):
         batch = [prompt]
     else:
-        raise bad_request("'prompt' must be a string, a list of token ids, or a list of either.",
-                          "prompt", "invalid_type")
+        raise bad_request(
+            "'prompt' must be a string, a list of token ids, or a list of either.", "prompt", "invalid_type"
+        )
     keep = _truncation(body, limits)
     whole = tuple(_prompt_ids(p, limits, tokenizer) for p in batch)
     prompts = tuple(ids[-keep:] for ids in whole) if keep else whole
     n = _choices(body)
     if len(prompts) * n > MAX_BATCH:
-        raise bad_request(f"At most {MAX_BATCH} choices a request (prompts times n).", "prompt",
-                          "invalid_value")
+        raise bad_request(
+            f"At most {MAX_BATCH} choices a request (prompts times n).", "prompt", "invalid_value"
+        )
     stream, include_usage, continuous = _stream_opts(body, limits)
     background = _background(body)
-    sampling = _with_bad_words(body, _sampling(body, max(map(len, prompts)), limits,
-                                               limits.default_max_tokens, logprobs), tokenizer)
+    sampling = _with_bad_words(
+        body, _sampling(body, max(map(len, prompts)), limits, limits.default_max_tokens, logprobs), tokenizer
+    )
     scored = _prompt_scores(body, stream)
     if scored is not None:
         if echo:
-            raise bad_request("'prompt_logprobs' cannot go with 'echo' (echo with 'logprobs' scores "
-                              "the prompt too).", "prompt_logprobs", "invalid_value")
+            raise bad_request(
+                "'prompt_logprobs' cannot go with 'echo' (echo with 'logprobs' scores the prompt too).",
+                "prompt_logprobs",
+                "invalid_value",
+            )
         sampling = dataclasses.replace(sampling, prompt_logprobs=scored)
     echo_texts: tuple[str, ...] = ()
     if echo:
         # (what the model was given: a truncated prompt's kept tokens)
-        echo_texts = tuple(p if isinstance(p, str) and len(ids) == len(w) else _decode(ids, tokenizer)
-                           for p, w, ids in zip(batch, whole, prompts))
+        echo_texts = tuple(
+            p if isinstance(p, str) and len(ids) == len(w) else _decode(ids, tokenizer)
+            for p, w, ids in zip(batch, whole, prompts)
+        )
         if logprobs is not None:  # the prompt's tokens are scored too
             sampling = dataclasses.replace(sampling, prompt_logprobs=logprobs)
-    return GenerationRequest("completion", model, prompts[0], sampling, stream, include_usage, background,
-                             continuous, n, prompts if len(prompts) > 1 else (), echo_texts, echo_only,
-                             tokens_as_ids=_tokens_as_ids(body, limits), prompt_logprobs=scored,
-                             return_token_ids=_opt(body, "return_token_ids", _is_bool, "a boolean", False),
-                             priority=priority)
+    return GenerationRequest(
+        "completion",
+        model,
+        prompts[0],
+        sampling,
+        stream,
+        include_usage,
+        background,
+        continuous,
+        n,
+        prompts if len(prompts) > 1 else (),
+        echo_texts,
+        echo_only,
+        tokens_as_ids=_tokens_as_ids(body, limits),
+        prompt_logprobs=scored,
+        return_token_ids=_opt(body, "return_token_ids", _is_bool, "a boolean", False),
+        priority=priority,
+    )
 
 
 def _prompt_scores(body: dict, stream: bool) -> int | None:
@@ -838,8 +1026,9 @@ def _prompt_scores(body: dict, stream: bool) -> int | None:
     if k is None:
         return None
     if stream:
-        raise bad_request("'prompt_logprobs' is not available when 'stream' is true.",
-                          "prompt_logprobs", "invalid_value")
+        raise bad_request(
+            "'prompt_logprobs' is not available when 'stream' is true.", "prompt_logprobs", "invalid_value"
+        )
     return _top_logprobs(k, "prompt_logprobs")
 
 
@@ -852,11 +1041,16 @@ def _truncation(body: dict, limits: Limits) -> int | None:
     if k == -1:
         return limits.max_model_len
     if k < 1:
-        raise bad_request("'truncate_prompt_tokens' must be -1 or at least 1.", "truncate_prompt_tokens",
-                          "invalid_value")
+        raise bad_request(
+            "'truncate_prompt_tokens' must be -1 or at least 1.", "truncate_prompt_tokens", "invalid_value"
+        )
     if k > limits.max_model_len:
-        raise bad_request(f"'truncate_prompt_tokens' ({k}) is more than the model's context "
-                          f"({limits.max_model_len} tokens).", "truncate_prompt_tokens", "invalid_value")
+        raise bad_request(
+            f"'truncate_prompt_tokens' ({k}) is more than the model's context "
+            f"({limits.max_model_len} tokens).",
+            "truncate_prompt_tokens",
+            "invalid_value",
+        )
     return k
 
 
@@ -866,8 +1060,13 @@ MAX_BAD_WORDS = 64
 def _with_bad_words(body: dict, sampling: SamplingParams, tokenizer: TokenizerLike) -> SamplingParams:
     """vLLM's ``bad_words``: each word as its tokens, alone and after a space (as it is
     written at the start of a text and within one), for the engine to keep from completing."""
-    words = _opt(body, "bad_words", lambda v: isinstance(v, list) and all(isinstance(w, str) for w in v),
-                 "a list of strings", None)
+    words = _opt(
+        body,
+        "bad_words",
+        lambda v: isinstance(v, list) and all(isinstance(w, str) for w in v),
+        "a list of strings",
+        None,
+    )
     if not words:
         return sampling
     if len(words) > MAX_BAD_WORDS:
@@ -886,9 +1085,10 @@ def _priority(body: dict, limits: Limits) -> int:
     (other than 0) elsewhere, as vLLM refuses it."""
     p = _opt(body, "priority", _is_int, "an integer", 0)
     if p and not limits.priority_scheduling:
-        raise bad_request("'priority' needs a server started with --scheduling-policy priority.",
-                          "priority", "unsupported")
-    if not -2**31 <= p < 2**31:
+        raise bad_request(
+            "'priority' needs a server started with --scheduling-policy priority.", "priority", "unsupported"
+        )
+    if not -(2**31) <= p < 2**31:
         raise bad_request("'priority' must be a 32-bit integer.", "priority", "invalid_value")
     return p
 
@@ -908,8 +1108,9 @@ def _prompt_ids(prompt: Any, limits: Limits, tokenizer: TokenizerLike) -> tuple[
     elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         ids = _check_ids(prompt, limits, "prompt")
     elif isinstance(prompt, list) and prompt:
-        raise bad_request("'prompt' must be a string, a list of token ids, or a list of either.",
-                          "prompt", "invalid_type")
+        raise bad_request(
+            "'prompt' must be a string, a list of token ids, or a list of either.", "prompt", "invalid_type"
+        )
     else:
         ids = ()
     if not ids:
@@ -921,8 +1122,11 @@ def _prompt_ids(prompt: Any, limits: Limits, tokenizer: TokenizerLike) -> tuple[
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def final_usage(final: Final, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
@@ -940,35 +1144,95 @@ def final_usage(final: Final, prompt_tokens: int, completion_tokens: int) -> dic
     return out
 
 
-def chat_completion(rid: str, created: int, model: str, text: str, finish_reason: str,
-                    usage_: dict, stop_reason: str | int | None = None) -> dict[str, Any]:
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": None, "finish_reason": finish_reason, "stop_reason": stop_reason}],
-            "usage": usage_}
+def chat_completion(
+    rid: str,
+    created: int,
+    model: str,
+    text: str,
+    finish_reason: str,
+    usage_: dict,
+    stop_reason: str | int | None = None,
+) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+                "stop_reason": stop_reason,
+            }
+        ],
+        "usage": usage_,
+    }
 
 
-def text_completion(rid: str, created: int, model: str, text: str, finish_reason: str,
-                    usage_: dict, stop_reason: str | int | None = None) -> dict[str, Any]:
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
-                         "stop_reason": stop_reason}],
-            "usage": usage_}
+def text_completion(
+    rid: str,
+    created: int,
+    model: str,
+    text: str,
+    finish_reason: str,
+    usage_: dict,
+    stop_reason: str | int | None = None,
+) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": finish_reason,
+                "stop_reason": stop_reason,
+            }
+        ],
+        "usage": usage_,
+    }
 
 
-def chat_chunk(rid: str, created: int, model: str, delta: dict, finish_reason: str | None = None,
-               include_usage: bool = False) -> dict[str, Any]:
-    d = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-         "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+def chat_chunk(
+    rid: str,
+    created: int,
+    model: str,
+    delta: dict,
+    finish_reason: str | None = None,
+    include_usage: bool = False,
+) -> dict[str, Any]:
+    d = {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+    }
     if include_usage:
         d["usage"] = None  # OpenAI: null on every chunk but the last when usage is requested
     return d
 
 
-def completion_chunk(rid: str, created: int, model: str, text: str, finish_reason: str | None = None,
-                     include_usage: bool = False) -> dict[str, Any]:
-    d = {"id": rid, "object": "text_completion", "created": created, "model": model,
-         "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+def completion_chunk(
+    rid: str,
+    created: int,
+    model: str,
+    text: str,
+    finish_reason: str | None = None,
+    include_usage: bool = False,
+) -> dict[str, Any]:
+    d = {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+    }
     if include_usage:
         d["usage"] = None
     return d
@@ -985,8 +1249,9 @@ def _stop_reason(final: Final) -> str | int | None:
 
 
 def final_error(final: Final) -> ApiError:
-    return ApiError(500, final.error or "The engine failed while generating.", "server_error", None,
-                    "engine_error")
+    return ApiError(
+        500, final.error or "The engine failed while generating.", "server_error", None, "engine_error"
+    )
 
 
 _TEXT_MARKER = "\x00fd-text\x00"  # JSON-escaped, it can appear in no id, model or text
@@ -1003,9 +1268,18 @@ class Renderer:
     #: (the Responses API's renderer does; chat and completions frames are unnamed)
     named_events = False
 
-    def __init__(self, request_id: str, endpoint: str, model: str, created: int, prompt_tokens: int,
-                 include_usage: bool = False, token_bytes: Callable[[int], bytes] | None = None,
-                 continuous_usage: bool = False, index: int = 0):
+    def __init__(
+        self,
+        request_id: str,
+        endpoint: str,
+        model: str,
+        created: int,
+        prompt_tokens: int,
+        include_usage: bool = False,
+        token_bytes: Callable[[int], bytes] | None = None,
+        continuous_usage: bool = False,
+        index: int = 0,
+    ):
         self.rid = request_id
         # completions' echo (from the `accepted` event, :meth:`accept`): the prompt's text goes
         # before the completion's, with the first tokens event (which brings the prompt's
@@ -1070,10 +1344,13 @@ class Renderer:
         decoded_token}}`` for the token and its position's likeliest ``prompt_logprobs``."""
         out: list[dict | None] = [None]
         for i, (t, (lp, top)) in enumerate(zip(ids[1:], entries)):
-            rank = ranks[i] if ranks is not None else next(
-                (j + 1 for j, (a, _) in enumerate(top) if a == t), None)
+            rank = (
+                ranks[i]
+                if ranks is not None
+                else next((j + 1 for j, (a, _) in enumerate(top) if a == t), None)
+            )
             d = {str(t): {"logprob": lp, "rank": rank, "decoded_token": self._token(t)[0]}}
-            for j, (a, c) in enumerate(top[:self.prompt_scores_k]):
+            for j, (a, c) in enumerate(top[: self.prompt_scores_k]):
                 d.setdefault(str(a), {"logprob": c, "rank": j + 1, "decoded_token": self._token(a)[0]})
             out.append(d)
         return out
@@ -1086,7 +1363,7 @@ class Renderer:
         if not self._prompt_ids_shown:
             self._prompt_ids_shown = True
             (chunk if self.endpoint == "chat" else chunk["choices"][0])["prompt_token_ids"] = self.prompt_ids
-        chunk["choices"][0]["token_ids"] = self.out_ids[self._ids_shown:]
+        chunk["choices"][0]["token_ids"] = self.out_ids[self._ids_shown :]
         self._ids_shown = len(self.out_ids)
         return chunk
 
@@ -1107,16 +1384,23 @@ class Renderer:
     def _render_logprobs(self, entries: list) -> dict:
         """OpenAI's shape: chat's ``content`` list, or completions' four parallel lists."""
         if self.endpoint == "chat":
+
             def entry(t: int, lp: float) -> dict:
                 s, b = self._token(t)
                 return {"token": s, "logprob": lp, "bytes": list(b)}
-            return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, c) for a, c in top]}
-                                for t, lp, top, _ in entries]}
-        return {"tokens": [self._token(t)[0] for t, _, _, _ in entries],
-                "token_logprobs": [lp for _, lp, _, _ in entries],
-                "top_logprobs": [None if top is None else self._top_by_text(top)
-                                 for _, _, top, _ in entries],
-                "text_offset": [off for _, _, _, off in entries]}
+
+            return {
+                "content": [
+                    {**entry(t, lp), "top_logprobs": [entry(a, c) for a, c in top]}
+                    for t, lp, top, _ in entries
+                ]
+            }
+        return {
+            "tokens": [self._token(t)[0] for t, _, _, _ in entries],
+            "token_logprobs": [lp for _, lp, _, _ in entries],
+            "top_logprobs": [None if top is None else self._top_by_text(top) for _, _, top, _ in entries],
+            "text_offset": [off for _, _, _, off in entries],
+        }
 
     def _top_by_text(self, top) -> dict[str, float]:
         """Completions' alternatives, keyed by text: where two tokens' texts are the same (byte
@@ -1129,7 +1413,7 @@ class Renderer:
     def _unshown_logprobs(self) -> dict | None:
         if self._lp_shown == len(self.logprobs):
             return None
-        entries, self._lp_shown = self.logprobs[self._lp_shown:], len(self.logprobs)
+        entries, self._lp_shown = self.logprobs[self._lp_shown :], len(self.logprobs)
         return self._render_logprobs(entries)
 
     def _template(self) -> tuple[bytes, bytes] | None:
@@ -1146,8 +1430,9 @@ class Renderer:
 
     def _text_chunk(self, text: str) -> dict:
         if self.endpoint == "chat":
-            chunk = chat_chunk(self.rid, self.created, self.model, {"content": text}, None,
-                               self.include_usage)
+            chunk = chat_chunk(
+                self.rid, self.created, self.model, {"content": text}, None, self.include_usage
+            )
         else:
             chunk = completion_chunk(self.rid, self.created, self.model, text, None, self.include_usage)
         return self._with_usage(chunk)
@@ -1205,8 +1490,11 @@ class Renderer:
         return ("", calls) if calls is not None else (text, [])
 
     def _call_json(self, i: int, call: ToolCall) -> dict:
-        return {"id": call_id(self.rid, self.index, i, self._tool_kind), "type": "function",
-                "function": {"name": call.name, "arguments": call.arguments}}
+        return {
+            "id": call_id(self.rid, self.index, i, self._tool_kind),
+            "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments},
+        }
 
     def _call_delta(self, call: ToolCall) -> dict:
         i, self._calls = self._calls, self._calls + 1
@@ -1220,13 +1508,20 @@ class Renderer:
             if isinstance(x, str):
                 out.append(self._text_chunk(x))
             else:
-                out.append(self._with_usage(chat_chunk(self.rid, self.created, self.model,
-                                                       self._call_delta(x), None, self.include_usage)))
+                out.append(
+                    self._with_usage(
+                        chat_chunk(
+                            self.rid, self.created, self.model, self._call_delta(x), None, self.include_usage
+                        )
+                    )
+                )
         return out
 
     def _answer_chunks(self, text: str) -> list[dict]:
         """Chunks of the answer's text: through the tool-call parser, if the request has one."""
-        return self._tool_chunks(self.tools.feed(text)) if self.tools is not None else [self._text_chunk(text)]
+        return (
+            self._tool_chunks(self.tools.feed(text)) if self.tools is not None else [self._text_chunk(text)]
+        )
 
     def _reasoned_chunks(self, pieces: list[tuple[str, str]]) -> list[dict]:
         """Chunks of what the reasoning parser let out: thinking as ``reasoning_content``
@@ -1236,9 +1531,18 @@ class Renderer:
             if kind == REASONING:
                 if not self.show_reasoning:
                     continue
-                out.append(self._with_usage(chat_chunk(self.rid, self.created, self.model,
-                                                       {"reasoning_content": text}, None,
-                                                       self.include_usage)))
+                out.append(
+                    self._with_usage(
+                        chat_chunk(
+                            self.rid,
+                            self.created,
+                            self.model,
+                            {"reasoning_content": text},
+                            None,
+                            self.include_usage,
+                        )
+                    )
+                )
             else:
                 out += self._answer_chunks(text)
         return out
@@ -1256,12 +1560,23 @@ class Renderer:
             self.accept(accepted)
         if self.endpoint == "chat":
             role = {"role": "assistant", "content": ""}
-            return [self._with_ids(self._with_usage(chat_chunk(self.rid, self.created, self.model, role,
-                                                               None, self.include_usage)))]
+            return [
+                self._with_ids(
+                    self._with_usage(
+                        chat_chunk(self.rid, self.created, self.model, role, None, self.include_usage)
+                    )
+                )
+            ]
         return []
 
-    def add_tokens(self, text: str, n_tokens: int, token_ids: tuple[int, ...] = (),
-                   logprobs: Any = None, prompt_logprobs: Any = None) -> str:
+    def add_tokens(
+        self,
+        text: str,
+        n_tokens: int,
+        token_ids: tuple[int, ...] = (),
+        logprobs: Any = None,
+        prompt_logprobs: Any = None,
+    ) -> str:
         """A tokens event, taken in (a non-streaming response renders them all at the end).
         Returns the text it adds to the response (the echoed prompt first, once)."""
         if self.prompt_scores_k is not None and prompt_logprobs is not None:
@@ -1292,8 +1607,14 @@ class Renderer:
         self._echoed = True
         return self.echo
 
-    def token_chunks(self, text: str, n_tokens: int, token_ids: tuple[int, ...] = (),
-                     logprobs: Any = None, prompt_logprobs: Any = None) -> list[dict]:
+    def token_chunks(
+        self,
+        text: str,
+        n_tokens: int,
+        token_ids: tuple[int, ...] = (),
+        logprobs: Any = None,
+        prompt_logprobs: Any = None,
+    ) -> list[dict]:
         """The chunk of a tokens event; its log-probabilities, if the request asked, ride on it
         (or, for tokens with no text of their own yet, on the next chunk that has some)."""
         text = self.add_tokens(text, n_tokens, token_ids, logprobs, prompt_logprobs)
@@ -1309,13 +1630,24 @@ class Renderer:
             self._with_ids(chunks[0])
         return chunks
 
-    def token_json(self, text: str, n_tokens: int, token_ids: tuple[int, ...] = (),
-                   logprobs: Any = None, prompt_logprobs: Any = None) -> bytes | None:
+    def token_json(
+        self,
+        text: str,
+        n_tokens: int,
+        token_ids: tuple[int, ...] = (),
+        logprobs: Any = None,
+        prompt_logprobs: Any = None,
+    ) -> bytes | None:
         """:meth:`token_chunks`, already serialised: the one chunk's JSON (``orjson.dumps``
         of it, byte for byte), or ``None`` when there is no chunk (no text). Not for a
         :attr:`structured` renderer, whose event may be several chunks."""
-        if (logprobs is not None or self.logprobs or self.continuous_usage or self.echo is not None
-                or self.prompt_ids is not None):
+        if (
+            logprobs is not None
+            or self.logprobs
+            or self.continuous_usage
+            or self.echo is not None
+            or self.prompt_ids is not None
+        ):
             chunks = self.token_chunks(text, n_tokens, token_ids, logprobs, prompt_logprobs)
             return orjson.dumps(chunks[0]) if chunks else None
         self.completion_tokens += n_tokens
@@ -1338,19 +1670,27 @@ class Renderer:
             text, calls = self._forced()
             held += self._tool_chunks([text] if text else calls)
         if self.endpoint == "chat":
-            last = chat_chunk(self.rid, self.created, self.model, {},
-                              self._finish_reason(fr, self._calls > 0), self.include_usage)
+            last = chat_chunk(
+                self.rid,
+                self.created,
+                self.model,
+                {},
+                self._finish_reason(fr, self._calls > 0),
+                self.include_usage,
+            )
         else:  # (an echo still owed, if no token ever came: aborted before it ran)
-            last = completion_chunk(self.rid, self.created, self.model, self._owed_echo(), fr,
-                                    self.include_usage)
+            last = completion_chunk(
+                self.rid, self.created, self.model, self._owed_echo(), fr, self.include_usage
+            )
         if final.stop_reason is not None:
             last["choices"][0]["stop_reason"] = _stop_reason(final)
         if self.logprobs:
             last["choices"][0]["logprobs"] = self._unshown_logprobs()
         out = [*held, self._with_ids(self._with_usage(last, final))]
         if self.include_usage and self.usage_chunk:
-            out.append(usage_chunk(self.endpoint, self.rid, self.created, self.model,
-                                   self.final_usage(final)))
+            out.append(
+                usage_chunk(self.endpoint, self.rid, self.created, self.model, self.final_usage(final))
+            )
         return out
 
     # -- non-streaming
@@ -1368,15 +1708,23 @@ class Renderer:
             text, calls = parse_all(text, self._tool_kind)
         elif self.forced is not None:
             text, calls = self._forced()
-        body = build(self.rid, self.created, self.model, text,
-                     self._finish_reason(final.finish_reason, bool(calls)), self.final_usage(final),
-                     _stop_reason(final))
+        body = build(
+            self.rid,
+            self.created,
+            self.model,
+            text,
+            self._finish_reason(final.finish_reason, bool(calls)),
+            self.final_usage(final),
+            _stop_reason(final),
+        )
         if calls:
             message = body["choices"][0]["message"]
             message["content"] = text or None
             message["tool_calls"] = [self._call_json(i, c) for i, c in enumerate(calls)]
         if self.reasoning is not None:
-            body["choices"][0]["message"]["reasoning_content"] = (reasoning or None) if self.show_reasoning else None
+            body["choices"][0]["message"]["reasoning_content"] = (
+                (reasoning or None) if self.show_reasoning else None
+            )
         if self.logprobs:
             body["choices"][0]["logprobs"] = self._render_logprobs(self.logprobs)
         where = body if self.endpoint == "chat" else body["choices"][0]  # (vLLM's places)

@@ -41,7 +41,7 @@ class ReasoningParser:
                 if START.startswith(self._buf):  # (empty, or a prefix of the tag: wait)
                     return out
                 if self._buf.startswith(START):
-                    self._buf = self._buf[len(START):]
+                    self._buf = self._buf[len(START) :]
                     self._state = "think"
                 else:
                     self._state = "think" if self.kind == "deepseek_r1" else "content"
@@ -49,11 +49,11 @@ class ReasoningParser:
                 i = self._buf.find(END)
                 if i < 0:
                     keep = held_prefix(self._buf, END)
-                    self._emit(out, REASONING, self._buf[:len(self._buf) - keep])
-                    self._buf = self._buf[len(self._buf) - keep:]
+                    self._emit(out, REASONING, self._buf[: len(self._buf) - keep])
+                    self._buf = self._buf[len(self._buf) - keep :]
                     return out
                 self._emit(out, REASONING, self._buf[:i])
-                self._buf = self._buf[i + len(END):]
+                self._buf = self._buf[i + len(END) :]
                 self._state = "content"
             else:
                 self._emit(out, CONTENT, self._buf)
@@ -79,5 +79,4 @@ def split_all(kind: str, text: str) -> tuple[str, str]:
     """A whole text's reasoning and content (a response that is not streamed)."""
     p = ReasoningParser(kind)
     items = p.feed(text) + p.finish()
-    return ("".join(t for k, t in items if k == REASONING),
-            "".join(t for k, t in items if k == CONTENT))
+    return ("".join(t for k, t in items if k == REASONING), "".join(t for k, t in items if k == CONTENT))

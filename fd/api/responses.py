@@ -34,8 +34,19 @@ from fd.api.tool_calls import PARSERS, ToolCall, call_id, forced_calls, make_par
 _TEXT_PARTS = ("input_text", "output_text", "text")
 #: chat's fields that mean nothing here (several choices, chat's log-probabilities): left out
 #: of the chat request, and said to be ignored if sent
-_CHAT_ONLY = ("messages", "n", "best_of", "logprobs", "top_logprobs", "prompt_logprobs",
-              "stream_options", "max_tokens", "max_completion_tokens", "response_format", "return_token_ids")
+_CHAT_ONLY = (
+    "messages",
+    "n",
+    "best_of",
+    "logprobs",
+    "top_logprobs",
+    "prompt_logprobs",
+    "stream_options",
+    "max_tokens",
+    "max_completion_tokens",
+    "response_format",
+    "return_token_ids",
+)
 
 
 def _text(content: Any, where: str) -> Any:
@@ -44,8 +55,11 @@ def _text(content: Any, where: str) -> Any:
     out = []
     for j, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS:
-            raise bad_request(f"{where}.content[{j}] must be a text part ({', '.join(_TEXT_PARTS)}).",
-                              f"{where}.content[{j}]", "unsupported")
+            raise bad_request(
+                f"{where}.content[{j}] must be a text part ({', '.join(_TEXT_PARTS)}).",
+                f"{where}.content[{j}]",
+                "unsupported",
+            )
         out.append({"type": "text", "text": part.get("text")})
     return out
 
@@ -71,21 +85,33 @@ def _messages(body: protocol.Body | dict) -> tuple[list[dict], list[str]]:
             if kind == "message":
                 out.append({"role": item.get("role"), "content": _text(item.get("content"), where)})
             elif kind == "function_call":  # an earlier answer's call: the assistant's
-                call = {"id": item.get("call_id"), "type": "function",
-                        "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+                call = {
+                    "id": item.get("call_id"),
+                    "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments")},
+                }
                 last = out[-1] if out else None
                 if last is not None and last["role"] == "assistant" and "tool_calls" in last:
                     last["tool_calls"].append(call)
                 else:
                     out.append({"role": "assistant", "content": None, "tool_calls": [call]})
             elif kind == "function_call_output":
-                out.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                            "content": _text(item.get("output"), where)})
+                out.append(
+                    {
+                        "role": "tool",
+                        "tool_call_id": item.get("call_id"),
+                        "content": _text(item.get("output"), where),
+                    }
+                )
             elif kind == "reasoning":
                 continue  # an earlier answer's thinking: the template shows the answers only
             else:
-                raise bad_request(f"{where} is a {kind!r} item; messages, function_call and "
-                                  "function_call_output items are supported here.", where, "unsupported")
+                raise bad_request(
+                    f"{where} is a {kind!r} item; messages, function_call and "
+                    "function_call_output items are supported here.",
+                    where,
+                    "unsupported",
+                )
         if len(origin) < len(out):
             origin.append(f"input[{len(given) - 1}]")
     else:
@@ -104,10 +130,17 @@ def _tools(body: protocol.Body | dict) -> tuple[Any, Any]:
         chat_tools = []
         for j, t in enumerate(tools):
             if not isinstance(t, dict) or t.get("type") != "function":
-                raise bad_request(f"tools[{j}]: only function tools are supported here.", f"tools[{j}]",
-                                  "unsupported")
-            chat_tools.append({"type": "function", "function": {
-                k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}})
+                raise bad_request(
+                    f"tools[{j}]: only function tools are supported here.", f"tools[{j}]", "unsupported"
+                )
+            chat_tools.append(
+                {
+                    "type": "function",
+                    "function": {
+                        k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None
+                    },
+                }
+            )
         tools = chat_tools or None
     if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:
         choice = {"type": "function", "function": {"name": choice.get("name")}}
@@ -121,8 +154,9 @@ def _format(body: protocol.Body | dict) -> dict | None:
         return None
     fmt = text["format"]
     if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
-        raise bad_request("'text.format.type' must be text, json_object or json_schema.",
-                          "text.format", "invalid_value")
+        raise bad_request(
+            "'text.format.type' must be text, json_object or json_schema.", "text.format", "invalid_value"
+        )
     if fmt["type"] == "json_schema":
         return {"type": "json_schema", "json_schema": {k: fmt.get(k) for k in ("name", "schema", "strict")}}
     return {"type": fmt["type"]}
@@ -136,14 +170,14 @@ def _rename(e: ApiError, origin: list[str]) -> None:
     param = e.param or ""
     m = re.match(r"messages\[(\d+)\]", param)
     if m is not None and int(m.group(1)) < len(origin):
-        e.param = origin[int(m.group(1))] + param[m.end():]
+        e.param = origin[int(m.group(1))] + param[m.end() :]
         e.message = e.message.replace(m.group(0), origin[int(m.group(1))], 1)
     elif param == "messages":
         e.param = "input"
     else:
         for chat_name, name in _RENAMED.items():
             if param.startswith(chat_name):
-                e.param = name + param[len(chat_name):]
+                e.param = name + param[len(chat_name) :]
                 e.message = e.message.replace(f"'{chat_name}'", f"'{name}'")
                 break
 
@@ -163,8 +197,13 @@ def output_as_input(output: list[dict]) -> list[dict]:
     out: list[dict] = []
     for it in output:
         if it.get("type") == "message":
-            out.append({"type": "message", "role": "assistant",
-                        "content": [{"type": "output_text", "text": c.get("text", "")} for c in it["content"]]})
+            out.append(
+                {
+                    "type": "message",
+                    "role": "assistant",
+                    "content": [{"type": "output_text", "text": c.get("text", "")} for c in it["content"]],
+                }
+            )
         elif it.get("type") == "function_call":
             out.append({k: it[k] for k in ("type", "call_id", "name", "arguments")})
     return out
@@ -173,15 +212,23 @@ def output_as_input(output: list[dict]) -> list[dict]:
 def parse(body: protocol.Body | dict, limits: Limits, tokenizer: TokenizerLike) -> GenerationRequest:
     """The chat request a Responses body stands for, answered as a Response."""
     if body.get("previous_response_id") is not None:  # (the server puts it into `input` first)
-        raise bad_request("'previous_response_id' is not supported here.", "previous_response_id",
-                          "unsupported")
+        raise bad_request(
+            "'previous_response_id' is not supported here.", "previous_response_id", "unsupported"
+        )
     cap = _opt(body, "max_output_tokens", protocol._is_int, "an integer", None)
     if cap is not None and cap < 1:
         raise bad_request("'max_output_tokens' must be at least 1.", "max_output_tokens", "invalid_value")
     tools, choice = _tools(body)
     messages, origin = _messages(body)
-    chat = {**{k: None for k in _CHAT_ONLY}, "messages": messages, "max_tokens": cap,
-            "response_format": _format(body), "tools": tools, "tool_choice": choice, **_logprobs(body)}
+    chat = {
+        **{k: None for k in _CHAT_ONLY},
+        "messages": messages,
+        "max_tokens": cap,
+        "response_format": _format(body),
+        "tools": tools,
+        "tool_choice": choice,
+        **_logprobs(body),
+    }
     sent = [k for k in _CHAT_ONLY if k in body and k != "top_logprobs"]  # (the Responses API's too)
     shaped = body.replaced(chat) if isinstance(body, protocol.Body) else {**body, **chat}
     try:
@@ -210,8 +257,11 @@ def _logprobs(body: dict) -> dict:
         raise bad_request("'include' must be a list of strings.", "include", "invalid_type")
     for x in include:
         if x not in INCLUDE:
-            raise bad_request(f"'include' value {x!r} is not supported (only {', '.join(INCLUDE)}).",
-                              "include", "unsupported")
+            raise bad_request(
+                f"'include' value {x!r} is not supported (only {', '.join(INCLUDE)}).",
+                "include",
+                "unsupported",
+            )
     top = _opt(body, "top_logprobs", protocol._is_int, "an integer", None)
     if "message.output_text.logprobs" not in include:
         return {}
@@ -232,8 +282,14 @@ class ResponsesRenderer:
     structured = True  # (the server takes token_chunks, not a pre-serialised token chunk)
     named_events = True
 
-    def __init__(self, request_id: str, model: str, created: int, prompt_tokens: int,
-                 token_bytes: Callable[[int], bytes] | None = None) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        created: int,
+        prompt_tokens: int,
+        token_bytes: Callable[[int], bytes] | None = None,
+    ) -> None:
         self.rid = request_id
         self._token_bytes = token_bytes  # (a token's text, for logprobs)
         self._lp: list[dict] = []  # the message's tokens' log-probabilities (include ...logprobs)
@@ -284,26 +340,52 @@ class ResponsesRenderer:
         n = len(self.items)
         if kind == "message":
             self._open = {"id": f"msg_{self.rid}_{n}", "type": "message", "role": "assistant", "text": []}
-            out += [self._event("response.output_item.added", output_index=n,
-                                item=self._item(self._open, "in_progress")),
-                    self._event("response.content_part.added", item_id=self._open["id"], output_index=n,
-                                content_index=0, part=_part("output_text", ""))]
+            out += [
+                self._event(
+                    "response.output_item.added", output_index=n, item=self._item(self._open, "in_progress")
+                ),
+                self._event(
+                    "response.content_part.added",
+                    item_id=self._open["id"],
+                    output_index=n,
+                    content_index=0,
+                    part=_part("output_text", ""),
+                ),
+            ]
         else:
             self._open = {"id": f"rs_{self.rid}_{n}", "type": "reasoning", "text": []}
-            out += [self._event("response.output_item.added", output_index=n,
-                                item=self._item(self._open, "in_progress")),
-                    self._event("response.content_part.added", item_id=self._open["id"], output_index=n,
-                                content_index=0, part=_part("reasoning_text", ""))]
+            out += [
+                self._event(
+                    "response.output_item.added", output_index=n, item=self._item(self._open, "in_progress")
+                ),
+                self._event(
+                    "response.content_part.added",
+                    item_id=self._open["id"],
+                    output_index=n,
+                    content_index=0,
+                    part=_part("reasoning_text", ""),
+                ),
+            ]
         return out
 
     def _item(self, it: dict, status: str) -> dict:
         text = "".join(it["text"])
         if it["type"] == "message":
             content = [_part("output_text", text, self._lp)] if status != "in_progress" else []
-            return {"id": it["id"], "type": "message", "status": status, "role": "assistant",
-                    "content": content}
-        return {"id": it["id"], "type": "reasoning", "status": status, "summary": [],
-                "content": [_part("reasoning_text", text)] if status != "in_progress" else []}
+            return {
+                "id": it["id"],
+                "type": "message",
+                "status": status,
+                "role": "assistant",
+                "content": content,
+            }
+        return {
+            "id": it["id"],
+            "type": "reasoning",
+            "status": status,
+            "summary": [],
+            "content": [_part("reasoning_text", text)] if status != "in_progress" else [],
+        }
 
     def _close(self, status: str = "completed") -> list[dict]:
         it, self._open = self._open, None
@@ -313,11 +395,24 @@ class ResponsesRenderer:
         done = self._item(it, status)
         self.items.append(done)
         kind = "output_text" if it["type"] == "message" else "reasoning_text"
-        return [self._event(f"response.{kind}.done", item_id=it["id"], output_index=n, content_index=0,
-                            text=text, **({"logprobs": self._lp} if kind == "output_text" else {})),
-                self._event("response.content_part.done", item_id=it["id"], output_index=n,
-                            content_index=0, part=done["content"][0]),
-                self._event("response.output_item.done", output_index=n, item=done)]
+        return [
+            self._event(
+                f"response.{kind}.done",
+                item_id=it["id"],
+                output_index=n,
+                content_index=0,
+                text=text,
+                **({"logprobs": self._lp} if kind == "output_text" else {}),
+            ),
+            self._event(
+                "response.content_part.done",
+                item_id=it["id"],
+                output_index=n,
+                content_index=0,
+                part=done["content"][0],
+            ),
+            self._event("response.output_item.done", output_index=n, item=done),
+        ]
 
     def _delta(self, kind: str, text: str) -> list[dict]:
         if not text:
@@ -326,26 +421,57 @@ class ResponsesRenderer:
         self._open["text"].append(text)
         n = len(self.items)
         if kind == "message":
-            carried, self._lp_due = self._lp[len(self._lp) - self._lp_due:], 0
-            return out + [self._event("response.output_text.delta", item_id=self._open["id"], output_index=n,
-                                      content_index=0, delta=text, logprobs=carried)]
-        return out + [self._event("response.reasoning_text.delta", item_id=self._open["id"],
-                                  output_index=n, content_index=0, delta=text)]
+            carried, self._lp_due = self._lp[len(self._lp) - self._lp_due :], 0
+            return out + [
+                self._event(
+                    "response.output_text.delta",
+                    item_id=self._open["id"],
+                    output_index=n,
+                    content_index=0,
+                    delta=text,
+                    logprobs=carried,
+                )
+            ]
+        return out + [
+            self._event(
+                "response.reasoning_text.delta",
+                item_id=self._open["id"],
+                output_index=n,
+                content_index=0,
+                delta=text,
+            )
+        ]
 
     def _call(self, call: ToolCall) -> list[dict]:
         out = self._close()
         n, i = len(self.items), self._calls
         self._calls += 1
-        item = {"id": f"fc_{self.rid}_{i}", "type": "function_call", "status": "in_progress",
-                "call_id": call_id(self.rid, 0, i, self._tool_kind), "name": call.name, "arguments": ""}
+        item = {
+            "id": f"fc_{self.rid}_{i}",
+            "type": "function_call",
+            "status": "in_progress",
+            "call_id": call_id(self.rid, 0, i, self._tool_kind),
+            "name": call.name,
+            "arguments": "",
+        }
         done = {**item, "status": "completed", "arguments": call.arguments}
         self.items.append(done)
-        return out + [self._event("response.output_item.added", output_index=n, item=item),
-                      self._event("response.function_call_arguments.delta", item_id=item["id"],
-                                  output_index=n, delta=call.arguments),
-                      self._event("response.function_call_arguments.done", item_id=item["id"],
-                                  output_index=n, arguments=call.arguments),
-                      self._event("response.output_item.done", output_index=n, item=done)]
+        return out + [
+            self._event("response.output_item.added", output_index=n, item=item),
+            self._event(
+                "response.function_call_arguments.delta",
+                item_id=item["id"],
+                output_index=n,
+                delta=call.arguments,
+            ),
+            self._event(
+                "response.function_call_arguments.done",
+                item_id=item["id"],
+                output_index=n,
+                arguments=call.arguments,
+            ),
+            self._event("response.output_item.done", output_index=n, item=done),
+        ]
 
     def _answer(self, items: list) -> list[dict]:
         out: list[dict] = []
@@ -372,8 +498,11 @@ class ResponsesRenderer:
         out: list[dict] = []
         if self.reasoning is not None:
             for kind, t in self.reasoning.finish():
-                out += self._delta("reasoning", t) if kind == REASONING else self._answer(
-                    self.tools.feed(t) if self.tools is not None else [t])
+                out += (
+                    self._delta("reasoning", t)
+                    if kind == REASONING
+                    else self._answer(self.tools.feed(t) if self.tools is not None else [t])
+                )
         if self.tools is not None:
             out += self._answer(self.tools.finish())
         elif self.forced is not None:
@@ -384,11 +513,25 @@ class ResponsesRenderer:
 
     def _response(self, status: str, final: Final | None = None) -> dict:
         body: dict[str, Any] = {
-            "id": self.rid, "object": "response", "created_at": self.created, "status": status,
-            "model": self.model, "output": list(self.items), "error": None, "incomplete_details": None,
-            "instructions": None, "metadata": None, "parallel_tool_calls": True,
-            "temperature": None, "top_p": None, "max_output_tokens": None, "tool_choice": "auto",
-            "tools": [], "text": {"format": {"type": "text"}}, "usage": None}
+            "id": self.rid,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "model": self.model,
+            "output": list(self.items),
+            "error": None,
+            "incomplete_details": None,
+            "instructions": None,
+            "metadata": None,
+            "parallel_tool_calls": True,
+            "temperature": None,
+            "top_p": None,
+            "max_output_tokens": None,
+            "tool_choice": "auto",
+            "tools": [],
+            "text": {"format": {"type": "text"}},
+            "usage": None,
+        }
         if final is None:
             return body
         if status == "incomplete":
@@ -398,9 +541,13 @@ class ResponsesRenderer:
         u = final_usage(final, self.prompt_tokens, self.completion_tokens)
         body["usage"] = {
             "input_tokens": u["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": u.get("prompt_tokens_details", {}).get("cached_tokens", 0)},
-            "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": u["total_tokens"]}
+            "input_tokens_details": {
+                "cached_tokens": u.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+            },
+            "output_tokens": u["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": u["total_tokens"],
+        }
         return body
 
     def _status(self, final: Final) -> str:
@@ -415,11 +562,21 @@ class ResponsesRenderer:
     def start_chunks(self, accepted: Any = None) -> list[dict]:
         self.accept(accepted)
         opened = self._response("in_progress")
-        return self._shown([self._event("response.created", response=opened),
-                            self._event("response.in_progress", response=opened)])
+        return self._shown(
+            [
+                self._event("response.created", response=opened),
+                self._event("response.in_progress", response=opened),
+            ]
+        )
 
-    def add_tokens(self, text: str, n_tokens: int, token_ids: tuple[int, ...] = (),
-                   logprobs: Any = None, prompt_logprobs: Any = None) -> str:
+    def add_tokens(
+        self,
+        text: str,
+        n_tokens: int,
+        token_ids: tuple[int, ...] = (),
+        logprobs: Any = None,
+        prompt_logprobs: Any = None,
+    ) -> str:
         self.completion_tokens += n_tokens
         if text:
             self.text.append(text)
@@ -432,15 +589,23 @@ class ResponsesRenderer:
         thinking, no tools: where its tokens' text goes is then plain)."""
         if self.reasoning is not None or self.tools is not None or self.forced is not None:
             return
+
         def entry(t: int, lp: float) -> dict:
             b = self._token_bytes(int(t)) if self._token_bytes is not None else b""
             return {"token": b.decode("utf-8", errors="replace"), "logprob": lp, "bytes": list(b)}
+
         for t, (lp, top) in zip(token_ids, logprobs_entries(logprobs, len(token_ids)) or ()):
             self._lp.append({**entry(t, lp), "top_logprobs": [entry(a, c) for a, c in top]})
             self._lp_due += 1
 
-    def token_chunks(self, text: str, n_tokens: int, token_ids: tuple[int, ...] = (),
-                     logprobs: Any = None, prompt_logprobs: Any = None) -> list[dict]:
+    def token_chunks(
+        self,
+        text: str,
+        n_tokens: int,
+        token_ids: tuple[int, ...] = (),
+        logprobs: Any = None,
+        prompt_logprobs: Any = None,
+    ) -> list[dict]:
         return self._shown(self._feed(self.add_tokens(text, n_tokens, token_ids, logprobs)))
 
     def _failed(self, final: Final) -> dict:
@@ -454,8 +619,15 @@ class ResponsesRenderer:
             return self._shown([self._event("response.failed", response=self._failed(final))])
         status = self._status(final)
         out = self._finish(status)
-        return self._shown(out + [self._event("response.completed" if status == "completed"
-                                              else "response.incomplete", response=self._response(status, final))])
+        return self._shown(
+            out
+            + [
+                self._event(
+                    "response.completed" if status == "completed" else "response.incomplete",
+                    response=self._response(status, final),
+                )
+            ]
+        )
 
     def response(self, final: Final) -> dict:
         """The whole Response object; raises the error a failed request answers with."""
@@ -482,5 +654,8 @@ class ResponsesRenderer:
 
 
 def _part(kind: str, text: str, logprobs: list | None = None) -> dict:
-    return {"type": kind, "text": text,
-            **({"annotations": [], "logprobs": list(logprobs or ())} if kind == "output_text" else {})}
+    return {
+        "type": kind,
+        "text": text,
+        **({"annotations": [], "logprobs": list(logprobs or ())} if kind == "output_text" else {}),
+    }

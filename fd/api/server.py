@@ -48,10 +48,25 @@ from fd.api.cancellation import Cancellation, watch_of
 from fd.api.choices import Choices, choices_cursor
 from fd.api.cors import Cors
 from fd.api.embeddings import finish as embedding_finish
-from fd.api.embeddings import pair_scores, parse_embeddings, parse_rerank, parse_score, rerank_response
+from fd.api.embeddings import (
+    pair_scores,
+    parse_embeddings,
+    parse_rerank,
+    parse_score,
+    rerank_response,
+    score_response,
+)
 from fd.api.embeddings import response as embedding_response
-from fd.api.embeddings import score_response
-from fd.api.errors import ApiError, bad_request, conflict, id_taken, not_found, too_large, unauthorized, unavailable
+from fd.api.errors import (
+    ApiError,
+    bad_request,
+    conflict,
+    id_taken,
+    not_found,
+    too_large,
+    unauthorized,
+    unavailable,
+)
 from fd.api.lora_admin import LoraNames
 from fd.api.responses import ResponsesRenderer, input_items, output_as_input
 from fd.api.responses import parse as parse_responses
@@ -146,8 +161,9 @@ def _render(ev: Any, renderer: Any, timing: "_Timing | None") -> tuple[bytes | N
 
 
 def _json(body: Any, status: int = 200, headers: dict | None = None) -> web.Response:
-    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json",
-                        headers=headers)
+    return web.Response(
+        body=orjson.dumps(body), status=status, content_type="application/json", headers=headers
+    )
 
 
 def _error_response(err: ApiError, request: web.Request) -> web.Response:
@@ -158,17 +174,21 @@ def _error_response(err: ApiError, request: web.Request) -> web.Response:
 def _preflight(cors: Cors):
     """A browser's CORS preflight, answered before the key check and the router (it carries
     no key, and asks of routes that take no OPTIONS)."""
+
     @web.middleware
     async def preflight(request: web.Request, handler):
         origin = request.headers.get("Origin")
         method = request.headers.get("Access-Control-Request-Method")
         if request.method != "OPTIONS" or origin is None or method is None:
             return await handler(request)
-        headers = cors.preflight_headers(origin, method, request.headers.get("Access-Control-Request-Headers"))
+        headers = cors.preflight_headers(
+            origin, method, request.headers.get("Access-Control-Request-Headers")
+        )
         if headers is None:
             request[CORS_REFUSED] = True  # (its answer says nothing a page could read)
             return _json(bad_request("Disallowed CORS request (origin, method or header).").body(), 400)
         return web.Response(status=200, headers=headers)
+
     return preflight
 
 
@@ -178,6 +198,7 @@ def _cors_headers(cors: Cors):
             return
         for name, value in cors.response_headers(request.headers.get("Origin")).items():
             response.headers.setdefault(name, value)
+
     return on_prepare
 
 
@@ -219,7 +240,9 @@ def _bearer(request: web.Request) -> str | None:
 
 def _is_abort_path(request: web.Request) -> bool:
     p = request.path
-    return p == "/v1/abort_requests" or (p.startswith(("/v1/requests/", "/v1/responses/")) and p.endswith("/cancel"))
+    return p == "/v1/abort_requests" or (
+        p.startswith(("/v1/requests/", "/v1/responses/")) and p.endswith("/cancel")
+    )
 
 
 class _Timing:
@@ -263,20 +286,36 @@ class Api:
         # what a token is, for log-probabilities (a tokenizer without it: empty strings)
         self._token_bytes = getattr(tokenizer, "id_to_bytes", None)
         self.metrics = metrics
-        self.limits = protocol.Limits(cfg.model_name, cfg.max_model_len, cfg.max_body_bytes,
-                                      cfg.default_max_tokens, getattr(tokenizer, "vocab_size", None),
-                                      cfg.tool_parser, dict(cfg.sampling_defaults),
-                                      cfg.max_output_tokens, cfg.reasoning_parser,
-                                      tuple(cfg.model_aliases), cfg.force_include_usage,
-                                      cfg.tokens_as_ids, cfg.priority_scheduling, tuple(cfg.lora_modules))
+        self.limits = protocol.Limits(
+            cfg.model_name,
+            cfg.max_model_len,
+            cfg.max_body_bytes,
+            cfg.default_max_tokens,
+            getattr(tokenizer, "vocab_size", None),
+            cfg.tool_parser,
+            dict(cfg.sampling_defaults),
+            cfg.max_output_tokens,
+            cfg.reasoning_parser,
+            tuple(cfg.model_aliases),
+            cfg.force_include_usage,
+            cfg.tokens_as_ids,
+            cfg.priority_scheduling,
+            tuple(cfg.lora_modules),
+        )
         self.cancellation = Cancellation(self._abort_on_disconnect, self._notice_disconnect)
         self.runtime_loras = LoraNames(bus)  # adapters loaded at run time, from any replica
         self._served = {cfg.model_name, *cfg.model_aliases}
         self._noticed: dict[str, Abort] = {}  # disconnect aborts told in-process, not yet published
         self.started = int(time.time())
         self._started_mux = False
-        self._openapi = openapi.build(cfg.model_name, cfg.max_model_len, cfg.max_body_bytes,
-                                     self.limits.vocab_size, tuple(cfg.model_aliases), cfg.runtime_lora)
+        self._openapi = openapi.build(
+            cfg.model_name,
+            cfg.max_model_len,
+            cfg.max_body_bytes,
+            self.limits.vocab_size,
+            tuple(cfg.model_aliases),
+            cfg.runtime_lora,
+        )
 
     # ------------------------------------------------------------------ plumbing
 
@@ -293,8 +332,9 @@ class Api:
             caller = self.tenancy.caller(_bearer(request))
             if caller is None:
                 raise unauthorized()
-            if not caller.admin and (request.path in ADMIN_PATHS
-                                     or (_is_abort_path(request) and not caller.may_abort)):
+            if not caller.admin and (
+                request.path in ADMIN_PATHS or (_is_abort_path(request) and not caller.may_abort)
+            ):
                 raise unauthorized("This endpoint needs the admin key (Authorization: Bearer <admin key>).")
             request[CALLER] = caller
         return await handler(request)
@@ -342,12 +382,18 @@ class Api:
             request[RID] = rid
             return rid, False
         if not valid_request_id(given):
-            raise bad_request("Invalid X-Request-Id: use 1-128 letters, digits and '_.:@-'.",
-                              "X-Request-Id", "invalid_request_id")
+            raise bad_request(
+                "Invalid X-Request-Id: use 1-128 letters, digits and '_.:@-'.",
+                "X-Request-Id",
+                "invalid_request_id",
+            )
         rid = request[CALLER].own(given)
         if rid is None:
-            raise bad_request(f"Invalid X-Request-Id: with this API key, at most {TENANT_ID_MAX} characters.",
-                              "X-Request-Id", "invalid_request_id")
+            raise bad_request(
+                f"Invalid X-Request-Id: with this API key, at most {TENANT_ID_MAX} characters.",
+                "X-Request-Id",
+                "invalid_request_id",
+            )
         request[RID] = given
         return rid, True
 
@@ -355,8 +401,9 @@ class Api:
         """In the cancelled handler itself: in-process readers of ``P:control`` (``fd serve``'s
         engine) hear of the abort now; the publish follows from its own task."""
         if self.bus.local_control:
-            ev = Abort(request_ids=request_ids, source="disconnect",
-                       abort_id=f"abort-{uuid.uuid4().hex[:16]}")
+            ev = Abort(
+                request_ids=request_ids, source="disconnect", abort_id=f"abort-{uuid.uuid4().hex[:16]}"
+            )
             self.bus.tell_local(self.bus.keys.control, ev)
             self._noticed[request_ids[0]] = ev
 
@@ -365,9 +412,12 @@ class Api:
         if ev is not None:
             await self.bus.publish(self.bus.keys.control, ev, tell_local=False)
         else:
-            await self.bus.publish(self.bus.keys.control,
-                                   Abort(request_ids=request_ids, source="disconnect",
-                                         abort_id=f"abort-{uuid.uuid4().hex[:16]}"))
+            await self.bus.publish(
+                self.bus.keys.control,
+                Abort(
+                    request_ids=request_ids, source="disconnect", abort_id=f"abort-{uuid.uuid4().hex[:16]}"
+                ),
+            )
         # fd_abort_requests_total is counted by the engine where the abort takes effect
         # (every engine reads every abort; exactly one owns the request).
         # their finals go unseen by this replica (a response of n choices: n requests)
@@ -389,34 +439,55 @@ class Api:
         prev = body.get("previous_response_id")
         if prev is not None:
             if not isinstance(prev, str) or not valid_request_id(prev):
-                raise bad_request("'previous_response_id' must be a response id.", "previous_response_id",
-                                  "invalid_value")
+                raise bad_request(
+                    "'previous_response_id' must be a response id.", "previous_response_id", "invalid_value"
+                )
             prev_rid, history = await story(self.bus, request[CALLER], prev)
             before = await self.bus.conversation(prev_rid) if history else None
             if before is None:
-                raise not_found(f"No stored response with id '{prev}' (never made here, made with "
-                                "store false, or expired).", "previous_response_id", "previous_response_not_found")
+                raise not_found(
+                    f"No stored response with id '{prev}' (never made here, made with "
+                    "store false, or expired).",
+                    "previous_response_id",
+                    "previous_response_not_found",
+                )
             if not any(isinstance(ev, Final) for _eid, ev in history):
-                raise bad_request(f"Response '{prev}' is still running.", "previous_response_id", "invalid_value")
+                raise bad_request(
+                    f"Response '{prev}' is still running.", "previous_response_id", "invalid_value"
+                )
             done = self._snapshot(prev, history)
             if done["status"] == "failed":
                 raise bad_request(f"Response '{prev}' failed.", "previous_response_id", "invalid_value")
-            body = body.replaced({"input": before + output_as_input(done["output"]) + input_items(body),
-                                  "previous_response_id": None})
+            body = body.replaced(
+                {
+                    "input": before + output_as_input(done["output"]) + input_items(body),
+                    "previous_response_id": None,
+                }
+            )
         store = protocol._opt(body, "store", protocol._is_bool, "a boolean", True)
-        return await self._generate(request, "responses", "resp", parse_responses, body=body,
-                                    keep=input_items(body) if store else None)
+        return await self._generate(
+            request,
+            "responses",
+            "resp",
+            parse_responses,
+            body=body,
+            keep=input_items(body) if store else None,
+        )
 
     async def embeddings(self, request: web.Request) -> web.Response:
         """OpenAI's embeddings (fd.api.embeddings)."""
         rid, created, req, vectors = await self._embed(request, parse_embeddings)
-        return _json(embedding_response(rid, created, req, [embedding_finish(v, req) for v in vectors]),
-                     headers={"X-Request-Id": rid})
+        return _json(
+            embedding_response(rid, created, req, [embedding_finish(v, req) for v in vectors]),
+            headers={"X-Request-Id": rid},
+        )
 
     async def score(self, request: web.Request) -> web.Response:
         """vLLM's ``/score`` over an embedding model: cosine similarities (fd.api.embeddings)."""
         rid, created, req, vectors = await self._embed(request, parse_score, "score")
-        return _json(score_response(rid, created, req, pair_scores(vectors, req)), headers={"X-Request-Id": rid})
+        return _json(
+            score_response(rid, created, req, pair_scores(vectors, req)), headers={"X-Request-Id": rid}
+        )
 
     async def rerank(self, request: web.Request) -> web.Response:
         """vLLM's ``/rerank`` (Jina's and Cohere's API) over an embedding model."""
@@ -446,22 +517,44 @@ class Api:
         watch = watch_of(request)
         now = time.time()
         created = int(now)
-        common = dict(api=self.cfg.api_id, endpoint="embeddings", model=req.model, created=created,
-                      tenant=request[CALLER].tag)
-        requests = [(Request(request_id=c, data=RequestData(
-                         prompt_token_ids=ids_, sampling=req.sampling, arrival_ts=int(now * 1000),
-                         model=req.model, api=self.cfg.api_id, parent=rid if many else "",
-                         priority=req.priority)),
-                     Accepted(request_id=c, prompt_tokens=len(ids_), **common,
-                              **(dict(parent=rid, index=k) if many else {})))
-                    for k, (c, ids_) in enumerate(zip(ids, req.inputs))]
+        common = dict(
+            api=self.cfg.api_id,
+            endpoint="embeddings",
+            model=req.model,
+            created=created,
+            tenant=request[CALLER].tag,
+        )
+        requests = [
+            (
+                Request(
+                    request_id=c,
+                    data=RequestData(
+                        prompt_token_ids=ids_,
+                        sampling=req.sampling,
+                        arrival_ts=int(now * 1000),
+                        model=req.model,
+                        api=self.cfg.api_id,
+                        parent=rid if many else "",
+                        priority=req.priority,
+                    ),
+                ),
+                Accepted(
+                    request_id=c,
+                    prompt_tokens=len(ids_),
+                    **common,
+                    **(dict(parent=rid, index=k) if many else {}),
+                ),
+            )
+            for k, (c, ids_) in enumerate(zip(ids, req.inputs))
+        ]
         subs = [await self.mux.subscribe(c, b"0") for c in ids]  # before submit: nothing missed
         try:
             watch.request_id = rid  # from here on a disconnect aborts them
             if many:
                 watch.abort_ids = ids
-                parent = Accepted(request_id=rid, choices=len(ids), n=1,
-                                  prompt_tokens=sum(map(len, req.inputs)), **common)
+                parent = Accepted(
+                    request_id=rid, choices=len(ids), n=1, prompt_tokens=sum(map(len, req.inputs)), **common
+                )
                 if not await self.bus.submit_choices(parent, requests):
                     raise id_taken(shown)
             else:
@@ -494,14 +587,24 @@ class Api:
                                 await self._publish_abort(rest, f"abort-{uuid.uuid4().hex[:16]}")
                             if ev.finish_reason == "error":
                                 raise protocol.final_error(ev)
-                            raise ApiError(503, f"Input {k} was aborted before its embedding was made.",
-                                           "server_error", None, "request_aborted")
+                            raise ApiError(
+                                503,
+                                f"Input {k} was aborted before its embedding was made.",
+                                "server_error",
+                                None,
+                                "request_aborted",
+                            )
                 if all(f is not None for f in finals):
                     missing = [k for k, v in enumerate(vectors) if v is None]
                     if missing:
-                        raise ApiError(500, f"The engine returned no embedding for input {missing[0]} (an "
-                                       "engine that cannot make embeddings?).", "server_error", None,
-                                       "engine_error")
+                        raise ApiError(
+                            500,
+                            f"The engine returned no embedding for input {missing[0]} (an "
+                            "engine that cannot make embeddings?).",
+                            "server_error",
+                            None,
+                            "engine_error",
+                        )
                     return vectors
         raise unavailable("The request's stream ended without a final event.")
 
@@ -519,12 +622,16 @@ class Api:
     async def load_lora_adapter(self, request: web.Request) -> web.Response:
         """vLLM's, on every engine (fd.api.lora_admin)."""
         taken = self._served | set(self.cfg.lora_modules)
-        return web.Response(text=await lora_admin.load(self.bus, await self._body(request), taken,
-                                                       self.runtime_loras))
+        return web.Response(
+            text=await lora_admin.load(self.bus, await self._body(request), taken, self.runtime_loras)
+        )
 
     async def unload_lora_adapter(self, request: web.Request) -> web.Response:
-        return web.Response(text=await lora_admin.unload(self.bus, await self._body(request),
-                                                         set(self.cfg.lora_modules), self.runtime_loras))
+        return web.Response(
+            text=await lora_admin.unload(
+                self.bus, await self._body(request), set(self.cfg.lora_modules), self.runtime_loras
+            )
+        )
 
     def _say_ignored(self, names: list[str], rid: str) -> None:
         """Fields of a request that nothing read, in the log (as vLLM's "present in the request
@@ -535,8 +642,11 @@ class Api:
             return
         if len(self._ignored_said) < IGNORED_NAMES:
             self._ignored_said.update(new)
-        log.warning("request fields ignored (not supported, or misspelt): %s", ", ".join(map(repr, new)),
-                    extra={"request_id": rid})
+        log.warning(
+            "request fields ignored (not supported, or misspelt): %s",
+            ", ".join(map(repr, new)),
+            extra={"request_id": rid},
+        )
 
     def redis_failed(self) -> None:
         """Remember that Redis just failed: until a quick ping succeeds again, new requests get
@@ -554,8 +664,15 @@ class Api:
             raise unavailable(f"The control plane (Redis) is unavailable: {e or type(e).__name__}") from None
         self._redis_suspect_until = 0.0
 
-    async def _generate(self, request: web.Request, endpoint: str, prefix: str, parse,
-                        body: protocol.Body | None = None, keep: list | None = None) -> web.StreamResponse:
+    async def _generate(
+        self,
+        request: web.Request,
+        endpoint: str,
+        prefix: str,
+        parse,
+        body: protocol.Body | None = None,
+        keep: list | None = None,
+    ) -> web.StreamResponse:
         """A generating request, from its body (read here unless given) to its answer. ``keep``:
         a Responses API conversation to store beside the story (``previous_response_id``)."""
         await self._check_redis()
@@ -581,17 +698,42 @@ class Api:
         try:
             watch.request_id = rid  # from here on a disconnect aborts it
             await self.bus.submit(
-                Request(request_id=rid, data=RequestData(
-                    prompt_token_ids=gen.prompt_token_ids, sampling=gen.sampling,
-                    arrival_ts=int(now * 1000), model=gen.model, api=self.cfg.api_id,
-                    background=gen.background, priority=gen.priority)),
-                Accepted(request_id=rid, api=self.cfg.api_id, prompt_tokens=len(gen.prompt_token_ids),
-                         endpoint=endpoint, model=gen.model, created=created,
-                         include_usage=gen.include_usage, continuous_usage=gen.continuous_usage or None,
-                         tenant=request[CALLER].tag,
-                         **gen.rendering(), **gen.prompt_ids_field(gen.prompt_token_ids), **_echo(gen, 0)))
-            renderer = self._renderer(shown, endpoint, gen.model, created, len(gen.prompt_token_ids),
-                                      gen.include_usage, gen.continuous_usage)
+                Request(
+                    request_id=rid,
+                    data=RequestData(
+                        prompt_token_ids=gen.prompt_token_ids,
+                        sampling=gen.sampling,
+                        arrival_ts=int(now * 1000),
+                        model=gen.model,
+                        api=self.cfg.api_id,
+                        background=gen.background,
+                        priority=gen.priority,
+                    ),
+                ),
+                Accepted(
+                    request_id=rid,
+                    api=self.cfg.api_id,
+                    prompt_tokens=len(gen.prompt_token_ids),
+                    endpoint=endpoint,
+                    model=gen.model,
+                    created=created,
+                    include_usage=gen.include_usage,
+                    continuous_usage=gen.continuous_usage or None,
+                    tenant=request[CALLER].tag,
+                    **gen.rendering(),
+                    **gen.prompt_ids_field(gen.prompt_token_ids),
+                    **_echo(gen, 0),
+                ),
+            )
+            renderer = self._renderer(
+                shown,
+                endpoint,
+                gen.model,
+                created,
+                len(gen.prompt_token_ids),
+                gen.include_usage,
+                gen.continuous_usage,
+            )
             timing = _Timing(self.metrics, arrival)
             if gen.stream:
                 return await self._stream(request, shown, self._events(sub), renderer, timing)
@@ -603,8 +745,15 @@ class Api:
         finally:
             await sub.close()
 
-    async def _generate_choices(self, request: web.Request, rid: str, explicit: bool, endpoint: str,
-                                gen: protocol.GenerationRequest, arrival: float) -> web.StreamResponse:
+    async def _generate_choices(
+        self,
+        request: web.Request,
+        rid: str,
+        explicit: bool,
+        endpoint: str,
+        gen: protocol.GenerationRequest,
+        arrival: float,
+    ) -> web.StreamResponse:
         """``n > 1``, or a completions batch: the response's choices run as requests
         ``<id>.<k>`` (``choice_ids``), each with its own story, its own engine slot and, given a
         seed, ``seed + j`` for a prompt's ``j``-th choice; their events are merged into one
@@ -618,25 +767,62 @@ class Api:
         now = time.time()
         created = int(now)
         n_prompt = sum(map(len, gen.prompts or (gen.prompt_token_ids,)))  # each prompt once
-        common = dict(api=self.cfg.api_id, endpoint=endpoint, model=gen.model, created=created,
-                      include_usage=gen.include_usage, continuous_usage=gen.continuous_usage or None,
-                      tenant=request[CALLER].tag, **gen.rendering())
+        common = dict(
+            api=self.cfg.api_id,
+            endpoint=endpoint,
+            model=gen.model,
+            created=created,
+            include_usage=gen.include_usage,
+            continuous_usage=gen.continuous_usage or None,
+            tenant=request[CALLER].tag,
+            **gen.rendering(),
+        )
         subs = [await self.mux.subscribe(c, b"0") for c in ids]  # before submit: nothing missed
         try:
             watch.request_id, watch.abort_ids = rid, ids  # from here on a disconnect aborts them
-            items = [(Request(request_id=c, data=RequestData(
-                          prompt_token_ids=prompt, sampling=sp, arrival_ts=int(now * 1000),
-                          model=gen.model, api=self.cfg.api_id, background=gen.background, parent=rid,
-                          priority=gen.priority)),
-                      Accepted(request_id=c, parent=rid, index=k, prompt_tokens=len(prompt), **common,
-                               **gen.prompt_ids_field(prompt), **_echo(gen, k // gen.n)))
-                     for k, (c, (prompt, sp)) in enumerate(zip(ids, plan))]
+            items = [
+                (
+                    Request(
+                        request_id=c,
+                        data=RequestData(
+                            prompt_token_ids=prompt,
+                            sampling=sp,
+                            arrival_ts=int(now * 1000),
+                            model=gen.model,
+                            api=self.cfg.api_id,
+                            background=gen.background,
+                            parent=rid,
+                            priority=gen.priority,
+                        ),
+                    ),
+                    Accepted(
+                        request_id=c,
+                        parent=rid,
+                        index=k,
+                        prompt_tokens=len(prompt),
+                        **common,
+                        **gen.prompt_ids_field(prompt),
+                        **_echo(gen, k // gen.n),
+                    ),
+                )
+                for k, (c, (prompt, sp)) in enumerate(zip(ids, plan))
+            ]
             parent = Accepted(request_id=rid, choices=len(ids), n=gen.n, prompt_tokens=n_prompt, **common)
             if not await self.bus.submit_choices(parent, items):
                 raise id_taken(shown)
-            choices = Choices(shown, len(ids), endpoint, gen.model, created, n_prompt,
-                              gen.include_usage, self._token_bytes, gen.continuous_usage,
-                              gen.n, request_ids=ids)
+            choices = Choices(
+                shown,
+                len(ids),
+                endpoint,
+                gen.model,
+                created,
+                n_prompt,
+                gen.include_usage,
+                self._token_bytes,
+                gen.continuous_usage,
+                gen.n,
+                request_ids=ids,
+            )
             timing = [_Timing(self.metrics, arrival) for _ in ids]  # latencies are each choice's
             if gen.stream:
                 resp = await self._stream(request, shown, self._merged(subs), choices, timing)
@@ -659,16 +845,20 @@ class Api:
         a client's own id) none taken."""
         ids = choice_ids(rid, n)
         if max(map(len, ids)) > 128:
-            raise bad_request(f"X-Request-Id is too long for {n} choices: each runs as "
-                              f"'<id>.<index>', at most 128 characters.", "X-Request-Id",
-                              "invalid_request_id")
+            raise bad_request(
+                f"X-Request-Id is too long for {n} choices: each runs as "
+                f"'<id>.<index>', at most 128 characters.",
+                "X-Request-Id",
+                "invalid_request_id",
+            )
         if explicit:
             owner = await self.bus.owner(rid)
             taken = [await self.bus.request_exists(r) for r in (rid, *ids)]
             # (an id whose abort overtook it is not a conflict, as for one choice)
             if not is_tombstone(owner) and (owner is not None or any(taken)):
-                raise conflict(f"A request with id '{shown}' (or one of its choices) already exists.",
-                               "X-Request-Id")
+                raise conflict(
+                    f"A request with id '{shown}' (or one of its choices) already exists.", "X-Request-Id"
+                )
         return ids
 
     async def _merged(self, subs: list) -> AsyncIterator[list[tuple[int, bytes, Any]] | None]:
@@ -695,15 +885,17 @@ class Api:
             except TimeoutError:
                 yield None
 
-    async def _collect_choices(self, rid: str, subs: list, choices: Choices,
-                               timing: list[_Timing], watch) -> web.Response:
+    async def _collect_choices(
+        self, rid: str, subs: list, choices: Choices, timing: list[_Timing], watch
+    ) -> web.Response:
         async with contextlib.aclosing(self._merged(subs)) as merged:
             async for batch in merged:
                 for k, _eid, ev in batch or ():
                     if isinstance(ev, Tokens):
                         timing[k].tokens(len(ev.token_ids))
-                        choices.add_tokens(k, ev.text, len(ev.token_ids), ev.token_ids, ev.logprobs,
-                                           ev.prompt_logprobs)
+                        choices.add_tokens(
+                            k, ev.text, len(ev.token_ids), ev.token_ids, ev.logprobs, ev.prompt_logprobs
+                        )
                     elif isinstance(ev, Accepted):
                         choices.parts[k].accept(ev)
                     elif isinstance(ev, Final):
@@ -737,15 +929,26 @@ class Api:
             elif sub.done:
                 return
 
-    def _renderer(self, rid: str, endpoint: str, model: str, created: int, prompt_tokens: int,
-                  include_usage: bool, continuous_usage: bool) -> protocol.Renderer | ResponsesRenderer:
+    def _renderer(
+        self,
+        rid: str,
+        endpoint: str,
+        model: str,
+        created: int,
+        prompt_tokens: int,
+        include_usage: bool,
+        continuous_usage: bool,
+    ) -> protocol.Renderer | ResponsesRenderer:
         """What renders a request's events, by the endpoint its ``accepted`` event names."""
         if endpoint == "responses":
             return ResponsesRenderer(rid, model, created, prompt_tokens, self._token_bytes)
-        return protocol.Renderer(rid, endpoint, model, created, prompt_tokens, include_usage,
-                                 self._token_bytes, continuous_usage)
+        return protocol.Renderer(
+            rid, endpoint, model, created, prompt_tokens, include_usage, self._token_bytes, continuous_usage
+        )
 
-    async def _collect(self, rid: str, sub, renderer: protocol.Renderer, timing: _Timing, watch) -> web.Response:
+    async def _collect(
+        self, rid: str, sub, renderer: protocol.Renderer, timing: _Timing, watch
+    ) -> web.Response:
         async for _eid, ev in sub:
             if isinstance(ev, Tokens):
                 timing.tokens(len(ev.token_ids))
@@ -758,15 +961,26 @@ class Api:
                 return _json(renderer.response(ev), headers={"X-Request-Id": rid})
         raise unavailable("The request's stream ended without a final event.")
 
-    async def _stream(self, request: web.Request, rid: str, events: AsyncIterator,
-                      renderer: protocol.Renderer | Choices,
-                      timing: _Timing | list[_Timing] | None, skip_until: Any = None) -> web.StreamResponse:
+    async def _stream(
+        self,
+        request: web.Request,
+        rid: str,
+        events: AsyncIterator,
+        renderer: protocol.Renderer | Choices,
+        timing: _Timing | list[_Timing] | None,
+        skip_until: Any = None,
+    ) -> web.StreamResponse:
         """Render events as SSE until the final. Entries at or before ``skip_until`` only update
         the renderer's state (a resume), the rest are written with their entry id. (A response
         of n choices: a :class:`Choices`, a timing and a ``skip_until`` per choice.)"""
-        resp = web.StreamResponse(headers={
-            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-            "X-Accel-Buffering": "no", "X-Request-Id": rid})
+        resp = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",
+                "X-Request-Id": rid,
+            }
+        )
         await resp.prepare(request)
         watch = watch_of(request)
         write = self._write_choice_events if isinstance(renderer, Choices) else self._write_events
@@ -775,8 +989,7 @@ class Api:
         await resp.write_eof()
         return resp
 
-    async def _write_choice_events(self, resp, events, choices: Choices, timing, skip_until,
-                                   watch) -> None:
+    async def _write_choice_events(self, resp, events, choices: Choices, timing, skip_until, watch) -> None:
         """:meth:`_write_events` for a response of n choices. A frame's ``id:`` is where every
         choice's stream stands (``choices_cursor``), so ``Last-Event-ID`` resumes them all."""
         n = len(choices.parts)
@@ -794,8 +1007,11 @@ class Api:
                 failed = isinstance(ev, Final) and ev.finish_reason == "error"
                 if (payload is not None or chunks) and entry_id_key(eid) > skip[k]:
                     cid = choices_cursor(cursor)
-                    out += [sse.json_frame(payload, cid)] if payload is not None else [
-                        sse.frame(c, cid) for c in chunks]
+                    out += (
+                        [sse.json_frame(payload, cid)]
+                        if payload is not None
+                        else [sse.frame(c, cid) for c in chunks]
+                    )
                 if failed or choices.done:
                     break
             if failed or choices.done:
@@ -841,7 +1057,9 @@ class Api:
             if done:
                 break
         else:
-            await resp.write(sse.frame(unavailable("The request's stream ended without a final event.").body()))
+            await resp.write(
+                sse.frame(unavailable("The request's stream ended without a final event.").body())
+            )
 
     # ------------------------------------------------------------------ replay / resume
 
@@ -858,11 +1076,16 @@ class Api:
         asked = request.query.get("include_usage")
         rid, history = await story(self.bus, request[CALLER], shown)  # (another tenant's: none)
         if not history:
-            raise not_found(f"No request with id '{shown}' (never accepted, or expired).", "id", "request_not_found")
+            raise not_found(
+                f"No request with id '{shown}' (never accepted, or expired).", "id", "request_not_found"
+            )
         first = history[0][1]
         if isinstance(first, Accepted) and first.endpoint == "embeddings":
-            raise bad_request(f"Request '{shown}' is an embeddings request: its answer is not a stream.",
-                              "id", "invalid_value")
+            raise bad_request(
+                f"Request '{shown}' is an embeddings request: its answer is not a stream.",
+                "id",
+                "invalid_value",
+            )
         if asked is not None:
             iu = asked.lower() not in ("0", "false", "no")
         else:
@@ -876,12 +1099,21 @@ class Api:
             else:
                 skip = entry_id_key(last) if last else None
         except ValueError:
-            raise bad_request("Last-Event-ID is not an id this request's stream sent.", "Last-Event-ID") from None
+            raise bad_request(
+                "Last-Event-ID is not an id this request's stream sent.", "Last-Event-ID"
+            ) from None
         if n and n > 1:
             return await self._replay_choices(request, rid, first, iu, skip)
         if isinstance(first, Accepted):
-            renderer = self._renderer(shown, first.endpoint or "completion", first.model, first.created,
-                                      first.prompt_tokens, iu, bool(first.continuous_usage))
+            renderer = self._renderer(
+                shown,
+                first.endpoint or "completion",
+                first.model,
+                first.created,
+                first.prompt_tokens,
+                iu,
+                bool(first.continuous_usage),
+            )
         else:  # an abort overtook the request: its whole story is the abort (no `accepted`)
             renderer = protocol.Renderer(shown, "completion", self.cfg.model_name, first.ts // 1000, 0, iu)
         return await self._stream(request, shown, self._story_then_live(rid, history), renderer, None, skip)
@@ -898,17 +1130,35 @@ class Api:
         finally:
             await sub.close()
 
-    async def _replay_choices(self, request: web.Request, rid: str, first: Accepted, include_usage: bool,
-                              skip: list[tuple[int, int]] | None) -> web.StreamResponse:
+    async def _replay_choices(
+        self,
+        request: web.Request,
+        rid: str,
+        first: Accepted,
+        include_usage: bool,
+        skip: list[tuple[int, int]] | None,
+    ) -> web.StreamResponse:
         """:meth:`stream_request` of a response of n choices: their streams, merged again."""
         shown = request[RID]
         ids = choice_ids(rid, first.choices)
         for k, c in enumerate(ids):
             if not await self.bus.request_exists(c):
-                raise not_found(f"Choice '{shown}.{k}' of request '{shown}' has expired.", "id", "request_not_found")
-        choices = Choices(shown, first.choices, first.endpoint or "completion", first.model,
-                          first.created, first.prompt_tokens, include_usage, self._token_bytes,
-                          bool(first.continuous_usage), first.n, request_ids=ids)
+                raise not_found(
+                    f"Choice '{shown}.{k}' of request '{shown}' has expired.", "id", "request_not_found"
+                )
+        choices = Choices(
+            shown,
+            first.choices,
+            first.endpoint or "completion",
+            first.model,
+            first.created,
+            first.prompt_tokens,
+            include_usage,
+            self._token_bytes,
+            bool(first.continuous_usage),
+            first.n,
+            request_ids=ids,
+        )
         subs = [await self.mux.subscribe(c, b"0") for c in choices.request_ids]
         try:
             return await self._stream(request, shown, self._merged(subs), choices, None, skip)
@@ -930,25 +1180,43 @@ class Api:
             if not math.isfinite(timeout) or timeout < 0:
                 raise bad_request("'wait' must be a number of seconds.", "wait", "invalid_value")
             timeout = min(timeout, MAX_WAIT_S)
-        body = parse_abort(await self._body(request), valid_request_id,
-                           valid_engine_id, MAX_IDS_PER_ABORT, all_valid_request_ids)
+        body = parse_abort(
+            await self._body(request),
+            valid_request_id,
+            valid_engine_id,
+            MAX_IDS_PER_ABORT,
+            all_valid_request_ids,
+        )
         abort_id = f"abort-{uuid.uuid4().hex[:16]}"
         caller = request[CALLER]
         if body.abort_all:
             if not caller.admin:  # (every tenant's requests)
                 raise unauthorized("abort_all needs the admin key (Authorization: Bearer <admin key>).")
-            await self.bus.publish(self.bus.keys.control,
-                                   AbortAll(engine=body.engine, source="http", abort_id=abort_id))
-            return _json({"abort_id": abort_id, "abort_all": True, "engine": body.engine,
-                          "accepted": [], "rejected": []})
+            await self.bus.publish(
+                self.bus.keys.control, AbortAll(engine=body.engine, source="http", abort_id=abort_id)
+            )
+            return _json(
+                {
+                    "abort_id": abort_id,
+                    "abort_all": True,
+                    "engine": body.engine,
+                    "accepted": [],
+                    "rejected": [],
+                }
+            )
         # a tenant aborts its own requests; any other id is aborted where an unknown id would
         # be, in its own space, so the answer is the same as for one
         targets = await abort_targets(self.bus, caller, body.request_ids)
         await self._publish_abort(tuple(t for t in targets if t is not None), abort_id)
         if timeout is not None:
             return _json(await self._wait_final(tuple(targets), timeout, body.request_ids))
-        return _json({"abort_id": abort_id, "accepted": list(body.request_ids),
-                      "rejected": [{"request_id": r, "reason": why} for r, why in body.rejected]})
+        return _json(
+            {
+                "abort_id": abort_id,
+                "accepted": list(body.request_ids),
+                "rejected": [{"request_id": r, "reason": why} for r, why in body.rejected],
+            }
+        )
 
     # ------------------------------------------------------------------ stored responses
 
@@ -963,8 +1231,9 @@ class Api:
         rid, history = await story(self.bus, request[CALLER], shown)
         first = history[0][1] if history else None
         if not isinstance(first, Accepted) or first.endpoint != "responses":
-            raise not_found(f"No response with id '{shown}' (never made here, or expired).", "id",
-                            "response_not_found")
+            raise not_found(
+                f"No response with id '{shown}' (never made here, or expired).", "id", "response_not_found"
+            )
         return rid, shown, history
 
     def _response_renderer(self, rid: str, first: Accepted) -> ResponsesRenderer:
@@ -997,8 +1266,9 @@ class Api:
             try:
                 renderer.starting_after = int(after)
             except ValueError:
-                raise bad_request("'starting_after' must be a sequence number.", "starting_after",
-                                  "invalid_value") from None
+                raise bad_request(
+                    "'starting_after' must be a sequence number.", "starting_after", "invalid_value"
+                ) from None
         return await self._stream(request, shown, self._story_then_live(rid, history), renderer, None, None)
 
     async def response_input_items(self, request: web.Request) -> web.Response:
@@ -1007,8 +1277,11 @@ class Api:
         rid, shown, _history = await self._response_story(request)
         items = await self.bus.conversation(rid)
         if items is None:
-            raise not_found(f"Response '{shown}' was made with store false, or its input expired.", "id",
-                            "response_not_found")
+            raise not_found(
+                f"Response '{shown}' was made with store false, or its input expired.",
+                "id",
+                "response_not_found",
+            )
         return _json({"object": "list", "data": items, "has_more": False}, headers={"X-Request-Id": shown})
 
     async def cancel_response(self, request: web.Request) -> web.Response:
@@ -1051,8 +1324,9 @@ class Api:
         else:
             await self.bus.publish_many(events)
 
-    async def _wait_final(self, ids: tuple[str | None, ...], timeout: float,
-                          shown: tuple[str, ...] | None = None) -> dict:
+    async def _wait_final(
+        self, ids: tuple[str | None, ...], timeout: float, shown: tuple[str, ...] | None = None
+    ) -> dict:
         """The pre-refactor answer: which requests reached their final within ``timeout``,
         named as the client named them (``shown``; by default the log's ids). None: no
         request's (a tenant's id too long for its space)."""
@@ -1072,8 +1346,9 @@ class Api:
                 if any(f is None for f in finals):
                     return None
                 n = sum(int((f.usage or {}).get("completion_tokens") or 0) for f in finals)
-                return Final(request_id=rid, finish_reason=finals[0].finish_reason,
-                             usage={"completion_tokens": n})
+                return Final(
+                    request_id=rid, finish_reason=finals[0].finish_reason, usage={"completion_tokens": n}
+                )
             for _eid, ev in history:
                 if isinstance(ev, Final):
                     return ev
@@ -1105,13 +1380,24 @@ class Api:
         return _json(self._openapi)
 
     def _model_cards(self) -> list[dict[str, Any]]:
-        cards = [{"id": name, "object": "model", "created": self.started, "owned_by": "fd",
-                  "root": self.cfg.model_name, "parent": None, "max_model_len": self.cfg.max_model_len}
-                 for name in (self.cfg.model_name, *self.cfg.model_aliases)]
+        cards = [
+            {
+                "id": name,
+                "object": "model",
+                "created": self.started,
+                "owned_by": "fd",
+                "root": self.cfg.model_name,
+                "parent": None,
+                "max_model_len": self.cfg.max_model_len,
+            }
+            for name in (self.cfg.model_name, *self.cfg.model_aliases)
+        ]
         # each LoRA adapter as vLLM lists it: its path as root, the base as parent
         adapters = {**self.cfg.lora_modules, **self.runtime_loras.names}
-        return cards + [{**cards[0], "id": name, "root": path, "parent": self.cfg.model_name}
-                        for name, path in adapters.items()]
+        return cards + [
+            {**cards[0], "id": name, "root": path, "parent": self.cfg.model_name}
+            for name, path in adapters.items()
+        ]
 
     async def models(self, request: web.Request) -> web.Response:
         await self.runtime_loras.refresh()
@@ -1172,13 +1458,20 @@ def make_app(cfg: ApiConfig, bus: Bus, mux: StreamMux, tokenizer, metrics: Metri
     middlewares = [_errors, api.auth]
     if cfg.cors is not None:
         middlewares.insert(0, _preflight(cfg.cors))
-    app = web.Application(middlewares=middlewares, client_max_size=cfg.max_body_bytes + 1,
-                          handler_args={"handler_cancellation": True})
+    app = web.Application(
+        middlewares=middlewares,
+        client_max_size=cfg.max_body_bytes + 1,
+        handler_args={"handler_cancellation": True},
+    )
     if cfg.cors is not None:
         app.on_response_prepare.append(_cors_headers(cfg.cors))
     app[API_KEY] = api
-    generating = {"/v1/chat/completions": api.chat, "/v1/completions": api.completions,
-                  "/v1/responses": api.responses, "/v1/embeddings": api.embeddings}
+    generating = {
+        "/v1/chat/completions": api.chat,
+        "/v1/completions": api.completions,
+        "/v1/responses": api.responses,
+        "/v1/embeddings": api.embeddings,
+    }
     # vLLM's scoring routes, by each name it serves them under
     generating.update({path: api.score for path in ("/score", "/v1/score")})
     generating.update({path: api.rerank for path in ("/rerank", "/v1/rerank", "/v2/rerank")})

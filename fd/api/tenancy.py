@@ -135,7 +135,7 @@ async def abort_targets(bus: Bus, caller: Caller, ids: Sequence[str]) -> list[st
     firsts = await bus.first_events(spaced + list(ids))
     in_space = dict(zip(spaced, firsts))
     out: list[str | None] = []
-    for rid, m, first in zip(ids, mine, firsts[len(spaced):]):
+    for rid, m, first in zip(ids, mine, firsts[len(spaced) :]):
         if m is not None and in_space[m] is not None:
             out.append(m)
         elif caller.owns(first):

@@ -87,16 +87,16 @@ class HermesParser:
                 i = self._buf.find(OPEN)
                 if i < 0:
                     keep = held_prefix(self._buf, OPEN)
-                    self._emit_text(out, self._buf[:len(self._buf) - keep])
-                    self._buf = self._buf[len(self._buf) - keep:]
+                    self._emit_text(out, self._buf[: len(self._buf) - keep])
+                    self._buf = self._buf[len(self._buf) - keep :]
                     return out
                 self._emit_text(out, self._buf[:i])
-                self._buf = self._buf[i + len(OPEN):]
+                self._buf = self._buf[i + len(OPEN) :]
                 self._in_call = True
             j = self._buf.find(CLOSE)
             if j < 0:
                 return out
-            body, self._buf = self._buf[:j], self._buf[j + len(CLOSE):]
+            body, self._buf = self._buf[:j], self._buf[j + len(CLOSE) :]
             self._in_call = False
             self._emit_call(out, body, OPEN + body + CLOSE)
 
@@ -216,7 +216,7 @@ class MistralParser:
             self._calls, self._buf = True, text[i:]
             return [text[:i]] if i else []
         keep = held_prefix(text, TOOL_CALLS)
-        out, self._buf = text[:len(text) - keep], text[len(text) - keep:]
+        out, self._buf = text[: len(text) - keep], text[len(text) - keep :]
         return [out] if out else []
 
     def finish(self) -> list[str | ToolCall]:
@@ -246,7 +246,7 @@ def _mistral_calls(text: str) -> list[ToolCall] | None:
         if ARGS in part:
             name, args = part.split(ARGS, 1)
         elif "{" in part:
-            name, args = part[:part.index("{")], part[part.index("{"):]
+            name, args = part[: part.index("{")], part[part.index("{") :]
         else:
             return None
         name = name.split(CALL_ID, 1)[0].strip()
@@ -264,9 +264,9 @@ def _pythonic_calls(text: str) -> list[ToolCall] | None:
     """``[f(a=1), g()]`` as calls; None if it is not that (read by ``ast``, never run)."""
     text = text.strip()
     if text.startswith(PYTHON_START):
-        text = text[len(PYTHON_START):]
+        text = text[len(PYTHON_START) :]
     if text.endswith(PYTHON_END):
-        text = text[:-len(PYTHON_END)]
+        text = text[: -len(PYTHON_END)]
     try:
         tree = ast.parse(text.strip(), mode="eval")
     except (SyntaxError, ValueError):
@@ -275,8 +275,12 @@ def _pythonic_calls(text: str) -> list[ToolCall] | None:
         return None
     calls = []
     for node in tree.body.elts:
-        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args
-                and all(k.arg is not None for k in node.keywords)):
+        if not (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and not node.args
+            and all(k.arg is not None for k in node.keywords)
+        ):
             return None
         try:
             args = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
@@ -293,7 +297,7 @@ def _json_calls(text: str) -> list[ToolCall] | None:
     """``{...}; {...}`` (after an optional ``<|python_tag|>``) as calls; None if it is not."""
     text = text.strip()
     if text.startswith(PYTHON_TAG):
-        text = text[len(PYTHON_TAG):]
+        text = text[len(PYTHON_TAG) :]
     decoder = json.JSONDecoder()
     calls, i = [], 0
     while True:
@@ -328,8 +332,7 @@ def parse_all(text: str, name: str = "hermes") -> tuple[str, list[ToolCall]]:
     """A whole text's content and calls (a response that is not streamed)."""
     p = make_parser(name)
     items = p.feed(text) + p.finish()
-    return ("".join(x for x in items if isinstance(x, str)),
-            [x for x in items if isinstance(x, ToolCall)])
+    return ("".join(x for x in items if isinstance(x, str)), [x for x in items if isinstance(x, ToolCall)])
 
 
 def forced_spec(mode: str, tools: list[dict], parallel: bool = True) -> dict | None:
@@ -337,17 +340,32 @@ def forced_spec(mode: str, tools: list[dict], parallel: bool = True) -> dict | N
     a named function's arguments (its parameters' schema), or for ``required`` a list of
     ``{"name", "parameters"}`` objects, one of the tools each (vLLM's forms); just one with
     ``parallel_tool_calls: false``."""
+
     def params(t: dict) -> dict:
         return t["function"].get("parameters") or {"type": "object"}
 
     if mode.startswith("named:"):
-        name = mode[len("named:"):]
+        name = mode[len("named:") :]
         return {"json": next(params(t) for t in tools if t["function"]["name"] == name)}
     if mode == "required":
-        return {"json": {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}), "items": {"anyOf": [
-            {"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-             "properties": {"name": {"const": t["function"]["name"]}, "parameters": params(t)}}
-            for t in tools]}}}
+        return {
+            "json": {
+                "type": "array",
+                "minItems": 1,
+                **({} if parallel else {"maxItems": 1}),
+                "items": {
+                    "anyOf": [
+                        {
+                            "type": "object",
+                            "additionalProperties": False,
+                            "required": ["name", "parameters"],
+                            "properties": {"name": {"const": t["function"]["name"]}, "parameters": params(t)},
+                        }
+                        for t in tools
+                    ]
+                },
+            }
+        }
     return None
 
 
@@ -359,7 +377,9 @@ def forced_calls(mode: str, text: str) -> list[ToolCall] | None:
     except ValueError:
         return None
     if mode.startswith("named:"):
-        return [ToolCall(mode[len("named:"):], text.strip())] if isinstance(obj, dict) else None
-    if not isinstance(obj, list) or not all(isinstance(x, dict) and isinstance(x.get("name"), str) for x in obj):
+        return [ToolCall(mode[len("named:") :], text.strip())] if isinstance(obj, dict) else None
+    if not isinstance(obj, list) or not all(
+        isinstance(x, dict) and isinstance(x.get("name"), str) for x in obj
+    ):
         return None
     return [ToolCall(x["name"], json.dumps(x.get("parameters", {}), ensure_ascii=False)) for x in obj]
