@@ -103,10 +103,6 @@ TOMBSTONE_BATCH = 8
 CLAIM_POLL_S = 0.01
 
 
-#: Events a step's publish sends to the embedded server between two looks at the sockets.
-FLUSH_CHUNK = 32
-
-
 class Runner(Protocol):
     num_blocks: int
     eos_token_ids: tuple[int, ...]
@@ -256,20 +252,11 @@ class EngineNode:
         self._arrived = False
         self._idle: asyncio.Future | None = None  # the step loop waits for an arrival on it
         self._last_claim = 0.0
-        self._resume_first = False  # the step loop's next wake-up goes first (see _step_loop)
-        # The embedded server's in-process client: a publish runs on this loop, no round trip
-        self._direct = getattr(bus.redis, "fd_append", None) is not None
         # Steps handed to the runner whose results are not folded in yet, oldest first.
         self._flying: deque[tuple[SchedulerOutput, asyncio.Future, float]] = deque()
         self._task: asyncio.Task | None = None
         self._reader_fd: int | None = None  # a worker's pipe, read by this loop
         self._replies_due: deque[asyncio.Future] = deque()  # its steps, oldest first
-        self._applied_step = -1
-        # In fd serve: the newest step whose tokens the API in this process has read. The
-        # step loop jumps the event loop's line (fd.eventloop) only while that keeps up, so
-        # the engine never runs ahead of what clients are shown (which would also hide their
-        # hang-ups).
-        self.delivered_step: Callable[[], int] | None = None
         self._stopping = False
         self._draining = False
         self._drain_deadline: float | None = None
@@ -308,17 +295,13 @@ class EngineNode:
         cursor = self._cursor
         loop = asyncio.get_running_loop()
         self._task = asyncio.current_task()
-        prioritize = getattr(loop, "prioritize", None)
-        if prioritize is not None:  # fd serve's loop (fd.eventloop): first when the model waits
-            prioritize(self._task, self._urgent)
         reads = hasattr(self.runner, "take_ready") and hasattr(self.runner, "fileno")
         if reads:
             # A worker process's replies are read by this loop when its pipe is readable: no
             # thread to wake and hand the GIL back and forth with (that hand-off cost up to
             # ~2 ms a step on a busy box, between the worker's end of a step and this loop).
             self._reader_fd = self.runner.fileno()
-            # (fd serve's loop runs it ahead of what is ready: fd.eventloop)
-            getattr(loop, "add_urgent_reader", loop.add_reader)(self._reader_fd, self._on_replies)
+            loop.add_reader(self._reader_fd, self._on_replies)
         elif hasattr(self.runner, "drop"):
 
             def on_skipped(step: int, rids: list[str]) -> None:  # on the step thread
@@ -413,37 +396,10 @@ class EngineNode:
 
     # ------------------------------------------------------------------ step loop
 
-    def _urgent(self) -> bool:
-        """Every step handed to the runner has finished (it waits for this loop), and either
-        requests wait to be claimed or the clients have been shown the last step's tokens.
-
-        An idle engine with requests just announced claims at once, though more of a burst is
-        still coming in: the model computes the first prompts while the API takes in the rest
-        (fd serve's loop runs a burst's ingress ahead of other work, fd.eventloop), and the
-        rest join the next step. Waiting for the whole burst instead left the model idle for
-        the ~7 ms that 32 requests take to come in."""
-        if self._resume_first:  # (a look at the sockets between two steps: back at once)
-            self._resume_first = False
-            return True
-        if not all(fut.done() for _, fut, _ in self._flying):
-            return False
-        delivered = self.delivered_step
-        return self._arrived or delivered is None or delivered() >= self._applied_step
-
     async def _step_loop(self) -> None:
         loop = asyncio.get_running_loop()
         depth = self.sched.config.max_steps_in_flight
         flying = self._flying
-        io_turn = getattr(loop, "io_turn", None)  # fd serve's loop (fd.eventloop)
-        look: Callable[[], Awaitable[None]] | None = None
-        if io_turn is not None:
-
-            async def look_at_sockets() -> None:
-                """One look at the sockets, their callbacks, then straight back here."""
-                self._resume_first = True
-                await io_turn()
-
-            look = look_at_sockets
         # Runs while steps are in flight, even when stopping: a step's result is never left
         # behind (its tokens are published, its aborts drained).
         while flying or not self._stopping:
@@ -497,16 +453,9 @@ class EngineNode:
             # round trip), take new work.
             done, fut, t0 = flying[0]
             try:
-                await self._flush(look)
+                await self._flush()
                 if not claimed and await self._claim(block=False):
                     await self._flush()  # their `claimed` now, not after this step
-                if fut.done() and look is not None:
-                    # Its result is in already: without this the loop would go straight on to
-                    # the next step's work and its publish, and the sockets (a hang-up) would
-                    # wait for both (at 128 streams ~4 ms in one go). One look at them first,
-                    # then straight back here, ahead of the turn's queued token writes (queued
-                    # behind them, the runner went idle: -4% tokens/s at 128 streams).
-                    await look()
             finally:
                 result = await fut  # never leave the step's result behind, even when stopping
             flying.popleft()
@@ -569,7 +518,6 @@ class EngineNode:
             result = work.result()
             fut.set_result(result)
             self._finished(result.step, result.ran)
-        self._hurry_if_urgent(fut.get_loop())
 
     def _on_replies(self) -> None:
         """The worker's pipe is readable: fold in what came, in order — a ``skipped`` note
@@ -600,8 +548,6 @@ class EngineNode:
                 self._lora_done(reply[1], reply[2])
             else:
                 self._on_skipped(reply[1], reply[2])
-        if replies:
-            self._hurry_if_urgent(asyncio.get_running_loop())
 
     def _finished(self, step: int, ran: tuple[int, int] | None = None) -> None:
         """A step's result is in. The loop folds it back when it gets to it, which can be
@@ -627,12 +573,6 @@ class EngineNode:
             last = out.step
         if last is not None:
             self._finished(last)
-
-    def _hurry_if_urgent(self, loop: asyncio.AbstractEventLoop) -> None:
-        if self._task is not None and self._urgent():
-            hurry = getattr(loop, "hurry", None)
-            if hurry is not None:  # the model has nothing left to run: this loop goes first
-                hurry(self._task)
 
     async def _await_arrival(self, loop: asyncio.AbstractEventLoop) -> None:
         """Idle, with an API in this process that says when it submits: wait for that (or
@@ -915,7 +855,6 @@ class EngineNode:
                 for j, e in enumerate(entries):
                     got.setdefault(first + j, e)
         evs = self.sched.update(out, result)
-        self._applied_step = out.step
         now = time.monotonic()
         progress = self._progress
         for ev in evs:
@@ -1381,11 +1320,8 @@ class EngineNode:
 
     def _flush_soon(self) -> None:
         """Publish what an abort just emitted from a task of its own, without waiting for the
-        step loop; fd serve's loop runs that task before the rest of the turn, so the stage
-        reaches the request's stream at once."""
-        loop = asyncio.get_running_loop()
-        urgent = getattr(loop, "create_urgent_task", None)
-        task = (urgent or loop.create_task)(self._flush_quietly())
+        step loop."""
+        task = asyncio.get_running_loop().create_task(self._flush_quietly())
         self._bg.add(task)
         task.add_done_callback(self._bg.discard)
 
@@ -1395,11 +1331,7 @@ class EngineNode:
         except _Stopped:
             pass
 
-    async def _flush(self, look: Callable[[], Awaitable[None]] | None = None) -> None:
-        """``look``: the step loop's look at the sockets, taken between chunks of a long
-        publish to the embedded server (which runs on this loop without a pause: at 128
-        streams a step's ~115 token events took 1.8 ms, and a hang-up in that time was heard
-        only after it)."""
+    async def _flush(self) -> None:
         # Both the step loop and the control loop flush (an abort noted mid-step is published
         # at once, not after the step). The lock keeps batches in the order they were made:
         # two pipelines on two pooled connections could otherwise overtake each other.
@@ -1417,13 +1349,6 @@ class EngineNode:
             ack, self._ack = self._ack, []
             done, self._untoken = self._untoken, []
             announced = set(self._unannounced)  # (their `claimed` is among the items)
-            if look is not None and len(items) > FLUSH_CHUNK and self._direct:
-                # What a hang-up heard in between emits goes to the next flush, after these:
-                # each request's events stay in order.
-                while len(items) > FLUSH_CHUNK:
-                    await self._publish(items[:FLUSH_CHUNK], (), ())
-                    items = items[FLUSH_CHUNK:]
-                    await look()
             await self._publish(items, expire, ack)
             for rid in done:  # their finals are out (or refused): nothing more is written
                 if rid not in self._entry and rid not in self._admitting:

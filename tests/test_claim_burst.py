@@ -1,4 +1,4 @@
-"""A burst of requests in ``fd serve``: what the engine claims, and when its turn comes.
+"""A burst of requests in ``fd serve``: what the engine claims.
 
 The engine there claims when its API says it submitted (``on_local_arrival``) and otherwise
 only every CLAIM_POLL_S. A claim is capped (``max_num_waiting``); what it left behind must be
@@ -38,23 +38,6 @@ async def test_a_capped_claim_leaves_the_rest_for_the_next_chance_not_the_poll(
         assert node.sched.num_waiting == 4 and node.sched.num_running == 16
         # and nothing more announced or queued: the next chance does not read again
         assert await node._claim(block=False) == 0 and not node._arrived
-    finally:
-        await node.bus.redis.aclose()
-        await node.control_bus.redis.aclose()
-
-
-async def test_an_idle_engine_is_urgent_once_a_request_is_announced(
-    embedded_redis, keys, tiny_runner, tiny_tokenizer
-):
-    """fd serve's loop runs the engine's turn first while it is urgent: idle with a request
-    announced, it is (the model must not wait while the rest of a burst comes in)."""
-    node = await _node(embedded_redis, keys, tiny_runner, tiny_tokenizer)
-    try:
-        assert node._urgent()  # idle, nothing announced: whatever wakes it goes first
-        node.on_local_arrival()
-        assert node._urgent()
-        assert await node._claim(block=False) == 0  # (nothing was really there)
-        assert node._urgent()
     finally:
         await node.bus.redis.aclose()
         await node.control_bus.redis.aclose()
