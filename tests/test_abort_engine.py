@@ -99,7 +99,12 @@ async def test_decoding_in_flight_abort_waits_for_the_step(real_bus, engines):
     assert released.count >= 1
     await _all_free(eng.node)
     # The blocks came back as the runner's result came in (the scheduler's `finished`), not
-    # when the loop folded that step in: in the journal, before that step's `update`.
+    # when the loop folded that step in: in the journal, before that step's `update`. (The
+    # final can reach the stream before that fold-in: wait for it, then read the journal.)
+    for _ in range(2000):
+        if not eng.node.sched.snapshot()["steps_in_flight"]:
+            break
+        await asyncio.sleep(0.002)
     await eng.node._flush()
     journal = await load_journal_from_redis(real_bus, "e0")
     report = replay(journal)
