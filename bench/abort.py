@@ -370,7 +370,7 @@ def main() -> None:
         "--serve-arg",
         action="append",
         default=[],
-        help="an extra argument for fd serve (repeat), e.g. --serve-arg=--fifo-loop",
+        help="an extra argument for fd serve (repeat), e.g. --serve-arg=--no-async-scheduling",
     )
     ap.add_argument(
         "--client",
