@@ -21,7 +21,6 @@ from typing import Any, AsyncIterator, Sequence
 import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
-from aiohttp.web_protocol import RequestPayloadError
 from redis.exceptions import RedisError
 
 from control.bus import Bus, MuxStopped, StreamMux, entry_id_key
@@ -357,7 +356,7 @@ class Api:
         while True:
             try:
                 chunk = await request.content.readany()
-            except RequestPayloadError as e:  # e.g. a Content-Encoding: gzip body that is not gzip
+            except web.RequestPayloadError as e:  # e.g. a Content-Encoding: gzip body that is not gzip
                 why = getattr(e.__cause__, "message", None) or "cannot decode it"
                 raise bad_request(f"Malformed request body: {why}.") from None
             if not chunk:
