@@ -7,7 +7,7 @@
    (closed loop, ``--rounds`` requests per stream), random ``--prompt-len``-token prompts,
    ``--max-tokens`` greedy tokens each (ignore_eos): output tok/s, TTFT p50, ITL p50; then
    the hang-up release: streams of ``--release-max-tokens`` tokens, each client hanging up
-   after ``--hang-after`` chunks, a poller reading running + waiting from /metrics every 5 ms
+   after ``--hang-after`` chunks (``--release-waves`` waves, each a chunk later), a poller reading running + waiting from /metrics every 5 ms
    (bench/abort.py's release wave), hang-up -> request released p50/p99.
 3. ``--peer-url URL`` (another OpenAI-compatible server, e.g. ``vllm serve`` on the same
    weights, already running): the same workload against it, with its gauges
@@ -185,23 +185,32 @@ async def serve_run(base: str, args, names, model_name: str | None, tag: str, vo
         )
     release = []
     for c in args.streams:
-        r = await release_wave(
-            base,
-            c,
-            args.release_max_tokens,
-            args.hang_after,
-            seed=c,
-            tag=f"{tag}-rel-{c}",
-            names=names,
-            vocab=vocab,
-        )
+        # The hang-ups of one wave land together, at one point of a step: a wave is about one
+        # sample of where in a step a hang-up falls. Waves that hang up one chunk apart
+        # sample several such points, so the p50 and p99 are of a spread, not of luck.
+        lat, unmatched, errors = [], 0, []
+        for w in range(args.release_waves):
+            r = await release_wave(
+                base,
+                c,
+                args.release_max_tokens,
+                args.hang_after + w,
+                seed=c * 1000 + w,
+                tag=f"{tag}-rel-{c}-{w}",
+                names=names,
+                vocab=vocab,
+            )
+            lat += r["latency"]
+            unmatched += r["unmatched"]
+            errors += r["errors"]
         release.append(
             {
                 "streams": c,
-                "release_ms_p50": p50(r["latency"]) * MS if r["latency"] else None,
-                "release_ms_p99": p99(r["latency"]) * MS if r["latency"] else None,
-                "unmatched": r["unmatched"],
-                "errors": r["errors"],
+                "release_ms_p50": p50(lat) * MS if lat else None,
+                "release_ms_p99": p99(lat) * MS if lat else None,
+                "samples": len(lat),
+                "unmatched": unmatched,
+                "errors": errors[:3],
             }
         )
     return {"levels": levels, "release": release}
@@ -222,6 +231,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20, help="decode steps per batch (the engine alone)")
     ap.add_argument("--release-max-tokens", type=int, default=900)
     ap.add_argument("--hang-after", type=int, default=10)
+    ap.add_argument(
+        "--release-waves",
+        type=int,
+        default=5,
+        help="hang-up waves per level, each one chunk later than the last (their latencies pooled)",
+    )
     ap.add_argument("--batch-invariant", action="store_true", help="fd with --batch-invariant")
     ap.add_argument("--serve-extra", default="", help="more fd serve flags (one string)")
     ap.add_argument("--peer-url", default=None, help="another OpenAI-compatible server (e.g. vLLM)")

@@ -14,11 +14,17 @@ p50 at 32 streams 6.6 against 5.8 ms (bench/README.md, session 5). Waking the ot
 through an eventfd instead (no synchronous hint) was tried and reverted: the woken side then
 went to the idle core, whose wake-up on this VM cost more (1 stream: -6% tokens/s).
 
-``auto`` gives the worker the last CPU this process may use and keeps the rest for the
-engine's process (with at least two): the default of ``fd serve``, which runs one engine.
-A list (``3``, ``2-3``, ``0,4-5``) gives the worker those; ``none`` (the default of
-``fd engine``) leaves placement to the kernel: several engines on one machine need a list
-each, since ``auto`` would give every worker the same CPU.
+``auto`` on two CPUs gives the worker both and the engine's process both, the worker at a
+lower priority (nice +10): a decode step's GEMMs stream every weight from memory, and two
+cores stream ~1.7x what one does (SmolLM2-135M on this project's Intel VM: 22 against 13
+tokens/s at one stream, 90 against 65 at eight); the lower priority lets the engine's process,
+which wakes for every request, token and hang-up, preempt the worker at once instead of waiting
+for its time slice beside two busy MKL threads. On three or more CPUs the worker gets all but
+the first, which the engine's process keeps (as vLLM keeps a CPU for its API server; not
+measured here, where every machine has two). A list (``3``, ``2-3``, ``0,4-5``) gives the worker
+those (at nice +10 where they include every CPU the process keeps); ``none`` (the default of
+``fd engine``) leaves placement to the kernel: several engines on one machine need a list each,
+since ``auto`` would give every worker the same CPUs.
 """
 
 from __future__ import annotations
@@ -30,10 +36,15 @@ from dataclasses import dataclass
 log = logging.getLogger("fd.engine")
 
 
+#: The model worker's niceness where it shares its CPUs with the engine's process.
+SHARED_WORKER_NICE = 10
+
+
 @dataclass(frozen=True)
 class CpuPlan:
     worker: frozenset[int]  # the model worker process's CPUs
     rest: frozenset[int]  # everything else in the engine's process
+    worker_nice: int = 0  # added to the worker's niceness (os.nice)
 
 
 def parse_cpus(spec: str) -> set[int]:
@@ -66,7 +77,7 @@ def plan(spec: str, allowed: set[int] | None = None) -> CpuPlan | None:
     if spec == "auto":
         if len(allowed) < 2:
             return None
-        worker = {max(allowed)}
+        worker = allowed if len(allowed) == 2 else allowed - {min(allowed)}
     else:
         worker = parse_cpus(spec)
         if not worker <= allowed:
@@ -75,17 +86,22 @@ def plan(spec: str, allowed: set[int] | None = None) -> CpuPlan | None:
                 f"among this process's CPUs {sorted(allowed)}"
             )
     rest = allowed - worker or allowed  # (the worker given them all: the process keeps them too)
-    return CpuPlan(frozenset(worker), frozenset(rest))
+    return CpuPlan(frozenset(worker), frozenset(rest), SHARED_WORKER_NICE if worker & rest else 0)
 
 
 def apply_rest(cpu_plan: CpuPlan) -> None:
     """This process (the engine's, its worker started) onto the plan's other CPUs, said once."""
     pin_this_process(cpu_plan.rest)
     log.info(
-        "model worker on CPUs %s, this process on CPUs %s",
+        "model worker on CPUs %s%s, this process on CPUs %s",
         _cpu_list(cpu_plan.worker),
+        f" at nice +{cpu_plan.worker_nice}" if cpu_plan.worker_nice else "",
         _cpu_list(cpu_plan.rest),
-        extra={"worker_cpus": sorted(cpu_plan.worker), "cpus": sorted(cpu_plan.rest)},
+        extra={
+            "worker_cpus": sorted(cpu_plan.worker),
+            "worker_nice": cpu_plan.worker_nice,
+            "cpus": sorted(cpu_plan.rest),
+        },
     )
 
 

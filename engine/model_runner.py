@@ -54,13 +54,13 @@ def _eos_token_ids(model_dir: str) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _packed(device: str, batch_invariant: bool) -> bool:
-    """Whether the model runs its GEMMs over weights packed once for MKL: on a CPU build that
-    ships it, unless batch-invariant (whose row padding is tuned to eager MKL's tiles,
-    engine/model/llama.py)."""
+def _gemms(device: str, batch_invariant: bool) -> str:
+    """Which GEMMs the model runs by default: on a CPU build with MKL's packed GEMMs, packed
+    or eager, whichever is faster on this machine (engine/model/packed_gemm.py), unless
+    batch-invariant (whose row padding is tuned to eager MKL's tiles, engine/model/llama.py)."""
     from engine.model import packed_gemm
 
-    return device == "cpu" and not batch_invariant and packed_gemm.available()
+    return "auto" if device == "cpu" and not batch_invariant and packed_gemm.available() else "eager"
 
 
 class ModelRunner:
@@ -77,7 +77,9 @@ class ModelRunner:
         progress: bool = False,
         lora_modules: dict[str, str] | None = None,
         max_lora_rank: int | None = None,
+        gemms: str | None = None,
     ):
+        """``gemms``: the model's GEMMs (engine/model/llama.py); None: the device's default."""
         pin_thresholds()  # step buffers on the heap, not fresh mmaps (engine/malloc.py)
         paddle.set_device(device)
         self.device = device
@@ -86,7 +88,7 @@ class ModelRunner:
             device,
             progress=progress,
             batch_invariant=batch_invariant,
-            packed=_packed(device, batch_invariant),
+            gemms=gemms or _gemms(device, batch_invariant),
         )
         self.block_size = block_size
         if num_blocks is None:
@@ -94,6 +96,12 @@ class ModelRunner:
             num_blocks = max(1, budget // self.model.kv_bytes_per_block(block_size))
         self.num_blocks = int(num_blocks)
         self.model.allocate_kv_cache(self.num_blocks, block_size)
+        log.info(
+            "model GEMMs: %s on %d thread(s)",
+            self.model.gemms,
+            len(os.sched_getaffinity(0)),
+            extra={"gemms": self.model.gemms},
+        )
         self.eos_token_ids = _eos_token_ids(model_dir)
         self.max_model_len = self.model.cfg.max_position_embeddings
         self.vocab_size = self.model.cfg.vocab_size

@@ -17,6 +17,7 @@ import multiprocessing as mp
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections import deque
@@ -109,7 +110,73 @@ class _StepDecoder:
         )
 
 
-def _worker_main(conn, model_dir: str, kwargs: dict[str, Any], cpus: frozenset[int] | None = None) -> None:
+class _Inbox:
+    """The worker's end of the pipe, read by a thread of its own while a step runs.
+
+    An abort's ``drop`` takes its requests out of the steps queued here at once and says so
+    (``skipped``) at once: their blocks go back when the running step ends, not when the step
+    queued behind it starts (a whole step later, which is where a client that hangs up just
+    after a token, as clients do, found itself). The running step is not touched: its tokens
+    for them are dropped by the engine. Steps, warm-ups and LoRA loads are taken in the order
+    sent; replies from both threads go through :meth:`send`, one at a time.
+    """
+
+    def __init__(self, conn) -> None:
+        self._conn = conn
+        self._queue: deque = deque()  # received, not yet started; None: the pipe closed
+        self._ready = threading.Condition()
+        self._send = threading.Lock()
+        self._steps = _StepDecoder()  # (decoded as they arrive: the parameter table stays in order)
+        threading.Thread(target=self._read, name="fd-worker-inbox", daemon=True).start()
+
+    def get(self) -> Any:
+        """The next message to act on (blocks); None once the pipe has closed."""
+        with self._ready:
+            while not self._queue:
+                self._ready.wait()
+            return self._queue.popleft()
+
+    def send(self, reply: Any) -> None:
+        with self._send:
+            try:
+                self._conn.send(reply)
+            except (BrokenPipeError, OSError):
+                pass  # the engine is gone: the reader sees the pipe close and stops the worker
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self._conn.recv()
+            except (EOFError, OSError):
+                msg = None
+            if isinstance(msg, tuple) and msg and msg[0] == "drop":
+                self._drop(msg[1], frozenset(msg[2]))
+                continue
+            if isinstance(msg, tuple) and msg and msg[0] == "step":
+                msg = self._steps.decode(msg)
+            with self._ready:
+                self._queue.append(msg)
+                self._ready.notify()
+            if msg is None:
+                return
+
+    def _drop(self, step: int, rids: frozenset[str]) -> None:
+        """Take ``rids`` out of every queued step up to ``step`` (every step that holds them
+        was sent before the drop, so one not queued has started or is done)."""
+        with self._ready:
+            for i, out in enumerate(self._queue):
+                if not isinstance(out, SchedulerOutput) or out.step > step:
+                    continue
+                left = [s.request_id for s in out.seqs if s.request_id in rids]
+                if left:
+                    self._queue[i] = replace(out, seqs=tuple(s for s in out.seqs if s.request_id not in rids))
+                    # (said under the lock: the step cannot start, and report, before its skip)
+                    self.send(("skipped", out.step, left))
+
+
+def _worker_main(
+    conn, model_dir: str, kwargs: dict[str, Any], cpus: frozenset[int] | None = None, nice: int = 0
+) -> None:
     # Ctrl-C reaches the whole process group; the worker stops when its engine closes the pipe.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if cpus:
@@ -117,6 +184,11 @@ def _worker_main(conn, model_dir: str, kwargs: dict[str, Any], cpus: frozenset[i
             os.sched_setaffinity(0, cpus)  # before paddle starts any thread (engine/affinity.py)
         except OSError as e:  # (a container that forbids it: run where the kernel puts us)
             print(f"fd model worker: could not pin to CPUs {sorted(cpus)}: {e}", file=sys.stderr)
+    if nice:
+        try:
+            os.nice(nice)  # (engine/affinity.py: the engine's process preempts a worker it shares CPUs with)
+        except OSError as e:
+            print(f"fd model worker: could not lower its priority by {nice}: {e}", file=sys.stderr)
     try:
         import engine  # noqa: F401  (its warning filters)
         from engine.model_runner import ModelRunner
@@ -140,36 +212,17 @@ def _worker_main(conn, model_dir: str, kwargs: dict[str, Any], cpus: frozenset[i
             },
         )
     )
-    queue: deque = deque()  # steps (and other requests) received, not yet run
-    drops: dict[str, int] = {}  # aborting request -> the last step it may be left out of
-    steps = _StepDecoder()
-
-    def take(msg) -> None:
-        if isinstance(msg, tuple) and msg and msg[0] == "drop":
-            _, step, rids = msg
-            for rid in rids:
-                drops[rid] = max(step, drops.get(rid, step))
-        elif isinstance(msg, tuple) and msg and msg[0] == "step":
-            queue.append(steps.decode(msg))  # decoded as it arrives: the table stays in order
-        else:
-            queue.append(msg)
+    inbox = _Inbox(conn)
 
     while True:
-        try:
-            if not queue:
-                take(conn.recv())
-                continue
-            while conn.poll():  # drops sent while the last step ran apply to the next one
-                take(conn.recv())
-        except (EOFError, OSError):
-            return
-        msg = queue.popleft()
+        msg = inbox.get()
         if msg is None:
             return
+        send = inbox.send
         try:
             if msg == "warmup":
                 runner.warmup()
-                conn.send(("ok", None, 0.0))
+                send(("ok", None, 0.0))
                 continue
             if isinstance(msg, tuple) and msg[0] in ("lora_load", "lora_unload"):
                 # (between steps, in the order sent: a step sent before an unload still has it)
@@ -178,19 +231,10 @@ def _worker_main(conn, model_dir: str, kwargs: dict[str, Any], cpus: frozenset[i
                         runner.load_lora(msg[1], msg[2])
                     else:
                         runner.unload_lora(msg[1])
-                    conn.send(("lora", msg[1], None))
+                    send(("lora", msg[1], None))
                 except Exception as e:  # noqa: BLE001 - said to the engine, which goes on
-                    conn.send(("lora", msg[1], f"{type(e).__name__}: {e}"))
+                    send(("lora", msg[1], f"{type(e).__name__}: {e}"))
                 continue
-            if drops:
-                left = [s.request_id for s in msg.seqs if drops.get(s.request_id, -1) >= msg.step]
-                if left:
-                    # Said before the step starts, so the engine may release their blocks now:
-                    # this step will not write them.
-                    conn.send(("skipped", msg.step, left))
-                    msg = replace(msg, seqs=tuple(s for s in msg.seqs if s.request_id not in left))
-                for rid in [r for r, last in drops.items() if last <= msg.step]:
-                    del drops[rid]
             t, wall = time.perf_counter(), time.time()
             try:
                 out = runner.execute(msg)
@@ -199,7 +243,7 @@ def _worker_main(conn, model_dir: str, kwargs: dict[str, Any], cpus: frozenset[i
                 out = RunnerOutput.failure(msg, f"the model step failed: {type(e).__name__}: {e}")
             dt = time.perf_counter() - t
             ran = (int(wall * 1000), int((wall + dt) * 1000))
-            conn.send(
+            send(
                 (
                     "ok",
                     (
@@ -216,19 +260,19 @@ def _worker_main(conn, model_dir: str, kwargs: dict[str, Any], cpus: frozenset[i
                 )
             )
         except Exception:  # noqa: BLE001
-            conn.send(("error", traceback.format_exc()))
+            send(("error", traceback.format_exc()))
 
 
 class ProcessRunner:
     """Implements the node's Runner protocol (``num_blocks``, ``eos_token_ids``,
     ``max_model_len``, ``vocab_size``, ``execute``) with a :class:`ModelRunner` in a worker."""
 
-    def __init__(self, model_dir: str, *, cpus: frozenset[int] | None = None, **kwargs: Any):
+    def __init__(self, model_dir: str, *, cpus: frozenset[int] | None = None, nice: int = 0, **kwargs: Any):
         ctx = mp.get_context("spawn")  # paddle and threads do not survive a fork
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(
             target=_worker_main,
-            args=(child, str(model_dir), kwargs, cpus),
+            args=(child, str(model_dir), kwargs, cpus, nice),
             name="fd-model-worker",
             daemon=True,
         )

@@ -87,8 +87,9 @@ def _add_engine_args(p: argparse.ArgumentParser, worker_cpus: str = "none") -> N
     p.add_argument(
         "--worker-cpus",
         default=worker_cpus,
-        help="CPUs of the model worker process (--executor paddle): auto (the last "
-        "CPU, the rest for this process; with at least two), a list like 3 or "
+        help="CPUs of the model worker process (--executor paddle): auto (on two CPUs "
+        "both, at a lower priority than this process; on more, all but the first, "
+        "which this process keeps), a list like 3 or "
         f"2-3, or none (the kernel decides); default {worker_cpus} (see "
         "engine/affinity.py)",
     )

@@ -162,7 +162,12 @@ def make_runner(opts: EngineOptions, progress: bool = True):
         from engine.worker import ProcessRunner
 
         cpus = affinity.plan(opts.worker_cpus)
-        runner = ProcessRunner(opts.model_dir, cpus=cpus.worker if cpus else None, **kw)
+        runner = ProcessRunner(
+            opts.model_dir,
+            cpus=cpus.worker if cpus else None,
+            nice=cpus.worker_nice if cpus else 0,
+            **kw,
+        )
         if cpus is not None:
             affinity.apply_rest(cpus)
     elif opts.executor == "paddle-thread":

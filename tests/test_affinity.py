@@ -6,13 +6,13 @@ import os
 
 import pytest
 
-from engine.affinity import CpuPlan, parse_cpus, plan
+from engine.affinity import SHARED_WORKER_NICE, CpuPlan, parse_cpus, plan
 from engine.worker import ProcessRunner
 
 
-def test_auto_gives_the_worker_the_last_cpu_and_keeps_the_rest():
-    assert plan("auto", {0, 1}) == CpuPlan(frozenset({1}), frozenset({0}))
-    assert plan("auto", {2, 5, 7}) == CpuPlan(frozenset({7}), frozenset({2, 5}))
+def test_auto_shares_two_cpus_at_a_lower_priority_and_keeps_one_of_more():
+    assert plan("auto", {0, 1}) == CpuPlan(frozenset({0, 1}), frozenset({0, 1}), SHARED_WORKER_NICE)
+    assert plan("auto", {2, 5, 7}) == CpuPlan(frozenset({5, 7}), frozenset({2}))
     assert plan("auto", {3}) is None  # one CPU: nothing to split
     assert plan("none", {0, 1, 2}) is None
 
@@ -20,8 +20,9 @@ def test_auto_gives_the_worker_the_last_cpu_and_keeps_the_rest():
 def test_a_list_gives_the_worker_those_cpus():
     assert plan("2-3", {0, 1, 2, 3}) == CpuPlan(frozenset({2, 3}), frozenset({0, 1}))
     assert plan("0,3", {0, 1, 2, 3}) == CpuPlan(frozenset({0, 3}), frozenset({1, 2}))
-    # all of them to the worker: the process keeps them too (nothing else to give it)
-    assert plan("0-1", {0, 1}) == CpuPlan(frozenset({0, 1}), frozenset({0, 1}))
+    # all of them to the worker: the process keeps them too (nothing else to give it), and
+    # the worker yields to it
+    assert plan("0-1", {0, 1}) == CpuPlan(frozenset({0, 1}), frozenset({0, 1}), SHARED_WORKER_NICE)
     assert parse_cpus(" 1, 4-6 ") == {1, 4, 5, 6}
 
 
@@ -38,9 +39,10 @@ def test_cpus_this_process_may_not_use_are_refused():
 
 def test_the_worker_process_runs_on_the_cpus_it_was_given(tiny_model_dir):
     cpu = max(os.sched_getaffinity(0))
-    runner = ProcessRunner(str(tiny_model_dir), num_blocks=16, cpus=frozenset({cpu}))
+    runner = ProcessRunner(str(tiny_model_dir), num_blocks=16, cpus=frozenset({cpu}), nice=3)
     try:
         assert os.sched_getaffinity(runner._proc.pid) == {cpu}
+        assert os.getpriority(os.PRIO_PROCESS, runner._proc.pid) == os.getpriority(os.PRIO_PROCESS, 0) + 3
     finally:
         runner.close()
 

@@ -594,8 +594,8 @@ def test_packed_gemms_agree_with_the_eager_ones(tiny_dir, runner):
     from engine.model import packed_gemm
 
     assert packed_gemm.available()
-    fast = ModelRunner(tiny_dir, num_blocks=32)
-    assert fast.model.lm_head_packed is not None
+    fast = ModelRunner(tiny_dir, num_blocks=32, gemms="packed")
+    assert fast.model.gemms == "packed" and fast.model.lm_head_packed is not None
     w = fast.model.layers[0]["gate_up"]
     for rows in (1, 8, 33, 700):
         x = np.random.default_rng(rows).standard_normal((rows, 128)).astype(np.float32)
@@ -615,6 +615,21 @@ def test_packed_gemms_agree_with_the_eager_ones(tiny_dir, runner):
         step = ScheduledSeq("f", (got[-1],), 200 + k, blocks, True, GREEDY, k + 1)
         got.append(fast.execute(SchedulerOutput(step=2 + k, seqs=(step,))).sampled["f"])
     assert got == _greedy_reference(runner.model, p, 6)
+
+
+def test_gemms_auto_keeps_the_faster_route_and_the_same_logits(tiny_dir, runner):
+    """By default a CPU runner times packed against eager GEMMs on its own weights at load and
+    keeps one; either way its logits are the reference's. An unknown route is refused."""
+    auto = ModelRunner(tiny_dir, num_blocks=32)
+    assert auto.model.gemms in ("packed", "eager")
+    assert (auto.model.lm_head_packed is None) == (auto.model.gemms == "eager")
+    assert all(("qkv_packed" in layer) == (auto.model.gemms == "packed") for layer in auto.model.layers)
+    p = _prompt(5, 40)
+    seq = ScheduledSeq("a", tuple(p), 0, (0, 1, 2), True, GREEDY, 0)
+    got = auto.logits(SchedulerOutput(step=0, seqs=(seq,)))[0]
+    np.testing.assert_allclose(got, runner.model.reference_logits(p)[-1], atol=1e-4)
+    with pytest.raises(ValueError, match="gemms must be eager, packed or auto"):
+        ModelRunner(tiny_dir, num_blocks=32, gemms="fast")
 
 
 def _qwen3(tiny_dir, tmp_path, name: str, head_dim: int = 48):

@@ -31,6 +31,7 @@ import paddle
 import paddle.incubate.nn.functional as IF
 import paddle.nn.functional as F
 
+from engine.model import packed_gemm
 from engine.model.config import ModelConfig, rope_inv_freq
 
 ROW_ALIGN = 8  # the CPU GEMM rounds rows outside full 8-row tiles differently
@@ -208,10 +209,11 @@ class Llama:
         weights: Mapping[str, np.ndarray],
         device: str = "cpu",
         batch_invariant: bool = False,
-        packed: bool = False,
+        gemms: str = "eager",
     ):
-        """``packed``: on a CPU, run the GEMMs of the dense layers and the head over weights
-        packed once for MKL (engine/model/packed_gemm.py); else every GEMM is an eager matmul."""
+        """``gemms``: ``eager`` (every GEMM a Paddle matmul), ``packed`` (on a CPU with MKL, the
+        dense layers' and the head's over weights packed once: engine/model/packed_gemm.py),
+        or ``auto`` (whichever of the two is faster here, timed at load)."""
         self.cfg = cfg
         self.device = device
         # Opt-in (vLLM's VLLM_BATCH_INVARIANT): batch 1 then runs its GEMMs on 8 rows, which on
@@ -319,8 +321,12 @@ class Llama:
         self._scale = scale
         self._swiglu = cpu_swiglu if device == "cpu" else F.swiglu
         self.lm_head_packed = None
-        if packed:
-            self._pack_weights()
+        # MKL's threads for the GEMMs (0: Paddle's own setting, as on a GPU)
+        self._threads = 0
+        if gemms not in ("eager", "packed", "auto"):
+            raise ValueError(f"gemms must be eager, packed or auto, not {gemms!r}")
+        if gemms != "eager":
+            self._pack_weights(keep_if_slower=gemms == "packed")
         # LoRA adapters (add_lora): per slot, per layer, fused projection -> (A [in, R], B [R, out])
         self.loras: dict[int, list[dict[str, tuple[paddle.Tensor, paddle.Tensor]]]] = {}
         self._active: tuple[tuple[list, paddle.Tensor], ...] = ()  # this forward's (layers, rows)
@@ -334,18 +340,31 @@ class Llama:
         self.block_size = 0
         self.trash_slot = 0
 
-    def _pack_weights(self) -> None:
-        from engine.model.packed_gemm import PackedLinear
-
+    def _pack_weights(self, keep_if_slower: bool) -> None:
         # Every CPU this process may run on: the GEMMs are bound by how fast the weights
-        # stream from memory, and two cores stream about twice what one does. The worker's
-        # CPUs are its --worker-cpus.
-        threads = len(os.sched_getaffinity(0))
+        # stream from memory, and two cores stream more than one does. The worker's CPUs are
+        # its --worker-cpus.
+        self._threads = len(os.sched_getaffinity(0))
+        packed_gemm.use_threads(self._threads)
+        pairs = []
         for layer in self.layers:
             if "moe" not in layer:
                 for n in ("qkv", "o", "gate_up", "down"):
-                    layer[n + "_packed"] = PackedLinear(layer[n].numpy(), threads)
-        self.lm_head_packed = PackedLinear(self.lm_head.numpy(), threads)
+                    layer[n + "_packed"] = packed_gemm.PackedLinear(layer[n].numpy())
+                    pairs.append((layer[n], layer[n + "_packed"]))
+        self.lm_head_packed = packed_gemm.PackedLinear(self.lm_head.numpy())
+        pairs.append((self.lm_head, self.lm_head_packed))
+        if keep_if_slower or packed_gemm.packed_is_faster(pairs):
+            return
+        for layer in self.layers:  # (their memory back: as large as the weights)
+            for n in ("qkv", "o", "gate_up", "down"):
+                layer.pop(n + "_packed", None)
+        self.lm_head_packed = None
+
+    @property
+    def gemms(self) -> str:
+        """Which GEMMs the model runs: ``packed`` or ``eager``."""
+        return "packed" if self.lm_head_packed is not None else "eager"
 
     def _mm(self, x: paddle.Tensor, layer: dict, name: str) -> paddle.Tensor:
         """``x @ layer[name]``: over the packed weight where there is one, else eager."""
@@ -549,6 +568,8 @@ class Llama:
         """The decoder stack; ``attention(i, q, k, v)`` supplies the context. Returns the final
         normed hidden states [Tp, H]."""
         eps = self.cfg.rms_norm_eps
+        if self._threads:  # (MKL's setting is per thread: the one running this step)
+            packed_gemm.use_threads(self._threads)
         x = paddle.index_select(self.embed, ids)
         cos, sin = paddle.split(paddle.index_select(self.rope, positions), 2, axis=1)  # [T, 1, hd]
         # Broadcast over the heads once a step, not in each layer's RoPE (a broadcasting

@@ -130,12 +130,12 @@ def load_model(
     device: str = "cpu",
     progress: bool = True,
     batch_invariant: bool = False,
-    packed: bool = False,
+    gemms: str = "eager",
 ) -> Llama:
     model_dir = os.fspath(model_dir)
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"model directory {model_dir} does not exist")
     cfg = ModelConfig.from_dir(model_dir)
     return Llama(
-        cfg, load_weights(model_dir, cfg, progress), device, batch_invariant=batch_invariant, packed=packed
+        cfg, load_weights(model_dir, cfg, progress), device, batch_invariant=batch_invariant, gemms=gemms
     )

@@ -64,12 +64,57 @@ def available() -> bool:
     return _mkl() is not None
 
 
+def use_threads(threads: int) -> None:
+    """MKL's threads for this thread's GEMMs from now on, eager and packed: Paddle leaves MKL
+    at one thread, where a decode step's GEMMs, bound by streaming the weights from memory,
+    go up to ~1.8x faster on two cores that stream more than one does."""
+    lib = _mkl()
+    if lib is not None:
+        lib.MKL_Set_Num_Threads_Local(max(1, threads))
+
+
+def packed_is_faster(
+    pairs: list[tuple[paddle.Tensor, "PackedLinear"]], rows: int = 8, rounds: int = 3
+) -> bool:
+    """Whether a decode step's GEMMs (``pairs``: each weight and its packed copy, every one
+    of the model's) run faster packed than eager, timed here at ``rows`` rows, the faster of
+    ``rounds`` passes each after one to warm up. Which wins is the machine's: on AMD EPYC
+    packing halved them at 8 rows, on an Intel Xeon with two threads eager won by ~1.3x
+    (bench/README.md, "which GEMMs"), so it is measured where the model runs, on its own
+    weights (whose size against the caches decides it)."""
+    import time
+
+    xs = {}
+    for w, _ in pairs:
+        k = int(w.shape[0])
+        if k not in xs:
+            xs[k] = paddle.to_tensor(np.random.default_rng(k).standard_normal((rows, k)).astype(np.float32))
+
+    def eager() -> None:
+        for w, _ in pairs:
+            paddle.matmul(xs[int(w.shape[0])], w)
+
+    def packed() -> None:
+        for w, p in pairs:
+            p(xs[int(w.shape[0])])
+
+    best = {}
+    for name, run in (("eager", eager), ("packed", packed)):
+        run()
+        times = []
+        for _ in range(rounds):
+            t = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t)
+        best[name] = min(times)
+    return best["packed"] < best["eager"]
+
+
 class PackedLinear:
     """``x @ w`` for float32 ``x`` [rows, in] on the CPU and a fixed ``w`` [in, out], packed
-    once. ``threads``: MKL's threads for this call's thread (the worker's CPUs; its eager
-    matmuls then use as many)."""
+    once, computed with as many MKL threads as :func:`use_threads` set for the calling thread."""
 
-    def __init__(self, w: np.ndarray, threads: int = 1):
+    def __init__(self, w: np.ndarray):
         lib = _mkl()
         if lib is None:
             raise RuntimeError("this Paddle build has no MKL packed GEMM")
@@ -77,7 +122,6 @@ class PackedLinear:
         k, n = int(w.shape[0]), int(w.shape[1])
         self.shape = (k, n)
         self._lib = lib
-        self._threads = threads
         self._buf = lib.cblas_sgemm_alloc(_B_MATRIX, _PACK_ROWS, n, k)
         if not self._buf:
             raise MemoryError(f"MKL could not allocate a packed {k}x{n} weight")
@@ -98,7 +142,6 @@ class PackedLinear:
         m = int(shape[0])
         out = paddle.empty([m, n], dtype=paddle.float32)
         if m:
-            self._lib.MKL_Set_Num_Threads_Local(self._threads)
             self._lib.cblas_sgemm_compute(
                 _ROW_MAJOR, _NO_TRANS, _PACKED, m, n, k, x.data_ptr(), k, self._buf, n, 0.0, out.data_ptr(), n
             )
