@@ -10,7 +10,7 @@ import orjson
 
 from control.events import Final
 from control.keys import choice_ids
-from fd.api.protocol import Renderer, usage, usage_chunk
+from fd.api.rendering import Renderer, usage, usage_chunk
 
 
 def choices_cursor(entry_ids: list[bytes]) -> bytes:

@@ -27,8 +27,9 @@ from typing import Any, Callable
 from control.events import Final, logprobs_entries
 from fd.api import protocol
 from fd.api.errors import ApiError, bad_request
-from fd.api.protocol import GenerationRequest, Limits, TokenizerLike, _opt, final_error, final_usage
+from fd.api.protocol import GenerationRequest, Limits, TokenizerLike, _opt
 from fd.api.reasoning import REASONING, ReasoningParser
+from fd.api.rendering import final_error, final_usage
 from fd.api.tool_calls import PARSERS, ToolCall, call_id, forced_calls, make_parser
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -310,7 +311,7 @@ class ResponsesRenderer:
         self.starting_after = -1  # OpenAI's: a resumed stream sends the events after this one
 
     def accept(self, accepted: Any) -> None:
-        """The parsers the ``accepted`` event names (as :meth:`protocol.Renderer.accept`)."""
+        """The parsers the ``accepted`` event names (as :meth:`rendering.Renderer.accept`)."""
         if accepted is None:
             return
         mode = getattr(accepted, "tool_parser", None)
@@ -558,7 +559,7 @@ class ResponsesRenderer:
             return events
         return [e for e in events if e["sequence_number"] > self.starting_after]
 
-    # -- the interface of protocol.Renderer
+    # -- the interface of rendering.Renderer
     def start_chunks(self, accepted: Any = None) -> list[dict]:
         self.accept(accepted)
         opened = self._response("in_progress")

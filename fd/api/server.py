@@ -41,7 +41,7 @@ from control.keys import ENGINE_ID_RE, REQUEST_ID_RE, all_valid_request_ids, cho
 from control.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from control.metrics import Metrics
 from control.story import IdTaken
-from fd.api import lora_admin, openapi, protocol, sse
+from fd.api import lora_admin, openapi, protocol, rendering, sse
 from fd.api.abort import parse_abort
 from fd.api.cancellation import Cancellation, watch_of
 from fd.api.choices import Choices, choices_cursor
@@ -585,7 +585,7 @@ class Api:
                             if rest:
                                 await self._publish_abort(rest, f"abort-{uuid.uuid4().hex[:16]}")
                             if ev.finish_reason == "error":
-                                raise protocol.final_error(ev)
+                                raise rendering.final_error(ev)
                             raise ApiError(
                                 503,
                                 f"Input {k} was aborted before its embedding was made.",
@@ -903,7 +903,7 @@ class Api:
                         if ev.finish_reason == "error":
                             watch.finished = True
                             await self._abort_rest(choices)
-                            raise protocol.final_error(ev)
+                            raise rendering.final_error(ev)
                 if choices.done:
                     watch.finished = True
                     return _json(choices.response(), headers={"X-Request-Id": rid})
@@ -937,16 +937,16 @@ class Api:
         prompt_tokens: int,
         include_usage: bool,
         continuous_usage: bool,
-    ) -> protocol.Renderer | ResponsesRenderer:
+    ) -> rendering.Renderer | ResponsesRenderer:
         """What renders a request's events, by the endpoint its ``accepted`` event names."""
         if endpoint == "responses":
             return ResponsesRenderer(rid, model, created, prompt_tokens, self._token_bytes)
-        return protocol.Renderer(
+        return rendering.Renderer(
             rid, endpoint, model, created, prompt_tokens, include_usage, self._token_bytes, continuous_usage
         )
 
     async def _collect(
-        self, rid: str, sub, renderer: protocol.Renderer, timing: _Timing, watch
+        self, rid: str, sub, renderer: rendering.Renderer, timing: _Timing, watch
     ) -> web.Response:
         async for _eid, ev in sub:
             if isinstance(ev, Tokens):
@@ -965,7 +965,7 @@ class Api:
         request: web.Request,
         rid: str,
         events: AsyncIterator,
-        renderer: protocol.Renderer | Choices,
+        renderer: rendering.Renderer | Choices,
         timing: _Timing | list[_Timing] | None,
         skip_until: Any = None,
     ) -> web.StreamResponse:
@@ -1114,7 +1114,7 @@ class Api:
                 bool(first.continuous_usage),
             )
         else:  # an abort overtook the request: its whole story is the abort (no `accepted`)
-            renderer = protocol.Renderer(shown, "completion", self.cfg.model_name, first.ts // 1000, 0, iu)
+            renderer = rendering.Renderer(shown, "completion", self.cfg.model_name, first.ts // 1000, 0, iu)
         return await self._stream(request, shown, self._story_then_live(rid, history), renderer, None, skip)
 
     async def _story_then_live(self, rid: str, history: list) -> AsyncIterator:
