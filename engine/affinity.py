@@ -14,17 +14,19 @@ p50 at 32 streams 6.6 against 5.8 ms (bench/README.md, session 5). Waking the ot
 through an eventfd instead (no synchronous hint) was tried and reverted: the woken side then
 went to the idle core, whose wake-up on this VM cost more (1 stream: -6% tokens/s).
 
-``auto`` on two CPUs gives the worker both and the engine's process both, the worker at a
-lower priority (nice +10): a decode step's GEMMs stream every weight from memory, and two
-cores stream ~1.7x what one does (SmolLM2-135M on this project's Intel VM: 22 against 13
-tokens/s at one stream, 90 against 65 at eight); the lower priority lets the engine's process,
-which wakes for every request, token and hang-up, preempt the worker at once instead of waiting
-for its time slice beside two busy MKL threads. On three or more CPUs the worker gets all but
-the first, which the engine's process keeps (as vLLM keeps a CPU for its API server; not
-measured here, where every machine has two). A list (``3``, ``2-3``, ``0,4-5``) gives the worker
-those (at nice +10 where they include every CPU the process keeps); ``none`` (the default of
-``fd engine``) leaves placement to the kernel: several engines on one machine need a list each,
-since ``auto`` would give every worker the same CPUs.
+``auto`` on two CPUs offers the worker both and settles when the model has loaded: a decode
+step's GEMMs stream every weight from memory, and where two cores stream them at least 10%
+faster than one (the model times both at load, engine/model/packed_gemm.py) the worker keeps
+both, at a lower priority (nice +10) so that the engine's process, which wakes for every
+request, token and hang-up, preempts it at once instead of waiting for its time slice beside
+two busy MKL threads (SmolLM2-135M on this project's Intel VM: 22 against 13 tokens/s at one
+stream, 90 against 65 at eight); otherwise (a model small enough for the caches, such as the
+tiny test model) it takes the last CPU alone and the engine's process the other, as above. On
+three or more CPUs the worker gets all but the first, which the engine's process keeps (as vLLM
+keeps a CPU for its API server; not measured here, where every machine has two). A list (``3``,
+``2-3``, ``0,4-5``) gives the worker those (at nice +10 where they include every CPU the process
+keeps); ``none`` (the default of ``fd engine``) leaves placement to the kernel: several engines
+on one machine need a list each, since ``auto`` would give every worker the same CPUs.
 """
 
 from __future__ import annotations
@@ -44,7 +46,16 @@ SHARED_WORKER_NICE = 10
 class CpuPlan:
     worker: frozenset[int]  # the model worker process's CPUs
     rest: frozenset[int]  # everything else in the engine's process
-    worker_nice: int = 0  # added to the worker's niceness (os.nice)
+    worker_nice: int = 0  # added to the worker's niceness where it keeps ``worker``
+    # The one CPU the worker takes alone (at its own priority, the engine's process leaving
+    # it) if its model's GEMMs are no faster on all of ``worker``; None: it keeps them.
+    alone: int | None = None
+
+    def settled(self, worker_cpus: frozenset[int]) -> "CpuPlan":
+        """The plan once the worker has said where it stays (``alone`` or all it was given)."""
+        if self.alone is not None and worker_cpus == {self.alone}:
+            return CpuPlan(worker_cpus, self.rest - worker_cpus or self.rest)
+        return CpuPlan(self.worker, self.rest, self.worker_nice)
 
 
 def parse_cpus(spec: str) -> set[int]:
@@ -77,7 +88,10 @@ def plan(spec: str, allowed: set[int] | None = None) -> CpuPlan | None:
     if spec == "auto":
         if len(allowed) < 2:
             return None
-        worker = allowed if len(allowed) == 2 else allowed - {min(allowed)}
+        if len(allowed) == 2:
+            both = frozenset(allowed)
+            return CpuPlan(both, both, SHARED_WORKER_NICE, alone=max(allowed))
+        worker = allowed - {min(allowed)}
     else:
         worker = parse_cpus(spec)
         if not worker <= allowed:
@@ -107,6 +121,17 @@ def apply_rest(cpu_plan: CpuPlan) -> None:
 
 def _cpu_list(cpus) -> str:
     return ",".join(map(str, sorted(cpus)))
+
+
+def nice_this_process(increment: int) -> None:
+    """Every thread of this process ``increment`` nicer (Linux keeps a niceness per thread:
+    ``os.nice`` changes only the caller's)."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            t = int(tid)
+            os.setpriority(os.PRIO_PROCESS, t, os.getpriority(os.PRIO_PROCESS, t) + increment)
+        except (ProcessLookupError, PermissionError, OSError) as e:
+            log.warning("could not lower thread %s's priority by %d: %s", tid, increment, e)
 
 
 def pin_this_process(cpus: frozenset[int]) -> None:

@@ -97,10 +97,10 @@ class ModelRunner:
         self.num_blocks = int(num_blocks)
         self.model.allocate_kv_cache(self.num_blocks, block_size)
         log.info(
-            "model GEMMs: %s on %d thread(s)",
+            "model GEMMs: %s on %s MKL thread(s)",
             self.model.gemms,
-            len(os.sched_getaffinity(0)),
-            extra={"gemms": self.model.gemms},
+            self.model.gemm_threads or "Paddle's",
+            extra={"gemms": self.model.gemms, "gemm_threads": self.model.gemm_threads},
         )
         self.eos_token_ids = _eos_token_ids(model_dir)
         self.max_model_len = self.model.cfg.max_position_embeddings

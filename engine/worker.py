@@ -175,7 +175,12 @@ class _Inbox:
 
 
 def _worker_main(
-    conn, model_dir: str, kwargs: dict[str, Any], cpus: frozenset[int] | None = None, nice: int = 0
+    conn,
+    model_dir: str,
+    kwargs: dict[str, Any],
+    cpus: frozenset[int] | None = None,
+    nice: int = 0,
+    alone: int | None = None,
 ) -> None:
     # Ctrl-C reaches the whole process group; the worker stops when its engine closes the pipe.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -184,7 +189,7 @@ def _worker_main(
             os.sched_setaffinity(0, cpus)  # before paddle starts any thread (engine/affinity.py)
         except OSError as e:  # (a container that forbids it: run where the kernel puts us)
             print(f"fd model worker: could not pin to CPUs {sorted(cpus)}: {e}", file=sys.stderr)
-    if nice:
+    if nice and alone is None:
         try:
             os.nice(nice)  # (engine/affinity.py: the engine's process preempts a worker it shares CPUs with)
         except OSError as e:
@@ -194,6 +199,13 @@ def _worker_main(
         from engine.model_runner import ModelRunner
 
         runner = ModelRunner(model_dir, **kwargs)
+        if alone is not None:  # settle (engine/affinity.py): one CPU alone, or all of them niced
+            from engine import affinity
+
+            if runner.model.gemm_threads <= 1:
+                affinity.pin_this_process(frozenset({alone}))
+            elif nice:
+                affinity.nice_this_process(nice)
         # paddle installs a SIGTERM handler that prints a C++ "FatalError" banner; a worker
         # terminated by its parent (multiprocessing's exit clean-up) should just go.
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -209,6 +221,7 @@ def _worker_main(
                 "max_model_len": runner.max_model_len,
                 "vocab_size": runner.vocab_size,
                 "lora_names": runner.lora_names,
+                "cpus": sorted(os.sched_getaffinity(0)),
             },
         )
     )
@@ -267,12 +280,22 @@ class ProcessRunner:
     """Implements the node's Runner protocol (``num_blocks``, ``eos_token_ids``,
     ``max_model_len``, ``vocab_size``, ``execute``) with a :class:`ModelRunner` in a worker."""
 
-    def __init__(self, model_dir: str, *, cpus: frozenset[int] | None = None, nice: int = 0, **kwargs: Any):
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        cpus: frozenset[int] | None = None,
+        nice: int = 0,
+        alone: int | None = None,
+        **kwargs: Any,
+    ):
+        """``cpus``, ``nice``, ``alone``: the worker's placement (engine/affinity.py's
+        :class:`CpuPlan`); :attr:`cpus` says where it settled."""
         ctx = mp.get_context("spawn")  # paddle and threads do not survive a fork
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(
             target=_worker_main,
-            args=(child, str(model_dir), kwargs, cpus, nice),
+            args=(child, str(model_dir), kwargs, cpus, nice, alone),
             name="fd-model-worker",
             daemon=True,
         )
@@ -290,6 +313,7 @@ class ProcessRunner:
         self.max_model_len: int = info["max_model_len"]
         self.vocab_size: int = info["vocab_size"]
         self.lora_names: tuple[str, ...] = info["lora_names"]  # (at start; the engine keeps the rest)
+        self.cpus: frozenset[int] = frozenset(info["cpus"])  # where the worker runs, once settled
         # Called with (name, error or None) when the worker is done loading or unloading an
         # adapter asked for while steps ran (the engine's loop reads it among the replies).
         self.on_lora: Callable[[str, str | None], None] | None = None

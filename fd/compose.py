@@ -166,10 +166,11 @@ def make_runner(opts: EngineOptions, progress: bool = True):
             opts.model_dir,
             cpus=cpus.worker if cpus else None,
             nice=cpus.worker_nice if cpus else 0,
+            alone=cpus.alone if cpus else None,
             **kw,
         )
         if cpus is not None:
-            affinity.apply_rest(cpus)
+            affinity.apply_rest(cpus.settled(runner.cpus))
     elif opts.executor == "paddle-thread":
         from engine.model_runner import ModelRunner
 

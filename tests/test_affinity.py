@@ -10,8 +10,13 @@ from engine.affinity import SHARED_WORKER_NICE, CpuPlan, parse_cpus, plan
 from engine.worker import ProcessRunner
 
 
-def test_auto_shares_two_cpus_at_a_lower_priority_and_keeps_one_of_more():
-    assert plan("auto", {0, 1}) == CpuPlan(frozenset({0, 1}), frozenset({0, 1}), SHARED_WORKER_NICE)
+def test_auto_offers_two_cpus_to_settle_and_keeps_one_of_more():
+    both = frozenset({0, 1})
+    offered = plan("auto", {0, 1})
+    assert offered == CpuPlan(both, both, SHARED_WORKER_NICE, alone=1)
+    # the worker kept both: niced, the process on both too; or it took CPU 1 alone
+    assert offered.settled(both) == CpuPlan(both, both, SHARED_WORKER_NICE)
+    assert offered.settled(frozenset({1})) == CpuPlan(frozenset({1}), frozenset({0}))
     assert plan("auto", {2, 5, 7}) == CpuPlan(frozenset({5, 7}), frozenset({2}))
     assert plan("auto", {3}) is None  # one CPU: nothing to split
     assert plan("none", {0, 1, 2}) is None
@@ -24,6 +29,25 @@ def test_a_list_gives_the_worker_those_cpus():
     # the worker yields to it
     assert plan("0-1", {0, 1}) == CpuPlan(frozenset({0, 1}), frozenset({0, 1}), SHARED_WORKER_NICE)
     assert parse_cpus(" 1, 4-6 ") == {1, 4, 5, 6}
+
+
+def test_a_worker_offered_two_cpus_takes_one_alone_when_its_gemms_gain_nothing(tiny_model_dir):
+    """The tiny model's GEMMs fit in the caches: eager or packed on one MKL thread, unless two
+    are 10% faster; a worker that keeps one thread takes its ``alone`` CPU, at its own priority,
+    and one that keeps more stays on all it was offered, niced."""
+    cpus = frozenset(os.sched_getaffinity(0))
+    alone = max(cpus)
+    runner = ProcessRunner(str(tiny_model_dir), num_blocks=16, cpus=cpus, nice=4, alone=alone)
+    try:
+        pid = runner._proc.pid
+        nice = os.getpriority(os.PRIO_PROCESS, pid) - os.getpriority(os.PRIO_PROCESS, 0)
+        assert runner.cpus == frozenset(os.sched_getaffinity(pid))
+        assert (runner.cpus, nice) in (({alone}, 0), (cpus, 4))
+        for tid in os.listdir(f"/proc/{pid}/task"):  # every thread of the worker, MKL's too
+            assert os.sched_getaffinity(int(tid)) == runner.cpus
+        runner.warmup()
+    finally:
+        runner.close()
 
 
 @pytest.mark.parametrize("spec", ["x", "3-1", "-1", "", "1-a"])

@@ -286,8 +286,9 @@ def _children(pid: int, marker: bytes) -> list[int]:
 
 
 async def test_fd_serve_worker_cpus_auto_places_the_worker_by_the_cpus_there_are(tmp_path):
-    """Two CPUs: the worker on both, at nice +10 against fd serve; more: all but the first,
-    which fd serve keeps."""
+    """Two CPUs: the worker on both at nice +10 against fd serve, or (its GEMMs no faster on
+    two threads) on the last alone with fd serve on the other; more: all but the first, which
+    fd serve keeps."""
     port = free_port()
     env = {**os.environ, "FD_CACHE_DIR": str(tmp_path / "cache")}
     serve = _spawn("serve", "--model", "tiny", "--port", str(port), "--worker-cpus", "auto", env=env)
@@ -297,17 +298,18 @@ async def test_fd_serve_worker_cpus_auto_places_the_worker_by_the_cpus_there_are
         workers = _children(serve.pid, b"spawn_main")
         assert len(workers) == 1
         nice = os.getpriority(os.PRIO_PROCESS, workers[0]) - os.getpriority(os.PRIO_PROCESS, serve.pid)
+        worker_cpus = os.sched_getaffinity(workers[0])
+        serve_cpus = {frozenset(os.sched_getaffinity(int(t))) for t in os.listdir(f"/proc/{serve.pid}/task")}
         if len(cpus) == 2:
-            assert os.sched_getaffinity(workers[0]) == cpus and nice == 10
-            for tid in os.listdir(f"/proc/{serve.pid}/task"):  # every thread of fd serve
-                assert os.sched_getaffinity(int(tid)) == cpus
+            assert (worker_cpus, nice, serve_cpus) in (
+                (cpus, 10, {frozenset(cpus)}),
+                ({max(cpus)}, 0, {frozenset(cpus - {max(cpus)})}),
+            )
         elif len(cpus) > 2:
-            assert os.sched_getaffinity(workers[0]) == cpus - {min(cpus)} and nice == 0
-            for tid in os.listdir(f"/proc/{serve.pid}/task"):
-                assert os.sched_getaffinity(int(tid)) == {min(cpus)}
+            assert (worker_cpus, nice, serve_cpus) == (cpus - {min(cpus)}, 0, {frozenset({min(cpus)})})
         else:
             print(f"NOTE: one CPU here ({cpus}): --worker-cpus auto pins nothing; not checked")
-            assert os.sched_getaffinity(workers[0]) == cpus
+            assert worker_cpus == cpus
     finally:
         code, out = _stop(serve)
     assert code == 0, out

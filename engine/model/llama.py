@@ -341,11 +341,9 @@ class Llama:
         self.trash_slot = 0
 
     def _pack_weights(self, keep_if_slower: bool) -> None:
-        # Every CPU this process may run on: the GEMMs are bound by how fast the weights
-        # stream from memory, and two cores stream more than one does. The worker's CPUs are
-        # its --worker-cpus.
-        self._threads = len(os.sched_getaffinity(0))
-        packed_gemm.use_threads(self._threads)
+        """Packs the dense layers' and the head's weights, then keeps the GEMMs (packed or,
+        unless ``keep_if_slower``, eager) and the MKL threads (one, or one per CPU this
+        process may run on: the worker's --worker-cpus) that run a decode step's fastest."""
         pairs = []
         for layer in self.layers:
             if "moe" not in layer:
@@ -354,7 +352,13 @@ class Llama:
                     pairs.append((layer[n], layer[n + "_packed"]))
         self.lm_head_packed = packed_gemm.PackedLinear(self.lm_head.numpy())
         pairs.append((self.lm_head, self.lm_head_packed))
-        if keep_if_slower or packed_gemm.packed_is_faster(pairs):
+        cpus = len(os.sched_getaffinity(0))
+        route, self._threads = packed_gemm.fastest_gemms(
+            pairs,
+            ("packed",) if keep_if_slower else ("packed", "eager"),
+            tuple(sorted({1, cpus})),
+        )
+        if route == "packed":
             return
         for layer in self.layers:  # (their memory back: as large as the weights)
             for n in ("qkv", "o", "gate_up", "down"):
@@ -365,6 +369,11 @@ class Llama:
     def gemms(self) -> str:
         """Which GEMMs the model runs: ``packed`` or ``eager``."""
         return "packed" if self.lm_head_packed is not None else "eager"
+
+    @property
+    def gemm_threads(self) -> int:
+        """MKL's threads for the model's GEMMs (0: Paddle's own setting)."""
+        return self._threads
 
     def _mm(self, x: paddle.Tensor, layer: dict, name: str) -> paddle.Tensor:
         """``x @ layer[name]``: over the packed weight where there is one, else eager."""

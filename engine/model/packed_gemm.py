@@ -73,15 +73,22 @@ def use_threads(threads: int) -> None:
         lib.MKL_Set_Num_Threads_Local(max(1, threads))
 
 
-def packed_is_faster(
-    pairs: list[tuple[paddle.Tensor, "PackedLinear"]], rows: int = 8, rounds: int = 3
-) -> bool:
-    """Whether a decode step's GEMMs (``pairs``: each weight and its packed copy, every one
-    of the model's) run faster packed than eager, timed here at ``rows`` rows, the faster of
-    ``rounds`` passes each after one to warm up. Which wins is the machine's: on AMD EPYC
-    packing halved them at 8 rows, on an Intel Xeon with two threads eager won by ~1.3x
-    (bench/README.md, "which GEMMs"), so it is measured where the model runs, on its own
-    weights (whose size against the caches decides it)."""
+def fastest_gemms(
+    pairs: list[tuple[paddle.Tensor, "PackedLinear"]],
+    routes: tuple[str, ...],
+    threads: tuple[int, ...],
+    rows: int = 8,
+    rounds: int = 3,
+) -> tuple[str, int]:
+    """The fastest (route, MKL threads) for a decode step's GEMMs (``pairs``: each weight and
+    its packed copy, every one of the model's), of ``routes`` (``eager``, ``packed``) on each
+    of ``threads``, timed here at ``rows`` rows: the faster of ``rounds`` passes each, after
+    one to warm up. Which wins is the machine's and the model's: on AMD EPYC packing halved
+    them at 8 rows on one thread; on an Intel Xeon two threads stream SmolLM2's weights ~1.6x
+    faster than one, while a model whose weights fit in the caches loses by a second thread
+    (bench/README.md, "two worker CPUs"). So it is measured where the model runs, on its own
+    weights, whose size against the caches decides it. Leaves MKL at the threads it returns.
+    More threads than the fewest are chosen only when they are at least 10% faster."""
     import time
 
     xs = {}
@@ -98,16 +105,33 @@ def packed_is_faster(
         for w, p in pairs:
             p(xs[int(w.shape[0])])
 
-    best = {}
-    for name, run in (("eager", eager), ("packed", packed)):
-        run()
-        times = []
-        for _ in range(rounds):
+    # Each configuration timed in turn, round after round (noise from elsewhere then falls on
+    # all of them alike), for at least ``rounds`` rounds and ~50 ms each: a small model's pass
+    # takes ~0.2 ms, where one pass says little.
+    configs = [(name, n) for n in threads for name in routes]
+    runs = {"eager": eager, "packed": packed}
+    best = dict.fromkeys(configs, float("inf"))
+    spent = dict.fromkeys(configs, 0.0)
+    for name, n in configs:  # (warm-up)
+        use_threads(n)
+        runs[name]()
+    done = 0
+    while done < rounds or (min(spent.values()) < 0.05 and done < 500):
+        for c in configs:
+            use_threads(c[1])
             t = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - t)
-        best[name] = min(times)
-    return best["packed"] < best["eager"]
+            runs[c[0]]()
+            dt = time.perf_counter() - t
+            best[c] = min(best[c], dt)
+            spent[c] += dt
+        done += 1
+    # More threads must earn their place by 10%: beside the engine's process they cost more
+    # than the GEMMs show (engine/affinity.py)
+    one = min((k for k in best if k[1] == min(threads)), key=best.__getitem__)
+    more = min(best, key=best.__getitem__)
+    choice = more if best[more] < 0.9 * best[one] else one
+    use_threads(choice[1])
+    return choice
 
 
 class PackedLinear:
