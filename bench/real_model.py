@@ -252,7 +252,7 @@ def main() -> None:
     args = ap.parse_args()
     import json
 
-    from fd.cli import resolve_model
+    from fd.cli_models import resolve_model
 
     args.model = str(resolve_model(args.model))  # (the peer serves the same directory)
 

@@ -14,7 +14,7 @@ REFERENCE = Path(__file__).with_name("smollm2_reference.json")
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
-    from fd.cli import default_gguf
+    from fd.cli_models import default_gguf
 
     try:
         return default_gguf()
@@ -25,7 +25,7 @@ def smollm2_gguf() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_dir(smollm2_gguf) -> Path:
     from engine.model.gguf_cache import cached_hf_dir
-    from fd.cli import cache_dir
+    from fd.cli_models import cache_dir
 
     return cached_hf_dir(smollm2_gguf, cache_dir(), progress=False)
 

@@ -378,18 +378,18 @@ async def test_servers_run_full_collections_on_a_timer_not_on_heap_growth():
     Python's growth rule fires in the middle of a burst."""
     import gc
 
-    from fd import cli
+    from fd import cli_serving
 
     before = gc.get_threshold()
     try:
-        cli._tune_gc()
+        cli_serving._tune_gc()
         assert gc.get_threshold()[:2] == before[:2]  # young generations as Python has them
         assert gc.get_threshold()[2] >= 1 << 30  # no automatic full collection
         assert gc.get_freeze_count() > 0  # start-up's objects out of the collector's sight
-        assert cli._gc_task is not None and not cli._gc_task.done()
+        assert cli_serving._gc_task is not None and not cli_serving._gc_task.done()
     finally:
-        if cli._gc_task is not None:
-            cli._gc_task.cancel()
+        if cli_serving._gc_task is not None:
+            cli_serving._gc_task.cancel()
         gc.unfreeze()
         gc.set_threshold(*before)
 
@@ -397,7 +397,8 @@ async def test_servers_run_full_collections_on_a_timer_not_on_heap_growth():
 def test_a_vllm_command_line_runs_here():
     """`vllm serve MODEL` with the flags people paste: the model as the first argument, flags
     that mean nothing here taken and named at start, the ones fd cannot honour refused."""
-    from fd.cli import build_parser, vllm_compat
+    from fd.cli import build_parser
+    from fd.cli_args import vllm_compat
 
     args = build_parser().parse_args(
         [

@@ -305,7 +305,7 @@ def test_what_fd_cannot_convert_is_refused_by_name(change, says, tiny_model_dir,
 
 
 def test_a_model_dir_or_gguf_is_resolved_once_for_both_sides(tiny_model_dir, tmp_path, monkeypatch):
-    from fd.cli import resolve_model
+    from fd.cli_models import resolve_model
 
     monkeypatch.setenv("FD_CACHE_DIR", str(tmp_path / "cache"))
     src_dir = tmp_path / "ggufs"

@@ -298,7 +298,8 @@ async def test_one_key_servers_work_as_before(real_bus):
 
 
 def test_api_keys_from_flags_a_file_and_the_environment(tmp_path, monkeypatch):
-    from fd.cli import api_keys, build_parser
+    from fd.cli import build_parser
+    from fd.cli_args import api_keys
 
     monkeypatch.delenv("FD_API_KEY", raising=False)
     monkeypatch.delenv("VLLM_API_KEY", raising=False)

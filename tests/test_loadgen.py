@@ -11,7 +11,7 @@ import pytest
 
 from control.bus import Bus
 from control.connect import connect
-from fd import loadgen
+from fd import loadgen, loadgen_report, loadgen_workload
 
 
 def _ordered(d: dict) -> None:
@@ -31,7 +31,7 @@ def test_plan_is_deterministic_with_exact_cancel_shares():
         abort_ratio=0.2,
         seed=7,
     )
-    p1, p2 = loadgen.plan_requests(cfg, "x"), loadgen.plan_requests(cfg, "x")
+    p1, p2 = loadgen_workload.plan_requests(cfg, "x"), loadgen_workload.plan_requests(cfg, "x")
     assert [(p.prompt, p.max_tokens, p.cancel) for p in p1] == [
         (p.prompt, p.max_tokens, p.cancel) for p in p2
     ]
@@ -40,16 +40,16 @@ def test_plan_is_deterministic_with_exact_cancel_shares():
     assert all(20 <= p.max_tokens <= 60 for p in p1) and len({p.max_tokens for p in p1}) > 1
     assert all(5 <= len(p.prompt.split()) <= 15 for p in p1)
     assert {p.base_url for p in p1} == {"http://a", "http://b"}
-    other = loadgen.plan_requests(loadgen.BenchConfig(**{**cfg.__dict__, "seed": 8}), "x")
+    other = loadgen_workload.plan_requests(loadgen.BenchConfig(**{**cfg.__dict__, "seed": 8}), "x")
     assert [p.prompt for p in other] != [p.prompt for p in p1]
 
 
 def test_poisson_arrivals_and_percentiles():
-    assert loadgen.arrival_offsets(5, math.inf, 0) == [0.0] * 5
-    t = loadgen.arrival_offsets(2000, 100.0, 0)
+    assert loadgen_workload.arrival_offsets(5, math.inf, 0) == [0.0] * 5
+    t = loadgen_workload.arrival_offsets(2000, 100.0, 0)
     assert t == sorted(t) and 15 < t[-1] < 25  # ~2000 / 100 s
-    assert loadgen.percentile([3, 1, 2], 50) == 2 and loadgen.percentile([], 50) is None
-    d = loadgen.describe([0.001, 0.002, 0.010])
+    assert loadgen_report.percentile([3, 1, 2], 50) == 2 and loadgen_report.percentile([], 50) is None
+    d = loadgen_report.describe([0.001, 0.002, 0.010])
     assert d["n"] == 3 and d["p50"] == pytest.approx(2.0) and d["p50"] <= d["p99"] <= 10.0
 
 

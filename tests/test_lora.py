@@ -226,7 +226,8 @@ def test_what_an_adapter_may_not_be(tiny_model_dir, tmp_path):
 
 
 def test_the_flags(tmp_path):
-    from fd.cli import build_parser, lora_modules
+    from fd.cli import build_parser
+    from fd.cli_args import lora_modules
 
     args = build_parser().parse_args(
         ["serve", "--enable-lora", "--lora-modules", "a=/x", '{"name": "b", "path": "/y"}']
@@ -239,7 +240,7 @@ def test_the_flags(tmp_path):
     assert lora_modules(build_parser().parse_args(["api", "--enable-lora", "--lora-modules", "a=/x"])) == {
         "a": "/x"
     }
-    from fd.cli import vllm_compat
+    from fd.cli_args import vllm_compat
 
     notes = vllm_compat(build_parser().parse_args(["serve", "--enable-lora", "--max-loras", "4"]))
     assert any("--max-loras" in n for n in notes)

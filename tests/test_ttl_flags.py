@@ -11,7 +11,8 @@ from control.connect import connect
 from control.embedded import EmbeddedRedis
 from control.events import Abort
 from control.keys import Keys
-from fd.cli import _start_serving, build_parser
+from fd.cli import build_parser
+from fd.cli_serving import _start_serving
 from tests.enginekit import story
 from tests.faultkit import wait_for
 

