@@ -68,8 +68,9 @@ def add_engine_args(p: argparse.ArgumentParser, worker_cpus: str = "none") -> No
         "--worker-cpus",
         default=worker_cpus,
         help="CPUs of the model worker process (--executor paddle): auto (on two CPUs "
-        "both, at a lower priority than this process; on more, all but the first, "
-        "which this process keeps), a list like 3 or "
+        "both at a lower priority than this process if its GEMMs gain by a second "
+        "thread, else the last alone; on more, all but the first, which this process "
+        "keeps), a list like 3 or "
         f"2-3, or none (the kernel decides); default {worker_cpus} (see "
         "engine/affinity.py)",
     )
