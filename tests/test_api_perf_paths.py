@@ -193,11 +193,11 @@ async def test_embedded_blocked_read_wakes_on_writes_from_the_loop_and_from_othe
 
 
 async def test_sse_events_yield_a_keep_alive_when_quiet_then_the_batch(monkeypatch):
-    from fd.api import server
+    from fd.api import streaming
 
-    monkeypatch.setattr(server, "KEEPALIVE_S", 0.01)
+    monkeypatch.setattr(streaming, "KEEPALIVE_S", 0.01)
     sub = _sub()
-    it = server.Api._events(None, sub)
+    it = streaming.events(sub)
     assert await it.__anext__() is None  # nothing came: a keep-alive comment
     sub._offer(b"1-0", (1, 0), _tok(1))
     sub._offer(b"2-0", (2, 0), _tok(2))
