@@ -129,7 +129,7 @@ class ServingAborts:
     async def wait_final(
         self, ids: tuple[str | None, ...], timeout: float, shown: tuple[str, ...] | None = None
     ) -> dict:
-        """The pre-refactor answer: which requests reached their final within ``timeout``,
+        """What an abort that waits answers: which requests reached their final within ``timeout``,
         named as the client named them (``shown``; by default the log's ids). None: no
         request's (a tenant's id too long for its space)."""
         bus, mux = self.ctx.bus, self.ctx.mux
