@@ -39,7 +39,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Awaitable, Callable, Mapping, Protocol, TypeVar
@@ -81,6 +81,7 @@ from engine.failover import History, OrphanFinder
 from engine.journal import JournalRecorder, journaled
 from engine.outbox import unwritten
 from engine.outputs import RunnerOutput, SchedulerOutput
+from engine.request_table import Live, RequestTable
 from engine.scheduler import Scheduler
 
 log = logging.getLogger("engine.node")
@@ -211,39 +212,17 @@ class EngineNode:
                 kv,
                 extra={"engine": cfg.engine_id},
             )
-        self._entry: dict[str, bytes] = {}  # request id -> its P:requests entry, XACKed at final
-        self._request: dict[str, Request] = {}  # what was claimed, for a drain's hand-back
-        self._detok: dict[str, IncrementalDetokenizer] = {}
-        # Requests scoring their prompt (SamplingParams.prompt_logprobs), new here: position ->
-        # entry, as the prefill chunks bring them, for the request's first tokens event.
-        self._prompt_lp: dict[str, dict[int, tuple]] = {}
-        self._abort_noted_at: dict[str, float] = {}
-        # Requests this engine no longer speaks for (handed back, or ownership lost): the
-        # scheduler still winds them down, but none of their events is published.
-        self._silent: set[str] = set()
-        # Aborts that arrived while another engine owned the request (or nobody did, because it
-        # had died): if this engine later takes the request over, the abort still wins.
-        self._dismissed: OrderedDict[str, tuple[str, float]] = OrderedDict()
-        self._admitting: set[str] = set()  # owner key being taken, story being read
-        self._progress: dict[str, float] = {}  # last token (or claim), monotonic
-        self._timed_out: set[str] = set()
+        # Every request this engine runs, its owner tokens, and aborts it remembers
+        # (engine.request_table).
+        self.requests = RequestTable()
         self._outbox: list[tuple[str, Event]] = []
         # (request id, key) and (request id, P:requests entry): done only if the request's
         # events got through the fence (control/fence.py)
         self._expire: list[tuple[str, str]] = []
         self._ack: list[tuple[str, bytes]] = []
-        # The owner token (control.keys.owner_token) each request's events are fenced with:
-        # this engine's grant of it, or ABORT_WRITTEN for an abort story it won the writing of.
-        # A request's token goes once the flush that carries its final is done (_untoken).
-        self._token: dict[str, str] = {}
+        # Requests whose final is in the outbox: their tokens go once that flush is done.
         self._untoken: list[str] = []
-        self._renewed: dict[str, float] = {}  # owner key and story TTLs renewed (monotonic)
         self.fenced = 0  # requests dropped because the fence refused their events
-        self._lost: set[str] = set()  # dropped so (counted once), until their token goes
-        # Requests whose `claimed` is not on their stream yet. No step runs a request before
-        # it is: an engine that dies in that step (a poison request) has then counted as an
-        # attempt, so failover gives the request up after max_attempts (engine.failover).
-        self._unannounced: set[str] = set()
         self._wake = asyncio.Event()
         self._flush_lock = asyncio.Lock()
         self._bg: set[asyncio.Task] = set()
@@ -431,8 +410,9 @@ class EngineNode:
                 out = self.sched.schedule()
                 self._emit(self.sched.take_events())  # preemptions decided by this schedule()
                 if not out.empty:
-                    if self._unannounced and any(ss.request_id in self._unannounced for ss in out.seqs):
-                        await self._flush()  # their `claimed` first (see _unannounced)
+                    unannounced = self.requests.unannounced
+                    if unannounced and any(ss.request_id in unannounced for ss in out.seqs):
+                        await self._flush()  # their `claimed` first (see RequestTable.unannounced)
                     flying.append((out, self._submit(loop, out), time.perf_counter()))
             if not flying:
                 # Work exists but none can run (e.g. waiting for blocks): wait for an event.
@@ -646,11 +626,12 @@ class EngineNode:
         """Own the request and start it: a new one, one handed back by a draining engine
         (``req.resume``), or, with ``takeover``, one whose owner (``owner``) is dead."""
         rid = req.request_id
-        if rid in self._admitting or self.sched.knows(rid) or rid in self._entry:
-            if rid in self._entry and self._entry[rid] != entry_id and not takeover:
+        live = self.requests.get(rid)
+        if rid in self.requests.admitting or self.sched.knows(rid) or live is not None:
+            if live is not None and live.entry != entry_id and not takeover:
                 await self._ack_copy(entry_id, rid)
             return
-        self._admitting.add(rid)
+        self.requests.admitting.add(rid)
         try:
             try:
                 hist = await self._own(entry_id, req, takeover, owner, owned)
@@ -662,7 +643,7 @@ class EngineNode:
             if hist is not None:
                 self._start(entry_id, req, *hist)
         finally:
-            self._admitting.discard(rid)
+            self.requests.admitting.discard(rid)
 
     async def _own(
         self,
@@ -738,17 +719,14 @@ class EngineNode:
     def _start(self, entry_id: bytes, req: Request, hist: History, token: str) -> None:
         """Synchronous, so no abort can slip in between the checks and ``sched.add``."""
         rid, data = req.request_id, req.data
-        self._entry[rid] = entry_id
-        self._request[rid] = req
-        self._token[rid] = token
-        self._renewed[rid] = time.monotonic()
+        live = self.requests.add(rid, entry_id, req, token, time.monotonic())
         n_prompt, n_gen = len(data.prompt_token_ids), len(hist.tokens)
         usage = {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
-        dismissed = self._dismissed.pop(rid, None)
+        dismissed = self.requests.take_dismissed(rid)
         if dismissed is not None or "abort_requested" in hist.noted:
             # Aborted while no live engine ran it (its owner had died, or was handing it back):
             # finish the abort's story, never run it.
-            source = dismissed[0] if dismissed is not None else "engine"
+            source = dismissed if dismissed is not None else "engine"
             self._count_abort(source)
             evs: list[Event] = []
             if "abort_requested" not in hist.noted:
@@ -809,17 +787,17 @@ class EngineNode:
             primed, _ = detok.push(hist.tokens)
             if primed.startswith(hist.text):
                 tail = primed[len(hist.text) :]
-        self._detok[rid] = detok
+        live.detok = detok
         if sp.prompt_logprobs is not None and not hist.tokens:  # (a takeover: shown already)
-            self._prompt_lp[rid] = {}
-        self._progress[rid] = time.monotonic()
+            live.prompt_lp = {}
+        live.progress = time.monotonic()
         if hist.claims:
             self.taken_over += 1
         evs = [Claimed(request_id=rid, engine=self.id, attempt=owner_attempt(token))]
         if tail:
             evs.append(Tokens(request_id=rid, token_ids=(), text=tail, step=self.sched.step))
         self._emit(evs)
-        self._unannounced.add(rid)
+        self.requests.unannounced.add(rid)
         self._emit(self.sched.add(rid, data, tuple(hist.tokens)))
 
     def _apply(self, out: SchedulerOutput, result: RunnerOutput) -> None:
@@ -828,14 +806,16 @@ class EngineNode:
         deltas: dict[str, str] = {}
         stopped: dict[str, str] = {}
         failed: dict[str, str] = {}
+        requests = self.requests
         for rid, tok in result.sampled.items():
-            if rid not in self._detok or self.sched.discards(rid):
+            live = requests.get(rid)
+            if live is None or live.detok is None or self.sched.discards(rid):
                 continue  # aborted, or finished while this step ran: its token is dropped
             try:
-                delta, stop = self._detok[rid].push((tok,))
+                delta, stop = live.detok.push((tok,))
             except Exception as e:  # noqa: BLE001 - this request's alone: it ends with an error
                 log.exception("detokenizing failed", extra={"request_id": rid, "engine": self.id})
-                del self._detok[rid]  # (nothing more to flush from it)
+                live.detok = None  # (nothing more to flush from it)
                 failed[rid] = f"detokenizing token {tok} failed: {type(e).__name__}: {e}"
                 continue
             deltas[rid] = delta
@@ -850,16 +830,16 @@ class EngineNode:
         if stopped:
             result = replace(result, stopped={**result.stopped, **stopped})
         for rid, (first, entries) in result.prompt_logprobs.items():
-            got = self._prompt_lp.get(rid)
+            live = requests.get(rid)
+            got = None if live is None else live.prompt_lp
             if got is not None:  # (a recompute after a preemption scores it again: kept once)
                 for j, e in enumerate(entries):
                     got.setdefault(first + j, e)
         evs = self.sched.update(out, result)
         now = time.monotonic()
-        progress = self._progress
         for ev in evs:
-            if type(ev) is Tokens:
-                progress[ev.request_id] = now
+            if type(ev) is Tokens and (live := requests.get(ev.request_id)) is not None:
+                live.progress = now
         self._emit(evs, deltas, result.logprobs, result.embeddings)
         self._publish_gauges()
 
@@ -879,20 +859,22 @@ class EngineNode:
             rids = list(snap["running"]) + list(snap["waiting"])
         else:
             return
-        rids = [r for r in rids if r not in self._silent]
+        rids = [r for r in rids if not self.requests.silent(r)]
         if rids:
             await self._hand_back(rids)
 
     async def _hand_back(self, rids: list[str]) -> None:
         back: list[tuple[str, bytes, Request, str]] = []
         for rid in rids:
-            entry, req, token = self._entry.get(rid), self._request.get(rid), self._token.get(rid)
-            self._silent.add(rid)
+            live, token = self.requests.get(rid), self.requests.tokens.get(rid)
+            if live is not None:
+                live.silent = True
             evs = self.sched.abort(rid, "engine")  # nothing is in flight: released at once
             count = sum(e.count for e in evs if isinstance(e, BlocksReleased))
             self._emit(evs)  # bookkeeping only: silent
-            if entry is None or req is None:
+            if live is None:
                 continue
+            entry, req = live.entry, live.request
             self._outbox.append(
                 (
                     self.bus.keys.req(rid),
@@ -1028,7 +1010,7 @@ class EngineNode:
         self._beat_now()
 
     def _lora_in_use(self, name: str) -> bool:
-        return any(req.data.sampling.lora == name for req in self._request.values())
+        return any(live.request.data.sampling.lora == name for live in self.requests.values())
 
     def _beat_now(self) -> None:
         """Write the heartbeat now (an API node waits on it for an adapter's load)."""
@@ -1063,7 +1045,7 @@ class EngineNode:
             return
         evs: list[Event] = []
         for rid in ev.request_ids:
-            if self.sched.knows(rid) and rid not in self._silent:
+            if self.sched.knows(rid) and not self.requests.silent(rid):
                 mine = self.sched.abort(rid, ev.source)
                 if mine:
                     self._count_abort(ev.source)
@@ -1088,13 +1070,11 @@ class EngineNode:
         by then.)"""
         entries: dict[str, bytes] = {}
         if ev.engine or entry_id is None:
-            rids = dict.fromkeys((*self._entry, *self._admitting))
+            rids = dict.fromkeys((*self.requests, *self.requests.admitting))
         else:
             until = entry_id_key(entry_id)[0]
             rids = dict.fromkeys(
-                rid
-                for rid in self._entry
-                if (req := self._request.get(rid)) is None or req.data.arrival_ts <= until
+                rid for rid, live in self.requests.items() if live.request.data.arrival_ts <= until
             )
             queued = await self._retry("abort_all", lambda: self.bus.queued_until(entry_id))
             for entry, rid in queued:
@@ -1114,7 +1094,7 @@ class EngineNode:
         for rid in rids:
             if not self.sched.knows(rid):
                 unknown.append(rid)
-            elif rid not in self._silent:  # (handed back or lost: its new owner aborts it)
+            elif not self.requests.silent(rid):  # (handed back or lost: its new owner aborts it)
                 evs = self.sched.abort(rid, source)
                 if evs:
                     self._count_abort(source)
@@ -1144,9 +1124,9 @@ class EngineNode:
                 choices += choice_ids(rid, n)  # a response of n choices: abort each of them
             elif (
                 owner is not None
-                and owner == self._token.get(rid)
+                and owner == self.requests.tokens.get(rid)
                 and self.sched.knows(rid)
-                and rid not in self._silent
+                and not self.requests.silent(rid)
             ):
                 # This engine's claim won while the tombstones were on their way, and started
                 # the request meanwhile: it is an abort of a known request now.
@@ -1165,31 +1145,24 @@ class EngineNode:
     async def _write_tombstone_story(self, rid: str) -> None:
         source = await self._retry("abort", lambda: self.bus.take_abort_story(rid))
         if source is not None:
-            self._token[rid] = ABORT_WRITTEN  # (the fence lets the one who flipped it write)
+            self.requests.tokens[rid] = ABORT_WRITTEN  # (the fence lets the one who flipped it write)
             self._emit(tombstone_story(rid, source))
 
-    def _take_prompt_logprobs(self, rid: str) -> dict | None:
+    @staticmethod
+    def _take_prompt_logprobs(live: Live) -> dict | None:
         """The prompt's log-probabilities for the request's first tokens event, once every
         prompt position was scored (its last prefill chunk samples that first token)."""
-        got = self._prompt_lp.get(rid)
-        req = self._request.get(rid)
-        if got is None or req is None:
+        got = live.prompt_lp
+        if got is None:
             return None
-        prompt = req.data.prompt_token_ids
+        prompt = live.request.data.prompt_token_ids
         if len(got) < len(prompt) - 1:
             return None
-        del self._prompt_lp[rid]
+        live.prompt_lp = None
         return prompt_logprobs_field(prompt, [got[p] for p in range(1, len(prompt))])
 
     def _dismiss(self, rid: str, source: str) -> None:
-        now = time.monotonic()
-        self._dismissed[rid] = (source, now)
-        self._dismissed.move_to_end(rid)
-        while self._dismissed:
-            first, (_, t) = next(iter(self._dismissed.items()))
-            if now - t <= self.cfg.tombstone_ttl_s and len(self._dismissed) <= 100_000:
-                break
-            del self._dismissed[first]
+        self.requests.dismiss(rid, source, time.monotonic(), self.cfg.tombstone_ttl_s)
 
     def _count_abort(self, source: str, n: int = 1) -> None:
         if self.metrics is not None:
@@ -1215,15 +1188,24 @@ class EngineNode:
         now = time.time()
         ts = int(now * 1000)
         drop: list[str] = []
+        # abort_requested of requests with no record here (a tombstone's story, written
+        # whole in one call): their blocks_released follows in the same call.
+        noted: dict[str, float] = {}
         outbox = self._outbox
+        requests = self.requests
         for ev in evs:
             rid = ev.request_id  # type: ignore[attr-defined]
-            silent = rid in self._silent
+            live = requests.get(rid)
+            silent = live is not None and live.silent
             if type(ev) is Tokens:  # the common case: one per request per step
                 if not silent:
                     text = texts.pop(rid, ev.text) if texts else ev.text
                     lp = logprobs.get(rid) if logprobs else None
-                    plp = self._take_prompt_logprobs(rid) if self._prompt_lp and ev.token_ids else None
+                    plp = (
+                        self._take_prompt_logprobs(live)
+                        if live is not None and live.prompt_lp is not None and ev.token_ids
+                        else None
+                    )
                     emb = embeddings.get(rid) if embeddings else None
                     outbox.append(
                         (
@@ -1241,11 +1223,16 @@ class EngineNode:
                         )
                     )
                 continue
-            if isinstance(ev, (AbortRequested, BlocksReleased, Final)) and rid in self._detok:
+            if (
+                live is not None
+                and live.detok is not None
+                and isinstance(ev, (AbortRequested, BlocksReleased, Final))
+            ):
                 # The request emits no more tokens: text held back (a possible stop-string
                 # prefix, an incomplete UTF-8 character) goes out now, before the end of its
                 # story, so nothing but the protocol's own events follows abort_requested.
-                tail = self._detok.pop(rid).flush()
+                tail = live.detok.flush()
+                live.detok = None
                 if tail and not silent:
                     self._outbox.append(
                         (
@@ -1254,19 +1241,23 @@ class EngineNode:
                         )
                     )
             if isinstance(ev, AbortRequested):
-                self._abort_noted_at[rid] = now
+                if live is not None:
+                    live.abort_noted_at = now
+                else:
+                    noted[rid] = now
                 if self.sched.in_flight(rid):
                     drop.append(rid)
             elif isinstance(ev, BlocksReleased):
-                t = self._abort_noted_at.pop(rid, None)
+                if live is not None:
+                    t, live.abort_noted_at = live.abort_noted_at, None
+                else:
+                    t = noted.pop(rid, None)
                 if t is not None and self.metrics is not None and not silent:
                     self.metrics.abort_release_seconds.observe(now - t)
             elif isinstance(ev, Final):
                 self._untoken.append(rid)
-                self._renewed.pop(rid, None)
-                self._progress.pop(rid, None)
-                self._prompt_lp.pop(rid, None)
-                req = self._request.pop(rid, None)
+                requests.forget(rid)
+                req = None if live is None else live.request
                 if (
                     self.adapters.unloading
                     and req is not None
@@ -1276,12 +1267,9 @@ class EngineNode:
                     )
                 ):
                     self._runner_lora("unload", req.data.sampling.lora)
-                entry = self._entry.pop(rid, None)
                 if silent:
-                    self._silent.discard(rid)
                     continue  # its new owner acks it and writes its final
-                if rid in self._timed_out:
-                    self._timed_out.discard(rid)
+                if live is not None and live.timed_out:
                     ev = replace(
                         ev,
                         finish_reason="error",
@@ -1291,8 +1279,8 @@ class EngineNode:
                 if req is not None and req.data.parent:  # see RequestData.parent
                     self._expire.append((rid, self.bus.keys.req(req.data.parent)))
                     self._expire.append((rid, self.bus.keys.owner(req.data.parent)))
-                if entry is not None:
-                    self._ack.append((rid, entry))
+                if live is not None:
+                    self._ack.append((rid, live.entry))
             if silent:
                 continue
             fields: dict[str, Any] = {"ts": ts}
@@ -1348,14 +1336,11 @@ class EngineNode:
             expire, self._expire = self._expire, []
             ack, self._ack = self._ack, []
             done, self._untoken = self._untoken, []
-            announced = set(self._unannounced)  # (their `claimed` is among the items)
+            announced = set(self.requests.unannounced)  # (their `claimed` is among the items)
             await self._publish(items, expire, ack)
-            for rid in done:  # their finals are out (or refused): nothing more is written
-                if rid not in self._entry and rid not in self._admitting:
-                    self._token.pop(rid, None)
-                    self._lost.discard(rid)
+            self.requests.release(done)  # their finals are out (or refused)
             if announced:
-                self._unannounced -= announced
+                self.requests.unannounced -= announced
 
     async def _publish(self, items, expire, ack) -> None:
         """One pipelined batch, exactly once: after a failure only what is not on its stream
@@ -1369,7 +1354,7 @@ class EngineNode:
             try:
                 if failed:
                     items = await unwritten(self.bus.redis, items)
-                refused = await self.bus.publish_owned(items, self._token, expire=expire, ack=ack)
+                refused = await self.bus.publish_owned(items, self.requests.tokens, expire=expire, ack=ack)
                 self._redis_ok()
                 for rid, why in refused.items():
                     self._lose(rid, why)
@@ -1419,7 +1404,8 @@ class EngineNode:
         meet the fence. Those still held get their owner key's and story's TTL renewed every
         quarter TTL, so a request that runs for longer than the TTL keeps them (the fence
         refuses a write once its owner key is gone)."""
-        rids = [r for r in self._entry if r not in self._silent and self.sched.knows(r)]
+        requests = self.requests
+        rids = [r for r, live in requests.items() if not live.silent and self.sched.knows(r)]
         if not rids:
             return
         pipe = self.bus.redis.pipeline(transaction=False)
@@ -1429,15 +1415,16 @@ class EngineNode:
         due: list[str] = []
         for rid, owner in zip(rids, await pipe.execute()):
             owner = owner.decode() if isinstance(owner, bytes) else owner
-            if not self.sched.knows(rid) or rid in self._silent:
+            live = requests.get(rid)
+            if live is None or live.silent or not self.sched.knows(rid):
                 continue
-            if owner != self._token.get(rid):
+            if owner != requests.tokens.get(rid):
                 self._lose(rid, Refused("owner", owner))
-            elif now - self._renewed.get(rid, now) > self.bus.req_ttl_s / 4:
-                self._renewed[rid] = now
+            elif now - live.renewed > self.bus.req_ttl_s / 4:
+                live.renewed = now
                 due += [self.bus.keys.owner(rid), self.bus.keys.req(rid)]
-                req = self._request.get(rid)
-                if req is not None and req.data.parent:  # (a choice: its response's story too)
+                req = live.request
+                if req.data.parent:  # (a choice: its response's story too)
                     due += [self.bus.keys.owner(req.data.parent), self.bus.keys.req(req.data.parent)]
         if due:  # (not atomic with the GET: at worst it renews a new owner's keys, as it would)
             await self.bus.renew(list(dict.fromkeys(due)))
@@ -1447,16 +1434,16 @@ class EngineNode:
         """The fence refused this request's events, or its owner key moved on: another
         engine runs it (or it ended). Stop scheduling it, drop it in the runner, release its
         blocks, and write nothing more to its story."""
-        if rid in self._lost:
+        if not self.requests.lose(rid):
             return  # (a flush made before it was dropped, refused too)
-        self._lost.add(rid)
         self.fenced += 1
         log.warning(
             "fenced: not the owner any more; dropping",
             extra={"request_id": rid, "engine": self.id, "owner": why.owner, "why": why.why},
         )
-        if self.sched.knows(rid) and rid not in self._silent:
-            self._silent.add(rid)
+        live = self.requests.get(rid)
+        if live is not None and not live.silent and self.sched.knows(rid):
+            live.silent = True
             self._emit(self.sched.abort(rid, "engine"))
             self._wake.set()
 
@@ -1481,7 +1468,7 @@ class EngineNode:
         room = self.sched.can_admit()
 
         def mine(rid: str) -> bool:
-            return rid in self._entry or rid in self._admitting or self.sched.knows(rid)
+            return self.requests.holds(rid) or self.sched.knows(rid)
 
         orphans, done, aborted = await self._orphans.scan(max(room, 0), mine)
         for entry, fields in done:
@@ -1510,16 +1497,17 @@ class EngineNode:
             await self._sleep_while_running(min(0.1, limit / 4))
             now = time.monotonic()
             late = [
-                rid
-                for rid, t in self._progress.items()
-                if now - t > limit
-                and rid not in self._timed_out
-                and rid not in self._silent
+                (rid, live)
+                for rid, live in self.requests.items()
+                if live.progress is not None
+                and now - live.progress > limit
+                and not live.timed_out
+                and not live.silent
                 and self.sched.knows(rid)
             ]
-            for rid in late:
+            for rid, live in late:
                 log.warning("request timed out", extra={"request_id": rid, "engine": self.id})
-                self._timed_out.add(rid)
+                live.timed_out = True
                 self._count_abort("timeout")
                 self._emit(self.sched.abort(rid, "timeout"))
             if late:
