@@ -42,10 +42,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any, Awaitable, Callable, Mapping, Protocol, TypeVar
-
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from typing import Any, Mapping, Protocol
 
 from control.bus import Bus, entry_id_key
 from control.events import (
@@ -79,17 +76,13 @@ from engine.config import SchedulerConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.failover import History, OrphanFinder
 from engine.journal import JournalRecorder, journaled
-from engine.outbox import unwritten
 from engine.outputs import RunnerOutput, SchedulerOutput
+from engine.publisher import Publisher
+from engine.redis_link import RETRYABLE, RedisLink, Stopped
 from engine.request_table import Live, RequestTable
 from engine.scheduler import Scheduler
 
 log = logging.getLogger("engine.node")
-
-#: What a lost or restarting Redis raises (BusyLoadingError is a ConnectionError).
-RETRYABLE = (RedisConnectionError, RedisTimeoutError, OSError)
-
-T = TypeVar("T")
 
 
 #: Tombstones laid per round trip for a many-id abort: small enough that the embedded server
@@ -158,10 +151,6 @@ def _wake_up(fut: asyncio.Future) -> None:
         fut.set_result(None)
 
 
-class _Stopped(Exception):
-    """A Redis call was abandoned because the engine is stopping."""
-
-
 class EngineNode:
     def __init__(
         self,
@@ -215,17 +204,20 @@ class EngineNode:
         # Every request this engine runs, its owner tokens, and aborts it remembers
         # (engine.request_table).
         self.requests = RequestTable()
-        self._outbox: list[tuple[str, Event]] = []
-        # (request id, key) and (request id, P:requests entry): done only if the request's
-        # events got through the fence (control/fence.py)
-        self._expire: list[tuple[str, str]] = []
-        self._ack: list[tuple[str, bytes]] = []
-        # Requests whose final is in the outbox: their tokens go once that flush is done.
-        self._untoken: list[str] = []
+        self.link = RedisLink(
+            self.id, cfg.retry_backoff_s, cfg.retry_backoff_max_s, stopping=lambda: self._stopping
+        )
+        # The outbox, acks and TTLs, flushed to the bus in one fenced batch (engine.publisher).
+        self.publisher = Publisher(
+            bus,
+            self.id,
+            self.requests,
+            self.link,
+            self._lose,
+            self.sched if isinstance(self.sched, JournalRecorder) else None,
+        )
         self.fenced = 0  # requests dropped because the fence refused their events
         self._wake = asyncio.Event()
-        self._flush_lock = asyncio.Lock()
-        self._bg: set[asyncio.Task] = set()
         self._abort_counters: dict[str, Any] = {}
         self._arrivals_told = False  # an API in this process says when it submits (fd serve)
         self._arrived = False
@@ -245,16 +237,10 @@ class EngineNode:
         self.step_seconds = 0.0
         self.taken_over = 0  # requests continued from a dead engine
         self.handed_back = 0
-        self.redis_errors = 0  # Redis calls that failed and were retried
         self._cursor: bytes | None = None
         self._started_ms = int(time.time() * 1000)
         self.adapters = Adapters(tuple(getattr(runner, "lora_names", ())))  # LoRA (engine.adapters)
         self._beats: set[asyncio.Task] = set()  # heartbeats written at once (an adapter loaded)
-        # Since when Redis calls have been succeeding (0: since forever). After an outage the
-        # failover waits a heartbeat TTL, so live peers can renew heartbeats that expired
-        # while nobody could write them, before their requests look orphaned.
-        self._ok_since = 0.0
-        self._last_error_log = 0.0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -303,7 +289,7 @@ class EngineNode:
         log.info("engine started", extra={"engine": self.id, "blocks": self.sched.num_total_blocks})
         try:
             await self._step_loop()
-        except _Stopped:
+        except Stopped:
             pass
         finally:
             self._stopping = True
@@ -339,39 +325,10 @@ class EngineNode:
         except Exception as e:  # Redis down: the key expires on its own
             log.warning("could not delete heartbeat: %s", e, extra={"engine": self.id})
 
-    # ------------------------------------------------------------------ Redis errors
-
-    def _redis_ok(self) -> None:
-        if self._ok_since is None:
-            self._ok_since = time.monotonic()
-            log.info("control plane reachable again", extra={"engine": self.id})
-
-    def _redis_failed(self, what: str, e: BaseException) -> None:
-        self._ok_since = None  # type: ignore[assignment]
-        self.redis_errors += 1
-        now = time.monotonic()
-        if now - self._last_error_log > 1.0:  # one line a second, not one per retry
-            self._last_error_log = now
-            log.warning("redis unavailable (%s): %s; retrying", what, e, extra={"engine": self.id})
-
-    async def _retry(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
-        """``fn()`` until it gets through, backing off; gives up only when stopping."""
-        backoff = self.cfg.retry_backoff_s
-        while True:
-            try:
-                out = await fn()
-                self._redis_ok()
-                return out
-            except RETRYABLE as e:
-                self._redis_failed(what, e)
-                if self._stopping:
-                    raise _Stopped(what) from e
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self.cfg.retry_backoff_max_s)
-
-    async def _pause(self, backoff: float) -> float:
-        await asyncio.sleep(backoff)
-        return min(backoff * 2, self.cfg.retry_backoff_max_s)
+    @property
+    def redis_errors(self) -> int:
+        """Redis calls that failed and were retried."""
+        return self.link.errors
 
     # ------------------------------------------------------------------ step loop
 
@@ -539,7 +496,7 @@ class EngineNode:
         if evs:
             self._emit(evs)
             self._publish_gauges()
-            self._flush_soon()
+            self.publisher.flush_soon()
 
     def _release_finished(self) -> None:
         """An abort just heard (or a queued step left it out) for a request held only by
@@ -585,11 +542,11 @@ class EngineNode:
         self._arrived = False
         try:
             got = await self.bus.claim_requests(self.id, n, self.cfg.claim_block_ms if block else None)
-            self._redis_ok()
+            self.link.ok()
         except RETRYABLE as e:
             # Entries the lost reply may have carried stay pending here with no owner: the
             # failover scan finds them (this engine's own included) once they are idle.
-            self._redis_failed("claim", e)
+            self.link.failed("claim", e)
             await asyncio.sleep(0.2 if block else 0)
             return 0
         if len(got) >= n:
@@ -609,7 +566,7 @@ class EngineNode:
                     )
                 )
             except RETRYABLE as e:
-                self._redis_failed("claim", e)  # (then each is owned on its own below)
+                self.link.failed("claim", e)  # (then each is owned on its own below)
         for entry_id, req in got:
             await self._admit(entry_id, req, owned=owned.get(req.request_id))
         return len(got)
@@ -635,10 +592,10 @@ class EngineNode:
         try:
             try:
                 hist = await self._own(entry_id, req, takeover, owner, owned)
-                self._redis_ok()
+                self.link.ok()
             except RETRYABLE as e:
                 # Owned or not, the entry stays pending: the failover scan comes back to it.
-                self._redis_failed("claim", e)
+                self.link.failed("claim", e)
                 return
             if hist is not None:
                 self._start(entry_id, req, *hist)
@@ -714,7 +671,7 @@ class EngineNode:
         try:
             await self.bus.ack_request(entry_id)
         except RETRYABLE as e:  # (still pending: the next look at it acks it)
-            self._redis_failed("claim", e)
+            self.link.failed("claim", e)
 
     def _start(self, entry_id: bytes, req: Request, hist: History, token: str) -> None:
         """Synchronous, so no abort can slip in between the checks and ``sched.add``."""
@@ -875,18 +832,16 @@ class EngineNode:
             if live is None:
                 continue
             entry, req = live.entry, live.request
-            self._outbox.append(
-                (
-                    self.bus.keys.req(rid),
-                    Preempted(
-                        request_id=rid,
-                        count=count,
-                        engine=self.id,
-                        step=self.sched.step,
-                        handback=True,
-                        ts=int(time.time() * 1000),
-                    ),
-                )
+            self.publisher.put(
+                self.bus.keys.req(rid),
+                Preempted(
+                    request_id=rid,
+                    count=count,
+                    engine=self.id,
+                    step=self.sched.step,
+                    handback=True,
+                    ts=int(time.time() * 1000),
+                ),
             )
             if token is not None:
                 back.append((rid, entry, req, token))
@@ -894,12 +849,12 @@ class EngineNode:
         for rid, entry, req, token in back:
             key = self.bus.keys.owner(rid)
             # The owner key goes before the request is re-queued: a claimer must find it free.
-            released = await self._retry(
+            released = await self.link.retry(
                 "hand back", lambda: failover.cas_owner(self.bus.redis, key, token, None, self.bus.req_ttl_s)
             )
             if not released:
                 continue  # no longer ours (taken over meanwhile): nothing to hand back
-            await self._retry(
+            await self.link.retry(
                 "hand back",
                 lambda: self.bus.publish_many(
                     [(self.bus.keys.requests, replace(req, resume=True, ts=0))], ack=[entry]
@@ -917,8 +872,8 @@ class EngineNode:
                 cursor, events = await self.control_bus.read_control(cursor, self.cfg.control_block_ms)
                 backoff = self.cfg.retry_backoff_s
             except RETRYABLE as e:
-                self._redis_failed("control read", e)
-                backoff = await self._pause(backoff)
+                self.link.failed("control read", e)
+                backoff = await self.link.pause(backoff)
                 continue
             except Exception:  # a bug: keep the engine alive, retry shortly
                 log.exception("control read failed", extra={"engine": self.id})
@@ -930,7 +885,7 @@ class EngineNode:
                 if events:
                     await self._flush()
                     self._wake.set()
-            except _Stopped:
+            except Stopped:
                 return
 
     async def _on_control(self, ev: Event, entry_id: bytes | None = None) -> None:
@@ -1052,7 +1007,7 @@ class EngineNode:
                 evs += mine
         if evs:
             self._emit(evs)
-            self._flush_soon()
+            self.publisher.flush_soon()
             self._wake.set()
 
     async def _abort_all(self, ev: AbortAll, entry_id: bytes | None) -> None:
@@ -1076,7 +1031,7 @@ class EngineNode:
             rids = dict.fromkeys(
                 rid for rid, live in self.requests.items() if live.request.data.arrival_ts <= until
             )
-            queued = await self._retry("abort_all", lambda: self.bus.queued_until(entry_id))
+            queued = await self.link.retry("abort_all", lambda: self.bus.queued_until(entry_id))
             for entry, rid in queued:
                 rids[rid] = None
                 entries[rid] = entry
@@ -1108,7 +1063,7 @@ class EngineNode:
         results = []
         for i in range(0, len(unknown), TOMBSTONE_BATCH):
             batch = unknown[i : i + TOMBSTONE_BATCH]
-            results += await self._retry(
+            results += await self.link.retry(
                 "abort", lambda: self.bus.tombstone_many(batch, source, self.cfg.tombstone_ttl_s)
             )
             await asyncio.sleep(0)  # an in-process Redis runs each batch on this loop: let others in
@@ -1119,7 +1074,7 @@ class EngineNode:
                 if exists:
                     await self._write_tombstone_story(rid)
                     if entries and rid in entries:
-                        self._ack.append((rid, entries[rid]))  # (after the story: see _flush)
+                        self.publisher.ack(rid, entries[rid])  # (after the story: one batch)
             elif (n := owner_choices(owner)) is not None:
                 choices += choice_ids(rid, n)  # a response of n choices: abort each of them
             elif (
@@ -1143,7 +1098,7 @@ class EngineNode:
             await self._abort(tuple(choices), source)
 
     async def _write_tombstone_story(self, rid: str) -> None:
-        source = await self._retry("abort", lambda: self.bus.take_abort_story(rid))
+        source = await self.link.retry("abort", lambda: self.bus.take_abort_story(rid))
         if source is not None:
             self.requests.tokens[rid] = ABORT_WRITTEN  # (the fence lets the one who flipped it write)
             self._emit(tombstone_story(rid, source))
@@ -1191,7 +1146,7 @@ class EngineNode:
         # abort_requested of requests with no record here (a tombstone's story, written
         # whole in one call): their blocks_released follows in the same call.
         noted: dict[str, float] = {}
-        outbox = self._outbox
+        put = self.publisher.put
         requests = self.requests
         for ev in evs:
             rid = ev.request_id  # type: ignore[attr-defined]
@@ -1207,20 +1162,18 @@ class EngineNode:
                         else None
                     )
                     emb = embeddings.get(rid) if embeddings else None
-                    outbox.append(
-                        (
-                            self.bus.keys.req(rid),
-                            Tokens(
-                                request_id=rid,
-                                token_ids=ev.token_ids,
-                                text=text,
-                                step=ev.step,
-                                ts=ts,
-                                logprobs=None if lp is None else logprobs_field([lp]),
-                                prompt_logprobs=plp,
-                                embedding=None if emb is None else embedding_field(emb),
-                            ),
-                        )
+                    put(
+                        self.bus.keys.req(rid),
+                        Tokens(
+                            request_id=rid,
+                            token_ids=ev.token_ids,
+                            text=text,
+                            step=ev.step,
+                            ts=ts,
+                            logprobs=None if lp is None else logprobs_field([lp]),
+                            prompt_logprobs=plp,
+                            embedding=None if emb is None else embedding_field(emb),
+                        ),
                     )
                 continue
             if (
@@ -1234,11 +1187,9 @@ class EngineNode:
                 tail = live.detok.flush()
                 live.detok = None
                 if tail and not silent:
-                    self._outbox.append(
-                        (
-                            self.bus.keys.req(rid),
-                            Tokens(request_id=rid, token_ids=(), text=tail, ts=ts, step=self.sched.step),
-                        )
+                    put(
+                        self.bus.keys.req(rid),
+                        Tokens(request_id=rid, token_ids=(), text=tail, ts=ts, step=self.sched.step),
                     )
             if isinstance(ev, AbortRequested):
                 if live is not None:
@@ -1255,7 +1206,7 @@ class EngineNode:
                 if t is not None and self.metrics is not None and not silent:
                     self.metrics.abort_release_seconds.observe(now - t)
             elif isinstance(ev, Final):
-                self._untoken.append(rid)
+                self.publisher.ended(rid)
                 requests.forget(rid)
                 req = None if live is None else live.request
                 if (
@@ -1277,16 +1228,16 @@ class EngineNode:
                     )
                 # (its own story's and owner key's TTL: renewed by the fence with the final)
                 if req is not None and req.data.parent:  # see RequestData.parent
-                    self._expire.append((rid, self.bus.keys.req(req.data.parent)))
-                    self._expire.append((rid, self.bus.keys.owner(req.data.parent)))
+                    self.publisher.expire(rid, self.bus.keys.req(req.data.parent))
+                    self.publisher.expire(rid, self.bus.keys.owner(req.data.parent))
                 if live is not None:
-                    self._ack.append((rid, live.entry))
+                    self.publisher.ack(rid, live.entry)
             if silent:
                 continue
             fields: dict[str, Any] = {"ts": ts}
             if hasattr(ev, "engine") and not getattr(ev, "engine"):
                 fields["engine"] = self.id
-            self._outbox.append((self.bus.keys.req(rid), replace(ev, **fields)))
+            put(self.bus.keys.req(rid), replace(ev, **fields))
         if drop and hasattr(self.runner, "drop"):
             # A step queued behind the running one (async scheduling) may not have started:
             # the worker leaves these out of it and says so, and their blocks come back after
@@ -1303,69 +1254,12 @@ class EngineNode:
         evs = self.sched.skipped(step, rids)
         if evs:
             self._emit(evs)
-            self._flush_soon()
+            self.publisher.flush_soon()
         self._release_finished()  # those held only by steps whose results are in go now
 
-    def _flush_soon(self) -> None:
-        """Publish what an abort just emitted from a task of its own, without waiting for the
-        step loop."""
-        task = asyncio.get_running_loop().create_task(self._flush_quietly())
-        self._bg.add(task)
-        task.add_done_callback(self._bg.discard)
-
-    async def _flush_quietly(self) -> None:
-        try:
-            await self._flush()
-        except _Stopped:
-            pass
-
     async def _flush(self) -> None:
-        # Both the step loop and the control loop flush (an abort noted mid-step is published
-        # at once, not after the step). The lock keeps batches in the order they were made:
-        # two pipelines on two pooled connections could otherwise overtake each other.
-        async with self._flush_lock:
-            if isinstance(self.sched, JournalRecorder):
-                entry = self.sched.drain()
-                if entry is not None:
-                    self._outbox.append(
-                        (self.bus.keys.journal(self.id), replace(entry, ts=int(time.time() * 1000)))
-                    )
-            if not self._outbox and not self._ack:
-                return
-            items, self._outbox = self._outbox, []
-            expire, self._expire = self._expire, []
-            ack, self._ack = self._ack, []
-            done, self._untoken = self._untoken, []
-            announced = set(self.requests.unannounced)  # (their `claimed` is among the items)
-            await self._publish(items, expire, ack)
-            self.requests.release(done)  # their finals are out (or refused)
-            if announced:
-                self.requests.unannounced -= announced
-
-    async def _publish(self, items, expire, ack) -> None:
-        """One pipelined batch, exactly once: after a failure only what is not on its stream
-        yet is sent again (:mod:`engine.outbox`). Nothing else is published meanwhile (the
-        flush lock), so the order of events is kept across an outage. Every event on a
-        request's story goes through the fence (control/fence.py): a request whose events it
-        refuses is dropped (:meth:`_lose`)."""
-        backoff = self.cfg.retry_backoff_s
-        failed = False
-        while True:
-            try:
-                if failed:
-                    items = await unwritten(self.bus.redis, items)
-                refused = await self.bus.publish_owned(items, self.requests.tokens, expire=expire, ack=ack)
-                self._redis_ok()
-                for rid, why in refused.items():
-                    self._lose(rid, why)
-                return
-            except RETRYABLE as e:
-                failed = True
-                self._redis_failed("publish", e)
-                if self._stopping:
-                    log.error("stopping with %d events unpublished", len(items), extra={"engine": self.id})
-                    raise _Stopped("publish") from e
-                backoff = await self._pause(backoff)
+        """Publish what the loops queued (engine.publisher); every loop flushes through here."""
+        await self.publisher.flush()
 
     def _publish_gauges(self) -> None:
         if self.metrics is not None:
@@ -1389,10 +1283,10 @@ class EngineNode:
         while not self._stopping:
             try:
                 await self.bus.heartbeat(self.id, self.status(), self.cfg.heartbeat_ttl_s)
-                self._redis_ok()
+                self.link.ok()
                 await self._check_ownership()
             except RETRYABLE as e:
-                self._redis_failed("heartbeat", e)
+                self.link.failed("heartbeat", e)
             except Exception:
                 log.exception("heartbeat failed", extra={"engine": self.id})
             self._publish_gauges()
@@ -1452,14 +1346,14 @@ class EngineNode:
             await self._sleep_while_running(self.cfg.failover_interval_s)
             if self._stopping or self._draining:
                 continue
-            ok = self._ok_since
+            ok = self.link.ok_since
             if ok is None or (ok and time.monotonic() - ok < self.cfg.heartbeat_ttl_s):
                 continue  # just back from an outage: let live peers renew their heartbeats
             try:
                 await self._take_over_orphans()
             except RETRYABLE as e:
-                self._redis_failed("failover", e)
-            except _Stopped:
+                self.link.failed("failover", e)
+            except Stopped:
                 return
             except Exception:
                 log.exception("failover scan failed", extra={"engine": self.id})
@@ -1513,7 +1407,7 @@ class EngineNode:
             if late:
                 try:
                     await self._flush()
-                except _Stopped:
+                except Stopped:
                     return
                 self._wake.set()
 
