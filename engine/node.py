@@ -76,6 +76,7 @@ from engine.config import SchedulerConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.failover import History, OrphanFinder
 from engine.journal import JournalRecorder, journaled
+from engine.lora_runtime import LoraLoader
 from engine.outputs import RunnerOutput, SchedulerOutput
 from engine.publisher import Publisher
 from engine.redis_link import RETRYABLE, RedisLink, Stopped
@@ -241,6 +242,7 @@ class EngineNode:
         self._started_ms = int(time.time() * 1000)
         self.adapters = Adapters(tuple(getattr(runner, "lora_names", ())))  # LoRA (engine.adapters)
         self._beats: set[asyncio.Task] = set()  # heartbeats written at once (an adapter loaded)
+        self.lora = LoraLoader(runner, self._pool, self.adapters, self.id, self._beat_now)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -248,7 +250,7 @@ class EngineNode:
         """Create the consumer group and fix the control cursor, before ``run``: anything
         published after this returns is seen by this engine."""
         await self.bus.ensure_group()
-        await self._load_registered()
+        await self.lora.load_registered(await self.bus.loras())
         newest = await self.control_bus.control_cursor()
         since = int(time.time() * 1000) - self.cfg.control_lookback_ms
         newest_ms = int(newest.split(b"-")[0])
@@ -482,7 +484,7 @@ class EngineNode:
                     fut.set_result(reply)
                     self._finished(reply.step, reply.ran)
             elif reply[0] == "lora":
-                self._lora_done(reply[1], reply[2])
+                self.lora.done(reply[1], reply[2])
             else:
                 self._on_skipped(reply[1], reply[2])
 
@@ -900,69 +902,13 @@ class EngineNode:
                 self.drain()
         elif isinstance(ev, LoadLora):
             if self.adapters.want_load(ev.name):
-                self._runner_lora("load", ev.name, ev.path)
+                self.lora.load(ev.name, ev.path)
         elif isinstance(ev, UnloadLora):
             if self.adapters.unload(ev.name, self._lora_in_use(ev.name)):
-                self._runner_lora("unload", ev.name)
+                self.lora.forget(ev.name)
             self._beat_now()
 
     # ------------------------------------------------------------------ LoRA at run time
-
-    async def _load_registered(self) -> None:
-        """At start: the adapters loaded at run time before this engine came (``P:loras``)."""
-        for name, path in (await self.bus.loras()).items():
-            if not self.adapters.want_load(name):
-                continue
-            if hasattr(self.runner, "on_lora"):  # a worker process, no step in flight yet
-                error = self.runner.load_lora(name, path, wait=True)
-            elif hasattr(self.runner, "load_lora"):
-                try:
-                    await asyncio.wrap_future(self._pool.submit(self.runner.load_lora, name, path))
-                    error = None
-                except Exception as e:  # noqa: BLE001 - said in the heartbeat
-                    error = f"{type(e).__name__}: {e}"
-            else:
-                error = "this engine's executor cannot load LoRA adapters"
-            self._lora_done(name, error)
-
-    def _runner_lora(self, what: str, name: str, path: str = "") -> None:
-        """Load or forget an adapter in the runner, between steps; a load's outcome comes to
-        :meth:`_lora_done` (from the worker's replies, or from the step thread)."""
-        runner = self.runner
-        if hasattr(runner, "on_lora"):  # the worker process: down the pipe, after the steps sent
-            runner.load_lora(name, path) if what == "load" else runner.unload_lora(name)
-            return
-        fn = getattr(runner, f"{what}_lora", None)
-        if fn is None:
-            if what == "load":
-                self._lora_done(name, "this engine's executor cannot load LoRA adapters")
-            return
-        loop = asyncio.get_running_loop()
-        work = self._pool.submit(fn, *((name, path) if what == "load" else (name,)))
-
-        def done(w) -> None:  # on the step thread
-            e = w.exception()
-            try:
-                loop.call_soon_threadsafe(
-                    self._lora_done, name, None if e is None else f"{type(e).__name__}: {e}"
-                )
-            except RuntimeError:
-                pass  # the loop is closed: the engine stopped
-
-        work.add_done_callback(done)
-
-    def _lora_done(self, name: str, error: str | None) -> None:
-        outcome = self.adapters.loaded(name, error)
-        if outcome is None:
-            return
-        if outcome == "unload":  # (taken back while it was loading)
-            self._runner_lora("unload", name)
-            return
-        if error is None:
-            log.info("LoRA adapter %r loaded", name, extra={"engine": self.id})
-        else:
-            log.warning("LoRA adapter %r could not be loaded: %s", name, error, extra={"engine": self.id})
-        self._beat_now()
 
     def _lora_in_use(self, name: str) -> bool:
         return any(live.request.data.sampling.lora == name for live in self.requests.values())
@@ -1217,7 +1163,7 @@ class EngineNode:
                         req.data.sampling.lora, self._lora_in_use(req.data.sampling.lora)
                     )
                 ):
-                    self._runner_lora("unload", req.data.sampling.lora)
+                    self.lora.forget(req.data.sampling.lora)
                 if silent:
                     continue  # its new owner acks it and writes its final
                 if live is not None and live.timed_out:
