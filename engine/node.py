@@ -39,13 +39,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
-from typing import Any, Awaitable, Callable, Mapping, Protocol, TypeVar
-
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from dataclasses import replace
+from typing import Any, Mapping
 
 from control.bus import Bus, entry_id_key
 from control.events import (
@@ -79,16 +76,15 @@ from engine.config import SchedulerConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.failover import History, OrphanFinder
 from engine.journal import JournalRecorder, journaled
-from engine.outbox import unwritten
+from engine.lora_runtime import LoraLoader
+from engine.node_config import EngineConfig, Runner
 from engine.outputs import RunnerOutput, SchedulerOutput
+from engine.publisher import Publisher
+from engine.redis_link import RETRYABLE, RedisLink, Stopped
+from engine.request_table import Live, RequestTable
 from engine.scheduler import Scheduler
 
 log = logging.getLogger("engine.node")
-
-#: What a lost or restarting Redis raises (BusyLoadingError is a ConnectionError).
-RETRYABLE = (RedisConnectionError, RedisTimeoutError, OSError)
-
-T = TypeVar("T")
 
 
 #: Tombstones laid per round trip for a many-id abort: small enough that the embedded server
@@ -103,62 +99,9 @@ TOMBSTONE_BATCH = 8
 CLAIM_POLL_S = 0.01
 
 
-class Runner(Protocol):
-    num_blocks: int
-    eos_token_ids: tuple[int, ...]
-    max_model_len: int
-
-    def execute(self, out: SchedulerOutput) -> RunnerOutput: ...
-
-
-@dataclass
-class EngineConfig:
-    engine_id: str
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    # At most this many claimed requests wait to start (what it cannot start soon stays in
-    # Redis for another engine), so a step starts at most this many prompts of a burst that
-    # is still coming in: 8 rather than 16 put the median request of a 32-request burst in an
-    # earlier, shorter prefill (bench/README.md, session 13).
-    max_num_waiting: int = 8
-    # The longest prompt + output a request may have; None: the model's own
-    # (max_position_embeddings). Over the model's own is refused: positions past it were never
-    # trained.
-    max_model_len: int | None = None
-    heartbeat_s: float = 1.0
-    heartbeat_ttl_s: int = 5
-    tombstone_ttl_s: int = 600
-    claim_block_ms: int = 50  # idle wait for new requests; never cancelled (DESIGN §6)
-    control_block_ms: int = 50
-    # A starting engine also reads the control stream's recent past: an abort published while
-    # no engine was up must still win over the request it names (tombstone via P:owner).
-    control_lookback_ms: int = 30_000
-    journal: bool = True  # one P:journal:<engine> entry per step, for `fd replay`
-    # Decide step N+1 while step N runs (its decodes on placeholders the runner fills in), so
-    # the runner never waits for this loop; off, each step is decided after the last one's
-    # results are folded in.
-    async_scheduling: bool = True
-    # Reuse the KV of prompt prefixes computed before (engine.block_manager); vLLM's default.
-    enable_prefix_caching: bool = True
-    scheduling_policy: str = "fcfs"  # vLLM's --scheduling-policy (SchedulerConfig)
-    # --- faults
-    max_attempts: int = 3  # engines a request may fail on before it ends with an error
-    drain_timeout_s: float = 30.0  # running requests get this long to finish on a drain
-    request_timeout_s: float = 0.0  # no token for this long: the request ends with an error; 0 off
-    failover_interval_s: float = 1.0  # how often to look for requests of dead engines
-    failover_idle_ms: int = 1000  # pending entries younger than this are not even looked at
-    retry_backoff_s: float = 0.05  # first wait after a Redis error, doubling ...
-    retry_backoff_max_s: float = 2.0  # ... up to this
-
-
 def _wake_up(fut: asyncio.Future) -> None:
     if not fut.done():
         fut.set_result(None)
-
-
-class _Stopped(Exception):
-    """A Redis call was abandoned because the engine is stopping."""
 
 
 class EngineNode:
@@ -211,42 +154,23 @@ class EngineNode:
                 kv,
                 extra={"engine": cfg.engine_id},
             )
-        self._entry: dict[str, bytes] = {}  # request id -> its P:requests entry, XACKed at final
-        self._request: dict[str, Request] = {}  # what was claimed, for a drain's hand-back
-        self._detok: dict[str, IncrementalDetokenizer] = {}
-        # Requests scoring their prompt (SamplingParams.prompt_logprobs), new here: position ->
-        # entry, as the prefill chunks bring them, for the request's first tokens event.
-        self._prompt_lp: dict[str, dict[int, tuple]] = {}
-        self._abort_noted_at: dict[str, float] = {}
-        # Requests this engine no longer speaks for (handed back, or ownership lost): the
-        # scheduler still winds them down, but none of their events is published.
-        self._silent: set[str] = set()
-        # Aborts that arrived while another engine owned the request (or nobody did, because it
-        # had died): if this engine later takes the request over, the abort still wins.
-        self._dismissed: OrderedDict[str, tuple[str, float]] = OrderedDict()
-        self._admitting: set[str] = set()  # owner key being taken, story being read
-        self._progress: dict[str, float] = {}  # last token (or claim), monotonic
-        self._timed_out: set[str] = set()
-        self._outbox: list[tuple[str, Event]] = []
-        # (request id, key) and (request id, P:requests entry): done only if the request's
-        # events got through the fence (control/fence.py)
-        self._expire: list[tuple[str, str]] = []
-        self._ack: list[tuple[str, bytes]] = []
-        # The owner token (control.keys.owner_token) each request's events are fenced with:
-        # this engine's grant of it, or ABORT_WRITTEN for an abort story it won the writing of.
-        # A request's token goes once the flush that carries its final is done (_untoken).
-        self._token: dict[str, str] = {}
-        self._untoken: list[str] = []
-        self._renewed: dict[str, float] = {}  # owner key and story TTLs renewed (monotonic)
+        # Every request this engine runs, its owner tokens, and aborts it remembers
+        # (engine.request_table).
+        self.requests = RequestTable()
+        self.link = RedisLink(
+            self.id, cfg.retry_backoff_s, cfg.retry_backoff_max_s, stopping=lambda: self._stopping
+        )
+        # The outbox, acks and TTLs, flushed to the bus in one fenced batch (engine.publisher).
+        self.publisher = Publisher(
+            bus,
+            self.id,
+            self.requests,
+            self.link,
+            self._lose,
+            self.sched if isinstance(self.sched, JournalRecorder) else None,
+        )
         self.fenced = 0  # requests dropped because the fence refused their events
-        self._lost: set[str] = set()  # dropped so (counted once), until their token goes
-        # Requests whose `claimed` is not on their stream yet. No step runs a request before
-        # it is: an engine that dies in that step (a poison request) has then counted as an
-        # attempt, so failover gives the request up after max_attempts (engine.failover).
-        self._unannounced: set[str] = set()
         self._wake = asyncio.Event()
-        self._flush_lock = asyncio.Lock()
-        self._bg: set[asyncio.Task] = set()
         self._abort_counters: dict[str, Any] = {}
         self._arrivals_told = False  # an API in this process says when it submits (fd serve)
         self._arrived = False
@@ -266,16 +190,11 @@ class EngineNode:
         self.step_seconds = 0.0
         self.taken_over = 0  # requests continued from a dead engine
         self.handed_back = 0
-        self.redis_errors = 0  # Redis calls that failed and were retried
         self._cursor: bytes | None = None
         self._started_ms = int(time.time() * 1000)
         self.adapters = Adapters(tuple(getattr(runner, "lora_names", ())))  # LoRA (engine.adapters)
         self._beats: set[asyncio.Task] = set()  # heartbeats written at once (an adapter loaded)
-        # Since when Redis calls have been succeeding (0: since forever). After an outage the
-        # failover waits a heartbeat TTL, so live peers can renew heartbeats that expired
-        # while nobody could write them, before their requests look orphaned.
-        self._ok_since = 0.0
-        self._last_error_log = 0.0
+        self.lora = LoraLoader(runner, self._pool, self.adapters, self.id, self._beat_now)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -283,7 +202,7 @@ class EngineNode:
         """Create the consumer group and fix the control cursor, before ``run``: anything
         published after this returns is seen by this engine."""
         await self.bus.ensure_group()
-        await self._load_registered()
+        await self.lora.load_registered(await self.bus.loras())
         newest = await self.control_bus.control_cursor()
         since = int(time.time() * 1000) - self.cfg.control_lookback_ms
         newest_ms = int(newest.split(b"-")[0])
@@ -324,7 +243,7 @@ class EngineNode:
         log.info("engine started", extra={"engine": self.id, "blocks": self.sched.num_total_blocks})
         try:
             await self._step_loop()
-        except _Stopped:
+        except Stopped:
             pass
         finally:
             self._stopping = True
@@ -360,39 +279,10 @@ class EngineNode:
         except Exception as e:  # Redis down: the key expires on its own
             log.warning("could not delete heartbeat: %s", e, extra={"engine": self.id})
 
-    # ------------------------------------------------------------------ Redis errors
-
-    def _redis_ok(self) -> None:
-        if self._ok_since is None:
-            self._ok_since = time.monotonic()
-            log.info("control plane reachable again", extra={"engine": self.id})
-
-    def _redis_failed(self, what: str, e: BaseException) -> None:
-        self._ok_since = None  # type: ignore[assignment]
-        self.redis_errors += 1
-        now = time.monotonic()
-        if now - self._last_error_log > 1.0:  # one line a second, not one per retry
-            self._last_error_log = now
-            log.warning("redis unavailable (%s): %s; retrying", what, e, extra={"engine": self.id})
-
-    async def _retry(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
-        """``fn()`` until it gets through, backing off; gives up only when stopping."""
-        backoff = self.cfg.retry_backoff_s
-        while True:
-            try:
-                out = await fn()
-                self._redis_ok()
-                return out
-            except RETRYABLE as e:
-                self._redis_failed(what, e)
-                if self._stopping:
-                    raise _Stopped(what) from e
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self.cfg.retry_backoff_max_s)
-
-    async def _pause(self, backoff: float) -> float:
-        await asyncio.sleep(backoff)
-        return min(backoff * 2, self.cfg.retry_backoff_max_s)
+    @property
+    def redis_errors(self) -> int:
+        """Redis calls that failed and were retried."""
+        return self.link.errors
 
     # ------------------------------------------------------------------ step loop
 
@@ -431,8 +321,9 @@ class EngineNode:
                 out = self.sched.schedule()
                 self._emit(self.sched.take_events())  # preemptions decided by this schedule()
                 if not out.empty:
-                    if self._unannounced and any(ss.request_id in self._unannounced for ss in out.seqs):
-                        await self._flush()  # their `claimed` first (see _unannounced)
+                    unannounced = self.requests.unannounced
+                    if unannounced and any(ss.request_id in unannounced for ss in out.seqs):
+                        await self._flush()  # their `claimed` first (see RequestTable.unannounced)
                     flying.append((out, self._submit(loop, out), time.perf_counter()))
             if not flying:
                 # Work exists but none can run (e.g. waiting for blocks): wait for an event.
@@ -545,7 +436,7 @@ class EngineNode:
                     fut.set_result(reply)
                     self._finished(reply.step, reply.ran)
             elif reply[0] == "lora":
-                self._lora_done(reply[1], reply[2])
+                self.lora.done(reply[1], reply[2])
             else:
                 self._on_skipped(reply[1], reply[2])
 
@@ -559,7 +450,7 @@ class EngineNode:
         if evs:
             self._emit(evs)
             self._publish_gauges()
-            self._flush_soon()
+            self.publisher.flush_soon()
 
     def _release_finished(self) -> None:
         """An abort just heard (or a queued step left it out) for a request held only by
@@ -605,11 +496,11 @@ class EngineNode:
         self._arrived = False
         try:
             got = await self.bus.claim_requests(self.id, n, self.cfg.claim_block_ms if block else None)
-            self._redis_ok()
+            self.link.ok()
         except RETRYABLE as e:
             # Entries the lost reply may have carried stay pending here with no owner: the
             # failover scan finds them (this engine's own included) once they are idle.
-            self._redis_failed("claim", e)
+            self.link.failed("claim", e)
             await asyncio.sleep(0.2 if block else 0)
             return 0
         if len(got) >= n:
@@ -629,7 +520,7 @@ class EngineNode:
                     )
                 )
             except RETRYABLE as e:
-                self._redis_failed("claim", e)  # (then each is owned on its own below)
+                self.link.failed("claim", e)  # (then each is owned on its own below)
         for entry_id, req in got:
             await self._admit(entry_id, req, owned=owned.get(req.request_id))
         return len(got)
@@ -646,23 +537,24 @@ class EngineNode:
         """Own the request and start it: a new one, one handed back by a draining engine
         (``req.resume``), or, with ``takeover``, one whose owner (``owner``) is dead."""
         rid = req.request_id
-        if rid in self._admitting or self.sched.knows(rid) or rid in self._entry:
-            if rid in self._entry and self._entry[rid] != entry_id and not takeover:
+        live = self.requests.get(rid)
+        if rid in self.requests.admitting or self.sched.knows(rid) or live is not None:
+            if live is not None and live.entry != entry_id and not takeover:
                 await self._ack_copy(entry_id, rid)
             return
-        self._admitting.add(rid)
+        self.requests.admitting.add(rid)
         try:
             try:
                 hist = await self._own(entry_id, req, takeover, owner, owned)
-                self._redis_ok()
+                self.link.ok()
             except RETRYABLE as e:
                 # Owned or not, the entry stays pending: the failover scan comes back to it.
-                self._redis_failed("claim", e)
+                self.link.failed("claim", e)
                 return
             if hist is not None:
                 self._start(entry_id, req, *hist)
         finally:
-            self._admitting.discard(rid)
+            self.requests.admitting.discard(rid)
 
     async def _own(
         self,
@@ -733,22 +625,19 @@ class EngineNode:
         try:
             await self.bus.ack_request(entry_id)
         except RETRYABLE as e:  # (still pending: the next look at it acks it)
-            self._redis_failed("claim", e)
+            self.link.failed("claim", e)
 
     def _start(self, entry_id: bytes, req: Request, hist: History, token: str) -> None:
         """Synchronous, so no abort can slip in between the checks and ``sched.add``."""
         rid, data = req.request_id, req.data
-        self._entry[rid] = entry_id
-        self._request[rid] = req
-        self._token[rid] = token
-        self._renewed[rid] = time.monotonic()
+        live = self.requests.add(rid, entry_id, req, token, time.monotonic())
         n_prompt, n_gen = len(data.prompt_token_ids), len(hist.tokens)
         usage = {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
-        dismissed = self._dismissed.pop(rid, None)
+        dismissed = self.requests.take_dismissed(rid)
         if dismissed is not None or "abort_requested" in hist.noted:
             # Aborted while no live engine ran it (its owner had died, or was handing it back):
             # finish the abort's story, never run it.
-            source = dismissed[0] if dismissed is not None else "engine"
+            source = dismissed if dismissed is not None else "engine"
             self._count_abort(source)
             evs: list[Event] = []
             if "abort_requested" not in hist.noted:
@@ -809,17 +698,17 @@ class EngineNode:
             primed, _ = detok.push(hist.tokens)
             if primed.startswith(hist.text):
                 tail = primed[len(hist.text) :]
-        self._detok[rid] = detok
+        live.detok = detok
         if sp.prompt_logprobs is not None and not hist.tokens:  # (a takeover: shown already)
-            self._prompt_lp[rid] = {}
-        self._progress[rid] = time.monotonic()
+            live.prompt_lp = {}
+        live.progress = time.monotonic()
         if hist.claims:
             self.taken_over += 1
         evs = [Claimed(request_id=rid, engine=self.id, attempt=owner_attempt(token))]
         if tail:
             evs.append(Tokens(request_id=rid, token_ids=(), text=tail, step=self.sched.step))
         self._emit(evs)
-        self._unannounced.add(rid)
+        self.requests.unannounced.add(rid)
         self._emit(self.sched.add(rid, data, tuple(hist.tokens)))
 
     def _apply(self, out: SchedulerOutput, result: RunnerOutput) -> None:
@@ -828,14 +717,16 @@ class EngineNode:
         deltas: dict[str, str] = {}
         stopped: dict[str, str] = {}
         failed: dict[str, str] = {}
+        requests = self.requests
         for rid, tok in result.sampled.items():
-            if rid not in self._detok or self.sched.discards(rid):
+            live = requests.get(rid)
+            if live is None or live.detok is None or self.sched.discards(rid):
                 continue  # aborted, or finished while this step ran: its token is dropped
             try:
-                delta, stop = self._detok[rid].push((tok,))
+                delta, stop = live.detok.push((tok,))
             except Exception as e:  # noqa: BLE001 - this request's alone: it ends with an error
                 log.exception("detokenizing failed", extra={"request_id": rid, "engine": self.id})
-                del self._detok[rid]  # (nothing more to flush from it)
+                live.detok = None  # (nothing more to flush from it)
                 failed[rid] = f"detokenizing token {tok} failed: {type(e).__name__}: {e}"
                 continue
             deltas[rid] = delta
@@ -850,16 +741,16 @@ class EngineNode:
         if stopped:
             result = replace(result, stopped={**result.stopped, **stopped})
         for rid, (first, entries) in result.prompt_logprobs.items():
-            got = self._prompt_lp.get(rid)
+            live = requests.get(rid)
+            got = None if live is None else live.prompt_lp
             if got is not None:  # (a recompute after a preemption scores it again: kept once)
                 for j, e in enumerate(entries):
                     got.setdefault(first + j, e)
         evs = self.sched.update(out, result)
         now = time.monotonic()
-        progress = self._progress
         for ev in evs:
-            if type(ev) is Tokens:
-                progress[ev.request_id] = now
+            if type(ev) is Tokens and (live := requests.get(ev.request_id)) is not None:
+                live.progress = now
         self._emit(evs, deltas, result.logprobs, result.embeddings)
         self._publish_gauges()
 
@@ -879,32 +770,32 @@ class EngineNode:
             rids = list(snap["running"]) + list(snap["waiting"])
         else:
             return
-        rids = [r for r in rids if r not in self._silent]
+        rids = [r for r in rids if not self.requests.silent(r)]
         if rids:
             await self._hand_back(rids)
 
     async def _hand_back(self, rids: list[str]) -> None:
         back: list[tuple[str, bytes, Request, str]] = []
         for rid in rids:
-            entry, req, token = self._entry.get(rid), self._request.get(rid), self._token.get(rid)
-            self._silent.add(rid)
+            live, token = self.requests.get(rid), self.requests.tokens.get(rid)
+            if live is not None:
+                live.silent = True
             evs = self.sched.abort(rid, "engine")  # nothing is in flight: released at once
             count = sum(e.count for e in evs if isinstance(e, BlocksReleased))
             self._emit(evs)  # bookkeeping only: silent
-            if entry is None or req is None:
+            if live is None:
                 continue
-            self._outbox.append(
-                (
-                    self.bus.keys.req(rid),
-                    Preempted(
-                        request_id=rid,
-                        count=count,
-                        engine=self.id,
-                        step=self.sched.step,
-                        handback=True,
-                        ts=int(time.time() * 1000),
-                    ),
-                )
+            entry, req = live.entry, live.request
+            self.publisher.put(
+                self.bus.keys.req(rid),
+                Preempted(
+                    request_id=rid,
+                    count=count,
+                    engine=self.id,
+                    step=self.sched.step,
+                    handback=True,
+                    ts=int(time.time() * 1000),
+                ),
             )
             if token is not None:
                 back.append((rid, entry, req, token))
@@ -912,12 +803,12 @@ class EngineNode:
         for rid, entry, req, token in back:
             key = self.bus.keys.owner(rid)
             # The owner key goes before the request is re-queued: a claimer must find it free.
-            released = await self._retry(
+            released = await self.link.retry(
                 "hand back", lambda: failover.cas_owner(self.bus.redis, key, token, None, self.bus.req_ttl_s)
             )
             if not released:
                 continue  # no longer ours (taken over meanwhile): nothing to hand back
-            await self._retry(
+            await self.link.retry(
                 "hand back",
                 lambda: self.bus.publish_many(
                     [(self.bus.keys.requests, replace(req, resume=True, ts=0))], ack=[entry]
@@ -935,8 +826,8 @@ class EngineNode:
                 cursor, events = await self.control_bus.read_control(cursor, self.cfg.control_block_ms)
                 backoff = self.cfg.retry_backoff_s
             except RETRYABLE as e:
-                self._redis_failed("control read", e)
-                backoff = await self._pause(backoff)
+                self.link.failed("control read", e)
+                backoff = await self.link.pause(backoff)
                 continue
             except Exception:  # a bug: keep the engine alive, retry shortly
                 log.exception("control read failed", extra={"engine": self.id})
@@ -948,7 +839,7 @@ class EngineNode:
                 if events:
                     await self._flush()
                     self._wake.set()
-            except _Stopped:
+            except Stopped:
                 return
 
     async def _on_control(self, ev: Event, entry_id: bytes | None = None) -> None:
@@ -963,72 +854,16 @@ class EngineNode:
                 self.drain()
         elif isinstance(ev, LoadLora):
             if self.adapters.want_load(ev.name):
-                self._runner_lora("load", ev.name, ev.path)
+                self.lora.load(ev.name, ev.path)
         elif isinstance(ev, UnloadLora):
             if self.adapters.unload(ev.name, self._lora_in_use(ev.name)):
-                self._runner_lora("unload", ev.name)
+                self.lora.forget(ev.name)
             self._beat_now()
 
     # ------------------------------------------------------------------ LoRA at run time
 
-    async def _load_registered(self) -> None:
-        """At start: the adapters loaded at run time before this engine came (``P:loras``)."""
-        for name, path in (await self.bus.loras()).items():
-            if not self.adapters.want_load(name):
-                continue
-            if hasattr(self.runner, "on_lora"):  # a worker process, no step in flight yet
-                error = self.runner.load_lora(name, path, wait=True)
-            elif hasattr(self.runner, "load_lora"):
-                try:
-                    await asyncio.wrap_future(self._pool.submit(self.runner.load_lora, name, path))
-                    error = None
-                except Exception as e:  # noqa: BLE001 - said in the heartbeat
-                    error = f"{type(e).__name__}: {e}"
-            else:
-                error = "this engine's executor cannot load LoRA adapters"
-            self._lora_done(name, error)
-
-    def _runner_lora(self, what: str, name: str, path: str = "") -> None:
-        """Load or forget an adapter in the runner, between steps; a load's outcome comes to
-        :meth:`_lora_done` (from the worker's replies, or from the step thread)."""
-        runner = self.runner
-        if hasattr(runner, "on_lora"):  # the worker process: down the pipe, after the steps sent
-            runner.load_lora(name, path) if what == "load" else runner.unload_lora(name)
-            return
-        fn = getattr(runner, f"{what}_lora", None)
-        if fn is None:
-            if what == "load":
-                self._lora_done(name, "this engine's executor cannot load LoRA adapters")
-            return
-        loop = asyncio.get_running_loop()
-        work = self._pool.submit(fn, *((name, path) if what == "load" else (name,)))
-
-        def done(w) -> None:  # on the step thread
-            e = w.exception()
-            try:
-                loop.call_soon_threadsafe(
-                    self._lora_done, name, None if e is None else f"{type(e).__name__}: {e}"
-                )
-            except RuntimeError:
-                pass  # the loop is closed: the engine stopped
-
-        work.add_done_callback(done)
-
-    def _lora_done(self, name: str, error: str | None) -> None:
-        outcome = self.adapters.loaded(name, error)
-        if outcome is None:
-            return
-        if outcome == "unload":  # (taken back while it was loading)
-            self._runner_lora("unload", name)
-            return
-        if error is None:
-            log.info("LoRA adapter %r loaded", name, extra={"engine": self.id})
-        else:
-            log.warning("LoRA adapter %r could not be loaded: %s", name, error, extra={"engine": self.id})
-        self._beat_now()
-
     def _lora_in_use(self, name: str) -> bool:
-        return any(req.data.sampling.lora == name for req in self._request.values())
+        return any(live.request.data.sampling.lora == name for live in self.requests.values())
 
     def _beat_now(self) -> None:
         """Write the heartbeat now (an API node waits on it for an adapter's load)."""
@@ -1063,14 +898,14 @@ class EngineNode:
             return
         evs: list[Event] = []
         for rid in ev.request_ids:
-            if self.sched.knows(rid) and rid not in self._silent:
+            if self.sched.knows(rid) and not self.requests.silent(rid):
                 mine = self.sched.abort(rid, ev.source)
                 if mine:
                     self._count_abort(ev.source)
                 evs += mine
         if evs:
             self._emit(evs)
-            self._flush_soon()
+            self.publisher.flush_soon()
             self._wake.set()
 
     async def _abort_all(self, ev: AbortAll, entry_id: bytes | None) -> None:
@@ -1088,15 +923,13 @@ class EngineNode:
         by then.)"""
         entries: dict[str, bytes] = {}
         if ev.engine or entry_id is None:
-            rids = dict.fromkeys((*self._entry, *self._admitting))
+            rids = dict.fromkeys((*self.requests, *self.requests.admitting))
         else:
             until = entry_id_key(entry_id)[0]
             rids = dict.fromkeys(
-                rid
-                for rid in self._entry
-                if (req := self._request.get(rid)) is None or req.data.arrival_ts <= until
+                rid for rid, live in self.requests.items() if live.request.data.arrival_ts <= until
             )
-            queued = await self._retry("abort_all", lambda: self.bus.queued_until(entry_id))
+            queued = await self.link.retry("abort_all", lambda: self.bus.queued_until(entry_id))
             for entry, rid in queued:
                 rids[rid] = None
                 entries[rid] = entry
@@ -1114,7 +947,7 @@ class EngineNode:
         for rid in rids:
             if not self.sched.knows(rid):
                 unknown.append(rid)
-            elif rid not in self._silent:  # (handed back or lost: its new owner aborts it)
+            elif not self.requests.silent(rid):  # (handed back or lost: its new owner aborts it)
                 evs = self.sched.abort(rid, source)
                 if evs:
                     self._count_abort(source)
@@ -1128,7 +961,7 @@ class EngineNode:
         results = []
         for i in range(0, len(unknown), TOMBSTONE_BATCH):
             batch = unknown[i : i + TOMBSTONE_BATCH]
-            results += await self._retry(
+            results += await self.link.retry(
                 "abort", lambda: self.bus.tombstone_many(batch, source, self.cfg.tombstone_ttl_s)
             )
             await asyncio.sleep(0)  # an in-process Redis runs each batch on this loop: let others in
@@ -1139,14 +972,14 @@ class EngineNode:
                 if exists:
                     await self._write_tombstone_story(rid)
                     if entries and rid in entries:
-                        self._ack.append((rid, entries[rid]))  # (after the story: see _flush)
+                        self.publisher.ack(rid, entries[rid])  # (after the story: one batch)
             elif (n := owner_choices(owner)) is not None:
                 choices += choice_ids(rid, n)  # a response of n choices: abort each of them
             elif (
                 owner is not None
-                and owner == self._token.get(rid)
+                and owner == self.requests.tokens.get(rid)
                 and self.sched.knows(rid)
-                and rid not in self._silent
+                and not self.requests.silent(rid)
             ):
                 # This engine's claim won while the tombstones were on their way, and started
                 # the request meanwhile: it is an abort of a known request now.
@@ -1163,33 +996,26 @@ class EngineNode:
             await self._abort(tuple(choices), source)
 
     async def _write_tombstone_story(self, rid: str) -> None:
-        source = await self._retry("abort", lambda: self.bus.take_abort_story(rid))
+        source = await self.link.retry("abort", lambda: self.bus.take_abort_story(rid))
         if source is not None:
-            self._token[rid] = ABORT_WRITTEN  # (the fence lets the one who flipped it write)
+            self.requests.tokens[rid] = ABORT_WRITTEN  # (the fence lets the one who flipped it write)
             self._emit(tombstone_story(rid, source))
 
-    def _take_prompt_logprobs(self, rid: str) -> dict | None:
+    @staticmethod
+    def _take_prompt_logprobs(live: Live) -> dict | None:
         """The prompt's log-probabilities for the request's first tokens event, once every
         prompt position was scored (its last prefill chunk samples that first token)."""
-        got = self._prompt_lp.get(rid)
-        req = self._request.get(rid)
-        if got is None or req is None:
+        got = live.prompt_lp
+        if got is None:
             return None
-        prompt = req.data.prompt_token_ids
+        prompt = live.request.data.prompt_token_ids
         if len(got) < len(prompt) - 1:
             return None
-        del self._prompt_lp[rid]
+        live.prompt_lp = None
         return prompt_logprobs_field(prompt, [got[p] for p in range(1, len(prompt))])
 
     def _dismiss(self, rid: str, source: str) -> None:
-        now = time.monotonic()
-        self._dismissed[rid] = (source, now)
-        self._dismissed.move_to_end(rid)
-        while self._dismissed:
-            first, (_, t) = next(iter(self._dismissed.items()))
-            if now - t <= self.cfg.tombstone_ttl_s and len(self._dismissed) <= 100_000:
-                break
-            del self._dismissed[first]
+        self.requests.dismiss(rid, source, time.monotonic(), self.cfg.tombstone_ttl_s)
 
     def _count_abort(self, source: str, n: int = 1) -> None:
         if self.metrics is not None:
@@ -1215,58 +1041,72 @@ class EngineNode:
         now = time.time()
         ts = int(now * 1000)
         drop: list[str] = []
-        outbox = self._outbox
+        # abort_requested of requests with no record here (a tombstone's story, written
+        # whole in one call): their blocks_released follows in the same call.
+        noted: dict[str, float] = {}
+        put = self.publisher.put
+        requests = self.requests
         for ev in evs:
             rid = ev.request_id  # type: ignore[attr-defined]
-            silent = rid in self._silent
+            live = requests.get(rid)
+            silent = live is not None and live.silent
             if type(ev) is Tokens:  # the common case: one per request per step
                 if not silent:
                     text = texts.pop(rid, ev.text) if texts else ev.text
                     lp = logprobs.get(rid) if logprobs else None
-                    plp = self._take_prompt_logprobs(rid) if self._prompt_lp and ev.token_ids else None
+                    plp = (
+                        self._take_prompt_logprobs(live)
+                        if live is not None and live.prompt_lp is not None and ev.token_ids
+                        else None
+                    )
                     emb = embeddings.get(rid) if embeddings else None
-                    outbox.append(
-                        (
-                            self.bus.keys.req(rid),
-                            Tokens(
-                                request_id=rid,
-                                token_ids=ev.token_ids,
-                                text=text,
-                                step=ev.step,
-                                ts=ts,
-                                logprobs=None if lp is None else logprobs_field([lp]),
-                                prompt_logprobs=plp,
-                                embedding=None if emb is None else embedding_field(emb),
-                            ),
-                        )
+                    put(
+                        self.bus.keys.req(rid),
+                        Tokens(
+                            request_id=rid,
+                            token_ids=ev.token_ids,
+                            text=text,
+                            step=ev.step,
+                            ts=ts,
+                            logprobs=None if lp is None else logprobs_field([lp]),
+                            prompt_logprobs=plp,
+                            embedding=None if emb is None else embedding_field(emb),
+                        ),
                     )
                 continue
-            if isinstance(ev, (AbortRequested, BlocksReleased, Final)) and rid in self._detok:
+            if (
+                live is not None
+                and live.detok is not None
+                and isinstance(ev, (AbortRequested, BlocksReleased, Final))
+            ):
                 # The request emits no more tokens: text held back (a possible stop-string
                 # prefix, an incomplete UTF-8 character) goes out now, before the end of its
                 # story, so nothing but the protocol's own events follows abort_requested.
-                tail = self._detok.pop(rid).flush()
+                tail = live.detok.flush()
+                live.detok = None
                 if tail and not silent:
-                    self._outbox.append(
-                        (
-                            self.bus.keys.req(rid),
-                            Tokens(request_id=rid, token_ids=(), text=tail, ts=ts, step=self.sched.step),
-                        )
+                    put(
+                        self.bus.keys.req(rid),
+                        Tokens(request_id=rid, token_ids=(), text=tail, ts=ts, step=self.sched.step),
                     )
             if isinstance(ev, AbortRequested):
-                self._abort_noted_at[rid] = now
+                if live is not None:
+                    live.abort_noted_at = now
+                else:
+                    noted[rid] = now
                 if self.sched.in_flight(rid):
                     drop.append(rid)
             elif isinstance(ev, BlocksReleased):
-                t = self._abort_noted_at.pop(rid, None)
+                if live is not None:
+                    t, live.abort_noted_at = live.abort_noted_at, None
+                else:
+                    t = noted.pop(rid, None)
                 if t is not None and self.metrics is not None and not silent:
                     self.metrics.abort_release_seconds.observe(now - t)
             elif isinstance(ev, Final):
-                self._untoken.append(rid)
-                self._renewed.pop(rid, None)
-                self._progress.pop(rid, None)
-                self._prompt_lp.pop(rid, None)
-                req = self._request.pop(rid, None)
+                self.publisher.ended(rid)
+                requests.forget(rid)
+                req = None if live is None else live.request
                 if (
                     self.adapters.unloading
                     and req is not None
@@ -1275,13 +1115,10 @@ class EngineNode:
                         req.data.sampling.lora, self._lora_in_use(req.data.sampling.lora)
                     )
                 ):
-                    self._runner_lora("unload", req.data.sampling.lora)
-                entry = self._entry.pop(rid, None)
+                    self.lora.forget(req.data.sampling.lora)
                 if silent:
-                    self._silent.discard(rid)
                     continue  # its new owner acks it and writes its final
-                if rid in self._timed_out:
-                    self._timed_out.discard(rid)
+                if live is not None and live.timed_out:
                     ev = replace(
                         ev,
                         finish_reason="error",
@@ -1289,16 +1126,16 @@ class EngineNode:
                     )
                 # (its own story's and owner key's TTL: renewed by the fence with the final)
                 if req is not None and req.data.parent:  # see RequestData.parent
-                    self._expire.append((rid, self.bus.keys.req(req.data.parent)))
-                    self._expire.append((rid, self.bus.keys.owner(req.data.parent)))
-                if entry is not None:
-                    self._ack.append((rid, entry))
+                    self.publisher.expire(rid, self.bus.keys.req(req.data.parent))
+                    self.publisher.expire(rid, self.bus.keys.owner(req.data.parent))
+                if live is not None:
+                    self.publisher.ack(rid, live.entry)
             if silent:
                 continue
             fields: dict[str, Any] = {"ts": ts}
             if hasattr(ev, "engine") and not getattr(ev, "engine"):
                 fields["engine"] = self.id
-            self._outbox.append((self.bus.keys.req(rid), replace(ev, **fields)))
+            put(self.bus.keys.req(rid), replace(ev, **fields))
         if drop and hasattr(self.runner, "drop"):
             # A step queued behind the running one (async scheduling) may not have started:
             # the worker leaves these out of it and says so, and their blocks come back after
@@ -1315,72 +1152,12 @@ class EngineNode:
         evs = self.sched.skipped(step, rids)
         if evs:
             self._emit(evs)
-            self._flush_soon()
+            self.publisher.flush_soon()
         self._release_finished()  # those held only by steps whose results are in go now
 
-    def _flush_soon(self) -> None:
-        """Publish what an abort just emitted from a task of its own, without waiting for the
-        step loop."""
-        task = asyncio.get_running_loop().create_task(self._flush_quietly())
-        self._bg.add(task)
-        task.add_done_callback(self._bg.discard)
-
-    async def _flush_quietly(self) -> None:
-        try:
-            await self._flush()
-        except _Stopped:
-            pass
-
     async def _flush(self) -> None:
-        # Both the step loop and the control loop flush (an abort noted mid-step is published
-        # at once, not after the step). The lock keeps batches in the order they were made:
-        # two pipelines on two pooled connections could otherwise overtake each other.
-        async with self._flush_lock:
-            if isinstance(self.sched, JournalRecorder):
-                entry = self.sched.drain()
-                if entry is not None:
-                    self._outbox.append(
-                        (self.bus.keys.journal(self.id), replace(entry, ts=int(time.time() * 1000)))
-                    )
-            if not self._outbox and not self._ack:
-                return
-            items, self._outbox = self._outbox, []
-            expire, self._expire = self._expire, []
-            ack, self._ack = self._ack, []
-            done, self._untoken = self._untoken, []
-            announced = set(self._unannounced)  # (their `claimed` is among the items)
-            await self._publish(items, expire, ack)
-            for rid in done:  # their finals are out (or refused): nothing more is written
-                if rid not in self._entry and rid not in self._admitting:
-                    self._token.pop(rid, None)
-                    self._lost.discard(rid)
-            if announced:
-                self._unannounced -= announced
-
-    async def _publish(self, items, expire, ack) -> None:
-        """One pipelined batch, exactly once: after a failure only what is not on its stream
-        yet is sent again (:mod:`engine.outbox`). Nothing else is published meanwhile (the
-        flush lock), so the order of events is kept across an outage. Every event on a
-        request's story goes through the fence (control/fence.py): a request whose events it
-        refuses is dropped (:meth:`_lose`)."""
-        backoff = self.cfg.retry_backoff_s
-        failed = False
-        while True:
-            try:
-                if failed:
-                    items = await unwritten(self.bus.redis, items)
-                refused = await self.bus.publish_owned(items, self._token, expire=expire, ack=ack)
-                self._redis_ok()
-                for rid, why in refused.items():
-                    self._lose(rid, why)
-                return
-            except RETRYABLE as e:
-                failed = True
-                self._redis_failed("publish", e)
-                if self._stopping:
-                    log.error("stopping with %d events unpublished", len(items), extra={"engine": self.id})
-                    raise _Stopped("publish") from e
-                backoff = await self._pause(backoff)
+        """Publish what the loops queued (engine.publisher); every loop flushes through here."""
+        await self.publisher.flush()
 
     def _publish_gauges(self) -> None:
         if self.metrics is not None:
@@ -1404,10 +1181,10 @@ class EngineNode:
         while not self._stopping:
             try:
                 await self.bus.heartbeat(self.id, self.status(), self.cfg.heartbeat_ttl_s)
-                self._redis_ok()
+                self.link.ok()
                 await self._check_ownership()
             except RETRYABLE as e:
-                self._redis_failed("heartbeat", e)
+                self.link.failed("heartbeat", e)
             except Exception:
                 log.exception("heartbeat failed", extra={"engine": self.id})
             self._publish_gauges()
@@ -1419,7 +1196,8 @@ class EngineNode:
         meet the fence. Those still held get their owner key's and story's TTL renewed every
         quarter TTL, so a request that runs for longer than the TTL keeps them (the fence
         refuses a write once its owner key is gone)."""
-        rids = [r for r in self._entry if r not in self._silent and self.sched.knows(r)]
+        requests = self.requests
+        rids = [r for r, live in requests.items() if not live.silent and self.sched.knows(r)]
         if not rids:
             return
         pipe = self.bus.redis.pipeline(transaction=False)
@@ -1429,15 +1207,16 @@ class EngineNode:
         due: list[str] = []
         for rid, owner in zip(rids, await pipe.execute()):
             owner = owner.decode() if isinstance(owner, bytes) else owner
-            if not self.sched.knows(rid) or rid in self._silent:
+            live = requests.get(rid)
+            if live is None or live.silent or not self.sched.knows(rid):
                 continue
-            if owner != self._token.get(rid):
+            if owner != requests.tokens.get(rid):
                 self._lose(rid, Refused("owner", owner))
-            elif now - self._renewed.get(rid, now) > self.bus.req_ttl_s / 4:
-                self._renewed[rid] = now
+            elif now - live.renewed > self.bus.req_ttl_s / 4:
+                live.renewed = now
                 due += [self.bus.keys.owner(rid), self.bus.keys.req(rid)]
-                req = self._request.get(rid)
-                if req is not None and req.data.parent:  # (a choice: its response's story too)
+                req = live.request
+                if req.data.parent:  # (a choice: its response's story too)
                     due += [self.bus.keys.owner(req.data.parent), self.bus.keys.req(req.data.parent)]
         if due:  # (not atomic with the GET: at worst it renews a new owner's keys, as it would)
             await self.bus.renew(list(dict.fromkeys(due)))
@@ -1447,16 +1226,16 @@ class EngineNode:
         """The fence refused this request's events, or its owner key moved on: another
         engine runs it (or it ended). Stop scheduling it, drop it in the runner, release its
         blocks, and write nothing more to its story."""
-        if rid in self._lost:
+        if not self.requests.lose(rid):
             return  # (a flush made before it was dropped, refused too)
-        self._lost.add(rid)
         self.fenced += 1
         log.warning(
             "fenced: not the owner any more; dropping",
             extra={"request_id": rid, "engine": self.id, "owner": why.owner, "why": why.why},
         )
-        if self.sched.knows(rid) and rid not in self._silent:
-            self._silent.add(rid)
+        live = self.requests.get(rid)
+        if live is not None and not live.silent and self.sched.knows(rid):
+            live.silent = True
             self._emit(self.sched.abort(rid, "engine"))
             self._wake.set()
 
@@ -1465,14 +1244,14 @@ class EngineNode:
             await self._sleep_while_running(self.cfg.failover_interval_s)
             if self._stopping or self._draining:
                 continue
-            ok = self._ok_since
+            ok = self.link.ok_since
             if ok is None or (ok and time.monotonic() - ok < self.cfg.heartbeat_ttl_s):
                 continue  # just back from an outage: let live peers renew their heartbeats
             try:
                 await self._take_over_orphans()
             except RETRYABLE as e:
-                self._redis_failed("failover", e)
-            except _Stopped:
+                self.link.failed("failover", e)
+            except Stopped:
                 return
             except Exception:
                 log.exception("failover scan failed", extra={"engine": self.id})
@@ -1481,7 +1260,7 @@ class EngineNode:
         room = self.sched.can_admit()
 
         def mine(rid: str) -> bool:
-            return rid in self._entry or rid in self._admitting or self.sched.knows(rid)
+            return self.requests.holds(rid) or self.sched.knows(rid)
 
         orphans, done, aborted = await self._orphans.scan(max(room, 0), mine)
         for entry, fields in done:
@@ -1510,22 +1289,23 @@ class EngineNode:
             await self._sleep_while_running(min(0.1, limit / 4))
             now = time.monotonic()
             late = [
-                rid
-                for rid, t in self._progress.items()
-                if now - t > limit
-                and rid not in self._timed_out
-                and rid not in self._silent
+                (rid, live)
+                for rid, live in self.requests.items()
+                if live.progress is not None
+                and now - live.progress > limit
+                and not live.timed_out
+                and not live.silent
                 and self.sched.knows(rid)
             ]
-            for rid in late:
+            for rid, live in late:
                 log.warning("request timed out", extra={"request_id": rid, "engine": self.id})
-                self._timed_out.add(rid)
+                live.timed_out = True
                 self._count_abort("timeout")
                 self._emit(self.sched.abort(rid, "timeout"))
             if late:
                 try:
                     await self._flush()
-                except _Stopped:
+                except Stopped:
                     return
                 self._wake.set()
 
