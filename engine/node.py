@@ -47,7 +47,8 @@ from typing import Any, Awaitable, Callable, Mapping, Protocol, TypeVar
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from control.bus import Bus, entry_id_key
+from control.bus import Bus
+from control.entry_ids import entry_id_key
 from control.events import (
     Abort,
     AbortAll,

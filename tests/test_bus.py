@@ -12,9 +12,10 @@ import time
 import pytest
 
 from control import events as E
-from control.bus import Bus, MuxStopped, StreamMux
+from control.bus import Bus
 from control.connect import connect
 from control.keys import GROUP_ENGINES
+from control.mux import MuxStopped, StreamMux
 
 DATA = E.RequestData(prompt_token_ids=(1, 2, 3), sampling=E.SamplingParams(max_tokens=4))
 

@@ -23,7 +23,8 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from redis.exceptions import RedisError
 
-from control.bus import Bus, MuxStopped, StreamMux, entry_id_key
+from control.bus import Bus
+from control.entry_ids import entry_id_key
 from control.events import (
     MAX_FIELD_BYTES,
     MAX_IDS_PER_ABORT,
@@ -40,6 +41,7 @@ from control.events import (
 from control.keys import ENGINE_ID_RE, REQUEST_ID_RE, all_valid_request_ids, choice_ids, is_tombstone
 from control.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from control.metrics import Metrics
+from control.mux import MuxStopped, StreamMux
 from control.story import IdTaken
 from fd.api import lora_admin, openapi, protocol, rendering, sse
 from fd.api.abort import parse_abort
