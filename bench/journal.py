@@ -31,7 +31,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from control.events import RequestData, SamplingParams, decode  # noqa: E402
+from control.events import decode  # noqa: E402
+from control.request_data import RequestData  # noqa: E402
+from control.sampling import SamplingParams  # noqa: E402
 from engine.config import SchedulerConfig  # noqa: E402
 from engine.journal import JournalRecorder  # noqa: E402
 from engine.outputs import RunnerOutput  # noqa: E402

@@ -50,7 +50,6 @@ from control.events import (
     Event,
     Final,
     Request,
-    tombstone_story,
 )
 from control.fence import Refused
 from control.keys import (
@@ -61,7 +60,7 @@ from control.keys import (
     pending_tombstone_source,
     valid_request_id,
 )
-from control.ownership import Ownership
+from control.ownership import Ownership, tombstone_story
 from control.store import Store, store_for
 
 log = logging.getLogger("control.bus")

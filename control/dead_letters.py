@@ -12,7 +12,8 @@ import logging
 from collections import OrderedDict
 from typing import Any, Callable, Mapping
 
-from control.events import BadEvent, Event, decode
+from control.bad_event import BadEvent
+from control.events import Event, decode
 
 # (the bus's logger: dead letters are written by the bus's readers, and filtered as theirs)
 log = logging.getLogger("control.bus")

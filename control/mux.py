@@ -20,10 +20,11 @@ from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from control.bad_event import BadEvent
 from control.bus import Bus
 from control.dead_letters import check_event
 from control.entry_ids import entry_id_key, normal_entry_id
-from control.events import REQ_STREAM_TYPES, BadEvent, Event, Final, decode
+from control.events import REQ_STREAM_TYPES, Event, Final, decode
 from control.keys import Keys, valid_request_id
 
 # (the bus's logger: the mux is the bus's reader, and operators filter its warnings as the bus's)

@@ -32,7 +32,10 @@ from typing import Any, Callable, Iterable
 
 import orjson
 
-from control.events import BadEvent, Event, JournalStart, JournalStep, RequestData, SamplingParams, decode
+from control.bad_event import BadEvent
+from control.events import Event, JournalStart, JournalStep, decode
+from control.request_data import RequestData
+from control.sampling import SamplingParams
 from engine.config import SchedulerConfig
 from engine.journal import Digester, config_from_json
 from engine.outputs import RunnerOutput, SchedulerOutput

@@ -23,8 +23,9 @@ import time
 import aiohttp
 
 from control.connect import connect
-from control.events import Abort, Final, SamplingParams
+from control.events import Abort, Final
 from control.guided import canonical
+from control.sampling import SamplingParams
 from engine.llm import LLM
 from engine.replay import load_journal_from_redis, replay
 from fd.compose import ApiOptions, start_api

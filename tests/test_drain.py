@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import signal
 
-from control.events import Claimed, Drain, Preempted, SamplingParams, Tokens
+from control.events import Claimed, Drain, Preempted, Tokens
+from control.sampling import SamplingParams
 from engine.llm import LLM
 from engine.replay import load_journal_from_redis, replay
 from tests.enginekit import story, submit, text_of, tokens_of, types

@@ -8,7 +8,8 @@ import asyncio
 import signal
 
 from control.connect import connect
-from control.events import Abort, Claimed, Final, Preempted, SamplingParams, Tokens
+from control.events import Abort, Claimed, Final, Preempted, Tokens
+from control.sampling import SamplingParams
 from engine.failover import History, cas_owner
 from engine.llm import LLM
 from engine.replay import load_journal_from_redis, replay

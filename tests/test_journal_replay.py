@@ -21,11 +21,11 @@ from control.events import (
     Final,
     JournalStep,
     Preempted,
-    RequestData,
-    SamplingParams,
     Tokens,
     decode,
 )
+from control.request_data import RequestData
+from control.sampling import SamplingParams
 from engine.config import SchedulerConfig
 from engine.journal import JournalRecorder, config_from_json, journaled
 from engine.outputs import RunnerOutput

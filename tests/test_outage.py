@@ -17,7 +17,8 @@ import pytest
 
 from control.bus import Bus
 from control.connect import connect
-from control.events import AbortRequested, SamplingParams, Tokens
+from control.events import AbortRequested, Tokens
+from control.sampling import SamplingParams
 from engine.llm import LLM
 from engine.replay import load_journal_from_redis, replay
 from fd.compose import ApiOptions, start_api

@@ -21,7 +21,8 @@ import orjson
 import pytest
 
 from control.connect import connect
-from control.events import BlocksReleased, Claimed, Final, SamplingParams, Tokens
+from control.events import BlocksReleased, Claimed, Final, Tokens
+from control.sampling import SamplingParams
 from engine.llm import LLM
 from engine.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from engine.replay import load_journal_from_redis, replay

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from control.events import MAX_LOGPROBS, MAX_REPETITION_PENALTY
 from control.keys import REQUEST_ID_RE
+from control.sampling import MAX_LOGPROBS, MAX_REPETITION_PENALTY
 from fd.api import protocol
 from fd.api.embeddings import ENCODINGS, MAX_INPUTS
 

@@ -11,12 +11,8 @@ from typing import Any, Callable
 
 import orjson
 
-from control.events import (
-    Final,
-    logprobs_entries,
-    prompt_logprob_ranks,
-    prompt_logprobs_entries,
-)
+from control.events import Final
+from control.token_payloads import logprobs_entries, prompt_logprob_ranks, prompt_logprobs_entries
 from fd.api.errors import ApiError
 from fd.api.reasoning import REASONING, ReasoningParser, split_all
 from fd.api.tool_calls import PARSERS as TOOL_PARSERS

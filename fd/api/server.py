@@ -34,15 +34,15 @@ from control.events import (
     Claimed,
     Final,
     Request,
-    RequestData,
     Tokens,
-    embedding_vector,
 )
 from control.keys import ENGINE_ID_RE, REQUEST_ID_RE, all_valid_request_ids, choice_ids, is_tombstone
 from control.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from control.metrics import Metrics
 from control.mux import MuxStopped, StreamMux
+from control.request_data import RequestData
 from control.story import IdTaken
+from control.token_payloads import embedding_vector
 from fd.api import lora_admin, openapi, protocol, rendering, sse
 from fd.api.abort import parse_abort
 from fd.api.cancellation import Cancellation, watch_of
