@@ -173,7 +173,7 @@ async def served_replay(model_dir: str, runner, n: int) -> dict:
     from control.embedded import EmbeddedRedis
     from control.keys import Keys
     from control.tokenizer import Tokenizer
-    from engine.replay import load_journal_from_redis
+    from engine.journal_reader import load_journal_from_redis
     from fd.compose import EngineOptions, start_engine
     from tests.enginekit import story, submit_together
 

@@ -89,7 +89,11 @@ TRIM_EVERY = 256
 
 
 class Bus(Ownership, EngineRegistry):
-    """Typed access to fd's streams and keys for one Redis client and one key prefix."""
+    """Typed access to fd's streams and keys for one Redis client and one key prefix.
+
+    Its owner-key methods are :class:`~control.ownership.Ownership`'s and its engine-registry
+    methods :class:`~control.engines.EngineRegistry`'s; what its readers cannot use goes to
+    :attr:`dead` (:class:`~control.dead_letters.DeadLetters`)."""
 
     def __init__(
         self,
