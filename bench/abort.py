@@ -111,7 +111,7 @@ async def stories(redis_url: str, prefix: str, rids: list[str], timeout: float =
     from control.connect import connect
     from control.events import Final
     from control.keys import Keys
-    from engine.replay import journal_engines, load_journal_from_redis
+    from engine.journal_reader import journal_engines, load_journal_from_redis
 
     bus = Bus(connect(redis_url), Keys(prefix))
     got = {}

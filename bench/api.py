@@ -84,7 +84,7 @@ def main_thread_cpu_s(pid: int) -> float:
 
 
 def run_inprocess(llm, n: int, rounds: int, max_tokens: int, seed: int) -> dict:
-    from control.events import SamplingParams
+    from control.sampling import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     ttft, itl, ntok = [], [], 0
@@ -242,7 +242,7 @@ def main() -> None:
     runner = ModelRunner(mdir, device="cpu", num_blocks=2048, block_size=16)
     runner.warmup()
     llm = LLM(runner, Tokenizer.from_dir(mdir), max_num_seqs=max(64, max(conc)))
-    from control.events import SamplingParams
+    from control.sampling import SamplingParams
 
     llm.generate(prompts(max(conc), seed=99), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
 

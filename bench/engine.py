@@ -57,7 +57,9 @@ from bench._common import (  # noqa: E402
     start_redis_server,
     write_json,
 )
-from control.events import Accepted, Final, Request, RequestData, SamplingParams  # noqa: E402
+from control.events import Accepted, Final, Request  # noqa: E402
+from control.request_data import RequestData  # noqa: E402
+from control.sampling import SamplingParams  # noqa: E402
 
 
 class TimedRunner:

@@ -31,7 +31,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from control.events import RequestData, SamplingParams, decode  # noqa: E402
+from control.events import decode  # noqa: E402
+from control.request_data import RequestData  # noqa: E402
+from control.sampling import SamplingParams  # noqa: E402
 from engine.config import SchedulerConfig  # noqa: E402
 from engine.journal import JournalRecorder  # noqa: E402
 from engine.outputs import RunnerOutput  # noqa: E402
@@ -171,7 +173,7 @@ async def served_replay(model_dir: str, runner, n: int) -> dict:
     from control.embedded import EmbeddedRedis
     from control.keys import Keys
     from control.tokenizer import Tokenizer
-    from engine.replay import load_journal_from_redis
+    from engine.journal_reader import load_journal_from_redis
     from fd.compose import EngineOptions, start_engine
     from tests.enginekit import story, submit_together
 

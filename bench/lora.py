@@ -35,7 +35,7 @@ sys.path.insert(0, str(_HERE.parent))
 from tqdm import tqdm  # noqa: E402
 
 from bench._common import RESULTS, model_dir, print_table, prompts, write_json  # noqa: E402
-from control.events import SamplingParams  # noqa: E402
+from control.sampling import SamplingParams  # noqa: E402
 
 MODES = ("base", "base, adapters loaded", "one adapter", "two adapters + base")
 

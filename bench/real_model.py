@@ -61,7 +61,7 @@ def engine_steps(
 ) -> list[dict]:
     import numpy as np
 
-    from control.events import SamplingParams
+    from control.sampling import SamplingParams
     from engine.model_runner import ModelRunner
     from engine.outputs import ScheduledSeq, SchedulerOutput
 

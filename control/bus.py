@@ -1,13 +1,16 @@
 """The event bus: every Redis command fd sends, behind names that say what they mean.
 
-:class:`Bus` is a thin, stateless wrapper over one ``redis.asyncio`` client; :class:`StreamMux`
-is the one stateful reader, multiplexing many per-request streams for an API replica.
+:class:`Bus` is a thin, stateless wrapper over one ``redis.asyncio`` client: publishing and
+the fenced writes of an engine's step here, with the owner keys (control/ownership.py) and
+the engines' registry (control/engines.py) as parts of it; :class:`control.mux.StreamMux` is
+the one stateful reader, multiplexing many per-request streams for an API replica.
 
 Rules every reader here follows (DESIGN.md §3, §6):
 
 - Nothing that arrives on a stream can crash a reader. An entry that does not decode, or that
   decodes to an event that does not belong on that stream, is logged, copied to ``P:dead``
-  with a ``reason``, acked where a consumer group applies, counted, and skipped.
+  with a ``reason``, acked where a consumer group applies, counted, and skipped
+  (control/dead_letters.py).
 - Blocking reads are never cancelled (fakeredis loses the reply of a cancelled blocking read);
   callers pass a short ``block_ms`` and loop on a stop flag.
 - Stream keys and entry ids come back as ``bytes``; every last-id map is keyed by ``bytes``.
@@ -18,95 +21,57 @@ On a Redis Cluster (``connect("redis+cluster://...")``) every command here names
 slot, or goes through redis-py's cluster pipeline, which splits by node and keeps the order of
 commands within a node but not across nodes: where the order across slots matters (a story's
 ``accepted`` before its request; a final before the ack of its request) the bus spends a second
-round trip. :class:`StreamMux` reads one slot per XREAD there (see its docstring).
+round trip. :class:`~control.mux.StreamMux` reads one slot per XREAD there (see its docstring).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
-from collections import OrderedDict, deque
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import orjson
 from redis.asyncio.cluster import RedisCluster
-from redis.crc import key_slot
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ResponseError, WatchError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import NoScriptError, ResponseError
 
 from control import fence
 from control import story as story_start
+from control.dead_letters import DeadLetters
+from control.engines import EngineRegistry
+from control.entry_ids import entry_id_key
 from control.events import (
     CONTROL_TYPES,
     REQ_STREAM_TYPES,
     Abort,
     AbortAll,
     Accepted,
-    BadEvent,
     Drain,
     Event,
     Final,
     Request,
-    decode,
-    tombstone_story,
 )
 from control.fence import Refused
 from control.keys import (
-    ABORT_WRITTEN,
     GROUP_ENGINES,
     Keys,
     choices_owner,
     is_tombstone,
     pending_tombstone_source,
-    tombstone,
     valid_request_id,
 )
+from control.ownership import Ownership, tombstone_story
 from control.store import Store, store_for
 
 log = logging.getLogger("control.bus")
-
-#: Dead letters keep at most this much of each original field: enough to see what went
-#: wrong, without letting an oversize junk entry be copied whole into P:dead.
-DEAD_FIELD_KEEP_BYTES = 64 * 1024
-_DEAD_RESERVED = (b"reason", b"stream", b"entry_id")
-DEAD_SEEN_MAX = 4096
 
 
 def _b(x: bytes | str) -> bytes:
     return x if isinstance(x, bytes) else x.encode()
 
 
-def entry_id_key(entry_id: bytes | str) -> tuple[int, int]:
-    """Stream entry ids as sortable numbers (``b"12-3"`` -> ``(12, 3)``; ``"12"`` -> ``(12, 0)``)."""
-    ms, _, seq = _b(entry_id).partition(b"-")
-    return int(ms), int(seq or 0)
-
-
-def _normal_id(entry_id: bytes | str) -> bytes:
-    try:
-        ms, seq = entry_id_key(entry_id)
-    except ValueError:
-        raise ValueError(f"not a stream entry id: {entry_id!r}") from None
-    return b"%d-%d" % (ms, seq)
-
-
 def is_cluster(redis) -> bool:
     return isinstance(redis, RedisCluster)
-
-
-def check_event(
-    stream: str | bytes, ev: Event, allowed: tuple[type, ...], request_id: str | None = None
-) -> Event:
-    """Reject an event that decoded fine but has no business on this stream."""
-    if not isinstance(ev, allowed):
-        raise BadEvent(f"event type {ev.TYPE!r} does not belong on {_b(stream).decode()}", "type")
-    if request_id is not None and getattr(ev, "request_id", request_id) != request_id:
-        raise BadEvent(f"event for {ev.request_id!r} on the stream of {request_id!r}", "request_id")
-    return ev
 
 
 #: How long a finished request's story (``P:req``), owner key and conversation are kept, by
@@ -123,8 +88,12 @@ TOMBSTONE_TTL_S = 600
 TRIM_EVERY = 256
 
 
-class Bus:
-    """Typed access to fd's streams and keys for one Redis client and one key prefix."""
+class Bus(Ownership, EngineRegistry):
+    """Typed access to fd's streams and keys for one Redis client and one key prefix.
+
+    Its owner-key methods are :class:`~control.ownership.Ownership`'s and its engine-registry
+    methods :class:`~control.engines.EngineRegistry`'s; what its readers cannot use goes to
+    :attr:`dead` (:class:`~control.dead_letters.DeadLetters`)."""
 
     def __init__(
         self,
@@ -140,14 +109,11 @@ class Bus:
         self.redis = redis
         self.keys = keys
         self.req_ttl_s = req_ttl_s
-        self.dead_maxlen = dead_maxlen
         self.requests_maxlen = requests_maxlen
         self.control_maxlen = control_maxlen
         self.journal_maxlen = journal_maxlen
-        self.dead_letters = 0
-        #: called once per dead letter written (e.g. a Prometheus counter's ``inc``)
-        self.on_dead_letter: Callable[[], Any] | None = None
-        self._dead_seen: OrderedDict[tuple[bytes, bytes], None] = OrderedDict()
+        #: ``P:dead``'s writer: what this bus's readers cannot use goes there
+        self.dead = DeadLetters(redis, keys.dead, dead_maxlen)
         self._journal_head = f"{keys.prefix}:journal:"
         self.cluster = is_cluster(redis)
         #: The key operations (owner keys, tombstones, TTLs, the request group): the client's
@@ -175,7 +141,7 @@ class Bus:
         if stream == self.keys.control:
             return self.control_maxlen
         if stream == self.keys.dead:
-            return self.dead_maxlen
+            return self.dead.maxlen
         if stream.startswith(self._journal_head):
             return self.journal_maxlen
         return None
@@ -499,62 +465,25 @@ class Bus:
 
     # ------------------------------------------------------------------ dead letters
 
+    @property
+    def dead_letters(self) -> int:
+        """Dead letters this bus wrote."""
+        return self.dead.count
+
+    @property
+    def on_dead_letter(self) -> Callable[[], Any] | None:
+        """Called once per dead letter written (e.g. a Prometheus counter's ``inc``)."""
+        return self.dead.on_write
+
+    @on_dead_letter.setter
+    def on_dead_letter(self, hook: Callable[[], Any] | None) -> None:
+        self.dead.on_write = hook
+
     async def dead_letter(
         self, source_stream: str | bytes, entry_id: bytes | str | None, fields: Mapping, reason: str
     ) -> None:
         """Copy a rejected entry to ``P:dead`` with why, and count it."""
-        stream = _b(source_stream)
-        eid = _b(entry_id) if entry_id is not None else b""
-        # Readers without a cursor of their own (read_req) see a bad entry again on every
-        # re-read; one dead letter per entry is enough.
-        if eid and (stream, eid) in self._dead_seen:
-            return
-        log.warning(
-            "dead letter: %s %s: %s",
-            stream.decode(errors="replace"),
-            eid.decode(errors="replace") or "-",
-            reason,
-        )
-        out: dict[bytes, bytes] = {b"reason": _b(reason), b"stream": stream, b"entry_id": eid}
-        truncated = []
-        for k, v in (fields or {}).items():
-            name = _b(k) if isinstance(k, (bytes, str)) else str(k).encode()
-            value = v if isinstance(v, bytes) else str(v).encode()
-            if name in _DEAD_RESERVED or name.startswith(b"orig."):
-                name = b"orig." + name
-            if len(value) > DEAD_FIELD_KEEP_BYTES:
-                value = value[:DEAD_FIELD_KEEP_BYTES]
-                truncated.append(name)
-            out[name] = value
-        if truncated:
-            out[b"truncated"] = b",".join(truncated)
-        await self.redis.xadd(self.keys.dead, out, maxlen=self.dead_maxlen, approximate=True)
-        # Seen only once written: an XADD that failed (Redis stalled, a connection killed)
-        # leaves a P:requests entry pending, and whoever claims it back writes the letter then.
-        if eid:
-            self._dead_seen[(stream, eid)] = None
-            if len(self._dead_seen) > DEAD_SEEN_MAX:
-                self._dead_seen.popitem(last=False)
-        self.dead_letters += 1
-        if self.on_dead_letter is not None:
-            self.on_dead_letter()
-
-    async def _decode_or_dead(
-        self,
-        stream: str | bytes,
-        entry_id: bytes,
-        fields: Mapping | None,
-        allowed: tuple[type, ...],
-        request_id: str | None = None,
-    ) -> Event | None:
-        if fields is None:  # an entry trimmed or deleted while pending
-            await self.dead_letter(stream, entry_id, {}, "entry deleted from the stream while pending")
-            return None
-        try:
-            return check_event(stream, decode(fields, entry_id), allowed, request_id)
-        except BadEvent as e:
-            await self.dead_letter(stream, entry_id, fields, str(e))
-            return None
+        await self.dead.write(source_stream, entry_id, fields, reason)
 
     # ------------------------------------------------------------------ requests (group)
 
@@ -585,7 +514,7 @@ class Bus:
     async def _requests_or_dead(self, entries: Iterable) -> list[tuple[bytes, Request]]:
         out = []
         for entry_id, fields in entries:
-            ev = await self._decode_or_dead(self.keys.requests, entry_id, fields, (Request,))
+            ev = await self.dead.decode_or_dead(self.keys.requests, entry_id, fields, (Request,))
             if ev is None:
                 await self.ack_request(entry_id)
             else:
@@ -659,7 +588,7 @@ class Bus:
         for _stream, entries in resp or ():
             for entry_id, fields in entries:
                 cursor = entry_id
-                ev = await self._decode_or_dead(self.keys.control, entry_id, fields, CONTROL_TYPES)
+                ev = await self.dead.decode_or_dead(self.keys.control, entry_id, fields, CONTROL_TYPES)
                 if ev is not None:
                     out.append((entry_id, ev))
         return cursor, out
@@ -679,7 +608,7 @@ class Bus:
             for _stream, entries in resp or ():
                 for entry_id, fields in entries:
                     after = entry_id
-                    ev = await self._decode_or_dead(key, entry_id, fields, REQ_STREAM_TYPES, request_id)
+                    ev = await self.dead.decode_or_dead(key, entry_id, fields, REQ_STREAM_TYPES, request_id)
                     if ev is not None:
                         out.append((entry_id, ev))
             if out or not resp or deadline is None:
@@ -689,62 +618,6 @@ class Bus:
             block_ms = int((deadline - time.monotonic()) * 1000)
             if block_ms <= 0:
                 return []
-
-    async def try_own(self, request_id: str, owner: str, ttl_s: int) -> tuple[bool, str | None]:
-        """First writer wins the request (an engine's claim, or the abort path's tombstone)."""
-        key = self.keys.owner(request_id)
-        if await self.redis.set(key, owner, nx=True, ex=ttl_s):
-            return True, owner
-        current = await self.redis.get(key)
-        return False, current.decode() if current is not None else None
-
-    async def try_own_many(
-        self, request_ids: Sequence[str], owner: str, ttl_s: int
-    ) -> list[tuple[bool, str | None]]:
-        """:meth:`try_own` for many ids in one round trip (``SET NX GET``, Redis >= 7.0): an
-        abort of 1,000 queued ids must not cost 1,000 round trips on the engine's loop."""
-        if not request_ids:
-            return []
-        olds = await self.store.set_nx_get([self.keys.owner(r) for r in request_ids], owner, ttl_s)
-        out = []
-        for old in olds:
-            out.append((True, owner) if old is None else (False, old.decode()))
-        return out
-
-    async def tombstone_many(
-        self, request_ids: Sequence[str], source: str, ttl_s: int
-    ) -> list[tuple[bool, str | None, bool]]:
-        """Lay abort tombstones (``SET P:owner:{id} aborted:<source> NX GET``) and look for
-        each request's stream, all in one round trip: ``(won, current owner, stream exists)``."""
-        if not request_ids:
-            return []
-        value = tombstone(source)
-        res = await self.store.tombstones(
-            [self.keys.owner(r) for r in request_ids], value, ttl_s, [self.keys.req(r) for r in request_ids]
-        )
-        return [(old is None, value if old is None else old.decode(), exists) for old, exists in res]
-
-    async def take_abort_story(self, request_id: str) -> str | None:
-        """Compare-and-set a pending tombstone to ``aborted-final``. Returns the abort's source
-        when this caller won and so must write the request's abort story; None otherwise."""
-        key = self.keys.owner(request_id)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            try:
-                await pipe.watch(key)
-                cur = await pipe.get(key)
-                source = pending_tombstone_source(cur.decode() if cur is not None else None)
-                if source is None:
-                    return None
-                pipe.multi()
-                pipe.set(key, ABORT_WRITTEN, ex=self.req_ttl_s)
-                await pipe.execute()
-                return source
-            except WatchError:
-                return None
-
-    async def owner(self, request_id: str) -> str | None:
-        v = await self.store.get(self.keys.owner(request_id))
-        return v.decode() if v is not None else None
 
     async def renew(self, keys: Sequence[str]) -> None:
         """Give each of ``keys`` (that exists) the request TTL again, in one round trip."""
@@ -774,597 +647,8 @@ class Bus:
         for rid, entries in zip(request_ids, await pipe.execute()):
             ev = None
             for entry_id, fields in entries or ():
-                ev = await self._decode_or_dead(self.keys.req(rid), entry_id, fields, REQ_STREAM_TYPES, rid)
+                ev = await self.dead.decode_or_dead(
+                    self.keys.req(rid), entry_id, fields, REQ_STREAM_TYPES, rid
+                )
             out.append(ev)
         return out
-
-    # ------------------------------------------------------------------ engines
-
-    async def heartbeat(self, engine_id: str, fields: Mapping[str, str | int | float], ttl_s: int) -> None:
-        key = self.keys.engine(engine_id)
-        pipe = self.redis.pipeline(transaction=False)
-        if fields:
-            pipe.hset(key, mapping=dict(fields))
-        pipe.expire(key, ttl_s)
-        await pipe.execute()
-
-    @staticmethod
-    def lora_fields(ready: Iterable[str], errors: Mapping[str, str]) -> dict[str, str]:
-        """An engine's heartbeat fields for its LoRA adapters: ``loras`` (the names it serves,
-        comma-separated) and ``lora_errors`` (JSON, the loads that failed; "" for none)."""
-        return {
-            "loras": ",".join(sorted(ready)),
-            "lora_errors": orjson.dumps(dict(errors)).decode() if errors else "",
-        }
-
-    @staticmethod
-    def lora_state(heartbeat: Mapping[str, str]) -> tuple[set[str], dict[str, str]]:
-        """:meth:`lora_fields` read back from a heartbeat (an engine of an earlier release: none)."""
-        ready = {n for n in heartbeat.get("loras", "").split(",") if n}
-        try:
-            errors = orjson.loads(heartbeat["lora_errors"]) if heartbeat.get("lora_errors") else {}
-        except orjson.JSONDecodeError:
-            errors = {}
-        return ready, errors if isinstance(errors, dict) else {}
-
-    async def register_lora(self, name: str, path: str) -> bool:
-        """Add a run-time LoRA adapter to ``P:loras``; False if the name is taken."""
-        return bool(await self.redis.hsetnx(self.keys.loras, name, path))
-
-    async def forget_lora(self, name: str) -> bool:
-        return bool(await self.redis.hdel(self.keys.loras, name))
-
-    async def loras(self) -> dict[str, str]:
-        """The run-time LoRA adapters, name -> path."""
-        got = await self.redis.hgetall(self.keys.loras)
-        return {_b(k).decode(): _b(v).decode() for k, v in got.items()}
-
-    async def engines(self) -> dict[str, dict[str, str]]:
-        """Every engine with a live heartbeat, by id."""
-        keys = [k async for k in self.redis.scan_iter(match=self.keys.engine_pattern(), count=1000)]
-        if not keys:
-            return {}
-        pipe = self.redis.pipeline(transaction=False)
-        for k in keys:
-            pipe.hgetall(k)
-        head = len(self.keys.engine(""))
-        out = {}
-        for k, h in zip(keys, await pipe.execute()):
-            if h:  # expired between SCAN and HGETALL
-                out[_b(k)[head:].decode()] = {
-                    _b(a).decode(errors="replace"): _b(b).decode(errors="replace") for a, b in h.items()
-                }
-        return out
-
-
-# ====================================================================== StreamMux
-
-
-class MuxStopped(RuntimeError):
-    """The multiplexer stopped before this subscription saw its ``final``."""
-
-
-_END = object()
-
-
-class Subscription:
-    """One reader's view of one request's stream: ``(entry_id, event)`` in order, ending after
-    ``final``. Iterate it with ``async for``; :meth:`close` to stop early.
-
-    A consumer that writes what it gets somewhere (the API's SSE streams) can instead take
-    everything delivered so far at once: ``await sub.ready(timeout)``, then
-    :meth:`take_ready`, so one wake-up that brought several entries costs one write, and
-    waiting costs no task per entry."""
-
-    def __init__(self, mux: "StreamMux", request_id: str, key: bytes, after: bytes):
-        self.request_id = request_id
-        self.key = key
-        self.last_id = after
-        self._last = entry_id_key(after)
-        self._mux = mux
-        self._items: deque = deque()
-        self._waiter: asyncio.Future | None = None
-        self._quiet_until: float | None = None  # ready(timeout): when the wait gives up (loop time)
-        self._timer: asyncio.TimerHandle | None = None
-        self._ended = False  # nothing more will be queued
-        self._closed = False  # the consumer saw the end
-        #: called whenever something is delivered: one consumer waiting on many subscriptions
-        #: (a response of n choices) waits on one event instead of a task per subscription
-        self.on_put: Callable[[], None] | None = None
-
-    @property
-    def done(self) -> bool:
-        """The consumer has seen the end (after ``final``, a stop, or :meth:`close`)."""
-        return self._closed
-
-    def __aiter__(self) -> "Subscription":
-        return self
-
-    async def __anext__(self) -> tuple[bytes, Event]:
-        if self._closed:
-            raise StopAsyncIteration
-        while not self._items:
-            await self.ready()
-        item = self._items.popleft()
-        if item is _END:
-            self._finish()
-            raise StopAsyncIteration
-        if isinstance(item, BaseException):
-            self._finish()
-            raise item
-        return item
-
-    async def ready(self, timeout: float | None = None) -> bool:
-        """Wait until something is delivered (True; also at the end) or ``timeout`` seconds
-        pass without anything (False)."""
-        if self._items or self._closed:
-            return True
-        loop = asyncio.get_running_loop()
-        fut = self._waiter = loop.create_future()
-        if timeout is None:
-            self._quiet_until = None
-        else:
-            # One timer per quiet spell, not one per entry: it re-arms itself while entries
-            # keep coming, and fires only once nothing came for ``timeout`` seconds.
-            self._quiet_until = loop.time() + timeout
-            if self._timer is None:
-                self._timer = loop.call_at(self._quiet_until, self._quiet)
-        try:
-            return await fut
-        finally:
-            self._waiter = None
-
-    def _quiet(self) -> None:
-        self._timer = None
-        fut = self._waiter
-        if fut is None or fut.done() or self._closed or self._quiet_until is None:
-            return
-        loop = fut.get_loop()
-        if loop.time() >= self._quiet_until:
-            fut.set_result(False)
-        else:
-            self._timer = loop.call_at(self._quiet_until, self._quiet)
-
-    def take_ready(self) -> list[tuple[bytes, Event]]:
-        """Every ``(entry_id, event)`` delivered and not yet taken, without waiting. Empty
-        once the consumer has seen the end (check :attr:`done`); raises what stopped the
-        mux once everything before it was taken."""
-        out = []
-        items = self._items
-        while items:
-            item = items[0]
-            if item is _END or isinstance(item, BaseException):
-                if out:
-                    break
-                items.popleft()
-                self._finish()
-                if item is _END:
-                    break
-                raise item
-            out.append(items.popleft())
-        return out
-
-    def _finish(self) -> None:
-        self._closed = True
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-    async def close(self) -> None:
-        if not self._ended:
-            self._mux._unsubscribe(self)
-            self._end(_END)
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-    # -- called by the mux
-    def _put(self, item) -> None:
-        self._items.append(item)
-        fut = self._waiter
-        if fut is not None and not fut.done():
-            fut.set_result(True)
-        if self.on_put is not None:
-            self.on_put()
-
-    def _offer(self, entry_id: bytes, idk: tuple[int, int], ev: Event) -> None:
-        if self._ended or idk <= self._last:
-            return
-        self._last = idk
-        self.last_id = entry_id
-        self._put((entry_id, ev))
-        if isinstance(ev, Final):
-            self._end(_END)
-
-    def _end(self, item) -> None:
-        if not self._ended:
-            self._ended = True
-            self._put(item)
-
-
-class _ReadGate:
-    """At most ``n`` blocking reads at once (cluster only), and whether anyone waits for one."""
-
-    def __init__(self, n: int):
-        self._sem = asyncio.Semaphore(n)
-        self.waiting = 0
-
-    async def __aenter__(self) -> None:
-        self.waiting += 1
-        try:
-            await self._sem.acquire()
-        finally:
-            self.waiting -= 1
-
-    async def __aexit__(self, *exc) -> None:
-        self._sem.release()
-
-    def full(self) -> bool:
-        return self._sem.locked()
-
-
-class _Shard:
-    """Up to ``shard_size`` request streams read by one blocking XREAD loop, plus a doorbell.
-
-    On a cluster a shard holds the streams of one slot (``slot``), its doorbell is tagged into
-    that slot, and it retires once it has nothing left to watch."""
-
-    def __init__(self, mux: "StreamMux", index: int, slot: int | None = None, tag: str = ""):
-        self.mux = mux
-        self.slot = slot
-        name = f"{mux.reader_id}.{index}"
-        self.wake_key = _b(mux.keys.wake(name) if slot is None else mux.keys.wake_in_slot(name, tag))
-        self.subs: dict[bytes, list[Subscription]] = {}
-        self.blocked = False  # inside a blocking XREAD whose key list is already sent
-        self.rang = False  # a wake-up is already on its way for this blocking read
-        self.rung = False  # the doorbell stream exists (cluster shards delete it on retiring)
-        self.long = False  # the current read blocks for the full block_ms
-        self.task: asyncio.Task | None = None
-        self.wake_last = b"0-0"
-        # The keys and ids of the read in progress on the embedded server's direct reader,
-        # which re-scans this dict on each wake-up: entries handed over in-process move it.
-        self.reading: dict[bytes, bytes] | None = None
-
-    def add(self, sub: Subscription) -> bool:
-        """Add; True when the reader is blocked on a key list without it and must be woken."""
-        self.subs.setdefault(sub.key, []).append(sub)
-        if self.blocked and not self.rang:
-            self.rang = True
-            return True
-        return False
-
-    def remove(self, sub: Subscription) -> None:
-        subs = self.subs.get(sub.key)
-        if subs and sub in subs:
-            subs.remove(sub)
-            if not subs:
-                del self.subs[sub.key]
-
-    async def run(self) -> None:
-        mux, redis = self.mux, self.mux.redis
-        backoff = 0.05
-        # Only doorbells rung from now on matter. A cluster shard's doorbell is new (its index
-        # is unique in this mux), so it skips the look-up: at worst a stale doorbell of an
-        # earlier process with the same reader id costs one spurious wake-up.
-        first = self.slot is None
-        while not mux._stopping:
-            if self.slot is not None and not self.subs:
-                await self._retire()
-                return
-            try:
-                if first:
-                    last = await redis.xrevrange(self.wake_key, count=1)
-                    self.wake_last = last[0][0] if last else b"0-0"
-                    first = False
-                if mux._gate_full():
-                    await mux._cut_one_read_short()
-                async with mux._gate:
-                    if mux._stopping or (self.slot is not None and not self.subs):
-                        continue
-                    streams = {self.wake_key: self.wake_last}
-                    for key, subs in self.subs.items():
-                        streams[key] = min(subs, key=lambda s: s._last).last_id
-                    # Others queue for a read: hold it briefly, so the readers take turns.
-                    block = min(mux.block_ms, mux.CONTENDED_BLOCK_MS) if mux._gate_waiting() else mux.block_ms
-                    self.long = block > mux.CONTENDED_BLOCK_MS
-                    self.blocked, self.rang = True, False
-                    try:
-                        # (the embedded server's in-process client reads directly; None: ask it)
-                        direct = getattr(redis, "fd_xread", None)
-                        if direct is not None:
-                            self.reading = streams
-                        resp = None if direct is None else await direct(streams, mux.count, block)
-                        if resp is None:
-                            self.reading = None
-                            resp = await redis.xread(streams, count=mux.count, block=block)
-                    finally:
-                        self.blocked = False
-                        self.reading = None
-                mux.wakeups += 1
-                for key, entries in resp or ():
-                    if key == self.wake_key:
-                        self.wake_last = entries[-1][0]
-                    else:
-                        await self._dispatch(key, entries, streams[key])
-                backoff = 0.05
-            except (RedisConnectionError, RedisTimeoutError, OSError) as e:
-                log.warning("stream mux %s: %s; retrying in %.2fs", mux.reader_id, e, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
-            except Exception:  # a bug: keep the other subscriptions alive
-                log.exception("stream mux %s: reader failed; retrying", mux.reader_id)
-                await asyncio.sleep(0.1)
-
-    async def _retire(self) -> None:
-        """Cluster only: stop reading a slot with nothing left to watch. Synchronously
-        unlisted first, so a new subscription to this slot gets a fresh shard."""
-        mux = self.mux
-        if mux._by_slot.get(self.slot) is self:
-            del mux._by_slot[self.slot]
-        if self.rung:
-            try:
-                await mux.redis.delete(self.wake_key)
-            except (RedisConnectionError, RedisTimeoutError, OSError) as e:
-                log.warning("stream mux %s: could not delete a doorbell: %s", mux.reader_id, e)
-        if self in mux._shards:
-            mux._shards.remove(self)
-
-    async def _dispatch(self, key: bytes, entries: list, after: bytes) -> None:
-        """Hand a read's ``entries`` (those after ``after``) to the key's subscriptions. One
-        that was added during the read with an earlier ``after`` (a resume) takes none of
-        them: it would skip what lies between; the next read starts from it."""
-        subs = self.subs.get(key)
-        if not subs:
-            return  # unsubscribed while the read was in flight
-        floor = entry_id_key(after)
-        subs = [s for s in subs if s._last >= floor]
-        if not subs:
-            return
-        everyone = len(subs) == len(self.subs[key])
-        rid = subs[0].request_id
-        for entry_id, fields in entries:
-            # A good entry costs no coroutine; a bad one (or a deleted one: no fields) goes the
-            # long way, which dead-letters it.
-            ev = None
-            if fields is not None:
-                try:
-                    ev = check_event(key, decode(fields, entry_id), REQ_STREAM_TYPES, rid)
-                except BadEvent:
-                    pass
-            if ev is None:
-                ev = await self.mux._bus._decode_or_dead(key, entry_id, fields, REQ_STREAM_TYPES, rid)
-            idk = entry_id_key(entry_id)
-            for sub in list(subs):
-                if ev is None:  # skipped, but never read again
-                    if idk > sub._last:
-                        sub._last, sub.last_id = idk, entry_id
-                    continue
-                sub._offer(entry_id, idk, ev)
-                self.mux.events += 1
-            if isinstance(ev, Final):
-                if everyone:
-                    self.subs.pop(key, None)
-                    self.mux._where.pop(key, None)
-                return
-
-
-class StreamMux:
-    """One per API replica: a multiplexed reader of many ``P:req:<id>`` streams.
-
-    Each shard (at most ``shard_size`` keys, DESIGN §6: one XREAD over 1,000 keys costs ~2 ms
-    of client time per wake-up) runs one blocking XREAD loop on its own pooled connection. A
-    subscription added while its shard is blocked rings the shard's doorbell stream
-    (``keys.wake("<reader_id>.<shard>")``, at most one XADD per blocking read) so the read
-    returns at once. Blocking reads are never cancelled: :meth:`stop` sets a flag and rings
-    the doorbells, so readers return promptly (at worst after ``block_ms``).
-
-    On a Redis Cluster one XREAD may name keys of one slot only, so a shard is one slot: the
-    streams of the requests whose ids hash there, and a doorbell tagged into the same slot
-    (``keys.wake_in_slot``). With 16,384 slots that is in effect one blocking XREAD, and one
-    pooled connection, per live request; shards retire when their slot has nothing left to
-    watch. At most ``cluster_readers`` reads block at once (the cluster client's pool raises
-    instead of waiting past ``MAX_CONNECTIONS`` per node); while others wait for a turn, a
-    reader blocks at most ``CONTENDED_BLOCK_MS``, so beyond ``cluster_readers`` live requests
-    an event can wait a few such turns, and each turn is a round trip.
-
-    Several subscriptions of one request share the shard's key; each gets the entries after
-    its own ``after``. A subscription made past the request's ``final`` waits for events that
-    never come: resume from an entry id the caller has seen, not beyond.
-    """
-
-    WAKE_MAXLEN = 16
-
-    #: BLOCK of a cluster reader while other readers wait for a turn (see the class docstring).
-    CONTENDED_BLOCK_MS = 50
-
-    def __init__(
-        self,
-        redis,
-        keys: Keys,
-        reader_id: str,
-        *,
-        shard_size: int = 256,
-        block_ms: int = 1000,
-        count: int = 1000,
-        cluster_readers: int = 128,
-    ):
-        self.redis = redis
-        self.keys = keys
-        self.reader_id = reader_id
-        self.shard_size = shard_size
-        self.block_ms = block_ms
-        self.count = count
-        self._bus = Bus(redis, keys)
-        self.cluster = self._bus.cluster
-        self._shards: list[_Shard] = []
-        self._where: dict[bytes, _Shard] = {}
-        self._by_slot: dict[int, _Shard] = {}  # cluster only
-        self._next_index = 0
-        self._gate = _ReadGate(cluster_readers) if self.cluster else contextlib.nullcontext()
-        self._started = False
-        self._stopping = False
-        self.wakeups = 0  # XREAD returns, all shards: the bench's fan-in figure
-        self.events = 0  # events delivered to subscriptions
-        self._rings = 0
-        self._unlisten: Callable[[], None] | None = None
-
-    @property
-    def dead_letters(self) -> int:
-        return self._bus.dead_letters
-
-    def _gate_waiting(self) -> bool:
-        return isinstance(self._gate, _ReadGate) and self._gate.waiting > 0
-
-    def _gate_full(self) -> bool:
-        return isinstance(self._gate, _ReadGate) and self._gate.full()
-
-    async def _cut_one_read_short(self) -> None:
-        """About to queue for a read: ring one reader parked in a full-length BLOCK, which then
-        comes back and takes turns with short ones. One doorbell per queued reader at most."""
-        for shard in self._shards:
-            if shard.blocked and shard.long and not shard.rang:
-                shard.rang = True
-                await self._ring(shard)
-                return
-
-    async def start(self) -> None:
-        if self._started:
-            return
-        self._started, self._stopping = True, False
-        listen = getattr(self.redis, "fd_listen", None)  # the embedded in-process client
-        if listen is not None:
-            self._unlisten = listen(self._local)
-        for shard in self._shards:
-            self._launch(shard)
-
-    def _launch(self, shard: _Shard) -> None:
-        shard.task = asyncio.get_running_loop().create_task(
-            shard.run(), name=f"stream-mux:{self.reader_id}:{shard.wake_key.decode()}"
-        )
-
-    async def stop(self) -> None:
-        """Stop reading; open subscriptions raise :class:`MuxStopped`."""
-        if not self._started:
-            return
-        self._stopping = True
-        if self._unlisten is not None:
-            self._unlisten()
-            self._unlisten = None
-        for shard in list(self._shards):  # blocked readers return now, not after BLOCK
-            if shard.blocked and not shard.rang:
-                shard.rang = True
-                await self._ring(shard)
-        tasks = [s.task for s in self._shards if s.task is not None]
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for shard in self._shards:
-            shard.task = None
-            for subs in shard.subs.values():
-                for sub in subs:
-                    sub._end(MuxStopped(f"stream mux {self.reader_id} stopped"))
-            shard.subs.clear()
-        self._where.clear()
-        self._by_slot.clear()
-        if self._shards:
-            try:
-                await self.redis.delete(*[s.wake_key for s in self._shards])
-            except (RedisConnectionError, RedisTimeoutError, OSError) as e:
-                log.warning("stream mux %s: could not delete doorbells: %s", self.reader_id, e)
-        self._shards.clear()
-        self._started = False
-
-    def _local(
-        self, key: bytes, before: tuple[int, int], entry_id: bytes, ev: Event, fields: Mapping[str, str]
-    ) -> None:
-        """An entry written by this process (the embedded server's listener; ``fd serve``'s
-        engine publishing a step): handed as it is to each subscription that has seen every
-        entry up to ``before``, instead of being read back and decoded (the read and decode of
-        a step's tokens were a fifth of the loop's time at 32 streams). Any other
-        subscription (behind, or new) gets it from the read as before; the read in progress
-        moves past it for the ones that took it, so nothing comes twice or is skipped."""
-        shard = self._where.get(key)
-        subs = None if shard is None or self._stopping else shard.subs.get(key)
-        if not subs:
-            return
-        taken = 0
-        idk = None
-        for sub in subs:
-            if sub._ended or sub._last != before:
-                continue
-            if idk is None:
-                idk = entry_id_key(entry_id)
-                if not ev.ts:  # as a reader decodes it: stamped when it was encoded
-                    ev = dataclasses.replace(ev, ts=int(fields["ts"]))
-            sub._offer(entry_id, idk, ev)
-            self.events += 1
-            taken += 1
-        if not taken:
-            return
-        reading = shard.reading
-        if reading is not None and key in reading:
-            reading[key] = min(subs, key=lambda s: s._last).last_id
-        if isinstance(ev, Final) and taken == len(subs):
-            shard.subs.pop(key, None)
-            self._where.pop(key, None)
-
-    async def subscribe(self, request_id: str, after: bytes | str = b"0") -> Subscription:
-        """Events of ``request_id`` after entry ``after`` (exclusive; ``0`` = from the start)."""
-        if not self._started or self._stopping:
-            raise MuxStopped(f"stream mux {self.reader_id} is not running")
-        if not valid_request_id(request_id):
-            raise ValueError(f"invalid request id {request_id!r}")
-        key = _b(self.keys.req(request_id))
-        sub = Subscription(self, request_id, key, _normal_id(after))
-        shard = self._where.get(key) or self._pick_shard(key, request_id)
-        self._where[key] = shard
-        if shard.add(sub):
-            await self._ring(shard)
-        return sub
-
-    async def _ring(self, shard: _Shard) -> None:
-        try:
-            append = getattr(self.redis, "fd_append", None)  # the embedded in-process client
-            wake = shard.wake_key.decode()
-            if append is not None and append(wake, {"w": "1"}) is not None:
-                shard.rung = True
-                self.redis.fd_expire([wake], 86400)
-                self._rings += 1
-                if self._rings % self.WAKE_MAXLEN == 0:  # (capped here, not on each XADD)
-                    await self.redis.xtrim(shard.wake_key, maxlen=self.WAKE_MAXLEN, approximate=False)
-                return
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.xadd(shard.wake_key, {b"w": b"1"}, maxlen=self.WAKE_MAXLEN, approximate=True)
-            pipe.expire(shard.wake_key, 86400)  # a crashed replica leaves no doorbell behind
-            shard.rung = True
-            await pipe.execute()
-        except (RedisConnectionError, RedisTimeoutError, OSError) as e:
-            # The reader still returns after its BLOCK timeout: late, not lost.
-            shard.rang = False
-            log.warning("stream mux %s: doorbell failed: %s", self.reader_id, e)
-
-    def _pick_shard(self, key: bytes, request_id: str) -> _Shard:
-        if self.cluster:  # one XREAD may name keys of one slot only
-            slot = key_slot(key)
-            shard = self._by_slot.get(slot)
-            if shard is None:
-                shard = self._by_slot[slot] = _Shard(self, self._next_index, slot, request_id)
-                self._next_index += 1
-                self._shards.append(shard)
-                if self._started:
-                    self._launch(shard)
-            return shard
-        live = [s for s in self._shards if len(s.subs) < self.shard_size]
-        if live:
-            return min(live, key=lambda s: len(s.subs))
-        shard = _Shard(self, len(self._shards))
-        self._shards.append(shard)
-        if self._started:
-            self._launch(shard)
-        return shard
-
-    def _unsubscribe(self, sub: Subscription) -> None:
-        shard = self._where.get(sub.key)
-        if shard is None:
-            return
-        shard.remove(sub)
-        if sub.key not in shard.subs:
-            self._where.pop(sub.key, None)

@@ -24,10 +24,10 @@ from typing import Any
 
 from redis.exceptions import WatchError
 
+from control.bad_event import BadEvent
 from control.bus import Bus
 from control.events import (
     AbortRequested,
-    BadEvent,
     BlocksReleased,
     Claimed,
     Drained,

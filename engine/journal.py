@@ -55,9 +55,9 @@ from control.events import (
     JournalStart,
     JournalStep,
     Preempted,
-    RequestData,
     Tokens,
 )
+from control.request_data import RequestData
 from engine.config import SchedulerConfig
 from engine.outputs import RunnerOutput, SchedulerOutput
 from engine.scheduler import Scheduler

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from control.events import Final, RequestData, SamplingParams, Tokens
+from control.events import Final, Tokens
+from control.request_data import RequestData
+from control.sampling import SamplingParams
 from engine.config import SchedulerConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.scheduler import Scheduler

@@ -321,7 +321,7 @@ class ModelRunner:
         """One prefill and one decode through scratch blocks, so first requests do not pay for
         kernel selection and allocator growth. Writes only block 0, which no live request owns
         yet."""
-        from control.events import SamplingParams
+        from control.sampling import SamplingParams
 
         sp = SamplingParams(temperature=0.0)
         n = min(self.block_size, self.max_model_len - 1)

@@ -44,7 +44,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Mapping
 
-from control.bus import Bus, entry_id_key
+from control.bus import Bus
+from control.entry_ids import entry_id_key
 from control.events import (
     Abort,
     AbortAll,
@@ -60,15 +61,13 @@ from control.events import (
     Request,
     Tokens,
     UnloadLora,
-    embedding_field,
-    logprobs_field,
-    prompt_logprobs_field,
-    tombstone_story,
 )
 from control.fence import Refused
 from control.guided import GuidedError
 from control.guided import check as check_guided
 from control.keys import ABORT_WRITTEN, choice_ids, is_tombstone, owner_attempt, owner_choices, owner_token
+from control.ownership import tombstone_story
+from control.token_payloads import embedding_field, logprobs_field, prompt_logprobs_field
 from control.tokenizer import served_context
 from engine import failover
 from engine.adapters import Adapters

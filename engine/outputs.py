@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from control.events import SamplingParams
+from control.sampling import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

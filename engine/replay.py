@@ -6,14 +6,15 @@ Two independent checks, because either alone can be fooled:
   journal's config and compares each result's digest with the recorded one; the first
   mismatch names the step and shows both decisions. It proves *this* scheduler code makes the
   recorded decisions, e.g. that an incident reproduces on a laptop, or that a fix changes it.
-- :func:`check_journal` reads only the recorded digests: block tables, released counts and the
+- :func:`~engine.journal_check.check_journal` reads only the recorded digests: block tables, released counts and the
   free count after every call. It finds a leak (a request that ended still holding blocks, a
   release that returned fewer blocks than the request held, blocks in use that no request
   holds), double allocation, and requests with other than one ``final`` even if the scheduler
   that wrote the journal is the one that is broken, and without re-executing anything.
 
 A journal is a list of :class:`JournalStart` / :class:`JournalStep` events of one engine; a
-JournalStart begins a segment (an engine restart), replayed from a fresh scheduler.
+JournalStart begins a segment (an engine restart), replayed from a fresh scheduler. It is read
+from Redis or from a JSONL file by engine/journal_reader.py.
 """
 
 from __future__ import annotations
@@ -21,382 +22,34 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import logging
 import os
 import sys
 import time
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import orjson
 
-from control.events import BadEvent, Event, JournalStart, JournalStep, RequestData, SamplingParams, decode
+from control.events import Event, JournalStart, JournalStep
+from control.request_data import RequestData
+from control.sampling import SamplingParams
 from engine.config import SchedulerConfig
 from engine.journal import Digester, config_from_json
+from engine.journal_check import Analysis, check_journal
+from engine.journal_reader import (
+    by_engine,
+    journal_engines,
+    jsonl_line,
+    load_journal_from_redis,
+    load_journal_jsonl,
+    read_journal,
+    segments,
+)
 from engine.outputs import RunnerOutput, SchedulerOutput
 from engine.scheduler import Scheduler
 
-log = logging.getLogger("engine.replay")
-
 OUTPUT_KEYS = ("raised", "ev", "out", "free")
-
-
-# --------------------------------------------------------------------------- loading
-
-
-async def _read_journal(bus, key: str, page: int = 1000) -> list[tuple[str, Event]]:
-    out: list[tuple[str, Event]] = []
-    start = "-"
-    while True:
-        rows = await bus.redis.xrange(key, min=start, max="+", count=page)
-        for entry_id, fields in rows:
-            eid = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
-            try:
-                ev = decode(fields, eid)
-            except BadEvent as e:  # the seq gap it leaves is reported by the replay
-                log.warning("journal entry %s of %s does not decode: %s", eid, key, e)
-                continue
-            if isinstance(ev, (JournalStart, JournalStep)):
-                out.append((eid, ev))
-        if len(rows) < page:
-            return out
-        start = "(" + (rows[-1][0].decode() if isinstance(rows[-1][0], bytes) else rows[-1][0])
-
-
-async def load_journal_from_redis(bus, engine_id: str) -> list[Event]:
-    """The whole ``P:journal:<engine_id>`` stream, oldest first."""
-    return [ev for _, ev in await _read_journal(bus, bus.keys.journal(engine_id))]
-
-
-async def journal_engines(bus) -> list[str]:
-    """Engine ids that have a journal under the bus's prefix."""
-    head = bus.keys.journal("")
-    names = set()
-    async for k in bus.redis.scan_iter(match=bus.keys.journal("*"), count=1000):
-        k = k.decode() if isinstance(k, bytes) else k
-        names.add(k[len(head) :])
-    return sorted(names)
-
-
-def _jsonl_line(ev: Event, entry_id: str | None = None, stream: str | None = None) -> bytes:
-    fields: dict[str, Any] = ev.encode()
-    for name in ("data", "config"):  # nested JSON stays readable instead of an escaped string
-        if name in fields:
-            fields[name] = orjson.loads(fields[name])
-    head = {}
-    if stream is not None:
-        head["stream"] = stream
-    if entry_id is not None:
-        head["id"] = entry_id
-    return orjson.dumps({**head, **fields}) + b"\n"
-
-
-def export_jsonl(events: Iterable[Event], path: str | os.PathLike) -> int:
-    """Write journal events as JSON lines (one event per line, its wire fields); returns count."""
-    n = 0
-    with open(path, "wb") as f:
-        for ev in events:
-            f.write(_jsonl_line(ev))
-            n += 1
-    return n
-
-
-def load_journal_jsonl(path: str | os.PathLike) -> list[Event]:
-    """Events from a JSONL file written by :func:`export_jsonl` or ``fd events export``."""
-    out: list[Event] = []
-    with open(path, "rb") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            obj = orjson.loads(line)
-            entry_id = obj.pop("id", None)
-            obj.pop("stream", None)
-            fields = {k: (v if isinstance(v, str) else orjson.dumps(v).decode()) for k, v in obj.items()}
-            try:
-                out.append(decode(fields, entry_id))
-            except BadEvent as e:
-                raise ValueError(f"{path}:{lineno}: {e}") from None
-    return out
-
-
-def by_engine(events: Iterable[Event]) -> dict[str, list[Event]]:
-    groups: dict[str, list[Event]] = {}
-    for ev in events:
-        if isinstance(ev, (JournalStart, JournalStep)):
-            groups.setdefault(ev.engine, []).append(ev)
-    return groups
-
-
-def segments(entries: list[Event]) -> tuple[list[tuple[JournalStart, list[JournalStep]]], int]:
-    """Split at each JournalStart; also the number of leading steps with no start (trimmed)."""
-    segs: list[tuple[JournalStart, list[JournalStep]]] = []
-    orphans = 0
-    for ev in entries:
-        if isinstance(ev, JournalStart):
-            segs.append((ev, []))
-        elif isinstance(ev, JournalStep):
-            if segs:
-                segs[-1][1].append(ev)
-            else:
-                orphans += 1
-    return segs, orphans
-
-
-# --------------------------------------------------------------------------- journal-only checks
-
-
-@dataclass
-class RequestTrace:
-    """One request's life as the journal tells it (steps, and entry timestamps in ms)."""
-
-    request_id: str
-    segment: int = 0
-    prompt_tokens: int = 0
-    added_step: int = 0
-    added_ms: int = 0
-    first_scheduled_step: int | None = None
-    scheduled_steps: int = 0
-    num_tokens: int = 0
-    preempted_steps: list[int] = field(default_factory=list)
-    abort_step: int | None = None
-    abort_ms: int | None = None
-    abort_source: str | None = None
-    drained_step: int | None = None
-    released_step: int | None = None
-    released_ms: int | None = None
-    released_count: int | None = None
-    final_step: int | None = None
-    final_ms: int | None = None
-    finish_reason: str | None = None
-    finals: int = 0
-
-
-@dataclass
-class Analysis:
-    total_blocks: int = 0
-    calls: int = 0
-    steps: int = 0
-    violations: list[str] = field(default_factory=list)
-    requests: dict[str, RequestTrace] = field(default_factory=dict)
-    # (step, blocks in use, entry ts ms) after every schedule() and update()
-    usage: list[tuple[int, int, int]] = field(default_factory=list)
-    peak_blocks_in_use: int = 0
-    finish_reasons: dict[str, int] = field(default_factory=dict)
-    abort_release_steps: list[int] = field(default_factory=list)
-    abort_release_ms: list[int] = field(default_factory=list)
-    first_ms: int = 0
-    last_ms: int = 0
-
-
-_MAX_SAME = 5  # repeated violations of one kind are counted, not listed
-
-
-class _Checker:
-    """Folds one segment's digests into block holdings and request traces, checking as it goes."""
-
-    def __init__(self, a: Analysis, seg: int, cfg: SchedulerConfig):
-        self.a = a
-        self.seg = seg
-        self.total = cfg.num_blocks
-        self.bs = cfg.block_size
-        self.held: dict[str, list[int]] = {}  # rid -> its block table, per the digests
-        # block -> the requests holding it: one, or several for a cached prefix block, which
-        # they share read-only (each took it wholly before the positions it feeds)
-        self.holders: dict[int, set[str]] = {}
-        self.step = 0
-        self.ts = 0
-        self.kinds: Counter = Counter()
-
-    def violate(self, kind: str, msg: str) -> None:
-        self.kinds[kind] += 1
-        if self.kinds[kind] <= _MAX_SAME:
-            self.a.violations.append(msg)
-        elif self.kinds[kind] == _MAX_SAME + 1:
-            self.a.violations.append(f"... more '{kind}' violations (counted at the end)")
-
-    def trace(self, rid: str) -> RequestTrace:
-        t = self.a.requests.get(rid)
-        if t is None:
-            t = self.a.requests[rid] = RequestTrace(rid, self.seg, added_step=self.step, added_ms=self.ts)
-        return t
-
-    def call(self, c: dict[str, Any], ts: int) -> None:
-        self.ts = c.get("t") or ts
-        op = c.get("op")
-        if op == "add" and "raised" not in c:
-            old = self.a.requests.get(c["rid"])
-            if old is not None and old.finals:  # an id reused after its final: a new life
-                del self.a.requests[c["rid"]]
-            t = self.trace(c["rid"])
-            t.prompt_tokens = len(c["data"].get("prompt_token_ids", ()))
-        if "raised" in c:
-            pass
-        else:
-            self.events(c.get("ev") or [])
-            if op == "schedule":
-                self.batch(c["out"])
-        free = c.get("free")
-        in_use = len(self.holders)
-        if in_use > self.total:
-            self.violate("overcommit", f"step {self.step}: {in_use} blocks held, only {self.total} exist")
-        if free is not None:
-            used = self.total - free
-            self.a.peak_blocks_in_use = max(self.a.peak_blocks_in_use, used, in_use)
-            if used != in_use:
-                self.violate(
-                    "unaccounted",
-                    (
-                        f"step {self.step} ({op}): the scheduler has {used} blocks in use but the "
-                        f"requests hold {in_use}: {used - in_use} block(s) leaked"
-                        if used > in_use
-                        else f"step {self.step} ({op}): the requests hold {in_use} blocks but the "
-                        f"scheduler counts only {used} in use"
-                    ),
-                )
-            if op in ("schedule", "update"):
-                self.a.usage.append((self.step, used, ts))
-
-    def events(self, evs: list[list]) -> None:
-        for d in evs:
-            kind, rid = d[0], d[1]
-            t = self.trace(rid)
-            if t.finals and kind != "final":
-                self.violate("after_final", f"step {self.step}: {kind} for {rid} after its final")
-            if kind == "tokens":
-                t.num_tokens += len(d[2])
-            elif kind == "preempted":
-                n = self.drop(rid)
-                t.preempted_steps.append(d[3])
-                if d[2] != n:
-                    self.violate(
-                        "count", f"step {d[3]}: {rid} preempted with count={d[2]} but it held {n} blocks"
-                    )
-            elif kind == "abort_requested":
-                if t.abort_step is None:
-                    t.abort_step, t.abort_ms, t.abort_source = d[3], self.ts, d[2]
-            elif kind == "drained":
-                t.drained_step = d[3]
-            elif kind == "blocks_released":
-                n = self.drop(rid)
-                t.released_step, t.released_ms, t.released_count = d[3], self.ts, d[2]
-                if d[2] != n:
-                    self.violate(
-                        "leak",
-                        f"step {d[3]}: {rid} released {d[2]} of the {n} blocks "
-                        "it held" + (" (leak)" if d[2] < n else ""),
-                    )
-                if t.abort_step is not None:
-                    self.a.abort_release_steps.append(d[3] - t.abort_step)
-                    self.a.abort_release_ms.append(self.ts - (t.abort_ms or self.ts))
-            elif kind == "final":
-                t.finals += 1
-                t.final_step, t.final_ms, t.finish_reason = self.step, self.ts, d[2]
-                self.a.finish_reasons[d[2]] = self.a.finish_reasons.get(d[2], 0) + 1
-                if t.finals > 1:
-                    self.violate("finals", f"step {self.step}: {rid} got final #{t.finals}")
-                left = self.held.get(rid)
-                if left:
-                    self.violate(
-                        "leak",
-                        f"step {self.step}: {rid} finished ({d[2]}) still holding {len(left)} blocks (leak)",
-                    )
-
-    def drop(self, rid: str, keep: int = 0) -> int:
-        """Forget ``rid``'s blocks past the first ``keep``; returns how many it held."""
-        table = self.held.get(rid)
-        if table is None:
-            return 0
-        n = len(table)
-        for b in table[keep:]:
-            hs = self.holders.get(b)
-            if hs is not None:
-                hs.discard(rid)
-                if not hs:
-                    del self.holders[b]
-        if keep:
-            del table[keep:]
-        else:
-            del self.held[rid]
-        return n
-
-    def batch(self, out: list) -> None:
-        step, _, seqs = out
-        self.step = step
-        for rid, start, n, _sample, base, new in seqs:
-            prev = self.held.get(rid)
-            have = 0 if prev is None else len(prev)
-            if base > have:
-                self.violate("delta", f"step {step}: {rid} extends {base} blocks, holds {have}")
-                base = have
-            if base < have:  # a table that did not just grow: the old tail is gone
-                self.drop(rid, base)
-            table = self.held.setdefault(rid, [])
-            for b in new:
-                if not 0 <= b < self.total:
-                    self.violate("range", f"step {step}: {rid} holds block {b}, outside the pool")
-                hs = self.holders.setdefault(b, set())
-                if hs and rid not in hs and (len(table) + 1) * self.bs > start:
-                    # shared, yet not wholly before what this request computes
-                    self.violate("double", f"step {step}: block {b} held by both {min(hs)} and {rid}")
-                hs.add(rid)
-                table.append(b)
-            if len(table) * self.bs < start + n:
-                self.violate(
-                    "short",
-                    f"step {step}: {rid} feeds positions up to {start + n} with only {len(table)} blocks",
-                )
-            for b in table[start // self.bs : (start + n - 1) // self.bs + 1] if n else ():
-                if len(self.holders.get(b, ())) > 1:
-                    self.violate(
-                        "shared_write",
-                        f"step {step}: {rid} writes block {b}, which "
-                        f"{sorted(self.holders[b] - {rid})} also hold",
-                    )
-            t = self.trace(rid)
-            t.scheduled_steps += 1
-            if t.first_scheduled_step is None:
-                t.first_scheduled_step = step
-
-    def finish(self) -> None:
-        for t in self.a.requests.values():
-            if t.segment != self.seg:
-                continue
-            if t.released_step is not None and t.finals == 0:
-                self.violate("finals", f"{t.request_id} released its blocks but never got a final")
-        for kind, n in self.kinds.items():
-            if n > _MAX_SAME:
-                self.a.violations.append(f"{n} '{kind}' violations in all")
-
-
-def check_journal(entries: list[Event]) -> Analysis:
-    """Invariants from the recorded digests alone (no re-execution)."""
-    a = Analysis()
-    segs, orphans = segments(entries)
-    if orphans:
-        a.violations.append(
-            f"journal truncated: {orphans} step entries before any journal_start "
-            "(MAXLEN trimmed its beginning); they cannot be checked"
-        )
-    for i, (start, steps) in enumerate(segs):
-        cfg = config_from_json(start.config)
-        a.total_blocks = cfg.num_blocks
-        ck = _Checker(a, i, cfg)
-        a.first_ms = a.first_ms or start.ts
-        for n, st in enumerate(steps):
-            if st.seq != n:
-                a.violations.append(
-                    f"segment {i}: entry seq {st.seq} where {n} was expected (entries missing)"
-                )
-                break
-            for c in st.data.get("calls", ()):
-                ck.call(c, st.ts)
-                a.calls += 1
-            a.steps = max(a.steps, st.step)
-            a.last_ms = max(a.last_ms, st.ts)
-        ck.finish()
-    return a
 
 
 # --------------------------------------------------------------------------- re-execution
@@ -740,8 +393,8 @@ def export_main(argv: list[str] | None = None, bus_factory=None) -> int:
         with open(args.out, "wb") as f:
             for engine in engines:
                 key = bus.keys.journal(engine)
-                for eid, ev in await _read_journal(bus, key):
-                    f.write(_jsonl_line(ev, eid, key))
+                for eid, ev in await read_journal(bus, key):
+                    f.write(jsonl_line(ev, eid, key))
                     n += 1
         print(f"wrote {n} journal entries of {len(engines)} engine(s) to {args.out}", file=sys.stderr)
         return n

@@ -21,7 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
-from control.events import SamplingParams
+from control.sampling import SamplingParams
 
 _U64 = (1 << 64) - 1
 

@@ -36,17 +36,9 @@ from collections import deque
 from dataclasses import replace
 from typing import Any
 
-from control.events import (
-    AbortRequested,
-    BlocksReleased,
-    Drained,
-    Event,
-    Final,
-    Preempted,
-    RequestData,
-    Tokens,
-)
+from control.events import AbortRequested, BlocksReleased, Drained, Event, Final, Preempted, Tokens
 from control.guided import GuidedError, after_token
+from control.request_data import RequestData
 from engine.block_manager import BlockManager, block_hash
 from engine.config import SchedulerConfig
 from engine.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput

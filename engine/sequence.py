@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 
-from control.events import SamplingParams
+from control.sampling import SamplingParams
 
 #: The token id of a decode whose input is the token the previous (in-flight) step samples.
 PLACEHOLDER = -1

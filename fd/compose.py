@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from control.bus import REQUEST_TTL_S, TOMBSTONE_TTL_S, Bus, StreamMux
+from control.bus import REQUEST_TTL_S, TOMBSTONE_TTL_S, Bus
 from control.keys import Keys
 from control.metrics import Metrics
+from control.mux import StreamMux
 from fd.api.cors import Cors
 
 log = logging.getLogger("fd.api")

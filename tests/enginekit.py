@@ -8,7 +8,9 @@ import threading
 import time
 
 from control.bus import Bus
-from control.events import Accepted, Final, Request, RequestData, SamplingParams, Tokens
+from control.events import Accepted, Final, Request, Tokens
+from control.request_data import RequestData
+from control.sampling import SamplingParams
 from engine.outputs import RunnerOutput, SchedulerOutput
 
 

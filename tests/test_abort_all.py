@@ -12,17 +12,10 @@ import aiohttp
 
 from control.bus import Bus
 from control.connect import connect
-from control.events import (
-    AbortAll,
-    Accepted,
-    BlocksReleased,
-    Final,
-    Request,
-    RequestData,
-    SamplingParams,
-    Tokens,
-)
+from control.events import AbortAll, Accepted, BlocksReleased, Final, Request, Tokens
 from control.keys import GROUP_ENGINES, owner_engine
+from control.request_data import RequestData
+from control.sampling import SamplingParams
 from fd.compose import ApiOptions, start_api
 from tests.enginekit import story, submit, types
 from tests.faultkit import Engines, all_blocks_free, wait_for

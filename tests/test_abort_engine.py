@@ -12,7 +12,8 @@ import pytest
 
 from control.connect import connect
 from control.events import Abort, AbortAll, AbortRequested, Claimed, Drained, Final, Tokens
-from engine.replay import load_journal_from_redis, replay
+from engine.journal_reader import load_journal_from_redis
+from engine.replay import replay
 from fd.compose import EngineOptions, start_engine
 from tests.enginekit import GatedRunner, _pair, story, submit, submit_together, tokens_of, types
 

@@ -12,7 +12,8 @@ import orjson
 import pytest
 from test_api_streaming import CHAT_BODY, FakeEngine, control_events, parse_sse, setup, wait_for
 
-from control.events import Abort, Accepted, Final, SamplingParams, decode
+from control.events import Abort, Accepted, Final, decode
+from control.sampling import SamplingParams
 from engine.llm import LLM
 
 

@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from control import events as E
-from control.bus import MuxStopped, StreamMux
+from control.mux import MuxStopped, StreamMux
 from fd.api import rendering, sse
 
 TEXTS = [
@@ -69,7 +69,7 @@ class _Mux:
 
 
 def _sub():
-    from control.bus import Subscription
+    from control.mux import Subscription
 
     return Subscription(_Mux(), "r1", b"fd:req:{r1}", b"0-0")
 

@@ -15,9 +15,10 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from test_api_validation import FakeTokenizer
 
-from control.bus import StreamMux
-from control.events import Abort, Claimed, Final, Tokens, decode, embedding_field
+from control.events import Abort, Claimed, Final, Tokens, decode
 from control.metrics import Metrics
+from control.mux import StreamMux
+from control.token_payloads import embedding_field
 from fd.api import ApiConfig, make_app
 
 WORDS = ("Hello", ",", "", " world", "!")  # an empty delta: no chunk, ids still progress

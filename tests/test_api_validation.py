@@ -7,8 +7,8 @@ import contextlib
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from control.bus import StreamMux
 from control.metrics import Metrics
+from control.mux import StreamMux
 from fd.api import ApiConfig, make_app
 
 MAX_LEN = 64

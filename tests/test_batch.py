@@ -10,7 +10,8 @@ import sys
 
 import orjson
 
-from control.events import Accepted, SamplingParams, decode
+from control.events import Accepted, decode
+from control.sampling import SamplingParams
 from engine.llm import LLM
 from fd.batch import BatchLine, parse_line, run_batch
 

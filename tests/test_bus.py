@@ -12,11 +12,14 @@ import time
 import pytest
 
 from control import events as E
-from control.bus import Bus, MuxStopped, StreamMux
+from control.bus import Bus
 from control.connect import connect
 from control.keys import GROUP_ENGINES
+from control.mux import MuxStopped, StreamMux
+from control.request_data import RequestData
+from control.sampling import SamplingParams
 
-DATA = E.RequestData(prompt_token_ids=(1, 2, 3), sampling=E.SamplingParams(max_tokens=4))
+DATA = RequestData(prompt_token_ids=(1, 2, 3), sampling=SamplingParams(max_tokens=4))
 
 
 def request(rid: str) -> E.Request:

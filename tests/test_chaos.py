@@ -23,10 +23,12 @@ import time
 import aiohttp
 
 from control.connect import connect
-from control.events import Abort, Final, SamplingParams
+from control.events import Abort, Final
 from control.guided import canonical
+from control.sampling import SamplingParams
+from engine.journal_reader import load_journal_from_redis
 from engine.llm import LLM
-from engine.replay import load_journal_from_redis, replay
+from engine.replay import replay
 from fd.compose import ApiOptions, start_api
 from tests.enginekit import text_of, tokens_of, types
 from tests.faultkit import Engines, all_blocks_free, dump_tasks_after, kill, sse_objects, wait_for

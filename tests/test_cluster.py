@@ -15,8 +15,9 @@ from redis.asyncio import Redis, RedisCluster
 from redis.crc import key_slot
 
 from control import events as E
-from control.bus import Bus, StreamMux
+from control.bus import Bus
 from control.connect import connect, redis_timeout
+from control.mux import StreamMux
 from tests.conftest import _ping, free_port
 from tests.test_bus import dead, request, same, story
 

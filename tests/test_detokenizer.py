@@ -146,7 +146,7 @@ def test_a_stop_string_that_straddles_min_tokens_ends_the_request_unleaked():
 def test_the_token_that_ends_a_request_is_counted_but_not_shown(tok):
     """vLLM's rule: an EOS or stop_token_ids token ends the request without its text, even
     with skip_special_tokens false, unless include_stop_str_in_output."""
-    from control.events import SamplingParams
+    from control.sampling import SamplingParams
 
     ids = tok.encode("The harbour town")
     stop = ids[-1]

@@ -7,9 +7,11 @@ from __future__ import annotations
 import asyncio
 import signal
 
-from control.events import Claimed, Drain, Preempted, SamplingParams, Tokens
+from control.events import Claimed, Drain, Preempted, Tokens
+from control.sampling import SamplingParams
+from engine.journal_reader import load_journal_from_redis
 from engine.llm import LLM
-from engine.replay import load_journal_from_redis, replay
+from engine.replay import replay
 from tests.enginekit import story, submit, text_of, tokens_of, types
 from tests.faultkit import all_blocks_free, engines, reap, spawn_engine, wait_for  # noqa: F401
 

@@ -10,7 +10,7 @@ import orjson
 import pytest
 from test_api_streaming import FakeEngine, parse_sse, setup
 
-from control.events import SamplingParams
+from control.sampling import SamplingParams
 from engine.config import SchedulerConfig
 from engine.llm import LLM
 from engine.scheduler import Scheduler
@@ -93,7 +93,7 @@ def test_prompt_scores_do_not_depend_on_how_the_prompt_was_chunked(tiny_runner, 
     """Chunked prefill: each chunk's last position is scored against the next chunk's first
     token (ScheduledSeq.prompt_next); the scores equal those of one whole-prompt step. So do
     those of a step whose logits the runner makes a few rows at a time (SCORE_ROWS)."""
-    from control.events import RequestData
+    from control.request_data import RequestData
 
     prompt = tuple(range(3, 40))
     sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=3)

@@ -436,6 +436,8 @@ async def test_an_engine_claims_and_acks_directly_on_the_embedded_client(embedde
     from control.bus import Bus
     from control.embedded import _DirectConnection
     from control.keys import Keys
+    from control.request_data import RequestData
+    from control.sampling import SamplingParams
 
     client = embedded_redis.client()
     try:
@@ -449,7 +451,7 @@ async def test_an_engine_claims_and_acks_directly_on_the_embedded_client(embedde
             return real(self, *args)
 
         monkeypatch.setattr(_DirectConnection, "pack_command", spy)
-        data = E.RequestData(prompt_token_ids=(1, 2), sampling=E.SamplingParams(max_tokens=2))
+        data = RequestData(prompt_token_ids=(1, 2), sampling=SamplingParams(max_tokens=2))
         for rid in ("d1", "d2"):
             await bus.submit(E.Request(request_id=rid, data=data), E.Accepted(request_id=rid))
         got = await bus.claim_requests("e1", 10, None)

@@ -20,17 +20,9 @@ import pytest
 from test_api_streaming import FakeEngine, control_events, setup, wait_for
 from test_api_validation import MAX_LEN, api_client, assert_openai_error
 
-from control.events import (
-    Abort,
-    Accepted,
-    BlocksReleased,
-    Claimed,
-    Final,
-    SamplingParams,
-    Tokens,
-    decode,
-    embedding_vector,
-)
+from control.events import Abort, Accepted, BlocksReleased, Claimed, Final, Tokens, decode
+from control.sampling import SamplingParams
+from control.token_payloads import embedding_vector
 from control.tokenizer import Tokenizer
 from engine.llm import LLM
 from engine.outputs import ScheduledSeq, SchedulerOutput

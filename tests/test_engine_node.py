@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from control.connect import connect
-from control.events import SamplingParams
+from control.sampling import SamplingParams
 from engine.llm import LLM
 from fd.compose import EngineOptions, start_engine
 from tests.enginekit import story, submit, text_of, tokens_of, types

@@ -8,13 +8,16 @@ import orjson
 import pytest
 
 from control import events as E
-from control.events import BadEvent, decode
+from control.bad_event import BadEvent
+from control.events import decode
+from control.request_data import RequestData
+from control.sampling import SamplingParams
 
 TS = 1_700_000_000_123
 
-REQ_DATA = E.RequestData(
+REQ_DATA = RequestData(
     prompt_token_ids=(1, 2, 3),
-    sampling=E.SamplingParams(
+    sampling=SamplingParams(
         max_tokens=7,
         temperature=0.5,
         top_p=0.9,

@@ -8,10 +8,12 @@ import asyncio
 import signal
 
 from control.connect import connect
-from control.events import Abort, Claimed, Final, Preempted, SamplingParams, Tokens
+from control.events import Abort, Claimed, Final, Preempted, Tokens
+from control.sampling import SamplingParams
 from engine.failover import History, cas_owner
+from engine.journal_reader import load_journal_from_redis
 from engine.llm import LLM
-from engine.replay import load_journal_from_redis, replay
+from engine.replay import replay
 from tests.enginekit import story, submit, text_of, tokens_of, types
 from tests.faultkit import all_blocks_free, engines, kill, reap, spawn_engine, wait_for  # noqa: F401
 

@@ -15,7 +15,7 @@ from control.connect import connect
 from control.events import Final, JournalStep, Tokens
 from control.fence import Refused
 from control.keys import GROUP_ENGINES, owner_token
-from engine.replay import load_journal_from_redis
+from engine.journal_reader import load_journal_from_redis
 from tests.enginekit import submit, tokens_of, types
 from tests.faultkit import Engines, all_blocks_free, wait_for
 

@@ -16,18 +16,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from control.bad_event import BadEvent
 from control.bus import Bus
 from control.connect import connect
-from control.events import (
-    CONTROL_TYPES,
-    MAX_FIELD_BYTES,
-    Accepted,
-    BadEvent,
-    Request,
-    RequestData,
-    SamplingParams,
-    decode,
-)
+from control.events import CONTROL_TYPES, MAX_FIELD_BYTES, Accepted, Request, decode
+from control.request_data import RequestData
+from control.sampling import SamplingParams
 from engine.llm import LLM
 from fd.compose import EngineOptions, start_engine
 from tests.enginekit import story, submit, text_of, tokens_of

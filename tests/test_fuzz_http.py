@@ -23,9 +23,10 @@ from hypothesis import strategies as st
 from test_api_streaming import FakeEngine, parse_sse
 from test_api_validation import MAX_LEN, FakeTokenizer, assert_openai_error
 
-from control.bus import Bus, StreamMux
+from control.bus import Bus
 from control.connect import connect
 from control.metrics import Metrics
+from control.mux import StreamMux
 from fd.api import ApiConfig, make_app
 
 CHAT, COMP, ABORT = "/v1/chat/completions", "/v1/completions", "/v1/abort_requests"

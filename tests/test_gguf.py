@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from control.events import SamplingParams
+from control.sampling import SamplingParams
 from control.tokenizer import Tokenizer
 from engine.llm import LLM
 from engine.model.config import ModelConfig, UnsupportedModel

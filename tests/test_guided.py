@@ -12,8 +12,9 @@ import numpy as np
 import openai
 import pytest
 
-from control.events import RequestData, SamplingParams
 from control.guided import canonical
+from control.request_data import RequestData
+from control.sampling import SamplingParams
 from engine.llm import LLM
 from engine.model_runner import ModelRunner
 
@@ -204,7 +205,7 @@ def test_a_hand_written_request_with_a_spec(tiny_runner, tiny_tokenizer):
     assert ev.data.sampling.guided == spec
     g = LLM(tiny_runner, tiny_tokenizer).generate([list(ev.data.prompt_token_ids)], ev.data.sampling)[0]
     assert g.text in ("left", "right")
-    from control.events import BadEvent
+    from control.bad_event import BadEvent
 
     with pytest.raises(BadEvent):
         SamplingParams.from_dict({"guided": '{"regex": 5}'})

@@ -22,9 +22,9 @@ from aiohttp.test_utils import TestClient, TestServer
 from test_api_streaming import FakeEngine, parse_sse
 from test_api_validation import FakeTokenizer
 
-from control.bus import StreamMux
 from control.events import Abort, Accepted, Final, decode
 from control.metrics import Metrics
+from control.mux import StreamMux
 from fd.api import ApiConfig, make_app
 from fd.api.tenancy import key_tag
 

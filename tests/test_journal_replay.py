@@ -21,22 +21,17 @@ from control.events import (
     Final,
     JournalStep,
     Preempted,
-    RequestData,
-    SamplingParams,
     Tokens,
     decode,
 )
+from control.request_data import RequestData
+from control.sampling import SamplingParams
 from engine.config import SchedulerConfig
 from engine.journal import JournalRecorder, config_from_json, journaled
+from engine.journal_check import check_journal
+from engine.journal_reader import export_jsonl, load_journal_from_redis, load_journal_jsonl
 from engine.outputs import RunnerOutput
-from engine.replay import (
-    check_journal,
-    export_jsonl,
-    load_journal_from_redis,
-    load_journal_jsonl,
-    main,
-    replay,
-)
+from engine.replay import main, replay
 from engine.scheduler import Scheduler
 from engine.sequence import Status
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from control.events import SamplingParams
+from control.sampling import SamplingParams
 from engine.llm import LLM
 from engine.model_runner import ModelRunner
 

@@ -14,7 +14,9 @@ import numpy as np
 import openai
 import pytest
 
-from control.events import Final, Request, RequestData, SamplingParams, decode
+from control.events import Final, Request, decode
+from control.request_data import RequestData
+from control.sampling import SamplingParams
 from engine.llm import LLM
 from engine.model.config import ModelConfig
 from engine.model.loader import WeightError, load_model, load_weights

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from control.events import SamplingParams
+from control.sampling import SamplingParams
 from engine.model.config import ModelConfig, UnsupportedModel
 from engine.model.loader import WeightError, load_model
 from engine.model.tiny import make_tiny_model

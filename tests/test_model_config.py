@@ -11,7 +11,7 @@ import shutil
 import numpy as np
 import pytest
 
-from control.events import SamplingParams
+from control.sampling import SamplingParams
 from control.tokenizer import Tokenizer
 from engine.llm import LLM
 from engine.model.config import ModelConfig, UnsupportedModel, rope_inv_freq

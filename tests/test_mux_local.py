@@ -9,10 +9,11 @@ import asyncio
 
 import pytest
 
-from control import bus as bus_mod
 from control import events as E
-from control.bus import Bus, StreamMux
+from control import mux as mux_mod
+from control.bus import Bus
 from control.connect import connect
+from control.mux import StreamMux
 
 
 def story(rid: str, n: int) -> list[E.Event]:
@@ -50,13 +51,13 @@ async def pair(embedded_redis, keys):
 @pytest.fixture
 def decodes(monkeypatch):
     n = [0]
-    real = bus_mod.decode
+    real = mux_mod.decode
 
     def counting(*a, **k):
         n[0] += 1
         return real(*a, **k)
 
-    monkeypatch.setattr(bus_mod, "decode", counting)
+    monkeypatch.setattr(mux_mod, "decode", counting)
     return n
 
 
@@ -148,5 +149,5 @@ async def test_stopped_mux_is_not_told(pair, embedded_redis, keys):
     await mux.stop()
     assert embedded_redis._listeners == []
     await bus.publish_many([(keys.req("loc5"), e) for e in story("loc5", 1)])
-    with pytest.raises(bus_mod.MuxStopped):
+    with pytest.raises(mux_mod.MuxStopped):
         await take_all(sub)

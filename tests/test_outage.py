@@ -17,9 +17,11 @@ import pytest
 
 from control.bus import Bus
 from control.connect import connect
-from control.events import AbortRequested, SamplingParams, Tokens
+from control.events import AbortRequested, Tokens
+from control.sampling import SamplingParams
+from engine.journal_reader import load_journal_from_redis
 from engine.llm import LLM
-from engine.replay import load_journal_from_redis, replay
+from engine.replay import replay
 from fd.compose import ApiOptions, start_api
 from tests.enginekit import story, submit, tokens_of, types
 from tests.faultkit import Engines, OwnRedis, all_blocks_free, sse_objects, wait_for

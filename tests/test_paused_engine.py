@@ -8,7 +8,8 @@ from __future__ import annotations
 import os
 import signal
 
-from control.events import Claimed, Final, SamplingParams, Tokens
+from control.events import Claimed, Final, Tokens
+from control.sampling import SamplingParams
 from engine.llm import LLM
 from tests.enginekit import story, submit_together, text_of, tokens_of, types
 from tests.faultkit import Engines, reap, spawn_engine, wait_for

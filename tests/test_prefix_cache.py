@@ -9,7 +9,7 @@ import asyncio
 import openai
 from test_api_streaming import wait_for
 
-from control.events import SamplingParams
+from control.sampling import SamplingParams
 from engine.llm import LLM
 
 SYSTEM = (

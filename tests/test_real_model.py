@@ -16,7 +16,7 @@ import signal
 import openai
 import pytest
 
-from control.events import SamplingParams
+from control.sampling import SamplingParams
 from engine.llm import LLM
 from tests.conftest import free_port
 from tests.test_cli import _spawn, _stop, _wait_healthy

@@ -18,8 +18,9 @@ from test_api_streaming import FakeEngine, parse_sse, setup
 from test_api_validation import FakeTokenizer, assert_openai_error
 from test_tool_calls import _accumulate as accumulate_answer
 
-from control.events import Accepted, SamplingParams, decode
+from control.events import Accepted, decode
 from control.guided import canonical, starting_after
+from control.sampling import SamplingParams
 from engine.llm import LLM
 from engine.model_runner import ModelRunner
 from fd.api.reasoning import ReasoningParser, split_all

@@ -10,7 +10,8 @@ import aiohttp
 import openai
 import pytest
 
-from control.events import Accepted, SamplingParams, decode
+from control.events import Accepted, decode
+from control.sampling import SamplingParams
 from engine.llm import LLM
 
 USER = {"role": "user", "content": "Name a colour."}
@@ -241,7 +242,7 @@ async def test_allowed_token_ids_is_all_that_is_sampled(openai_client, tiny_runn
 
 
 def test_allowed_token_ids_on_the_wire_only_when_set():
-    from control.events import BadEvent
+    from control.bad_event import BadEvent
 
     assert "allowed_token_ids" not in SamplingParams().to_dict()
     d = SamplingParams(allowed_token_ids=(3, 9)).to_dict()

@@ -13,7 +13,8 @@ import aiohttp
 import openai
 import pytest
 
-from control.events import Abort, Accepted, SamplingParams, decode
+from control.events import Abort, Accepted, decode
+from control.sampling import SamplingParams
 from engine.llm import LLM
 
 

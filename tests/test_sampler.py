@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from control.events import SamplingParams
+from control.sampling import SamplingParams
 from engine.sampler import Sampler
 
 V = 64

@@ -4,7 +4,9 @@ import json
 
 import pytest
 
-from control.events import Final, Preempted, RequestData, SamplingParams, Tokens
+from control.events import Final, Preempted, Tokens
+from control.request_data import RequestData
+from control.sampling import SamplingParams
 from engine.config import SchedulerConfig
 from engine.outputs import RunnerOutput
 from engine.scheduler import Scheduler
@@ -557,7 +559,8 @@ def _run_one_step(s, sampled_token=5):
 
 
 def test_a_prompt_prefix_computed_before_is_shared_not_recomputed():
-    from control.events import RequestData, SamplingParams
+    from control.request_data import RequestData
+    from control.sampling import SamplingParams
 
     s = Scheduler(_cached_cfg())
     prompt = tuple(range(10, 20))  # 10 tokens: blocks [10-13] [14-17] and 2 more
@@ -585,7 +588,8 @@ def test_a_prompt_prefix_computed_before_is_shared_not_recomputed():
 def test_a_block_is_shared_only_once_a_finished_step_has_filled_it():
     """A request that comes while the step computing a prefix is in flight (or in the same
     batch) computes it itself: that KV is not written yet."""
-    from control.events import RequestData, SamplingParams
+    from control.request_data import RequestData
+    from control.sampling import SamplingParams
     from engine.outputs import RunnerOutput
 
     s = Scheduler(_cached_cfg(max_steps_in_flight=2))
@@ -610,7 +614,8 @@ def test_a_block_is_shared_only_once_a_finished_step_has_filled_it():
 
 
 def test_a_request_scoring_its_prompt_computes_all_of_it():
-    from control.events import RequestData, SamplingParams
+    from control.request_data import RequestData
+    from control.sampling import SamplingParams
 
     s = Scheduler(_cached_cfg())
     prompt = tuple(range(10, 20))
@@ -625,7 +630,9 @@ def test_a_request_scoring_its_prompt_computes_all_of_it():
 
 
 def test_a_preempted_request_takes_its_own_cached_blocks_back():
-    from control.events import Preempted, RequestData, SamplingParams
+    from control.events import Preempted
+    from control.request_data import RequestData
+    from control.sampling import SamplingParams
 
     s = Scheduler(_cached_cfg(num_blocks=8, max_num_batched_tokens=32))
     s.add(

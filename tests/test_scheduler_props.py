@@ -13,16 +13,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from control.events import (
-    AbortRequested,
-    BlocksReleased,
-    Drained,
-    Final,
-    Preempted,
-    RequestData,
-    SamplingParams,
-    Tokens,
-)
+from control.events import AbortRequested, BlocksReleased, Drained, Final, Preempted, Tokens
+from control.request_data import RequestData
+from control.sampling import SamplingParams
 from engine.config import SchedulerConfig
 from engine.outputs import RunnerOutput
 from engine.scheduler import Scheduler

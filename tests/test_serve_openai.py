@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from control.connect import connect
-from control.events import SamplingParams
+from control.sampling import SamplingParams
 from engine.llm import LLM
 from fd.compose import ApiOptions, EngineOptions, start_api, start_engine
 

@@ -13,7 +13,8 @@ import openai
 import pytest
 from test_api_streaming import wait_for
 
-from control.events import Final, SamplingParams
+from control.events import Final
+from control.sampling import SamplingParams
 from control.tokenizer import served_context
 from engine.llm import LLM
 from fd.api import protocol
@@ -103,7 +104,8 @@ async def test_max_model_len_holds_the_api_and_the_engine_to_a_shorter_context(
         assert c.usage.completion_tokens == CONTEXT - len(prompt) and c.choices[0].finish_reason == "length"
         # The engine holds a request that never passed an API (a hand-written one) to it too.
         rid = "hand-written-long"
-        from control.events import Request, RequestData
+        from control.events import Request
+        from control.request_data import RequestData
 
         await api.bus.publish(
             api.bus.keys.requests,
@@ -325,7 +327,7 @@ async def test_skip_special_tokens_false_keeps_their_text(served):
 
 
 def test_skip_special_tokens_is_on_the_wire_only_when_false():
-    from control.events import BadEvent
+    from control.bad_event import BadEvent
 
     assert "skip_special_tokens" not in SamplingParams().to_dict()
     d = SamplingParams(skip_special_tokens=False).to_dict()

@@ -21,10 +21,12 @@ import orjson
 import pytest
 
 from control.connect import connect
-from control.events import BlocksReleased, Claimed, Final, SamplingParams, Tokens
+from control.events import BlocksReleased, Claimed, Final, Tokens
+from control.sampling import SamplingParams
+from engine.journal_reader import load_journal_from_redis
 from engine.llm import LLM
 from engine.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
-from engine.replay import load_journal_from_redis, replay
+from engine.replay import replay
 from engine.sampler import Sampler
 from engine.sequence import PLACEHOLDER
 from fd.compose import ApiOptions, EngineOptions, start_api, start_engine

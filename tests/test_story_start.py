@@ -10,7 +10,9 @@ import pytest
 
 from control.bus import Bus
 from control.connect import connect
-from control.events import Accepted, Final, Request, RequestData, SamplingParams
+from control.events import Accepted, Final, Request
+from control.request_data import RequestData
+from control.sampling import SamplingParams
 from control.story import IdTaken
 from tests.enginekit import types
 from tests.faultkit import ReplyCutter, engines  # noqa: F401, F811  (engines: a fixture)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from control.events import RequestData, SamplingParams
+from control.request_data import RequestData
+from control.sampling import SamplingParams
 from engine.outputs import ScheduledSeq, SchedulerOutput
 from engine.timed_runner import TimedRunner
 from fd.compose import EngineOptions, start_engine

@@ -13,7 +13,8 @@ import pytest
 from test_api_streaming import FakeEngine, parse_sse, setup
 from test_api_validation import assert_openai_error
 
-from control.events import Accepted, SamplingParams, decode
+from control.events import Accepted, decode
+from control.sampling import SamplingParams
 from engine.llm import LLM
 from fd.api.tool_calls import HermesParser, ToolCall, call_id, parse_all
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from control.events import SamplingParams
+from control.sampling import SamplingParams
 from engine.llm import LLM
 from engine.worker import ProcessRunner, WorkerError
 
@@ -95,7 +95,7 @@ def test_worker_exits_when_its_engine_goes_away(tiny_model_dir):
 def _two_steps_ahead(worker):
     """A scheduler with "a" (a 1,500-token prefill that keeps the worker busy) and "b", and
     its first two steps, the second decided ahead (decodes on placeholders)."""
-    from control.events import RequestData
+    from control.request_data import RequestData
     from engine.config import SchedulerConfig
     from engine.scheduler import Scheduler
 

@@ -23,10 +23,11 @@ import orjson
 from aiohttp import web
 from redis.exceptions import RedisError
 
-from control.bus import Bus, StreamMux
+from control.bus import Bus
 from control.events import MAX_FIELD_BYTES, Abort
 from control.keys import ENGINE_ID_RE, REQUEST_ID_RE, choice_ids, is_tombstone
 from control.metrics import Metrics
+from control.mux import StreamMux
 from fd.api import protocol
 from fd.api.cors import Cors
 from fd.api.errors import bad_request, conflict, id_taken, too_large, unavailable

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from control.events import SamplingParams
+from control.sampling import SamplingParams
 from fd.api.errors import bad_request
 from fd.api.protocol import (
     Limits,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from control.events import MAX_LOGPROBS, MAX_REPETITION_PENALTY
+from control.sampling import MAX_LOGPROBS, MAX_REPETITION_PENALTY
 from fd.api import protocol
 from fd.api.openapi_common import ERRORS, INT_OR_NULL, NULLABLE_BOOL, RID_HEADER, err, ref
 

@@ -15,12 +15,8 @@ from typing import Any, Protocol
 
 import orjson
 
-from control.events import (
-    MAX_LOGPROBS,
-    MAX_REPETITION_PENALTY,
-    SamplingParams,
-)
 from control.guided import GuidedError, canonical, check, starting_after
+from control.sampling import MAX_LOGPROBS, MAX_REPETITION_PENALTY, SamplingParams
 from fd.api.errors import ApiError, bad_request, not_found, too_large
 from fd.api.reasoning import END as REASONING_END
 from fd.api.reasoning import START as REASONING_START

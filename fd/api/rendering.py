@@ -11,12 +11,8 @@ from typing import Any, Callable
 
 import orjson
 
-from control.events import (
-    Final,
-    logprobs_entries,
-    prompt_logprob_ranks,
-    prompt_logprobs_entries,
-)
+from control.events import Final
+from control.token_payloads import logprobs_entries, prompt_logprob_ranks, prompt_logprobs_entries
 from fd.api.errors import ApiError
 from fd.api.reasoning import REASONING, ReasoningParser, split_all
 from fd.api.tool_calls import PARSERS as TOOL_PARSERS
@@ -284,7 +280,7 @@ class Renderer:
         return chunk
 
     def _add_logprobs(self, token_ids: tuple[int, ...], logprobs: Any) -> None:
-        """A tokens event's ``logprobs`` (control.events.logprobs_field)."""
+        """A tokens event's ``logprobs`` (control.token_payloads.logprobs_field)."""
         entries = logprobs_entries(logprobs, len(token_ids))
         for t, (lp, top) in zip(token_ids, entries or ()):
             self.logprobs.append((t, lp, top, self._lp_offset))

@@ -24,7 +24,8 @@ import dataclasses
 import re
 from typing import Any, Callable
 
-from control.events import Final, logprobs_entries
+from control.events import Final
+from control.token_payloads import logprobs_entries
 from fd.api import protocol
 from fd.api.errors import ApiError, bad_request
 from fd.api.protocol import GenerationRequest, Limits, TokenizerLike, _opt

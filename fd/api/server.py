@@ -17,8 +17,9 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from redis.exceptions import RedisError
 
-from control.bus import Bus, MuxStopped, StreamMux
+from control.bus import Bus
 from control.metrics import Metrics
+from control.mux import MuxStopped, StreamMux
 from control.story import IdTaken
 from fd.api.context import CALLER, RID, ApiConfig, ApiContext, json_response
 from fd.api.cors import Cors

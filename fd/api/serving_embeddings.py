@@ -12,7 +12,9 @@ from typing import Any
 
 from aiohttp import web
 
-from control.events import Accepted, Final, Request, RequestData, Tokens, embedding_vector
+from control.events import Accepted, Final, Request, Tokens
+from control.request_data import RequestData
+from control.token_payloads import embedding_vector
 from fd.api import rendering
 from fd.api.cancellation import watch_of
 from fd.api.context import CALLER, RID, ApiContext, json_response, new_abort_id
