@@ -7,20 +7,18 @@ two kept landing on the same core while the other idled: a pipe write wakes its 
 *synchronously*, Linux's hint that the writer is about to sleep, which places the reader on
 the writer's core; but neither sleeps (the worker goes on with the step queued behind the
 one it answered, the loop with HTTP), and the woken side waited up to 4 ms for its turn
-(traced in ``fd serve``: a step's result written, the loop running 4 ms later). Apart, each
-wakes on its own core. ``bench/api.py``, four alternating pairs, ``none`` against ``auto``:
-tokens/s ratio medians 0.84/0.88/0.96 against 0.87/0.93/1.00 at 1/8/32 streams, added TTFT
-p50 at 32 streams 6.6 against 5.8 ms (bench/README.md, session 5). Waking the other side
-through an eventfd instead (no synchronous hint) was tried and reverted: the woken side then
-went to the idle core, whose wake-up on this VM cost more (1 stream: -6% tokens/s).
+(a step's result written, the loop running 4 ms later). Apart, each wakes on its own core,
+which ``bench/api.py`` shows as more tokens/s and a lower TTFT at every level; an eventfd
+doorbell (no synchronous hint) instead sends the woken side to the idle core, whose wake-up
+costs more on these VMs (bench/README.md has the figures of both).
 
 ``auto`` on two CPUs offers the worker both and settles when the model has loaded: a decode
 step's GEMMs stream every weight from memory, and where two cores stream them at least 10%
 faster than one (the model times both at load, engine/model/packed_gemm.py) the worker keeps
 both, at a lower priority (nice +10) so that the engine's process, which wakes for every
 request, token and hang-up, preempts it at once instead of waiting for its time slice beside
-two busy MKL threads (SmolLM2-135M on this project's Intel VM: 22 against 13 tokens/s at one
-stream, 90 against 65 at eight); otherwise (a model small enough for the caches, such as the
+two busy MKL threads (a real model's throughput nearly doubles at one stream: bench/README.md,
+"two worker CPUs"); otherwise (a model small enough for the caches, such as the
 tiny test model) it takes the last CPU alone and the engine's process the other, as above. On
 three or more CPUs the worker gets all but the first, which the engine's process keeps (as vLLM
 keeps a CPU for its API server; not measured here, where every machine has two). A list (``3``,

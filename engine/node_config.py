@@ -28,8 +28,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     # At most this many claimed requests wait to start (what it cannot start soon stays in
     # Redis for another engine), so a step starts at most this many prompts of a burst that
-    # is still coming in: 8 rather than 16 put the median request of a 32-request burst in an
-    # earlier, shorter prefill (bench/README.md, session 13).
+    # is still coming in: a smaller cap puts the median request of a burst in an earlier,
+    # shorter prefill (bench/README.md has the figures).
     max_num_waiting: int = 8
     # The longest prompt + output a request may have; None: the model's own
     # (max_position_embeddings). Over the model's own is refused: positions past it were never

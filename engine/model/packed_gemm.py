@@ -5,8 +5,10 @@ panel layout on every call. At the few rows of a decode step that copy is most o
 the weight is read, written and read again where the product needs it read once, so a step
 that should be bound by streaming the weights from memory takes about twice as long.
 ``cblas_sgemm_pack`` makes that copy once, at load; ``cblas_sgemm_compute`` then streams the
-packed weight (a step's GEMMs on SmolLM2-135M: ~2x faster at 8-32 rows than eager or Paddle
-Inference's oneDNN kernels, and faster at one row too; bench/README.md, "packed weights").
+packed weight. Whether that wins depends on the machine (on one CPU packed GEMMs took half
+the time of eager ones at 8-32 rows, on another eager ones on two threads won), so the model
+times both at load and keeps the faster (:func:`fastest_gemms`; bench/README.md, "packed
+weights" and "two worker CPUs").
 
 Paddle's CPU wheels ship MKL (``paddle/libs/libmklml_intel.so``) but no Python API for the
 packed calls, so they are reached by ctypes, on float32 tensors' own memory (no copy in; the
