@@ -33,9 +33,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import orjson
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import ResponseError
 
-from control import fence
 from control import story as story_start
 from control.dead_letters import DeadLetters
 from control.engines import EngineRegistry
@@ -48,7 +47,6 @@ from control.events import (
     Accepted,
     Drain,
     Event,
-    Final,
     Request,
 )
 from control.fence import Refused
@@ -61,7 +59,7 @@ from control.keys import (
     valid_request_id,
 )
 from control.ownership import Ownership, tombstone_story
-from control.store import Store, store_for
+from control.store import Ack, Append, Fenced, RedisStore, Store
 
 log = logging.getLogger("control.bus")
 
@@ -81,11 +79,6 @@ REQUEST_TTL_S = 3600
 #: How long an abort's tombstone for a request no engine had (``--tombstone-ttl``) waits for
 #: that request: one that arrives later than this runs.
 TOMBSTONE_TTL_S = 600
-
-
-#: On the embedded server's in-process client a capped stream (journal, control, dead letters)
-#: is appended to without MAXLEN and trimmed (``XTRIM MAXLEN ~``) once every this many entries.
-TRIM_EVERY = 256
 
 
 class Bus(Ownership, EngineRegistry):
@@ -116,10 +109,8 @@ class Bus(Ownership, EngineRegistry):
         self.dead = DeadLetters(redis, keys.dead, dead_maxlen)
         self._journal_head = f"{keys.prefix}:journal:"
         self.cluster = is_cluster(redis)
-        #: The key operations (owner keys, tombstones, TTLs, the request group): the client's
-        #: own store where it brings one (the embedded server's in-process client), else
-        #: redis-py commands on it.
-        self.store: Store = store_for(redis)
+        #: The operations whose form depends on the server (control/store.py).
+        self.store: Store = RedisStore(redis)
         #: In-process readers of ``P:control`` (``fd serve``: the engine beside this API), told
         #: of each control event this bus publishes as it is published, a few event-loop turns
         #: before their XREAD would bring it. The event is still written: it is the record, and
@@ -128,9 +119,6 @@ class Bus(Ownership, EngineRegistry):
         #: In-process claimers of ``P:requests``, called once a publish has put requests there
         #: (so ``fd serve``'s engine need not poll it every step).
         self.local_requests: list[Callable[[], None]] = []
-        self._appends: dict[str, int] = {}  # capped stream -> direct appends (see TRIM_EVERY)
-        self._fence_sha: str | None = None  # control/fence.py's script, once loaded
-        self._start_script: Any = None  # control/story.py's (redis-py's Script), registered on first use
 
     # ------------------------------------------------------------------ publishing
 
@@ -146,11 +134,8 @@ class Bus(Ownership, EngineRegistry):
             return self.journal_maxlen
         return None
 
-    def _xadd(self, client, stream: str, fields: Mapping) -> Any:
-        cap = self.maxlen(stream)
-        return (
-            client.xadd(stream, fields, maxlen=cap, approximate=True) if cap else client.xadd(stream, fields)
-        )
+    def _append(self, stream: str, event: Event) -> Append:
+        return Append(stream, event.encode(), self.maxlen(stream))
 
     def tell_local(self, stream: str, event: Event) -> None:
         """Tell the in-process readers of ``stream`` (``P:control`` only) of ``event`` now."""
@@ -168,33 +153,10 @@ class Bus(Ownership, EngineRegistry):
             except Exception:
                 log.exception("in-process request claimer failed")
 
-    def _append_direct(
-        self, append, stream: str, event: Event, fields: dict[str, str], trims: list[tuple[str, int]]
-    ) -> bytes | None:
-        """The embedded in-process client's direct append (see :meth:`publish_many`); a capped
-        stream is noted in ``trims`` once every ``TRIM_EVERY`` entries. The event goes with
-        its fields: an in-process stream reader takes it as it is (:meth:`StreamMux._local`)."""
-        entry = append(stream, fields, event)
-        if entry is not None:
-            cap = self.maxlen(stream)
-            if cap:
-                n = self._appends[stream] = self._appends.get(stream, 0) + 1
-                if n % TRIM_EVERY == 0:
-                    trims.append((stream, cap))
-        return entry
-
     async def publish(self, stream: str, event: Event, *, tell_local: bool = True) -> bytes:
         if tell_local and self.local_control:
             self.tell_local(stream, event)
-        append = getattr(self.redis, "fd_append", None)
-        entry = None
-        if append is not None:
-            trims: list[tuple[str, int]] = []
-            entry = self._append_direct(append, stream, event, event.encode(), trims)
-            for key, cap in trims:
-                await self.redis.xtrim(key, maxlen=cap, approximate=True)
-        if entry is None:
-            entry = await self._xadd(self.redis, stream, event.encode())
+        (entry,) = await self.store.append_many([self._append(stream, event)])
         if self.local_requests and stream == self.keys.requests:
             self._tell_arrivals()
         return entry
@@ -202,61 +164,25 @@ class Bus(Ownership, EngineRegistry):
     async def publish_many(
         self, items: Sequence[tuple[str, Event]], expire: Sequence[str] = (), ack: Sequence[bytes] = ()
     ) -> list[bytes]:
-        """All of ``items`` (then an EXPIRE of each key in ``expire``, then an XACK of each
-        ``P:requests`` entry in ``ack``) in one round trip, in order. Acks come last so a request
-        is acknowledged only once its final is written."""
+        """All of ``items`` (then an EXPIRE of each key in ``expire``, then an XACK and XDEL of
+        each ``P:requests`` entry in ``ack``) in one round trip, in order. Acks come last so a
+        request is acknowledged only once its final is written; a finished request leaves
+        ``P:requests`` altogether, so the stream holds only work not yet done and needs no
+        MAXLEN (which would drop unclaimed requests)."""
         if not items and not expire and not ack:
             return []
-        pipe = self.redis.pipeline(transaction=False)
-        # The embedded server's in-process client appends entries directly, in order, until
-        # the first one it cannot (then the pipeline takes the rest, so nothing is reordered).
-        # A capped stream is trimmed (XTRIM MAXLEN ~) every TRIM_EVERY entries there, not by a
-        # MAXLEN on each.
-        append = getattr(self.redis, "fd_append", None)
-        direct: list[bytes] = []
-        trims: list[tuple[str, int]] = []
-        for stream, event in items:
-            if self.local_control:
+        if self.local_control:
+            for stream, event in items:
                 self.tell_local(stream, event)
-            fields = event.encode()
-            if append is not None:
-                entry = self._append_direct(append, stream, event, fields, trims)
-                if entry is not None:
-                    direct.append(entry)
-                    continue
-                append = None
-            self._xadd(pipe, stream, fields)
-        if expire and append is not None and len(pipe) == 0:
-            # every item went directly: the TTLs can too, after them
-            if self.redis.fd_expire(list(expire), self.req_ttl_s) is not None:
-                expire = ()
-        for key in expire:
-            pipe.expire(key, self.req_ttl_s)
-        if ack and self.cluster and (items or expire):
-            # P:requests may live on another node than the finals, and the cluster pipeline
-            # runs the nodes' batches side by side: write first, then ack.
-            results = await pipe.execute()
-            pipe = self.redis.pipeline(transaction=False)
-        else:
-            results = None
-        if (
-            ack
-            and append is not None
-            and len(pipe) == 0
-            and self.redis.fd_ack_delete(self.keys.requests, GROUP_ENGINES, list(ack)) is not None
-        ):
-            ack = ()  # every item went directly: so did the acks, after them
-        if ack:
-            # A finished request leaves P:requests altogether, so the stream holds only work
-            # not yet done and needs no MAXLEN (which would drop unclaimed requests).
-            pipe.xack(self.keys.requests, GROUP_ENGINES, *ack)
-            pipe.xdel(self.keys.requests, *ack)
-        for stream, cap in trims:  # (last: the results of the items come first)
-            pipe.xtrim(stream, maxlen=cap, approximate=True)
-        tail = await pipe.execute() if len(pipe) else []
+        entries = await self.store.append_many(
+            [self._append(stream, event) for stream, event in items],
+            expire,
+            self.req_ttl_s,
+            Ack(self.keys.requests, GROUP_ENGINES, list(ack)) if ack else None,
+        )
         if self.local_requests and any(stream == self.keys.requests for stream, _ in items):
             self._tell_arrivals()  # written now: a claim finds them
-        return (direct + (results if results is not None else tail))[: len(items)]
+        return entries
 
     async def publish_owned(
         self,
@@ -273,116 +199,55 @@ class Bus(Ownership, EngineRegistry):
 
         ``expire`` and ``ack`` are ``(request id, key or P:requests entry)``, done only for
         requests whose events got through, so an engine never acknowledges the entry of a
-        request another engine now runs: with the final, inside the fence, on a single Redis;
-        after the events otherwise (the cluster's other slots; the embedded server, where it
-        costs no round trip). The final's renewal of the story's and owner key's own TTL is
-        the fence's.
+        request another engine now runs (:meth:`control.store.Store.fenced_append`). The
+        final's renewal of the story's and owner key's own TTL is the fence's.
 
         Returns the requests refused (request id -> why); nothing of theirs was written."""
         keys = self.keys
-        groups: dict[str, list[tuple[str, Event]]] = {}
-        plain: list[tuple[str, Event]] = []
+        groups: dict[str, list[Event]] = {}
+        plain: list[Append] = []
         for stream, ev in items:
             rid = getattr(ev, "request_id", None)
             if rid is not None and stream == keys.req(rid):
-                groups.setdefault(rid, []).append((stream, ev))
+                groups.setdefault(rid, []).append(ev)
             else:
-                plain.append((stream, ev))
+                plain.append(self._append(stream, ev))
+        renew: dict[str, list[str]] = {}
+        for rid, key in expire:
+            renew.setdefault(rid, []).append(key)
+        acks = dict(ack)
         refused: dict[str, Refused] = {}
-        fenced = getattr(self.redis, "fd_fenced_append", None)  # the embedded in-process client
-        scripted: list[tuple[str, list[dict[str, str]]]] = []
+        batches: list[Fenced] = []
+        fenced: list[str] = []  # the request of each batch
         for rid, evs in groups.items():
             token = owners.get(rid)
             if token is None:
                 log.error("refused to write %d event(s) of %s without an owner token", len(evs), rid)
                 refused[rid] = Refused("owner", None)
                 continue
-            fields = [ev.encode() for _, ev in evs]
-            got = None
-            if fenced is not None:
-                got = fenced(
+            entry = acks.get(rid)
+            fenced.append(rid)
+            batches.append(
+                Fenced(
                     keys.owner(rid),
-                    token,
                     keys.req(rid),
-                    [(f, ev) for f, (_, ev) in zip(fields, evs)],
+                    token,
+                    [ev.encode() for ev in evs],
                     self.req_ttl_s,
+                    Ack(keys.requests, GROUP_ENGINES, [entry]) if entry is not None else None,
+                    renew.get(rid, ()),
                 )
-            if got is None:
-                scripted.append((rid, fields))
-            elif isinstance(got, Refused):
-                refused[rid] = got
-        folded: set[str] = set()
-        if scripted:
-            if not self.cluster:  # a final's ack and renewals go with it (see control/fence.py)
-                folded = {rid for rid, fields in scripted if fields[-1].get("type") == Final.TYPE}
-            refused.update(await self._fenced_pipeline(scripted, owners, plain, folded, expire, ack))
-        elif plain:
-            await self.publish_many(plain)
-        later_expire = [key for rid, key in expire if rid not in refused and rid not in folded]
-        later_ack = [entry for rid, entry in ack if rid not in refused and rid not in folded]
-        if later_expire or later_ack:
-            await self.publish_many([], expire=later_expire, ack=later_ack)
+            )
+        answers = await self.store.fenced_append(batches, plain)
+        for rid, why in zip(fenced, answers):
+            if why is not None:
+                refused[rid] = why
+        # A request with acks or renewals but no events this flush (its final went earlier).
+        rest_expire = [key for rid, key in expire if rid not in groups and rid not in refused]
+        rest_ack = [entry for rid, entry in ack if rid not in groups and rid not in refused]
+        if rest_expire or rest_ack:
+            await self.publish_many([], expire=rest_expire, ack=rest_ack)
         return refused
-
-    async def _fenced_pipeline(
-        self,
-        scripted,
-        owners: Mapping[str, str],
-        plain: Sequence[tuple[str, Event]],
-        folded: set[str],
-        expire: Sequence[tuple[str, str]],
-        ack: Sequence[tuple[str, bytes]],
-    ) -> dict[str, Refused]:
-        """The fence's script for each request (EVALSHA, loaded on a NOSCRIPT: a command that
-        failed so did nothing, and only those are sent again), and ``plain``'s XADDs, in one
-        pipeline; ``folded``: the requests whose ack and renewals go in their script."""
-        acks = {rid: entry for rid, entry in ack if rid in folded}
-        renew: dict[str, list[str]] = {}
-        for rid, key in expire:
-            if rid in folded:
-                renew.setdefault(rid, []).append(key)
-        if self._fence_sha is None:
-            self._fence_sha = await self.redis.script_load(fence.SCRIPT)
-        refused: dict[str, Refused] = {}
-        todo = scripted
-        for _ in range(3):
-            pipe = self.redis.pipeline(transaction=False)
-            for rid, fields in todo:
-                extra = [self.keys.requests, *renew.get(rid, ())] if rid in folded else []
-                args = fence.script_args(owners[rid], self.req_ttl_s, fields, acks.get(rid), GROUP_ENGINES)
-                # (execute_command: redis-py's cluster pipeline refuses its evalsha, but
-                # routes the command by its first key, the request's slot)
-                pipe.execute_command(
-                    "EVALSHA",
-                    self._fence_sha,
-                    2 + len(extra),
-                    self.keys.owner(rid),
-                    self.keys.req(rid),
-                    *extra,
-                    *args,
-                )
-            for stream, ev in plain:
-                self._xadd(pipe, stream, ev.encode())
-            plain = ()
-            results = await pipe.execute(raise_on_error=False)
-            again = []
-            for item, res in zip(todo, results):
-                if isinstance(res, NoScriptError):
-                    again.append(item)
-                elif isinstance(res, Exception):
-                    raise res
-                else:
-                    got = fence.script_result(res)
-                    if isinstance(got, Refused):
-                        refused[item[0]] = got
-            for res in results[len(todo) :]:
-                if isinstance(res, Exception):
-                    raise res
-            if not again:
-                return refused
-            self._fence_sha = await self.redis.script_load(fence.SCRIPT)  # (flushed, or a new node)
-            todo = again
-        raise ResponseError("the fence's script could not be loaded")
 
     async def submit(self, request: Request, accepted: Accepted) -> bool:
         """Accept a request: its story starts (``accepted``) before any engine can claim it.
@@ -411,28 +276,13 @@ class Bus(Ownership, EngineRegistry):
     async def _start_story(self, rid: str, events: Sequence[Event], request: Request | None = None) -> None:
         """control/story.py's start of ``rid``'s story with ``events``, then ``request`` on
         ``P:requests``: in one script on a single Redis, the request after the story otherwise
-        (a cluster's other slot; the embedded server, which appends it directly)."""
-        story = self.keys.req(rid)
-        fields = [ev.encode() for ev in events]
-        start = getattr(self.redis, "fd_start_story", None)  # the embedded in-process client
-        got = start(story, list(zip(fields, events)), self.req_ttl_s) if start is not None else None
-        queued = False
-        if got is None:
-            with_request = request is not None and not self.cluster
-            if self._start_script is None:
-                self._start_script = self.redis.register_script(story_start.SCRIPT)
-            got = int(
-                await self._start_script(
-                    keys=[story, self.keys.requests] if with_request else [story],
-                    args=story_start.script_args(
-                        self.req_ttl_s,
-                        fields,
-                        request.encode() if with_request else None,
-                        self.maxlen(self.keys.requests),
-                    ),
-                )
-            )
-            queued = with_request
+        (a cluster's other slot)."""
+        got, queued = await self.store.start_story(
+            self.keys.req(rid),
+            [ev.encode() for ev in events],
+            self.req_ttl_s,
+            self._append(self.keys.requests, request) if request is not None else None,
+        )
         if got == story_start.TAKEN:
             raise story_start.IdTaken(rid)
         if request is None:

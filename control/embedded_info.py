@@ -18,11 +18,9 @@ import platform
 import resource
 import sys
 import time
-import weakref
 from typing import Callable, Sequence
 
 import fakeredis
-from fakeredis._commands import command
 
 SECTIONS = ("server", "clients", "memory", "persistence", "replication", "cpu", "keyspace")
 
@@ -126,29 +124,36 @@ class ServerInfo:
 
     def _keyspace(self) -> list[tuple[str, object]]:
         out = []
-        now = time.time()
-        for index, db in sorted(self.fake_server.dbs.items()):
-            items = [item for item in db._dict.values() if item.expireat is None or item.expireat > now]
-            if items:
-                expires = sum(item.expireat is not None for item in items)
-                out.append((f"db{index}", f"keys={len(items)},expires={expires},avg_ttl=0"))
+        for index in range(16):
+            client = fakeredis.FakeRedis(server=self.fake_server, db=index)
+            keys = client.dbsize()  # (what is past its TTL goes first)
+            if keys:
+                pipe = client.pipeline(transaction=False)
+                for key in client.scan_iter(count=1000):
+                    pipe.ttl(key)
+                expires = sum(ttl >= 0 for ttl in pipe.execute())
+                out.append((f"db{index}", f"keys={keys},expires={expires},avg_ttl=0"))
         return out
 
 
-#: The embedded servers of this process, by their fakeredis server (what a socket knows).
-_SERVERS: "weakref.WeakKeyDictionary[object, ServerInfo]" = weakref.WeakKeyDictionary()
+def parse_info(text: bytes) -> dict:
+    """INFO's text as redis-py's ``info()`` gives it: numbers as numbers, ``a=1,b=2`` as dicts."""
+    out: dict = {}
+    for line in text.decode().splitlines():
+        if not line or line.startswith("#") or ":" not in line:
+            continue
+        key, value = line.split(":", 1)
+        if "=" in value and key.startswith("db"):
+            out[key] = {k: _number(v) for k, v in (kv.split("=", 1) for kv in value.split(","))}
+        else:
+            out[key] = _number(value)
+    return out
 
 
-def register(info: ServerInfo) -> None:
-    _SERVERS[info.fake_server] = info
-
-
-class InfoCommand:
-    """Mixed into the embedded server's fake sockets (both doors): the ``INFO`` command."""
-
-    _server: object
-
-    @command(name="info", fixed=(), repeat=(bytes,))
-    def info(self, *sections: bytes) -> bytes:
-        info = _SERVERS.get(self._server)
-        return info.render(sections) if info is not None else b""
+def _number(v: str):
+    for kind in (int, float):
+        try:
+            return kind(v)
+        except ValueError:
+            pass
+    return v

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 from collections import deque
-from typing import Callable, Mapping
+from typing import Callable
 
 from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -216,9 +215,6 @@ class _Shard:
         self.long = False  # the current read blocks for the full block_ms
         self.task: asyncio.Task | None = None
         self.wake_last = b"0-0"
-        # The keys and ids of the read in progress on the embedded server's direct reader,
-        # which re-scans this dict on each wake-up: entries handed over in-process move it.
-        self.reading: dict[bytes, bytes] | None = None
 
     def add(self, sub: Subscription) -> bool:
         """Add; True when the reader is blocked on a key list without it and must be woken."""
@@ -264,17 +260,9 @@ class _Shard:
                     self.long = block > mux.CONTENDED_BLOCK_MS
                     self.blocked, self.rang = True, False
                     try:
-                        # (the embedded server's in-process client reads directly; None: ask it)
-                        direct = getattr(redis, "fd_xread", None)
-                        if direct is not None:
-                            self.reading = streams
-                        resp = None if direct is None else await direct(streams, mux.count, block)
-                        if resp is None:
-                            self.reading = None
-                            resp = await redis.xread(streams, count=mux.count, block=block)
+                        resp = await mux._bus.store.read(streams, mux.count, block)
                     finally:
                         self.blocked = False
-                        self.reading = None
                 mux.wakeups += 1
                 for key, entries in resp or ():
                     if key == self.wake_key:
@@ -400,8 +388,6 @@ class StreamMux:
         self._stopping = False
         self.wakeups = 0  # XREAD returns, all shards: the bench's fan-in figure
         self.events = 0  # events delivered to subscriptions
-        self._rings = 0
-        self._unlisten: Callable[[], None] | None = None
 
     @property
     def dead_letters(self) -> int:
@@ -426,9 +412,6 @@ class StreamMux:
         if self._started:
             return
         self._started, self._stopping = True, False
-        listen = getattr(self.redis, "fd_listen", None)  # the embedded in-process client
-        if listen is not None:
-            self._unlisten = listen(self._local)
         for shard in self._shards:
             self._launch(shard)
 
@@ -442,9 +425,6 @@ class StreamMux:
         if not self._started:
             return
         self._stopping = True
-        if self._unlisten is not None:
-            self._unlisten()
-            self._unlisten = None
         for shard in list(self._shards):  # blocked readers return now, not after BLOCK
             if shard.blocked and not shard.rang:
                 shard.rang = True
@@ -467,40 +447,6 @@ class StreamMux:
         self._shards.clear()
         self._started = False
 
-    def _local(
-        self, key: bytes, before: tuple[int, int], entry_id: bytes, ev: Event, fields: Mapping[str, str]
-    ) -> None:
-        """An entry written by this process (the embedded server's listener; ``fd serve``'s
-        engine publishing a step): handed as it is to each subscription that has seen every
-        entry up to ``before``, instead of being read back and decoded (the read and decode of
-        a step's tokens were a fifth of the loop's time at 32 streams). Any other
-        subscription (behind, or new) gets it from the read as before; the read in progress
-        moves past it for the ones that took it, so nothing comes twice or is skipped."""
-        shard = self._where.get(key)
-        subs = None if shard is None or self._stopping else shard.subs.get(key)
-        if not subs:
-            return
-        taken = 0
-        idk = None
-        for sub in subs:
-            if sub._ended or sub._last != before:
-                continue
-            if idk is None:
-                idk = entry_id_key(entry_id)
-                if not ev.ts:  # as a reader decodes it: stamped when it was encoded
-                    ev = dataclasses.replace(ev, ts=int(fields["ts"]))
-            sub._offer(entry_id, idk, ev)
-            self.events += 1
-            taken += 1
-        if not taken:
-            return
-        reading = shard.reading
-        if reading is not None and key in reading:
-            reading[key] = min(subs, key=lambda s: s._last).last_id
-        if isinstance(ev, Final) and taken == len(subs):
-            shard.subs.pop(key, None)
-            self._where.pop(key, None)
-
     async def subscribe(self, request_id: str, after: bytes | str = b"0") -> Subscription:
         """Events of ``request_id`` after entry ``after`` (exclusive; ``0`` = from the start)."""
         if not self._started or self._stopping:
@@ -517,17 +463,8 @@ class StreamMux:
 
     async def _ring(self, shard: _Shard) -> None:
         try:
-            append = getattr(self.redis, "fd_append", None)  # the embedded in-process client
-            wake = shard.wake_key.decode()
-            if append is not None and append(wake, {"w": "1"}) is not None:
-                shard.rung = True
-                self.redis.fd_expire([wake], 86400)
-                self._rings += 1
-                if self._rings % self.WAKE_MAXLEN == 0:  # (capped here, not on each XADD)
-                    await self.redis.xtrim(shard.wake_key, maxlen=self.WAKE_MAXLEN, approximate=False)
-                return
             pipe = self.redis.pipeline(transaction=False)
-            pipe.xadd(shard.wake_key, {b"w": b"1"}, maxlen=self.WAKE_MAXLEN, approximate=True)
+            pipe.xadd(shard.wake_key, {b"w": b"1"}, maxlen=self.WAKE_MAXLEN, approximate=False)
             pipe.expire(shard.wake_key, 86400)  # a crashed replica leaves no doorbell behind
             shard.rung = True
             await pipe.execute()

@@ -1,27 +1,104 @@
-"""The key operations the bus makes on its store, as one declared interface.
+"""What the bus asks of the data under it, as one declared interface, and its redis-py form.
 
-:class:`Store` is what :class:`control.bus.Bus` asks of the data under it for owner keys,
-tombstones, TTLs and the request queue's group: one method per operation, each whole (a
-many-key call is one round trip). :class:`RedisStore` does them with redis-py commands on any
-client (a single node or a Cluster; its non-transactional pipeline splits per slot), and
-``control.embedded`` has the in-process one, which does them on the embedded server's data
-directly and hands anything it cannot do to a :class:`RedisStore` on the same client. The bus
-calls these methods and never probes its client for shortcuts.
+:class:`Store` is every operation of :class:`control.bus.Bus` whose form depends on the server
+under it: appends (many at once, in order, with TTLs and acknowledgements after them), the
+fence's and the story start's scripts, reads of many streams at once, the request queue's
+group, owner keys and tombstones. Each method is whole (a many-key call is one round trip
+where the server allows it). Commands that read the same on every server (``XRANGE``,
+``HGETALL``, ...) the bus sends on its client as they are.
+
+:class:`RedisStore` is the one implementation, over any redis-py asyncio client: a single
+Redis, a Redis Cluster (whose non-transactional pipeline splits per slot; where the order
+across slots matters it spends a second round trip), and the embedded server
+(control/embedded.py), whose in-process client is fakeredis's own ``FakeAsyncRedis`` on the
+same server object as its TCP door. tests/test_store_contract.py runs the same contract on
+all of them.
 
 Replies are redis-py's (bytes, ``decode_responses=False``): the bus decodes them.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Protocol, Sequence
 
-from redis.exceptions import ResponseError
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import NoScriptError, ResponseError
+
+from control import fence
+from control import story as story_start
+from control.fence import Refused
 
 _FAKEREDIS_NO_STREAM = "The XGROUP subcommand requires the key to exist"
 
 
+@dataclass(frozen=True, slots=True)
+class Append:
+    """One ``XADD stream * fields...``, capped at ``maxlen`` (approximately) when given."""
+
+    stream: str
+    fields: Mapping[str, str]
+    maxlen: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    """``XACK stream group id...`` then ``XDEL stream id...``: entries done with for good."""
+
+    stream: str
+    group: str
+    ids: Sequence[bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class Fenced:
+    """One request's events of one step, appended to its story only while ``owner_key`` holds
+    ``token`` and the story has no final (control/fence.py). With a final, ``ack`` (its
+    ``P:requests`` entry) is acknowledged and ``renew`` given ``ttl_s`` again, only if the
+    events got through."""
+
+    owner_key: str
+    story: str
+    token: str
+    fields: Sequence[Mapping[str, str]]
+    ttl_s: int
+    ack: Ack | None = None
+    renew: Sequence[str] = field(default_factory=tuple)
+
+    @property
+    def ends(self) -> bool:
+        return bool(self.fields) and self.fields[-1].get("type") == "final"
+
+
 class Store(Protocol):
-    """What the bus needs of its store besides plain commands on its client."""
+    """The bus's operations on its server (see the module's docstring)."""
+
+    async def append_many(
+        self, entries: Sequence[Append], expire: Sequence[str] = (), ttl_s: int = 0, ack: Ack | None = None
+    ) -> list[bytes]:
+        """``entries`` in order, then ``EXPIRE key ttl_s`` of each of ``expire``, then
+        ``ack``: one round trip where the server allows it; acks come last, so an entry is
+        acknowledged only once what was written with it is there. The ids of ``entries``."""
+
+    async def fenced_append(
+        self, batches: Sequence[Fenced], plain: Sequence[Append] = ()
+    ) -> list[Refused | None]:
+        """Each batch through the fence, atomically per batch, and ``plain`` unfenced, in one
+        round trip; then the acks and renewals of the batches that got through (inside their
+        batch's script where the server allows it). Per batch: None, or why it was refused
+        (nothing of it written)."""
+
+    async def start_story(
+        self, story: str, fields: Sequence[Mapping[str, str]], ttl_s: int, request: Append | None = None
+    ) -> tuple[int, bool]:
+        """control/story.py's start: ``(TAKEN | WRITTEN | DONE, whether request was appended
+        with it)``. Where the server cannot take both keys in one script (a cluster) the
+        request is left to the caller."""
+
+    async def read(
+        self, streams: Mapping[bytes | str, bytes], count: int | None, block_ms: int | None
+    ) -> list:
+        """``XREAD [COUNT count] [BLOCK ms] STREAMS key... id...``, in redis-py's reply shape."""
 
     async def get(self, key: str) -> bytes | None:
         """``GET key``."""
@@ -53,23 +130,146 @@ class Store(Protocol):
         """``XACK stream group id...`` then ``XDEL stream id...``."""
 
 
-@runtime_checkable
-class HasStore(Protocol):
-    """A client that brings its own :class:`Store` (the embedded server's in-process one)."""
+def _xadd(client, entry: Append) -> Any:
+    if entry.maxlen:
+        return client.xadd(entry.stream, entry.fields, maxlen=entry.maxlen, approximate=True)
+    return client.xadd(entry.stream, entry.fields)
 
-    def store(self) -> Store: ...
 
-
-def store_for(redis: Any) -> Store:
-    """The store to use with ``redis``: its own if it brings one, else :class:`RedisStore`."""
-    return redis.store() if isinstance(redis, HasStore) else RedisStore(redis)
+def _ack(pipe, ack: Ack) -> None:
+    pipe.xack(ack.stream, ack.group, *ack.ids)
+    pipe.xdel(ack.stream, *ack.ids)
 
 
 class RedisStore:
-    """:class:`Store` over redis-py commands, on a single node or a Cluster."""
+    """:class:`Store` over redis-py commands and scripts, on a single node or a Cluster."""
 
     def __init__(self, redis: Any):
         self.redis = redis
+        self.cluster = isinstance(redis, RedisCluster)
+        self._fence_sha: str | None = None  # control/fence.py's script, once loaded
+        self._start_script: Any = None  # control/story.py's (redis-py's Script), on first use
+
+    async def append_many(
+        self, entries: Sequence[Append], expire: Sequence[str] = (), ttl_s: int = 0, ack: Ack | None = None
+    ) -> list[bytes]:
+        if len(entries) == 1 and not expire and ack is None:
+            return [await _xadd(self.redis, entries[0])]
+        pipe = self.redis.pipeline(transaction=False)
+        for entry in entries:
+            _xadd(pipe, entry)
+        for key in expire:
+            pipe.expire(key, ttl_s)
+        if ack is not None and ack.ids and self.cluster and (entries or expire):
+            # The acked stream may live on another node, and the cluster pipeline runs the
+            # nodes' batches side by side: write first, then ack.
+            written = await pipe.execute()
+            pipe = self.redis.pipeline(transaction=False)
+            _ack(pipe, ack)
+            await pipe.execute()
+            return written[: len(entries)]
+        if ack is not None and ack.ids:
+            _ack(pipe, ack)
+        return (await pipe.execute())[: len(entries)] if len(pipe) else []
+
+    async def fenced_append(
+        self, batches: Sequence[Fenced], plain: Sequence[Append] = ()
+    ) -> list[Refused | None]:
+        if not batches:
+            if plain:
+                await self.append_many(plain)
+            return []
+        # On a single Redis a script may name keys of any slot: a final's ack and renewals
+        # go inside its batch's script (control/fence.py), so they happen only if it got
+        # through, in the same call. A cluster's script names the request's two keys only.
+        folded = [not self.cluster and b.ends for b in batches]
+        refused = await self._scripts(batches, folded, plain)
+        later_expire: list[str] = []
+        later_ack: dict[tuple[str, str], list[bytes]] = {}
+        for b, fold, why in zip(batches, folded, refused):
+            if why is None and not fold:
+                later_expire += b.renew
+                if b.ack is not None:
+                    later_ack.setdefault((b.ack.stream, b.ack.group), []).extend(b.ack.ids)
+        acks = [Ack(stream, group, ids) for (stream, group), ids in later_ack.items()]
+        if later_expire or acks:
+            await self.append_many([], later_expire, batches[0].ttl_s, acks[0] if acks else None)
+        for ack in acks[1:]:
+            await self.ack_delete(ack.stream, ack.group, ack.ids)
+        return refused
+
+    async def _scripts(
+        self, batches: Sequence[Fenced], folded: Sequence[bool], plain: Sequence[Append]
+    ) -> list[Refused | None]:
+        """The fence's script for each batch (EVALSHA, loaded on a NOSCRIPT: a command that
+        failed so did nothing, and only those are sent again), and ``plain``'s XADDs, in one
+        pipeline."""
+        if self._fence_sha is None:
+            self._fence_sha = await self.redis.script_load(fence.SCRIPT)
+        refused: list[Refused | None] = [None] * len(batches)
+        todo = list(range(len(batches)))
+        for _ in range(3):
+            pipe = self.redis.pipeline(transaction=False)
+            for i in todo:
+                b = batches[i]
+                # KEYS[3] is the acked stream (the story itself stands in where there is no
+                # ack: the script touches it only to ack), then the keys to renew.
+                extra = [b.ack.stream if b.ack else b.story, *b.renew] if folded[i] else []
+                ack = b.ack if folded[i] else None
+                args = fence.script_args(
+                    b.token, b.ttl_s, list(b.fields), ack.ids[0] if ack else None, ack.group if ack else ""
+                )
+                # (execute_command: redis-py's cluster pipeline refuses its evalsha, but
+                # routes the command by its first key, the request's slot)
+                pipe.execute_command(
+                    "EVALSHA", self._fence_sha, 2 + len(extra), b.owner_key, b.story, *extra, *args
+                )
+            for entry in plain:
+                _xadd(pipe, entry)
+            plain = ()
+            results = await pipe.execute(raise_on_error=False)
+            again = []
+            for i, res in zip(todo, results):
+                if isinstance(res, NoScriptError):
+                    again.append(i)
+                elif isinstance(res, Exception):
+                    raise res
+                else:
+                    got = fence.script_result(res)
+                    if isinstance(got, Refused):
+                        refused[i] = got
+            for res in results[len(todo) :]:
+                if isinstance(res, Exception):
+                    raise res
+            if not again:
+                return refused
+            self._fence_sha = await self.redis.script_load(fence.SCRIPT)  # (flushed, or a new node)
+            todo = again
+        raise ResponseError("the fence's script could not be loaded")
+
+    async def start_story(
+        self, story: str, fields: Sequence[Mapping[str, str]], ttl_s: int, request: Append | None = None
+    ) -> tuple[int, bool]:
+        with_request = request is not None and not self.cluster
+        if self._start_script is None:
+            self._start_script = self.redis.register_script(story_start.SCRIPT)
+        got = int(
+            await self._start_script(
+                keys=[story, request.stream] if with_request else [story],
+                args=story_start.script_args(
+                    ttl_s,
+                    list(fields),
+                    dict(request.fields) if with_request else None,
+                    request.maxlen if with_request else None,
+                ),
+            )
+        )
+        return got, with_request
+
+    async def read(
+        self, streams: Mapping[bytes | str, bytes], count: int | None, block_ms: int | None
+    ) -> list:
+        return await self.redis.xread(dict(streams), count=count, block=block_ms) or []
 
     async def get(self, key: str) -> bytes | None:
         return await self.redis.get(key)
@@ -78,6 +278,8 @@ class RedisStore:
         return bool(await self.redis.exists(key))
 
     async def expire(self, keys: Sequence[str], ttl_s: int) -> None:
+        if not keys:
+            return
         pipe = self.redis.pipeline(transaction=False)
         for key in keys:
             pipe.expire(key, ttl_s)
@@ -116,7 +318,8 @@ class RedisStore:
             ) from e
 
     async def ack_delete(self, stream: str, group: str, ids: Sequence[bytes]) -> None:
+        if not ids:
+            return
         pipe = self.redis.pipeline(transaction=False)
-        pipe.xack(stream, group, *ids)
-        pipe.xdel(stream, *ids)
+        _ack(pipe, Ack(stream, group, ids))
         await pipe.execute()

@@ -1,7 +1,7 @@
-"""control/store.py's contract: each :class:`~control.store.Store` does the same thing on every
-server fd runs on — a real redis-server, a 3-master Redis Cluster, the embedded server's
-in-process store (its direct operations), and redis-py commands through the embedded
-server's TCP door (what the in-process store falls back to)."""
+"""control/store.py's contract: the store does the same thing on every server fd runs on — a
+real redis-server, a 3-master Redis Cluster, the embedded server through its in-process client,
+and the embedded server through its TCP door (control/resp.py's RESP, as another process's
+engine or redis-cli reaches it)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import uuid
 import pytest
 from redis.exceptions import ResponseError
 
+from control import story
 from control.connect import connect
-from control.embedded_store import EmbeddedStore
-from control.store import RedisStore, store_for
+from control.fence import Refused
+from control.store import Ack, Append, Fenced, RedisStore
 from tests.test_cluster import cluster_url  # noqa: F401  (the fixture)
 
 
@@ -29,9 +30,7 @@ async def client_store(request):
         client = request.getfixturevalue("embedded_redis").client()
     else:
         client = connect(request.getfixturevalue("embedded_redis").url)
-    store = store_for(client)
-    assert type(store) is (EmbeddedStore if kind == "embedded" else RedisStore)
-    yield client, store
+    yield client, RedisStore(client)
     await client.aclose()
 
 
@@ -128,3 +127,111 @@ async def test_read_group_without_the_group_says_nogroup(client_store, k):
     await client.xadd(k("q"), {"a": "b"})
     with pytest.raises(ResponseError, match="NOGROUP"):
         await store.read_group(k("q"), "nogroup", "c1", 1, None)
+
+
+async def test_append_many_appends_in_order_then_expires_then_acks(client_store, k):
+    client, store = client_store
+    q = k("q")
+    await client.xgroup_create(q, "g", id="0", mkstream=True)
+    queued = await client.xadd(q, {"n": "0"})
+    await store.read_group(q, "g", "c1", 1, None)
+    ids = await store.append_many(
+        [Append(k("a"), {"n": "1"}), Append(k("b"), {"n": "2"}), Append(k("a"), {"n": "3"})],
+        expire=[k("a"), k("none")],
+        ttl_s=90,
+        ack=Ack(q, "g", [queued]),
+    )
+    assert [e for e, _ in await client.xrange(k("a"))] == [ids[0], ids[2]]
+    assert [f for _, f in await client.xrange(k("b"))] == [{b"n": b"2"}]
+    assert 0 < await client.ttl(k("a")) <= 90 and await client.ttl(k("b")) == -1
+    assert (await client.xpending(q, "g"))["pending"] == 0 and await client.xlen(q) == 0
+    assert await store.append_many([]) == []
+
+
+async def test_append_many_caps_a_stream_at_its_maxlen(client_store, k):
+    client, store = client_store
+    for _ in range(5):
+        await store.append_many([Append(k("cap"), {"n": str(i)}, maxlen=100) for i in range(100)])
+    n = await client.xlen(k("cap"))
+    assert 100 <= n < 500  # MAXLEN ~: whole nodes at a time, never below the cap
+    assert (await client.xrevrange(k("cap"), count=1))[0][1] == {b"n": b"99"}
+
+
+def _batch(k, rid: str, token: str, types: list[str], ack=None, renew=(), step: int = 0) -> Fenced:
+    """One step's events (each step's differ, as an engine's do: they carry the step)."""
+    fields = [{"type": t, "request_id": rid, "step": str(step), "n": str(i)} for i, t in enumerate(types)]
+    return Fenced(k(rid) + ":owner", k(rid) + ":req", token, fields, 120, ack, tuple(renew))  # (one slot)
+
+
+async def test_fenced_append_writes_only_for_the_owner_and_never_after_a_final(client_store, k):
+    client, store = client_store
+    await client.set(k("a") + ":owner", "e1#1")
+    await client.set(k("b") + ":owner", "e2#1")
+    plain = Append(k("journal"), {"type": "step"})
+    got = await store.fenced_append(
+        [_batch(k, "a", "e1#1", ["tokens", "tokens"]), _batch(k, "b", "e1#1", ["tokens"])], [plain]
+    )
+    assert got == [None, Refused("owner", "e2#1")]
+    assert [f[b"n"] for _, f in await client.xrange(k("a") + ":req")] == [b"0", b"1"]
+    assert await client.exists(k("b") + ":req") == 0
+    assert await client.xlen(k("journal")) == 1
+    # a final ends the story: the same owner's next batch is refused, nothing appended
+    assert await store.fenced_append([_batch(k, "a", "e1#1", ["final"], step=1)]) == [None]
+    assert await store.fenced_append([_batch(k, "a", "e1#1", ["tokens"], step=2)]) == [
+        Refused("final", "e1#1")
+    ]
+    assert await client.xlen(k("a") + ":req") == 3
+    # a resend of a batch that landed is not appended again
+    assert await store.fenced_append([_batch(k, "a", "e1#1", ["final"], step=1)]) == [None]
+    assert await client.xlen(k("a") + ":req") == 3
+
+
+async def test_a_final_that_gets_through_acks_its_entry_and_renews_its_keys(client_store, k):
+    client, store = client_store
+    q = k("q")
+    await client.xgroup_create(q, "g", id="0", mkstream=True)
+    mine, theirs = await client.xadd(q, {"n": "a"}), await client.xadd(q, {"n": "b"})
+    await store.read_group(q, "g", "c1", 2, None)
+    await client.set(k("a") + ":owner", "e1#1")
+    await client.set(k("b") + ":owner", "e9#3")  # taken over: its ack must not happen
+    await client.set(k("parent-a"), "x")
+    got = await store.fenced_append(
+        [
+            _batch(k, "a", "e1#1", ["tokens", "final"], Ack(q, "g", [mine]), [k("parent-a")]),
+            _batch(k, "b", "e1#1", ["final"], Ack(q, "g", [theirs])),
+        ]
+    )
+    assert got == [None, Refused("owner", "e9#3")]
+    assert [e for e, _ in await client.xrange(q)] == [theirs]
+    assert 0 < await client.ttl(k("a") + ":req") <= 120 and 0 < await client.ttl(k("a") + ":owner") <= 120
+    assert 0 < await client.ttl(k("parent-a")) <= 120
+
+
+async def test_start_story_writes_once_and_knows_a_resend_from_another_request(client_store, k):
+    client, store = client_store
+    accepted = [{"type": "accepted", "request_id": "r", "n": "1"}]
+    request = Append(k("requests"), {"type": "request", "request_id": "r"})
+    got, queued = await store.start_story(k("r") + ":req", accepted, 60, request)
+    assert got == story.WRITTEN
+    assert await client.xlen(k("requests")) == (1 if queued else 0)
+    assert 0 < await client.ttl(k("r") + ":req") <= 60
+    assert (await store.start_story(k("r") + ":req", accepted, 60, request))[0] == story.DONE
+    other = [{"type": "accepted", "request_id": "r", "n": "2"}]
+    assert (await store.start_story(k("r") + ":req", other, 60, request))[0] == story.TAKEN
+    assert await client.xlen(k("r") + ":req") == 1
+
+
+async def test_read_takes_many_streams_and_blocks_until_a_write(client_store, k):
+    client, store = client_store
+    ka, kb = k("s") + ":a", k("s") + ":b"  # (one slot: a cluster's XREAD names one)
+    a = await client.xadd(ka, {"n": "1"})
+    await client.xadd(kb, {"n": "2"})
+    got = dict(await store.read({ka: b"0", kb: b"0"}, 10, None))
+    assert [e for e, _ in got[ka.encode()]] == [a] and len(got[kb.encode()]) == 1
+    assert await store.read({ka: a}, 10, 50) == []
+    reader = asyncio.create_task(store.read({ka: a}, 10, 5000))
+    await asyncio.sleep(0.05)
+    assert not reader.done()
+    c = await client.xadd(ka, {"n": "3"})
+    got = await asyncio.wait_for(reader, 5)
+    assert [e for e, _ in got[0][1]] == [c]
