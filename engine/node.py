@@ -348,7 +348,7 @@ class EngineNode:
                     claimed = True
                     await self.admission.claim(block=False)
                 out = self.sched.schedule()
-                self._emit(self.sched.take_events())  # preemptions decided by this schedule()
+                self._emit(list(out.events))  # preemptions decided by this schedule()
                 if not out.empty:
                     unannounced = self.requests.unannounced
                     if unannounced and any(ss.request_id in unannounced for ss in out.seqs):
