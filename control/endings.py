@@ -16,10 +16,13 @@ from typing import Collection
 
 from control.events import AbortRequested, BlocksReleased, Drained, Event, Final
 
-#: The abort's stages before its ``final``, in the protocol's order (their event types).
-ABORT_STAGES = (AbortRequested.TYPE, Drained.TYPE, BlocksReleased.TYPE)
-#: What ends a story: nothing follows it.
-FINAL = Final.TYPE
+#: The events of an ending by their type, as stories and journal digests name them.
+ABORT_REQUESTED = AbortRequested.TYPE
+DRAINED = Drained.TYPE
+BLOCKS_RELEASED = BlocksReleased.TYPE
+FINAL = Final.TYPE  # what ends a story: nothing follows it
+#: The abort's stages before its ``final``, in the protocol's order.
+ABORT_STAGES = (ABORT_REQUESTED, DRAINED, BLOCKS_RELEASED)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -98,11 +101,11 @@ def abort_story(
     on its stream (``noted``: their types, the stages a previous owner wrote), then its
     ``final``."""
     evs: list[Event] = []
-    if AbortRequested.TYPE not in noted:
+    if ABORT_REQUESTED not in noted:
         evs.append(AbortRequested(request_id=request_id, source=source, step=step, engine=engine))
-    if Drained.TYPE not in noted:
+    if DRAINED not in noted:
         evs.append(Drained(request_id=request_id, step=step, engine=engine))
-    if BlocksReleased.TYPE not in noted:
+    if BLOCKS_RELEASED not in noted:
         evs.append(BlocksReleased(request_id=request_id, count=0, step=step, engine=engine))
     evs.append(Final(request_id=request_id, finish_reason="abort", usage=used, step=step, engine=engine))
     return evs

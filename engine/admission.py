@@ -21,7 +21,7 @@ import time
 from typing import Any, Callable
 
 from control.bus import Bus
-from control.endings import abort_story, error_final, usage
+from control.endings import ABORT_REQUESTED, abort_story, error_final, usage
 from control.events import Claimed, Event, Request, Tokens
 from control.guided import GuidedError
 from control.guided import check as check_guided
@@ -282,7 +282,7 @@ class Admission:
         used = usage(len(data.prompt_token_ids), len(hist.tokens))
         step = self.sched.step
         dismissed = self.requests.take_dismissed(rid)
-        if dismissed is not None or "abort_requested" in hist.noted:
+        if dismissed is not None or ABORT_REQUESTED in hist.noted:
             # Aborted while no live engine ran it (its owner had died, or was handing it back):
             # finish the abort's story, never run it.
             source = dismissed if dismissed is not None else "engine"
