@@ -1,14 +1,16 @@
 """The engine node: the I/O shell around the pure scheduler.
 
-Everything that touches Redis, threads or the clock lives here; every decision lives in
+Everything that touches Redis, threads or the clock lives in the node and the objects it is
+built from (named on :class:`EngineNode`); every decision lives in
 :class:`engine.scheduler.Scheduler`. One loop owns the scheduler, so control events (aborts)
 and step results are applied in one order, and that order is what the journal records.
 
-The model step runs in a worker thread while the loop keeps reading ``P:control``, claiming
-requests and publishing the previous step's events, so a step is genuinely in flight while
-aborts arrive. With async scheduling (the default) the next step is decided and queued behind
-the running one before its results come back, so two can be in flight. That is the case the abort protocol exists for: an abort that lands during a
-step only marks the request; its blocks come back after the step has finished writing them.
+The model step runs on the runner (a worker process, or the step thread) while the loop keeps
+reading ``P:control``, claiming requests and publishing the previous step's events, so a step
+is genuinely in flight while aborts arrive. With async scheduling (the default) the next step
+is decided and queued behind the running one before its results come back, so two can be in
+flight. That is the case the abort protocol exists for: an abort that lands during a step
+only marks the request; its blocks come back after the step has finished writing them.
 
 Faults (DESIGN.md §1, issue 7):
 
