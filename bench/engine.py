@@ -60,9 +60,10 @@ from bench._common import (  # noqa: E402
 from control.events import Accepted, Final, Request  # noqa: E402
 from control.request_data import RequestData  # noqa: E402
 from control.sampling import SamplingParams  # noqa: E402
+from engine.runners import InProcessRunner  # noqa: E402
 
 
-class TimedRunner:
+class TimedRunner(InProcessRunner):
     """Delegates to a runner and sums the time spent inside ``execute`` (thread-safe enough:
     one step runs at a time)."""
 

@@ -1,7 +1,7 @@
 """Journal benchmark: what recording every scheduler call costs, and how fast replay is.
 
 One workload (staggered arrivals, ~10% aborted mid-run, greedy sampling) is driven the way the
-engine node drives it (schedule, take_events, execute, update, and with the journal on a
+engine node drives it (schedule, execute, update, and with the journal on a
 ``drain()`` plus the wire encoding of its entry every step), alternating bare
 :class:`Scheduler` and :class:`JournalRecorder` rounds so both see the same machine noise:
 
@@ -100,7 +100,6 @@ def drive(runner, cfg: SchedulerConfig, reqs, aborts, journal: bool, per_step: i
         for rid in abort_at.pop(rec.step, ()):
             rec.abort(rid, "http")
         out = rec.schedule()
-        rec.take_events()
         if not out.empty:
             res = runner.execute(out)
             for ev in rec.update(out, res):

@@ -37,6 +37,7 @@ from redis.exceptions import ResponseError
 
 from control import story as story_start
 from control.dead_letters import DeadLetters
+from control.endings import tombstone_story
 from control.engines import EngineRegistry
 from control.entry_ids import entry_id_key
 from control.events import (
@@ -58,7 +59,7 @@ from control.keys import (
     pending_tombstone_source,
     valid_request_id,
 )
-from control.ownership import Ownership, tombstone_story
+from control.ownership import Ownership
 from control.store import Ack, Append, Fenced, RedisStore, Store
 
 log = logging.getLogger("control.bus")

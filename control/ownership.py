@@ -3,8 +3,9 @@
 An engine's claim writes its owner token (control/fence.py fences its writes with it); an
 abort that finds no owner writes a tombstone (``aborted:<source>``, control/keys.py), which
 no engine will run, and whoever finds the tombstone with the request's story in place flips
-it to ``aborted-final`` (:meth:`Ownership.take_abort_story`) and writes the abort story:
-exactly one party does. A response of n > 1 choices is marked ``choices=<n>`` the same way.
+it to ``aborted-final`` (:meth:`Ownership.take_abort_story`) and writes the abort story
+(control.endings.tombstone_story): exactly one party does. A response of n > 1 choices is
+marked ``choices=<n>`` the same way.
 """
 
 from __future__ import annotations
@@ -13,20 +14,8 @@ from typing import Any, Sequence
 
 from redis.exceptions import WatchError
 
-from control.events import AbortRequested, BlocksReleased, Drained, Event, Final
 from control.keys import ABORT_WRITTEN, Keys, pending_tombstone_source, tombstone
 from control.store import Store
-
-
-def tombstone_story(request_id: str, source: str, engine: str = "") -> list[Event]:
-    """The whole abort story of a request no engine ever ran: nothing to drain, no blocks."""
-    usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-    return [
-        AbortRequested(request_id=request_id, source=source, engine=engine),
-        Drained(request_id=request_id, engine=engine),
-        BlocksReleased(request_id=request_id, count=0, engine=engine),
-        Final(request_id=request_id, finish_reason="abort", usage=usage, engine=engine),
-    ]
 
 
 class Ownership:

@@ -35,10 +35,9 @@ to one computed afresh. A scheduled seq is ``[rid, start_pos, n_tokens, sample, 
 its block table is the first ``base`` blocks of the table last recorded for ``rid`` plus the
 ``new`` ones, so a decode step costs a few ints per request, not its whole table.
 
-What is not recorded: read-only queries (``can_admit``, ``knows``...), and the events
-``schedule()`` holds for the next call: the recorder takes them right after ``schedule()`` (so
-they are digested with the call that decided them) and returns them at the front of the next
-list any call returns, which is the scheduler's own contract.
+What is not recorded: read-only queries (``can_admit``, ``knows``...). The events
+``schedule()`` returns in its batch (``SchedulerOutput.events``) are digested with it, as the
+``ev`` of its call.
 """
 
 from __future__ import annotations
@@ -187,7 +186,6 @@ class JournalRecorder:
         # release latency is measured per call, not per entry. Never compared by replay.
         self._clock = clock
         self._calls: list[dict[str, Any]] = []
-        self._held: list[Event] = []  # schedule()'s events, owed to the next call's caller
         self._digest = Digester()
         self._seq = 0
 
@@ -279,9 +277,6 @@ class JournalRecorder:
         call["ev"] = self._digest.events(evs)
         call["free"] = self.scheduler.num_free_blocks
         self._calls.append(call)
-        if self._held:
-            evs[:0] = self._held
-            self._held = []
         return evs
 
     def add(self, request_id: str, data: RequestData, generated: tuple[int, ...] = ()) -> list[Event]:
@@ -310,22 +305,13 @@ class JournalRecorder:
             call["free"] = s.num_free_blocks
             self._calls.append(call)
             raise
-        held = s.take_events()
         # events before the batch: a victim preempted and re-admitted in this very step must
         # have its old table forgotten before its new one is recorded
-        call["ev"] = self._digest.events(held)
+        call["ev"] = self._digest.events(list(out.events))
         call["out"] = self._digest.batch(out)
         call["free"] = s.num_free_blocks
         self._calls.append(call)
-        self._held.extend(held)
         return out
-
-    def take_events(self) -> list[Event]:
-        # Not recorded: the scheduler's own queue is always empty here (schedule() above
-        # took it), so this only hands over what the recorder holds.
-        evs = self._held + self.scheduler.take_events()
-        self._held = []
-        return evs
 
     def finished(self, step: int, ran: tuple[int, int] | None = None) -> list[Event]:
         call: dict[str, Any] = {"op": "finished", "step": step}

@@ -13,6 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from control.endings import ABORT_REQUESTED, BLOCKS_RELEASED, DRAINED, FINAL
 from control.events import Event
 from engine.config import SchedulerConfig
 from engine.journal import config_from_json
@@ -134,7 +135,7 @@ class _Checker:
         for d in evs:
             kind, rid = d[0], d[1]
             t = self.trace(rid)
-            if t.finals and kind != "final":
+            if t.finals and kind != FINAL:
                 self.violate("after_final", f"step {self.step}: {kind} for {rid} after its final")
             if kind == "tokens":
                 t.num_tokens += len(d[2])
@@ -145,12 +146,12 @@ class _Checker:
                     self.violate(
                         "count", f"step {d[3]}: {rid} preempted with count={d[2]} but it held {n} blocks"
                     )
-            elif kind == "abort_requested":
+            elif kind == ABORT_REQUESTED:
                 if t.abort_step is None:
                     t.abort_step, t.abort_ms, t.abort_source = d[3], self.ts, d[2]
-            elif kind == "drained":
+            elif kind == DRAINED:
                 t.drained_step = d[3]
-            elif kind == "blocks_released":
+            elif kind == BLOCKS_RELEASED:
                 n = self.drop(rid)
                 t.released_step, t.released_ms, t.released_count = d[3], self.ts, d[2]
                 if d[2] != n:
@@ -162,7 +163,7 @@ class _Checker:
                 if t.abort_step is not None:
                     self.a.abort_release_steps.append(d[3] - t.abort_step)
                     self.a.abort_release_ms.append(self.ts - (t.abort_ms or self.ts))
-            elif kind == "final":
+            elif kind == FINAL:
                 t.finals += 1
                 t.final_step, t.final_ms, t.finish_reason = self.step, self.ts, d[2]
                 self.a.finish_reasons[d[2]] = self.a.finish_reasons.get(d[2], 0) + 1

@@ -86,7 +86,7 @@ class LLM:
         flying: list = []
         while sched.has_work() or flying:
             out = sched.schedule()
-            held = sched.take_events()
+            held = out.events
             for ev in held:
                 fold(gens, detoks, ev, clock)
             if not out.empty:

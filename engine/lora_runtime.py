@@ -13,20 +13,19 @@ from __future__ import annotations
 import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Mapping
+from typing import Callable, Mapping
 
 from engine.adapters import Adapters
+from engine.runners import NO_LORA, Runner
 
 # (its lines are the engine node's: operators filter on that name)
 log = logging.getLogger("engine.node")
-
-NO_LORA = "this engine's executor cannot load LoRA adapters"
 
 
 class LoraLoader:
     def __init__(
         self,
-        runner: Any,
+        runner: Runner,
         pool: ThreadPoolExecutor,
         adapters: Adapters,
         engine_id: str,
@@ -43,11 +42,12 @@ class LoraLoader:
         for name, path in registered.items():
             if not self.adapters.want_load(name):
                 continue
-            if hasattr(self.runner, "on_lora"):  # a worker process, no step in flight yet
-                error = self.runner.load_lora(name, path, wait=True)
-            elif hasattr(self.runner, "load_lora"):
+            runner = self.runner
+            if runner.pipelined:  # a worker process, no step in flight yet
+                error = runner.load_lora(name, path, wait=True)
+            elif runner.loads_lora:
                 try:
-                    await asyncio.wrap_future(self.pool.submit(self.runner.load_lora, name, path))
+                    await asyncio.wrap_future(self.pool.submit(runner.load_lora, name, path))
                     error = None
                 except Exception as e:  # noqa: BLE001 - said in the heartbeat
                     error = f"{type(e).__name__}: {e}"
@@ -65,16 +65,18 @@ class LoraLoader:
 
     def _runner(self, what: str, name: str, path: str = "") -> None:
         runner = self.runner
-        if hasattr(runner, "on_lora"):  # the worker process: down the pipe, after the steps sent
+        if runner.pipelined:  # the worker process: down the pipe, after the steps sent
             runner.load_lora(name, path) if what == "load" else runner.unload_lora(name)
             return
-        fn = getattr(runner, f"{what}_lora", None)
-        if fn is None:
+        if not runner.loads_lora:
             if what == "load":
                 self.done(name, NO_LORA)
             return
         loop = asyncio.get_running_loop()
-        work = self.pool.submit(fn, *((name, path) if what == "load" else (name,)))
+        if what == "load":
+            work = self.pool.submit(runner.load_lora, name, path)
+        else:
+            work = self.pool.submit(runner.unload_lora, name)
 
         def done(w) -> None:  # on the step thread
             e = w.exception()

@@ -29,6 +29,7 @@ from engine.malloc import pin_thresholds
 from engine.model.llama import AttnGroup, ForwardBatch, Llama, attention_mask, key_blocks
 from engine.model.loader import load_model
 from engine.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
+from engine.runners import InProcessRunner
 from engine.sampler import Sampler, token_logprobs
 from engine.sequence import PLACEHOLDER
 
@@ -63,7 +64,12 @@ def _gemms(device: str, batch_invariant: bool) -> str:
     return "auto" if device == "cpu" and not batch_invariant and packed_gemm.available() else "eager"
 
 
-class ModelRunner:
+class ModelRunner(InProcessRunner):
+    """The model, run in this process: an :class:`~engine.runners.InProcessRunner` (on the
+    node's step thread, or in the worker process of engine/worker.py)."""
+
+    loads_lora = True
+
     def __init__(
         self,
         model_dir: str,

@@ -1,23 +1,11 @@
-"""What an engine node is built from: its settings (:class:`EngineConfig`) and what it asks
-of the runner that executes its steps (:class:`Runner`). Here, apart from
-:mod:`engine.node`, so a caller can configure a node without reading the node itself; the
-node module still names both (``from engine.node import EngineConfig`` keeps working).
+"""An engine node's settings (:class:`EngineConfig`), apart from :mod:`engine.node`, so a
+caller can configure a node without reading the node itself. What the node asks of its runner
+is in :mod:`engine.runners`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
-
-from engine.outputs import RunnerOutput, SchedulerOutput
-
-
-class Runner(Protocol):
-    num_blocks: int
-    eos_token_ids: tuple[int, ...]
-    max_model_len: int
-
-    def execute(self, out: SchedulerOutput) -> RunnerOutput: ...
 
 
 @dataclass

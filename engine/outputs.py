@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from control.events import Event
 from control.sampling import SamplingParams
 
 
@@ -41,6 +42,10 @@ class SchedulerOutput:
     step: int
     seqs: tuple[ScheduledSeq, ...]
     num_batched_tokens: int = 0
+    # What deciding this step did to requests besides scheduling them (``Preempted``, and the
+    # ``Final`` of a request that outgrew the whole pool), in order: the caller publishes
+    # them. Never sent to the runner.
+    events: tuple[Event, ...] = ()
 
     @property
     def empty(self) -> bool:

@@ -212,7 +212,7 @@ class _Replayer:
                 out = s.schedule()
                 if not out.empty:
                     self.outs[out.step] = out
-                got["ev"] = self.dig.events(s.take_events())
+                got["ev"] = self.dig.events(list(out.events))
                 got["out"] = self.dig.batch(out)
             else:
                 if op == "add":

@@ -1,5 +1,5 @@
 """What the engine node knows of each request it runs: one :class:`Live` record a request,
-from the moment it is started (``EngineNode._start``) to its ``final``, in one
+from the moment it is started (engine.admission) to its ``final``, in one
 :class:`RequestTable`. Forgetting a request is one call, so no piece of its state can outlive
 the rest by being missed.
 
@@ -92,6 +92,10 @@ class RequestTable:
     def silent(self, rid: str) -> bool:
         live = self._live.get(rid)
         return live is not None and live.silent
+
+    def using_lora(self, name: str) -> bool:
+        """Some request running here uses LoRA adapter ``name`` (it cannot be forgotten yet)."""
+        return any(live.request.data.sampling.lora == name for live in self._live.values())
 
     def holds(self, rid: str) -> bool:
         """Started here, or being owned: a second claim or a failover scan leaves it alone."""

@@ -22,11 +22,9 @@ dropped and its blocks and ``Final`` wait for ``update(N+1)``. Known ends (``max
 context) are not scheduled past. A request whose share of a step failed (``RunnerOutput.failed``)
 finishes the same way, with ``finish_reason="error"``; the others in the step go on.
 
-Events ``schedule()`` produces (``Preempted``, and the ``Final`` of a request that outgrew the
-whole pool) cannot be returned with the batch, so they are held and put at the front of the
-next list any call returns (``take_events()``, ``update()``, ``abort()``, ``add()``...): call
-``take_events()`` right after ``schedule()`` to publish them promptly. Nothing is lost or
-reordered either way.
+Every call returns the events it made: ``schedule()`` in its batch (``SchedulerOutput.events``:
+``Preempted``, and the ``Final`` of a request that outgrew the whole pool), the others as a
+list. How a request's story ends is built by :mod:`control.endings`, as everywhere else.
 """
 
 from __future__ import annotations
@@ -36,25 +34,14 @@ from collections import deque
 from dataclasses import replace
 from typing import Any
 
-from control.events import AbortRequested, BlocksReleased, Drained, Event, Final, Preempted, Tokens
+from control import endings
+from control.events import Event, Preempted, Tokens
 from control.guided import GuidedError, after_token
 from control.request_data import RequestData
 from engine.block_manager import BlockManager, block_hash
 from engine.config import SchedulerConfig
 from engine.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from engine.sequence import PLACEHOLDER, Sequence, Status
-
-
-def _final(
-    request_id: str, reason: str, usage: dict, stop: str | int | None, error: str | None = None
-) -> Final:
-    """A request's Final; ``stop``: the stop string, or the stop token (an int) that ended it;
-    ``error``: why it failed (finish_reason "error")."""
-    if isinstance(stop, int):  # (stop_reason is a string on the wire: the token rides apart too)
-        return Final(
-            request_id=request_id, finish_reason=reason, usage=usage, stop_reason=str(stop), stop_token=stop
-        )
-    return Final(request_id=request_id, finish_reason=reason, usage=usage, stop_reason=stop, error=error)
 
 
 def _outside_vocabulary(data: RequestData, vocab_size: int) -> str | None:
@@ -98,7 +85,6 @@ class Scheduler:
         self._aborting: dict[str, None] = {}
         # A speculative schedule() met a decision (preemption) that needs no step in flight.
         self._stalled = False
-        self._pending: list[Event] = []
         self._arrivals = 0
         self.step = 0
         # prefix caching: prompt tokens looked up in the cache at admission, and found there
@@ -158,10 +144,6 @@ class Scheduler:
         spare_blocks = self.blocks.num_free - committed
         return max(0, min(slots, queue, spare_blocks))
 
-    def take_events(self) -> list[Event]:
-        """Events produced by ``schedule()`` (preemptions) not yet returned by another call."""
-        return self._take()
-
     def snapshot(self) -> dict[str, Any]:
         """JSON-able state, for debugging and ``fd replay --at STEP``."""
         return {
@@ -203,7 +185,7 @@ class Scheduler:
         """
         if request_id in self._seqs:
             raise ValueError(f"request {request_id!r} is already in this scheduler")
-        events = self._take()
+        events: list[Event] = []
         n = len(data.prompt_token_ids)
         total = n + len(generated)
         error = None
@@ -221,8 +203,7 @@ class Scheduler:
                 f"{self.blocks.num_total * self.blocks.block_size}"
             )
         if error is not None:
-            usage = {"prompt_tokens": n, "completion_tokens": len(generated), "total_tokens": total}
-            events.append(Final(request_id=request_id, finish_reason="error", usage=usage, error=error))
+            events.append(endings.error_final(request_id, endings.usage(n, len(generated)), error))
             return events
         seq = Sequence(request_id, tuple(data.prompt_token_ids), data.sampling, self._arrivals, data.priority)
         self._arrivals += 1
@@ -235,8 +216,7 @@ class Scheduler:
                 reason = "length"
             if reason is not None:
                 seq.status = Status.FINISHED
-                events.append(BlocksReleased(request_id=request_id, count=0, step=self.step))
-                events.append(_final(request_id, reason, seq.usage(), stop_reason))
+                events += endings.release(request_id, 0, self.step, reason, seq.usage(), stop_reason)
                 return events
         self._seqs[request_id] = seq
         self._wait(seq)
@@ -246,11 +226,11 @@ class Scheduler:
 
     def abort(self, request_id: str, source: str) -> list[Event]:
         """Stage 1 of the abort protocol, and stages 2-3 too if no step is writing its blocks."""
-        events = self._take()
+        events: list[Event] = []
         seq = self._seqs.get(request_id)
         if seq is None or seq.done:
             return events  # unknown, finished (maybe awaiting a step), already aborting: no-op
-        events.append(AbortRequested(request_id=request_id, source=source, step=self.step))
+        events.append(endings.abort_requested(request_id, source, self.step))
         if request_id in self._in_flight_ids:
             seq.aborting = source  # finished() or update() drains and releases it
             self._aborting[request_id] = None
@@ -259,7 +239,7 @@ class Scheduler:
         return events
 
     def abort_all(self, source: str) -> list[Event]:
-        events = self._take()
+        events: list[Event] = []
         for rid in list(self._seqs):
             events.extend(self.abort(rid, source))
         return events
@@ -272,7 +252,7 @@ class Scheduler:
         folds them in. Only the release moves: the events of the requests that go on, and
         their order, are the same as without this call. ``ran`` (when the runner ran ``step``,
         wall ms) is for the journal; nothing here reads it."""
-        events = self._take()
+        events: list[Event] = []
         for rid in [r for r in self._aborting if r in self._in_flight_ids]:
             seq = self._seqs[rid]
             held = [
@@ -295,7 +275,7 @@ class Scheduler:
         """The runner started in-flight ``step`` without these aborting requests (it was told
         of their abort before it began the step): that step will not write their blocks, so
         once no other step holds them they drain and release now, not when it returns."""
-        events = self._take()
+        events: list[Event] = []
         out = next((o for o in self._in_flight if o.step == step), None)
         if out is None:
             return events  # already folded in (the news came late): nothing to gain
@@ -325,6 +305,7 @@ class Scheduler:
         speculative = bool(self._in_flight)
         if speculative and self._stalled:
             return SchedulerOutput(step=self.step, seqs=())  # wait for the steps in flight
+        events: list[Event] = []
         self._stalled = False
         self.step += 1
         step = self.step
@@ -361,12 +342,12 @@ class Scheduler:
                     break
                 victim = next(s for s in reversed(self._running) if s.request_id not in scheduled)
                 if victim is not seq:
-                    self._preempt(victim, step)
+                    self._preempt(victim, step, events)
                     continue
                 if not batch and len(self._running) == 1:
-                    self._release(seq, "length", None, self._pending, step)
+                    self._release(seq, "length", None, events, step)
                 else:
-                    self._preempt(seq, step)
+                    self._preempt(seq, step, events)
                 n = 0
                 break
             if self._stalled:
@@ -409,7 +390,9 @@ class Scheduler:
             budget -= n
 
         seqs = tuple(self._scheduled_seq(seq, n) for seq, n in batch)
-        out = SchedulerOutput(step=step, seqs=seqs, num_batched_tokens=cfg.max_num_batched_tokens - budget)
+        out = SchedulerOutput(
+            step=step, seqs=seqs, num_batched_tokens=cfg.max_num_batched_tokens - budget, events=tuple(events)
+        )
         if seqs:
             self._in_flight.append(out)
             ids = self._in_flight_ids
@@ -419,7 +402,7 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[Event]:
         """Fold the oldest in-flight step's results in: emit tokens, finish, drain aborts."""
-        events = self._take()
+        events: list[Event] = []
         if out.empty:
             return events
         if not self._in_flight or out.step != self._in_flight[0].step:
@@ -484,10 +467,6 @@ class Scheduler:
         return events
 
     # ------------------------------------------------------------------ internals
-
-    def _take(self) -> list[Event]:
-        events, self._pending = self._pending, []
-        return events
 
     def _hashes(self, seq: Sequence, n: int) -> list[bytes]:
         """The hashes of the request's first ``n`` full blocks (computed once each)."""
@@ -588,7 +567,7 @@ class Scheduler:
     def _drain(self, seq: Sequence, events: list[Event], step: int) -> None:
         """Stages 2 and 3 of an abort: no step can write its blocks any more."""
         self._aborting.pop(seq.request_id, None)
-        events.append(Drained(request_id=seq.request_id, step=step, discarded_tokens=seq.num_discarded))
+        events.append(endings.drained(seq.request_id, step, seq.num_discarded))
         self._release(seq, "abort", None, events, step)
 
     def _order(self, seq: Sequence) -> tuple[int, int]:
@@ -606,7 +585,7 @@ class Scheduler:
         at = next((i for i, s in enumerate(self._waiting) if self._order(s) > key), len(self._waiting))
         self._waiting.insert(at, seq)
 
-    def _preempt(self, seq: Sequence, step: int) -> None:
+    def _preempt(self, seq: Sequence, step: int, events: list[Event]) -> None:
         count = self.blocks.free(seq.request_id) if self.blocks.owns(seq.request_id) else 0
         self._running.remove(seq)
         seq.status = Status.WAITING
@@ -616,7 +595,7 @@ class Scheduler:
             self._wait(seq)
         else:
             self._waiting.appendleft(seq)  # victims go latest-first, so the front stays FCFS
-        self._pending.append(Preempted(request_id=seq.request_id, count=count, step=step))
+        events.append(Preempted(request_id=seq.request_id, count=count, step=step))
 
     def _finish_reason(self, seq: Sequence, token: int, stop_string: str | None):
         sp = seq.sampling
@@ -639,7 +618,5 @@ class Scheduler:
             self._waiting.remove(seq)
         seq.status = Status.FINISHED
         del self._seqs[seq.request_id]
-        events.append(BlocksReleased(request_id=seq.request_id, count=count, step=step))
-        events.append(
-            _final(seq.request_id, reason, seq.usage(), stop_reason, seq.error if reason == "error" else None)
-        )
+        error = seq.error if reason == "error" else None
+        events += endings.release(seq.request_id, count, step, reason, seq.usage(), stop_reason, error)

@@ -23,6 +23,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from engine.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
+from engine.runners import InProcessRunner
 
 DEFAULT_NUM_BLOCKS = 4096  # no memory behind them: sized so blocks never limit a benchmark
 EMBED_DIM = 16  # an embeddings request's made-up vector
@@ -43,8 +44,8 @@ def _text_token_ids(tokenizer: Any, eos: Sequence[int]) -> list[int]:
     return ids
 
 
-class TimedRunner:
-    """The Runner protocol (``engine.node.Runner``) with a timed wait instead of a forward.
+class TimedRunner(InProcessRunner):
+    """An :class:`~engine.runners.InProcessRunner` with a timed wait instead of a forward.
 
     A step takes ``step_ms + per_token_ms * tokens in the batch`` (at least; ``time.sleep``
     may oversleep, never undersleep), measured from the start of ``execute``.

@@ -22,14 +22,63 @@ import time
 import traceback
 from collections import deque
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from engine.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
+from engine.runners import LoraDone, PipelinedRunner, Reply, Skipped
 
 
 class WorkerError(RuntimeError):
     """The worker failed to start, died, or failed outside a step (a warmup); the message
     carries its traceback. A step that fails is a result (``RunnerOutput.failed``), not this."""
+
+
+class Ready(NamedTuple):
+    """The worker's first reply: the model is loaded, and these are its limits."""
+
+    num_blocks: int
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+    vocab_size: int
+    lora_names: tuple[str, ...]
+    cpus: list[int]
+
+
+class StepDone(NamedTuple):
+    """A step's result as it crosses the pipe: a plain tuple of :class:`RunnerOutput`'s
+    fields (a dataclass would pickle through copyreg), and the seconds the step took."""
+
+    step: int
+    sampled: dict[str, int]
+    stopped: dict[str, str]
+    ran: tuple[int, int] | None
+    logprobs: dict
+    prompt_logprobs: dict
+    embeddings: dict[str, bytes]
+    failed: dict[str, str]
+    busy_s: float
+
+    def output(self) -> RunnerOutput:
+        return RunnerOutput(
+            step=self.step,
+            sampled=self.sampled,
+            stopped=self.stopped,
+            ran=self.ran,
+            logprobs=self.logprobs,
+            prompt_logprobs=self.prompt_logprobs,
+            embeddings=self.embeddings,
+            failed=self.failed,
+        )
+
+
+class Warmed(NamedTuple):
+    """The warm-up is done."""
+
+
+class Failed(NamedTuple):
+    """The worker failed outside a step (to start, or a warm-up): its traceback."""
+
+    error: str
 
 
 class _StepEncoder:
@@ -171,7 +220,7 @@ class _Inbox:
                 if left:
                     self._queue[i] = replace(out, seqs=tuple(s for s in out.seqs if s.request_id not in rids))
                     # (said under the lock: the step cannot start, and report, before its skip)
-                    self.send(("skipped", out.step, left))
+                    self.send(Skipped(out.step, left))
 
 
 def _worker_main(
@@ -210,19 +259,16 @@ def _worker_main(
         # terminated by its parent (multiprocessing's exit clean-up) should just go.
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
-        conn.send(("error", f"{type(e).__name__}: {e}"))
+        conn.send(Failed(f"{type(e).__name__}: {e}"))
         return
     conn.send(
-        (
-            "ready",
-            {
-                "num_blocks": runner.num_blocks,
-                "eos_token_ids": tuple(runner.eos_token_ids),
-                "max_model_len": runner.max_model_len,
-                "vocab_size": runner.vocab_size,
-                "lora_names": runner.lora_names,
-                "cpus": sorted(os.sched_getaffinity(0)),
-            },
+        Ready(
+            num_blocks=runner.num_blocks,
+            eos_token_ids=tuple(runner.eos_token_ids),
+            max_model_len=runner.max_model_len,
+            vocab_size=runner.vocab_size,
+            lora_names=runner.lora_names,
+            cpus=sorted(os.sched_getaffinity(0)),
         )
     )
     inbox = _Inbox(conn)
@@ -235,7 +281,7 @@ def _worker_main(
         try:
             if msg == "warmup":
                 runner.warmup()
-                send(("ok", None, 0.0))
+                send(Warmed())
                 continue
             if isinstance(msg, tuple) and msg[0] in ("lora_load", "lora_unload"):
                 # (between steps, in the order sent: a step sent before an unload still has it)
@@ -244,9 +290,9 @@ def _worker_main(
                         runner.load_lora(msg[1], msg[2])
                     else:
                         runner.unload_lora(msg[1])
-                    send(("lora", msg[1], None))
+                    send(LoraDone(msg[1], None))
                 except Exception as e:  # noqa: BLE001 - said to the engine, which goes on
-                    send(("lora", msg[1], f"{type(e).__name__}: {e}"))
+                    send(LoraDone(msg[1], f"{type(e).__name__}: {e}"))
                 continue
             t, wall = time.perf_counter(), time.time()
             try:
@@ -257,28 +303,25 @@ def _worker_main(
             dt = time.perf_counter() - t
             ran = (int(wall * 1000), int((wall + dt) * 1000))
             send(
-                (
-                    "ok",
-                    (
-                        out.step,
-                        out.sampled,
-                        out.stopped,
-                        ran,
-                        out.logprobs,
-                        out.prompt_logprobs,
-                        out.embeddings,
-                        out.failed,
-                    ),
+                StepDone(
+                    out.step,
+                    out.sampled,
+                    out.stopped,
+                    ran,
+                    out.logprobs,
+                    out.prompt_logprobs,
+                    out.embeddings,
+                    out.failed,
                     dt,
                 )
             )
         except Exception:  # noqa: BLE001
-            send(("error", traceback.format_exc()))
+            send(Failed(traceback.format_exc()))
 
 
-class ProcessRunner:
-    """Implements the node's Runner protocol (``num_blocks``, ``eos_token_ids``,
-    ``max_model_len``, ``vocab_size``, ``execute``) with a :class:`ModelRunner` in a worker."""
+class ProcessRunner(PipelinedRunner):
+    """A :class:`~engine.runners.PipelinedRunner`: a :class:`ModelRunner` in a worker process,
+    fed through a pipe. Also usable step by step (:meth:`execute`, blocking)."""
 
     def __init__(
         self,
@@ -302,32 +345,30 @@ class ProcessRunner:
         self._proc.start()
         child.close()
         try:
-            kind, info = self._conn.recv()
+            ready = self._conn.recv()
         except EOFError:
             raise WorkerError(f"the model worker exited with code {self._proc.exitcode}") from None
-        if kind != "ready":
+        if not isinstance(ready, Ready):
             self._proc.join(timeout=5)
-            raise WorkerError(info)
-        self.num_blocks: int = info["num_blocks"]
-        self.eos_token_ids: tuple[int, ...] = info["eos_token_ids"]
-        self.max_model_len: int = info["max_model_len"]
-        self.vocab_size: int = info["vocab_size"]
-        self.lora_names: tuple[str, ...] = info["lora_names"]  # (at start; the engine keeps the rest)
-        self.cpus: frozenset[int] = frozenset(info["cpus"])  # where the worker runs, once settled
+            raise WorkerError(ready.error if isinstance(ready, Failed) else repr(ready))
+        self.num_blocks: int = ready.num_blocks
+        self.eos_token_ids: tuple[int, ...] = ready.eos_token_ids
+        self.max_model_len: int = ready.max_model_len
+        self.vocab_size: int = ready.vocab_size
+        self.lora_names: tuple[str, ...] = ready.lora_names  # (at start; the engine keeps the rest)
+        self.cpus: frozenset[int] = frozenset(ready.cpus)  # where the worker runs, once settled
         # Called with (name, error or None) when the worker is done loading or unloading an
-        # adapter asked for while steps ran (the engine's loop reads it among the replies).
+        # adapter asked for while steps ran, for a caller that collects step by step
+        # (:meth:`collect`); the engine's loop reads it among the replies instead.
         self.on_lora: Callable[[str, str | None], None] | None = None
         # Seconds the worker spent inside execute (the model step itself, without the pipe):
         # what bench/engine.py compares the engine loop's wall time with.
         self.busy_seconds = 0.0
         self._steps = _StepEncoder()
         # Called (from the thread collecting results) with (step, request ids) when the worker
-        # starts a step without requests it was told to drop (:meth:`drop`).
+        # starts a step without requests it was told to drop (:meth:`drop`), for a caller that
+        # collects step by step.
         self.on_skipped: Callable[[int, list[str]], None] | None = None
-
-    def _call(self, msg: Any) -> Any:
-        self._conn.send(msg)
-        return self._collect()
 
     def submit(self, out: SchedulerOutput) -> None:
         """Queue a step on the pipe without waiting for it: the worker starts it the moment it
@@ -338,13 +379,13 @@ class ProcessRunner:
     def drop(self, step: int, request_ids: list[str]) -> None:
         """Leave these (aborting) requests out of any submitted step up to ``step`` that has
         not started yet. A step that leaves some out says so before it starts
-        (``on_skipped``), so their blocks can go back without waiting for it."""
+        (:class:`Skipped`), so their blocks can go back without waiting for it."""
         self._conn.send(("drop", step, tuple(request_ids)))
 
     def load_lora(self, name: str, path: str, wait: bool = False) -> str | None:
         """Load an adapter in the worker, between two steps. ``wait`` (no step in flight: at
-        start) returns its error or None; otherwise the answer comes as an ``("lora", name,
-        error)`` reply, after the steps sent before."""
+        start) returns its error or None; otherwise the answer comes as a :class:`LoraDone`
+        reply, after the steps sent before."""
         self._conn.send(("lora_load", name, path))
         return self._lora_reply(name) if wait else None
 
@@ -353,93 +394,78 @@ class ProcessRunner:
 
     def _lora_reply(self, name: str) -> str | None:
         while True:
-            reply = self._conn.recv()
-            if reply[0] == "lora" and reply[1] == name:
-                return reply[2]
-            if reply[0] == "error":
-                raise WorkerError(reply[1])
+            reply = self._recv()
+            if isinstance(reply, LoraDone) and reply.name == name:
+                return reply.error
+            if isinstance(reply, Failed):
+                raise WorkerError(reply.error)
 
     def collect(self) -> RunnerOutput:
         """The result of the oldest submitted step (blocks; run it off the event loop)."""
-        step, sampled, stopped, ran, logprobs, prompt_lp, embeddings, failed = self._collect()
-        return RunnerOutput(
-            step=step,
-            sampled=sampled,
-            stopped=stopped,
-            ran=ran,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_lp,
-            embeddings=embeddings,
-            failed=failed,
-        )
+        done = self._next_done()
+        if not isinstance(done, StepDone):
+            raise WorkerError(f"a step's result expected, not {done!r}")
+        return done.output()
+
+    def _next_done(self) -> StepDone | Warmed:
+        """The next step result or warm-up, telling ``on_lora`` and ``on_skipped`` of the
+        notes before it."""
+        while True:
+            reply = self._recv()
+            if isinstance(reply, LoraDone):
+                if self.on_lora is not None:
+                    self.on_lora(reply.name, reply.error)
+            elif isinstance(reply, Skipped):
+                if self.on_skipped is not None:
+                    self.on_skipped(reply.step, reply.request_ids)
+            elif isinstance(reply, Failed):
+                raise WorkerError(reply.error)
+            elif isinstance(reply, StepDone):
+                self.busy_seconds += reply.busy_s
+                return reply
+            elif isinstance(reply, Warmed):
+                return reply
 
     def fileno(self) -> int:
         """The pipe's end in this process: readable when a reply has come (for an event loop
         that reads replies itself, :meth:`take_ready`)."""
         return self._conn.fileno()
 
-    def take_ready(self) -> list[RunnerOutput | tuple[str, int, list[str]]]:
-        """Every reply that has come, without waiting: step results (in submission order)
-        and ``("skipped", step, request ids)`` notes (each before its step's result). A step
+    def take_ready(self) -> list[Reply]:
+        """Every reply that has come, without waiting: step results (in submission order),
+        :class:`Skipped` notes (each before its step's result) and :class:`LoraDone`s. A step
         that failed is a result too, its requests in ``failed``. Raises WorkerError for a dead
         worker."""
-        out: list = []
+        out: list[Reply] = []
         conn = self._conn
         while conn.poll():
-            try:
-                reply = conn.recv()
-            except (EOFError, OSError):  # (a killed worker's pipe may say "reset by peer")
-                raise self._died() from None
-            if reply[0] in ("skipped", "lora"):
+            reply = self._recv()
+            if isinstance(reply, StepDone):
+                self.busy_seconds += reply.busy_s
+                out.append(reply.output())
+            elif isinstance(reply, Failed):
+                raise WorkerError(reply.error)
+            elif isinstance(reply, (Skipped, LoraDone)):
                 out.append(reply)
-            elif reply[0] == "error":
-                raise WorkerError(reply[1])
-            else:
-                self.busy_seconds += reply[2]
-                step, sampled, stopped, ran, logprobs, prompt_lp, embeddings, failed = reply[1]
-                out.append(
-                    RunnerOutput(
-                        step=step,
-                        sampled=sampled,
-                        stopped=stopped,
-                        ran=ran,
-                        logprobs=logprobs,
-                        prompt_logprobs=prompt_lp,
-                        embeddings=embeddings,
-                        failed=failed,
-                    )
-                )
         return out
+
+    def _recv(self) -> Any:
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):  # (a killed worker's pipe may say "reset by peer")
+            raise self._died() from None
 
     def _died(self) -> WorkerError:
         self._proc.join(timeout=1.0)  # (reaped, so its exit code is known)
         return WorkerError(f"the model worker died (exit code {self._proc.exitcode})")
-
-    def _collect(self) -> Any:
-        while True:
-            try:
-                reply = self._conn.recv()
-            except (EOFError, OSError):
-                raise self._died() from None
-            if reply[0] == "lora":
-                if self.on_lora is not None:
-                    self.on_lora(reply[1], reply[2])
-                continue
-            if reply[0] != "skipped":
-                break
-            if self.on_skipped is not None:
-                self.on_skipped(reply[1], reply[2])
-        if reply[0] == "error":
-            raise WorkerError(reply[1])
-        self.busy_seconds += reply[2]
-        return reply[1]
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         self.submit(out)
         return self.collect()
 
     def warmup(self) -> None:
-        self._call("warmup")
+        self._conn.send("warmup")
+        self._next_done()
 
     def close(self) -> None:
         if self._proc.is_alive():

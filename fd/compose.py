@@ -193,7 +193,8 @@ async def start_engine(
     **node_kw: Any,
 ) -> RunningEngine:
     from control.tokenizer import Tokenizer
-    from engine.node import EngineConfig, EngineNode
+    from engine.node import EngineNode
+    from engine.node_config import EngineConfig
 
     owns_runner = runner is None
     if owns_runner and opts.max_model_len is not None:  # (a bad value: said before the model loads)

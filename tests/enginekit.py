@@ -12,9 +12,10 @@ from control.events import Accepted, Final, Request, Tokens
 from control.request_data import RequestData
 from control.sampling import SamplingParams
 from engine.outputs import RunnerOutput, SchedulerOutput
+from engine.runners import InProcessRunner
 
 
-class GatedRunner:
+class GatedRunner(InProcessRunner):
     """Wraps a real runner. While the gate is closed, ``execute`` blocks inside the step, so a
     test can land an abort while a step is genuinely in flight. Records every batch it ran."""
 

@@ -19,6 +19,7 @@ import pytest
 
 from control.connect import connect
 from engine.outputs import RunnerOutput, SchedulerOutput
+from engine.runners import InProcessRunner
 from engine.sequence import PLACEHOLDER
 from fd.compose import EngineOptions, start_engine
 from tests.conftest import _ping, free_port
@@ -30,7 +31,7 @@ _LOCKS: dict[int, threading.Lock] = {}
 FAST_FAILOVER = dict(failover_interval_s=0.2, failover_idle_ms=200, heartbeat_ttl_s=2, heartbeat_s=0.5)
 
 
-class RunnerSlice:
+class RunnerSlice(InProcessRunner):
     """Blocks ``[offset, offset + num_blocks)`` of one shared runner's KV pool, so two
     in-process engines on one model never write each other's KV; steps take turns. ``delay``
     slows each step down, so a test can act while a request is half generated. Placeholders
@@ -44,7 +45,7 @@ class RunnerSlice:
         self.eos_token_ids = inner.eos_token_ids
         self.max_model_len = inner.max_model_len
         # (the engine refuses ids past the vocabulary at admission only if its runner says it)
-        self.vocab_size = getattr(inner, "vocab_size", 0)
+        self.vocab_size = inner.vocab_size
         self.delay = delay
         self.lock = _LOCKS.setdefault(id(inner), threading.Lock())
         self.last: dict[str, int] = {}

@@ -8,7 +8,8 @@ other 15 a poll later)."""
 from __future__ import annotations
 
 from control.bus import Bus
-from engine.node import EngineConfig, EngineNode
+from engine.node import EngineNode
+from engine.node_config import EngineConfig
 from tests.enginekit import submit_together
 
 
@@ -31,13 +32,13 @@ async def test_a_capped_claim_leaves_the_rest_for_the_next_chance_not_the_poll(
     try:
         await submit_together(node.bus, [(f"b{i}", [3, 4, 5], {"max_tokens": 2}) for i in range(20)])
         node.on_local_arrival()  # what fd serve's API says after submitting
-        assert await node._claim(block=False) == 16  # the cap
+        assert await node.admission.claim(block=False) == 16  # the cap
         assert len(node.sched.schedule().seqs) == 16  # the step that starts them
         # at once (well inside CLAIM_POLL_S): the four it could not take
-        assert await node._claim(block=False) == 4
+        assert await node.admission.claim(block=False) == 4
         assert node.sched.num_waiting == 4 and node.sched.num_running == 16
         # and nothing more announced or queued: the next chance does not read again
-        assert await node._claim(block=False) == 0 and not node._arrived
+        assert await node.admission.claim(block=False) == 0 and not node.admission.arrived
     finally:
         await node.bus.redis.aclose()
         await node.control_bus.redis.aclose()

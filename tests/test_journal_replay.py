@@ -100,7 +100,7 @@ class Run:
         """``finished``: the engine tells the scheduler the step is done before folding it in
         (as it does while an abort waits)."""
         out = self.rec.schedule()
-        self.events += self.rec.take_events()
+        self.events += out.events
         self.t += 2
         if not out.empty:
             if during:

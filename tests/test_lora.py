@@ -358,7 +358,7 @@ async def test_adapters_loaded_and_unloaded_at_run_time(
                 )
             )
             for _ in range(200):
-                if any(e.node.adapters and e.node._lora_in_use("live") for e in engines):
+                if any(e.node.adapters and e.node.requests.using_lora("live") for e in engines):
                     break
                 await asyncio.sleep(0.01)
             status, text = await post("/v1/unload_lora_adapter", {"lora_name": "live"})

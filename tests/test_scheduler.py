@@ -85,7 +85,7 @@ def kinds(events):
 
 def step(sched, runner, **kw):
     out = sched.schedule()
-    events = sched.take_events()
+    events = list(out.events)
     if not out.empty:
         events += sched.update(out, runner.run(out, **kw))
     return out, events
@@ -464,7 +464,7 @@ def test_same_calls_give_the_same_outputs():
                 break
             out = sched.schedule()
             log.append(out)
-            log += sched.take_events()
+            log += out.events
             if n == 3:
                 log += sched.abort("r1", "http")
             if n == 5:
@@ -552,7 +552,7 @@ def _run_one_step(s, sampled_token=5):
     from engine.outputs import RunnerOutput
 
     out = s.schedule()
-    return out, s.update(
+    return out, list(out.events) + s.update(
         out,
         RunnerOutput(step=out.step, sampled={ss.request_id: sampled_token for ss in out.seqs if ss.sample}),
     )
@@ -651,7 +651,7 @@ def test_a_preempted_request_takes_its_own_cached_blocks_back():
     resumed = None
     while s.has_work():
         out, evs = _run_one_step(s)
-        events += evs + s.take_events()
+        events += evs
         for ss in out.seqs:
             if (
                 ss.request_id == "new"

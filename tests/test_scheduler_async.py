@@ -35,7 +35,7 @@ def pipeline(sched, runner, limit=1000):
         if not sched.has_work() and not flying:
             return evs
         out = sched.schedule()
-        evs += sched.take_events()
+        evs += out.events
         if not out.empty:
             flying.append((out, runner.run(out)))  # runs in order, as the worker does
         if flying and (len(flying) == sched.config.max_steps_in_flight or out.empty):
@@ -145,11 +145,11 @@ def test_a_speculative_schedule_never_preempts_it_waits_for_the_steps_in_flight(
     assert [s.token_ids for s in out2.seqs] == [(PLACEHOLDER,), (PLACEHOLDER,)]
     seen = sched.update(out1, runner.run(out1))
     stalled = sched.schedule()  # position 8 needs a block: a preemption, not while in flight
-    assert stalled.empty and sched.take_events() == []
+    assert stalled.empty and stalled.events == ()
     assert sched.schedule().empty and sched.schedule().step == stalled.step  # still waiting
     seen += sched.update(out2, runner.run(out2))
     out3 = sched.schedule()  # nothing in flight: now it preempts b for a
-    assert kinds(sched.take_events()) == ["Preempted"]
+    assert kinds(out3.events) == ["Preempted"]
     assert [s.request_id for s in out3.seqs] == ["a"]
     evs = seen + sched.update(out3, runner.run(out3)) + pipeline(sched, runner)
     roomy, r1 = make(1, num_blocks=40)  # the same requests, never short of blocks

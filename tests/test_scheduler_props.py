@@ -147,7 +147,7 @@ class Harness:
                 return
             if out is None:
                 return
-        pending = s.take_events()
+        pending = list(out.events)
         self.record(pending)
         # a request preempted to make room is not started again in the same step (it would
         # only take back the blocks it just gave up)

@@ -270,7 +270,7 @@ async def test_requests_not_announced_in_process_are_still_claimed_while_busy(se
         if eng.node.sched.num_running:
             break
         await asyncio.sleep(0.005)
-    assert eng.node._arrivals_told and eng.node.sched.num_running  # announced, and running
+    assert eng.node.admission.arrivals_told and eng.node.sched.num_running  # announced, and running
     other = Bus(embedded_redis.client(), keys)  # not the API's bus: nobody announces this one
     try:
         await submit(other, "from-elsewhere", [5, 6, 7], max_tokens=4)
@@ -297,7 +297,7 @@ async def test_requests_not_announced_in_process_are_still_claimed_while_idle(se
         if not eng.node.sched.has_work():
             break
         await asyncio.sleep(0.005)
-    assert eng.node._arrivals_told and not eng.node.sched.has_work()  # told before, idle now
+    assert eng.node.admission.arrivals_told and not eng.node.sched.has_work()  # told before, idle now
     other = Bus(embedded_redis.client(), keys)
     try:
         await submit(other, "idle-elsewhere", [5, 6, 7], max_tokens=3)

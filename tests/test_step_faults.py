@@ -27,6 +27,7 @@ from engine.journal_reader import load_journal_from_redis
 from engine.llm import LLM
 from engine.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from engine.replay import replay
+from engine.runners import InProcessRunner
 from engine.sampler import Sampler
 from engine.sequence import PLACEHOLDER
 from fd.compose import ApiOptions, EngineOptions, start_api, start_engine
@@ -253,7 +254,7 @@ async def _xlen_is(bus, key, n) -> bool:
     return await bus.redis.xlen(key) == n
 
 
-class VocabBlindRunner:
+class VocabBlindRunner(InProcessRunner):
     """The tiny runner without its vocabulary size: the engine cannot refuse an id past it at
     admission, so the request reaches the sampler and its step fails there."""
 
@@ -382,7 +383,7 @@ async def test_an_injected_step_failure_ends_only_its_request(
         await eng.stop()
 
 
-class BrokenRunner:
+class BrokenRunner(InProcessRunner):
     """A runner that cannot tell whose share broke a step: any step with ``boom`` raises."""
 
     def __init__(self, inner):
@@ -514,7 +515,7 @@ def test_a_failed_step_crosses_the_workers_pipe(tiny_model_dir, tiny_runner):
 # ----------------------------------------------------------------------------- failover
 
 
-class ClaimWatcher:
+class ClaimWatcher(InProcessRunner):
     """A runner that, as each step starts, reads the stream of every request in it (a client
     of its own): its ``claimed`` must be there already, or an engine that died in that step
     would not have counted as an attempt."""

@@ -9,6 +9,7 @@ import pytest
 
 from control.sampling import SamplingParams
 from engine.llm import LLM
+from engine.runners import LoraDone
 from engine.worker import ProcessRunner, WorkerError
 
 
@@ -200,7 +201,11 @@ def test_replies_are_read_without_waiting_skips_before_their_step(worker):
     while sum(isinstance(r, RunnerOutput) for r in replies) < 2 and time.monotonic() < deadline:
         select.select([worker.fileno()], [], [], 1.0)
         replies += worker.take_ready()
-    said = [("result", r.step) if isinstance(r, RunnerOutput) else (r[0], r[1], list(r[2])) for r in replies]
+    said = [
+        ("result", r.step) if isinstance(r, RunnerOutput) else ("skipped", r.step, list(r.request_ids))
+        for r in replies
+        if not isinstance(r, LoraDone)
+    ]
     assert [x for x in said if x[0] == "result"] == [("result", out1.step), ("result", out2.step)]
     assert said.index(("skipped", out2.step, ["a"])) < said.index(("result", out2.step))
     assert set(replies[-1].sampled) == {"b"}
@@ -263,6 +268,6 @@ def test_vectors_and_adapters_cross_the_pipe(tiny_model_dir, tiny_runner, tiny_t
         while len(got) < 3 and time.monotonic() < deadline:
             got += runner.take_ready()
             time.sleep(0.01)
-        assert got[0].step == 1 and got[1:] == [("lora", "late", None), ("lora", "again", None)]
+        assert got[0].step == 1 and got[1:] == [LoraDone("late", None), LoraDone("again", None)]
     finally:
         runner.close()
