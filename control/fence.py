@@ -34,9 +34,9 @@ final is written, and never by an engine that no longer owns it (whose ack would
 entry from the engine that runs it now, and with it the failover's way back to it). On a Redis
 Cluster the script touches only the request's two keys, which share the hash tag ``{<id>}``:
 one slot, so the same script runs there too, one call per request, pipelined, and the ack
-follows in a second round trip, for the requests whose final got through. The embedded server's
-in-process client does the same checks and appends under the server's lock instead
-(``client.fd_fenced_append``, control/embedded.py), with no Lua on the event loop.
+follows in a second round trip, for the requests whose final got through. The embedded server
+(fakeredis, with ``lupa``) runs the same script. :meth:`control.store.RedisStore.fenced_append`
+sends it.
 """
 
 from __future__ import annotations
