@@ -41,6 +41,7 @@ def test_the_text_is_prometheus_clients_for_the_same_updates():
     reqs.labels("length").inc()
     m.num_requests_running.set(2)
     running.set(2)
+
     def samples(text: bytes) -> set[bytes]:  # (less the *_created timestamps, which differ)
         return {ln for ln in text.splitlines() if not ln.startswith(b"#") and b"_created" not in ln}
 
