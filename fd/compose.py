@@ -306,8 +306,8 @@ async def start_api(
 
     from control.tokenizer import Tokenizer, served_context
     from fd.api import parse_errors
-    from fd.api.protocol import generation_defaults
     from fd.api.reasoning import PARSERS as REASONING_PARSERS
+    from fd.api.sampling import generation_defaults
     from fd.api.server import ApiConfig, make_app
 
     if opts.reasoning_parser is not None and opts.reasoning_parser not in REASONING_PARSERS:

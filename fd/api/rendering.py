@@ -1,6 +1,6 @@
 """OpenAI response bodies, without I/O: a request's events in, its JSON and SSE chunks out.
 
-The other half of fd/api/protocol.py (which validates request bodies): every response shape a
+The other half of fd/api/protocol.py (which parses request bodies): every response shape a
 client sees is made here from the events on the request's story, so any API replica renders
 the same bytes for the same story, and each shape is testable without a server.
 """

@@ -26,6 +26,7 @@ from fd.api.errors import bad_request, id_taken, not_found, unavailable
 from fd.api.responses import ResponsesRenderer
 from fd.api.streaming import Streams, Timing, events, merged
 from fd.api.tenancy import story
+from fd.api.validation import Body
 
 
 def _echo(gen: protocol.GenerationRequest, prompt: int) -> dict[str, Any]:
@@ -54,7 +55,7 @@ class ServingGenerate:
         endpoint: str,
         prefix: str,
         parse,
-        body: protocol.Body | None = None,
+        body: Body | None = None,
         keep: list | None = None,
     ) -> web.StreamResponse:
         """A generating request, from its body (read here unless given) to its answer. ``keep``:
