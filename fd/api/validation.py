@@ -26,9 +26,10 @@ class TokenizerLike(Protocol):
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Limits:
-    """What the served model allows; the validation context."""
+    """What the served model allows; the validation context. Built by keyword: its fields are
+    many and mostly of one type, where a position would let two swap unseen."""
 
     model_name: str
     max_model_len: int
