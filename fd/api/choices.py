@@ -14,7 +14,7 @@ from control.events import Final
 from control.keys import choice_ids
 from control.sampling import SamplingParams
 from fd.api.errors import bad_request
-from fd.api.rendering import Renderer, usage, usage_chunk
+from fd.api.rendering import make_renderer, usage, usage_chunk
 from fd.api.validation import is_int, opt
 
 MAX_CHOICES = 16  # n: each choice is a request of its own on the engines
@@ -48,7 +48,7 @@ def choices_cursor(entry_ids: list[bytes]) -> bytes:
 
 class Choices:
     """A response of ``n`` choices, each a request of its own (``choice_ids``): one
-    :class:`Renderer` a choice, their chunks under the response's id, one usage for all (the
+    :class:`~fd.api.rendering.Renderer` a choice, their chunks under the response's id, one usage for all (the
     prompt counted once, as OpenAI and vLLM do), and the final chunks once every choice has
     ended. Like the renderer it needs nothing but the ``accepted`` events' fields, so any
     replica renders the same bytes."""
@@ -79,7 +79,7 @@ class Choices:
         self.include_usage = include_usage
         self.continuous_usage = include_usage and continuous_usage
         self.parts = [
-            Renderer(
+            make_renderer(
                 request_id, endpoint, model, created, prompt_tokens, include_usage, token_bytes, False, k
             )
             for k in range(n)

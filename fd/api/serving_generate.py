@@ -314,9 +314,7 @@ class ServingGenerate:
                 bool(first.continuous_usage),
             )
         else:  # an abort overtook the request: its whole story is the abort (no `accepted`)
-            renderer = rendering.Renderer(
-                shown, "completion", self.ctx.cfg.model_name, first.ts // 1000, 0, iu
-            )
+            renderer = rendering.CompletionRenderer(shown, self.ctx.cfg.model_name, first.ts // 1000, 0, iu)
         return await self.streams.stream(
             request, shown, self.streams.story_then_live(rid, history), renderer, None, skip
         )
