@@ -302,42 +302,21 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
 
 def add_response_args(p: argparse.ArgumentParser) -> None:
     """vLLM's server-wide defaults for what an answer shows."""
-    p.add_argument(
-        "--enable-force-include-usage",
-        action="store_true",
-        help="every stream ends with its usage chunk, asked for or not",
-    )
-    p.add_argument(
-        "--return-tokens-as-token-ids",
-        action="store_true",
-        help='log-probabilities name their tokens "token_id:<id>" unless a request says otherwise',
-    )
+    from fd.compose import ApiOptions
+
+    add_field_flags(p, ApiOptions, "force_include_usage", "tokens_as_ids")
 
 
 def add_served_name(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--served-model-name",
-        nargs="+",
-        default=None,
-        help="the model name(s) requests use (default: the model dir's name); "
-        "answers give the first, as vLLM's",
-    )
+    from fd.compose import ApiOptions
+
+    add_field_flags(p, ApiOptions, "served_model_name")
 
 
 def add_chat_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--chat-template",
-        default=None,
-        help="a Jinja chat template file, or the template itself, instead of the model's (as vLLM's)",
-    )
-    p.add_argument(
-        "--generation-config",
-        default="auto",
-        help="auto: a request that leaves out temperature, top_p, top_k, min_p or "
-        "repetition_penalty gets the model's generation_config.json value, and "
-        "its max_new_tokens caps every output (vLLM's default); vllm: fd's own "
-        "defaults; or a dir with another generation_config.json",
-    )
+    from fd.compose import ApiOptions
+
+    add_field_flags(p, ApiOptions, "chat_template", "generation_config")
 
 
 def api_keys(args: argparse.Namespace) -> list[str]:
@@ -362,30 +341,12 @@ def need_url(args: argparse.Namespace) -> str:
 
 
 def add_tool_args(p: argparse.ArgumentParser) -> None:
-    from fd.api.tool_calls import PARSERS
-
     p.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help="let chat requests with tools have the model call them (tool_choice "
         '"auto"); needs --tool-call-parser',
     )
-    p.add_argument(
-        "--tool-call-parser",
-        choices=PARSERS,
-        default=None,
-        help="how the model writes a tool call: hermes = <tool_call>{json}</tool_call> "
-        "(Qwen 2.5/3, Hermes); llama3_json = an answer that is {json}; {json} "
-        "(Llama 3.1-3.3)",
-    )
-    from fd.api.reasoning import PARSERS as THINKERS
+    from fd.compose import ApiOptions
 
-    p.add_argument(
-        "--reasoning-parser",
-        choices=THINKERS,
-        default=None,
-        help="show a reasoning model's <think>...</think> as reasoning_content in "
-        "chat responses: deepseek_r1 (R1, QwQ, Qwen3 2507 thinking: the output "
-        "thinks until </think>) or qwen3 (Qwen3 hybrid: only an output that "
-        "begins with <think>)",
-    )
+    add_field_flags(p, ApiOptions, "tool_parser", "reasoning_parser")

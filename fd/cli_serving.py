@@ -67,28 +67,23 @@ def _runner(args: argparse.Namespace, model_dir: Path):
 
 def _api_opts(args: argparse.Namespace, model_dir: Path):
     from fd.api.cors import Cors
+    from fd.cli_flags import field_values
     from fd.compose import ApiOptions
 
     return ApiOptions(
         model_dir=str(model_dir),
+        **field_values(args, ApiOptions),
         host=args.host,
         port=args.port,
-        served_model_name=args.served_model_name,
         api_key=api_keys(args),
         admin_key=args.admin_key,
-        tool_parser=args.tool_call_parser,
         max_model_len=args.max_model_len,
-        chat_template=args.chat_template,
-        generation_config=args.generation_config,
-        reasoning_parser=args.reasoning_parser,
         cors=Cors(
             tuple(args.allowed_origins),
             tuple(args.allowed_methods),
             tuple(args.allowed_headers),
             args.allow_credentials,
         ),
-        force_include_usage=args.enable_force_include_usage,
-        tokens_as_ids=args.return_tokens_as_token_ids,
         priority_scheduling=args.scheduling_policy == "priority",
         lora_modules=lora_modules(args),
         runtime_lora=args.allow_runtime_lora_updating,

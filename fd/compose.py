@@ -21,6 +21,8 @@ from control.metrics import Metrics
 from control.mux import StreamMux
 from engine.node_config import EngineConfig
 from fd.api.cors import Cors
+from fd.api.reasoning import PARSERS as REASONING_PARSERS
+from fd.api.tool_calls import PARSERS as TOOL_PARSERS
 
 log = logging.getLogger("fd.api")
 
@@ -119,25 +121,84 @@ class EngineOptions:
 
 @dataclass
 class ApiOptions:
+    """An API node's options (the fields with a flag in their metadata are ``fd serve`` and
+    ``fd api`` flags: fd.cli_flags)."""
+
     model_dir: str
     host: str = "127.0.0.1"
     port: int = 0  # 0: a free port
     # the name(s) requests use (vLLM's --served-model-name: the first is the one answers
     # give); None: the model dir's name
-    served_model_name: str | list[str] | None = None
+    served_model_name: str | list[str] | None = field(
+        default=None,
+        metadata={
+            "flag": "--served-model-name",
+            "nargs": "+",
+            "help": "the model name(s) requests use (default: the model dir's name); "
+            "answers give the first, as vLLM's",
+        },
+    )
     api_key: str | list[str] | None = None  # one key, or several (each a tenant: fd.api.tenancy)
     admin_key: str | None = None
-    tool_parser: str | None = None  # see fd.api.tool_calls
-    reasoning_parser: str | None = None  # see fd.api.reasoning
+    tool_parser: str | None = field(  # see fd.api.tool_calls
+        default=None,
+        metadata={
+            "flag": "--tool-call-parser",
+            "choices": TOOL_PARSERS,
+            "help": "how the model writes a tool call: hermes = <tool_call>{json}</tool_call> "
+            "(Qwen 2.5/3, Hermes); llama3_json = an answer that is {json}; {json} "
+            "(Llama 3.1-3.3)",
+        },
+    )
+    reasoning_parser: str | None = field(  # see fd.api.reasoning
+        default=None,
+        metadata={
+            "flag": "--reasoning-parser",
+            "choices": REASONING_PARSERS,
+            "help": "show a reasoning model's <think>...</think> as reasoning_content in "
+            "chat responses: deepseek_r1 (R1, QwQ, Qwen3 2507 thinking: the output "
+            "thinks until </think>) or qwen3 (Qwen3 hybrid: only an output that "
+            "begins with <think>)",
+        },
+    )
     max_model_len: int | None = None  # prompt + output; None: the model's own
     # vLLM's --chat-template: a Jinja file, or the template itself; None: the model's own
-    chat_template: str | None = None
+    chat_template: str | None = field(
+        default=None,
+        metadata={
+            "flag": "--chat-template",
+            "help": "a Jinja chat template file, or the template itself, instead of the model's (as vLLM's)",
+        },
+    )
     # vLLM's --generation-config: "auto" (the model dir's generation_config.json), "vllm"
     # (none: fd's own defaults), or another dir holding one
-    generation_config: str = "auto"
+    generation_config: str = field(
+        default="auto",
+        metadata={
+            "flag": "--generation-config",
+            "help": "auto: a request that leaves out temperature, top_p, top_k, min_p or "
+            "repetition_penalty gets the model's generation_config.json value, and "
+            "its max_new_tokens caps every output (vLLM's default); vllm: fd's own "
+            "defaults; or a dir with another generation_config.json",
+        },
+    )
     cors: Cors | None = field(default_factory=Cors)  # vLLM's --allowed-origins etc. (fd.api.cors)
-    force_include_usage: bool = False  # vLLM's --enable-force-include-usage
-    tokens_as_ids: bool = False  # vLLM's --return-tokens-as-token-ids
+    force_include_usage: bool = field(  # vLLM's
+        default=False,
+        metadata={
+            "flag": "--enable-force-include-usage",
+            "action": "store_true",
+            "help": "every stream ends with its usage chunk, asked for or not",
+        },
+    )
+    tokens_as_ids: bool = field(  # vLLM's
+        default=False,
+        metadata={
+            "flag": "--return-tokens-as-token-ids",
+            "action": "store_true",
+            "help": 'log-probabilities name their tokens "token_id:<id>" unless a request says otherwise',
+        },
+    )
     priority_scheduling: bool = False  # --scheduling-policy priority: requests may carry a priority
     lora_modules: dict[str, str] = field(default_factory=dict)  # the adapters' names (and where)
     runtime_lora: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter
@@ -347,7 +408,6 @@ async def start_api(
 
     from control.tokenizer import Tokenizer, served_context
     from fd.api import parse_errors
-    from fd.api.reasoning import PARSERS as REASONING_PARSERS
     from fd.api.sampling import generation_defaults
     from fd.api.server import ApiConfig, make_app
 

@@ -32,7 +32,7 @@ from fd.api.cors import Cors
 from fd.api.errors import bad_request, conflict, id_taken, too_large, unavailable
 from fd.api.lora_admin import LoraNames
 from fd.api.tenancy import TENANT_ID_MAX, Caller
-from fd.api.validation import Limits, parse_body
+from fd.api.validation import DEFAULT_MAX_TOKENS, MAX_BODY_BYTES, Limits, parse_body
 
 log = logging.getLogger("fd.api")
 
@@ -53,9 +53,9 @@ class ApiConfig:
     max_model_len: int
     api_key: str | Sequence[str] | None = None  # one key, or several (each a tenant: fd.api.tenancy)
     admin_key: str | None = None
-    max_body_bytes: int = 4 << 20
+    max_body_bytes: int = MAX_BODY_BYTES
     api_id: str = field(default_factory=_new_api_id)
-    default_max_tokens: int = 16  # completions; chat defaults to the rest of the context
+    default_max_tokens: int = DEFAULT_MAX_TOKENS  # completions; chat: the rest of the context
     tool_parser: str | None = None  # vLLM's --enable-auto-tool-choice --tool-call-parser NAME
     # --generation-config: the model's recommended sampling defaults and output cap
     sampling_defaults: dict[str, Any] = field(default_factory=dict)

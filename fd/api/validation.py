@@ -26,6 +26,10 @@ class TokenizerLike(Protocol):
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
 
 
+MAX_BODY_BYTES = 4 << 20  # a request body's size, unless the server says otherwise
+DEFAULT_MAX_TOKENS = 16  # completions' max_tokens when a request gives none (OpenAI's)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Limits:
     """What the served model allows; the validation context. Built by keyword: its fields are
@@ -33,8 +37,8 @@ class Limits:
 
     model_name: str
     max_model_len: int
-    max_body_bytes: int = 4 << 20
-    default_max_tokens: int = 16  # completions; chat defaults to the rest of the context
+    max_body_bytes: int = MAX_BODY_BYTES
+    default_max_tokens: int = DEFAULT_MAX_TOKENS  # completions; chat: the rest of the context
     vocab_size: int | None = None
     tool_parser: str | None = None  # --tool-call-parser (with --enable-auto-tool-choice)
     # The model's generation_config.json (--generation-config): sampling defaults for requests
