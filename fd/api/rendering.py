@@ -25,12 +25,9 @@ from fd.api.tool_calls import (
     make_parser,
     parse_all,
 )
+from fd.api.validation import is_int
 
 # ------------------------------------------------------------------------- responses
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -47,11 +44,11 @@ def final_usage(final: Final, prompt_tokens: int, completion_tokens: int) -> dic
     u = final.usage or {}
     p = u.get("prompt_tokens", prompt_tokens)
     c = u.get("completion_tokens", completion_tokens)
-    if not (_is_int(p) and _is_int(c)):
+    if not (is_int(p) and is_int(c)):
         return usage(prompt_tokens, completion_tokens)
     out: dict[str, Any] = usage(p, c)
     cached = u.get("cached_tokens")
-    if _is_int(cached) and 0 < cached <= p:
+    if is_int(cached) and 0 < cached <= p:
         out["prompt_tokens_details"] = {"cached_tokens": cached}
     return out
 
