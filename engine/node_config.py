@@ -1,19 +1,26 @@
 """An engine node's settings (:class:`EngineConfig`), apart from :mod:`engine.node`, so a
 caller can configure a node without reading the node itself. What the node asks of its runner
 is in :mod:`engine.runners`.
+
+A field that is a command-line flag of ``fd serve`` / ``fd engine`` says so in its metadata
+(``flag``, ``help``, and argparse's keywords; ``negate``: a flag ``--no-...`` that turns the
+field off), which fd's CLI builds the flag from, so its default and help are written here
+alone.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from control.bus import TOMBSTONE_TTL_S
 
 
 @dataclass
 class EngineConfig:
     engine_id: str
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    block_size: int = field(default=16, metadata={"flag": "--block-size"})
+    max_num_seqs: int = field(default=64, metadata={"flag": "--max-num-seqs"})
+    max_num_batched_tokens: int = field(default=2048, metadata={"flag": "--max-num-batched-tokens"})
     # At most this many claimed requests wait to start (what it cannot start soon stays in
     # Redis for another engine), so a step starts at most this many prompts of a burst that
     # is still coming in: a smaller cap puts the median request of a burst in an earlier,
@@ -25,24 +32,82 @@ class EngineConfig:
     max_model_len: int | None = None
     heartbeat_s: float = 1.0
     heartbeat_ttl_s: int = 5
-    tombstone_ttl_s: int = 600
+    tombstone_ttl_s: int = field(
+        default=TOMBSTONE_TTL_S,
+        metadata={
+            "flag": "--tombstone-ttl",
+            "type": "seconds",
+            "metavar": "S",
+            "help": "seconds an abort of a request no engine has waits for that request "
+            "(a later one runs); default %(default)s",
+        },
+    )
     claim_block_ms: int = 50  # idle wait for new requests; never cancelled (DESIGN §6)
     control_block_ms: int = 50
     # A starting engine also reads the control stream's recent past: an abort published while
     # no engine was up must still win over the request it names (tombstone via P:owner).
     control_lookback_ms: int = 30_000
-    journal: bool = True  # one P:journal:<engine> entry per step, for `fd replay`
+    # one P:journal:<engine> entry per step, for `fd replay`
+    journal: bool = field(
+        default=True, metadata={"flag": "--no-journal", "negate": True, "help": "write no journal"}
+    )
     # Decide step N+1 while step N runs (its decodes on placeholders the runner fills in), so
     # the runner never waits for this loop; off, each step is decided after the last one's
     # results are folded in.
-    async_scheduling: bool = True
+    async_scheduling: bool = field(
+        default=True,
+        metadata={
+            "flag": "--no-async-scheduling",
+            "negate": True,
+            "help": "decide each step only after the last one's results are in (by default "
+            "step N+1 is decided while step N runs, so the model never waits for "
+            "the engine loop)",
+        },
+    )
     # Reuse the KV of prompt prefixes computed before (engine.block_manager); vLLM's default.
-    enable_prefix_caching: bool = True
-    scheduling_policy: str = "fcfs"  # vLLM's --scheduling-policy (SchedulerConfig)
+    enable_prefix_caching: bool = field(
+        default=True,
+        metadata={
+            "flag": "--no-enable-prefix-caching",
+            "negate": True,
+            "help": "compute every prompt in full (by default full KV blocks of prompt "
+            "prefixes computed before are reused, as vLLM's prefix caching)",
+        },
+    )
+    # vLLM's --scheduling-policy (SchedulerConfig); the API nodes take it too (`priority`)
+    scheduling_policy: str = field(
+        default="fcfs",
+        metadata={
+            "flag": "--scheduling-policy",
+            "choices": ("fcfs", "priority"),
+            "help": "fcfs: requests start in arrival order; priority: by the request's "
+            "`priority` (lower first), then arrival, and the lowest is preempted "
+            "first (vLLM's). fd serve, fd api and fd engine must be given the same",
+        },
+    )
     # --- faults
-    max_attempts: int = 3  # engines a request may fail on before it ends with an error
-    drain_timeout_s: float = 30.0  # running requests get this long to finish on a drain
-    request_timeout_s: float = 0.0  # no token for this long: the request ends with an error; 0 off
+    max_attempts: int = field(
+        default=3,
+        metadata={
+            "flag": "--max-attempts",
+            "help": "engines a request may fail on (engine died) before it ends with an error",
+        },
+    )
+    drain_timeout_s: float = field(
+        default=30.0,
+        metadata={
+            "flag": "--drain-timeout",
+            "help": "on drain/SIGTERM: seconds to let running requests finish before handing "
+            "the rest back to other engines",
+        },
+    )
+    request_timeout_s: float = field(
+        default=0.0,
+        metadata={
+            "flag": "--request-timeout",
+            "help": "seconds without a new token before a request ends with an error (0: off)",
+        },
+    )
     failover_interval_s: float = 1.0  # how often to look for requests of dead engines
     failover_idle_ms: int = 1000  # pending entries younger than this are not even looked at
     retry_backoff_s: float = 0.05  # first wait after a Redis error, doubling ...

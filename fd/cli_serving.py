@@ -25,33 +25,20 @@ log = logging.getLogger("fd.cli")
 
 
 def _engine_opts(args: argparse.Namespace, model_dir: Path):
+    from engine.node_config import EngineConfig
+    from fd.cli_flags import field_values
     from fd.compose import EngineOptions
 
+    flags = {**field_values(args, EngineConfig), **field_values(args, EngineOptions)}
+    if flags["executor"] == "timed":  # (its runner is _runner's; the options name a model's)
+        flags["executor"] = "paddle"
     return EngineOptions(
         model_dir=str(model_dir),
-        device=args.device,
-        engine_id=args.engine_id,
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        kv_cache_mb=args.kv_cache_mb,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_attempts=args.max_attempts,
-        drain_timeout_s=args.drain_timeout,
-        request_timeout_s=args.request_timeout,
-        journal=not args.no_journal,
-        journal_maxlen=args.journal_maxlen,
-        async_scheduling=not args.no_async_scheduling,
-        enable_prefix_caching=not args.no_enable_prefix_caching,
+        **flags,
         max_model_len=args.max_model_len,
-        executor=args.executor if args.executor != "timed" else "paddle",
-        worker_cpus=args.worker_cpus,
-        seed=args.seed,
-        scheduling_policy=args.scheduling_policy,
         lora_modules=lora_modules(args),
         max_lora_rank=args.max_lora_rank,
         request_ttl_s=_request_ttl(args),
-        tombstone_ttl_s=args.tombstone_ttl,
         batch_invariant=args.batch_invariant,
     )
 
@@ -80,28 +67,23 @@ def _runner(args: argparse.Namespace, model_dir: Path):
 
 def _api_opts(args: argparse.Namespace, model_dir: Path):
     from fd.api.cors import Cors
+    from fd.cli_flags import field_values
     from fd.compose import ApiOptions
 
     return ApiOptions(
         model_dir=str(model_dir),
+        **field_values(args, ApiOptions),
         host=args.host,
         port=args.port,
-        served_model_name=args.served_model_name,
         api_key=api_keys(args),
         admin_key=args.admin_key,
-        tool_parser=args.tool_call_parser,
         max_model_len=args.max_model_len,
-        chat_template=args.chat_template,
-        generation_config=args.generation_config,
-        reasoning_parser=args.reasoning_parser,
         cors=Cors(
             tuple(args.allowed_origins),
             tuple(args.allowed_methods),
             tuple(args.allowed_headers),
             args.allow_credentials,
         ),
-        force_include_usage=args.enable_force_include_usage,
-        tokens_as_ids=args.return_tokens_as_token_ids,
         priority_scheduling=args.scheduling_policy == "priority",
         lora_modules=lora_modules(args),
         runtime_lora=args.allow_runtime_lora_updating,

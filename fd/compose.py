@@ -15,72 +15,190 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from control.bus import REQUEST_TTL_S, TOMBSTONE_TTL_S, Bus
+from control.bus import REQUEST_TTL_S, Bus
 from control.keys import Keys
 from control.metrics import Metrics
 from control.mux import StreamMux
+from engine.node_config import EngineConfig
 from fd.api.cors import Cors
+from fd.api.reasoning import PARSERS as REASONING_PARSERS
+from fd.api.tool_calls import PARSERS as TOOL_PARSERS
 
 log = logging.getLogger("fd.api")
 
 
+#: EngineOptions' fields that are the engine node's own settings, handed to its EngineConfig
+NODE_FIELDS = (
+    "block_size",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_attempts",
+    "drain_timeout_s",
+    "request_timeout_s",
+    "journal",
+    "async_scheduling",
+    "enable_prefix_caching",
+    "scheduling_policy",
+    "max_model_len",
+    "tombstone_ttl_s",
+)
+
+
 @dataclass
 class EngineOptions:
+    """An engine node's options: its model and the process that runs it (the fields with a
+    flag in their metadata are ``fd serve`` and ``fd engine`` flags: fd.cli_flags), and the
+    node's own settings (:data:`NODE_FIELDS`), whose defaults are :class:`EngineConfig`'s."""
+
     model_dir: str
-    device: str = "cpu"
-    engine_id: str | None = None
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_cache_mb: int = 256
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_attempts: int = 3  # engines a request may fail on before it ends with an error
-    drain_timeout_s: float = 30.0  # on a drain (or SIGTERM), how long running requests may finish
-    request_timeout_s: float = 0.0  # no token for this long ends a request with an error; 0: off
+    device: str = field(default="cpu", metadata={"flag": "--device", "help": "cpu | gpu | gpu:N"})
+    engine_id: str | None = field(default=None, metadata={"flag": "--engine-id"})
+    block_size: int = EngineConfig.block_size
+    num_blocks: int | None = field(
+        default=None, metadata={"flag": "--num-blocks", "help": "KV blocks (default: from --kv-cache-mb)"}
+    )
+    kv_cache_mb: int = field(default=256, metadata={"flag": "--kv-cache-mb"})
+    max_num_seqs: int = EngineConfig.max_num_seqs
+    max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens
+    max_attempts: int = EngineConfig.max_attempts
+    drain_timeout_s: float = EngineConfig.drain_timeout_s
+    request_timeout_s: float = EngineConfig.request_timeout_s
     # "paddle": the model in a worker process (its own core and GIL, beside the engine's event
-    # loop); "paddle-thread": in the engine's own process, in a thread (tests, debugging).
-    executor: str = "paddle"
+    # loop); "paddle-thread": in the engine's own process, in a thread (tests, debugging). The
+    # flag's "timed" is no executor of a model: the CLI hands start_engine a TimedRunner.
+    executor: str = field(
+        default="paddle",
+        metadata={
+            "flag": "--executor",
+            "choices": ("paddle", "paddle-thread", "timed"),
+            "help": "paddle: the model in a worker process (default); paddle-thread: in this "
+            "process; timed: the real scheduler, blocks and streams with the forward "
+            "pass replaced by a wait of --step-ms (a stand-in for a GPU)",
+        },
+    )
     # Where the model worker runs (engine/affinity.py): "auto", a CPU list, or "none".
-    worker_cpus: str = "none"
+    worker_cpus: str = field(
+        default="none",
+        metadata={
+            "flag": "--worker-cpus",
+            "help": "CPUs of the model worker process (--executor paddle): auto (on two CPUs "
+            "both at a lower priority than this process if its GEMMs gain by a second "
+            "thread, else the last alone; on more, all but the first, which this process "
+            "keeps), a list like 3 or "
+            "2-3, or none (the kernel decides); default %(default)s (see "
+            "engine/affinity.py)",
+        },
+    )
     # vLLM's --seed: where the sampler's random stream starts, for requests that give no seed
     # (a request's own seed draws from a stream of its own, engine or not)
-    seed: int = 0
-    journal: bool = True  # one P:journal:<engine> entry per step, for `fd replay`
-    async_scheduling: bool = True  # decide step N+1 while step N runs
-    enable_prefix_caching: bool = True  # reuse the KV of prompt prefixes computed before
-    scheduling_policy: str = "fcfs"  # vLLM's --scheduling-policy: fcfs or priority
-    journal_maxlen: int = 10_000  # entries kept (MAXLEN ~)
-    max_model_len: int | None = None  # prompt + output; None: the model's own
+    seed: int = field(
+        default=0,
+        metadata={
+            "flag": "--seed",
+            "help": "the sampler's seed for requests that give none (vLLM's; default %(default)s)",
+        },
+    )
+    journal: bool = EngineConfig.journal
+    async_scheduling: bool = EngineConfig.async_scheduling
+    enable_prefix_caching: bool = EngineConfig.enable_prefix_caching
+    scheduling_policy: str = EngineConfig.scheduling_policy
+    journal_maxlen: int = field(
+        default=10_000,
+        metadata={
+            "flag": "--journal-maxlen",
+            "help": "journal entries kept per engine (one a step; MAXLEN ~) for `fd replay`",
+        },
+    )
+    max_model_len: int | None = EngineConfig.max_model_len
     lora_modules: dict[str, str] = field(default_factory=dict)  # vLLM's --lora-modules: name -> path
     max_lora_rank: int | None = None
     # vLLM's VLLM_BATCH_INVARIANT: a request's logits the same in any batch (engine/model/llama.py),
     # at the price of batch 1 costing what batch 8 does
     batch_invariant: bool = False
     request_ttl_s: int = REQUEST_TTL_S  # a finished request's story and owner key are kept this long
-    tombstone_ttl_s: int = TOMBSTONE_TTL_S  # an abort's tombstone waits this long for its request
+    tombstone_ttl_s: int = EngineConfig.tombstone_ttl_s
 
 
 @dataclass
 class ApiOptions:
+    """An API node's options (the fields with a flag in their metadata are ``fd serve`` and
+    ``fd api`` flags: fd.cli_flags)."""
+
     model_dir: str
     host: str = "127.0.0.1"
     port: int = 0  # 0: a free port
     # the name(s) requests use (vLLM's --served-model-name: the first is the one answers
     # give); None: the model dir's name
-    served_model_name: str | list[str] | None = None
+    served_model_name: str | list[str] | None = field(
+        default=None,
+        metadata={
+            "flag": "--served-model-name",
+            "nargs": "+",
+            "help": "the model name(s) requests use (default: the model dir's name); "
+            "answers give the first, as vLLM's",
+        },
+    )
     api_key: str | list[str] | None = None  # one key, or several (each a tenant: fd.api.tenancy)
     admin_key: str | None = None
-    tool_parser: str | None = None  # see fd.api.tool_calls
-    reasoning_parser: str | None = None  # see fd.api.reasoning
+    tool_parser: str | None = field(  # see fd.api.tool_calls
+        default=None,
+        metadata={
+            "flag": "--tool-call-parser",
+            "choices": TOOL_PARSERS,
+            "help": "how the model writes a tool call: hermes = <tool_call>{json}</tool_call> "
+            "(Qwen 2.5/3, Hermes); llama3_json = an answer that is {json}; {json} "
+            "(Llama 3.1-3.3)",
+        },
+    )
+    reasoning_parser: str | None = field(  # see fd.api.reasoning
+        default=None,
+        metadata={
+            "flag": "--reasoning-parser",
+            "choices": REASONING_PARSERS,
+            "help": "show a reasoning model's <think>...</think> as reasoning_content in "
+            "chat responses: deepseek_r1 (R1, QwQ, Qwen3 2507 thinking: the output "
+            "thinks until </think>) or qwen3 (Qwen3 hybrid: only an output that "
+            "begins with <think>)",
+        },
+    )
     max_model_len: int | None = None  # prompt + output; None: the model's own
     # vLLM's --chat-template: a Jinja file, or the template itself; None: the model's own
-    chat_template: str | None = None
+    chat_template: str | None = field(
+        default=None,
+        metadata={
+            "flag": "--chat-template",
+            "help": "a Jinja chat template file, or the template itself, instead of the model's (as vLLM's)",
+        },
+    )
     # vLLM's --generation-config: "auto" (the model dir's generation_config.json), "vllm"
     # (none: fd's own defaults), or another dir holding one
-    generation_config: str = "auto"
+    generation_config: str = field(
+        default="auto",
+        metadata={
+            "flag": "--generation-config",
+            "help": "auto: a request that leaves out temperature, top_p, top_k, min_p or "
+            "repetition_penalty gets the model's generation_config.json value, and "
+            "its max_new_tokens caps every output (vLLM's default); vllm: fd's own "
+            "defaults; or a dir with another generation_config.json",
+        },
+    )
     cors: Cors | None = field(default_factory=Cors)  # vLLM's --allowed-origins etc. (fd.api.cors)
-    force_include_usage: bool = False  # vLLM's --enable-force-include-usage
-    tokens_as_ids: bool = False  # vLLM's --return-tokens-as-token-ids
+    force_include_usage: bool = field(  # vLLM's
+        default=False,
+        metadata={
+            "flag": "--enable-force-include-usage",
+            "action": "store_true",
+            "help": "every stream ends with its usage chunk, asked for or not",
+        },
+    )
+    tokens_as_ids: bool = field(  # vLLM's
+        default=False,
+        metadata={
+            "flag": "--return-tokens-as-token-ids",
+            "action": "store_true",
+            "help": 'log-probabilities name their tokens "token_id:<id>" unless a request says otherwise',
+        },
+    )
     priority_scheduling: bool = False  # --scheduling-policy priority: requests may carry a priority
     lora_modules: dict[str, str] = field(default_factory=dict)  # the adapters' names (and where)
     runtime_lora: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter
@@ -194,7 +312,6 @@ async def start_engine(
 ) -> RunningEngine:
     from control.tokenizer import Tokenizer
     from engine.node import EngineNode
-    from engine.node_config import EngineConfig
 
     owns_runner = runner is None
     if owns_runner and opts.max_model_len is not None:  # (a bad value: said before the model loads)
@@ -206,25 +323,9 @@ async def start_engine(
     if metrics is not None:
         metrics.engine_in_process = True  # the engine sets its gauges itself, every step
     engine_id = opts.engine_id or f"{socket.gethostname()[:24]}-{secrets.token_hex(3)}"
-    kw = dict(
-        max_attempts=opts.max_attempts,
-        drain_timeout_s=opts.drain_timeout_s,
-        request_timeout_s=opts.request_timeout_s,
-        journal=opts.journal,
-        async_scheduling=opts.async_scheduling,
-        enable_prefix_caching=opts.enable_prefix_caching,
-        max_model_len=opts.max_model_len,
-        scheduling_policy=opts.scheduling_policy,
-        tombstone_ttl_s=opts.tombstone_ttl_s,
-    )
+    kw = {name: getattr(opts, name) for name in NODE_FIELDS}
     kw.update(node_kw)
-    cfg = EngineConfig(
-        engine_id=engine_id,
-        block_size=opts.block_size,
-        max_num_seqs=opts.max_num_seqs,
-        max_num_batched_tokens=opts.max_num_batched_tokens,
-        **kw,
-    )
+    cfg = EngineConfig(engine_id=engine_id, **kw)
     node = EngineNode(
         Bus(
             _no_retries(redis_factory()),
@@ -307,8 +408,7 @@ async def start_api(
 
     from control.tokenizer import Tokenizer, served_context
     from fd.api import parse_errors
-    from fd.api.protocol import generation_defaults
-    from fd.api.reasoning import PARSERS as REASONING_PARSERS
+    from fd.api.sampling import generation_defaults
     from fd.api.server import ApiConfig, make_app
 
     if opts.reasoning_parser is not None and opts.reasoning_parser not in REASONING_PARSERS:

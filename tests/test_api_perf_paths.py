@@ -33,8 +33,8 @@ TEXTS = [
 @pytest.mark.parametrize("include_usage", [False, True])
 @pytest.mark.parametrize("model", ["tiny-llama", 'we"ird\n\x00fd-text\x00 model'])
 def test_token_json_is_byte_identical_to_the_dict_path(endpoint, include_usage, model):
-    slow = rendering.Renderer("cmpl-1", endpoint, model, 1700000000, 7, include_usage)
-    fast = rendering.Renderer("cmpl-1", endpoint, model, 1700000000, 7, include_usage)
+    slow = rendering.make_renderer("cmpl-1", endpoint, model, 1700000000, 7, include_usage)
+    fast = rendering.make_renderer("cmpl-1", endpoint, model, 1700000000, 7, include_usage)
     for i, text in enumerate([*TEXTS, ""]):
         chunks = slow.token_chunks(text, i + 1)
         payload = fast.token_json(text, i + 1)
@@ -53,7 +53,7 @@ def test_token_json_is_byte_identical_to_the_dict_path(endpoint, include_usage, 
 
 
 def test_a_model_name_holding_the_marker_falls_back_to_the_dict_path():
-    r = rendering.Renderer("cmpl-1", "completion", "\x00fd-text\x00", 1, 1)
+    r = rendering.make_renderer("cmpl-1", "completion", "\x00fd-text\x00", 1, 1)
     assert r._template() is None
     assert r.token_json("x", 1) == orjson.dumps(
         rendering.completion_chunk("cmpl-1", 1, "\x00fd-text\x00", "x")
@@ -226,8 +226,8 @@ def test_logprobs_ride_on_the_next_chunk_with_text_and_the_rest_on_the_last():
     ]
     final = E.Final(request_id="cmpl-1", finish_reason="length")
     for endpoint in ("completion", "chat"):
-        stream = rendering.Renderer("cmpl-1", endpoint, "m", 1, 3, token_bytes=lambda t: bytes([t]))
-        whole = rendering.Renderer("cmpl-1", endpoint, "m", 1, 3, token_bytes=lambda t: bytes([t]))
+        stream = rendering.make_renderer("cmpl-1", endpoint, "m", 1, 3, token_bytes=lambda t: bytes([t]))
+        whole = rendering.make_renderer("cmpl-1", endpoint, "m", 1, 3, token_bytes=lambda t: bytes([t]))
         shown = []
         for e in events:
             payload = stream.token_json(e["text"], len(e["token_ids"]), e["token_ids"], e["logprobs"])

@@ -359,9 +359,9 @@ class _ThinkTokenizer(FakeTokenizer):
     "content,after", [("2+2?", 300), ("2+2? <think>x</think>", None), ("<think>x</think> then <think>y", 300)]
 )
 def test_a_guided_chat_on_a_reasoning_server_is_guided_after_the_thinking(content, after):
-    from fd.api import protocol
+    from fd.api import protocol, validation
 
-    limits = protocol.Limits("tiny", 512, reasoning_parser="qwen3")
+    limits = validation.Limits(model_name="tiny", max_model_len=512, reasoning_parser="qwen3")
     body = {"messages": [{"role": "user", "content": content}], "response_format": {"type": "json_object"}}
     gen = protocol.parse_chat(body, limits, _ThinkTokenizer())
     assert json.loads(gen.sampling.guided).get("after") == after

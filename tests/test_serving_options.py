@@ -17,7 +17,7 @@ from control.events import Final
 from control.sampling import SamplingParams
 from control.tokenizer import served_context
 from engine.llm import LLM
-from fd.api import protocol
+from fd.api import protocol, sampling, validation
 from fd.compose import (
     ApiOptions,
     EngineOptions,
@@ -197,7 +197,7 @@ async def test_a_chat_template_that_cannot_be_used_is_said_at_start(
 
 
 def test_generation_config_gives_defaults_a_cap_and_leaves_out_what_a_request_could_not_have():
-    defaults, cap, ignored = protocol.generation_defaults(
+    defaults, cap, ignored = sampling.generation_defaults(
         {
             "temperature": 0.6,
             "top_p": 7,
@@ -211,7 +211,9 @@ def test_generation_config_gives_defaults_a_cap_and_leaves_out_what_a_request_co
     )
     assert defaults == {"temperature": 0.6, "repetition_penalty": 1.05}  # top_k 50: transformers'
     assert cap == 5 and len(ignored) == 1 and ignored[0].startswith("top_p")
-    limits = protocol.Limits("m", 2048, sampling_defaults=defaults, max_output_tokens=cap)
+    limits = validation.Limits(
+        model_name="m", max_model_len=2048, sampling_defaults=defaults, max_output_tokens=cap
+    )
     tok = _Ids()
     s = protocol.parse_completion({"prompt": [5, 6], "max_tokens": 20}, limits, tok).sampling
     assert (s.temperature, s.repetition_penalty, s.max_tokens, s.top_p) == (0.6, 1.05, 5, 1.0)
@@ -219,7 +221,7 @@ def test_generation_config_gives_defaults_a_cap_and_leaves_out_what_a_request_co
         {"prompt": [5, 6], "temperature": 1.3, "repetition_penalty": 1.0}, limits, tok
     ).sampling
     assert (s.temperature, s.repetition_penalty) == (1.3, 1.0)  # a request's own values win
-    assert protocol.generation_defaults({"max_new_tokens": "many"})[2] == [
+    assert sampling.generation_defaults({"max_new_tokens": "many"})[2] == [
         "max_new_tokens: 'many' is not a positive integer"
     ]
 

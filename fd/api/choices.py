@@ -1,8 +1,10 @@
-"""A response of ``n`` choices: each choice runs as a request of its own on the engines
-(``choice_ids``), and this module joins their renderers into the one response a client sees."""
+"""A response of ``n`` choices: how many a request asks (``n``, ``best_of``), each choice's
+sampling, and, since each choice runs as a request of its own on the engines (``choice_ids``),
+the joining of their renderers into the one response a client sees."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -10,7 +12,33 @@ import orjson
 
 from control.events import Final
 from control.keys import choice_ids
-from fd.api.rendering import Renderer, usage, usage_chunk
+from control.sampling import SamplingParams
+from fd.api.errors import bad_request
+from fd.api.rendering import make_renderer, usage, usage_chunk
+from fd.api.validation import is_int, opt
+
+MAX_CHOICES = 16  # n: each choice is a request of its own on the engines
+MAX_BATCH = 256  # prompts x n, of one completions request
+
+
+def choice_sampling(sp: SamplingParams, k: int) -> SamplingParams:
+    """Choice ``k``'s sampling: with a seed, ``seed + k`` (as vLLM), so the choices differ and
+    each is reproducible on its own."""
+    if sp.seed is None or k == 0:
+        return sp
+    return dataclasses.replace(sp, seed=(sp.seed + k) % 2**63)
+
+
+def choice_count(body: dict) -> int:
+    """``n``, with ``best_of`` equal to it or absent (a best_of that ranks more candidates
+    than it returns is not supported)."""
+    n = opt(body, "n", is_int, "an integer", 1)
+    if not 1 <= n <= MAX_CHOICES:
+        raise bad_request(f"'n' must be between 1 and {MAX_CHOICES}.", "n", "invalid_value")
+    best_of = opt(body, "best_of", is_int, "an integer", n)
+    if best_of != n:
+        raise bad_request("Only best_of equal to n is supported.", "best_of", "unsupported")
+    return n
 
 
 def choices_cursor(entry_ids: list[bytes]) -> bytes:
@@ -20,7 +48,7 @@ def choices_cursor(entry_ids: list[bytes]) -> bytes:
 
 class Choices:
     """A response of ``n`` choices, each a request of its own (``choice_ids``): one
-    :class:`Renderer` a choice, their chunks under the response's id, one usage for all (the
+    :class:`~fd.api.rendering.Renderer` a choice, their chunks under the response's id, one usage for all (the
     prompt counted once, as OpenAI and vLLM do), and the final chunks once every choice has
     ended. Like the renderer it needs nothing but the ``accepted`` events' fields, so any
     replica renders the same bytes."""
@@ -51,7 +79,7 @@ class Choices:
         self.include_usage = include_usage
         self.continuous_usage = include_usage and continuous_usage
         self.parts = [
-            Renderer(
+            make_renderer(
                 request_id, endpoint, model, created, prompt_tokens, include_usage, token_bytes, False, k
             )
             for k in range(n)

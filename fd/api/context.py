@@ -28,11 +28,11 @@ from control.events import MAX_FIELD_BYTES, Abort
 from control.keys import ENGINE_ID_RE, REQUEST_ID_RE, choice_ids, is_tombstone
 from control.metrics import Metrics
 from control.mux import StreamMux
-from fd.api import protocol
 from fd.api.cors import Cors
 from fd.api.errors import bad_request, conflict, id_taken, too_large, unavailable
 from fd.api.lora_admin import LoraNames
 from fd.api.tenancy import TENANT_ID_MAX, Caller
+from fd.api.validation import DEFAULT_MAX_TOKENS, MAX_BODY_BYTES, Limits, parse_body
 
 log = logging.getLogger("fd.api")
 
@@ -53,9 +53,9 @@ class ApiConfig:
     max_model_len: int
     api_key: str | Sequence[str] | None = None  # one key, or several (each a tenant: fd.api.tenancy)
     admin_key: str | None = None
-    max_body_bytes: int = 4 << 20
+    max_body_bytes: int = MAX_BODY_BYTES
     api_id: str = field(default_factory=_new_api_id)
-    default_max_tokens: int = 16  # completions; chat defaults to the rest of the context
+    default_max_tokens: int = DEFAULT_MAX_TOKENS  # completions; chat: the rest of the context
     tool_parser: str | None = None  # vLLM's --enable-auto-tool-choice --tool-call-parser NAME
     # --generation-config: the model's recommended sampling defaults and output cap
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
@@ -106,21 +106,21 @@ class ApiContext:
         # what a token is, for log-probabilities (a tokenizer without it: empty strings)
         self.token_bytes = getattr(tokenizer, "id_to_bytes", None)
         self.metrics = metrics
-        self.limits = protocol.Limits(
-            cfg.model_name,
-            cfg.max_model_len,
-            cfg.max_body_bytes,
-            cfg.default_max_tokens,
-            getattr(tokenizer, "vocab_size", None),
-            cfg.tool_parser,
-            dict(cfg.sampling_defaults),
-            cfg.max_output_tokens,
-            cfg.reasoning_parser,
-            tuple(cfg.model_aliases),
-            cfg.force_include_usage,
-            cfg.tokens_as_ids,
-            cfg.priority_scheduling,
-            tuple(cfg.lora_modules),
+        self.limits = Limits(
+            model_name=cfg.model_name,
+            max_model_len=cfg.max_model_len,
+            max_body_bytes=cfg.max_body_bytes,
+            default_max_tokens=cfg.default_max_tokens,
+            vocab_size=getattr(tokenizer, "vocab_size", None),
+            tool_parser=cfg.tool_parser,
+            sampling_defaults=dict(cfg.sampling_defaults),
+            max_output_tokens=cfg.max_output_tokens,
+            reasoning_parser=cfg.reasoning_parser,
+            model_aliases=tuple(cfg.model_aliases),
+            force_include_usage=cfg.force_include_usage,
+            tokens_as_ids=cfg.tokens_as_ids,
+            priority_scheduling=cfg.priority_scheduling,
+            lora_names=tuple(cfg.lora_modules),
         )
         self.runtime_loras = LoraNames(bus)  # adapters loaded at run time, from any replica
         self.served = {cfg.model_name, *cfg.model_aliases}
@@ -157,7 +157,7 @@ class ApiContext:
         return b"".join(chunks)
 
     async def body(self, request: web.Request) -> dict:
-        return protocol.parse_body(await self.read_body(request), self.limits)
+        return parse_body(await self.read_body(request), self.limits)
 
     def request_id(self, request: web.Request, prefix: str) -> tuple[str, bool]:
         """The new request's id in the event log, and whether the client gave it. The id the

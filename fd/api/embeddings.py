@@ -21,22 +21,19 @@ from typing import Any
 import numpy as np
 
 from control.sampling import SamplingParams
+from fd.api.chat_template import chat_ids, chat_rendering, parse_messages, template_kwargs
 from fd.api.errors import bad_request
-from fd.api.protocol import (
+from fd.api.validation import (
     Limits,
     TokenizerLike,
-    _chat_ids,
-    _chat_rendering,
-    _check_ids,
-    _check_model,
-    _is_bool,
-    _is_int,
-    _opt,
-    _priority,
-    _template_kwargs,
-    _truncation,
+    check_ids,
+    check_model,
+    is_bool,
+    is_int,
     lora_of,
-    parse_messages,
+    opt,
+    priority_of,
+    truncation_of,
 )
 
 MAX_INPUTS = 2048  # OpenAI's limit on one request's inputs
@@ -62,26 +59,26 @@ class EmbeddingRequest:
 
 
 def parse_embeddings(body: dict, limits: Limits, tokenizer: TokenizerLike) -> EmbeddingRequest:
-    model = _check_model(body, limits)
+    model = check_model(body, limits)
     raw = body.get("input")
     if body.get("messages") is not None:  # vLLM's chat embeddings: the conversation, templated
         if raw is not None:
             raise bad_request("Give 'input' or 'messages', not both.", "messages", "invalid_value")
         messages = parse_messages(body)
         raw = list(
-            _chat_ids(
+            chat_ids(
                 messages,
                 tokenizer,
-                _chat_rendering(body, messages, generation_prompt=False),
+                chat_rendering(body, messages, generation_prompt=False),
                 None,
-                _template_kwargs(body),
+                template_kwargs(body),
             )
         )
         if not raw:
             raise bad_request("The conversation renders to no tokens.", "messages", "invalid_value")
     if raw is None:
         raise bad_request("'input' is required.", "input", "missing_required_parameter")
-    if isinstance(raw, str) or (isinstance(raw, list) and raw and all(_is_int(t) for t in raw)):
+    if isinstance(raw, str) or (isinstance(raw, list) and raw and all(is_int(t) for t in raw)):
         batch = [raw]
     elif isinstance(raw, list) and raw and all(isinstance(x, (str, list)) for x in raw):
         batch = raw
@@ -92,15 +89,15 @@ def parse_embeddings(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Em
             "invalid_type",
         )
     inputs = _inputs(body, batch, "input", limits, tokenizer)
-    fmt = _opt(body, "encoding_format", lambda v: v in ENCODINGS, "'float' or 'base64'", "float")
+    fmt = opt(body, "encoding_format", lambda v: v in ENCODINGS, "'float' or 'base64'", "float")
     dims = _dimensions(body, tokenizer)
     return EmbeddingRequest(
         model,
         inputs,
         fmt,
         dims,
-        _opt(body, "normalize", _is_bool, "a boolean", True),
-        _priority(body, limits),
+        opt(body, "normalize", is_bool, "a boolean", True),
+        priority_of(body, limits),
         lora_of(body, limits),
     )
 
@@ -111,14 +108,14 @@ def _inputs(
     """Each text (or token id list) of ``batch`` as the prompt its engine request embeds."""
     if len(batch) > MAX_INPUTS:
         raise bad_request(f"At most {MAX_INPUTS} inputs a request.", param, "invalid_value")
-    special = _opt(body, "add_special_tokens", _is_bool, "a boolean", True)
-    keep = _truncation(body, limits)
+    special = opt(body, "add_special_tokens", is_bool, "a boolean", True)
+    keep = truncation_of(body, limits)
     inputs = []
     for k, x in enumerate(batch):
         if isinstance(x, str):
             ids = tuple(tokenizer.encode(x, add_special_tokens=special)) if x else ()
-        elif isinstance(x, list) and x and all(_is_int(t) for t in x):
-            ids = _check_ids(x, limits, param)
+        elif isinstance(x, list) and x and all(is_int(t) for t in x):
+            ids = check_ids(x, limits, param)
         else:
             raise bad_request(
                 "Each input must be a non-empty string or a non-empty list of token ids.",
@@ -144,7 +141,7 @@ def _inputs(
 def _dimensions(body: dict, tokenizer: TokenizerLike) -> int | None:
     """OpenAI's ``dimensions``, for a model trained for it (vLLM's rule and messages): any
     other model's leading values are not an embedding of their own."""
-    d = _opt(body, "dimensions", _is_int, "an integer", None)
+    d = opt(body, "dimensions", is_int, "an integer", None)
     if d is None:
         return None
     if d < 1:
@@ -239,9 +236,9 @@ def _score_request(
             "invalid_value",
         )
     embed = EmbeddingRequest(
-        _check_model(body, limits),
+        check_model(body, limits),
         _inputs(body, texts, param, limits, tokenizer),
-        priority=_priority(body, limits),
+        priority=priority_of(body, limits),
         lora=lora_of(body, limits),
     )
     return ScoreRequest(embed, tuple((at[a], at[b]) for a, b in zip(firsts, seconds)), **extra)
@@ -257,7 +254,7 @@ def parse_rerank(body: dict, limits: Limits, tokenizer: TokenizerLike) -> ScoreR
     ``query``, the best ``top_n`` (all by default)."""
     query = _texts(body, "query", one=True)
     docs = _texts(body, "documents")
-    top = _opt(body, "top_n", _is_int, "an integer", None)
+    top = opt(body, "top_n", is_int, "an integer", None)
     if top is not None and top < 0:
         raise bad_request("'top_n' must be at least 0 (0: every document).", "top_n", "invalid_value")
     return _score_request(

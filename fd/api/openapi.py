@@ -1,6 +1,7 @@
 """The OpenAPI 3 document of the API node, served at ``GET /openapi.json``.
 
-Built from the same constants :mod:`fd.api.protocol` validates with (roles, limits), so a
+Built from the same constants the parses validate with (roles and limits, from
+:mod:`fd.api.chat_template`, :mod:`fd.api.choices` and :mod:`fd.api.sampling`), so a
 schema-driven client or fuzzer sees what the server really accepts. The schemas describe what
 is *accepted*; anything outside them gets a 4xx with OpenAI's error shape, never a 5xx.
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 from typing import Any
 
 from control.sampling import MAX_LOGPROBS, MAX_REPETITION_PENALTY
-from fd.api import protocol
+from fd.api.chat_template import MAX_TOOLS, ROLES
+from fd.api.choices import MAX_BATCH, MAX_CHOICES
 from fd.api.openapi_common import ERRORS, INT_OR_NULL, NULLABLE_BOOL, RID_HEADER, err, ref
+from fd.api.sampling import MAX_BAD_WORDS
 
 
 def sampling_props(model_name: str, max_model_len: int, aliases: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -45,14 +47,14 @@ def sampling_props(model_name: str, max_model_len: int, aliases: tuple[str, ...]
             "type": "integer",
             "nullable": True,
             "minimum": 1,
-            "maximum": protocol.MAX_CHOICES,
+            "maximum": MAX_CHOICES,
             "description": "Choices; each runs as a request '<id>.<index>' (seeded: seed + index).",
         },
         "best_of": {
             "type": "integer",
             "nullable": True,
             "minimum": 1,
-            "maximum": protocol.MAX_CHOICES,
+            "maximum": MAX_CHOICES,
             "description": "Only equal to n.",
         },
         "stop": {
@@ -79,7 +81,7 @@ def sampling_props(model_name: str, max_model_len: int, aliases: tuple[str, ...]
         "bad_words": {
             "type": "array",
             "nullable": True,
-            "maxItems": protocol.MAX_BAD_WORDS,
+            "maxItems": MAX_BAD_WORDS,
             "items": {"type": "string"},
             "description": "vLLM: words the output may not complete.",
         },
@@ -167,7 +169,7 @@ def sampling_props(model_name: str, max_model_len: int, aliases: tuple[str, ...]
 
 
 def chat_rendering_props() -> dict[str, Any]:
-    """vLLM's chat extensions on how the messages become the prompt (protocol.ChatRendering)."""
+    """vLLM's chat extensions on how the messages become the prompt (fd.api.chat_template.ChatRendering)."""
     return {
         "add_generation_prompt": {
             **NULLABLE_BOOL,
@@ -227,7 +229,7 @@ def chat_message() -> dict[str, Any]:
                 "type": "object",
                 "required": ["role", "content"],
                 "properties": {
-                    "role": {"type": "string", "enum": list(protocol.ROLES)},
+                    "role": {"type": "string", "enum": list(ROLES)},
                     "content": content,
                     "name": {"type": "string"},
                     "tool_call_id": {
@@ -262,7 +264,7 @@ def chat_completion_request(sampling: dict[str, Any]) -> dict[str, Any]:
             "tools": {
                 "type": "array",
                 "nullable": True,
-                "maxItems": protocol.MAX_TOOLS,
+                "maxItems": MAX_TOOLS,
                 "items": {
                     "type": "object",
                     "required": ["type", "function"],
@@ -322,7 +324,7 @@ def completion_request(sampling: dict[str, Any], token_id: dict[str, Any]) -> di
                     {
                         "type": "array",
                         "minItems": 1,
-                        "maxItems": protocol.MAX_BATCH,
+                        "maxItems": MAX_BATCH,
                         "description": "A batch: prompt i's j-th choice is choice i * n + j.",
                         "items": {
                             "oneOf": [

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fd.api import protocol
+from fd.api.chat_template import MAX_TOOLS, ROLES
 from fd.api.openapi_common import ERRORS, INT_OR_NULL, NULLABLE_BOOL, REQUEST_ID_PATTERN, RID_PATH, err, ref
 
 
@@ -31,7 +31,7 @@ def responses_request(sampling: dict[str, Any], max_model_len: int) -> dict[str,
                                     "required": ["role", "content"],
                                     "properties": {
                                         "type": {"type": "string", "enum": ["message"]},
-                                        "role": {"type": "string", "enum": list(protocol.ROLES)},
+                                        "role": {"type": "string", "enum": list(ROLES)},
                                         "content": {
                                             "oneOf": [
                                                 {"type": "string"},
@@ -139,7 +139,7 @@ def responses_request(sampling: dict[str, Any], max_model_len: int) -> dict[str,
             "tools": {
                 "type": "array",
                 "nullable": True,
-                "maxItems": protocol.MAX_TOOLS,
+                "maxItems": MAX_TOOLS,
                 "items": {
                     "type": "object",
                     "required": ["type", "name"],

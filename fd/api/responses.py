@@ -26,12 +26,12 @@ from typing import Any, Callable
 
 from control.events import Final
 from control.token_payloads import logprobs_entries
-from fd.api import protocol
 from fd.api.errors import ApiError, bad_request
-from fd.api.protocol import GenerationRequest, Limits, TokenizerLike, _opt
+from fd.api.protocol import GenerationRequest, parse_chat
 from fd.api.reasoning import REASONING, ReasoningParser
 from fd.api.rendering import final_error, final_usage
 from fd.api.tool_calls import PARSERS, ToolCall, call_id, forced_calls, make_parser
+from fd.api.validation import Body, Limits, TokenizerLike, is_int, opt
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 #: chat's fields that mean nothing here (several choices, chat's log-probabilities): left out
@@ -66,7 +66,7 @@ def _text(content: Any, where: str) -> Any:
     return out
 
 
-def _messages(body: protocol.Body | dict) -> tuple[list[dict], list[str]]:
+def _messages(body: Body | dict) -> tuple[list[dict], list[str]]:
     """``instructions`` and ``input`` as chat's ``messages`` (validated by chat's parse), and
     where each came from (``input[i]``, ``instructions``), for naming what chat's parse finds
     wrong with one."""
@@ -118,14 +118,14 @@ def _messages(body: protocol.Body | dict) -> tuple[list[dict], list[str]]:
             origin.append(f"input[{len(given) - 1}]")
     else:
         raise bad_request("'input' must be a string or a non-empty list of items.", "input", "invalid_type")
-    instructions = _opt(body, "instructions", lambda v: isinstance(v, str), "a string", None)
+    instructions = opt(body, "instructions", lambda v: isinstance(v, str), "a string", None)
     if instructions:
         out.insert(0, {"role": "system", "content": instructions})
         origin.insert(0, "instructions")
     return out, origin
 
 
-def _tools(body: protocol.Body | dict) -> tuple[Any, Any]:
+def _tools(body: Body | dict) -> tuple[Any, Any]:
     """``tools`` and ``tool_choice`` in chat's shape (functions are flat here)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if isinstance(tools, list):
@@ -149,9 +149,9 @@ def _tools(body: protocol.Body | dict) -> tuple[Any, Any]:
     return tools, choice
 
 
-def _format(body: protocol.Body | dict) -> dict | None:
+def _format(body: Body | dict) -> dict | None:
     """``text.format`` as chat's ``response_format``."""
-    text = _opt(body, "text", lambda v: isinstance(v, dict), "an object", None)
+    text = opt(body, "text", lambda v: isinstance(v, dict), "an object", None)
     if not text or text.get("format") is None:
         return None
     fmt = text["format"]
@@ -184,7 +184,7 @@ def _rename(e: ApiError, origin: list[str]) -> None:
                 break
 
 
-def input_items(body: protocol.Body | dict) -> list:
+def input_items(body: Body | dict) -> list:
     """``input`` as a list of items (a string is one user message), as it is kept for a
     response that continues this one."""
     given = body.get("input")
@@ -211,13 +211,13 @@ def output_as_input(output: list[dict]) -> list[dict]:
     return out
 
 
-def parse(body: protocol.Body | dict, limits: Limits, tokenizer: TokenizerLike) -> GenerationRequest:
+def parse(body: Body | dict, limits: Limits, tokenizer: TokenizerLike) -> GenerationRequest:
     """The chat request a Responses body stands for, answered as a Response."""
     if body.get("previous_response_id") is not None:  # (the server puts it into `input` first)
         raise bad_request(
             "'previous_response_id' is not supported here.", "previous_response_id", "unsupported"
         )
-    cap = _opt(body, "max_output_tokens", protocol._is_int, "an integer", None)
+    cap = opt(body, "max_output_tokens", is_int, "an integer", None)
     if cap is not None and cap < 1:
         raise bad_request("'max_output_tokens' must be at least 1.", "max_output_tokens", "invalid_value")
     tools, choice = _tools(body)
@@ -232,14 +232,14 @@ def parse(body: protocol.Body | dict, limits: Limits, tokenizer: TokenizerLike) 
         **_logprobs(body),
     }
     sent = [k for k in _CHAT_ONLY if k in body and k != "top_logprobs"]  # (the Responses API's too)
-    shaped = body.replaced(chat) if isinstance(body, protocol.Body) else {**body, **chat}
+    shaped = body.replaced(chat) if isinstance(body, Body) else {**body, **chat}
     try:
-        gen = protocol.parse_chat(shaped, limits, tokenizer)
+        gen = parse_chat(shaped, limits, tokenizer)
     except ApiError as e:  # (named as the client wrote it)
         _rename(e, origin)
         raise
     finally:
-        if isinstance(body, protocol.Body):
+        if isinstance(body, Body):
             body.seen.difference_update(sent)  # (chat's, sent here: ignored, and said so)
     return dataclasses.replace(gen, endpoint="responses")
 
@@ -264,7 +264,7 @@ def _logprobs(body: dict) -> dict:
                 "include",
                 "unsupported",
             )
-    top = _opt(body, "top_logprobs", protocol._is_int, "an integer", None)
+    top = opt(body, "top_logprobs", is_int, "an integer", None)
     if "message.output_text.logprobs" not in include:
         return {}
     return {"logprobs": True, "top_logprobs": top or 0}

@@ -19,6 +19,7 @@ from control.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from fd.api import lora_admin, openapi, protocol
 from fd.api.context import ApiContext, json_response
 from fd.api.errors import not_found, unavailable
+from fd.api.validation import is_bool, opt
 
 log = logging.getLogger("fd.api")
 
@@ -108,7 +109,7 @@ class ServingAdmin:
         body = await ctx.body(request)
         ids = protocol.parse_tokenize(body, ctx.limits, ctx.tokenizer)
         out = {"count": len(ids), "max_model_len": ctx.cfg.max_model_len, "tokens": list(ids)}
-        if protocol._opt(body, "return_token_strs", protocol._is_bool, "a boolean", False):
+        if opt(body, "return_token_strs", is_bool, "a boolean", False):
             out["token_strs"] = ctx.tokenizer.token_strs(ids)  # (vLLM's)
         return json_response(out)
 

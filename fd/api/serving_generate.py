@@ -26,6 +26,7 @@ from fd.api.errors import bad_request, id_taken, not_found, unavailable
 from fd.api.responses import ResponsesRenderer
 from fd.api.streaming import Streams, Timing, events, merged
 from fd.api.tenancy import story
+from fd.api.validation import Body
 
 
 def _echo(gen: protocol.GenerationRequest, prompt: int) -> dict[str, Any]:
@@ -54,7 +55,7 @@ class ServingGenerate:
         endpoint: str,
         prefix: str,
         parse,
-        body: protocol.Body | None = None,
+        body: Body | None = None,
         keep: list | None = None,
     ) -> web.StreamResponse:
         """A generating request, from its body (read here unless given) to its answer. ``keep``:
@@ -313,9 +314,7 @@ class ServingGenerate:
                 bool(first.continuous_usage),
             )
         else:  # an abort overtook the request: its whole story is the abort (no `accepted`)
-            renderer = rendering.Renderer(
-                shown, "completion", self.ctx.cfg.model_name, first.ts // 1000, 0, iu
-            )
+            renderer = rendering.CompletionRenderer(shown, self.ctx.cfg.model_name, first.ts // 1000, 0, iu)
         return await self.streams.stream(
             request, shown, self.streams.story_then_live(rid, history), renderer, None, skip
         )

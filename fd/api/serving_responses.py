@@ -9,7 +9,6 @@ from __future__ import annotations
 from aiohttp import web
 
 from control.events import Accepted, Claimed, Final, Tokens
-from fd.api import protocol
 from fd.api.context import CALLER, RID, ApiContext, json_response, new_abort_id, valid_request_id
 from fd.api.errors import bad_request, not_found
 from fd.api.responses import ResponsesRenderer, input_items, output_as_input
@@ -18,6 +17,7 @@ from fd.api.serving_aborts import ServingAborts
 from fd.api.serving_generate import ServingGenerate
 from fd.api.streaming import Streams
 from fd.api.tenancy import story
+from fd.api.validation import is_bool, opt
 
 CANCEL_WAIT_S = 2.0  # POST /v1/responses/{id}/cancel waits this long for the abort's final
 
@@ -66,7 +66,7 @@ class ServingResponses:
                     "previous_response_id": None,
                 }
             )
-        store = protocol._opt(body, "store", protocol._is_bool, "a boolean", True)
+        store = opt(body, "store", is_bool, "a boolean", True)
         return await self.generate.generate(
             request,
             "responses",

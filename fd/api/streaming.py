@@ -132,7 +132,7 @@ class Streams:
         """What renders a request's events, by the endpoint its ``accepted`` event names."""
         if endpoint == "responses":
             return ResponsesRenderer(rid, model, created, prompt_tokens, self.ctx.token_bytes)
-        return rendering.Renderer(
+        return rendering.make_renderer(
             rid,
             endpoint,
             model,
