@@ -60,7 +60,7 @@ from control.keys import (
     valid_request_id,
 )
 from control.ownership import Ownership
-from control.store import Ack, Append, Fenced, RedisStore, Store
+from control.store import Ack, Append, Fenced, Store, store_for
 
 log = logging.getLogger("control.bus")
 
@@ -110,8 +110,9 @@ class Bus(Ownership, EngineRegistry):
         self.dead = DeadLetters(redis, keys.dead, dead_maxlen)
         self._journal_head = f"{keys.prefix}:journal:"
         self.cluster = is_cluster(redis)
-        #: The operations whose form depends on the server (control/store.py).
-        self.store: Store = RedisStore(redis)
+        #: The operations whose form depends on the server (control/store.py): the client's
+        #: own store where it brings one (the embedded server's), else redis-py's.
+        self.store: Store = store_for(redis)
         #: In-process readers of ``P:control`` (``fd serve``: the engine beside this API), told
         #: of each control event this bus publishes as it is published, a few event-loop turns
         #: before their XREAD would bring it. The event is still written: it is the record, and

@@ -29,15 +29,21 @@ from redis.exceptions import ResponseError
 
 from control.connect import MAX_CONNECTIONS, POOL_WAIT_S
 from control.embedded_info import ServerInfo, parse_info
+from control.embedded_store import EmbeddedStore, direct_works
 from control.resp import ProtocolError, RequestReader, encode_reply
 
 log = logging.getLogger("control.embedded")
 
 
 class _Client(fakeredis.FakeAsyncRedis):
-    """The in-process client: fakeredis's, answering ``INFO`` as the TCP door does."""
+    """The in-process client: fakeredis's, answering ``INFO`` as the TCP door does, with the
+    store the bus uses on it (control/embedded_store.py)."""
 
     server_info: ServerInfo
+    _store: EmbeddedStore
+
+    def store(self) -> EmbeddedStore:
+        return self._store
 
     async def info(self, section=None, *args, **kwargs) -> dict:  # (redis-py's signature)
         asked = [a.encode() if isinstance(a, str) else a for a in ((section, *args) if section else ())]
@@ -172,6 +178,7 @@ class EmbeddedRedis:
         self._thread: threading.Thread | None = None
         self._expirer: threading.Thread | None = None
         self._stopped = threading.Event()
+        self._direct: bool | None = None  # control/embedded_store.py's check, once
 
     @property
     def url(self) -> str:
@@ -238,6 +245,9 @@ class EmbeddedRedis:
             timeout=POOL_WAIT_S,
         )
         client.server_info = self._door.info
+        if self._direct is None:
+            self._direct = direct_works(self._server)
+        client._store = EmbeddedStore(client, self._server, self._direct)
         return client
 
     def __enter__(self) -> "EmbeddedRedis":

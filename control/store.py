@@ -11,8 +11,9 @@ where the server allows it). Commands that read the same on every server (``XRAN
 Redis, a Redis Cluster (whose non-transactional pipeline splits per slot; where the order
 across slots matters it spends a second round trip), and the embedded server
 (control/embedded.py), whose in-process client is fakeredis's own ``FakeAsyncRedis`` on the
-same server object as its TCP door. tests/test_store_contract.py runs the same contract on
-all of them.
+same server object as its TCP door; that client brings a subclass of it
+(control/embedded_store.py) which does a step's hot work on the server's objects.
+tests/test_store_contract.py runs the same contract on all of them.
 
 Replies are redis-py's (bytes, ``decode_responses=False``): the bus decodes them.
 """
@@ -20,7 +21,7 @@ Replies are redis-py's (bytes, ``decode_responses=False``): the bus decodes them
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, ResponseError
@@ -128,6 +129,19 @@ class Store(Protocol):
 
     async def ack_delete(self, stream: str, group: str, ids: Sequence[bytes]) -> None:
         """``XACK stream group id...`` then ``XDEL stream id...``."""
+
+
+@runtime_checkable
+class HasStore(Protocol):
+    """A client that brings a store of its own (the embedded server's in-process client,
+    control/embedded_store.py)."""
+
+    def store(self) -> Store: ...
+
+
+def store_for(redis: Any) -> Store:
+    """The store to use on ``redis``: its own where it brings one, else :class:`RedisStore`."""
+    return redis.store() if isinstance(redis, HasStore) else RedisStore(redis)
 
 
 def _xadd(client, entry: Append) -> Any:

@@ -1,7 +1,7 @@
 """control/store.py's contract: the store does the same thing on every server fd runs on — a
-real redis-server, a 3-master Redis Cluster, the embedded server through its in-process client,
-and the embedded server through its TCP door (control/resp.py's RESP, as another process's
-engine or redis-cli reaches it)."""
+real redis-server, a 3-master Redis Cluster, the embedded server through its in-process client
+(control/embedded_store.py, its direct path), and the embedded server through its TCP door
+(control/resp.py's RESP, as another process's engine or redis-cli reaches it: the commands)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from redis.exceptions import ResponseError
 from control import story
 from control.connect import connect
 from control.fence import Refused
-from control.store import Ack, Append, Fenced, RedisStore
+from control.embedded_store import EmbeddedStore
+from control.store import Ack, Append, Fenced, RedisStore, store_for
 from tests.test_cluster import cluster_url  # noqa: F401  (the fixture)
 
 
@@ -30,7 +31,9 @@ async def client_store(request):
         client = request.getfixturevalue("embedded_redis").client()
     else:
         client = connect(request.getfixturevalue("embedded_redis").url)
-    yield client, RedisStore(client)
+    store = store_for(client)
+    assert type(store) is (EmbeddedStore if kind == "embedded" else RedisStore)
+    yield client, store
     await client.aclose()
 
 
@@ -235,3 +238,28 @@ async def test_read_takes_many_streams_and_blocks_until_a_write(client_store, k)
     c = await client.xadd(ka, {"n": "3"})
     got = await asyncio.wait_for(reader, 5)
     assert [e for e, _ in got[0][1]] == [c]
+
+
+async def test_the_embedded_store_uses_the_commands_where_its_direct_path_does_not_hold(monkeypatch, k):
+    """On a fakeredis whose objects do not behave as the direct path expects, the embedded
+    store says so once and does everything with the commands: slower, still right."""
+    from control import embedded_store
+    from control.embedded import EmbeddedRedis
+
+    def broken(self, batch, limits):
+        raise AttributeError("no such method in this fakeredis")
+
+    monkeypatch.setattr(embedded_store._Direct, "fenced", broken)
+    with EmbeddedRedis() as server:
+        client = server.client()
+        try:
+            store = store_for(client)
+            assert store._direct is None
+            await client.set(k("a") + ":owner", "e1#1")
+            await client.xadd(k("a") + ":req", {"type": "accepted"})
+            assert await store.fenced_append([_batch(k, "a", "e1#1", ["tokens"])]) == [None]
+            assert await client.xlen(k("a") + ":req") == 2
+            got = await store.read({k("a") + ":req": b"0"}, 10, None)
+            assert len(got[0][1]) == 2
+        finally:
+            await client.aclose()
