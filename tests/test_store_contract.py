@@ -13,8 +13,8 @@ from redis.exceptions import ResponseError
 
 from control import story
 from control.connect import connect
-from control.fence import Refused
 from control.embedded_store import EmbeddedStore
+from control.fence import Refused
 from control.store import Ack, Append, Fenced, RedisStore, store_for
 from tests.test_cluster import cluster_url  # noqa: F401  (the fixture)
 
