@@ -393,6 +393,20 @@ class StreamMux:
     def dead_letters(self) -> int:
         return self._bus.dead_letters
 
+    @property
+    def started(self) -> bool:
+        """:meth:`start` was called and :meth:`stop` has not finished."""
+        return self._started
+
+    @property
+    def on_dead_letter(self):
+        """Called once per dead letter the mux's reads write (its bus's hook)."""
+        return self._bus.on_dead_letter
+
+    @on_dead_letter.setter
+    def on_dead_letter(self, hook) -> None:
+        self._bus.on_dead_letter = hook
+
     def _gate_waiting(self) -> bool:
         return isinstance(self._gate, _ReadGate) and self._gate.waiting > 0
 

@@ -456,7 +456,7 @@ async def start_api(
     mux = StreamMux(redis_factory(), keys, cfg.api_id)
     await mux.start()
     bus = Bus(redis_factory(), keys, req_ttl_s=opts.request_ttl_s)
-    bus.on_dead_letter = mux._bus.on_dead_letter = metrics.dead_letters_total.inc
+    bus.on_dead_letter = mux.on_dead_letter = metrics.dead_letters_total.inc
     app = make_app(cfg, bus, mux, tokenizer, metrics)
     parse_errors.install()  # (a client's malformed request: one log line, not a traceback)
     # handler_cancellation: a client that goes away cancels its handler, which is how

@@ -127,7 +127,7 @@ class ApiContext:
         self._started_mux = False
 
     async def on_startup(self, app: web.Application) -> None:
-        if not self.mux._started:
+        if not self.mux.started:
             await self.mux.start()
             self._started_mux = True
 
