@@ -33,7 +33,7 @@ from fakeredis.model import StreamEntryKey, StreamRangeTest, XStream
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from control.fence import SEEN, Refused
-from control.store import Ack, Append, Fenced, RedisStore
+from control.store import Append, Fenced, RedisStore
 
 log = logging.getLogger("control.embedded")
 
@@ -209,24 +209,10 @@ class EmbeddedStore(RedisStore):
         if left:
             for i, why in zip(left, await super().fenced_append([batches[i] for i in left])):
                 answers[i] = why
-        # What the script does for its own batches, for those that got through here: a
-        # final renews its story's and owner key's TTL; renewals and acks follow.
-        expire: list[str] = []
-        acks: dict[tuple[str, str], list[bytes]] = {}
+        # What the script does for its own batches, for those that got through here.
         skipped = set(left)
-        for i, batch in enumerate(batches):
-            if i in skipped or answers[i] is not None:
-                continue
-            if batch.ends and batch.ttl_s > 0:
-                expire += [batch.story, batch.owner_key]
-            expire += batch.renew
-            if batch.ack is not None:
-                acks.setdefault((batch.ack.stream, batch.ack.group), []).extend(batch.ack.ids)
-        grouped = [Ack(s, g, ids) for (s, g), ids in acks.items()]
-        if plain or expire or grouped:
-            await self.append_many(list(plain), expire, batches[0].ttl_s, grouped[0] if grouped else None)
-        for ack in grouped[1:]:
-            await self.ack_delete(ack.stream, ack.group, ack.ids)
+        through = [b for i, b in enumerate(batches) if i not in skipped and answers[i] is None]
+        await self.after_fence(through, plain, own_ttl=True)
         return answers
 
     async def read(

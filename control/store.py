@@ -198,19 +198,31 @@ class RedisStore:
         # through, in the same call. A cluster's script names the request's two keys only.
         folded = [not self.cluster and b.ends for b in batches]
         refused = await self._scripts(batches, folded, plain)
-        later_expire: list[str] = []
-        later_ack: dict[tuple[str, str], list[bytes]] = {}
-        for b, fold, why in zip(batches, folded, refused):
-            if why is None and not fold:
-                later_expire += b.renew
-                if b.ack is not None:
-                    later_ack.setdefault((b.ack.stream, b.ack.group), []).extend(b.ack.ids)
-        acks = [Ack(stream, group, ids) for (stream, group), ids in later_ack.items()]
-        if later_expire or acks:
-            await self.append_many([], later_expire, batches[0].ttl_s, acks[0] if acks else None)
-        for ack in acks[1:]:
-            await self.ack_delete(ack.stream, ack.group, ack.ids)
+        await self.after_fence(
+            [b for b, fold, why in zip(batches, folded, refused) if why is None and not fold]
+        )
         return refused
+
+    async def after_fence(
+        self, through: Sequence[Fenced], plain: Sequence[Append] = (), own_ttl: bool = False
+    ) -> None:
+        """What the fence's script leaves to a second round trip, for batches that got
+        through: their renewals and acks (``own_ttl``: a final's renewal of its own story's
+        and owner key's TTL too, which the script does for its own), after ``plain``."""
+        expire: list[str] = []
+        acks: dict[tuple[str, str], list[bytes]] = {}
+        for b in through:
+            if own_ttl and b.ends and b.ttl_s > 0:
+                expire += [b.story, b.owner_key]
+            expire += b.renew
+            if b.ack is not None:
+                acks.setdefault((b.ack.stream, b.ack.group), []).extend(b.ack.ids)
+        grouped = [Ack(stream, group, ids) for (stream, group), ids in acks.items()]
+        if plain or expire or grouped:
+            ttl = through[0].ttl_s if through else 0
+            await self.append_many(list(plain), expire, ttl, grouped[0] if grouped else None)
+        for ack in grouped[1:]:
+            await self.ack_delete(ack.stream, ack.group, ack.ids)
 
     async def _scripts(
         self, batches: Sequence[Fenced], folded: Sequence[bool], plain: Sequence[Append]

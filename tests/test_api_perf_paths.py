@@ -13,7 +13,7 @@ import redis
 
 from control import events as E
 from control.mux import MuxStopped, StreamMux
-from fd.api import rendering, sse
+from fd.api import bodies, rendering, sse
 
 TEXTS = [
     "hi",
@@ -55,9 +55,7 @@ def test_token_json_is_byte_identical_to_the_dict_path(endpoint, include_usage, 
 def test_a_model_name_holding_the_marker_falls_back_to_the_dict_path():
     r = rendering.make_renderer("cmpl-1", "completion", "\x00fd-text\x00", 1, 1)
     assert r._template() is None
-    assert r.token_json("x", 1) == orjson.dumps(
-        rendering.completion_chunk("cmpl-1", 1, "\x00fd-text\x00", "x")
-    )
+    assert r.token_json("x", 1) == orjson.dumps(bodies.completion_chunk("cmpl-1", 1, "\x00fd-text\x00", "x"))
 
 
 # ------------------------------------------------------------------ subscriptions

@@ -1,4 +1,5 @@
-"""OpenAI response bodies, without I/O: a request's events in, its JSON and SSE chunks out.
+"""OpenAI responses, without I/O: a request's events in, its JSON and SSE chunks out (in the
+shapes of fd/api/bodies.py).
 
 The other half of fd/api/protocol.py (which parses request bodies): every response shape a
 client sees is made here from the events on the request's story, so any API replica renders
@@ -11,9 +12,19 @@ from typing import Any, Callable
 
 import orjson
 
+from control.endings import usage
 from control.events import Final
 from control.token_payloads import logprobs_entries, prompt_logprob_ranks, prompt_logprobs_entries
-from fd.api.errors import ApiError
+from fd.api.bodies import (
+    chat_chunk,
+    chat_completion,
+    completion_chunk,
+    final_error,
+    final_usage,
+    stop_reason,
+    text_completion,
+    usage_chunk,
+)
 from fd.api.reasoning import REASONING, ReasoningParser, split_all
 from fd.api.tool_calls import PARSERS as TOOL_PARSERS
 from fd.api.tool_calls import (
@@ -25,143 +36,6 @@ from fd.api.tool_calls import (
     make_parser,
     parse_all,
 )
-from fd.api.validation import is_int
-
-# ------------------------------------------------------------------------- responses
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def final_usage(final: Final, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    """The engine's usage when it sent one, else what this replica counted; with OpenAI's
-    ``prompt_tokens_details.cached_tokens`` when the prefix cache spared some of the prompt."""
-    u = final.usage or {}
-    p = u.get("prompt_tokens", prompt_tokens)
-    c = u.get("completion_tokens", completion_tokens)
-    if not (is_int(p) and is_int(c)):
-        return usage(prompt_tokens, completion_tokens)
-    out: dict[str, Any] = usage(p, c)
-    cached = u.get("cached_tokens")
-    if is_int(cached) and 0 < cached <= p:
-        out["prompt_tokens_details"] = {"cached_tokens": cached}
-    return out
-
-
-def chat_completion(
-    rid: str,
-    created: int,
-    model: str,
-    text: str,
-    finish_reason: str,
-    usage_: dict,
-    stop_reason: str | int | None = None,
-) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": finish_reason,
-                "stop_reason": stop_reason,
-            }
-        ],
-        "usage": usage_,
-    }
-
-
-def text_completion(
-    rid: str,
-    created: int,
-    model: str,
-    text: str,
-    finish_reason: str,
-    usage_: dict,
-    stop_reason: str | int | None = None,
-) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "text": text,
-                "logprobs": None,
-                "finish_reason": finish_reason,
-                "stop_reason": stop_reason,
-            }
-        ],
-        "usage": usage_,
-    }
-
-
-def chat_chunk(
-    rid: str,
-    created: int,
-    model: str,
-    delta: dict,
-    finish_reason: str | None = None,
-    include_usage: bool = False,
-) -> dict[str, Any]:
-    d = {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
-    }
-    if include_usage:
-        d["usage"] = None  # OpenAI: null on every chunk but the last when usage is requested
-    return d
-
-
-def completion_chunk(
-    rid: str,
-    created: int,
-    model: str,
-    text: str,
-    finish_reason: str | None = None,
-    include_usage: bool = False,
-) -> dict[str, Any]:
-    d = {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-    }
-    if include_usage:
-        d["usage"] = None
-    return d
-
-
-def usage_chunk(endpoint: str, rid: str, created: int, model: str, usage_: dict) -> dict[str, Any]:
-    obj = "chat.completion.chunk" if endpoint == "chat" else "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage_}
-
-
-def _stop_reason(final: Final) -> str | int | None:
-    """vLLM's ``stop_reason``: the stop token as an integer, else the stop string."""
-    return final.stop_token if final.stop_token is not None else final.stop_reason
-
-
-def final_error(final: Final) -> ApiError:
-    return ApiError(
-        500, final.error or "The engine failed while generating.", "server_error", None, "engine_error"
-    )
-
 
 _TEXT_MARKER = "\x00fd-text\x00"  # JSON-escaped, it can appear in no id, model or text
 
@@ -444,7 +318,7 @@ class Renderer:
         held = self._held_chunks()
         last = self._last_chunk(final.finish_reason)
         if final.stop_reason is not None:
-            last["choices"][0]["stop_reason"] = _stop_reason(final)
+            last["choices"][0]["stop_reason"] = stop_reason(final)
         if self.logprobs:
             last["choices"][0]["logprobs"] = self._unshown_logprobs()
         out = [*held, self._with_ids(self._with_usage(last, final))]
@@ -626,7 +500,7 @@ class ChatRenderer(Renderer):
             text,
             self._finish_reason(final.finish_reason, bool(calls)),
             self.final_usage(final),
-            _stop_reason(final),
+            stop_reason(final),
         )
         message = body["choices"][0]["message"]
         if calls:
@@ -725,7 +599,7 @@ class CompletionRenderer(Renderer):
             text,
             final.finish_reason,
             self.final_usage(final),
-            _stop_reason(final),
+            stop_reason(final),
         )
 
 

@@ -26,10 +26,10 @@ from typing import Any, Callable
 
 from control.events import Final
 from control.token_payloads import logprobs_entries
+from fd.api.bodies import final_error, final_usage
 from fd.api.errors import ApiError, bad_request
 from fd.api.protocol import GenerationRequest, parse_chat
 from fd.api.reasoning import REASONING, ReasoningParser
-from fd.api.rendering import final_error, final_usage
 from fd.api.tool_calls import PARSERS, ToolCall, call_id, forced_calls, make_parser
 from fd.api.validation import Body, Limits, TokenizerLike, is_int, opt
 

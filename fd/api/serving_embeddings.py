@@ -15,7 +15,7 @@ from aiohttp import web
 from control.events import Accepted, Final, Request, Tokens
 from control.request_data import RequestData
 from control.token_payloads import embedding_vector
-from fd.api import rendering
+from fd.api import bodies
 from fd.api.cancellation import watch_of
 from fd.api.context import CALLER, RID, ApiContext, json_response, new_abort_id
 from fd.api.embeddings import finish as embedding_finish
@@ -153,7 +153,7 @@ class ServingEmbeddings:
                             if rest:
                                 await self.ctx.publish_abort(rest, new_abort_id())
                             if ev.finish_reason == "error":
-                                raise rendering.final_error(ev)
+                                raise bodies.final_error(ev)
                             raise ApiError(
                                 503,
                                 f"Input {k} was aborted before its embedding was made.",

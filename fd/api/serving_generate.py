@@ -18,7 +18,7 @@ from aiohttp import web
 from control.bus import entry_id_key
 from control.events import Accepted, Final, Request, RequestData, Tokens
 from control.keys import choice_ids
-from fd.api import protocol, rendering
+from fd.api import bodies, protocol, rendering
 from fd.api.cancellation import watch_of
 from fd.api.choices import Choices
 from fd.api.context import CALLER, RID, ApiContext, json_response, valid_request_id
@@ -239,7 +239,7 @@ class ServingGenerate:
                         if ev.finish_reason == "error":
                             watch.finished = True
                             await self.streams.abort_rest(choices)
-                            raise rendering.final_error(ev)
+                            raise bodies.final_error(ev)
                 if choices.done:
                     watch.finished = True
                     return json_response(choices.response(), headers={"X-Request-Id": rid})
