@@ -14,7 +14,8 @@ costs more on these VMs (bench/README.md has the figures of both).
 
 ``auto`` on two CPUs offers the worker both and settles when the model has loaded: a decode
 step's GEMMs stream every weight from memory, and where two cores stream them at least 10%
-faster than one (the model times both at load, engine/model/packed_gemm.py) the worker keeps
+faster than one at any of the step sizes the model times at load
+(engine/model/packed_gemm.py) the worker keeps
 both, at a lower priority (nice +10) so that the engine's process, which wakes for every
 request, token and hang-up, preempts it at once instead of waiting for its time slice beside
 two busy MKL threads (a real model's throughput nearly doubles at one stream: bench/README.md,

@@ -102,10 +102,10 @@ class ModelRunner(InProcessRunner):
             num_blocks = max(1, budget // self.model.kv_bytes_per_block(block_size))
         self.num_blocks = int(num_blocks)
         self.model.allocate_kv_cache(self.num_blocks, block_size)
+        plan = self.model.gemm_plan
         log.info(
-            "model GEMMs: %s on %s MKL thread(s)",
-            self.model.gemms,
-            self.model.gemm_threads or "Paddle's",
+            "model GEMMs: %s",
+            plan if plan.max_threads else f"{self.model.gemms} on Paddle's threads",
             extra={"gemms": self.model.gemms, "gemm_threads": self.model.gemm_threads},
         )
         self.eos_token_ids = _eos_token_ids(model_dir)

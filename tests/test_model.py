@@ -597,11 +597,14 @@ def test_packed_gemms_agree_with_the_eager_ones(tiny_dir, runner):
     fast = ModelRunner(tiny_dir, num_blocks=32, gemms="packed")
     assert fast.model.gemms == "packed" and fast.model.lm_head_packed is not None
     w = fast.model.layers[0]["gate_up"]
-    for rows in (1, 8, 33, 700):
-        x = np.random.default_rng(rows).standard_normal((rows, 128)).astype(np.float32)
-        np.testing.assert_allclose(
-            fast.model.layers[0]["gate_up_packed"](fast.model.tensor(x)).numpy(), x @ w.numpy(), atol=1e-4
-        )
+    for threads in (1, 2):  # (packed for the CPUs it may use; MKL's threads are per thread)
+        packed_gemm.use_threads(threads)
+        for rows in (1, 8, 33, 700):
+            x = np.random.default_rng(rows).standard_normal((rows, 128)).astype(np.float32)
+            np.testing.assert_allclose(
+                fast.model.layers[0]["gate_up_packed"](fast.model.tensor(x)).numpy(), x @ w.numpy(), atol=1e-4
+            )
+    packed_gemm.use_threads(1)
     with pytest.raises(ValueError, match="float32 \\[rows, 128\\]"):
         fast.model.layers[0]["gate_up_packed"](fast.model.tensor(np.ones((2, 64), np.float32)))
     p = _prompt(21, 200)
@@ -617,13 +620,29 @@ def test_packed_gemms_agree_with_the_eager_ones(tiny_dir, runner):
     assert got == _greedy_reference(runner.model, p, 6)
 
 
+def test_a_gemm_plan_serves_each_row_count_by_its_bucket():
+    """A plan timed at 1, 8 and 32 rows serves 1-3 rows by the first choice, 4-15 by the
+    second and every count above by the last; its threads are the most any choice takes."""
+    from engine.model.packed_gemm import GemmChoice, GemmPlan
+
+    one, eight, many = GemmChoice("eager", 2), GemmChoice("packed", 1), GemmChoice("packed", 2)
+    plan = GemmPlan(((3, one), (15, eight), (None, many)))
+    assert [plan.choice(n) for n in (1, 3, 4, 15, 16, 700)] == [one, one, eight, eight, many, many]
+    assert plan.routes == {"eager", "packed"} and plan.max_threads == 2
+    assert str(plan) == (
+        "eager on 2 thread(s) at 1-3 rows, packed on 1 thread(s) at 4-15 rows, packed on 2 thread(s) at 16+ rows"
+    )
+    assert GemmPlan.always("eager", 0).choice(5) == GemmChoice("eager", 0)
+
+
 def test_gemms_auto_keeps_the_faster_route_and_the_same_logits(tiny_dir, runner):
     """By default a CPU runner times packed against eager GEMMs on its own weights at load and
     keeps one; either way its logits are the reference's. An unknown route is refused."""
     auto = ModelRunner(tiny_dir, num_blocks=32)
-    assert auto.model.gemms in ("packed", "eager")
-    assert (auto.model.lm_head_packed is None) == (auto.model.gemms == "eager")
-    assert all(("qkv_packed" in layer) == (auto.model.gemms == "packed") for layer in auto.model.layers)
+    routes = auto.model.gemm_plan.routes
+    assert routes <= {"packed", "eager"} and routes
+    assert (auto.model.lm_head_packed is None) == ("packed" not in routes)
+    assert all(("qkv_packed" in layer) == ("packed" in routes) for layer in auto.model.layers)
     p = _prompt(5, 40)
     seq = ScheduledSeq("a", tuple(p), 0, (0, 1, 2), True, GREEDY, 0)
     got = auto.logits(SchedulerOutput(step=0, seqs=(seq,)))[0]

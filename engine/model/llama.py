@@ -321,8 +321,10 @@ class Llama:
         self._scale = scale
         self._swiglu = cpu_swiglu if device == "cpu" else F.swiglu
         self.lm_head_packed = None
-        # MKL's threads for the GEMMs (0: Paddle's own setting, as on a GPU)
-        self._threads = 0
+        # The GEMMs' route and MKL threads by a step's rows (0 threads: Paddle's own setting,
+        # as on a GPU); ``_packed_step``: this step's route
+        self._plan = packed_gemm.GemmPlan.always("eager", 0)
+        self._packed_step = False
         if gemms not in ("eager", "packed", "auto"):
             raise ValueError(f"gemms must be eager, packed or auto, not {gemms!r}")
         if gemms != "eager":
@@ -341,24 +343,32 @@ class Llama:
         self.trash_slot = 0
 
     def _pack_weights(self, keep_if_slower: bool) -> None:
-        """Packs the dense layers' and the head's weights, then keeps the GEMMs (packed or,
-        unless ``keep_if_slower``, eager) and the MKL threads (one, or one per CPU this
-        process may run on: the worker's --worker-cpus) that run a decode step's fastest."""
+        """Packs the dense layers' and the head's weights, then times the routes (packed or,
+        unless ``keep_if_slower``, eager) and MKL threads (one, or one per CPU this process may
+        run on: the worker's --worker-cpus) at a few row counts and keeps, for each, the one
+        that runs a step's GEMMs fastest (packed_gemm.GemmPlan). The timing streams every third
+        layer's weights and the head's: as far beyond the caches as all of them (SmolLM2:
+        ~250 MB), in under half the time."""
+        cpus = len(os.sched_getaffinity(0))
+        # MKL lays a packed weight out for the threads set when it packs: packed on one thread,
+        # a product on two ran no faster than on one below 64 rows (bench/README.md, "a GEMM
+        # plan by rows")
+        packed_gemm.use_threads(cpus)
         pairs = []
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             if "moe" not in layer:
                 for n in ("qkv", "o", "gate_up", "down"):
                     layer[n + "_packed"] = packed_gemm.PackedLinear(layer[n].numpy())
-                    pairs.append((layer[n], layer[n + "_packed"]))
+                    if i % 3 == 0:
+                        pairs.append((layer[n], layer[n + "_packed"]))
         self.lm_head_packed = packed_gemm.PackedLinear(self.lm_head.numpy())
         pairs.append((self.lm_head, self.lm_head_packed))
-        cpus = len(os.sched_getaffinity(0))
-        route, self._threads = packed_gemm.fastest_gemms(
+        self._plan = packed_gemm.fastest_gemms(
             pairs,
             ("packed",) if keep_if_slower else ("packed", "eager"),
             tuple(sorted({1, cpus})),
         )
-        if route == "packed":
+        if "packed" in self._plan.routes:
             return
         for layer in self.layers:  # (their memory back: as large as the weights)
             for n in ("qkv", "o", "gate_up", "down"):
@@ -367,19 +377,26 @@ class Llama:
 
     @property
     def gemms(self) -> str:
-        """Which GEMMs the model runs: ``packed`` or ``eager``."""
-        return "packed" if self.lm_head_packed is not None else "eager"
+        """Which GEMMs the model runs: ``packed``, ``eager``, or the plan by rows where it mixes
+        them (``packed on 1 thread(s) at 1-3 rows, ...``)."""
+        routes = self._plan.routes
+        return next(iter(routes)) if len(routes) == 1 else str(self._plan)
+
+    @property
+    def gemm_plan(self) -> packed_gemm.GemmPlan:
+        return self._plan
 
     @property
     def gemm_threads(self) -> int:
-        """MKL's threads for the model's GEMMs (0: Paddle's own setting)."""
-        return self._threads
+        """The most MKL threads any step's GEMMs take (0: Paddle's own setting)."""
+        return self._plan.max_threads
 
     def _mm(self, x: paddle.Tensor, layer: dict, name: str) -> paddle.Tensor:
         """``x @ layer[name]``: over the packed weight where there is one, else eager."""
-        packed = layer.get(name + "_packed")
-        if packed is not None:
-            return packed(x)
+        if self._packed_step:
+            packed = layer.get(name + "_packed")
+            if packed is not None:
+                return packed(x)
         return paddle.matmul(x, layer[name])
 
     # ------------------------------------------------------------------ LoRA
@@ -577,8 +594,11 @@ class Llama:
         """The decoder stack; ``attention(i, q, k, v)`` supplies the context. Returns the final
         normed hidden states [Tp, H]."""
         eps = self.cfg.rms_norm_eps
-        if self._threads:  # (MKL's setting is per thread: the one running this step)
-            packed_gemm.use_threads(self._threads)
+        # This step's GEMMs by its rows (MKL's threads are per thread: the one running it)
+        gemms = self._plan.choice(int(ids.shape[0]))
+        self._packed_step = gemms.route == "packed"
+        if gemms.threads:
+            packed_gemm.use_threads(gemms.threads)
         x = paddle.index_select(self.embed, ids)
         cos, sin = paddle.split(paddle.index_select(self.rope, positions), 2, axis=1)  # [T, 1, hd]
         # Broadcast over the heads once a step, not in each layer's RoPE (a broadcasting
@@ -603,7 +623,7 @@ class Llama:
     @paddle.no_grad()
     def head(self, h: paddle.Tensor) -> paddle.Tensor:
         """Logits [rows, vocab] of final hidden states [rows, hidden]."""
-        if self.lm_head_packed is not None:
+        if self._packed_step and self.lm_head_packed is not None:
             return self.lm_head_packed(h)
         return paddle.matmul(h, self.lm_head)
 

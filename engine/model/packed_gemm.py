@@ -19,11 +19,15 @@ every GEMM eager: :func:`available`.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
 import paddle
+
+log = logging.getLogger("fd.engine")
 
 # CBLAS's enums (mkl_cblas.h)
 _ROW_MAJOR, _NO_TRANS, _B_MATRIX, _PACKED = 101, 111, 162, 151
@@ -75,22 +79,78 @@ def use_threads(threads: int) -> None:
         lib.MKL_Set_Num_Threads_Local(max(1, threads))
 
 
+#: The row counts a plan is timed at, and the rows each one's choice serves up to: a decode
+#: step of one or a few sequences streams the weights (memory-bound), one of 32 or more and a
+#: prefill compute (bound by the FMAs), and 8 rows sit between.
+TIMED_ROWS = ((1, 3), (8, 15), (32, None))
+
+
+@dataclass(frozen=True)
+class GemmChoice:
+    route: str  # "packed" or "eager"
+    threads: int  # MKL's threads
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """Which GEMMs, on how many MKL threads, for a step of so many token rows: ``steps`` is
+    ``(up to rows, choice)`` ascending, the last (None) serving any more."""
+
+    steps: tuple[tuple[int | None, GemmChoice], ...]
+
+    @classmethod
+    def always(cls, route: str, threads: int) -> "GemmPlan":
+        return cls(((None, GemmChoice(route, threads)),))
+
+    def choice(self, rows: int) -> GemmChoice:
+        for up_to, c in self.steps:
+            if up_to is None or rows <= up_to:
+                return c
+        return self.steps[-1][1]
+
+    @property
+    def routes(self) -> frozenset[str]:
+        return frozenset(c.route for _, c in self.steps)
+
+    @property
+    def max_threads(self) -> int:
+        return max(c.threads for _, c in self.steps)
+
+    def __str__(self) -> str:
+        parts, lo = [], 1
+        for up_to, c in self.steps:
+            rows = f"{lo}+" if up_to is None else (f"{lo}-{up_to}" if up_to > lo else f"{lo}")
+            parts.append(f"{c.route} on {c.threads} thread(s) at {rows} rows")
+            lo = (up_to or lo) + 1
+        return ", ".join(parts)
+
+
 def fastest_gemms(
     pairs: list[tuple[paddle.Tensor, "PackedLinear"]],
     routes: tuple[str, ...],
     threads: tuple[int, ...],
-    rows: int = 8,
+    rows: tuple[tuple[int, int | None], ...] = TIMED_ROWS,
     rounds: int = 3,
-) -> tuple[str, int]:
-    """The fastest (route, MKL threads) for a decode step's GEMMs (``pairs``: each weight and
-    its packed copy, every one of the model's), of ``routes`` (``eager``, ``packed``) on each
-    of ``threads``, timed here at ``rows`` rows: the faster of ``rounds`` passes each, after
-    one to warm up. Which wins is the machine's and the model's: on AMD EPYC packing halved
-    them at 8 rows on one thread; on an Intel Xeon two threads stream SmolLM2's weights ~1.6x
-    faster than one, while a model whose weights fit in the caches loses by a second thread
-    (bench/README.md, "two worker CPUs"). So it is measured where the model runs, on its own
-    weights, whose size against the caches decides it. Leaves MKL at the threads it returns.
-    More threads than the fewest are chosen only when they are at least 10% faster."""
+) -> GemmPlan:
+    """The fastest (route, MKL threads) for a step's GEMMs (``pairs``: weights and their packed
+    copies, as the model streams them) at each of ``rows``' row counts, of ``routes``
+    (``eager``, ``packed``) on each of ``threads``: the faster of ``rounds`` passes each, after
+    one to warm up. Which wins is the machine's, the model's and the rows': on AMD EPYC packing
+    halved them at 8 rows on one thread; on an Intel Xeon whose one core streams 5 GB/s, eager
+    GEMMs on two threads took half the time of packed ones at one row and 0.8x at 32 rows, where
+    packed ones gained nothing by a second thread below 64 rows (MKL splits a packed product by
+    its rows); a model whose weights fit in the caches loses by a second thread
+    (bench/README.md, "two worker CPUs" and "a GEMM plan by rows"). So it is measured where the
+    model runs, on its own weights, whose size against the caches decides it. More threads than
+    the fewest are chosen only where they are at least 10% faster."""
+    steps = []
+    for n, up_to in rows:
+        route, th = _fastest_at(pairs, routes, threads, n, rounds)
+        steps.append((up_to, GemmChoice(route, th)))
+    return GemmPlan(tuple(steps))
+
+
+def _fastest_at(pairs, routes, threads, rows: int, rounds: int) -> tuple[str, int]:
     import time
 
     xs = {}
@@ -131,9 +191,12 @@ def fastest_gemms(
     # than the GEMMs show (engine/affinity.py)
     one = min((k for k in best if k[1] == min(threads)), key=best.__getitem__)
     more = min(best, key=best.__getitem__)
-    choice = more if best[more] < 0.9 * best[one] else one
-    use_threads(choice[1])
-    return choice
+    log.debug(
+        "GEMMs at %d rows: %s",
+        rows,
+        ", ".join(f"{r} on {n}: {t * 1e3:.1f} ms" for (r, n), t in best.items()),
+    )
+    return more if best[more] < 0.9 * best[one] else one
 
 
 class PackedLinear:
