@@ -62,6 +62,7 @@ class Emitter:
         request_timeout_s: float,
         dropped: Callable[[list[str]], None],
         metrics: Any = None,
+        released: Callable[[], None] | None = None,
     ) -> None:
         self.engine_id = engine_id
         self.keys = keys
@@ -74,6 +75,10 @@ class Emitter:
         # Aborted requests some step in flight holds: the runner is told to leave them out.
         self.dropped = dropped
         self.metrics = metrics
+        # Blocks came back: the engine's gauges (running, waiting, free blocks) are read now, on
+        # every path that releases (a step's result, a queued step that left a request out, an
+        # abort of a request no step held), not at the next step's fold-in, a step later.
+        self.released = released
 
     def emit(
         self,
@@ -88,6 +93,7 @@ class Emitter:
         now = time.time()
         ts = int(now * 1000)
         drop: list[str] = []
+        released = False
         # abort_requested of requests with no record here (a tombstone's story, written
         # whole in one call): their blocks_released follows in the same call.
         noted: dict[str, float] = {}
@@ -124,6 +130,7 @@ class Emitter:
                 if self.sched.in_flight(rid):
                     drop.append(rid)
             elif isinstance(ev, BlocksReleased):
+                released = True
                 if live is not None:
                     t, live.abort_noted_at = live.abort_noted_at, None
                 else:
@@ -150,6 +157,8 @@ class Emitter:
             else:
                 ev = replace(ev, ts=ts)
             put(story(rid), ev)
+        if released and self.released is not None:
+            self.released()
         if drop:
             # A step queued behind the running one (async scheduling) may not have started:
             # the runner leaves these out of it, and their blocks come back after the running

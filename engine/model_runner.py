@@ -32,6 +32,7 @@ from engine.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from engine.runners import InProcessRunner
 from engine.sampler import Sampler, token_logprobs
 from engine.sequence import PLACEHOLDER
+from engine.step_cut import StepCut
 
 log = logging.getLogger("engine.model_runner")
 
@@ -144,11 +145,13 @@ class ModelRunner(InProcessRunner):
 
     # ------------------------------------------------------------------ step
 
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+    def execute(self, out: SchedulerOutput, cut: StepCut | None = None) -> RunnerOutput:
         """Run one step. A step that raises is run again one request at a time (:meth:`_isolate`),
         so a request that breaks it fails alone (``RunnerOutput.failed``) and the others get
         their tokens. A request that failed has no token for the placeholder its decode in the
-        next step feeds: that share fails at once, without breaking the next step too."""
+        next step feeds: that share fails at once, without breaking the next step too.
+        ``cut``: aborts that land while the step runs (engine/step_cut.py); a request it
+        stopped writing has no token, as if the step had left it out, and is not run again."""
         lost, self._lost = self._lost, frozenset()
         doomed: dict[str, str] = {}
         if lost:
@@ -161,7 +164,7 @@ class ModelRunner(InProcessRunner):
                 out = replace(out, seqs=tuple(s for s in out.seqs if s.request_id not in doomed))
         last = self._last_sampled
         try:
-            result = self._step(out)
+            result = self._step(out, cut)
         except Exception:  # noqa: BLE001 - whose it is, the requests one at a time tell
             log.warning(
                 "step %d failed; running its %d request(s) one at a time",
@@ -171,7 +174,13 @@ class ModelRunner(InProcessRunner):
             )
             result = None
         if result is None:  # (out of the handler: each request's failure is told on its own)
+            if cut is not None and cut.stopped:  # (their blocks may be another's by now)
+                out = replace(out, seqs=tuple(s for s in out.seqs if s.request_id not in cut.stopped))
             result = self._isolate(out, last)
+        elif cut is not None and cut.stopped:  # (half-computed: as if left out of the step)
+            result = replace(
+                result, sampled={r: t for r, t in result.sampled.items() if r not in cut.stopped}
+            )
         if doomed:
             result = replace(result, failed={**result.failed, **doomed})
         self._lost = frozenset(result.failed)
@@ -209,11 +218,13 @@ class ModelRunner(InProcessRunner):
             failed=failed,
         )
 
-    def _step(self, out: SchedulerOutput) -> RunnerOutput:
+    def _step(self, out: SchedulerOutput, cut: StepCut | None = None) -> RunnerOutput:
         if not out.seqs:
             return RunnerOutput(step=out.step, sampled={})
         scored: list = []
         batch, sampled = self.prepare(out.seqs, scored)
+        if cut is not None:
+            batch.new_slots = self._cut_slots(out.seqs, batch, cut)
         embed = [i for i, s in enumerate(sampled) if s.sampling.embed]
         embeddings: dict[str, bytes] = {}
         if scored or embed:
@@ -271,6 +282,31 @@ class ModelRunner(InProcessRunner):
             prompt_logprobs=prompt_lp,
             embeddings=embeddings,
         )
+
+    def _cut_slots(self, seqs: Sequence[ScheduledSeq], batch: ForwardBatch, cut: StepCut):
+        """The model's per-layer question (ForwardBatch.new_slots): the slot mapping with the
+        rows of requests ``cut`` stops sent to the trash slot, once they are asked for."""
+        spans: dict[str, tuple[int, int]] = {}
+        row = 0
+        for s in seqs:  # (each request's rows, as prepare() lays them out)
+            spans[s.request_id] = (row, row + len(s.token_ids))
+            row += len(s.token_ids)
+        slots: list[np.ndarray] = []  # the mapping as cut so far
+
+        def new_slots():
+            stop = cut.take()
+            if not stop:
+                return None
+            if not slots:
+                slots.append(batch.slot_mapping.numpy().copy())
+            for rid in stop:
+                a, b = spans[rid]
+                slots[0][a:b] = self.model.trash_slot
+            mapping = self.model.tensor(slots[0])
+            cut.stopped_writing(stop)
+            return mapping
+
+        return new_slots
 
     def _prompt_logprobs(self, h, n: int, scored: list) -> dict[str, tuple[int, tuple]]:
         """The prompt tokens' log-probabilities of the seqs that asked, from the hidden rows

@@ -180,6 +180,7 @@ class EngineNode:
             cfg.request_timeout_s,
             self._dropped,
             metrics,
+            released=self.heartbeat.publish_gauges,
         )
         self._emit = self.emitter.emit
         self.aborts = Aborts(
@@ -398,8 +399,7 @@ class EngineNode:
         an aborted request that only those steps held is released at once."""
         evs = self.sched.finished(step, ran)
         if evs:
-            self._emit(evs)
-            self.heartbeat.publish_gauges()
+            self._emit(evs)  # (their blocks_released sets the gauges: Emitter.released)
             self.publisher.flush_soon()
 
     def _release_finished(self) -> None:

@@ -11,7 +11,8 @@ start, by that, never by feeling for methods:
   (``submit``), so the worker starts it as soon as the one before ends, and its loop reads the
   answers when the pipe is readable (``add_reader`` on ``fileno``, then ``take_ready``). An
   abort reaches the worker at once (``drop``), and the worker says which queued steps it
-  started without the request (:class:`Skipped`), so its blocks go back a step sooner.
+  started without the request, and when the running one stopped writing its KV
+  (:class:`Skipped`), so its blocks go back within a layer, not a step or two later.
 
 A pipelined runner's answers are typed records (:data:`Reply`): a step's
 :class:`~engine.outputs.RunnerOutput`, a :class:`Skipped` note, or a :class:`LoraDone`.
@@ -32,7 +33,8 @@ NO_LORA = "this engine's executor cannot load LoRA adapters"
 
 
 class Skipped(NamedTuple):
-    """The worker started in-flight ``step`` without these aborting requests (``drop``)."""
+    """In-flight ``step`` writes none of these aborting requests' KV (``drop``): the worker
+    started it without them, or, running, it stopped writing theirs (engine/step_cut.py)."""
 
     step: int
     request_ids: list[str]

@@ -272,9 +272,11 @@ class Scheduler:
         return events
 
     def skipped(self, step: int, request_ids: tuple[str, ...] | list[str]) -> list[Event]:
-        """The runner started in-flight ``step`` without these aborting requests (it was told
-        of their abort before it began the step): that step will not write their blocks, so
-        once no other step holds them they drain and release now, not when it returns."""
+        """In-flight ``step`` writes none of these aborting requests' blocks any more: the
+        runner started it without them (it was told of their abort before it began the step),
+        or stopped writing theirs as it ran (engine/step_cut.py). Once no other step holds them
+        they drain and release now, not when it returns; that step's result has no token for
+        them."""
         events: list[Event] = []
         out = next((o for o in self._in_flight if o.step == step), None)
         if out is None:

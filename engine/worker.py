@@ -26,6 +26,7 @@ from typing import Any, Callable, NamedTuple
 
 from engine.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from engine.runners import LoraDone, PipelinedRunner, Reply, Skipped
+from engine.step_cut import StepCut
 
 
 class WorkerError(RuntimeError):
@@ -163,11 +164,12 @@ class _Inbox:
     """The worker's end of the pipe, read by a thread of its own while a step runs.
 
     An abort's ``drop`` takes its requests out of the steps queued here at once and says so
-    (``skipped``) at once: their blocks go back when the running step ends, not when the step
-    queued behind it starts (a whole step later, which is where a client that hangs up just
-    after a token, as clients do, found itself). The running step is not touched: its tokens
-    for them are dropped by the engine. Steps, warm-ups and LoRA loads are taken in the order
-    sent; replies from both threads go through :meth:`send`, one at a time.
+    (``skipped``) at once, and asks the running step to stop writing their KV at its next
+    layer (:attr:`cut`, engine/step_cut.py), which says so when it has: their blocks go back
+    within a layer, not when the running step ends, nor when the step queued behind it starts
+    (a whole step later, which is where a client that hangs up just after a token, as clients
+    do, found itself). Steps, warm-ups and LoRA loads are taken in the order sent; replies from
+    both threads go through :meth:`send`, one at a time.
     """
 
     def __init__(self, conn) -> None:
@@ -176,6 +178,7 @@ class _Inbox:
         self._ready = threading.Condition()
         self._send = threading.Lock()
         self._steps = _StepDecoder()  # (decoded as they arrive: the parameter table stays in order)
+        self.cut = StepCut(self.send)  # the running step's aborts
         threading.Thread(target=self._read, name="fd-worker-inbox", daemon=True).start()
 
     def get(self) -> Any:
@@ -183,7 +186,10 @@ class _Inbox:
         with self._ready:
             while not self._queue:
                 self._ready.wait()
-            return self._queue.popleft()
+            msg = self._queue.popleft()
+            if isinstance(msg, SchedulerOutput):  # (under the lock: a drop finds it here or there)
+                self.cut.begin(msg)
+            return msg
 
     def send(self, reply: Any) -> None:
         with self._send:
@@ -213,6 +219,7 @@ class _Inbox:
         """Take ``rids`` out of every queued step up to ``step`` (every step that holds them
         was sent before the drop, so one not queued has started or is done)."""
         with self._ready:
+            self.cut.ask(step, rids)
             for i, out in enumerate(self._queue):
                 if not isinstance(out, SchedulerOutput) or out.step > step:
                     continue
@@ -296,10 +303,12 @@ def _worker_main(
                 continue
             t, wall = time.perf_counter(), time.time()
             try:
-                out = runner.execute(msg)
+                out = runner.execute(msg, inbox.cut)
             except Exception as e:  # noqa: BLE001 - its requests fail; the worker goes on
                 traceback.print_exc()
                 out = RunnerOutput.failure(msg, f"the model step failed: {type(e).__name__}: {e}")
+            finally:
+                inbox.cut.end()
             dt = time.perf_counter() - t
             ran = (int(wall * 1000), int((wall + dt) * 1000))
             send(

@@ -12,6 +12,7 @@ import pytest
 
 from control.connect import connect
 from control.events import Abort, AbortAll, AbortRequested, Claimed, Drained, Final, Tokens
+from control.metrics import Metrics
 from engine.journal_reader import load_journal_from_redis
 from engine.replay import replay
 from fd.compose import EngineOptions, start_engine
@@ -178,6 +179,41 @@ async def test_waiting_in_engine_abort_is_immediate(real_bus, engines):
     await story(real_bus, "run")
     await _all_free(eng.node)
     assert "w" not in gated.scheduled_ids()
+
+
+async def test_the_gauges_show_an_abort_release_before_the_next_step_ends(real_bus, engines):
+    # What a client polling /metrics sees: running + waiting fall the moment an abort gives
+    # the blocks back, not when a later step is folded in (the heartbeat, which also sets the
+    # gauges, is out of the way: once at start, then after 60 s)
+    metrics = Metrics()
+    eng, gated = await engines(max_num_batched_tokens=16, metrics=metrics, heartbeat_s=60.0)
+    gated.close()
+    await submit_together(
+        real_bus,
+        [
+            ("run", list(range(10, 58)), {"max_tokens": 400, "ignore_eos": True}),
+            ("w", PROMPT, {"max_tokens": 4}),
+        ],
+    )
+    await gated.wait_entered(lambda out: any(s.request_id == "run" for s in out.seqs))
+    await story(real_bus, "w", until=Claimed)
+    await _abort(real_bus, "w")
+    await story(real_bus, "w")
+    sched = eng.node.sched
+
+    def gauge(name: str) -> float:
+        line = next(x for x in metrics.render().decode().splitlines() if x.startswith(name + " "))
+        return float(line.split()[1])
+
+    assert gated.held is not None  # no step has ended since the abort
+    assert (gauge("fd_num_requests_running"), gauge("fd_num_requests_waiting")) == (1.0, 0.0)
+    assert gauge("fd_kv_blocks_free") == sched.num_free_blocks < sched.num_total_blocks
+    gated.open()
+    await _abort(real_bus, "run")
+    await story(real_bus, "run")
+    await _all_free(eng.node)
+    assert gauge("fd_num_requests_running") + gauge("fd_num_requests_waiting") == 0
+    assert gauge("fd_kv_blocks_free") == sched.num_total_blocks
 
 
 async def test_mid_chunked_prefill_abort(real_bus, engines):

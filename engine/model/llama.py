@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 import paddle
@@ -200,6 +200,10 @@ class ForwardBatch:
     logits_index: paddle.Tensor  # [Np] rows to compute logits for, Np a multiple of ROW_ALIGN
     # LoRA adapters of the batch: (slot, the token rows of its requests); empty: the base only
     lora: tuple[tuple[int, paddle.Tensor], ...] = ()
+    # Asked before each layer writes its KV: a new slot mapping when the step is to stop
+    # writing some requests' blocks (their rows then write the trash slot), else None
+    # (engine/step_cut.py: an abort that lands while the step runs)
+    new_slots: Callable[[], paddle.Tensor | None] | None = None
 
 
 class Llama:
@@ -645,10 +649,8 @@ class Llama:
             for g in b.groups
         ]
         # each token's row of each KV head in the head-major cache (allocate_kv_cache)
-        rows = paddle.add(
-            b.slot_mapping.unsqueeze(0),
-            paddle.arange(0, kvh * self.num_slots, self.num_slots, dtype="int64").unsqueeze(1),
-        ).reshape([-1])
+        heads_of_slots = paddle.arange(0, kvh * self.num_slots, self.num_slots, dtype="int64").unsqueeze(1)
+        rows = paddle.add(b.slot_mapping.unsqueeze(0), heads_of_slots).reshape([-1])
         n = b.slot_mapping.shape[0]
         # each group's context as rows of the cache seen as [kvh * blocks, block_size * hd]:
         # one gather of whole rows (axis 0) copies it faster than index_select on axis 1
@@ -658,6 +660,9 @@ class Llama:
         ctx_rows = [paddle.add(g.ctx_blocks.unsqueeze(0), heads).reshape([-1]) for g in b.groups]
 
         def paged(i: int, q, k, v):
+            nonlocal rows
+            if b.new_slots is not None and (slots := b.new_slots()) is not None:
+                rows = paddle.add(slots.unsqueeze(0), heads_of_slots).reshape([-1])
             paddle.scatter_(
                 self.k_slots[i], rows, k.transpose([1, 0, 2]).reshape([kvh * n, hd]), overwrite=True
             )
