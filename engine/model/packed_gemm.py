@@ -136,10 +136,11 @@ def fastest_gemms(
     copies, as the model streams them) at each of ``rows``' row counts, of ``routes``
     (``eager``, ``packed``) on each of ``threads``: the faster of ``rounds`` passes each, after
     one to warm up. Which wins is the machine's, the model's and the rows': on AMD EPYC packing
-    halved them at 8 rows on one thread; on an Intel Xeon whose one core streams 5 GB/s, eager
-    GEMMs on two threads took half the time of packed ones at one row and 0.8x at 32 rows, where
-    packed ones gained nothing by a second thread below 64 rows (MKL splits a packed product by
-    its rows); a model whose weights fit in the caches loses by a second thread
+    halved them at 8 rows on one thread; on an Intel Xeon whose one core streams 5 GB/s, with
+    the weights packed for two threads (:class:`PackedLinear` packs for the threads set then),
+    eager GEMMs on two threads were fastest at one row (0.75x packed ones) and packed ones at 8
+    and 32 (0.5x and 0.6x eager ones); a model whose weights fit in the caches loses by a
+    second thread
     (bench/README.md, "two worker CPUs" and "a GEMM plan by rows"). So it is measured where the
     model runs, on its own weights, whose size against the caches decides it. More threads than
     the fewest are chosen only where they are at least 10% faster."""
@@ -201,7 +202,9 @@ def _fastest_at(pairs, routes, threads, rows: int, rounds: int) -> tuple[str, in
 
 class PackedLinear:
     """``x @ w`` for float32 ``x`` [rows, in] on the CPU and a fixed ``w`` [in, out], packed
-    once, computed with as many MKL threads as :func:`use_threads` set for the calling thread."""
+    once, computed with as many MKL threads as :func:`use_threads` set for the calling thread.
+    MKL lays the packed copy out for the threads set when it packs: a copy packed on one
+    thread gains nothing from a second one below 64 rows."""
 
     def __init__(self, w: np.ndarray):
         lib = _mkl()
