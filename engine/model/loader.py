@@ -16,8 +16,9 @@ import struct
 import numpy as np
 from tqdm import tqdm
 
+from engine.model.checkpoint_layout import expected_shapes, fused_parts
 from engine.model.config import ModelConfig
-from engine.model.llama import Llama, expected_shapes, fused_parts
+from engine.model.llama import Llama
 
 _DTYPES = {
     "F32": np.float32,
