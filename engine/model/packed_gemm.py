@@ -140,10 +140,9 @@ def fastest_gemms(
     the weights packed for two threads (:class:`PackedLinear` packs for the threads set then),
     eager GEMMs on two threads were fastest at one row (0.75x packed ones) and packed ones at 8
     and 32 (0.5x and 0.6x eager ones); a model whose weights fit in the caches loses by a
-    second thread
-    (bench/README.md, "two worker CPUs" and "a GEMM plan by rows"). So it is measured where the
-    model runs, on its own weights, whose size against the caches decides it. More threads than
-    the fewest are chosen only where they are at least 10% faster."""
+    second thread (bench/README.md, "two worker CPUs" and "a GEMM plan by rows"). So it is
+    measured where the model runs, on its own weights, whose size against the caches decides
+    it. More threads than the fewest are chosen only where they are at least 10% faster."""
     steps = []
     for n, up_to in rows:
         route, th = _fastest_at(pairs, routes, threads, n, rounds)
