@@ -25,7 +25,7 @@ from control.endings import ABORT_REQUESTED, abort_story, error_final, usage
 from control.events import Claimed, Event, Request, Tokens
 from control.guided import GuidedError
 from control.guided import check as check_guided
-from control.keys import is_tombstone, owner_attempt, owner_token
+from control.keys import is_tombstone, owner_attempt, owner_engine, owner_token
 from engine import failover
 from engine.aborts import Aborts
 from engine.adapters import Adapters
@@ -229,9 +229,17 @@ class Admission:
                     await self.ack_copy(entry_id, rid)
                     return None
             elif not won:
+                log.info("claim lost", extra={"request_id": rid, "owner": current})
+                if owner_attempt(current) is not None:  # an engine's token
+                    # A peer owns it: it took this entry over while this engine sat between
+                    # reading it and owning it (paused, or its SET NX late), or it runs the
+                    # request under another entry. Either way the entry is the owner's now:
+                    # acknowledged here, it would leave the pending list, and once that owner
+                    # died no failover scan could find the request again.
+                    await failover.take_entry(self.bus, entry_id, owner_engine(current))
+                    return None
                 # An abort got here first (tombstone): the request is never prefilled. Its
                 # story is written by whoever flips the tombstone first, maybe this engine.
-                log.info("claim lost", extra={"request_id": rid, "owner": current})
                 if is_tombstone(current):
                     await self.aborts.write_tombstone_story(rid)
                     await self.publisher.flush()

@@ -18,6 +18,7 @@ import os
 import random
 import re
 import signal
+import sys
 import time
 
 import aiohttp
@@ -396,7 +397,7 @@ async def test_chaos_with_outside_faults(tmp_path, keys, tiny_model_dir, tiny_ru
                 )
 
         def launch(p):
-            tasks.append(asyncio.create_task(asyncio.wait_for(one(*p), 120)))
+            tasks.append(asyncio.create_task(asyncio.wait_for(one(*p), 120), name=p[0]))
 
         async def unfinished_on(engine_id: str, streaming: bool = False) -> list[str]:
             out = []
@@ -487,8 +488,18 @@ async def test_chaos_with_outside_faults(tmp_path, keys, tiny_model_dir, tiny_ru
                 )
                 await fault(faults[s_i])
         results = await asyncio.gather(*tasks, return_exceptions=True)
-        # no client hangs: each is bounded, and none ran into its bound
-        assert not [r for r in results if isinstance(r, BaseException)], results
+        # no client hangs: each is bounded, and none ran into its bound; a hung one's story says why
+        hung = {t.get_name(): r for t, r in zip(tasks, results) if isinstance(r, BaseException)}
+        assert not hung, {
+            rid: (
+                repr(r),
+                log.get(rid),
+                await bus.owner(rid),
+                [(eid, e.TYPE) for eid, e in await bus.read_req(rid)],
+                {n: (round(w0 - t_start, 2), round(w1 - t_start, 2)) for n, (w0, w1) in windows.items()},
+            )
+            for rid, r in hung.items()
+        } | {"pending": await bus.redis.xpending_range(keys.requests, "engines", "-", "+", 100)}
         elapsed = time.monotonic() - t_start
 
         # ---- every request's story
@@ -615,6 +626,8 @@ async def test_chaos_with_outside_faults(tmp_path, keys, tiny_model_dir, tiny_ru
         await engines.stop_all()
         proc.terminate()
         rc, out = reap(proc, 30)
+        if sys.exc_info()[0] is not None:  # the test failed: what P said belongs in the report
+            print(f"\n=== engine P's output (exit {rc}):\n{out[-12000:]}")
         await bus.redis.aclose()
         redis.stop()
     assert rc == 0, out[-3000:]  # P drained and exited on SIGTERM: it never died of input

@@ -98,6 +98,32 @@ async def test_abort_while_the_owner_is_dead_wins_over_the_takeover(real_bus, en
     await all_blocks_free(b.node)
 
 
+async def test_a_claim_that_loses_to_a_takeover_leaves_the_entry_with_its_owner(
+    real_bus, engines, tiny_runner, tiny_tokenizer
+):
+    """An engine that read a request and stalled before owning it (paused between its
+    XREADGROUP and its SET NX) finds a peer took the idle entry over meanwhile. It must leave
+    that entry pending, now the owner's: acknowledged, it would be gone from the pending list,
+    and once the owner died no failover scan could find the request again."""
+    n = 100
+    ref = _reference(tiny_runner, tiny_tokenizer, n)
+    await submit(real_bus, "r", PROMPT, max_tokens=n, ignore_eos=True)
+    ((entry, req),) = await real_bus.claim_requests("X", 1, None)  # X read it; then X stalled
+    a = await engines.start("A", delay=0.02)  # A's scan: pending on X, no owner: an orphan
+    await wait_for(lambda: _n_tokens(real_bus, "r"), what="A's takeover's first tokens")
+    x = await engines.start("X")
+    await x.node.admission.admit(entry, req)  # X's stalled claim goes on: the owner key names A
+    pending = await real_bus.redis.xpending_range(real_bus.keys.requests, "engines", "-", "+", 10)
+    assert [(p["message_id"], p["consumer"]) for p in pending] == [(entry, b"A")]
+    await kill(a)
+    evs = await story(real_bus, "r", timeout=20)
+    assert [(c.engine, c.attempt) for c in evs if isinstance(c, Claimed)] == [("A", 1), ("X", 2)]
+    assert tokens_of(evs) == ref.token_ids  # no token lost, none repeated
+    assert types(evs).count("final") == 1 and evs[-1].finish_reason == "length"
+    assert (await real_bus.redis.xpending(real_bus.keys.requests, "engines"))["pending"] == 0
+    await all_blocks_free(x.node)
+
+
 async def test_owner_takeover_is_a_compare_and_set(redis_server, keys):
     r1, r2 = connect(redis_server.url), connect(redis_server.url)
     try:

@@ -169,5 +169,52 @@ async def test_a_second_entry_of_one_request_runs_nothing_twice(engines, redis_s
         await client.aclose()
 
 
+async def test_a_copy_another_engine_claims_goes_to_the_owner_and_is_acked_after_the_final(
+    engines, redis_server, keys
+):
+    """The copy of a running request claimed by an engine that does not run it: the claim
+    loses to the owner's token, and the entry becomes the owner's (pending on its consumer,
+    never acknowledged by the loser); once the request has finished, the owner's failover scan
+    acknowledges it. One run, one final, and the stream is left empty."""
+    from tests.enginekit import story, tokens_of
+    from tests.faultkit import wait_for
+
+    client = connect(redis_server.url)
+    bus = Bus(client, keys)
+    try:
+        a = await engines.start("A", delay=0.02, max_num_seqs=1)  # busy with r: claims nothing more
+        req = Request(
+            request_id="r",
+            data=RequestData(
+                prompt_token_ids=(5, 6, 7),
+                sampling=SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+            ),
+            ts=TS,
+        )
+        assert await bus.submit(req, pair("r")[1])
+        await wait_for(lambda: _has_tokens(bus, "r"), 10, "r running on A")
+        await engines.start("B")
+        copy = await bus.publish(bus.keys.requests, req)
+
+        async def pending_on_a():
+            rows = await bus.redis.xpending_range(bus.keys.requests, "engines", "-", "+", 10)
+            return [(p["message_id"], p["consumer"]) for p in rows] == [(copy, b"A")]
+
+        await wait_for(pending_on_a, 10, "the copy pending on the owner A")
+        first = await story(bus, "r")
+
+        async def stream_empty():
+            return await bus.redis.xlen(bus.keys.requests) == 0
+
+        await wait_for(stream_empty, 10, "P:requests empty")
+        evs = [ev for _, ev in await bus.read_req("r")]
+        assert evs == first  # nothing after the final
+        assert types(evs).count("claimed") == 1 and types(evs).count("final") == 1
+        assert len(tokens_of(evs)) == 40
+        assert a.node.taken_over == 0  # (the scan acknowledged a finished request: nothing to run)
+    finally:
+        await client.aclose()
+
+
 async def _has_tokens(bus: Bus, rid: str) -> bool:
     return "tokens" in await story_types(bus, rid)
