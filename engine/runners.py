@@ -71,6 +71,9 @@ class InProcessRunner(Protocol):
     def unload_lora(self, name: str) -> None:
         raise NotImplementedError(NO_LORA)
 
+    def close(self) -> None:
+        """Let go of what the runner holds beyond its objects (nothing, for most)."""
+
 
 class PipelinedRunner(Protocol):
     """Fed steps down a pipe; its answers are read by the node's event loop."""
@@ -104,6 +107,10 @@ class PipelinedRunner(Protocol):
         ...
 
     def unload_lora(self, name: str) -> None: ...
+
+    def close(self) -> None:
+        """Stop the process that computes the steps."""
+        ...
 
 
 Runner = Union[InProcessRunner, PipelinedRunner]

@@ -222,9 +222,8 @@ class RunningEngine:
         await asyncio.gather(self.task, return_exceptions=True)
         await self.node.bus.redis.aclose()
         await self.node.control_bus.redis.aclose()
-        close = getattr(self.node.runner, "close", None)
-        if close is not None and self.owns_runner:
-            close()  # a model worker process
+        if self.owns_runner:
+            self.node.runner.close()  # (a model worker process, for one that runs in its own)
 
 
 @dataclass
@@ -344,7 +343,7 @@ async def start_engine(
     try:
         await node.prepare()
     except BaseException:
-        if owns_runner and hasattr(runner, "close"):
+        if owns_runner:
             runner.close()  # a model worker must not outlive a failed start
         raise
     task = asyncio.create_task(node.run(), name=f"engine-{engine_id}")
