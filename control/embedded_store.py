@@ -135,6 +135,8 @@ class _Direct:
                     continue
                 if stream is False:
                     return None
+                if stream.last_item_key() == after:
+                    continue  # (read to its end already: most keys, on a wake-up for another's write)
                 try:
                     start = StreamRangeTest(StreamEntryKey.parse_str(after), True)
                 except Exception:
