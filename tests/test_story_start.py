@@ -133,14 +133,7 @@ async def test_a_second_entry_of_one_request_runs_nothing_twice(engines, redis_s
     try:
         eng = await engines.start("A", delay=0.02, gated=True)
         _, acc = pair("r")
-        req = Request(
-            request_id="r",
-            data=RequestData(
-                prompt_token_ids=(5, 6, 7),
-                sampling=SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
-            ),
-            ts=TS,
-        )
+        req = _greedy("r", max_tokens=12)
         assert await bus.submit(req, acc)
         await wait_for(lambda: _has_tokens(bus, "r"), 10, "r running")
         await bus.publish(bus.keys.requests, req)  # the copy, while it runs
@@ -183,14 +176,7 @@ async def test_a_copy_another_engine_claims_goes_to_the_owner_and_is_acked_after
     bus = Bus(client, keys)
     try:
         a = await engines.start("A", delay=0.02, max_num_seqs=1)  # busy with r: claims nothing more
-        req = Request(
-            request_id="r",
-            data=RequestData(
-                prompt_token_ids=(5, 6, 7),
-                sampling=SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
-            ),
-            ts=TS,
-        )
+        req = _greedy("r", max_tokens=40)
         assert await bus.submit(req, pair("r")[1])
         await wait_for(lambda: _has_tokens(bus, "r"), 10, "r running on A")
         await engines.start("B")
@@ -214,6 +200,12 @@ async def test_a_copy_another_engine_claims_goes_to_the_owner_and_is_acked_after
         assert a.node.taken_over == 0  # (the scan acknowledged a finished request: nothing to run)
     finally:
         await client.aclose()
+
+
+def _greedy(rid: str, max_tokens: int) -> Request:
+    """A greedy request of a three-token prompt that runs to ``max_tokens``."""
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return Request(request_id=rid, data=RequestData(prompt_token_ids=(5, 6, 7), sampling=sampling), ts=TS)
 
 
 async def _has_tokens(bus: Bus, rid: str) -> bool:
