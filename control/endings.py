@@ -11,7 +11,6 @@ OpenAI's. Pure values only: no I/O, no clock.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Collection
 
 from control.events import AbortRequested, BlocksReleased, Drained, Event, Final
@@ -116,7 +115,7 @@ def tombstone_story(request_id: str, source: str, engine: str = "") -> list[Even
     return abort_story(request_id, source, usage(0, 0), engine=engine)
 
 
-def timed_out(ev: Final, timeout_s: float) -> Final:
-    """The ``final`` of a request the watchdog aborted (``source=timeout``): an error, not an
-    abort, saying why."""
-    return replace(ev, finish_reason="error", error=f"no progress for {timeout_s:g} s (request timeout)")
+def timeout_error(timeout_s: float) -> str:
+    """Why the watchdog ended a request (``source=timeout``): its ``final`` is an error, not
+    an abort."""
+    return f"no progress for {timeout_s:g} s (request timeout)"

@@ -24,7 +24,7 @@ import time
 from typing import Any, Callable, Mapping
 
 from control.bus import Bus
-from control.endings import tombstone_story
+from control.endings import timeout_error, tombstone_story
 from control.entry_ids import entry_id_key
 from control.events import Abort, AbortAll, Event
 from control.fence import Refused
@@ -212,8 +212,8 @@ class Aborts:
     async def watch_timeouts(
         self, limit_s: float, sleep: Callable[[float], Any], stopping: Callable[[], bool]
     ) -> None:
-        """Abort each request with no new token for ``limit_s`` (``source=timeout``); its
-        ``final`` then says ``error`` (control.endings.timed_out)."""
+        """Abort each request with no new token for ``limit_s`` (``source=timeout``), as a
+        failure: the scheduler ends it with ``final finish_reason=error`` saying why."""
         while not stopping():
             await sleep(min(0.1, limit_s / 4))
             now = time.monotonic()
@@ -230,7 +230,7 @@ class Aborts:
                 log.warning("request timed out", extra={"request_id": rid, "engine": self.engine_id})
                 live.timed_out = True
                 self.count("timeout")
-                self.emit(self.sched.abort(rid, "timeout"))
+                self.emit(self.sched.abort(rid, "timeout", timeout_error(limit_s)))
             if late:
                 try:
                     await self.publisher.flush()

@@ -1,8 +1,18 @@
-"""Knobs of the sans-IO scheduler, validated once so the scheduler can trust them."""
+"""Knobs of the sans-IO scheduler, validated once so the scheduler can trust them.
+
+The defaults here are the scheduler's and the engine's alike: an engine's knob that is a
+scheduler's (``EngineConfig``, ``LLM``) takes its default from :func:`default`, so each is
+written once. Where the engine's default differs on purpose (prefix caching, the waiting cap,
+the model's own context), both say why.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
+from typing import Any
+
+#: What the ``scheduling_policy`` knob takes.
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +67,7 @@ class SchedulerConfig:
                 "SchedulerConfig.max_steps_in_flight must be 1 or 2 (a placeholder "
                 "stands only for the token of the step just before)"
             )
-        if self.scheduling_policy not in ("fcfs", "priority"):
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError("SchedulerConfig.scheduling_policy must be fcfs or priority")
         if self.long_prefill_threshold < 0:
             raise ValueError("SchedulerConfig.long_prefill_threshold must be >= 0")
@@ -66,3 +76,11 @@ class SchedulerConfig:
                 "without chunked prefill max_num_batched_tokens must be >= max_model_len, "
                 "or a long prompt (or a preempted request's recompute) could never be scheduled"
             )
+
+
+def default(name: str) -> Any:
+    """SchedulerConfig's default for the knob ``name``."""
+    return _DEFAULTS[name]
+
+
+_DEFAULTS = {f.name: f.default for f in fields(SchedulerConfig) if f.default is not MISSING}

@@ -22,7 +22,6 @@ import time
 from dataclasses import replace
 from typing import Any, Callable
 
-from control.endings import timed_out
 from control.events import AbortRequested, BlocksReleased, Claimed, Drained, Event, Final, Preempted, Tokens
 from control.keys import Keys
 from control.token_payloads import embedding_field, logprobs_field, prompt_logprobs_field
@@ -59,7 +58,6 @@ class Emitter:
         sched: Any,
         adapters: Adapters,
         lora: LoraLoader,
-        request_timeout_s: float,
         dropped: Callable[[list[str]], None],
         metrics: Any = None,
         released: Callable[[], None] | None = None,
@@ -71,7 +69,6 @@ class Emitter:
         self.sched = sched  # (the step a tail of text is stamped with; who is in flight)
         self.adapters = adapters
         self.lora = lora
-        self.request_timeout_s = request_timeout_s
         # Aborted requests some step in flight holds: the runner is told to leave them out.
         self.dropped = dropped
         self.metrics = metrics
@@ -141,8 +138,6 @@ class Emitter:
                 self._ended(rid, live)
                 if silent:
                     continue  # its new owner acks it and writes its final
-                if live is not None and live.timed_out:
-                    ev = timed_out(ev, self.request_timeout_s)
                 if live is not None:
                     req = live.request
                     if req.data.parent:  # see RequestData.parent

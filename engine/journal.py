@@ -12,7 +12,7 @@ Format of one call (JSON, in ``JournalStep.data["calls"]``)::
 
     {"op": "add", "rid": ..., "data": RequestData.to_json(), "ev": [...], "free": n}
         (plus "gen": [token ids] when the request resumes another engine's generation)
-    {"op": "abort", "rid": ..., "source": ..., "ev": [...], "free": n}
+    {"op": "abort", "rid": ..., "source": ..., ["error": ...,] "ev": [...], "free": n}
     {"op": "abort_all", "source": ..., "ev": [...], "free": n}
     {"op": "schedule", "out": [step, num_batched_tokens, [seq...]], "ev": [...], "free": n}
     {"op": "skip", "step": n, "rids": [...], "ev": [...], "free": n}
@@ -285,10 +285,11 @@ class JournalRecorder:
             call["gen"] = [int(t) for t in generated]
         return self._record(call, self.scheduler.add, request_id, data, tuple(generated))
 
-    def abort(self, request_id: str, source: str) -> list[Event]:
-        return self._record(
-            {"op": "abort", "rid": request_id, "source": source}, self.scheduler.abort, request_id, source
-        )
+    def abort(self, request_id: str, source: str, error: str | None = None) -> list[Event]:
+        call: dict[str, Any] = {"op": "abort", "rid": request_id, "source": source}
+        if error is not None:
+            call["error"] = error
+        return self._record(call, self.scheduler.abort, request_id, source, error)
 
     def abort_all(self, source: str) -> list[Event]:
         return self._record({"op": "abort_all", "source": source}, self.scheduler.abort_all, source)

@@ -11,8 +11,9 @@ from dataclasses import dataclass, field, replace
 from control.events import Final, Tokens
 from control.request_data import RequestData
 from control.sampling import SamplingParams
-from engine.config import SchedulerConfig
+from engine.config import SchedulerConfig, default
 from engine.detokenizer import IncrementalDetokenizer
+from engine.node_config import EngineConfig
 from engine.scheduler import Scheduler
 
 
@@ -34,11 +35,11 @@ class LLM:
         runner,
         tokenizer,
         *,
-        block_size: int = 16,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
+        block_size: int = default("block_size"),
+        max_num_seqs: int = default("max_num_seqs"),
+        max_num_batched_tokens: int = default("max_num_batched_tokens"),
         async_scheduling: bool = False,
-        enable_prefix_caching: bool = True,
+        enable_prefix_caching: bool = EngineConfig.enable_prefix_caching,
     ):
         self.runner = runner
         self.tokenizer = tokenizer

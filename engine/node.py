@@ -177,7 +177,6 @@ class EngineNode:
             self.sched,
             self.adapters,
             self.lora,
-            cfg.request_timeout_s,
             self._dropped,
             metrics,
             released=self.heartbeat.publish_gauges,

@@ -13,14 +13,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from control.bus import TOMBSTONE_TTL_S
+from engine.config import SCHEDULING_POLICIES, default
 
 
 @dataclass
 class EngineConfig:
     engine_id: str
-    block_size: int = field(default=16, metadata={"flag": "--block-size"})
-    max_num_seqs: int = field(default=64, metadata={"flag": "--max-num-seqs"})
-    max_num_batched_tokens: int = field(default=2048, metadata={"flag": "--max-num-batched-tokens"})
+    block_size: int = field(default=default("block_size"), metadata={"flag": "--block-size"})
+    max_num_seqs: int = field(default=default("max_num_seqs"), metadata={"flag": "--max-num-seqs"})
+    max_num_batched_tokens: int = field(
+        default=default("max_num_batched_tokens"), metadata={"flag": "--max-num-batched-tokens"}
+    )
     # At most this many claimed requests wait to start (what it cannot start soon stays in
     # Redis for another engine), so a step starts at most this many prompts of a burst that
     # is still coming in: a smaller cap puts the median request of a burst in an earlier,
@@ -64,7 +67,8 @@ class EngineConfig:
             "the engine loop)",
         },
     )
-    # Reuse the KV of prompt prefixes computed before (engine.block_manager); vLLM's default.
+    # Reuse the KV of prompt prefixes computed before (engine.block_manager); vLLM's default
+    # (a bare scheduler's is off, so its block arithmetic in tests is the plain one).
     enable_prefix_caching: bool = field(
         default=True,
         metadata={
@@ -76,10 +80,10 @@ class EngineConfig:
     )
     # vLLM's --scheduling-policy (SchedulerConfig); the API nodes take it too (`priority`)
     scheduling_policy: str = field(
-        default="fcfs",
+        default=default("scheduling_policy"),
         metadata={
             "flag": "--scheduling-policy",
-            "choices": ("fcfs", "priority"),
+            "choices": SCHEDULING_POLICIES,
             "help": "fcfs: requests start in arrival order; priority: by the request's "
             "`priority` (lower first), then arrival, and the lowest is preempted "
             "first (vLLM's). fd serve, fd api and fd engine must be given the same",

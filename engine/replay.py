@@ -218,7 +218,7 @@ class _Replayer:
                 if op == "add":
                     evs = s.add(c["rid"], _request_data(c["data"]), tuple(c.get("gen") or ()))
                 elif op == "abort":
-                    evs = s.abort(c["rid"], c["source"])
+                    evs = s.abort(c["rid"], c["source"], c.get("error"))
                 elif op == "abort_all":
                     evs = s.abort_all(c["source"])
                 elif op == "skip":

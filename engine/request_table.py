@@ -44,7 +44,7 @@ class Live:
     # This engine no longer speaks for it (handed back, or ownership lost): the scheduler
     # still winds it down, but none of its events is published.
     silent: bool = False
-    timed_out: bool = False  # aborted by the watchdog: its final says error, not abort
+    timed_out: bool = False  # aborted by the watchdog already (logged and counted once)
 
 
 class RequestTable:

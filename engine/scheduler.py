@@ -224,13 +224,16 @@ class Scheduler:
 
     # ------------------------------------------------------------------ aborts
 
-    def abort(self, request_id: str, source: str) -> list[Event]:
-        """Stage 1 of the abort protocol, and stages 2-3 too if no step is writing its blocks."""
+    def abort(self, request_id: str, source: str, error: str | None = None) -> list[Event]:
+        """Stage 1 of the abort protocol, and stages 2-3 too if no step is writing its blocks.
+        ``error``: why, when the abort is a failure rather than a wish (the watchdog's
+        timeout): the same stages, and a ``final`` that says ``error`` with it."""
         events: list[Event] = []
         seq = self._seqs.get(request_id)
         if seq is None or seq.done:
             return events  # unknown, finished (maybe awaiting a step), already aborting: no-op
         events.append(endings.abort_requested(request_id, source, self.step))
+        seq.error = error
         if request_id in self._in_flight_ids:
             seq.aborting = source  # finished() or update() drains and releases it
             self._aborting[request_id] = None
@@ -570,7 +573,7 @@ class Scheduler:
         """Stages 2 and 3 of an abort: no step can write its blocks any more."""
         self._aborting.pop(seq.request_id, None)
         events.append(endings.drained(seq.request_id, step, seq.num_discarded))
-        self._release(seq, "abort", None, events, step)
+        self._release(seq, "abort" if seq.error is None else "error", None, events, step)
 
     def _order(self, seq: Sequence) -> tuple[int, int]:
         """Who starts first and is preempted last: by arrival, or with the priority policy by

@@ -261,6 +261,30 @@ def test_recorded_run_covers_the_cases_and_replays_exactly(tmp_path):
     assert s["recorded_ms"] == run.t - run.entries[0].ts
 
 
+def test_a_timeout_abort_is_journaled_with_its_error_and_replays_to_the_same_final():
+    run = Run(Scheduler(CFG), "eng-1")
+    run.call("add", "a", req(6, max_tokens=12))
+    run.call("add", "b", req(5, max_tokens=12, start=40))
+    run.step()
+
+    def time_out_b(r):
+        r.call("abort", "b", "timeout", "no progress for 1 s (request timeout)")
+
+    evs = run.call("abort", "a", "timeout", "no progress for 1 s (request timeout)")
+    run.step(during=time_out_b)
+    for _ in range(20):
+        run.step()
+    finals = {e.request_id: e for e in run.events if isinstance(e, Final)}
+    assert set(finals) == {"a", "b"} and evs[-1] is finals["a"]
+    assert all(f.finish_reason == "error" and "request timeout" in f.error for f in finals.values())
+    calls = [c for e in run.entries[1:] for c in e.data["calls"] if c["op"] == "abort"]
+    assert [c.get("error") for c in calls] == ["no progress for 1 s (request timeout)"] * 2
+
+    report = replay(run.entries)
+    assert report.divergence is None, report.divergence.describe()
+    assert report.ok and report.summary()["finish_reasons"] == {"error": 2}
+
+
 def test_events_digested_match_what_the_scheduler_returned():
     run = record_run()
     recorded = [d for e in run.entries[1:] for c in e.data["calls"] for d in c.get("ev", [])]

@@ -170,6 +170,27 @@ def test_abort_in_flight_waits_for_the_step_and_discards_its_token():
     assert sched.schedule().empty
 
 
+def test_an_abort_with_an_error_ends_with_an_error_final_between_steps_and_in_flight():
+    """The watchdog's timeout is an abort that failed the request: the same stages, and the
+    scheduler's own final says error and why (nothing rewrites it later)."""
+    sched, runner = make()
+    sched.add("a", req(6, max_tokens=10))
+    sched.add("b", req(5, max_tokens=10, start=40))
+    step(sched, runner)
+    evs = sched.abort("a", "timeout", "no progress for 2 s (request timeout)")
+    assert kinds(evs) == ["AbortRequested", "Drained", "BlocksReleased", "Final"]
+    assert evs[0].source == "timeout"
+    assert evs[-1].finish_reason == "error" and evs[-1].error == "no progress for 2 s (request timeout)"
+    assert evs[-1].usage["completion_tokens"] == 1
+    out = sched.schedule()
+    assert sched.in_flight("b")
+    assert kinds(sched.abort("b", "timeout", "late")) == ["AbortRequested"]
+    evs = sched.update(out, runner.run(out))
+    assert kinds(evs) == ["Drained", "BlocksReleased", "Final"]
+    assert evs[-1].finish_reason == "error" and evs[-1].error == "late"
+    assert sched.num_free_blocks == sched.num_total_blocks and not sched.has_work()
+
+
 def test_abort_mid_chunked_prefill_between_steps_and_in_flight():
     sched, runner = make(max_num_batched_tokens=8)
     sched.add("a", req(20))
