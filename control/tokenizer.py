@@ -14,13 +14,37 @@ import copy
 import json
 import os
 from datetime import datetime
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import jinja2
 import jinja2.sandbox
 import tokenizers
 
 DEFAULT_MAX_MODEL_LEN = 2048
+
+
+class TokenizerLike(Protocol):
+    """What the API and the engine ask of a tokenizer: :class:`Tokenizer`, or a test's
+    stand-in, which must then say all of it (no capability is probed for)."""
+
+    #: ids at or past this are refused (the embedding table's size, added tokens included)
+    vocab_size: int
+    #: which ``dimensions`` /v1/embeddings may cut a vector to: a tuple, True (any), False (none)
+    matryoshka: tuple[int, ...] | bool
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+    def token_strs(self, ids: Sequence[int]) -> list[str]: ...
+
+    def is_special(self, token_id: int) -> bool: ...
+
+    def id_to_bytes(self, token_id: int) -> bytes: ...
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str: ...
 
 
 def served_context(asked: int | None, model: int) -> int:

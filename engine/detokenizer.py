@@ -12,6 +12,8 @@ from __future__ import annotations
 import codecs
 from typing import Any, Iterable
 
+from control.tokenizer import TokenizerLike
+
 
 def _never(_token_id: int) -> bool:
     return False
@@ -20,7 +22,7 @@ def _never(_token_id: int) -> bool:
 class IncrementalDetokenizer:
     def __init__(
         self,
-        tokenizer,
+        tokenizer: TokenizerLike,
         stop: tuple[str, ...] = (),
         include_stop_str_in_output: bool = False,
         min_tokens: int = 0,
@@ -28,7 +30,7 @@ class IncrementalDetokenizer:
         ending: frozenset[int] = frozenset(),
     ):
         self._tok = tokenizer
-        self._is_special = getattr(tokenizer, "is_special", _never) if skip_special_tokens else _never
+        self._is_special = tokenizer.is_special if skip_special_tokens else _never
         # Tokens that end the request (EOS, stop_token_ids): counted, never shown (vLLM's
         # rule; include_stop_str_in_output shows them), even when special tokens are.
         self._ending = frozenset() if include_stop_str_in_output else ending

@@ -18,12 +18,22 @@ class FakeTokenizer:
     """One token per UTF-8 byte: prompt lengths are easy to reason about."""
 
     vocab_size = 256
+    matryoshka = False
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(text.encode())
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return bytes(ids).decode(errors="replace")
+
+    def token_strs(self, ids) -> list[str]:
+        return [self.decode([t]) for t in ids]
+
+    def is_special(self, token_id: int) -> bool:
+        return False
+
+    def id_to_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id]) if 0 <= token_id < 256 else b""
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True, tools=None) -> str:
         offered = "".join(f"tool:{t['function']['name']}\n" for t in tools or ())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from test_api_validation import FakeTokenizer
 
 from control.tokenizer import Tokenizer
 from engine.detokenizer import IncrementalDetokenizer
@@ -103,11 +104,7 @@ def test_flush_of_an_incomplete_character(tok):
 def test_min_tokens_lets_a_stop_string_through_until_then():
     from engine.detokenizer import IncrementalDetokenizer
 
-    class Bytes:
-        def id_to_bytes(self, t):
-            return bytes([t])
-
-    d = IncrementalDetokenizer(Bytes(), stop=("b",), min_tokens=3)
+    d = IncrementalDetokenizer(FakeTokenizer(), stop=("b",), min_tokens=3)
     assert d.push(b"ab") == ("ab", None)  # 2 tokens: too early to stop
     assert d.push(b"cb") == ("c", "b")  # 4: the stop string ends it
 
@@ -117,11 +114,7 @@ def test_a_stop_string_that_straddles_min_tokens_ends_the_request_unleaked():
     vLLM matches it there (its check looks back a stop string's length); the part already
     generated was held back, so no client saw it."""
 
-    class Bytes:
-        def id_to_bytes(self, t):
-            return bytes([t])
-
-    d = IncrementalDetokenizer(Bytes(), stop=("STOP",), min_tokens=4)
+    d = IncrementalDetokenizer(FakeTokenizer(), stop=("STOP",), min_tokens=4)
     assert d.push(b"x") == ("x", None)
     assert d.push(b"S") == ("", None)  # could begin the stop string: held back, early as it is
     assert d.push(b"T") == ("", None)
@@ -131,14 +124,14 @@ def test_a_stop_string_that_straddles_min_tokens_ends_the_request_unleaked():
 
     # A stop string completed before min_tokens is ordinary text, also when a longer one's
     # beginning holds it back at the boundary ("y" inside the held "xy" of "xyz").
-    d = IncrementalDetokenizer(Bytes(), stop=("xyz", "y"), min_tokens=3)
+    d = IncrementalDetokenizer(FakeTokenizer(), stop=("xyz", "y"), min_tokens=3)
     assert d.push(b"x") == ("", None)
     assert d.push(b"y") == ("", None)
     assert d.push(b"q") == ("xyq", None)
     assert d.push(b"y") == ("", "y")
 
     # Held back before min_tokens and then not a stop string after all: all of it comes out.
-    d = IncrementalDetokenizer(Bytes(), stop=("STOP",), min_tokens=2)
+    d = IncrementalDetokenizer(FakeTokenizer(), stop=("STOP",), min_tokens=2)
     assert d.push(b"S") == ("", None)
     assert d.push(b"TX") == ("STX", None)
 

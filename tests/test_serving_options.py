@@ -12,6 +12,7 @@ import aiohttp
 import openai
 import pytest
 from test_api_streaming import wait_for
+from test_api_validation import FakeTokenizer
 
 from control.events import Final
 from control.sampling import SamplingParams
@@ -226,8 +227,8 @@ def test_generation_config_gives_defaults_a_cap_and_leaves_out_what_a_request_co
     ]
 
 
-class _Ids:
-    """Enough of a tokenizer for prompts given as token ids."""
+class _Ids(FakeTokenizer):
+    """The fake tokenizer, for prompts given as token ids only."""
 
     vocab_size = 512
 

@@ -28,6 +28,7 @@ from control.events import MAX_FIELD_BYTES, Abort
 from control.keys import ENGINE_ID_RE, REQUEST_ID_RE, choice_ids, is_tombstone
 from control.metrics import Metrics
 from control.mux import StreamMux
+from control.tokenizer import TokenizerLike
 from fd.api.cors import Cors
 from fd.api.errors import bad_request, conflict, id_taken, too_large, unavailable
 from fd.api.lora_admin import LoraNames
@@ -96,22 +97,21 @@ class ApiContext:
     metrics object. ``limits`` is replaced (never mutated) when run-time adapters change, so
     a handler reads it here at each request rather than keeping its own."""
 
-    def __init__(self, cfg: ApiConfig, bus: Bus, mux: StreamMux, tokenizer, metrics: Metrics):
+    def __init__(self, cfg: ApiConfig, bus: Bus, mux: StreamMux, tokenizer: TokenizerLike, metrics: Metrics):
         self._redis_suspect_until = 0.0  # see redis_failed()
         self._ignored_said: set[str] = set()  # request fields said to be ignored (say_ignored)
         self.cfg = cfg
         self.bus = bus
         self.mux = mux
         self.tokenizer = tokenizer
-        # what a token is, for log-probabilities (a tokenizer without it: empty strings)
-        self.token_bytes = getattr(tokenizer, "id_to_bytes", None)
+        self.token_bytes = tokenizer.id_to_bytes  # what a token is, for log-probabilities
         self.metrics = metrics
         self.limits = Limits(
             model_name=cfg.model_name,
             max_model_len=cfg.max_model_len,
             max_body_bytes=cfg.max_body_bytes,
             default_max_tokens=cfg.default_max_tokens,
-            vocab_size=getattr(tokenizer, "vocab_size", None),
+            vocab_size=tokenizer.vocab_size,
             tool_parser=cfg.tool_parser,
             sampling_defaults=dict(cfg.sampling_defaults),
             max_output_tokens=cfg.max_output_tokens,

@@ -21,11 +21,11 @@ from typing import Any
 import numpy as np
 
 from control.sampling import SamplingParams
+from control.tokenizer import TokenizerLike
 from fd.api.chat_template import chat_ids, chat_rendering, parse_messages, template_kwargs
 from fd.api.errors import bad_request
 from fd.api.validation import (
     Limits,
-    TokenizerLike,
     check_ids,
     check_model,
     is_bool,
@@ -146,7 +146,7 @@ def _dimensions(body: dict, tokenizer: TokenizerLike) -> int | None:
         return None
     if d < 1:
         raise bad_request("'dimensions' must be greater than 0.", "dimensions", "invalid_value")
-    m = getattr(tokenizer, "matryoshka", False)
+    m = tokenizer.matryoshka
     if not m:
         raise bad_request(
             "The model does not support matryoshka representation: changing the output "

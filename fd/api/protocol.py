@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from control.sampling import SamplingParams
+from control.tokenizer import TokenizerLike
 from fd.api.chat_template import (
     chat_ids,
     chat_rendering,
@@ -31,7 +32,6 @@ from fd.api.sampling import sampling_of, with_bad_words
 from fd.api.validation import (
     Body,
     Limits,
-    TokenizerLike,
     background_of,
     check_ids,
     check_model,
@@ -231,7 +231,7 @@ def parse_completion(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Ge
     if echo:
         # (what the model was given: a truncated prompt's kept tokens)
         echo_texts = tuple(
-            p if isinstance(p, str) and len(ids) == len(w) else _decode(ids, tokenizer)
+            p if isinstance(p, str) and len(ids) == len(w) else tokenizer.decode(list(ids))
             for p, w, ids in zip(batch, whole, prompts)
         )
         if logprobs is not None:  # the prompt's tokens are scored too
@@ -254,11 +254,6 @@ def parse_completion(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Ge
         return_token_ids=opt(body, "return_token_ids", is_bool, "a boolean", False),
         priority=priority,
     )
-
-
-def _decode(ids: tuple[int, ...], tokenizer: Any) -> str:
-    decode = getattr(tokenizer, "decode", None)
-    return decode(list(ids)) if decode is not None else ""
 
 
 def _prompt_ids(prompt: Any, limits: Limits, tokenizer: TokenizerLike) -> tuple[int, ...]:

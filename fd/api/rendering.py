@@ -13,7 +13,7 @@ from typing import Any, Callable
 import orjson
 
 from control.endings import usage
-from control.events import Final
+from control.events import Accepted, Final
 from control.token_payloads import logprobs_entries, prompt_logprob_ranks, prompt_logprobs_entries
 from fd.api.bodies import (
     chat_chunk,
@@ -214,12 +214,12 @@ class Renderer:
         return chunk
 
     # -- streaming
-    def accept(self, accepted: Any) -> None:
+    def accept(self, accepted: Accepted) -> None:
         """What an ``accepted`` event says of the rendering beyond the constructor's, so every
         replica renders as the original did."""
-        self.tokens_as_ids = bool(getattr(accepted, "tokens_as_ids", None))
-        self.prompt_scores_k = getattr(accepted, "prompt_logprobs", None)
-        ids = getattr(accepted, "prompt_ids", None)
+        self.tokens_as_ids = bool(accepted.tokens_as_ids)
+        self.prompt_scores_k = accepted.prompt_logprobs
+        ids = accepted.prompt_ids
         if ids is not None:
             self.prompt_ids = list(ids)
 
@@ -229,7 +229,7 @@ class Renderer:
         caller takes :meth:`token_chunks`, not :meth:`token_json`."""
         return False
 
-    def start_chunks(self, accepted: Any = None) -> list[dict]:
+    def start_chunks(self, accepted: Accepted | None = None) -> list[dict]:
         """Rendered for the ``accepted`` event."""
         if accepted is not None:
             self.accept(accepted)
@@ -383,20 +383,20 @@ class ChatRenderer(Renderer):
     def _prompt_place(self, body: dict) -> dict:
         return body  # (beside the choices)
 
-    def accept(self, accepted: Any) -> None:
-        mode = getattr(accepted, "tool_parser", None)
+    def accept(self, accepted: Accepted) -> None:
+        mode = accepted.tool_parser
         if mode and self.tools is None and self.forced is None:
             if mode in TOOL_PARSERS:
                 self.tools, self._tool_kind = make_parser(mode), mode
             else:  # "required" / "named:<function>": the whole output is the call(s)
                 self.forced = mode
-        kind = getattr(accepted, "reasoning_parser", None)
+        kind = accepted.reasoning_parser
         if kind and self.reasoning is None and self.forced is None:
             try:
                 self.reasoning = ReasoningParser(kind)
             except ValueError:  # (a story of a later release, with a parser this one lacks)
                 pass
-        self.show_reasoning = getattr(accepted, "include_reasoning", None) is not False
+        self.show_reasoning = accepted.include_reasoning is not False
         super().accept(accepted)
 
     @property
@@ -465,7 +465,7 @@ class ChatRenderer(Renderer):
             return fr
         return "tool_calls" if called and fr == "stop" else fr
 
-    def start_chunks(self, accepted: Any = None) -> list[dict]:
+    def start_chunks(self, accepted: Accepted | None = None) -> list[dict]:
         """Chat announces the assistant role first."""
         super().start_chunks(accepted)
         return [self._with_ids(self._delta_chunk({"role": "assistant", "content": ""}))]
@@ -549,8 +549,8 @@ class CompletionRenderer(Renderer):
     def _prompt_place(self, body: dict) -> dict:
         return body["choices"][0]  # (in the choice)
 
-    def accept(self, accepted: Any) -> None:
-        if getattr(accepted, "echo", None) is not None:
+    def accept(self, accepted: Accepted) -> None:
+        if accepted.echo is not None:
             self.echo = accepted.echo
             self.echo_only = bool(accepted.echo_only)
         super().accept(accepted)

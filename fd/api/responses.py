@@ -24,14 +24,15 @@ import dataclasses
 import re
 from typing import Any, Callable
 
-from control.events import Final
+from control.events import Accepted, Final
 from control.token_payloads import logprobs_entries
+from control.tokenizer import TokenizerLike
 from fd.api.bodies import final_error, final_usage
 from fd.api.errors import ApiError, bad_request
 from fd.api.protocol import GenerationRequest, parse_chat
 from fd.api.reasoning import REASONING, ReasoningParser
 from fd.api.tool_calls import PARSERS, ToolCall, call_id, forced_calls, make_parser
-from fd.api.validation import Body, Limits, TokenizerLike, is_int, opt
+from fd.api.validation import Body, Limits, is_int, opt
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 #: chat's fields that mean nothing here (several choices, chat's log-probabilities): left out
@@ -311,17 +312,17 @@ class ResponsesRenderer:
         self.forced: str | None = None  # tool_choice required / named: the answer is the call(s)
         self.starting_after = -1  # OpenAI's: a resumed stream sends the events after this one
 
-    def accept(self, accepted: Any) -> None:
+    def accept(self, accepted: Accepted | None) -> None:
         """The parsers the ``accepted`` event names (as :meth:`rendering.Renderer.accept`)."""
         if accepted is None:
             return
-        mode = getattr(accepted, "tool_parser", None)
+        mode = accepted.tool_parser
         if mode and self.tools is None and self.forced is None:
             if mode in PARSERS:
                 self.tools, self._tool_kind = make_parser(mode), mode
             else:
                 self.forced = mode
-        kind = getattr(accepted, "reasoning_parser", None)
+        kind = accepted.reasoning_parser
         if kind and self.reasoning is None and self.forced is None:
             try:
                 self.reasoning = ReasoningParser(kind)
@@ -561,7 +562,7 @@ class ResponsesRenderer:
         return [e for e in events if e["sequence_number"] > self.starting_after]
 
     # -- the interface of rendering.Renderer
-    def start_chunks(self, accepted: Any = None) -> list[dict]:
+    def start_chunks(self, accepted: Accepted | None = None) -> list[dict]:
         self.accept(accepted)
         opened = self._response("in_progress")
         return self._shown(

@@ -13,8 +13,9 @@ import orjson
 
 from control.guided import GuidedError, canonical, check
 from control.sampling import MAX_REPETITION_PENALTY, SamplingParams
+from control.tokenizer import TokenizerLike
 from fd.api.errors import ApiError, bad_request
-from fd.api.validation import Limits, TokenizerLike, check_ids, is_bool, is_int, is_num, lora_of, opt
+from fd.api.validation import Limits, check_ids, is_bool, is_int, is_num, lora_of, opt
 
 
 def sampling_of(

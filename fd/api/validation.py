@@ -12,19 +12,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import orjson
 
 from control.sampling import MAX_LOGPROBS
 from fd.api.errors import bad_request, not_found, too_large
-
-
-class TokenizerLike(Protocol):
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
-
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
-
 
 MAX_BODY_BYTES = 4 << 20  # a request body's size, unless the server says otherwise
 DEFAULT_MAX_TOKENS = 16  # completions' max_tokens when a request gives none (OpenAI's)
