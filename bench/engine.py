@@ -130,12 +130,12 @@ def run_llm(llm, runner: TimedRunner, batch: int, max_tokens: int, seed: int) ->
 
 
 class FinalCounter:
-    """Wraps the node's ``publish_many``: notes when the last expected ``final`` went out, and
-    how long the loop spent awaiting publishes."""
+    """Wraps the node's ``publish_owned`` (its flush, through the fence): notes when the last
+    expected ``final`` went out, and how long the loop spent awaiting publishes."""
 
     def __init__(self, bus):
         self.bus = bus
-        self.inner = bus.publish_many
+        self.inner = bus.publish_owned
         self.expect = 0
         self.finals = 0
         self.done = asyncio.Event()
@@ -143,20 +143,20 @@ class FinalCounter:
         self.publish_s = 0.0
         self.publishes = 0
         self.events = 0
-        bus.publish_many = self  # instance attribute: the node calls self.bus.publish_many
+        bus.publish_owned = self  # instance attribute: the node's publisher calls self.bus.publish_owned
 
-    async def __call__(self, items, expire=(), ack=()):
+    async def __call__(self, items, owners, expire=(), ack=()):
         t = time.perf_counter()
-        out = await self.inner(items, expire=expire, ack=ack)
+        refused = await self.inner(items, owners, expire=expire, ack=ack)
         now = time.perf_counter()
         self.publish_s += now - t
         self.publishes += 1
         self.events += len(items)
-        self.finals += sum(1 for _, ev in items if isinstance(ev, Final))
+        self.finals += sum(1 for _, ev in items if isinstance(ev, Final) and ev.request_id not in refused)
         if self.expect and self.finals >= self.expect and not self.done.is_set():
             self.t_done = now
             self.done.set()
-        return out
+        return refused
 
     def arm(self, n: int) -> None:
         self.expect, self.finals, self.done = n, 0, asyncio.Event()
@@ -185,7 +185,7 @@ async def run_node(
     runner.reset()
     steps0, step_s0 = node.steps, node.step_seconds
     t0 = time.perf_counter()
-    await counter.inner(items)  # one round trip: one claim can see them all
+    await bus.publish_many(items)  # one round trip: one claim can see them all
     await asyncio.wait_for(counter.done.wait(), 300)
     wall = counter.t_done - t0
     fwd, calls = runner.reset()

@@ -110,6 +110,23 @@ async def test_read_group_claims_each_entry_once_and_ack_delete_removes_it(clien
     await store.ack_delete(k("none"), "g", [ids[0]])  # (no such stream: nothing to do)
 
 
+async def test_a_read_group_poll_at_the_end_finds_nothing_until_an_entry_or_a_rewound_group(client_store, k):
+    # (the embedded store answers such polls from the stream's and group's last ids)
+    client, store = client_store
+    q = k("q")
+    await client.xgroup_create(q, "g", id="0", mkstream=True)
+    first = await client.xadd(q, {"n": "0"})
+    assert [e for e, _ in (await store.read_group(q, "g", "c1", 10, None))[0][1]] == [first]
+    assert await store.read_group(q, "g", "c1", 10, None) == []
+    assert await store.read_group(q, "g", "new-consumer", 10, None) == []
+    second = await client.xadd(q, {"n": "1"})
+    assert [e for e, _ in (await store.read_group(q, "g", "c1", 10, None))[0][1]] == [second]
+    await client.xdel(q, second)  # (the last id stays the deleted entry's: still nothing new)
+    assert await store.read_group(q, "g", "c1", 10, None) == []
+    await client.xgroup_setid(q, "g", id="0")
+    assert [e for e, _ in (await store.read_group(q, "g", "c1", 10, None))[0][1]] == [first]
+
+
 async def test_read_group_blocks_until_a_write_or_the_timeout(client_store, k):
     client, store = client_store
     q = k("q")
@@ -178,15 +195,26 @@ async def test_fenced_append_writes_only_for_the_owner_and_never_after_a_final(c
     assert [f[b"n"] for _, f in await client.xrange(k("a") + ":req")] == [b"0", b"1"]
     assert await client.exists(k("b") + ":req") == 0
     assert await client.xlen(k("journal")) == 1
+    # unfenced entries go with every flush: to a stream that exists and to one that does not
+    got = await store.fenced_append(
+        [_batch(k, "a", "e1#1", ["tokens"], step=1)],
+        [Append(k("journal"), {"type": "step", "n": "2"}, maxlen=100), Append(k("other"), {"n": "3"})],
+    )
+    assert got == [None]
+    assert [f for _, f in await client.xrange(k("journal"))] == [
+        {b"type": b"step"},
+        {b"type": b"step", b"n": b"2"},
+    ]
+    assert [f for _, f in await client.xrange(k("other"))] == [{b"n": b"3"}]
     # a final ends the story: the same owner's next batch is refused, nothing appended
-    assert await store.fenced_append([_batch(k, "a", "e1#1", ["final"], step=1)]) == [None]
-    assert await store.fenced_append([_batch(k, "a", "e1#1", ["tokens"], step=2)]) == [
+    assert await store.fenced_append([_batch(k, "a", "e1#1", ["final"], step=2)]) == [None]
+    assert await store.fenced_append([_batch(k, "a", "e1#1", ["tokens"], step=3)]) == [
         Refused("final", "e1#1")
     ]
-    assert await client.xlen(k("a") + ":req") == 3
+    assert await client.xlen(k("a") + ":req") == 4
     # a resend of a batch that landed is not appended again
-    assert await store.fenced_append([_batch(k, "a", "e1#1", ["final"], step=1)]) == [None]
-    assert await client.xlen(k("a") + ":req") == 3
+    assert await store.fenced_append([_batch(k, "a", "e1#1", ["final"], step=2)]) == [None]
+    assert await client.xlen(k("a") + ":req") == 4
 
 
 async def test_a_final_that_gets_through_acks_its_entry_and_renews_its_keys(client_store, k):

@@ -240,11 +240,20 @@ class Llama:
     def _pack_weights(self, keep_if_slower: bool) -> None:
         """Packs the dense layers' and the head's weights, then times the routes (packed or,
         unless ``keep_if_slower``, eager) and MKL threads (one, or one per CPU this process may
-        run on: the worker's --worker-cpus) at a few row counts and keeps, for each, the one
+        run on, the worker's --worker-cpus, where the weights are beyond the caches:
+        packed_gemm.THREADS_MIN_BYTES) at a few row counts and keeps, for each, the one
         that runs a step's GEMMs fastest (packed_gemm.GemmPlan). The timing streams every third
         layer's weights and the head's: as far beyond the caches as all of them (SmolLM2:
         ~250 MB), in under half the time."""
         cpus = len(os.sched_getaffinity(0))
+        weights = sum(
+            int(np.prod(layer[n].shape))
+            for layer in self.layers
+            if "moe" not in layer
+            for n in ("qkv", "o", "gate_up", "down")
+        )
+        if (weights + int(np.prod(self.lm_head.shape))) * 4 < packed_gemm.THREADS_MIN_BYTES:
+            cpus = 1  # (the caches hold them: see THREADS_MIN_BYTES)
         # MKL lays a packed weight out for the threads set when it packs: packed on one thread,
         # a product on two ran no faster than on one below 64 rows (bench/README.md, "a GEMM
         # plan by rows")

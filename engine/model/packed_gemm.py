@@ -79,6 +79,14 @@ def use_threads(threads: int) -> None:
         lib.MKL_Set_Num_Threads_Local(max(1, threads))
 
 
+#: GEMM weights (bytes, all of a step's) below which a plan is timed on one MKL thread only.
+#: Weights that fit in a core's caches give a second thread nothing to stream, its gain at
+#: load is within the timing's noise (a tiny model's plan came out one or two threads from one
+#: start to the next), and between GEMMs its OpenMP thread spins on the core the engine's
+#: process needs: the tiny test model's worker took 1.2 cores instead of 0.7 in ``fd serve``
+#: at 32 streams (bench/README.md, "the worker's threads on a small model").
+THREADS_MIN_BYTES = 64 << 20
+
 #: The row counts a plan is timed at, and the rows each one's choice serves up to: a decode
 #: step of one or a few sequences streams the weights (memory-bound), one of 32 or more and a
 #: prefill compute (bound by the FMAs), and 8 rows sit between.
