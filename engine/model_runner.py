@@ -426,7 +426,7 @@ class ModelRunner(InProcessRunner):
         single = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
         chunks = [i for i, s in enumerate(seqs) if len(s.token_ids) > 1]
         out_index = np.zeros(tp, dtype=np.int64)
-        shapes = []  # per group: (S, qmax, L, has q_index)
+        shapes = []  # per group: (S, qmax, L, has q_index, host block tables of a decode group)
         offset = 0  # rows of the concatenated group outputs so far
         identity = True
         for members in (single, chunks):
@@ -458,7 +458,7 @@ class ModelRunner(InProcessRunner):
                 ints.append(q_index)
             ints.append(tables.reshape(-1))
             masks.append(attention_mask(qpos, L, m.cfg.sliding_window).reshape(-1))
-            shapes.append((S, qmax, L, not same))
+            shapes.append((S, qmax, L, not same, tables if qmax == 1 else None))
             offset += S * qmax
         identity = identity and offset == tp
         if not identity:
@@ -486,7 +486,7 @@ class ModelRunner(InProcessRunner):
         mt = iter(m.upload(masks, np.float32))
         input_ids, positions, slot_mapping = next(it), next(it), next(it)
         groups = []
-        for S, qmax, L, has_q in shapes:
+        for S, qmax, L, has_q, host_tables in shapes:
             q_index = next(it) if has_q else None
             groups.append(
                 AttnGroup(
@@ -496,6 +496,7 @@ class ModelRunner(InProcessRunner):
                     q_index=q_index,
                     ctx_blocks=next(it),
                     mask=next(mt).reshape([S, 1, qmax, 1, L]),
+                    tables=host_tables,
                 )
             )
         out_idx = None if identity else next(it)

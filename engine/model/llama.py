@@ -31,7 +31,7 @@ import paddle
 import paddle.incubate.nn.functional as IF
 import paddle.nn.functional as F
 
-from engine.model import packed_gemm
+from engine.model import packed_gemm, paged_attention
 from engine.model.checkpoint_layout import expert_names
 from engine.model.config import ModelConfig, rope_inv_freq
 
@@ -79,6 +79,9 @@ class AttnGroup:
     q_index: paddle.Tensor | None  # [S*Qmax] token rows, or None when the rows are already laid out
     ctx_blocks: paddle.Tensor  # [S*L/block_size] each sequence's KV blocks, padded with any block
     mask: paddle.Tensor  # [S, 1, Qmax, 1, L] additive: 0 or MASKED
+    # [S, L/block_size] the same blocks on the host, for a decode group (Qmax 1) whose
+    # attention may read them in place (engine/model/paged_attention.py); None otherwise
+    tables: np.ndarray | None = None
 
 
 @dataclass(slots=True)
@@ -215,6 +218,9 @@ class Llama:
         self.rope = t(np.stack([np.cos(ang), np.sin(ang) * sign], axis=1))  # [P, 2, hd]
         self._scale = scale
         self._swiglu = cpu_swiglu if device == "cpu" else F.swiglu
+        # Large decode groups' attention over the cache in place of the gather (its choice by
+        # shape would make a sequence's logits depend on the batch: not when batch-invariant)
+        self.paged_decode = device == "cpu" and not batch_invariant and paged_attention.available()
         self.lm_head_packed = None
         # The GEMMs' route and MKL threads by a step's rows (0 threads: Paddle's own setting,
         # as on a GPU); ``_packed_step``: this step's route
@@ -557,7 +563,18 @@ class Llama:
         heads = paddle.arange(0, kvh * self.num_blocks_total, self.num_blocks_total, dtype="int64").unsqueeze(
             1
         )
-        ctx_rows = [paddle.add(g.ctx_blocks.unsqueeze(0), heads).reshape([-1]) for g in b.groups]
+        decoders = [
+            paged_attention.PagedDecode(g.tables, kvh, self.group, hd, self.block_size, self.num_blocks_total)
+            if self.paged_decode
+            and g.tables is not None
+            and paged_attention.worth_it(g.num_seqs, g.num_keys, kvh, hd)
+            else None
+            for g in b.groups
+        ]
+        ctx_rows = [
+            None if d is not None else paddle.add(g.ctx_blocks.unsqueeze(0), heads).reshape([-1])
+            for g, d in zip(b.groups, decoders)
+        ]
 
         def paged(i: int, q, k, v):
             nonlocal rows
@@ -570,9 +587,12 @@ class Llama:
                 self.v_slots[i], rows, v.transpose([1, 0, 2]).reshape([kvh * n, hd]), overwrite=True
             )
             outs = []
-            for grp, mask, ctx in zip(b.groups, masks, ctx_rows):
+            for grp, mask, ctx, decode in zip(b.groups, masks, ctx_rows, decoders):
                 s, L = grp.num_seqs, grp.num_keys
                 qg = q if grp.q_index is None else paddle.index_select(q, grp.q_index)
+                if decode is not None:
+                    outs.append(decode(qg, self.k_blocks[i], self.v_blocks[i], mask))
+                    continue
                 kg = paddle.gather(self.k_rows[i], ctx).reshape([kvh, s, L, hd])
                 vg = paddle.gather(self.v_rows[i], ctx).reshape([kvh, s, L, hd])
                 outs.append(self._attend(qg, kg, vg, mask, s, grp.max_q))
