@@ -2,7 +2,8 @@
 
 One forward runs a flattened mixed batch: prefill chunks and decode tokens side by side. Each
 token's K/V is written to its cache slot (``block * block_size + offset``); attention gathers a
-sequence's context back by its block table, causal within the chunk and full over the past.
+sequence's context back by its block table, causal within the chunk and full over the past
+(a large group of decodes on a CPU reads it in place instead: engine/model/paged_attention.py).
 
 Two things shape the code more than the math does:
 
