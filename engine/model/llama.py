@@ -48,6 +48,31 @@ def cpu_swiglu(x: paddle.Tensor) -> paddle.Tensor:
     return paddle.multiply(F.silu(gate), up)
 
 
+def fused_rms_norm_runs(device: str) -> bool:
+    """Whether Paddle's fused RMSNorm can run here. Its CPU kernel is written in AVX-512 and
+    is not guarded: on a CPU without it (AMD before Zen 4, many laptops) it dies of SIGILL."""
+    return device != "cpu" or paddle.base.core.supports_avx512f()
+
+
+def composed_rms_norm(
+    x: paddle.Tensor, w: paddle.Tensor, eps: float, residual: paddle.Tensor | None = None
+) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """What ``fused_rms_norm`` computes, in plain ops: ``(rms_norm(x + residual) * w, x + residual)``."""
+    if residual is not None:
+        x = paddle.add(x, residual)
+    ms = paddle.mean(paddle.square(x), axis=-1, keepdim=True)
+    return paddle.multiply(paddle.multiply(x, paddle.rsqrt(ms + eps)), w), x
+
+
+def fused_rms_norm(
+    x: paddle.Tensor, w: paddle.Tensor, eps: float, residual: paddle.Tensor | None = None
+) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """Paddle's fused kernel, with composed_rms_norm's contract."""
+    if residual is None:
+        return IF.fused_rms_norm(x, w, None, eps, 1)[0], x
+    return IF.fused_rms_norm(x, w, None, eps, 1, residual=residual)
+
+
 def pad_keys(n: int) -> int:
     return max(KEY_ALIGN, -(-n // KEY_ALIGN) * KEY_ALIGN)
 
@@ -219,6 +244,7 @@ class Llama:
         self.rope = t(np.stack([np.cos(ang), np.sin(ang) * sign], axis=1))  # [P, 2, hd]
         self._scale = scale
         self._swiglu = cpu_swiglu if device == "cpu" else F.swiglu
+        self._rms_norm = fused_rms_norm if fused_rms_norm_runs(device) else composed_rms_norm
         # Large decode groups' attention over the cache in place of the gather (its choice by
         # shape would make a sequence's logits depend on the batch: not when batch-invariant)
         self.paged_decode = device == "cpu" and not batch_invariant and paged_attention.available()
@@ -458,7 +484,7 @@ class Llama:
             x = self._lora(x, attn, i, "o")
         if layer["o_b"] is not None:
             x = paddle.add(x, layer["o_b"])
-        h, residual = IF.fused_rms_norm(x, layer["post_norm"], None, eps, 1, residual=residual)
+        h, residual = self._rms_norm(x, layer["post_norm"], eps, residual)
         if "moe" in layer:
             return self._moe(layer["moe"], h), residual
         if not self._active:
@@ -518,13 +544,10 @@ class Llama:
         cos, sin = paddle.expand(cos, heads), paddle.expand(sin, heads)
         residual = None
         for i, layer in enumerate(self.layers):
-            if residual is None:
-                h, residual = IF.fused_rms_norm(x, layer["in_norm"], None, eps, 1)[0], x
-            else:
-                h, residual = IF.fused_rms_norm(x, layer["in_norm"], None, eps, 1, residual=residual)
+            h, residual = self._rms_norm(x, layer["in_norm"], eps, residual)
             q, k, v = self._qkv(layer, h, cos, sin, i)
             x, residual = self._mlp_block(layer, attention(i, q, k, v), residual, i)
-        return IF.fused_rms_norm(x, self.norm, None, eps, 1, residual=residual)[0]
+        return self._rms_norm(x, self.norm, eps, residual)[0]
 
     @paddle.no_grad()
     def forward(self, b: ForwardBatch) -> paddle.Tensor:
