@@ -471,11 +471,19 @@ class Llama:
         c = self.cfg
         kvh, g, hd = c.num_key_value_heads, self.group, c.head_dim
         L = k.shape[-2]
-        q = q.reshape([s, qmax, kvh, g, hd]).transpose([2, 0, 1, 3, 4]).reshape([kvh, s, qmax * g, hd])
+        # One query row (a lone decode) already lies as [kvh, g, hd]: no transposes, in or out
+        one = s * qmax == 1
+        q = (
+            q.reshape([kvh, 1, g, hd])
+            if one
+            else q.reshape([s, qmax, kvh, g, hd]).transpose([2, 0, 1, 3, 4]).reshape([kvh, s, qmax * g, hd])
+        )
         scores = paddle.matmul(q, k, transpose_y=True).reshape([kvh, s, qmax, g, L])
         p = F.softmax(paddle.add(scores, mask), axis=-1).reshape([kvh, s, qmax * g, L])
-        o = paddle.matmul(p, v).reshape([kvh, s, qmax, g, hd]).transpose([1, 2, 0, 3, 4])
-        return o.reshape([s * qmax, c.q_size])
+        o = paddle.matmul(p, v)
+        if one:
+            return o.reshape([1, c.q_size])
+        return o.reshape([kvh, s, qmax, g, hd]).transpose([1, 2, 0, 3, 4]).reshape([s * qmax, c.q_size])
 
     def _mlp_block(self, layer: dict, attn: paddle.Tensor, residual: paddle.Tensor, i: int = 0):
         eps = self.cfg.rms_norm_eps
@@ -578,9 +586,10 @@ class Llama:
             )
             for g in b.groups
         ]
-        # each token's row of each KV head in the head-major cache (allocate_kv_cache)
-        heads_of_slots = paddle.arange(0, kvh * self.num_slots, self.num_slots, dtype="int64").unsqueeze(1)
-        rows = paddle.add(b.slot_mapping.unsqueeze(0), heads_of_slots).reshape([-1])
+        # each token's row of each KV head in the head-major cache (allocate_kv_cache), token
+        # by token: [n, kvh] as k and v come out of the projection, so they scatter as they are
+        heads_of_slots = paddle.arange(0, kvh * self.num_slots, self.num_slots, dtype="int64").unsqueeze(0)
+        rows = paddle.add(b.slot_mapping.unsqueeze(1), heads_of_slots).reshape([-1])
         n = b.slot_mapping.shape[0]
         # each group's context as rows of the cache seen as [kvh * blocks, block_size * hd]:
         # one gather of whole rows (axis 0) copies it faster than index_select on axis 1
@@ -603,13 +612,9 @@ class Llama:
         def paged(i: int, q, k, v):
             nonlocal rows
             if b.new_slots is not None and (slots := b.new_slots()) is not None:
-                rows = paddle.add(slots.unsqueeze(0), heads_of_slots).reshape([-1])
-            paddle.scatter_(
-                self.k_slots[i], rows, k.transpose([1, 0, 2]).reshape([kvh * n, hd]), overwrite=True
-            )
-            paddle.scatter_(
-                self.v_slots[i], rows, v.transpose([1, 0, 2]).reshape([kvh * n, hd]), overwrite=True
-            )
+                rows = paddle.add(slots.unsqueeze(1), heads_of_slots).reshape([-1])
+            paddle.scatter_(self.k_slots[i], rows, k.reshape([n * kvh, hd]), overwrite=True)
+            paddle.scatter_(self.v_slots[i], rows, v.reshape([n * kvh, hd]), overwrite=True)
             outs = []
             for grp, mask, ctx, decode in zip(b.groups, masks, ctx_rows, decoders):
                 s, L = grp.num_seqs, grp.num_keys
