@@ -17,6 +17,7 @@ from engine.journal_reader import load_journal_from_redis
 from engine.replay import replay
 from fd.compose import EngineOptions, start_engine
 from tests.enginekit import GatedRunner, _pair, story, submit, submit_together, tokens_of, types
+from tests.faultkit import wait_for
 
 STORY = ["accepted", "claimed", "abort_requested", "drained", "blocks_released", "final"]
 PROMPT = list(range(10, 30))
@@ -62,19 +63,18 @@ async def _all_free(node, timeout=5.0):
 async def test_decoding_in_flight_abort_waits_for_the_step(real_bus, engines):
     eng, gated = await engines()
     await submit(real_bus, "dec", PROMPT, max_tokens=500, ignore_eos=True)
-    # let a few decode steps happen, then hold one in flight
-    for _ in range(200):
-        if gated.steps_done >= 4:
-            break
-        await asyncio.sleep(0.005)
+    # let a few decode steps happen (not quietly fewer: a held prefill would leave the story
+    # short of the tokens asserted below), then hold one in flight
+    await wait_for(lambda: gated.steps_done >= 4, timeout=30, what="4 steps of dec")
     gated.close()
     await gated.wait_entered(lambda out: any(s.request_id == "dec" for s in out.seqs))
-    # and the step behind it decided (async scheduling), as it is once the loop has had its turn
+    # and the step behind it decided (async scheduling), as it is once the loop has had its
+    # turn (and so every earlier step folded in: a third cannot be in flight)
     in_flight = eng.node.sched.config.max_steps_in_flight
-    for _ in range(2000):
-        if len(eng.node.sched.snapshot()["steps_in_flight"]) == in_flight:
-            break
-        await asyncio.sleep(0.002)
+    await wait_for(
+        lambda: len(eng.node.sched.snapshot()["steps_in_flight"]) == in_flight,
+        what=f"{in_flight} steps in flight",
+    )
     await _abort(real_bus, "dec")
     evs = await story(real_bus, "dec", until=AbortRequested)
     # the step is still running: nothing may be released yet
@@ -103,10 +103,7 @@ async def test_decoding_in_flight_abort_waits_for_the_step(real_bus, engines):
     # The blocks came back as the runner's result came in (the scheduler's `finished`), not
     # when the loop folded that step in: in the journal, before that step's `update`. (The
     # final can reach the stream before that fold-in: wait for it, then read the journal.)
-    for _ in range(2000):
-        if not eng.node.sched.snapshot()["steps_in_flight"]:
-            break
-        await asyncio.sleep(0.002)
+    await wait_for(lambda: not eng.node.sched.snapshot()["steps_in_flight"], what="no step in flight")
     await eng.node._flush()
     journal = await load_journal_from_redis(real_bus, "e0")
     report = replay(journal)
@@ -222,10 +219,12 @@ async def test_mid_chunked_prefill_abort(real_bus, engines):
     # queued behind it, and it must not be the last one either
     long_prompt = list(range(5, 5 + 128))
     await submit(real_bus, "chunky", long_prompt, max_tokens=8)
-    for _ in range(400):
+    for _ in range(15_000):  # (polled often: the chunks are ~1 ms steps, 8 in all)
         if gated.steps_done >= 2:
             break
         await asyncio.sleep(0.002)
+    else:
+        raise AssertionError("chunky's first 2 chunks did not run")
     gated.close()
     out = await gated.wait_entered(lambda out: any(s.request_id == "chunky" for s in out.seqs))
     seq = next(s for s in out.seqs if s.request_id == "chunky")
