@@ -68,10 +68,8 @@ def _bf16_model(cfg, weights):
         def _layers(self, ids, positions, attention):  # the head's input
             return rounded(super()._layers(ids, positions, attention))
 
-    gemm_weights = {
-        k: (round_bf16(v) if (v.ndim == 2) else v) for k, v in weights.items()
-    }  # projections, MLP, embeddings and the (tied) head; norms (1-D) stay float32
-    return Bf16Gemms(cfg, gemm_weights)
+    # projections, MLP, embeddings and the (tied) head rounded; norms (1-D) stay float32
+    return Bf16Gemms(cfg, {k: round_bf16(v) if v.ndim == 2 else v for k, v in weights.items()})
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -87,8 +85,7 @@ def main() -> None:
     ap.add_argument("--output-json", default=str(RESULTS / "bf16_agreement.json"))
     args = ap.parse_args()
 
-    from tokenizers import Tokenizer
-
+    from control.tokenizer import Tokenizer
     from engine.model.config import ModelConfig
     from engine.model.llama import Llama
     from engine.model.loader import load_weights
@@ -99,11 +96,11 @@ def main() -> None:
     weights = load_weights(model, cfg)
     f32 = Llama(cfg, weights)
     bf16 = _bf16_model(cfg, weights)
-    tok = Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
+    tok = Tokenizer.from_dir(model)
 
     agree, top_delta, top5_delta, rows = [], [], [], []
     for text in tqdm(PROMPTS, desc="prompts", unit="prompt"):
-        ids = tok.encode(text).ids
+        ids = tok.encode(text)
         n0 = len(ids)
         for _ in range(args.tokens):  # float32's greedy continuation
             ids.append(int(np.argmax(f32.reference_logits(ids)[-1])))

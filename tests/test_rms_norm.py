@@ -8,7 +8,6 @@ import pytest
 
 from engine.model import llama
 from engine.model.loader import load_model
-from engine.model.tiny import make_tiny_model
 
 
 def _reference(x: np.ndarray, w: np.ndarray, eps: float, residual: np.ndarray | None):
@@ -34,10 +33,10 @@ def test_rms_norm_matches_numpy(norm, with_residual):
     np.testing.assert_allclose(s.numpy(), want_s, rtol=1e-6, atol=1e-6)
 
 
-def test_a_cpu_without_avx512_runs_the_model_on_the_composed_norm(tmp_path, monkeypatch):
+def test_a_cpu_without_avx512_runs_the_model_on_the_composed_norm(tiny_model_dir, monkeypatch):
     """Paddle's fused CPU kernel is AVX-512 only (SIGILL elsewhere): a CPU without it gets the
     composed ops, and the same logits as the fused kernel where that runs."""
-    d = make_tiny_model(str(tmp_path / "tiny"))
+    d = str(tiny_model_dir)
     prompt = list(range(5, 25))
     here = load_model(d, progress=False).reference_logits(prompt)
     monkeypatch.setattr(paddle.base.core, "supports_avx512f", lambda: False)
