@@ -589,3 +589,33 @@ async def test_metrics_names_and_engine_gauges(real_bus):
         assert "fd_num_requests_running 3.0" in text
         assert "fd_time_to_first_token_seconds_count 1.0" in text
         assert "fd_inter_token_latency_seconds_count 4.0" in text
+
+
+async def test_a_write_to_a_closing_connection_aborts_once_and_logs_no_error(caplog):
+    """A stream's write that meets a connection the client already closed (before aiohttp has
+    cancelled the handler) is a hang-up like any other: one abort, answered with nginx's 499,
+    and no "Error handling request" traceback in the server's log (one per hang-up, each a
+    millisecond of the loop, under a wave of them)."""
+    from aiohttp import web
+
+    from fd.api.cancellation import CLIENT_CLOSED, Cancellation, watch_of
+
+    aborted: list[tuple[str, ...]] = []
+
+    async def on_disconnect(ids: tuple[str, ...]) -> None:
+        aborted.append(ids)
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        watch_of(request).request_id = "closing-1"
+        raise ConnectionResetError("Cannot write to closing transport")
+
+    guard = Cancellation(on_disconnect)
+    app = web.Application()
+    app.router.add_post("/v1/completions", guard.guard(handler))
+    with caplog.at_level("DEBUG", logger="aiohttp"):
+        async with TestClient(TestServer(app)) as client:
+            resp = await client.post("/v1/completions", json={})
+            assert resp.status == CLIENT_CLOSED
+            await guard.drain()
+    assert aborted == [("closing-1",)]
+    assert [r for r in caplog.records if r.levelname == "ERROR"] == []

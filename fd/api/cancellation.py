@@ -39,6 +39,9 @@ class Watch:
     aborted: bool = False  # a disconnect abort was already published
 
 
+#: The status a response to a client that hung up is logged with (nginx's "client closed request").
+CLIENT_CLOSED = 499
+
 WATCH = web.RequestKey("fd.watch", Watch)  # the Watch in request[...]
 
 
@@ -88,10 +91,13 @@ class Cancellation:
                 if client_disconnected(request):
                     self._disconnected(watch)
                 raise
-            except (ConnectionResetError, ConnectionError):
+            except ConnectionError:
                 # A write to a closing transport: the peer left (a shutdown cancels instead).
+                # Answered, not raised: aiohttp logs a handler's exception as an error with its
+                # traceback, and a client hanging up is no error. The answer meets the closed
+                # connection, which aiohttp takes quietly (nginx's 499, in an access log).
                 self._disconnected(watch)
-                raise
+                return web.Response(status=CLIENT_CLOSED)
 
         guarded.__name__ = getattr(handler, "__name__", "guarded")
         guarded.__doc__ = handler.__doc__
