@@ -265,7 +265,10 @@ def start_serve(
     extra: Sequence[str] = (),
     log_dir: str | None = None,
     timeout: float = 120.0,
+    tree: str | Path | None = None,
 ) -> Serve:
+    """``tree``: the checkout whose fd serves (default this one): another's, for an A/B of two
+    trees under the same client."""
     port = free_port()
     cmd = [
         sys.executable,
@@ -290,7 +293,11 @@ def start_serve(
     log = Path(log_dir or tempfile.mkdtemp(prefix="fd-bench-serve-")) / f"serve-{port}.log"
     fh = open(log, "wb")
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        cmd,
+        cwd=tree or ROOT,
+        stdout=fh,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     fh.close()
     deadline = time.monotonic() + timeout

@@ -22,12 +22,13 @@ measures three things, with aiohttp clients in this process:
    model worker's CPU meanwhile (idle then): on the server's, it waited for the work each
    answer starts (the engine's tombstones) before it could read the answer.
 3. the TARGETS.md number: streams of 900 tokens, the client hanging up after 10 chunks, at
-   concurrency 1/8/32 (all clients of a wave start together); a poller reads
-   ``fd_num_requests_running + fd_num_requests_waiting`` on /metrics every 5 ms, and the i-th
-   drop of that sum is matched to the i-th hang-up of the wave.
+   concurrency 1/8/32 (all clients of a wave start together); a poller in a process of its own
+   (bench/gauge_sampler.py) reads ``fd_num_requests_running + fd_num_requests_waiting`` on
+   /metrics every 5 ms, and the i-th drop of that sum is matched to the i-th hang-up of the wave.
 
 Usage: python bench/abort.py [--model DIR] [--concurrency 1,8,32,128] [--requests 128]
                             [--release-concurrency 1,8,32] [--redis-url URL | --real-redis]
+                            [--serve-tree DIR]
                             [--output-json bench/results/abort.json]
 """
 
@@ -71,6 +72,7 @@ from bench._common import (  # noqa: E402
     wait_idle,
     write_json,
 )
+from bench.gauge_sampler import GaugeSampler  # noqa: E402
 
 MS = 1000.0
 
@@ -294,37 +296,23 @@ async def release_wave(
     """``c`` streams hanging up after ``hang_after`` chunks; ``names``: the server's running and
     waiting gauges (another server's, e.g. vLLM's)."""
     ps = prompts(c, vocab=vocab, seed=seed)
-    samples: list[tuple[float, float]] = []
-    stop = asyncio.Event()
-
+    sampler = GaugeSampler(base, names)
     async with http_session() as session:
         await wait_idle(session, base, names=names)
-
-        async def poll() -> None:
-            async with http_session(limit=1) as ps_session:
-                while not stop.is_set():
-                    t = time.perf_counter()
-                    try:
-                        v = await gauges(ps_session, base, names)
-                        samples.append((time.perf_counter(), v))
-                    except Exception:  # noqa: BLE001
-                        pass
-                    await asyncio.sleep(max(0.0, 0.005 - (time.perf_counter() - t)))
-
-        poller = asyncio.create_task(poll())
-        results = await asyncio.gather(
-            *(
-                stream_with(CLIENT, session, base, f"{tag}-{i}", p, max_tokens, hang_up_after=hang_after)
-                for i, p in enumerate(ps)
+        sampler.start()
+        try:
+            results = await asyncio.gather(
+                *(
+                    stream_with(CLIENT, session, base, f"{tag}-{i}", p, max_tokens, hang_up_after=hang_after)
+                    for i, p in enumerate(ps)
+                )
             )
-        )
-        deadline = time.perf_counter() + 10
-        while time.perf_counter() < deadline and (
-            not samples or samples[-1][1] > 0 or samples[-1][0] < max(r.t_close or 0 for r in results)
-        ):
-            await asyncio.sleep(0.005)
-        stop.set()
-        await poller
+            deadline = time.perf_counter() + 10
+            while time.perf_counter() < deadline and await gauges(session, base, names) > 0:
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.02)  # (the sampler's last samples: after the last release)
+        finally:
+            samples = sampler.stop()
     closes = sorted(r.t_close for r in results if r.t_close is not None)
     # each drop of running+waiting after the first hang-up is one release (or several)
     releases = []
@@ -378,6 +366,11 @@ def main() -> None:
         default="lean",
         help="the streaming client: lean (bench/sse_client.py) or aiohttp's",
     )
+    ap.add_argument(
+        "--serve-tree",
+        default=None,
+        help="run fd serve from this checkout (a worktree of another commit), under this client",
+    )
     ap.add_argument("--output-json", default=str(RESULTS / "abort.json"))
     args = ap.parse_args()
     global CLIENT
@@ -404,6 +397,7 @@ def main() -> None:
             "8192",
             *args.serve_arg,
         ],
+        tree=args.serve_tree,
     )
     out: dict = {
         "model": mdir,

@@ -7,8 +7,9 @@
    (closed loop, ``--rounds`` requests per stream), random ``--prompt-len``-token prompts,
    ``--max-tokens`` greedy tokens each (ignore_eos): output tok/s, TTFT p50, ITL p50; then
    the hang-up release: streams of ``--release-max-tokens`` tokens, each client hanging up
-   after ``--hang-after`` chunks (``--release-waves`` waves, each a chunk later), a poller reading running + waiting from /metrics every 5 ms
-   (bench/abort.py's release wave), hang-up -> request released p50/p99.
+   after ``--hang-after`` chunks (``--release-waves`` waves, each a chunk later), a poller in
+   a process of its own reading running + waiting from /metrics every 5 ms (bench/abort.py's
+   release wave), hang-up -> request released p50/p99.
 3. ``--peer-url URL`` (another OpenAI-compatible server, e.g. ``vllm serve`` on the same
    weights, already running): the same workload against it, with its gauges
    ``vllm:num_requests_running`` / ``vllm:num_requests_waiting`` (``--peer-gauges``). fd's

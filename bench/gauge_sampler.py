@@ -1,0 +1,89 @@
+"""Samples a server's running + waiting gauges from ``/metrics`` every few ms, in a process of
+its own, for the hang-up → released measurement (bench/abort.py's release wave).
+
+In the client's event loop the samples waited on the client's own work: while a wave of 32
+streams hung up, 30-40 ms went by between two samples (the loop was reading the other streams'
+chunks and closing sockets), and that gap, not the server, set the measured release. A process
+of its own samples on time whatever the streams' client is doing; its clock
+(``time.perf_counter``, CLOCK_MONOTONIC) is the same as the client's.
+
+Run as a script it is the sampler: ``python bench/gauge_sampler.py URL PERIOD_S NAME...``
+prints ``ready``, samples until SIGTERM, then prints its samples as JSON.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import subprocess
+import sys
+import time
+from typing import Sequence
+from urllib.parse import urlsplit
+
+
+def parse(text: bytes, names: Sequence[str]) -> float:
+    """The sum of the samples of ``names`` (a labelled sample, vLLM's ``{model_name=...}``,
+    counts too)."""
+    total = 0.0
+    for line in text.split(b"\n"):
+        if not line or line.startswith(b"#"):
+            continue
+        name = line.split(b"{", 1)[0].split(b" ", 1)[0].decode()
+        if name in names:
+            total += float(line.rsplit(None, 1)[1])
+    return total
+
+
+class GaugeSampler:
+    """``start()`` (a wave's streams go after it returns), ``stop()`` -> ``[(perf_counter, sum)]``."""
+
+    def __init__(self, base: str, names: Sequence[str], period_s: float = 0.005):
+        self.cmd = [sys.executable, __file__, base, str(period_s), *names]
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()  # (the first sample taken)
+        if line.strip() != "ready":
+            self.proc.kill()
+            raise RuntimeError(f"the gauge sampler did not start: {line!r}")
+
+    def stop(self) -> list[tuple[float, float]]:
+        proc = self.proc
+        if proc is None:
+            return []
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+        return [tuple(s) for s in json.loads(out or "[]")]
+
+
+def _sample(url: str, period_s: float, names: Sequence[str]) -> None:
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+    stop = False
+
+    def on_term(*_):
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    samples: list[tuple[float, float]] = []
+    ready = False
+    while not stop:
+        t = time.perf_counter()
+        try:
+            conn.request("GET", parts.path.rstrip("/") + "/metrics")
+            samples.append((time.perf_counter(), parse(conn.getresponse().read(), names)))
+        except (OSError, http.client.HTTPException, ValueError):
+            conn.close()  # (reconnects on the next request)
+        if not ready:  # (after the first try, answered or not: the caller must not hang)
+            print("ready", flush=True)
+            ready = True
+        time.sleep(max(0.0, period_s - (time.perf_counter() - t)))
+    print(json.dumps(samples), flush=True)
+
+
+if __name__ == "__main__":
+    _sample(sys.argv[1], float(sys.argv[2]), sys.argv[3:])
