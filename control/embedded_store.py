@@ -4,7 +4,7 @@ on the server's own objects.
 Through fakeredis's client every command is packed, parsed, dispatched and converted in
 Python, ~100 µs apiece here, and the fence's script calls three of them per request per step
 from Lua: at 32 streams on the tiny model a step's flush took longer than the step
-(bench/README.md). So three operations skip the command layer:
+(bench/README.md). So four operations skip the command layer:
 
 - :meth:`EmbeddedStore.fenced_append` does control/fence.py's checks and appends under the
   server's lock, with the server's stream objects' own methods (``XStream.next_id``, ``add``,
@@ -12,7 +12,10 @@ from Lua: at 32 streams on the tiny model a step's flush took longer than the st
 - :meth:`EmbeddedStore.read`, the API's XREAD of many stories, reads them the same way and
   waits for a write on the database's change callbacks, as fakeredis's blocking reads do;
 - :meth:`EmbeddedStore.read_group`, an engine's poll of ``P:requests``, answers "nothing
-  new" from the stream's and the group's last ids, and reads through the commands otherwise.
+  new" from the stream's and the group's last ids, and reads through the commands otherwise;
+- :meth:`EmbeddedStore.append_many`, plain appends to streams that exist (the API's aborts on
+  ``P:control``, a hang-up's among them), with the same methods; renewals and acks, and a
+  stream to create, go to the commands.
 
 Everything they touch is a public name (``FakeServer.lock``, ``.dbs``, ``.config``,
 ``.connected``; a database's ``has_watch``, ``notify_watch``, ``wake_all`` and change
@@ -36,7 +39,7 @@ from fakeredis.model import StreamEntryKey, StreamRangeTest, XStream
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from control.fence import SEEN, Refused
-from control.store import Append, Fenced, RedisStore
+from control.store import Ack, Append, Fenced, RedisStore
 
 log = logging.getLogger("control.embedded")
 
@@ -127,23 +130,23 @@ class _Direct:
             db.notify_watch(key)  # (WATCHers; readers blocked on the database: the caller's wake_all)
         return ids
 
-    def append(self, entry: Append, limits: tuple[int, int]) -> bool:
-        """``entry``'s XADD, the lock held by the caller, where its stream exists (False: not
-        done here, the commands create it)."""
+    def append(self, entry: Append, limits: tuple[int, int]) -> bytes | None:
+        """``entry``'s XADD, the lock held by the caller, where its stream exists: its id
+        (None: not done here, the commands create it)."""
         db = self._db()
         key = entry.stream.encode()
         stream = self._stream(db, key)
         if not stream:
-            return False
+            return None
         at = stream.next_id(None, True)
         if at is None:
-            return False  # (an exhausted id space: the commands say so)
+            return None  # (an exhausted id space: the commands say so)
         stream.add(self._encode(entry.fields), at, *limits)
         if entry.maxlen:
             stream.trim(maxlen=entry.maxlen, approx=True)
         if db.has_watch(key):
             db.notify_watch(key)
-        return True
+        return at.encode()
 
     def scan(self, streams: Mapping[bytes, bytes], count: int | None) -> list | None:
         """XREAD's reply for ``streams`` now, under the lock; None: a key of another type or
@@ -231,8 +234,9 @@ def direct_works(server: fakeredis.FakeServer) -> bool:
 
 class EmbeddedStore(RedisStore):
     """:class:`~control.store.RedisStore` on the embedded server's in-process client, with
-    :meth:`fenced_append`, :meth:`read` and an idle :meth:`read_group` done on the server's objects (see the module's
-    docstring) where :func:`direct_works`; the commands otherwise."""
+    :meth:`fenced_append`, :meth:`read`, an idle :meth:`read_group` and plain
+    :meth:`append_many` done on the server's objects (see the module's docstring) where
+    :func:`direct_works`; the commands otherwise."""
 
     def __init__(self, redis: Any, server: fakeredis.FakeServer, direct: bool):
         super().__init__(redis)
@@ -273,6 +277,28 @@ class EmbeddedStore(RedisStore):
         through = [b for i, b in enumerate(batches) if i not in skipped and answers[i] is None]
         await self.after_fence(through, plain, own_ttl=True)
         return answers
+
+    async def append_many(
+        self, entries: Sequence[Append], expire: Sequence[str] = (), ttl_s: int = 0, ack: Ack | None = None
+    ) -> list[bytes]:
+        # Plain appends (an abort on P:control, the API's and an operator's events) on the
+        # server's objects; renewals and acks, and a stream still to create, by the commands.
+        direct = self._direct
+        if direct is None or expire or ack is not None or not entries or not direct.usable():
+            return await super().append_many(entries, expire, ttl_s, ack)
+        ids: list[bytes] = []
+        limits = direct._limits()
+        with direct.server.lock:
+            for entry in entries:
+                at = direct.append(entry, limits)
+                if at is None:
+                    break
+                ids.append(at)
+            if ids:
+                direct.server.dbs[0].wake_all()  # (blocked readers: see fenced_append)
+        if len(ids) < len(entries):
+            ids += await super().append_many(entries[len(ids) :])
+        return ids
 
     async def read_group(
         self, stream: str, group: str, consumer: str, count: int, block_ms: int | None

@@ -177,6 +177,26 @@ async def test_append_many_caps_a_stream_at_its_maxlen(client_store, k):
     assert (await client.xrevrange(k("cap"), count=1))[0][1] == {b"n": b"99"}
 
 
+async def test_plain_appends_to_old_and_new_streams_keep_their_order_and_wake_a_reader(client_store, k):
+    """(The embedded store appends to a stream that exists on the server's objects, and leaves
+    the rest, from the first stream still to create, to the commands.)"""
+    client, store = client_store
+    ka, kb = k("p") + ":a", k("p") + ":b"  # (one slot)
+    first = await client.xadd(ka, {"n": "0"})
+    reader = asyncio.create_task(store.read({ka: first}, 10, 5000))
+    await asyncio.sleep(0.05)
+    ids = await store.append_many(
+        [Append(ka, {"n": "1"}), Append(kb, {"n": "2"}), Append(ka, {"n": "3"}, maxlen=10)]
+    )
+    got = await asyncio.wait_for(reader, 5)
+    assert got[0][1][0] == (ids[0], {b"n": b"1"})
+    assert await client.xrange(ka) == [(first, {b"n": b"0"}), (ids[0], {b"n": b"1"}), (ids[2], {b"n": b"3"})]
+    assert await client.xrange(kb) == [(ids[1], {b"n": b"2"})]
+    assert (await store.append_many([Append(ka, {"n": "4"})]))[0] == (await client.xrevrange(ka, count=1))[0][
+        0
+    ]
+
+
 def _batch(k, rid: str, token: str, types: list[str], ack=None, renew=(), step: int = 0) -> Fenced:
     """One step's events (each step's differ, as an engine's do: they carry the step)."""
     fields = [{"type": t, "request_id": rid, "step": str(step), "n": str(i)} for i, t in enumerate(types)]
