@@ -4,7 +4,7 @@ on the server's own objects.
 Through fakeredis's client every command is packed, parsed, dispatched and converted in
 Python, ~100 µs apiece here, and the fence's script calls three of them per request per step
 from Lua: at 32 streams on the tiny model a step's flush took longer than the step
-(bench/README.md). So four operations skip the command layer:
+(bench/README.md). So these skip the command layer:
 
 - :meth:`EmbeddedStore.fenced_append` does control/fence.py's checks and appends under the
   server's lock, with the server's stream objects' own methods (``XStream.next_id``, ``add``,
@@ -14,12 +14,15 @@ from Lua: at 32 streams on the tiny model a step's flush took longer than the st
 - :meth:`EmbeddedStore.read_group`, an engine's poll of ``P:requests``, answers "nothing
   new" from the stream's and the group's last ids, and reads through the commands otherwise;
 - :meth:`EmbeddedStore.append_many`, plain appends to streams that exist (the API's aborts on
-  ``P:control``, a hang-up's among them), with the same methods; renewals and acks, and a
-  stream to create, go to the commands.
+  ``P:control``, a hang-up's among them) with the same methods, and the renewals of a final
+  (``EXPIRE``); acks, and a stream to create, go to the commands;
+- ``get``, ``exists`` and ``expire`` of keys that exist (an arrival's check of its id and of
+  a tombstone), on the database's items (``value``, ``expireat``, ``schedule_expiry``).
 
 Everything they touch is a public name (``FakeServer.lock``, ``.dbs``, ``.config``,
-``.connected``; a database's ``has_watch``, ``notify_watch``, ``wake_all`` and change
-callbacks; ``fakeredis.model``'s stream classes), nothing is patched, and where a key is
+``.connected``; a database's ``has_watch``, ``notify_watch``, ``wake_all``,
+``schedule_expiry`` and change callbacks, and its items' ``value`` and ``expireat``;
+``fakeredis.model``'s stream classes), nothing is patched, and where a key is
 absent or of another type, keyspace notifications are on, or the server's objects do not
 behave as this module expects (:func:`direct_works`, checked once per server against the
 commands: another fakeredis release), the operation goes to the commands, whose every reply
@@ -171,6 +174,36 @@ class _Direct:
                     out.append([key, [(eid, dict(zip(f[0::2], f[1::2]))) for eid, f in got]])
         return out
 
+    def value(self, key: str) -> tuple[bool, bytes | None]:
+        """``GET key``, the lock held by the caller: ``(True, value or None)``; ``(False, None)``
+        where the key holds another type (the commands say WRONGTYPE)."""
+        try:
+            value = self._db()[key.encode()].value
+        except KeyError:
+            return True, None
+        return (True, value) if type(value) is bytes else (False, None)
+
+    def exists(self, key: str) -> bool:
+        """``EXISTS key``, the lock held by the caller (a key past its TTL is absent)."""
+        return key.encode() in self._db()
+
+    def expire(self, key: str, ttl_s: int) -> bool:
+        """``EXPIRE key ttl_s``, the lock held by the caller: False where not done here (a TTL
+        that is not positive deletes the key: the commands do that)."""
+        if ttl_s <= 0:
+            return False
+        db = self._db()
+        k = key.encode()
+        try:
+            item = db[k]
+        except KeyError:
+            return True  # (EXPIRE of an absent key changes nothing)
+        item.expireat = db.time + ttl_s
+        db.schedule_expiry(k, item.expireat)
+        if db.has_watch(k):
+            db.notify_watch(k)
+        return True
+
     def nothing_new(self, key: bytes, group: bytes, consumer: bytes) -> bool:
         """Whether ``XREADGROUP GROUP group consumer STREAMS key >`` finds nothing now: the
         group has read past the stream's last id and knows the consumer (so the read would
@@ -218,6 +251,11 @@ def direct_works(server: fakeredis.FakeServer) -> bool:
             absent = direct.append(Append("fd-embedded-check:none", {"n": "5"}), (100, 4096))
         same = same and appended and not absent and client.xlen(story) == 4
         same = same and client.xrevrange(story, count=1)[0][1] == {b"type": b"note", b"n": b"4"}
+        with server.lock:
+            got, there = direct.value(owner), direct.exists(owner)
+            gone, renewed = direct.exists("fd-embedded-check:none"), direct.expire(owner, 100)
+        same = same and got == (True, b"e#1") and there and not gone and renewed
+        same = same and 0 < client.ttl(owner) <= 100 and client.get(owner) == b"e#1"
         client.xgroup_create(story, "g", id="0")
         client.xreadgroup("g", "c", {story: ">"})
         idle = direct.nothing_new(story.encode(), b"g", b"c")
@@ -234,8 +272,8 @@ def direct_works(server: fakeredis.FakeServer) -> bool:
 
 class EmbeddedStore(RedisStore):
     """:class:`~control.store.RedisStore` on the embedded server's in-process client, with
-    :meth:`fenced_append`, :meth:`read`, an idle :meth:`read_group` and plain
-    :meth:`append_many` done on the server's objects (see the module's docstring) where
+    :meth:`fenced_append`, :meth:`read`, an idle :meth:`read_group`, plain
+    :meth:`append_many` and ``get``/``exists``/``expire`` done on the server's objects (see the module's docstring) where
     :func:`direct_works`; the commands otherwise."""
 
     def __init__(self, redis: Any, server: fakeredis.FakeServer, direct: bool):
@@ -281,12 +319,14 @@ class EmbeddedStore(RedisStore):
     async def append_many(
         self, entries: Sequence[Append], expire: Sequence[str] = (), ttl_s: int = 0, ack: Ack | None = None
     ) -> list[bytes]:
-        # Plain appends (an abort on P:control, the API's and an operator's events) on the
-        # server's objects; renewals and acks, and a stream still to create, by the commands.
+        # Plain appends (an abort on P:control, the API's and an operator's events) and renewals
+        # (a final's) on the server's objects; acks, a stream to create and whatever follows
+        # it, by the commands, in the same order.
         direct = self._direct
-        if direct is None or expire or ack is not None or not entries or not direct.usable():
+        if direct is None or not (entries or expire) or not direct.usable():
             return await super().append_many(entries, expire, ttl_s, ack)
         ids: list[bytes] = []
+        left = list(expire)
         limits = direct._limits()
         with direct.server.lock:
             for entry in entries:
@@ -294,11 +334,39 @@ class EmbeddedStore(RedisStore):
                 if at is None:
                     break
                 ids.append(at)
-            if ids:
+            if len(ids) == len(entries):
+                left = [key for key in expire if not direct.expire(key, ttl_s)]
+            if ids or len(left) < len(expire):
                 direct.server.dbs[0].wake_all()  # (blocked readers: see fenced_append)
-        if len(ids) < len(entries):
-            ids += await super().append_many(entries[len(ids) :])
+        if len(ids) < len(entries) or left or ack is not None:
+            ids += await super().append_many(entries[len(ids) :], left, ttl_s, ack)
         return ids
+
+    async def get(self, key: str) -> bytes | None:
+        direct = self._direct
+        if direct is not None and direct.usable():
+            with direct.server.lock:
+                done, value = direct.value(key)
+            if done:
+                return value
+        return await super().get(key)
+
+    async def exists(self, key: str) -> bool:
+        direct = self._direct
+        if direct is not None and direct.usable():
+            with direct.server.lock:
+                return direct.exists(key)
+        return await super().exists(key)
+
+    async def expire(self, keys: Sequence[str], ttl_s: int) -> None:
+        direct = self._direct
+        if direct is None or not keys or not direct.usable():
+            return await super().expire(keys, ttl_s)
+        with direct.server.lock:
+            left = [key for key in keys if not direct.expire(key, ttl_s)]
+            if len(left) < len(keys):
+                direct.server.dbs[0].wake_all()
+        await super().expire(left, ttl_s)
 
     async def read_group(
         self, stream: str, group: str, consumer: str, count: int, block_ms: int | None
