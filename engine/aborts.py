@@ -28,7 +28,7 @@ from control.endings import timeout_error, tombstone_story
 from control.entry_ids import entry_id_key
 from control.events import Abort, AbortAll, Event
 from control.fence import Refused
-from control.keys import ABORT_WRITTEN, choice_ids, is_tombstone, owner_choices
+from control.keys import ABORT_WRITTEN, choice_ids, is_tombstone, owner_choices, pending_tombstone_source
 from engine.publisher import Publisher
 from engine.redis_link import RedisLink, Stopped
 from engine.request_table import RequestTable
@@ -158,10 +158,13 @@ class Aborts:
         for rid, (won, owner, exists) in zip(unknown, results):
             if won:
                 self.count(source)
-                if exists:
-                    await self.write_tombstone_story(rid)
-                    if entries and rid in entries:
-                        self.publisher.ack(rid, entries[rid])  # (after the story: one batch)
+            if won or (exists and pending_tombstone_source(owner) is not None):
+                # A tombstone still to flip whose story is in place, laid here or not: the
+                # story's writer is whoever flips it, whoever laid it. (A SET NX that went
+                # through but whose reply a dropped connection lost is retried, and finds the
+                # tombstone: every engine then thought another had laid it, and none wrote it.)
+                if exists and await self.write_tombstone_story(rid) and entries and rid in entries:
+                    self.publisher.ack(rid, entries[rid])  # (after the story: one batch)
             elif (n := owner_choices(owner)) is not None:
                 choices += choice_ids(rid, n)  # a response of n choices: abort each of them
             elif (
@@ -181,13 +184,15 @@ class Aborts:
         if choices:
             await self.abort(tuple(choices), source)
 
-    async def write_tombstone_story(self, rid: str) -> None:
+    async def write_tombstone_story(self, rid: str) -> bool:
         """Write the abort story of a request no engine ran, if this engine is the one that
-        flips its tombstone to ``aborted-final``."""
+        flips its tombstone to ``aborted-final`` (True then)."""
         source = await self.link.retry("abort", lambda: self.bus.take_abort_story(rid))
-        if source is not None:
-            self.requests.tokens[rid] = ABORT_WRITTEN  # (the fence lets the one who flipped it write)
-            self.emit(tombstone_story(rid, source))
+        if source is None:
+            return False
+        self.requests.tokens[rid] = ABORT_WRITTEN  # (the fence lets the one who flipped it write)
+        self.emit(tombstone_story(rid, source))
+        return True
 
     def dismiss(self, rid: str, source: str) -> None:
         self.requests.dismiss(rid, source, time.monotonic(), self.tombstone_ttl_s)

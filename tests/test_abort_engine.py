@@ -296,6 +296,26 @@ async def test_abort_all(real_bus, engines):
     await _all_free(eng.node)
 
 
+async def test_a_tombstone_nobody_knows_it_laid_still_gets_its_story(real_bus, engines, keys):
+    """An abort's tombstone is down on a queued request's owner key, but no engine knows it
+    laid it (its SET NX went through, a dropped connection lost the reply, and the retry
+    found the tombstone: every engine took it for another's). The next abort of the id that
+    meets the tombstone with the story in place flips it and writes the story, once."""
+    eng, gated = await engines()
+    await real_bus.redis.set(keys.owner("lost"), "aborted:http", ex=60)
+    _, acc = _pair("lost", PROMPT, max_tokens=4)
+    await real_bus.publish(keys.req("lost"), acc)
+    await _abort(real_bus, "lost", source="http")
+    evs = await story(real_bus, "lost")
+    assert types(evs) == ["accepted", "abort_requested", "drained", "blocks_released", "final"]
+    assert evs[1].source == "http" and evs[-1].finish_reason == "abort"
+    assert await real_bus.owner("lost") == "aborted-final"
+    await _abort(real_bus, "lost", source="cli")  # (a second abort: nothing more)
+    await asyncio.sleep(0.2)
+    assert len(await real_bus.read_req("lost")) == 5
+    assert "lost" not in gated.scheduled_ids()
+
+
 async def test_engine_that_meets_a_tombstone_writes_the_story_once(real_bus, engines, keys):
     """The abort laid its tombstone before the request's stream existed; the request was
     submitted anyway (it checked before the tombstone landed). The engine that claims it loses
