@@ -75,7 +75,8 @@ def _sample(url: str, period_s: float, names: Sequence[str]) -> None:
         t = time.perf_counter()
         try:
             conn.request("GET", parts.path.rstrip("/") + "/metrics")
-            samples.append((time.perf_counter(), parse(conn.getresponse().read(), names)))
+            value = parse(conn.getresponse().read(), names)
+            samples.append((time.perf_counter(), value))  # (when the value was known: after it)
         except (OSError, http.client.HTTPException, ValueError):
             conn.close()  # (reconnects on the next request)
         if not ready:  # (after the first try, answered or not: the caller must not hang)
