@@ -23,7 +23,7 @@ measures three things, with aiohttp clients in this process:
    answer starts (the engine's tombstones) before it could read the answer.
 3. the TARGETS.md number: streams of 900 tokens, the client hanging up after 10 chunks, at
    concurrency 1/8/32 (all clients of a wave start together); a poller in a process of its own
-   (bench/gauge_sampler.py) reads ``fd_num_requests_running + fd_num_requests_waiting`` on
+   (fd/gauge_sampler.py) reads ``fd_num_requests_running + fd_num_requests_waiting`` on
    /metrics every 5 ms, and the i-th drop of that sum is matched to the i-th hang-up of the wave.
 
 Usage: python bench/abort.py [--model DIR] [--concurrency 1,8,32,128] [--requests 128]
@@ -72,7 +72,7 @@ from bench._common import (  # noqa: E402
     wait_idle,
     write_json,
 )
-from bench.gauge_sampler import GaugeSampler  # noqa: E402
+from fd.gauge_sampler import GaugeSampler  # noqa: E402
 
 MS = 1000.0
 

@@ -8,9 +8,10 @@ server took from that cancel to releasing the request.
 
 That release time is read where it is exact when it can be: with ``--redis-url``, from the
 ``ts`` of ``abort_requested`` / ``blocks_released`` on each request's own stream (fd servers).
-Otherwise, for any server, from the Prometheus gauges ``*_num_requests_running + waiting``
-polled every 5 ms, the way TARGETS.md measured vLLM: the first drop of the gauge after the
-cancel. That is only exact when nothing else starts or ends meanwhile.
+Otherwise, for any server, from the Prometheus gauges ``*num_requests_running + waiting``
+polled every 5 ms by a process of its own (:mod:`fd.gauge_sampler`), the way TARGETS.md
+measured vLLM: the first drop of the gauge after the cancel. That is only exact when nothing
+else starts or ends meanwhile.
 
 Only the HTTP API and ``control`` (key names) are used: this module never imports ``engine``,
 so it runs against a remote deployment from a machine without PaddlePaddle.
@@ -84,8 +85,8 @@ async def run_bench(cfg: BenchConfig, session: aiohttp.ClientSession | None = No
 
         poller = None
         if reader is None and any(p.cancel for p in planned):
-            poller = GaugePoller(session, cfg.base_urls[0], cfg.api_key, cfg.metrics_poll_ms)
-            poller.start()
+            poller = GaugePoller(cfg.base_urls[0], cfg.api_key, cfg.metrics_poll_ms)
+            await poller.start()
             await asyncio.sleep(3 * poller.poll_s)  # a baseline sample before the first cancel
 
         bar = None

@@ -7,9 +7,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-import aiohttp
-
-from fd.loadgen_client import Outcome, request_headers
+from fd.gauge_sampler import GaugeSampler
+from fd.loadgen_client import Outcome
 
 
 class EventReader:
@@ -53,52 +52,24 @@ class EventReader:
 
 
 class GaugePoller:
-    """Samples running + waiting requests from ``/metrics`` every ``poll_ms``."""
+    """Samples running + waiting requests from ``/metrics`` every ``poll_ms``, in a process of
+    its own (:mod:`fd.gauge_sampler`: in the client's loop a sample waited on the client's own
+    work, and a release looked as late as that). Any server's gauges: the names' suffixes."""
 
-    NAMES = (b"_num_requests_running", b"_num_requests_waiting")
+    NAMES = ("num_requests_running", "num_requests_waiting")  # (fd_..., vllm:...)
 
-    def __init__(self, session: aiohttp.ClientSession, base: str, key: str | None, poll_ms: float):
-        self.session, self.url, self.key, self.poll_s = session, base + "/metrics", key, poll_ms / 1000
+    def __init__(self, base: str, key: str | None, poll_ms: float):
+        self.poll_s = poll_ms / 1000
+        self._sampler = GaugeSampler(base, self.NAMES, self.poll_s, suffix=True, key=key)
         self.samples: list[tuple[float, float]] = []
-        self._stop = False
-        self._task: asyncio.Task | None = None
         self.errors = 0
 
-    async def _sample(self) -> float | None:
-        async with self.session.get(self.url, headers=request_headers(self.key)) as r:
-            if r.status != 200:
-                return None
-            text = await r.read()
-        total, seen = 0.0, False
-        for line in text.split(b"\n"):
-            if line.startswith(b"#") or b"{" in line.split(b" ", 1)[0]:
-                continue
-            name, _, val = line.partition(b" ")
-            if name.endswith(self.NAMES):
-                total += float(val)
-                seen = True
-        return total if seen else None
-
-    async def _run(self) -> None:
-        while not self._stop:
-            t = time.perf_counter()
-            try:
-                v = await self._sample()
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-                v = None
-            if v is None:
-                self.errors += 1
-            else:
-                self.samples.append((time.perf_counter(), v))
-            await asyncio.sleep(max(0.0, self.poll_s - (time.perf_counter() - t)))
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run())
+    async def start(self) -> None:
+        await asyncio.to_thread(self._sampler.start)
 
     async def stop(self) -> None:
-        self._stop = True
-        if self._task is not None:
-            await self._task
+        self.samples = await asyncio.to_thread(self._sampler.stop)
+        self.errors = self._sampler.errors
 
     def fill(self, o: Outcome) -> None:
         """Release = the first sample after the cancel whose value is below the last sample

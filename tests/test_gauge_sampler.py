@@ -1,6 +1,6 @@
-"""bench/gauge_sampler.py, the release benchmarks' gauge poller: it samples a server's
-running + waiting sum on the caller's clock from a process of its own, and reads fd's and
-vLLM's exposition alike."""
+"""fd/gauge_sampler.py, the gauge poller of the release benchmarks and ``fd bench``: it
+samples a server's running + waiting sum on the caller's clock from a process of its own, and
+reads fd's and vLLM's exposition alike."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import threading
 import time
 
 from bench._common import FD_GAUGES
-from bench.gauge_sampler import GaugeSampler, parse
+from fd.gauge_sampler import GaugeSampler, parse
 
 VLLM = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 
@@ -23,6 +23,9 @@ def test_parse_sums_the_named_gauges_labelled_or_not():
         b'vllm:num_requests_running_total{model_name="smol"} 7.0\n'
     )
     assert parse(vllm, VLLM) == 5.0
+    # by suffix (fd bench, which knows no server's prefix): the same sums, on either
+    suffixes = ("num_requests_running", "num_requests_waiting")
+    assert parse(vllm, suffixes, suffix=True) == 5.0 and parse(fd, suffixes, suffix=True) == 5.0
 
 
 class _Metrics(http.server.BaseHTTPRequestHandler):

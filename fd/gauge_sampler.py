@@ -1,5 +1,6 @@
 """Samples a server's running + waiting gauges from ``/metrics`` every few ms, in a process of
-its own, for the hang-up → released measurement (bench/abort.py's release wave).
+its own: how ``fd bench`` (:mod:`fd.loadgen_release`) and bench/abort.py's release wave see
+a cancelled request released on a server whose own events they cannot read.
 
 In the client's event loop the samples waited on the client's own work: while a wave of 32
 streams hung up, 30-40 ms went by between two samples (the loop was reading the other streams'
@@ -7,8 +8,8 @@ chunks and closing sockets), and that gap, not the server, set the measured rele
 of its own samples on time whatever the streams' client is doing; its clock
 (``time.perf_counter``, CLOCK_MONOTONIC) is the same as the client's.
 
-Run as a script it is the sampler: ``python bench/gauge_sampler.py URL PERIOD_S NAME...``
-prints ``ready``, samples until SIGTERM, then prints its samples as JSON.
+Run as a script it is the sampler: ``python fd/gauge_sampler.py URL PERIOD_S [--suffix]
+[--key KEY] NAME...`` prints ``ready``, samples until SIGTERM, then prints its samples as JSON.
 """
 
 from __future__ import annotations
@@ -23,15 +24,15 @@ from typing import Sequence
 from urllib.parse import urlsplit
 
 
-def parse(text: bytes, names: Sequence[str]) -> float:
+def parse(text: bytes, names: Sequence[str], suffix: bool = False) -> float:
     """The sum of the samples of ``names`` (a labelled sample, vLLM's ``{model_name=...}``,
-    counts too)."""
+    counts too); ``suffix``: of the metrics whose names end so (any server's prefix)."""
     total = 0.0
     for line in text.split(b"\n"):
         if not line or line.startswith(b"#"):
             continue
         name = line.split(b"{", 1)[0].split(b" ", 1)[0].decode()
-        if name in names:
+        if name.endswith(tuple(names)) if suffix else name in names:
             total += float(line.rsplit(None, 1)[1])
     return total
 
@@ -39,9 +40,19 @@ def parse(text: bytes, names: Sequence[str]) -> float:
 class GaugeSampler:
     """``start()`` (a wave's streams go after it returns), ``stop()`` -> ``[(perf_counter, sum)]``."""
 
-    def __init__(self, base: str, names: Sequence[str], period_s: float = 0.005):
-        self.cmd = [sys.executable, __file__, base, str(period_s), *names]
+    def __init__(
+        self,
+        base: str,
+        names: Sequence[str],
+        period_s: float = 0.005,
+        suffix: bool = False,
+        key: str | None = None,
+    ):
+        # (run as a file: it needs nothing but the standard library, wherever fd is)
+        self.cmd = [sys.executable, __file__, base, str(period_s)]
+        self.cmd += ["--suffix"] * suffix + (["--key", key] if key else []) + list(names)
         self.proc: subprocess.Popen | None = None
+        self.errors = 0  # requests that failed
 
     def start(self) -> None:
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, text=True)
@@ -56,11 +67,14 @@ class GaugeSampler:
             return []
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=30)
-        return [tuple(s) for s in json.loads(out or "[]")]
+        got = json.loads(out or "{}")
+        self.errors = got.get("errors", 0)
+        return [tuple(s) for s in got.get("samples", [])]
 
 
-def _sample(url: str, period_s: float, names: Sequence[str]) -> None:
+def _sample(url: str, period_s: float, names: Sequence[str], suffix: bool, key: str | None) -> None:
     parts = urlsplit(url)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
     stop = False
 
@@ -70,21 +84,34 @@ def _sample(url: str, period_s: float, names: Sequence[str]) -> None:
 
     signal.signal(signal.SIGTERM, on_term)
     samples: list[tuple[float, float]] = []
+    errors = 0
     ready = False
     while not stop:
         t = time.perf_counter()
         try:
-            conn.request("GET", parts.path.rstrip("/") + "/metrics")
-            value = parse(conn.getresponse().read(), names)
+            conn.request("GET", parts.path.rstrip("/") + "/metrics", headers=headers)
+            resp = conn.getresponse()
+            body = resp.read()
+            if resp.status != 200:
+                raise ValueError(resp.status)
+            value = parse(body, names, suffix)
             samples.append((time.perf_counter(), value))  # (when the value was known: after it)
         except (OSError, http.client.HTTPException, ValueError):
+            errors += 1
             conn.close()  # (reconnects on the next request)
         if not ready:  # (after the first try, answered or not: the caller must not hang)
             print("ready", flush=True)
             ready = True
         time.sleep(max(0.0, period_s - (time.perf_counter() - t)))
-    print(json.dumps(samples), flush=True)
+    print(json.dumps({"samples": samples, "errors": errors}), flush=True)
 
 
 if __name__ == "__main__":
-    _sample(sys.argv[1], float(sys.argv[2]), sys.argv[3:])
+    args = sys.argv[3:]
+    suffix = "--suffix" in args
+    args = [a for a in args if a != "--suffix"]
+    key = None
+    if "--key" in args:
+        i = args.index("--key")
+        key, args = args[i + 1], args[:i] + args[i + 2 :]
+    _sample(sys.argv[1], float(sys.argv[2]), args, suffix, key)
