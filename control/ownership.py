@@ -61,17 +61,25 @@ class Ownership:
         )
         return [(old is None, value if old is None else old.decode(), exists) for old, exists in res]
 
-    async def take_abort_story(self, request_id: str) -> str | None:
+    async def take_abort_story(self, request_id: str, seen: list[str] | None = None) -> str | None:
         """Compare-and-set a pending tombstone to ``aborted-final``. Returns the abort's source
-        when this caller won and so must write the request's abort story; None otherwise."""
+        when this caller won and so must write the request's abort story; None otherwise.
+
+        ``seen``, kept by a caller across its retries of this call, holds the pending source
+        once read. A retry that then finds ``aborted-final`` may be the retry of a flip that
+        went through (its reply lost with a dropped connection): it returns the source too,
+        since no one else would write the story. If another party flipped it in between, both
+        write, and the fence keeps the first story's batch alone (nothing after a final)."""
         key = self.keys.owner(request_id)
         async with self.redis.pipeline(transaction=True) as pipe:
             try:
                 await pipe.watch(key)
                 cur = await pipe.get(key)
                 source = pending_tombstone_source(cur.decode() if cur is not None else None)
+                if source is not None and seen is not None and not seen:
+                    seen.append(source)
                 if source is None:
-                    return None
+                    return seen[0] if seen and cur == ABORT_WRITTEN.encode() else None
                 pipe.multi()
                 pipe.set(key, ABORT_WRITTEN, ex=self.req_ttl_s)
                 await pipe.execute()

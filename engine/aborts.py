@@ -187,7 +187,8 @@ class Aborts:
     async def write_tombstone_story(self, rid: str) -> bool:
         """Write the abort story of a request no engine ran, if this engine is the one that
         flips its tombstone to ``aborted-final`` (True then)."""
-        source = await self.link.retry("abort", lambda: self.bus.take_abort_story(rid))
+        seen: list[str] = []  # (across the retries: see Ownership.take_abort_story)
+        source = await self.link.retry("abort", lambda: self.bus.take_abort_story(rid, seen))
         if source is None:
             return False
         self.requests.tokens[rid] = ABORT_WRITTEN  # (the fence lets the one who flipped it write)

@@ -316,6 +316,20 @@ async def test_a_tombstone_nobody_knows_it_laid_still_gets_its_story(real_bus, e
     assert "lost" not in gated.scheduled_ids()
 
 
+async def test_a_retried_flip_whose_reply_was_lost_is_still_its_callers(real_bus, keys):
+    """The flip of a tombstone went through but its reply was lost (a dropped connection); the
+    caller's retry finds ``aborted-final``. It is still that caller's story to write (no one
+    else will); anyone else's call is not. (Had another flipped it meanwhile, both would
+    write, and the fence keeps the first story's batch alone: nothing after a final.)"""
+    await real_bus.redis.set(keys.owner("flipped"), "aborted:cli", ex=60)
+    seen: list[str] = []
+    assert await real_bus.take_abort_story("flipped", seen) == "cli"
+    assert await real_bus.owner("flipped") == "aborted-final"
+    assert await real_bus.take_abort_story("flipped", seen) == "cli"  # the retry
+    assert await real_bus.take_abort_story("flipped", []) is None  # another caller
+    assert await real_bus.take_abort_story("flipped") is None
+
+
 async def test_engine_that_meets_a_tombstone_writes_the_story_once(real_bus, engines, keys):
     """The abort laid its tombstone before the request's stream existed; the request was
     submitted anyway (it checked before the tombstone landed). The engine that claims it loses
