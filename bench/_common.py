@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from fd.gauge_sampler import parse
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 if str(ROOT) not in sys.path:
@@ -502,13 +504,7 @@ async def gauges(session, base: str, names: Sequence[str] = FD_GAUGES) -> float:
     fd_num_requests_waiting) from /metrics; a labelled sample (vLLM's ``{model_name=...}``)
     counts too."""
     async with session.get(base + "/metrics") as r:
-        text = await r.text()
-    total = 0.0
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in names and not line.startswith("#"):
-            total += float(line.rsplit(None, 1)[1])
-    return total
+        return parse(await r.read(), names)
 
 
 def entry_le(a: bytes | str, b: bytes | str) -> bool:

@@ -273,8 +273,8 @@ def direct_works(server: fakeredis.FakeServer) -> bool:
 class EmbeddedStore(RedisStore):
     """:class:`~control.store.RedisStore` on the embedded server's in-process client, with
     :meth:`fenced_append`, :meth:`read`, an idle :meth:`read_group`, plain
-    :meth:`append_many` and ``get``/``exists``/``expire`` done on the server's objects (see the module's docstring) where
-    :func:`direct_works`; the commands otherwise."""
+    :meth:`append_many` and ``get``/``exists``/``expire`` done on the server's objects (see
+    the module's docstring) where :func:`direct_works`; the commands otherwise."""
 
     def __init__(self, redis: Any, server: fakeredis.FakeServer, direct: bool):
         super().__init__(redis)
@@ -336,7 +336,7 @@ class EmbeddedStore(RedisStore):
                 ids.append(at)
             if len(ids) == len(entries):
                 left = [key for key in expire if not direct.expire(key, ttl_s)]
-            if ids or len(left) < len(expire):
+            if ids:
                 direct.server.dbs[0].wake_all()  # (blocked readers: see fenced_append)
         if len(ids) < len(entries) or left or ack is not None:
             ids += await super().append_many(entries[len(ids) :], left, ttl_s, ack)
@@ -362,10 +362,8 @@ class EmbeddedStore(RedisStore):
         direct = self._direct
         if direct is None or not keys or not direct.usable():
             return await super().expire(keys, ttl_s)
-        with direct.server.lock:
+        with direct.server.lock:  # (a TTL wakes no reader: WATCHers only, in expire())
             left = [key for key in keys if not direct.expire(key, ttl_s)]
-            if len(left) < len(keys):
-                direct.server.dbs[0].wake_all()
         await super().expire(left, ttl_s)
 
     async def read_group(

@@ -9,19 +9,25 @@ of its own samples on time whatever the streams' client is doing; its clock
 (``time.perf_counter``, CLOCK_MONOTONIC) is the same as the client's.
 
 Run as a script it is the sampler: ``python fd/gauge_sampler.py URL PERIOD_S [--suffix]
-[--key KEY] NAME...`` prints ``ready``, samples until SIGTERM, then prints its samples as JSON.
+NAME...`` (an API key in ``FD_GAUGE_SAMPLER_KEY``) prints ``ready``, samples until SIGTERM,
+then prints its samples as JSON.
 """
 
 from __future__ import annotations
 
+import argparse
 import http.client
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
 from typing import Sequence
 from urllib.parse import urlsplit
+
+#: The environment variable the sampler takes the API key from.
+KEY_ENV = "FD_GAUGE_SAMPLER_KEY"
 
 
 def parse(text: bytes, names: Sequence[str], suffix: bool = False) -> float:
@@ -49,13 +55,13 @@ class GaugeSampler:
         key: str | None = None,
     ):
         # (run as a file: it needs nothing but the standard library, wherever fd is)
-        self.cmd = [sys.executable, __file__, base, str(period_s)]
-        self.cmd += ["--suffix"] * suffix + (["--key", key] if key else []) + list(names)
+        self.cmd = [sys.executable, __file__, base, str(period_s), *(["--suffix"] * suffix), *names]
+        self.env = {**os.environ, KEY_ENV: key} if key else None  # (not in argv: ps shows that)
         self.proc: subprocess.Popen | None = None
         self.errors = 0  # requests that failed
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, text=True, env=self.env)
         line = self.proc.stdout.readline()  # (the first sample taken)
         if line.strip() != "ready":
             self.proc.kill()
@@ -107,11 +113,10 @@ def _sample(url: str, period_s: float, names: Sequence[str], suffix: bool, key: 
 
 
 if __name__ == "__main__":
-    args = sys.argv[3:]
-    suffix = "--suffix" in args
-    args = [a for a in args if a != "--suffix"]
-    key = None
-    if "--key" in args:
-        i = args.index("--key")
-        key, args = args[i + 1], args[:i] + args[i + 2 :]
-    _sample(sys.argv[1], float(sys.argv[2]), args, suffix, key)
+    ap = argparse.ArgumentParser(description="samples a server's gauges until SIGTERM")
+    ap.add_argument("url")
+    ap.add_argument("period_s", type=float)
+    ap.add_argument("names", nargs="+")
+    ap.add_argument("--suffix", action="store_true", help="match the names as suffixes")
+    a = ap.parse_args()
+    _sample(a.url, a.period_s, a.names, a.suffix, os.environ.get(KEY_ENV))

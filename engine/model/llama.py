@@ -454,8 +454,7 @@ class Llama:
         qk, v = paddle.split(a, [heads * c.head_dim, c.kv_size], axis=-1)
         qk = qk.reshape([n, heads, c.head_dim])
         if layer["qk_norm"] is not None:  # Qwen3: each head's q and k RMS-normalised
-            ms = paddle.mean(paddle.square(qk), axis=-1, keepdim=True)
-            qk = paddle.multiply(paddle.multiply(qk, paddle.rsqrt(ms + c.rms_norm_eps)), layer["qk_norm"])
+            qk = composed_rms_norm(qk, layer["qk_norm"], c.rms_norm_eps)[0]
         qk = paddle.add(
             paddle.multiply(qk, cos), paddle.multiply(paddle.roll(qk, c.head_dim // 2, axis=-1), sin)
         )
