@@ -619,3 +619,113 @@ async def test_a_write_to_a_closing_connection_aborts_once_and_logs_no_error(cap
             await guard.drain()
     assert aborted == [("closing-1",)]
     assert [r for r in caplog.records if r.levelname == "ERROR"] == []
+
+
+async def _guarded_stream_server(order: list[str]):
+    """A guarded streaming handler that writes one chunk and waits; what happens is told in
+    ``order``: the guard's notice of a hang-up, the abort it publishes, the handler's
+    cancellation."""
+    from aiohttp import web
+
+    from fd.api.cancellation import Cancellation, watch_of
+
+    async def on_disconnect(ids: tuple[str, ...]) -> None:
+        order.append(f"abort {ids[0]}")
+
+    def notice(ids: tuple[str, ...]) -> None:
+        order.append(f"notice {ids[0]}")
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        watch_of(request).request_id = request.query["id"]
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        await resp.write(b"data: first\n\n")
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            order.append(f"cancelled {request.query['id']}")
+            raise
+        return resp
+
+    guard = Cancellation(on_disconnect, notice)
+    app = web.Application(handler_args={"handler_cancellation": True})
+    app.router.add_get("/stream", guard.guard(handler))
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, guard, runner.addresses[0][1]
+
+
+async def _open_stream(port: int, rid: str):
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"GET /stream?id={rid} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    await writer.drain()
+    got = b""
+    while b"data: first" not in got:
+        got += await asyncio.wait_for(reader.read(4096), 5)
+    return reader, writer
+
+
+@pytest.mark.parametrize("how", ["close", "reset"])
+async def test_a_hang_up_is_told_to_the_engine_before_the_handler_unwinds(how):
+    """The peer's end of the connection (its FIN, or a reset) is heard in the loop turn that
+    reads it, not two turns later when aiohttp has closed the connection and the cancelled
+    handler runs: under load a turn is every other stream's token writes. One abort, told
+    before the handler's cancellation."""
+    import socket
+    import struct
+
+    order: list[str] = []
+    runner, guard, port = await _guarded_stream_server(order)
+    try:
+        _, writer = await _open_stream(port, "h-1")
+        if how == "reset":  # SO_LINGER 0: close sends a RST
+            sock = writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.close()
+        for _ in range(200):
+            if "cancelled h-1" in order and "abort h-1" in order:
+                break
+            await asyncio.sleep(0.01)
+        await guard.drain()
+        assert order.index("notice h-1") < order.index("cancelled h-1"), order
+        assert order.count("abort h-1") == 1 and order.count("notice h-1") == 1, order
+    finally:
+        await runner.cleanup()
+
+
+async def test_on_a_kept_alive_connection_a_hang_up_aborts_the_request_it_runs():
+    """The connection's ear serves one request after another: a hang-up during the second
+    aborts the second, once, and says nothing of the first (finished) one or of a request on
+    another connection."""
+    order: list[str] = []
+    runner, guard, port = await _guarded_stream_server(order)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        # one request that finishes on the connection, then a streaming one on it
+        writer.write(b"GET /missing HTTP/1.1\r\nHost: x\r\n\r\n")
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 404")
+        length = int(
+            next(ln for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length")).split(b":")[1]
+        )
+        await reader.readexactly(length)
+        writer.write(b"GET /stream?id=k-2 HTTP/1.1\r\nHost: x\r\n\r\n")
+        await writer.drain()
+        got = b""
+        while b"data: first" not in got:
+            got += await asyncio.wait_for(reader.read(4096), 5)
+        _, writer2 = await _open_stream(port, "s-3")
+        writer.close()  # k-2's client hangs up; s-3's stays
+        for _ in range(200):
+            if "cancelled k-2" in order:
+                break
+            await asyncio.sleep(0.01)
+        assert order.index("notice k-2") < order.index("cancelled k-2"), order
+        await guard.drain()
+        assert order.count("abort k-2") == 1 and not any("s-3" in o for o in order), order
+        writer2.close()
+    finally:
+        await runner.cleanup()
