@@ -242,9 +242,14 @@ class RunningApi:
     async def stop(self, grace_s: float | None = None) -> None:
         """Stop serving; requests still streaming get ``grace_s`` seconds (default aiohttp's
         60) to finish before their connections are closed."""
-        if grace_s is not None:
-            self.runner._shutdown_timeout = grace_s  # (aiohttp reads it in cleanup())
-        await self.runner.cleanup()
+        runner = self.runner
+        if grace_s is not None and runner.server is not None:
+            # cleanup() waits its runner's shutdown_timeout; this waits grace_s first, after
+            # which no connection is left for cleanup() to wait on.
+            for site in list(runner.sites):
+                await site.stop()
+            await runner.server.shutdown(grace_s)
+        await runner.cleanup()
         await self.mux.stop()
         await self.bus.redis.aclose()
         await self.mux.redis.aclose()
@@ -464,5 +469,5 @@ async def start_api(
     await runner.setup()
     site = web.TCPSite(runner, opts.host, opts.port, reuse_port=opts.reuse_port or None)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    port = runner.addresses[0][1]
     return RunningApi(runner, mux, bus, opts.host, port, cfg)
