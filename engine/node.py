@@ -152,7 +152,12 @@ class EngineNode:
             bus, self.id, self.requests, self.link, lambda r, why: self.aborts.lose(r, why), journal
         )
         self.driver = StepDriver(
-            runner, self.id, self._finished, self._on_skipped, lambda n, e: self.lora.done(n, e)
+            runner,
+            self.id,
+            self._finished,
+            self._on_skipped,
+            lambda n, e: self.lora.done(n, e),
+            result_in=self._result_in,
         )
         self.heartbeat = Heartbeat(
             self.id,
@@ -209,6 +214,7 @@ class EngineNode:
         )
         # Steps handed to the runner whose results are not folded in yet, oldest first.
         self._flying: deque[tuple[SchedulerOutput, asyncio.Future, float]] = deque()
+        self._fold_failed: BaseException | None = None  # a fold in the driver's callback raised
         self._task: asyncio.Task | None = None
         self._orphans = OrphanFinder(bus, self.id, cfg.failover_idle_ms)
         self.steps = 0
@@ -349,13 +355,14 @@ class EngineNode:
                     # step one at a time), not the one after.
                     claimed = True
                     await self.admission.claim(block=False)
-                out = self.sched.schedule()
-                self._emit(list(out.events))  # preemptions decided by this schedule()
-                if not out.empty:
-                    unannounced = self.requests.unannounced
-                    if unannounced and any(ss.request_id in unannounced for ss in out.seqs):
-                        await self._flush()  # their `claimed` first (see RequestTable.unannounced)
-                    flying.append((out, self.driver.submit(loop, out), time.perf_counter()))
+                if len(flying) < ahead:  # (a result folded in meanwhile may have stepped ahead)
+                    out = self.sched.schedule()
+                    self._emit(list(out.events))  # preemptions decided by this schedule()
+                    if not out.empty:
+                        unannounced = self.requests.unannounced
+                        if unannounced and any(ss.request_id in unannounced for ss in out.seqs):
+                            await self._flush()  # their `claimed` first (RequestTable.unannounced)
+                        flying.append((out, self.driver.submit(loop, out), time.perf_counter()))
             if not flying:
                 # Work exists but none can run (e.g. waiting for blocks): wait for an event.
                 await self._flush()
@@ -380,15 +387,49 @@ class EngineNode:
                     await self._flush()  # their `claimed` now, not after this step
             finally:
                 result = await fut  # never leave the step's result behind, even when stopping
-            flying.popleft()
-            now = time.perf_counter()
-            self.step_seconds += now - t0
-            if flying:  # the next one was queued behind this one: its time starts now
-                nxt, nfut, nt0 = flying[0]
-                flying[0] = (nxt, nfut, max(nt0, now))
-            self.steps += 1
-            self._apply(done, result)
+            if self._fold_failed is not None:
+                raise self._fold_failed
+            if flying and flying[0][1] is fut:  # (not folded in by the driver's callback)
+                self._fold_oldest(result)
         await self._flush()
+
+    def _fold_oldest(self, result: RunnerOutput) -> None:
+        flying = self._flying
+        done, _, t0 = flying.popleft()
+        now = time.perf_counter()
+        self.step_seconds += now - t0
+        if flying:  # the next one was queued behind this one: its time starts now
+            nxt, nfut, nt0 = flying[0]
+            flying[0] = (nxt, nfut, max(nt0, now))
+        self.steps += 1
+        self._apply(done, result)
+
+    def _result_in(self) -> None:
+        """The oldest step's result is in (the driver's callback): fold it back and decide and
+        hand over the next step now. The step loop publishes the tokens and claims new work
+        when its task runs; a step that needs either first (the last fold's tokens not out yet,
+        requests whose ``claimed`` is not), and draining or stopping, which act between steps,
+        are left to it."""
+        flying = self._flying
+        if self._fold_failed is not None or not flying:
+            return
+        fut = flying[0][1]
+        if not fut.done() or fut.cancelled() or fut.exception() is not None:
+            return  # (a failed step: the step loop raises it)
+        try:
+            caught_up = self.publisher.caught_up  # (before this fold queues its tokens)
+            self._fold_oldest(fut.result())
+            if not caught_up or self._draining or self._stopping or self.requests.unannounced:
+                return
+            if len(flying) >= self.sched.config.max_steps_in_flight:
+                return
+            out = self.sched.schedule()
+            self._emit(list(out.events))
+            if not out.empty:
+                loop = asyncio.get_running_loop()
+                flying.append((out, self.driver.submit(loop, out), time.perf_counter()))
+        except BaseException as e:  # noqa: BLE001 - the step loop raises it, as its own
+            self._fold_failed = e
 
     def _finished(self, step: int, ran: tuple[int, int] | None = None) -> None:
         """A step's result is in. The loop folds it back when it gets to it, which can be

@@ -74,6 +74,14 @@ class Publisher:
         """The request's final is queued: its owner token goes once it is out."""
         self._ended.append(rid)
 
+    @property
+    def caught_up(self) -> bool:
+        """Nothing waits to go out and no batch is on its way: all that was made is published
+        (or refused). A step's result folded in by the driver's callback starts the next step
+        only then: an engine that cannot publish (Redis away) stops stepping after the steps
+        in flight, as the step loop, waiting on its flush, does."""
+        return not (self._outbox or self._ack or self._lock.locked())
+
     # ------------------------------------------------------------------ flushing
 
     def flush_soon(self) -> None:

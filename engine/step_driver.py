@@ -9,9 +9,11 @@ kind (engine/runners.py), chosen once when the driver is made.
 - An in-process runner computes each step on the step thread, one at a time, and one that
   raises fails each of its requests, not the engine.
 
-Either way each step's result resolves a future, in the order the steps were submitted, and
-``finished`` hears of it the moment it is in (before the loop folds it back), so the scheduler
-can release what only finished steps held.
+Either way each step's result resolves a future, in the order the steps were submitted;
+``finished`` hears of it the moment it is in, so the scheduler can release what only finished
+steps held, and then ``result_in`` folds it back and hands the runner its next step, in the
+same callback: the step loop's task, woken by the future, runs a loop turn later, and under
+load a turn is every stream's token writes.
 """
 
 from __future__ import annotations
@@ -37,12 +39,14 @@ class StepDriver:
         finished: Callable[[int, tuple[int, int] | None], None],
         skipped: Callable[[int, list[str]], None],
         lora_done: Callable[[str, str | None], None],
+        result_in: Callable[[], None] = lambda: None,
     ) -> None:
         self.runner = runner
         self.engine_id = engine_id
         self.finished = finished  # a step's result is in: (step, when it ran)
         self.skipped = skipped  # a queued step started without these aborting requests
         self.lora_done = lora_done  # a pipelined runner's answer to a LoRA load
+        self.result_in = result_in  # the oldest step's future is resolved: fold it in now
         # The step thread: an in-process runner's steps, and its LoRA loads between them.
         self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"step-{engine_id}")
         self._reader_fd: int | None = None  # a pipelined runner's pipe, read by the loop
@@ -116,6 +120,7 @@ class StepDriver:
             result = work.result()
             fut.set_result(result)
             self.finished(result.step, result.ran)
+            self.result_in()
 
     def _on_replies(self) -> None:
         """The worker's pipe is readable: fold in what came, in order — a ``Skipped`` note
@@ -140,6 +145,7 @@ class StepDriver:
                 if not fut.done():
                     fut.set_result(reply)
                     self.finished(reply.step, reply.ran)
+                    self.result_in()
             elif isinstance(reply, LoraDone):
                 self.lora_done(reply.name, reply.error)
             elif isinstance(reply, Skipped):
