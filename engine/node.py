@@ -215,6 +215,9 @@ class EngineNode:
         # Steps handed to the runner whose results are not folded in yet, oldest first.
         self._flying: deque[tuple[SchedulerOutput, asyncio.Future, float]] = deque()
         self._fold_failed: BaseException | None = None  # a fold in the driver's callback raised
+        # A step the step loop decided and submits after an await: the driver's callback
+        # folds nothing in meanwhile, or a step it decided would reach the runner first.
+        self._deciding: SchedulerOutput | None = None
         self._task: asyncio.Task | None = None
         self._orphans = OrphanFinder(bus, self.id, cfg.failover_idle_ms)
         self.steps = 0
@@ -361,7 +364,11 @@ class EngineNode:
                     if not out.empty:
                         unannounced = self.requests.unannounced
                         if unannounced and any(ss.request_id in unannounced for ss in out.seqs):
-                            await self._flush()  # their `claimed` first (RequestTable.unannounced)
+                            self._deciding = out  # (no fold in the callback overtakes it)
+                            try:
+                                await self._flush()  # their `claimed` first (RequestTable.unannounced)
+                            finally:
+                                self._deciding = None
                         flying.append((out, self.driver.submit(loop, out), time.perf_counter()))
             if not flying:
                 # Work exists but none can run (e.g. waiting for blocks): wait for an event.
@@ -411,7 +418,7 @@ class EngineNode:
         requests whose ``claimed`` is not), and draining or stopping, which act between steps,
         are left to it."""
         flying = self._flying
-        if self._fold_failed is not None or not flying:
+        if self._fold_failed is not None or self._deciding is not None or not flying:
             return
         fut = flying[0][1]
         if not fut.done() or fut.cancelled() or fut.exception() is not None:
