@@ -215,9 +215,9 @@ class EngineNode:
         # Steps handed to the runner whose results are not folded in yet, oldest first.
         self._flying: deque[tuple[SchedulerOutput, asyncio.Future, float]] = deque()
         self._fold_failed: BaseException | None = None  # a fold in the driver's callback raised
-        # A step the step loop decided and submits after an await: the driver's callback
-        # folds nothing in meanwhile, or a step it decided would reach the runner first.
-        self._deciding: SchedulerOutput | None = None
+        # The step loop holds a step it decided and hands over after an await: the driver's
+        # callback folds nothing in meanwhile, or a step it decided would reach the runner first.
+        self._handing_over = False
         self._task: asyncio.Task | None = None
         self._orphans = OrphanFinder(bus, self.id, cfg.failover_idle_ms)
         self.steps = 0
@@ -364,12 +364,12 @@ class EngineNode:
                     if not out.empty:
                         unannounced = self.requests.unannounced
                         if unannounced and any(ss.request_id in unannounced for ss in out.seqs):
-                            self._deciding = out  # (no fold in the callback overtakes it)
+                            self._handing_over = True
                             try:
                                 await self._flush()  # their `claimed` first (RequestTable.unannounced)
                             finally:
-                                self._deciding = None
-                        flying.append((out, self.driver.submit(loop, out), time.perf_counter()))
+                                self._handing_over = False
+                        self._hand_over(out)
             if not flying:
                 # Work exists but none can run (e.g. waiting for blocks): wait for an event.
                 await self._flush()
@@ -400,6 +400,11 @@ class EngineNode:
                 self._fold_oldest(result)
         await self._flush()
 
+    def _hand_over(self, out: SchedulerOutput) -> None:
+        """The step to the runner, behind those in flight."""
+        loop = asyncio.get_running_loop()
+        self._flying.append((out, self.driver.submit(loop, out), time.perf_counter()))
+
     def _fold_oldest(self, result: RunnerOutput) -> None:
         flying = self._flying
         done, _, t0 = flying.popleft()
@@ -418,7 +423,7 @@ class EngineNode:
         requests whose ``claimed`` is not), and draining or stopping, which act between steps,
         are left to it."""
         flying = self._flying
-        if self._fold_failed is not None or self._deciding is not None or not flying:
+        if self._fold_failed is not None or self._handing_over or not flying:
             return
         fut = flying[0][1]
         if not fut.done() or fut.cancelled() or fut.exception() is not None:
@@ -431,10 +436,9 @@ class EngineNode:
             if len(flying) >= self.sched.config.max_steps_in_flight:
                 return
             out = self.sched.schedule()
-            self._emit(list(out.events))
+            self._emit(list(out.events))  # preemptions decided by this schedule()
             if not out.empty:
-                loop = asyncio.get_running_loop()
-                flying.append((out, self.driver.submit(loop, out), time.perf_counter()))
+                self._hand_over(out)
         except BaseException as e:  # noqa: BLE001 - the step loop raises it, as its own
             self._fold_failed = e
 
