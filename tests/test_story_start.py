@@ -166,27 +166,44 @@ async def test_a_copy_another_engine_claims_goes_to_the_owner_and_is_acked_after
     engines, redis_server, keys
 ):
     """The copy of a running request claimed by an engine that does not run it: the claim
-    loses to the owner's token, and the entry becomes the owner's (pending on its consumer,
-    never acknowledged by the loser); once the request has finished, the owner's failover scan
-    acknowledges it. One run, one final, and the stream is left empty."""
+    loses to the owner's token, and the entry becomes the owner's (pending on its consumer
+    beside the request's own entry, never acknowledged by the loser); once the request has
+    finished, the owner's failover scan acknowledges it. One run, one final, and the stream
+    is left empty.
+
+    A's gate holds r's step while B claims the copy: the copy is pending on A only while r
+    runs (its own entry pending too) and for at most a failover interval after r's final,
+    so looking for it after r may have finished would race A's scan."""
     from tests.enginekit import story, tokens_of
     from tests.faultkit import wait_for
 
     client = connect(redis_server.url)
     bus = Bus(client, keys)
     try:
-        a = await engines.start("A", delay=0.02, max_num_seqs=1)  # busy with r: claims nothing more
+        a = await engines.start(
+            "A", delay=0.02, max_num_seqs=1, gated=True
+        )  # busy with r: claims nothing more
+        gate = engines.gates["A"]
         req = _greedy("r", max_tokens=40)
         assert await bus.submit(req, pair("r")[1])
         await wait_for(lambda: _has_tokens(bus, "r"), 10, "r running on A")
+        gate.close()
+        await gate.wait_entered()  # r cannot finish until the gate opens
+
+        async def pending():
+            rows = await bus.redis.xpending_range(bus.keys.requests, "engines", "-", "+", 10)
+            return [(p["message_id"], p["consumer"]) for p in rows]
+
+        ((own, consumer),) = await pending()
+        assert consumer == b"A"
         await engines.start("B")
         copy = await bus.publish(bus.keys.requests, req)
 
-        async def pending_on_a():
-            rows = await bus.redis.xpending_range(bus.keys.requests, "engines", "-", "+", 10)
-            return [(p["message_id"], p["consumer"]) for p in rows] == [(copy, b"A")]
+        async def copy_pending_on_a():
+            return await pending() == [(own, b"A"), (copy, b"A")]
 
-        await wait_for(pending_on_a, 10, "the copy pending on the owner A")
+        await wait_for(copy_pending_on_a, 10, "the copy pending on the owner A")
+        gate.open()
         first = await story(bus, "r")
 
         async def stream_empty():
