@@ -137,7 +137,7 @@ class Bus(Ownership, EngineRegistry):
         return None
 
     def _append(self, stream: str, event: Event) -> Append:
-        return Append(stream, event.encode(), self.maxlen(stream))
+        return Append(stream, event.encode(), self.maxlen(stream), event)
 
     def tell_local(self, stream: str, event: Event) -> None:
         """Tell the in-process readers of ``stream`` (``P:control`` only) of ``event`` now."""
@@ -238,6 +238,7 @@ class Bus(Ownership, EngineRegistry):
                     self.req_ttl_s,
                     Ack(keys.requests, GROUP_ENGINES, [entry]) if entry is not None else None,
                     renew.get(rid, ()),
+                    evs,
                 )
             )
         answers = await self.store.fenced_append(batches, plain)

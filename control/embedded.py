@@ -29,7 +29,7 @@ from redis.exceptions import ResponseError
 
 from control.connect import MAX_CONNECTIONS, POOL_WAIT_S
 from control.embedded_info import ServerInfo, parse_info
-from control.embedded_store import EmbeddedStore, direct_works
+from control.embedded_store import AppendListeners, EmbeddedStore, direct_works
 from control.resp import ProtocolError, RequestReader, encode_reply
 
 log = logging.getLogger("control.embedded")
@@ -179,6 +179,7 @@ class EmbeddedRedis:
         self._expirer: threading.Thread | None = None
         self._stopped = threading.Event()
         self._direct: bool | None = None  # control/embedded_store.py's check, once
+        self._listeners = AppendListeners()  # (every in-process client's store tells the same)
 
     @property
     def url(self) -> str:
@@ -247,7 +248,7 @@ class EmbeddedRedis:
         client.server_info = self._door.info
         if self._direct is None:
             self._direct = direct_works(self._server)
-        client._store = EmbeddedStore(client, self._server, self._direct)
+        client._store = EmbeddedStore(client, self._server, self._direct, self._listeners)
         return client
 
     def __enter__(self) -> "EmbeddedRedis":

@@ -8,16 +8,25 @@ from Lua: at 32 streams on the tiny model a step's flush took longer than the st
 
 - :meth:`EmbeddedStore.fenced_append` does control/fence.py's checks and appends under the
   server's lock, with the server's stream objects' own methods (``XStream.next_id``, ``add``,
-  ``irange``); what a final renews and acknowledges follows as commands;
+  ``irange``); what a final renews and acknowledges follows, by :meth:`append_many`;
 - :meth:`EmbeddedStore.read`, the API's XREAD of many stories, reads them the same way and
   waits for a write on the database's change callbacks, as fakeredis's blocking reads do;
 - :meth:`EmbeddedStore.read_group`, an engine's poll of ``P:requests``, answers "nothing
   new" from the stream's and the group's last ids, and reads through the commands otherwise;
 - :meth:`EmbeddedStore.append_many`, plain appends to streams that exist (the API's aborts on
-  ``P:control``, a hang-up's among them) with the same methods, and the renewals of a final
-  (``EXPIRE``); acks, and a stream to create, go to the commands;
+  ``P:control``, a hang-up's among them) with the same methods, the renewals of a final
+  (``EXPIRE``) and its ``P:requests`` entry's ack (``StreamGroup.ack``, ``XStream.delete``:
+  through the commands, a wave of 32 finals' acks held the flush, and so the next step, for
+  10-20 ms of loop turns); a stream to create goes to the commands;
+- :meth:`EmbeddedStore.ack_delete` the same way;
 - ``get``, ``exists`` and ``expire`` of keys that exist (an arrival's check of its id and of
   a tombstone), on the database's items (``value``, ``expireat``, ``schedule_expiry``).
+
+What these two append, they also tell the process's own readers (:meth:`EmbeddedStore.listen`,
+:class:`AppendListeners`): ``fd serve``'s API takes its engine's events as the engine made
+them, with the entry that came before each, instead of reading them back and decoding them
+(at 32 streams on the tiny model that read and decode were a sixth of the serve loop's time,
+bench/README.md). A reader that is behind, or an entry appended any other way, is read.
 
 Everything they touch is a public name (``FakeServer.lock``, ``.dbs``, ``.config``,
 ``.connected``; a database's ``has_watch``, ``notify_watch``, ``wake_all``,
@@ -35,14 +44,14 @@ import asyncio
 import logging
 import threading
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import fakeredis
 from fakeredis.model import StreamEntryKey, StreamRangeTest, XStream
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from control.fence import SEEN, Refused
-from control.store import Ack, Append, Fenced, RedisStore
+from control.store import Ack, Append, AppendListener, Fenced, RedisStore
 
 log = logging.getLogger("control.embedded")
 
@@ -54,6 +63,39 @@ def _is_final(fields: Sequence[bytes]) -> bool:
         if fields[i] == b"type":
             return fields[i + 1] == b"final"
     return False
+
+
+#: ``(stream, before, entry id, event, fields)`` of an append to tell listeners of
+_Told = tuple[bytes, bytes, bytes, Any, Mapping[str, str]]
+
+
+class AppendListeners:
+    """The readers in this process told of the server's in-process appends (one per server,
+    shared by its clients' stores; the event loop's thread only)."""
+
+    def __init__(self) -> None:
+        self._listeners: list[AppendListener] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._listeners)
+
+    def add(self, listener: AppendListener) -> Callable[[], None]:
+        self._listeners.append(listener)
+
+        def stop() -> None:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+        return stop
+
+    def tell(self, told: Sequence[_Told]) -> None:
+        """After the appends, out of the server's lock: a listener may publish in turn."""
+        for item in told:
+            for listener in list(self._listeners):
+                try:
+                    listener(*item)
+                except Exception:  # a reader's bug must not cost the write
+                    log.exception("in-process append listener failed")
 
 
 class _Direct:
@@ -97,9 +139,12 @@ class _Direct:
             raise RedisConnectionError("Connection closed by the embedded server")
         return not self.server.config.get(b"notify-keyspace-events")
 
-    def fenced(self, batch: Fenced, limits: tuple[int, int]) -> list[bytes] | Refused | None:
+    def fenced(
+        self, batch: Fenced, limits: tuple[int, int], told: list[_Told] | None = None
+    ) -> list[bytes] | Refused | None:
         """One batch through the fence, the lock held by the caller: as control/fence.py's
-        script, less the renewals and ack of a final (the caller's, after)."""
+        script, less the renewals and ack of a final (the caller's, after). Each event
+        appended goes on ``told`` where given."""
         db = self._db()
         try:
             owner = db[batch.owner_key.encode()].value
@@ -121,21 +166,26 @@ class _Direct:
         if tail and _is_final(tail[0][1]):
             return Refused("final", owner.decode(errors="replace"))
         ids = []
-        for fields in encoded:
+        events = batch.events if told is not None else ()
+        for i, fields in enumerate(encoded):
             entry = stream.next_id(None, True)
             if entry is None:
                 break  # (an exhausted id space: the caller sees fewer ids than events)
+            before = stream.last_item_key() if events else b""
             stream.add(fields, entry, *limits)
             ids.append(entry.encode())
+            if events:
+                told.append((key, before, ids[-1], events[i], batch.fields[i]))
             if fields[:2] == [b"type", b"final"]:
                 break
         if db.has_watch(key):
             db.notify_watch(key)  # (WATCHers; readers blocked on the database: the caller's wake_all)
         return ids
 
-    def append(self, entry: Append, limits: tuple[int, int]) -> bytes | None:
+    def append(self, entry: Append, limits: tuple[int, int], told: list[_Told] | None = None) -> bytes | None:
         """``entry``'s XADD, the lock held by the caller, where its stream exists: its id
-        (None: not done here, the commands create it)."""
+        (None: not done here, the commands create it). Its event goes on ``told`` where
+        given."""
         db = self._db()
         key = entry.stream.encode()
         stream = self._stream(db, key)
@@ -144,12 +194,16 @@ class _Direct:
         at = stream.next_id(None, True)
         if at is None:
             return None  # (an exhausted id space: the commands say so)
+        before = stream.last_item_key()
         stream.add(self._encode(entry.fields), at, *limits)
         if entry.maxlen:
             stream.trim(maxlen=entry.maxlen, approx=True)
         if db.has_watch(key):
             db.notify_watch(key)
-        return at.encode()
+        entry_id = at.encode()
+        if told is not None and entry.event is not None:
+            told.append((key, before, entry_id, entry.event, entry.fields))
+        return entry_id
 
     def scan(self, streams: Mapping[bytes, bytes], count: int | None) -> list | None:
         """XREAD's reply for ``streams`` now, under the lock; None: a key of another type or
@@ -202,6 +256,23 @@ class _Direct:
         db.schedule_expiry(k, item.expireat)
         if db.has_watch(k):
             db.notify_watch(k)
+        return True
+
+    def ack_delete(self, ack: Ack) -> bool:
+        """``XACK`` then ``XDEL`` of ``ack``'s ids, the lock held by the caller, where its
+        stream exists (False: not done here, the commands say what XACK says of the rest)."""
+        db = self._db()
+        key = ack.stream.encode()
+        stream = self._stream(db, key)
+        if not stream:
+            return False
+        group = stream.group_get(ack.group.encode())
+        ids = [i if isinstance(i, bytes) else i.encode() for i in ack.ids]
+        if group is not None:
+            group.ack(tuple(ids))
+        stream.delete(ids)
+        if db.has_watch(key):
+            db.notify_watch(key)
         return True
 
     def nothing_new(self, key: bytes, group: bytes, consumer: bytes) -> bool:
@@ -261,7 +332,20 @@ def direct_works(server: fakeredis.FakeServer) -> bool:
         idle = direct.nothing_new(story.encode(), b"g", b"c")
         stranger = direct.nothing_new(story.encode(), b"g", b"x")  # (a consumer it does not know)
         client.xadd(story, {"type": "tokens"})
-        return same and idle and not stranger and not direct.nothing_new(story.encode(), b"g", b"c")
+        same = same and idle and not stranger and not direct.nothing_new(story.encode(), b"g", b"c")
+        (_, ((last, _),)), *_ = client.xreadgroup("g", "c", {story: ">"})
+        pending = client.xpending(story, "g")["pending"]
+        with server.lock:
+            acked = direct.ack_delete(Ack(story, "g", [last]))
+            absent = direct.ack_delete(Ack("fd-embedded-check:none", "g", [last]))
+        left = [i for i, _ in client.xrange(story)]
+        return (
+            same
+            and acked
+            and not absent
+            and client.xpending(story, "g")["pending"] == pending - 1
+            and last not in left
+        )
     except Exception as e:
         log.warning("embedded store: direct path unusable on fakeredis %s: %s", fakeredis.__version__, e)
         return False
@@ -273,12 +357,19 @@ def direct_works(server: fakeredis.FakeServer) -> bool:
 class EmbeddedStore(RedisStore):
     """:class:`~control.store.RedisStore` on the embedded server's in-process client, with
     :meth:`fenced_append`, :meth:`read`, an idle :meth:`read_group`, plain
-    :meth:`append_many` and ``get``/``exists``/``expire`` done on the server's objects (see
+    :meth:`append_many`, :meth:`ack_delete` and ``get``/``exists``/``expire`` done on the server's objects (see
     the module's docstring) where :func:`direct_works`; the commands otherwise."""
 
-    def __init__(self, redis: Any, server: fakeredis.FakeServer, direct: bool):
+    def __init__(
+        self, redis: Any, server: fakeredis.FakeServer, direct: bool, listeners: AppendListeners | None = None
+    ):
         super().__init__(redis)
         self._direct = _Direct(server) if direct else None
+        self._listeners = listeners if listeners is not None else AppendListeners()
+
+    def listen(self, listener: AppendListener) -> Callable[[], None] | None:
+        # (appends through the commands, the TCP door's and this process's alike, are read)
+        return self._listeners.add(listener) if self._direct is not None else None
 
     async def fenced_append(
         self, batches: Sequence[Fenced], plain: Sequence[Append] = ()
@@ -289,9 +380,10 @@ class EmbeddedStore(RedisStore):
         answers: list[Refused | None] = [None] * len(batches)
         left: list[int] = []  # batches the commands do
         limits = direct._limits()
+        told: list[_Told] | None = [] if self._listeners else None
         with direct.server.lock:
             for i, batch in enumerate(batches):
-                got = direct.fenced(batch, limits)
+                got = direct.fenced(batch, limits, told)
                 if got is None:
                     left.append(i)
                 elif isinstance(got, Refused):
@@ -299,7 +391,7 @@ class EmbeddedStore(RedisStore):
             # (the journal's entry, and what else goes unfenced: after the stories, as the
             # script's pipeline sends it)
             done = 0
-            while done < len(plain) and direct.append(plain[done], limits):
+            while done < len(plain) and direct.append(plain[done], limits, told):
                 done += 1
             plain = plain[done:]
             # Readers blocked on the database (the API's many-story read, XREAD BLOCK through
@@ -307,6 +399,8 @@ class EmbeddedStore(RedisStore):
             # wake-up reaches every blocked reader, and one on another thread costs a write
             # to its loop's self-pipe.
             direct.server.dbs[0].wake_all()
+        if told:
+            self._listeners.tell(told)
         if left:
             for i, why in zip(left, await super().fenced_append([batches[i] for i in left])):
                 answers[i] = why
@@ -319,28 +413,41 @@ class EmbeddedStore(RedisStore):
     async def append_many(
         self, entries: Sequence[Append], expire: Sequence[str] = (), ttl_s: int = 0, ack: Ack | None = None
     ) -> list[bytes]:
-        # Plain appends (an abort on P:control, the API's and an operator's events) and renewals
-        # (a final's) on the server's objects; acks, a stream to create and whatever follows
-        # it, by the commands, in the same order.
+        # Plain appends (an abort on P:control, the API's and an operator's events), renewals
+        # and acks (a final's) on the server's objects; a stream to create and whatever
+        # follows it, by the commands, in the same order.
         direct = self._direct
-        if direct is None or not (entries or expire) or not direct.usable():
+        if direct is None or not (entries or expire or ack) or not direct.usable():
             return await super().append_many(entries, expire, ttl_s, ack)
         ids: list[bytes] = []
         left = list(expire)
         limits = direct._limits()
+        told: list[_Told] | None = [] if self._listeners else None
         with direct.server.lock:
             for entry in entries:
-                at = direct.append(entry, limits)
+                at = direct.append(entry, limits, told)
                 if at is None:
                     break
                 ids.append(at)
             if len(ids) == len(entries):
                 left = [key for key in expire if not direct.expire(key, ttl_s)]
+                if not left and ack is not None and direct.ack_delete(ack):
+                    ack = None
             if ids:
                 direct.server.dbs[0].wake_all()  # (blocked readers: see fenced_append)
+        if told:
+            self._listeners.tell(told)
         if len(ids) < len(entries) or left or ack is not None:
             ids += await super().append_many(entries[len(ids) :], left, ttl_s, ack)
         return ids
+
+    async def ack_delete(self, stream: str, group: str, ids: Sequence[bytes]) -> None:
+        direct = self._direct
+        if direct is not None and ids and direct.usable():
+            with direct.server.lock:
+                if direct.ack_delete(Ack(stream, group, ids)):
+                    return
+        await super().ack_delete(stream, group, ids)
 
     async def get(self, key: str) -> bytes | None:
         direct = self._direct
@@ -388,8 +495,13 @@ class EmbeddedStore(RedisStore):
         direct = self._direct
         if direct is None or not direct.usable():
             return await super().read(streams, count, block_ms)
-        keyed = {k if isinstance(k, bytes) else k.encode(): v for k, v in streams.items()}
-        got = direct.scan(keyed, count)
+
+        def keyed() -> dict[bytes, bytes]:
+            # (each scan reads ``streams`` anew: a listener's reader moves its ids past the
+            # entries it was told of while this read waits, so they are not read again)
+            return {k if isinstance(k, bytes) else k.encode(): v for k, v in streams.items()}
+
+        got = direct.scan(keyed(), count)
         if got is None:
             return await super().read(streams, count, block_ms)
         if got or block_ms is None:
@@ -411,7 +523,7 @@ class EmbeddedStore(RedisStore):
             db.add_change_callback(on_change)
         try:
             while True:
-                got = direct.scan(keyed, count)  # (again: a write may have come in between)
+                got = direct.scan(keyed(), count)  # (again: a write may have come in between)
                 if got is None:
                     return await super().read(streams, count, None)
                 if got or (deadline is not None and loop.time() >= deadline):

@@ -5,15 +5,22 @@ blocking XREADs (one per shard) instead of one per request, and hands each entry
 :class:`Subscription` of every handler of that request. It follows the bus's rules for
 readers (control/bus.py): an entry that does not decode, or does not belong on its stream, is
 dead-lettered and skipped; blocking reads are never cancelled; entry ids are ``bytes``.
+
+Where the store tells the process's readers of its own appends (:meth:`control.store.Store.listen`:
+the embedded server, where ``fd serve``'s engine publishes), a subscription that has seen
+every entry before one takes it as the engine made it, and its shard's read moves past it: a
+step's tokens cost no read and no decode. Anything else comes by the reads.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import threading
 from collections import deque
-from typing import Callable
+from typing import Callable, Mapping
 
 from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -215,6 +222,7 @@ class _Shard:
         self.long = False  # the current read blocks for the full block_ms
         self.task: asyncio.Task | None = None
         self.wake_last = b"0-0"
+        self.reading: dict[bytes, bytes] | None = None  # the ids the read in progress reads after
 
     def add(self, sub: Subscription) -> bool:
         """Add; True when the reader is blocked on a key list without it and must be woken."""
@@ -259,10 +267,12 @@ class _Shard:
                     block = min(mux.block_ms, mux.CONTENDED_BLOCK_MS) if mux._gate_waiting() else mux.block_ms
                     self.long = block > mux.CONTENDED_BLOCK_MS
                     self.blocked, self.rang = True, False
+                    self.reading = streams
                     try:
                         resp = await mux._bus.store.read(streams, mux.count, block)
                     finally:
                         self.blocked = False
+                        self.reading = None
                 mux.wakeups += 1
                 for key, entries in resp or ():
                     if key == self.wake_key:
@@ -306,6 +316,9 @@ class _Shard:
         everyone = len(subs) == len(self.subs[key])
         rid = subs[0].request_id
         for entry_id, fields in entries:
+            idk = entry_id_key(entry_id)
+            if all(sub._last >= idk for sub in subs):
+                continue  # (told of it while the read waited: StreamMux._told)
             # A good entry costs no coroutine; a bad one (or a deleted one: no fields) goes the
             # long way, which dead-letters it.
             ev = None
@@ -316,7 +329,6 @@ class _Shard:
                     pass
             if ev is None:
                 ev = await self.mux._bus.dead.decode_or_dead(key, entry_id, fields, REQ_STREAM_TYPES, rid)
-            idk = entry_id_key(entry_id)
             for sub in list(subs):
                 if ev is None:  # skipped, but never read again
                     if idk > sub._last:
@@ -388,6 +400,9 @@ class StreamMux:
         self._stopping = False
         self.wakeups = 0  # XREAD returns, all shards: the bench's fan-in figure
         self.events = 0  # events delivered to subscriptions
+        self.told = 0  # of those, the ones taken as the store told them (no read, no decode)
+        self._unlisten: Callable[[], None] | None = None
+        self._thread: int | None = None  # the event loop's, where the store's tellings count
 
     @property
     def dead_letters(self) -> int:
@@ -426,6 +441,8 @@ class StreamMux:
         if self._started:
             return
         self._started, self._stopping = True, False
+        self._thread = threading.get_ident()
+        self._unlisten = self._bus.store.listen(self._told)
         for shard in self._shards:
             self._launch(shard)
 
@@ -439,6 +456,9 @@ class StreamMux:
         if not self._started:
             return
         self._stopping = True
+        if self._unlisten is not None:
+            self._unlisten()
+            self._unlisten = None
         for shard in list(self._shards):  # blocked readers return now, not after BLOCK
             if shard.blocked and not shard.rang:
                 shard.rang = True
@@ -460,6 +480,38 @@ class StreamMux:
                 log.warning("stream mux %s: could not delete doorbells: %s", self.reader_id, e)
         self._shards.clear()
         self._started = False
+
+    def _told(self, key: bytes, before: bytes, entry_id: bytes, ev: Event, fields: Mapping[str, str]) -> None:
+        """An entry this process appended (:meth:`control.store.Store.listen`), handed as it is
+        to each subscription that has seen every entry up to ``before``. One behind, or new,
+        gets it from its shard's next read; the read in progress moves past it for those
+        that took it, so nothing comes twice or is skipped."""
+        shard = self._where.get(key)
+        if shard is None or self._stopping or threading.get_ident() != self._thread:
+            return
+        subs = shard.subs.get(key)
+        if not subs:
+            return
+        floor = entry_id_key(before)
+        takers = [sub for sub in subs if not sub._ended and sub._last == floor]
+        if not takers:
+            return
+        rid = subs[0].request_id
+        if not isinstance(ev, REQ_STREAM_TYPES) or getattr(ev, "request_id", rid) != rid:
+            return  # (the read dead-letters it)
+        if not ev.ts:  # as a read decodes it: stamped when it was encoded
+            ev = dataclasses.replace(ev, ts=int(fields["ts"]))
+        idk = entry_id_key(entry_id)
+        for sub in takers:
+            sub._offer(entry_id, idk, ev)
+        self.events += len(takers)
+        self.told += len(takers)
+        reading = shard.reading
+        if reading is not None and key in reading:
+            reading[key] = min(subs, key=lambda s: s._last).last_id
+        if isinstance(ev, Final) and len(takers) == len(subs):
+            del shard.subs[key]
+            self._where.pop(key, None)
 
     async def subscribe(self, request_id: str, after: bytes | str = b"0") -> Subscription:
         """Events of ``request_id`` after entry ``after`` (exclusive; ``0`` = from the start)."""

@@ -21,7 +21,7 @@ Replies are redis-py's (bytes, ``decode_responses=False``): the bus decodes them
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, ResponseError
@@ -35,11 +35,14 @@ _FAKEREDIS_NO_STREAM = "The XGROUP subcommand requires the key to exist"
 
 @dataclass(frozen=True, slots=True)
 class Append:
-    """One ``XADD stream * fields...``, capped at ``maxlen`` (approximately) when given."""
+    """One ``XADD stream * fields...``, capped at ``maxlen`` (approximately) when given;
+    ``event``: the event ``fields`` encode, for a store that hands its appends to readers in
+    its own process (:meth:`Store.listen`)."""
 
     stream: str
     fields: Mapping[str, str]
     maxlen: int | None = None
+    event: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +59,7 @@ class Fenced:
     """One request's events of one step, appended to its story only while ``owner_key`` holds
     ``token`` and the story has no final (control/fence.py). With a final, ``ack`` (its
     ``P:requests`` entry) is acknowledged and ``renew`` given ``ttl_s`` again, only if the
-    events got through."""
+    events got through. ``events``: what ``fields`` encode, one each, as :class:`Append`'s."""
 
     owner_key: str
     story: str
@@ -65,14 +68,28 @@ class Fenced:
     ttl_s: int
     ack: Ack | None = None
     renew: Sequence[str] = field(default_factory=tuple)
+    events: Sequence[Any] = ()
 
     @property
     def ends(self) -> bool:
         return bool(self.fields) and self.fields[-1].get("type") == "final"
 
 
+#: ``(stream, before, entry_id, event, fields)``: ``event`` was appended to ``stream`` as
+#: ``entry_id``, encoded as ``fields``, right after the entry ``before`` (the stream's last id
+#: then; ``0-0`` for none).
+AppendListener = Callable[[bytes, bytes, bytes, Any, Mapping[str, str]], None]
+
+
 class Store(Protocol):
     """The bus's operations on its server (see the module's docstring)."""
+
+    def listen(self, listener: AppendListener) -> Callable[[], None] | None:
+        """Have ``listener`` told of each event this process appends through the store, in the
+        appending call (on the event loop), so a reader in the process takes it as it is
+        instead of reading it back and decoding it; what other processes write is not told.
+        The function that stops it; None where the store cannot say which entry came before
+        (a server others write to as well: its readers read)."""
 
     async def append_many(
         self, entries: Sequence[Append], expire: Sequence[str] = (), ttl_s: int = 0, ack: Ack | None = None
@@ -163,6 +180,9 @@ class RedisStore:
         self.cluster = isinstance(redis, RedisCluster)
         self._fence_sha: str | None = None  # control/fence.py's script, once loaded
         self._start_script: Any = None  # control/story.py's (redis-py's Script), on first use
+
+    def listen(self, listener: AppendListener) -> Callable[[], None] | None:
+        return None  # (XADD's reply names the new entry, not the one before it)
 
     async def append_many(
         self, entries: Sequence[Append], expire: Sequence[str] = (), ttl_s: int = 0, ack: Ack | None = None

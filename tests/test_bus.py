@@ -405,6 +405,79 @@ async def test_mux_subscription_while_blocked_is_served_promptly(bus, keys):
     assert await bus.redis.exists(keys.wake("api-1.0")) == 0
 
 
+async def test_mux_takes_this_processs_appends_as_told_and_reads_the_rest(embedded_redis, keys):
+    """On the embedded server's in-process client a subscription that has seen everything takes
+    an engine's fenced events as the store tells them (no read back), an entry written through
+    the TCP door (another process) comes by the read, and the story the subscription sees is
+    the stream's own: the same ids, the same events, ``ts`` included, each once, in order."""
+    client = embedded_redis.client()
+    door = connect(embedded_redis.url)
+    bus = Bus(client, keys)
+    mux = StreamMux(client, keys, "api-told", block_ms=5000)
+    await mux.start()
+    try:
+        await bus.publish(keys.req("r"), E.Accepted(request_id="r", prompt_tokens=3))
+        sub = await mux.subscribe("r")
+        reader = asyncio.create_task(_collect(sub))
+        await client.set(keys.owner("r"), "e1#1")
+        owners = {"r": "e1#1"}
+        tokens = [E.Tokens(request_id="r", token_ids=(i,), text=f"t{i}", step=i) for i in range(3)]
+        for ev in tokens[:2]:
+            assert await bus.publish_owned([(keys.req("r"), ev)], owners) == {}
+            await asyncio.sleep(0.05)  # (the subscription is current before the next one)
+        # another process's entry: the one after it is not told to a reader that has not read it
+        await door.xadd(keys.req("r"), E.Claimed(request_id="r", engine="e2").encode())
+        final = E.Final(request_id="r", finish_reason="length", usage={"completion_tokens": 3})
+        assert await bus.publish_owned([(keys.req("r"), tokens[2]), (keys.req("r"), final)], owners) == {}
+        got = await asyncio.wait_for(reader, 5)
+        assert got == await bus.read_req("r")
+        assert [type(e).__name__ for _, e in got] == [
+            "Accepted",
+            "Tokens",
+            "Tokens",
+            "Claimed",
+            "Tokens",
+            "Final",
+        ]
+        assert mux.told >= 2  # (the first two tokens at least: the subscription was current)
+        assert mux.told <= 4
+    finally:
+        await mux.stop()
+        await door.aclose()
+        await client.aclose()
+
+
+async def test_a_subscription_behind_reads_what_one_that_is_current_is_told(embedded_redis, keys):
+    """Two subscriptions of one story: one current, one resuming from the start while entries
+    are told. Each gets the whole story once, in order; the one behind by the reads."""
+    client = embedded_redis.client()
+    bus = Bus(client, keys)
+    mux = StreamMux(client, keys, "api-behind", block_ms=5000)
+    await mux.start()
+    try:
+        await client.set(keys.owner("r"), "e1#1")
+        owners = {"r": "e1#1"}
+        await bus.publish(keys.req("r"), E.Accepted(request_id="r", prompt_tokens=3))
+        current = await mux.subscribe("r")
+        first = asyncio.create_task(_collect(current))
+        for i in range(20):
+            ev = E.Tokens(request_id="r", token_ids=(i,), text=f"t{i}", step=i)
+            assert await bus.publish_owned([(keys.req("r"), ev)], owners) == {}
+            if i == 10:
+                behind = await mux.subscribe("r", b"0")
+                second = asyncio.create_task(_collect(behind))
+            await asyncio.sleep(0)
+        final = E.Final(request_id="r", finish_reason="length", usage={"completion_tokens": 20})
+        assert await bus.publish_owned([(keys.req("r"), final)], owners) == {}
+        want = await bus.read_req("r")
+        assert await asyncio.wait_for(first, 5) == want
+        assert await asyncio.wait_for(second, 5) == want
+        assert mux.told >= 10
+    finally:
+        await mux.stop()
+        await client.aclose()
+
+
 async def test_mux_doorbell_on_the_embedded_client_is_capped_and_expires(embedded_redis, keys):
     """On the embedded server's in-process client a blocked reader is rung as on Redis: each
     ring wakes it, and the doorbell stays capped and has its TTL."""

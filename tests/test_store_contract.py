@@ -288,6 +288,38 @@ async def test_read_takes_many_streams_and_blocks_until_a_write(client_store, k)
     assert [e for e, _ in got[0][1]] == [c]
 
 
+async def test_listen_tells_this_processs_appends_with_the_entry_before_each(client_store, k):
+    """The embedded store tells a listener of every event it appends (fenced or plain), with
+    the stream's last id before it; appends that went through the commands (a stream created,
+    the TCP door's) are not told. A server others write to cannot say what came before: no
+    listening there."""
+    client, store = client_store
+    told = []
+    stop = store.listen(lambda *item: told.append(item))
+    if not isinstance(store, EmbeddedStore):
+        assert stop is None
+        return
+    story_key = k("a") + ":req"
+    await client.set(k("a") + ":owner", "e1#1")
+    first = await client.xadd(story_key, {"type": "accepted"})
+    batch = _batch(k, "a", "e1#1", ["tokens", "final"])
+    events = [object(), object()]  # (what the bus hands along: the store does not look inside)
+    batch = Fenced(batch.owner_key, batch.story, batch.token, batch.fields, batch.ttl_s, events=events)
+    note, plain = object(), Append(story_key, {"type": "note"})
+    assert await store.fenced_append([batch]) == [None]
+    noted, _ = await store.append_many([Append(story_key, {"type": "note"}, event=note), plain])
+    ids = [i for i, _ in await client.xrange(story_key)]
+    assert ids[0] == first and ids[3] == noted
+    assert told == [
+        (story_key.encode(), ids[0], ids[1], events[0], batch.fields[0]),
+        (story_key.encode(), ids[1], ids[2], events[1], batch.fields[1]),
+        (story_key.encode(), ids[2], ids[3], note, {"type": "note"}),
+    ]  # (the plain append without an event is not told)
+    stop()
+    await store.append_many([Append(story_key, {"type": "note"}, event=note)])
+    assert len(told) == 3
+
+
 async def test_the_embedded_store_uses_the_commands_where_its_direct_path_does_not_hold(monkeypatch, k):
     """On a fakeredis whose objects do not behave as the direct path expects, the embedded
     store says so once and does everything with the commands: slower, still right."""
