@@ -68,6 +68,9 @@ class Aborts:
         self.tombstone_ttl_s = tombstone_ttl_s
         self.metrics = metrics
         self.fenced = 0  # requests dropped because the fence refused their events
+        #: aborts of requests this engine runs, heard so far (the node steps ahead from the
+        #: driver's callback only while no new one came since its last decided step)
+        self.heard = 0
         self._counters: dict[str, Any] = {}
 
     def count(self, source: str, n: int = 1) -> None:
@@ -81,6 +84,7 @@ class Aborts:
         evs = self.sched.abort(rid, source)
         if evs:
             self.count(source)
+            self.heard += 1
         self.emit(evs)
 
     def on_local(self, ev: Event) -> None:
@@ -96,6 +100,7 @@ class Aborts:
                 mine = self.sched.abort(rid, ev.source)
                 if mine:
                     self.count(ev.source)
+                    self.heard += 1
                 evs += mine
         if evs:
             self.emit(evs)

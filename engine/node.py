@@ -218,6 +218,7 @@ class EngineNode:
         # The step loop holds a step it decided and hands over after an await: the driver's
         # callback folds nothing in meanwhile, or a step it decided would reach the runner first.
         self._handing_over = False
+        self._heard = 0  # self.aborts.heard when the last step was decided
         self._task: asyncio.Task | None = None
         self._orphans = OrphanFinder(bus, self.id, cfg.failover_idle_ms)
         self.steps = 0
@@ -358,7 +359,13 @@ class EngineNode:
                     # step one at a time), not the one after.
                     claimed = True
                     await self.admission.claim(block=False)
+                if self.aborts.heard != self._heard:
+                    # Hang-ups come in waves (a client's pool, a load balancer's cut): one turn
+                    # of the loop's sockets first, so the rest of this one is heard before the
+                    # next step is decided and its requests are in no step the release waits on.
+                    await asyncio.sleep(0)
                 if len(flying) < ahead:  # (a result folded in meanwhile may have stepped ahead)
+                    self._heard = self.aborts.heard
                     out = self.sched.schedule()
                     self._emit(list(out.events))  # preemptions decided by this schedule()
                     if not out.empty:
@@ -433,8 +440,8 @@ class EngineNode:
             self._fold_oldest(fut.result())
             if not caught_up or self._draining or self._stopping or self.requests.unannounced:
                 return
-            if len(flying) >= self.sched.config.max_steps_in_flight:
-                return
+            if len(flying) >= self.sched.config.max_steps_in_flight or self.aborts.heard != self._heard:
+                return  # (aborts just heard: the step loop hears the sockets before it decides)
             out = self.sched.schedule()
             self._emit(list(out.events))  # preemptions decided by this schedule()
             if not out.empty:
