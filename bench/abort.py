@@ -350,7 +350,13 @@ def main() -> None:
     ap.add_argument("--bulk-ids", type=int, default=1000)
     ap.add_argument("--bulk-gap-ms", type=float, default=20.0, help="pause between two bulk calls")
     ap.add_argument("--release-concurrency", default="1,8,32")
-    ap.add_argument("--release-samples", type=int, default=32, help="hang-ups per level, at least")
+    ap.add_argument(
+        "--release-samples",
+        type=int,
+        default=160,
+        help="hang-ups per level, at least (at 32 streams one wave is 32 hang-ups that land in a few "
+        "clusters, one sample of them: 160 is five waves)",
+    )
     ap.add_argument("--redis-url", default=None)
     ap.add_argument("--real-redis", action="store_true", help="start a redis-server here and use it")
     ap.add_argument("--seed", type=int, default=0)
