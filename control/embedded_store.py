@@ -357,8 +357,9 @@ def direct_works(server: fakeredis.FakeServer) -> bool:
 class EmbeddedStore(RedisStore):
     """:class:`~control.store.RedisStore` on the embedded server's in-process client, with
     :meth:`fenced_append`, :meth:`read`, an idle :meth:`read_group`, plain
-    :meth:`append_many`, :meth:`ack_delete` and ``get``/``exists``/``expire`` done on the server's objects (see
-    the module's docstring) where :func:`direct_works`; the commands otherwise."""
+    :meth:`append_many`, :meth:`ack_delete` and ``get``/``exists``/``expire`` done on the
+    server's objects (see the module's docstring) where :func:`direct_works`; the commands
+    otherwise. What it appends there it tells its :class:`AppendListeners`."""
 
     def __init__(
         self, redis: Any, server: fakeredis.FakeServer, direct: bool, listeners: AppendListeners | None = None

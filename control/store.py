@@ -116,7 +116,9 @@ class Store(Protocol):
     async def read(
         self, streams: Mapping[bytes | str, bytes], count: int | None, block_ms: int | None
     ) -> list:
-        """``XREAD [COUNT count] [BLOCK ms] STREAMS key... id...``, in redis-py's reply shape."""
+        """``XREAD [COUNT count] [BLOCK ms] STREAMS key... id...``, in redis-py's reply shape.
+        A store that looks again while it blocks reads the ids in ``streams`` again: a
+        listener's reader (:meth:`listen`) moves them past what it was told meanwhile."""
 
     async def get(self, key: str) -> bytes | None:
         """``GET key``."""

@@ -19,7 +19,8 @@ with ``resume`` set, so any engine claims it at once and continues from its stre
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import logging
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from redis.exceptions import WatchError
@@ -39,6 +40,10 @@ from control.events import (
     decode,
 )
 from control.keys import GROUP_ENGINES, is_tombstone, owner_engine
+from engine.redis_link import RedisLink
+
+# (its lines are the engine node's: operators filter on that name)
+log = logging.getLogger("engine.node")
 
 
 @dataclass
@@ -196,3 +201,28 @@ async def take_entry(bus: Bus, entry_id: bytes, consumer: str) -> None:
     await bus.redis.xclaim(
         bus.keys.requests, GROUP_ENGINES, consumer, min_idle_time=0, message_ids=[entry_id], justid=True
     )
+
+
+async def hand_back(
+    bus: Bus, link: RedisLink, engine_id: str, back: list[tuple[str, bytes, Request, str]]
+) -> int:
+    """A drain's hand-back, once its notes are out: for each ``(request id, P:requests entry,
+    request, owner token)`` the owner key is released (compare-and-set: only if still this
+    engine's), then the request re-queued with ``resume`` set and its old entry acknowledged.
+    How many went back."""
+    n = 0
+    for rid, entry, req, token in back:
+        key = bus.keys.owner(rid)
+        # The owner key goes before the request is re-queued: a claimer must find it free.
+        released = await link.retry(
+            "hand back", lambda: cas_owner(bus.redis, key, token, None, bus.req_ttl_s)
+        )
+        if not released:
+            continue  # no longer ours (taken over meanwhile): nothing to hand back
+        await link.retry(
+            "hand back",
+            lambda: bus.publish_many([(bus.keys.requests, replace(req, resume=True, ts=0))], ack=[entry]),
+        )
+        n += 1
+        log.info("handed back", extra={"request_id": rid, "engine": engine_id})
+    return n

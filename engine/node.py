@@ -569,22 +569,7 @@ class EngineNode:
             if token is not None:
                 back.append((rid, entry, req, token))
         await self._flush()  # the notes (and every token before them) first
-        for rid, entry, req, token in back:
-            key = self.bus.keys.owner(rid)
-            # The owner key goes before the request is re-queued: a claimer must find it free.
-            released = await self.link.retry(
-                "hand back", lambda: failover.cas_owner(self.bus.redis, key, token, None, self.bus.req_ttl_s)
-            )
-            if not released:
-                continue  # no longer ours (taken over meanwhile): nothing to hand back
-            await self.link.retry(
-                "hand back",
-                lambda: self.bus.publish_many(
-                    [(self.bus.keys.requests, replace(req, resume=True, ts=0))], ack=[entry]
-                ),
-            )
-            self.handed_back += 1
-            log.info("handed back", extra={"request_id": rid, "engine": self.id})
+        self.handed_back += await failover.hand_back(self.bus, self.link, self.id, back)
 
     async def _control_loop(self, cursor: bytes) -> None:
         backoff = self.cfg.retry_backoff_s
