@@ -13,6 +13,8 @@ import orjson
 
 from control.keys import Keys
 
+HEALTH_PROBE_TTL_S = 60
+
 
 def _b(x: bytes | str) -> bytes:
     return x if isinstance(x, bytes) else x.encode()
@@ -32,6 +34,11 @@ class EngineRegistry:
             pipe.hset(key, mapping=dict(fields))
         pipe.expire(key, ttl_s)
         await pipe.execute()
+
+    async def health_probe(self, api_id: str) -> None:
+        """One small write that expires (``SET P:health:<api_id>``): raises what Redis says
+        when it takes no writes (out of memory, read-only, failing its saves)."""
+        await self.redis.set(self.keys.health(api_id), b"1", ex=HEALTH_PROBE_TTL_S)
 
     @staticmethod
     def lora_fields(ready: Iterable[str], errors: Mapping[str, str]) -> dict[str, str]:

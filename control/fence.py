@@ -118,8 +118,11 @@ SCRIPT = _SCRIPT.replace("SEEN", str(SEEN))
 class Refused:
     """A batch the fence turned away; nothing of it was appended."""
 
-    why: str  # "owner": the owner key holds ``owner``, not the token; "final": the story ended
+    why: str  # "owner": the owner key holds ``owner``, not the token; "final": the story ended;
+    # "error": Redis refused the script for a reason of the request's own (``error``: its
+    # reply; a key of the request's overwritten with another type, say: control/outage.py)
     owner: str | None
+    error: str | None = None
 
 
 def append_fields(args: list, fields: Mapping[str, str]) -> None:

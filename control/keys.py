@@ -169,6 +169,11 @@ class Keys:
         """Heartbeat hash of one engine, with an EXPIRE a few heartbeats long."""
         return f"{self.prefix}:engine:{engine_id}"
 
+    def health(self, api_id: str) -> str:
+        """String, EXPIRE: an API replica's ``/health`` write probe (a Redis that refuses
+        writes answers reads and pings)."""
+        return f"{self.prefix}:health:{api_id}"
+
     def engine_pattern(self) -> str:
         return f"{self.prefix}:engine:*"
 

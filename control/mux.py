@@ -23,8 +23,6 @@ from collections import deque
 from typing import Callable, Mapping
 
 from redis.crc import key_slot
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from control.bad_event import BadEvent
 from control.bus import Bus
@@ -32,6 +30,7 @@ from control.dead_letters import check_event
 from control.entry_ids import entry_id_key, normal_entry_id
 from control.events import REQ_STREAM_TYPES, Event, Final, decode
 from control.keys import Keys, valid_request_id
+from control.outage import REDIS_FAILURES, is_outage
 
 # (the bus's logger: the mux is the bus's reader, and operators filter its warnings as the bus's)
 log = logging.getLogger("control.bus")
@@ -45,7 +44,22 @@ class MuxStopped(RuntimeError):
     """The multiplexer stopped before this subscription saw its ``final``."""
 
 
+class StoryLost(RuntimeError):
+    """The request's story disappeared from Redis before its ``final``: the server was
+    emptied or flushed, a failover lost it, or it expired. Nothing will ever be written to it
+    again (an engine writes only while its owner key holds, and that went with it)."""
+
+    def __init__(self, request_id: str):
+        super().__init__(
+            f"The stream of request {request_id} disappeared from the control plane (Redis was "
+            "emptied, flushed or failed over, or the stream expired) before the request "
+            "finished; its output is lost. Send the request again."
+        )
+        self.request_id = request_id
+
+
 _END = object()
+_NOTHING = entry_id_key(b"0-0")  # a subscription's ``_last`` before it has seen an entry
 
 
 class Subscription:
@@ -223,6 +237,7 @@ class _Shard:
         self.task: asyncio.Task | None = None
         self.wake_last = b"0-0"
         self.reading: dict[bytes, bytes] | None = None  # the ids the read in progress reads after
+        self.next_look = 0.0  # when to look for stories that disappeared (loop time)
 
     def add(self, sub: Subscription) -> bool:
         """Add; True when the reader is blocked on a key list without it and must be woken."""
@@ -255,6 +270,8 @@ class _Shard:
                     last = await redis.xrevrange(self.wake_key, count=1)
                     self.wake_last = last[0][0] if last else b"0-0"
                     first = False
+                if asyncio.get_running_loop().time() >= self.next_look:
+                    await self._look_for_lost()
                 if mux._gate_full():
                     await mux._cut_one_read_short()
                 async with mux._gate:
@@ -280,13 +297,45 @@ class _Shard:
                     else:
                         await self._dispatch(key, entries, streams[key])
                 backoff = 0.05
-            except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+            except REDIS_FAILURES as e:
                 log.warning("stream mux %s: %s; retrying in %.2fs", mux.reader_id, e, backoff)
+                if not is_outage(e):  # (WRONGTYPE: a story overwritten by another type)
+                    self.next_look = 0.0
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
             except Exception:  # a bug: keep the other subscriptions alive
                 log.exception("stream mux %s: reader failed; retrying", mux.reader_id)
                 await asyncio.sleep(0.1)
+
+    async def _look_for_lost(self) -> None:
+        """End the subscriptions whose story is gone (:class:`StoryLost`). A blocking read of a
+        key that does not exist just waits, so without this look a client whose story went
+        with an emptied Redis would wait for ever. Only a story some subscription has seen an
+        entry of counts: one subscribed before its request was submitted may not exist yet."""
+        mux = self.mux
+        self.next_look = asyncio.get_running_loop().time() + mux.lost_look_s
+        keys = list(self.subs)
+        if not keys:
+            return
+        pipe = mux.redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.type(key)
+        types = await pipe.execute()
+        for key, kind in zip(keys, types):
+            kind = _b(kind)
+            if kind == b"stream":
+                continue
+            subs = self.subs.get(key, [])
+            # (a key of another type is gone too, and would fail every read of the shard)
+            if kind == b"none" and not any(s._last > _NOTHING for s in subs):
+                continue
+            del self.subs[key]
+            if mux._where.get(key) is self:
+                del mux._where[key]
+            log.warning("stream mux %s: story %s is gone (%s); ending its stream", mux.reader_id, key, kind)
+            mux.lost += 1
+            for sub in subs:
+                sub._end(StoryLost(sub.request_id))
 
     async def _retire(self) -> None:
         """Cluster only: stop reading a slot with nothing left to watch. Synchronously
@@ -297,7 +346,7 @@ class _Shard:
         if self.rung:
             try:
                 await mux.redis.delete(self.wake_key)
-            except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+            except REDIS_FAILURES as e:
                 log.warning("stream mux %s: could not delete a doorbell: %s", mux.reader_id, e)
         if self in mux._shards:
             mux._shards.remove(self)
@@ -382,6 +431,7 @@ class StreamMux:
         block_ms: int = 1000,
         count: int = 1000,
         cluster_readers: int = 128,
+        lost_look_s: float = 2.0,
     ):
         self.redis = redis
         self.keys = keys
@@ -401,6 +451,10 @@ class StreamMux:
         self.wakeups = 0  # XREAD returns, all shards: the bench's fan-in figure
         self.events = 0  # events delivered to subscriptions
         self.told = 0  # of those, the ones taken as the store told them (no read, no decode)
+        #: How often each shard looks for stories that disappeared (one pipelined EXISTS of
+        #: its keys): a client's stream whose story went ends within this plus ``block_ms``.
+        self.lost_look_s = lost_look_s
+        self.lost = 0  # subscribed stories found gone
         self._unlisten: Callable[[], None] | None = None
         self._thread: int | None = None  # the event loop's, where the store's tellings count
 
@@ -476,7 +530,7 @@ class StreamMux:
         if self._shards:
             try:
                 await self.redis.delete(*[s.wake_key for s in self._shards])
-            except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+            except REDIS_FAILURES as e:
                 log.warning("stream mux %s: could not delete doorbells: %s", self.reader_id, e)
         self._shards.clear()
         self._started = False
@@ -534,7 +588,7 @@ class StreamMux:
             pipe.expire(shard.wake_key, 86400)  # a crashed replica leaves no doorbell behind
             shard.rung = True
             await pipe.execute()
-        except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+        except REDIS_FAILURES as e:
             # The reader still returns after its BLOCK timeout: late, not lost.
             shard.rang = False
             log.warning("stream mux %s: doorbell failed: %s", self.reader_id, e)

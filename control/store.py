@@ -20,6 +20,7 @@ Replies are redis-py's (bytes, ``decode_responses=False``): the bus decodes them
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
@@ -29,6 +30,9 @@ from redis.exceptions import NoScriptError, ResponseError
 from control import fence
 from control import story as story_start
 from control.fence import Refused
+from control.outage import is_outage, reason
+
+log = logging.getLogger("control.store")
 
 _FAKEREDIS_NO_STREAM = "The XGROUP subcommand requires the key to exist"
 
@@ -169,6 +173,16 @@ def _xadd(client, entry: Append) -> Any:
     return client.xadd(entry.stream, entry.fields)
 
 
+def _refusal(e: Exception, command: str, key: str) -> Refused:
+    """A command's error reply in a pipeline: raised where it is an outage (the caller rides
+    it out and sends again, control/outage.py), else logged with the command and key; the
+    batch it was is refused for that reason alone (its request ends, the rest go on)."""
+    if is_outage(e):
+        raise e
+    log.error("redis refused %s on %s: %s", command, key, reason(e))
+    return Refused("error", None, reason(e))
+
+
 def _ack(pipe, ack: Ack) -> None:
     pipe.xack(ack.stream, ack.group, *ack.ids)
     pipe.xdel(ack.stream, *ack.ids)
@@ -274,21 +288,21 @@ class RedisStore:
                 )
             for entry in plain:
                 _xadd(pipe, entry)
-            plain = ()
+            sent, plain = plain, ()
             results = await pipe.execute(raise_on_error=False)
             again = []
             for i, res in zip(todo, results):
                 if isinstance(res, NoScriptError):
                     again.append(i)
                 elif isinstance(res, Exception):
-                    raise res
+                    refused[i] = _refusal(res, "fence", batches[i].story)
                 else:
                     got = fence.script_result(res)
                     if isinstance(got, Refused):
                         refused[i] = got
-            for res in results[len(todo) :]:
+            for res, entry in zip(results[len(todo) :], sent):
                 if isinstance(res, Exception):
-                    raise res
+                    _refusal(res, "XADD", entry.stream)
             if not again:
                 return refused
             self._fence_sha = await self.redis.script_load(fence.SCRIPT)  # (flushed, or a new node)

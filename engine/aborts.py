@@ -210,10 +210,16 @@ class Aborts:
         if not self.requests.lose(rid):
             return  # (a flush made before it was dropped, refused too)
         self.fenced += 1
-        log.warning(
-            "fenced: not the owner any more; dropping",
-            extra={"request_id": rid, "engine": self.engine_id, "owner": why.owner, "why": why.why},
-        )
+        if why.error is not None:
+            log.error(
+                "redis refused the request's events; dropping it",
+                extra={"request_id": rid, "engine": self.engine_id, "error": why.error},
+            )
+        else:
+            log.warning(
+                "fenced: not the owner any more; dropping",
+                extra={"request_id": rid, "engine": self.engine_id, "owner": why.owner, "why": why.why},
+            )
         live = self.requests.get(rid)
         if live is not None and not live.silent and self.sched.knows(rid):
             live.silent = True

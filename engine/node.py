@@ -587,7 +587,10 @@ class EngineNode:
                 continue
             try:
                 for entry_id, ev in events:
-                    await self._on_control(ev, entry_id)
+                    try:
+                        await self._on_control(ev, entry_id)
+                    except RETRYABLE as e:  # (a refusal of its command: the next event)
+                        self.link.failed("control event", e)
                 if events:
                     await self._flush()
                     self._wake.set()

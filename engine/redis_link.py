@@ -2,8 +2,12 @@
 ones that must (DESIGN.md §1: Redis going away is a pause, not an end).
 
 Every loop of the node shares one :class:`RedisLink`, so an outage seen by any of them is one
-outage: it is logged once a second, not once per retry, and the failover waits until calls
-have been succeeding for a while (:attr:`RedisLink.ok_since`) before peers look dead.
+outage: it is logged when it starts (and when Redis's reason changes) and when it ends, not once
+per retry, and the failover waits until calls have been succeeding for a while
+(:attr:`RedisLink.ok_since`) before peers look dead. An outage is a lost connection or an
+error reply that says "not now" (control/outage.py): out of memory, a read-only replica, a
+failed save, a busy script, a load in progress. Any other error reply is about the command: it
+is logged with the command, at most once a minute per kind, and the caller goes on.
 """
 
 from __future__ import annotations
@@ -13,14 +17,15 @@ import logging
 import time
 from typing import Awaitable, Callable, TypeVar
 
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from control.outage import REDIS_FAILURES, is_outage, reason
 
 # (its lines are the engine node's: operators filter on that name)
 log = logging.getLogger("engine.node")
 
-#: What a lost or restarting Redis raises (BusyLoadingError is a ConnectionError).
-RETRYABLE = (RedisConnectionError, RedisTimeoutError, OSError)
+#: What a Redis call may raise that the engine rides out (see :meth:`RedisLink.failed`).
+RETRYABLE = REDIS_FAILURES
+#: A refusal's log line is repeated at most this often (the caller retries it meanwhile).
+REFUSAL_LOG_S = 60.0
 
 T = TypeVar("T")
 
@@ -47,25 +52,53 @@ class RedisLink:
         # heartbeats that expired while nobody could write them, before their requests look
         # orphaned.
         self.ok_since: float | None = 0.0
-        self._last_error_log = 0.0
+        self.outage: str | None = None  # why calls fail now (the last reason logged)
+        self._outage_started = 0.0
+        self._outage_errors = 0
+        self._refusals: dict[tuple[str, str], float] = {}  # (what, kind) -> when last logged
 
     def ok(self) -> None:
         """A Redis call got through."""
         if self.ok_since is None:
             self.ok_since = time.monotonic()
-            log.info("control plane reachable again", extra={"engine": self.engine_id})
+            log.info(
+                "control plane reachable again after %.1f s (%d failed calls retried)",
+                self.ok_since - self._outage_started,
+                self._outage_errors,
+                extra={"engine": self.engine_id},
+            )
+            self.outage = None
 
     def failed(self, what: str, e: BaseException) -> None:
-        """A Redis call failed with one of :data:`RETRYABLE`; the caller retries."""
-        self.ok_since = None
+        """A Redis call failed with one of :data:`RETRYABLE`; the caller retries (an outage)
+        or goes on without it (a refusal of the command, logged with it)."""
+        if not is_outage(e):
+            self.refused(what, e)
+            return
         self.errors += 1
+        why = reason(e)
+        if self.ok_since is not None:
+            self._outage_started = time.monotonic()
+            self._outage_errors = 0
+        self.ok_since = None
+        self._outage_errors += 1
+        if why != self.outage:  # one line an outage (and one more if Redis's reason changes)
+            self.outage = why
+            log.warning("redis unavailable (%s): %s; retrying", what, why, extra={"engine": self.engine_id})
+
+    def refused(self, what: str, e: BaseException) -> None:
+        """Redis refused a command for a reason of the command's own (control/outage.py)."""
+        self.errors += 1
+        kind = str(e).split(" ", 1)[0]
         now = time.monotonic()
-        if now - self._last_error_log > 1.0:  # one line a second, not one per retry
-            self._last_error_log = now
-            log.warning("redis unavailable (%s): %s; retrying", what, e, extra={"engine": self.engine_id})
+        if now - self._refusals.get((what, kind), -REFUSAL_LOG_S) >= REFUSAL_LOG_S:
+            self._refusals[(what, kind)] = now
+            log.error("redis refused %s: %s", what, reason(e), extra={"engine": self.engine_id})
 
     async def retry(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
-        """``fn()`` until it gets through, backing off; gives up only when stopping."""
+        """``fn()`` until it gets through, backing off through an outage; gives up when
+        stopping, and on a refusal of the command (logged, then raised: the same command
+        gets the same answer)."""
         backoff = self.backoff_s
         while True:
             try:
@@ -74,6 +107,8 @@ class RedisLink:
                 return out
             except RETRYABLE as e:
                 self.failed(what, e)
+                if not is_outage(e):
+                    raise
                 if self.stopping():
                     raise Stopped(what) from e
                 await asyncio.sleep(backoff)

@@ -28,6 +28,7 @@ from control.events import MAX_FIELD_BYTES, Abort
 from control.keys import ENGINE_ID_RE, REQUEST_ID_RE, choice_ids, is_tombstone
 from control.metrics import Metrics
 from control.mux import StreamMux
+from control.outage import reason
 from control.tokenizer import TokenizerLike
 from fd.api.cors import Cors
 from fd.api.errors import bad_request, conflict, id_taken, too_large, unavailable
@@ -99,6 +100,7 @@ class ApiContext:
 
     def __init__(self, cfg: ApiConfig, bus: Bus, mux: StreamMux, tokenizer: TokenizerLike, metrics: Metrics):
         self._redis_suspect_until = 0.0  # see redis_failed()
+        self.outage: str | None = None  # why Redis fails now (redis_failed), for /health
         self._ignored_said: set[str] = set()  # request fields said to be ignored (say_ignored)
         self.cfg = cfg
         self.bus = bus
@@ -241,10 +243,23 @@ class ApiContext:
 
     # ------------------------------------------------------------------ Redis
 
-    def redis_failed(self) -> None:
-        """Remember that Redis just failed: until a quick ping succeeds again, new requests get
-        their 503 at once instead of after the client's seconds of connection retries."""
+    def redis_failed(self, e: BaseException) -> None:
+        """Remember that Redis just failed (gone, stalled, or replying "not now":
+        control/outage.py): until a quick ping succeeds again, new requests get their 503 at
+        once instead of after the client's seconds of connection retries. One log line an
+        outage (and one more when Redis's reason changes), not one a request."""
         self._redis_suspect_until = time.monotonic() + REDIS_SUSPECT_S
+        why = reason(e)
+        if why != self.outage:
+            self.outage = why
+            log.warning("redis unavailable: %s", why, extra={"api": self.cfg.api_id})
+
+    def redis_ok(self) -> None:
+        """A Redis call that writes got through."""
+        self._redis_suspect_until = 0.0
+        if self.outage is not None:
+            log.info("redis reachable again", extra={"api": self.cfg.api_id})
+            self.outage = None
 
     async def check_redis(self) -> None:
         if time.monotonic() >= self._redis_suspect_until:
@@ -254,9 +269,11 @@ class ApiContext:
             async with asyncio.timeout(REDIS_PING_TIMEOUT_S):
                 await self.bus.redis.ping()
         except (RedisError, OSError, asyncio.TimeoutError) as e:
-            self.redis_failed()
-            raise unavailable(f"The control plane (Redis) is unavailable: {e or type(e).__name__}") from None
-        self._redis_suspect_until = 0.0
+            self.redis_failed(e)
+            raise unavailable(f"The control plane (Redis) is unavailable: {reason(e)}") from None
+        # (a ping is no write: an OOM or READONLY outage lasts until a write gets through)
+        if self.outage is None:
+            self._redis_suspect_until = 0.0
 
     async def publish_abort(self, ids: tuple[str, ...], abort_id: str) -> None:
         """One XADD, or a few in one round trip if the ids overflow one field."""

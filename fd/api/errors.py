@@ -68,3 +68,9 @@ def server_error(message: str) -> ApiError:
 
 def unavailable(message: str) -> ApiError:
     return ApiError(503, message, "service_unavailable", None, "service_unavailable")
+
+
+def story_lost(message: str) -> ApiError:
+    """A request whose story disappeared from Redis before its final (control.mux.StoryLost):
+    a 503, which clients retry, since nothing of it can be recovered."""
+    return ApiError(503, message, "service_unavailable", None, "story_lost")

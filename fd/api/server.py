@@ -19,11 +19,12 @@ from redis.exceptions import RedisError
 
 from control.bus import Bus
 from control.metrics import Metrics
-from control.mux import MuxStopped, StreamMux
+from control.mux import MuxStopped, StoryLost, StreamMux
+from control.outage import is_outage, reason
 from control.story import IdTaken
 from fd.api.context import CALLER, RID, ApiConfig, ApiContext, json_response
 from fd.api.cors import Cors
-from fd.api.errors import ApiError, bad_request, id_taken, unauthorized, unavailable
+from fd.api.errors import ApiError, bad_request, id_taken, server_error, story_lost, unauthorized, unavailable
 from fd.api.serving_aborts import ServingAborts
 from fd.api.serving_admin import ServingAdmin
 from fd.api.serving_embeddings import ServingEmbeddings
@@ -96,13 +97,19 @@ async def _errors(request: web.Request, handler):
         shown = request.get(RID, "")
         return _error_response(id_taken(shown), request)
     except RedisError as e:
-        log.warning("redis error on %s: %s", request.path, e)
-        request.app[API_KEY].redis_failed()
-        return _error_response(unavailable(f"The control plane (Redis) is unavailable: {e}"), request)
+        if not is_outage(e):  # about this request's command, not the server (control/outage.py)
+            log.error("redis refused a command of %s %s: %s", request.method, request.path, e)
+            return _error_response(
+                server_error(f"The control plane (Redis) refused the request: {e}"), request
+            )
+        request.app[API_KEY].redis_failed(e)
+        return _error_response(unavailable(f"The control plane (Redis) is unavailable: {reason(e)}"), request)
     except HttpProcessingError as e:  # a body aiohttp could not decode (bad gzip, bad chunking)
         return _error_response(bad_request(f"Malformed request body: {e.message}"), request)
     except MuxStopped:
         return _error_response(unavailable("This API replica is shutting down."), request)
+    except StoryLost as e:
+        return _error_response(story_lost(str(e)), request)
     except (ConnectionResetError, asyncio.CancelledError):
         raise
     except Exception:

@@ -16,6 +16,7 @@ from aiohttp import web
 from redis.exceptions import RedisError
 
 from control.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from control.outage import reason
 from fd.api import lora_admin, openapi, protocol
 from fd.api.context import ApiContext, json_response
 from fd.api.errors import not_found, unavailable
@@ -126,10 +127,14 @@ class ServingAdmin:
         ctx = self.ctx
         try:
             async with asyncio.timeout(HEALTH_TIMEOUT_S):  # (not wait_for: see fd.api.streaming.merged)
+                # A write, not a ping: a Redis out of memory, read-only or failing its saves
+                # answers pings and reads while it refuses every request's story.
+                await ctx.bus.health_probe(ctx.cfg.api_id)
                 engines = await ctx.bus.engines()
         except (RedisError, OSError, asyncio.TimeoutError) as e:
-            ctx.redis_failed()
-            raise unavailable(f"Redis is unreachable: {e or type(e).__name__}") from None
+            ctx.redis_failed(e)
+            raise unavailable(f"Redis is unavailable: {reason(e)}") from None
+        ctx.redis_ok()
         if not engines:
             raise unavailable("No engine is alive (no engine heartbeat in Redis).")
         return json_response({"status": "ok", "api": ctx.cfg.api_id, "engines": engines})

@@ -111,6 +111,7 @@ class ServingGenerate:
                     **_echo(gen, 0),
                 ),
             )
+            ctx.redis_ok()
             renderer = self.streams.renderer(
                 shown,
                 endpoint,

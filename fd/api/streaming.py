@@ -16,11 +16,12 @@ from aiohttp import web
 from control.bus import entry_id_key
 from control.events import Accepted, Final, Tokens
 from control.metrics import Metrics
+from control.mux import StoryLost
 from fd.api import rendering, sse
 from fd.api.cancellation import watch_of
 from fd.api.choices import Choices, choices_cursor
 from fd.api.context import ApiContext, new_abort_id
-from fd.api.errors import unavailable
+from fd.api.errors import story_lost, unavailable
 from fd.api.responses import ResponsesRenderer
 
 KEEPALIVE_S = 15.0  # an SSE comment this often while nothing happens, so proxies keep the line
@@ -185,7 +186,13 @@ class Streams:
         watch = watch_of(request)
         write = self._write_choice_events if isinstance(renderer, Choices) else self._write_events
         async with contextlib.aclosing(events):
-            await write(resp, events, renderer, timing, skip_until, watch)
+            try:
+                await write(resp, events, renderer, timing, skip_until, watch)
+            except StoryLost as e:  # (nothing left to abort: the stream ends with why)
+                watch.finished = True
+                error = story_lost(str(e)).body()
+                named = not isinstance(renderer, Choices) and renderer.named_events
+                await resp.write(sse.frame(error, None, "error") if named else sse.frame(error) + sse.DONE)
         await resp.write_eof()
         return resp
 

@@ -1,0 +1,168 @@
+"""Redis's own faults, against a real redis-server of the test's own: error replies that say
+"not now" (out of memory, read-only) are outages every node rides out, and a story that
+disappears (Redis emptied) ends its client's stream with an error instead of leaving it
+waiting for ever."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+import redis as sync_redis
+
+from control.bus import Bus
+from control.connect import connect
+from control.sampling import SamplingParams
+from engine.llm import LLM
+from fd.compose import ApiOptions, start_api
+from tests.enginekit import story, tokens_of, types
+from tests.faultkit import Engines, OwnRedis, all_blocks_free, wait_for
+from tests.test_outage import stream_completion
+
+PROMPTS = ["Once upon a time", "The quick brown fox", "In a hole in the ground", "It was a dark"]
+
+
+def _refuse(r: sync_redis.Redis, kind: str) -> None:
+    if kind == "oom":  # noeviction (the default) and less room than is used: writes refused
+        r.config_set("maxmemory", 1)
+    else:  # a replica of a primary that is not there: its data kept, writes refused
+        r.execute_command("REPLICAOF", "127.0.0.1", "1")
+
+
+def _accept(r: sync_redis.Redis, kind: str) -> None:
+    if kind == "oom":
+        r.config_set("maxmemory", 0)
+    else:
+        r.execute_command("REPLICAOF", "NO", "ONE")
+
+
+@pytest.mark.parametrize("kind", ["oom", "readonly"])
+async def test_redis_refusing_writes_mid_stream_is_an_outage_the_engine_rides_out(
+    kind, tmp_path, keys, tiny_model_dir, tiny_runner, tiny_tokenizer
+):
+    redis = OwnRedis(str(tmp_path))
+    redis.start()
+    admin = sync_redis.Redis(port=redis.port)
+    engines = Engines(redis.url, keys, tiny_model_dir, tiny_runner, tiny_tokenizer)
+    bus = Bus(connect(redis.url), keys)
+    api = None
+    try:
+        eng = await engines.start("E", delay=0.03)
+        api = await start_api(
+            lambda: connect(redis.url),
+            keys,
+            ApiOptions(model_dir=str(tiny_model_dir)),
+            tokenizer=tiny_tokenizer,
+        )
+        params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+        refs = LLM(tiny_runner, tiny_tokenizer).generate([tiny_tokenizer.encode(p) for p in PROMPTS], params)
+        body = {"model": api.cfg.model_name, "max_tokens": 80, "temperature": 0, "ignore_eos": True}
+        clients = [
+            asyncio.create_task(stream_completion(api.url, {**body, "prompt": p}, {"X-Request-Id": f"s{i}"}))
+            for i, p in enumerate(PROMPTS)
+        ]
+        await wait_for(lambda: all(eng.node.sched.knows(f"s{i}") for i in range(4)), what="all admitted")
+        await wait_for(lambda: eng.node.steps > 8, what="decoding")
+        _refuse(admin, kind)
+        await wait_for(lambda: eng.node.link.outage is not None, what="the engine to meet the refusal")
+        steps = eng.node.steps
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"{api.url}/health") as r:
+                assert r.status == 503
+                said = (await r.json())["error"]["message"]
+                assert ("OOM" if kind == "oom" else "READONLY") in said
+            async with s.post(
+                f"{api.url}/v1/completions", json={**body, "prompt": "x", "max_tokens": 2}
+            ) as r:
+                assert r.status == 503
+                assert (await r.json())["error"]["code"] == "service_unavailable"
+        await asyncio.sleep(1.0)  # the engine waits out the refusal: alive, its requests kept
+        assert not eng.task.done()
+        assert all(eng.node.sched.knows(f"s{i}") for i in range(4))
+        assert eng.node.steps - steps <= 4  # (no stepping ahead of what it cannot publish)
+        _accept(admin, kind)
+        results = await asyncio.wait_for(asyncio.gather(*clients), 60)
+        for ref, result in zip(refs, results):
+            assert result["status"] == 200 and result["done"] and not result["errors"]
+            assert result["text"] == ref.text and result["finish_reason"] == "length"
+        for i, ref in enumerate(refs):
+            evs = await story(bus, f"s{i}")
+            assert tokens_of(evs) == ref.token_ids  # nothing repeated, nothing lost
+            assert types(evs).count("final") == 1 and types(evs)[-1] == "final"
+        assert eng.node.link.outage is None
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"{api.url}/health") as r:
+                assert r.status == 200
+        again = await stream_completion(api.url, {**body, "prompt": "x", "max_tokens": 5})
+        assert again["done"] and again["finish_reason"] == "length"
+        await all_blocks_free(eng.node)
+    finally:
+        if api is not None:
+            await api.stop()
+        await engines.stop_all()
+        await bus.redis.aclose()
+        admin.close()
+        redis.stop()
+
+
+async def test_an_emptied_redis_ends_every_client_stream_with_an_error(
+    tmp_path, keys, tiny_model_dir, tiny_runner, tiny_tokenizer
+):
+    """FLUSHALL under live streams (what a restart without persistence, a lost volume or a
+    failover to a replica that had not caught up leave): every client gets an error naming
+    what happened, streams then ``[DONE]``, within the mux's look (2 s) and a read; the
+    engine frees the blocks of the requests whose ownership went with it."""
+    redis = OwnRedis(str(tmp_path))
+    redis.start()
+    admin = sync_redis.Redis(port=redis.port)
+    engines = Engines(redis.url, keys, tiny_model_dir, tiny_runner, tiny_tokenizer)
+    api = None
+    try:
+        eng = await engines.start("E", delay=0.05)
+        api = await start_api(
+            lambda: connect(redis.url),
+            keys,
+            ApiOptions(model_dir=str(tiny_model_dir)),
+            tokenizer=tiny_tokenizer,
+        )
+        body = {"model": api.cfg.model_name, "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+        streams = [
+            asyncio.create_task(stream_completion(api.url, {**body, "prompt": p}, {"X-Request-Id": f"s{i}"}))
+            for i, p in enumerate(PROMPTS[:3])
+        ]
+
+        async def whole() -> tuple[int, dict]:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(
+                    f"{api.url}/v1/completions",
+                    json={**body, "prompt": PROMPTS[3]},
+                    headers={"X-Request-Id": "w"},
+                ) as r:
+                    return r.status, await r.json()
+
+        unary = asyncio.create_task(whole())
+        await wait_for(lambda: all(eng.node.sched.knows(r) for r in ("s0", "s1", "s2", "w")), what="admitted")
+        await wait_for(lambda: eng.node.steps > 5, what="decoding")
+        admin.flushall()
+        t0 = asyncio.get_running_loop().time()
+        results = await asyncio.wait_for(asyncio.gather(*streams), 30)
+        status, answer = await asyncio.wait_for(unary, 30)
+        waited = asyncio.get_running_loop().time() - t0
+        for result in results:
+            assert result["status"] == 200 and result["done"]  # an error event, then [DONE]
+            assert [e["code"] for e in result["errors"]] == ["story_lost"]
+            assert "disappeared" in result["errors"][0]["message"]
+            assert result["finish_reason"] is None
+        assert status == 503 and answer["error"]["code"] == "story_lost"
+        assert waited < 10  # (documented: within about 3 s of the loss)
+        await all_blocks_free(eng.node, timeout=10)  # their owner keys went: dropped, blocks back
+        again = await stream_completion(api.url, {**body, "prompt": "x", "max_tokens": 5})
+        assert again["done"] and again["finish_reason"] == "length" and not again["errors"]
+        assert not eng.task.done()
+    finally:
+        if api is not None:
+            await api.stop()
+        await engines.stop_all()
+        admin.close()
+        redis.stop()
