@@ -39,6 +39,7 @@ Faults (DESIGN.md §1, issue 7):
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import deque
@@ -249,6 +250,7 @@ class EngineNode:
         if isinstance(self.sched, JournalRecorder):
             start = self.sched.start_record()
             await self.bus.publish(self.bus.keys.journal(self.id), replace(start, ts=int(time.time() * 1000)))
+        cursor = await self._catch_up(cursor)
         tasks = [
             asyncio.create_task(self._control_loop(cursor), name=f"control-{self.id}"),
             asyncio.create_task(
@@ -570,6 +572,24 @@ class EngineNode:
                 back.append((rid, entry, req, token))
         await self._flush()  # the notes (and every token before them) first
         self.handed_back += await failover.hand_back(self.bus, self.link, self.id, back)
+
+    async def _catch_up(self, cursor: bytes) -> bytes:
+        """Apply the control events already there (the lookback's, :meth:`prepare`) before the
+        first claim: a request aborted while no engine ran, by id or by ``abort_all``, meets
+        its tombstone and is never claimed and prefilled. The cursor after them."""
+        while True:
+            before = cursor
+            read = functools.partial(self.control_bus.read_control, cursor, None)
+            cursor, events = await self.link.retry("control read", read)
+            for entry_id, ev in events:
+                try:
+                    await self._on_control(ev, entry_id)
+                except RETRYABLE as e:  # (a refusal of its command: the next event)
+                    self.link.failed("control event", e)
+            if cursor == before:
+                break
+        await self._flush()
+        return cursor
 
     async def _control_loop(self, cursor: bytes) -> None:
         backoff = self.cfg.retry_backoff_s

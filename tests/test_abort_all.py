@@ -12,7 +12,7 @@ import aiohttp
 
 from control.bus import Bus
 from control.connect import connect
-from control.events import AbortAll, Accepted, BlocksReleased, Final, Request, Tokens
+from control.events import Abort, AbortAll, Accepted, BlocksReleased, Final, Request, Tokens
 from control.keys import GROUP_ENGINES, owner_engine
 from control.request_data import RequestData
 from control.sampling import SamplingParams
@@ -178,6 +178,39 @@ async def test_abort_all_read_late_spares_what_was_accepted_after_it(
         await story(bus, "now", until=Tokens)
         await bus.publish(keys.control, AbortAll(source="cli"))
         assert (await story(bus, "now"))[-1].finish_reason == "abort"
+        await all_blocks_free(eng.node)
+    finally:
+        await engines.stop_all()
+        await bus.redis.aclose()
+
+
+async def test_aborts_published_while_no_engine_runs_are_applied_before_the_first_claim(
+    redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer
+):
+    """Requests queued while no engine is up, then ``abort_all`` (and an abort by id of one
+    more): the engine that starts later reads them back and applies them before it claims
+    anything, so none of those requests is ever claimed or prefilled; one submitted after
+    runs as usual."""
+    bus = Bus(connect(redis_server.url), keys)
+    engines = Engines(redis_server.url, keys, tiny_model_dir, tiny_runner, tiny_tokenizer)
+    try:
+        queued = [f"q{i}" for i in range(6)]
+        for rid in queued:
+            await submit(bus, rid, PROMPT, max_tokens=20)
+        await asyncio.sleep(0.005)  # (the abort_all's millisecond after the last accepted)
+        await bus.publish(keys.control, AbortAll(source="cli"))
+        await asyncio.sleep(0.005)
+        await submit(bus, "later", PROMPT, max_tokens=20)  # accepted after it: runs
+        await submit(bus, "by-id", PROMPT, max_tokens=20)
+        await bus.publish(keys.control, Abort(request_ids=("by-id",), source="cli"))
+        eng = await engines.start("E", gated=True)
+        for rid in [*queued, "by-id"]:
+            evs = await story(bus, rid)
+            assert types(evs) == QUEUED_STORY, rid  # no `claimed`: never prefilled
+            assert evs[-1].finish_reason == "abort"
+        evs = await story(bus, "later")
+        assert evs[-1].finish_reason == "length" and "claimed" in types(evs)
+        assert not (_scheduled(engines) & {*queued, "by-id"})  # never in a step
         await all_blocks_free(eng.node)
     finally:
         await engines.stop_all()
