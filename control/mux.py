@@ -83,9 +83,17 @@ class Subscription:
         self._timer: asyncio.TimerHandle | None = None
         self._ended = False  # nothing more will be queued
         self._closed = False  # the consumer saw the end
+        #: the story is known to exist (or to have existed): its absence means it is lost. A
+        #: subscription made after an entry is armed; one made before its request is
+        #: submitted is armed by the submitter (:meth:`story_started`) or by its first entry.
+        self.armed = self._last > _NOTHING
         #: called whenever something is delivered: one consumer waiting on many subscriptions
         #: (a response of n choices) waits on one event instead of a task per subscription
         self.on_put: Callable[[], None] | None = None
+
+    def story_started(self) -> None:
+        """The request's story was written: from now on its absence is a loss."""
+        self.armed = True
 
     @property
     def done(self) -> bool:
@@ -310,8 +318,9 @@ class _Shard:
     async def _look_for_lost(self) -> None:
         """End the subscriptions whose story is gone (:class:`StoryLost`). A blocking read of a
         key that does not exist just waits, so without this look a client whose story went
-        with an emptied Redis would wait for ever. Only a story some subscription has seen an
-        entry of counts: one subscribed before its request was submitted may not exist yet."""
+        with an emptied Redis would wait for ever. Only a story known to have been written
+        counts (:attr:`Subscription.armed`): one subscribed before its request was submitted
+        may not exist yet."""
         mux = self.mux
         self.next_look = asyncio.get_running_loop().time() + mux.lost_look_s
         keys = list(self.subs)
@@ -327,7 +336,7 @@ class _Shard:
                 continue
             subs = self.subs.get(key, [])
             # (a key of another type is gone too, and would fail every read of the shard)
-            if kind == b"none" and not any(s._last > _NOTHING for s in subs):
+            if kind == b"none" and not any(s.armed or s._last > _NOTHING for s in subs):
                 continue
             del self.subs[key]
             if mux._where.get(key) is self:

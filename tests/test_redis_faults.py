@@ -13,10 +13,12 @@ import redis as sync_redis
 
 from control.bus import Bus
 from control.connect import connect
+from control.events import Tokens
+from control.mux import StoryLost, StreamMux
 from control.sampling import SamplingParams
 from engine.llm import LLM
 from fd.compose import ApiOptions, start_api
-from tests.enginekit import story, tokens_of, types
+from tests.enginekit import story, submit, tokens_of, types
 from tests.faultkit import Engines, OwnRedis, all_blocks_free, wait_for
 from tests.test_outage import stream_completion
 
@@ -166,3 +168,39 @@ async def test_an_emptied_redis_ends_every_client_stream_with_an_error(
         await engines.stop_all()
         admin.close()
         redis.stop()
+
+
+async def test_the_mux_ends_a_lost_story_only_once_it_is_known_to_have_been_written(bus, keys):
+    """On both stores: a story subscribed before its request is submitted is not lost while
+    it does not exist yet; once the submitter says it was written (or an entry was read), its
+    absence ends the subscription with ``StoryLost``, and a key overwritten with another type
+    ends its subscription without holding up the others' reads."""
+    mux = StreamMux(bus.redis, keys, "lost-test", block_ms=100, lost_look_s=0.05)
+    await mux.start()
+    try:
+        early = await mux.subscribe("early", b"0")  # nothing written yet
+        flushed = await mux.subscribe("flushed", b"0")
+        flushed.story_started()  # written, then gone before any read saw it
+        read = await mux.subscribe("read", b"0")
+        overwritten = await mux.subscribe("typed", b"0")
+        ok = await mux.subscribe("ok", b"0")
+        await submit(bus, "read", [1, 2, 3])
+        await submit(bus, "typed", [1, 2, 3])
+        await submit(bus, "ok", [1, 2, 3])
+        assert (await anext(read))[1].TYPE == "accepted"
+        assert (await anext(overwritten))[1].TYPE == "accepted"
+        await bus.redis.delete(keys.req("read"))
+        await bus.redis.delete(keys.req("typed"))
+        await bus.redis.set(keys.req("typed"), "x")
+        for sub, rid in ((flushed, "flushed"), (read, "read"), (overwritten, "typed")):
+            with pytest.raises(StoryLost, match=rid):
+                await asyncio.wait_for(anext(sub), 5)
+        assert (await asyncio.wait_for(anext(ok), 5))[1].TYPE == "accepted"  # its read goes on
+        await bus.publish(keys.req("ok"), Tokens(request_id="ok", token_ids=(4,), text="d", step=1))
+        assert (await asyncio.wait_for(anext(ok), 5))[1].TYPE == "tokens"
+        await asyncio.sleep(0.3)  # several looks: the unwritten one waits on
+        assert not early._items and not early.done
+        await submit(bus, "early", [1, 2, 3])
+        assert (await asyncio.wait_for(anext(early), 5))[1].TYPE == "accepted"
+    finally:
+        await mux.stop()

@@ -126,6 +126,8 @@ class ServingEmbeddings:
                     raise id_taken(shown)
             else:
                 await ctx.bus.submit(*requests[0])
+            for sub in subs:
+                sub.story_started()
             vectors = await self._collect(ids, subs, [Timing(ctx.metrics, arrival) for _ in ids])
             watch.finished = True
             return shown, created, parsed, vectors

@@ -112,6 +112,7 @@ class ServingGenerate:
                 ),
             )
             ctx.redis_ok()
+            sub.story_started()
             renderer = self.streams.renderer(
                 shown,
                 endpoint,
@@ -198,6 +199,8 @@ class ServingGenerate:
             parent = Accepted(request_id=rid, choices=len(ids), n=gen.n, prompt_tokens=n_prompt, **common)
             if not await ctx.bus.submit_choices(parent, items):
                 raise id_taken(shown)
+            for sub in subs:
+                sub.story_started()
             choices = Choices(
                 shown,
                 len(ids),
@@ -350,6 +353,8 @@ class ServingGenerate:
             request_ids=ids,
         )
         subs = [await self.ctx.mux.subscribe(c, b"0") for c in choices.request_ids]
+        for sub in subs:
+            sub.story_started()  # (read above: they exist)
         try:
             return await self.streams.stream(request, shown, merged(subs), choices, None, skip)
         finally:
