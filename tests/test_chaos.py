@@ -22,10 +22,12 @@ import sys
 import time
 
 import aiohttp
+from redis.exceptions import RedisError
 
 from control.connect import connect
 from control.events import Abort, Final
 from control.guided import canonical
+from control.outage import is_outage
 from control.sampling import SamplingParams
 from engine.journal_reader import load_journal_from_redis
 from engine.llm import LLM
@@ -266,7 +268,17 @@ HAND_WRITTEN = {
     "bad-json": ('{"prompt_token_ids":[5],"sampling":', None),
     "no-data": (None, None),
 }
-FAULTS = ["kill-connections", "kill-engine", "pause-engine", "abort-all", "stall-redis"]
+FAULTS = [
+    "kill-connections",
+    "kill-engine",
+    "pause-engine",
+    "abort-all",
+    "stall-redis",
+    "oom-redis",
+    "flush-redis",
+]
+#: the faults during which a new request may get a 503 and an abort may not get through
+REFUSING = ("stall-redis", "oom-redis")
 
 
 async def _heartbeat(bus, engine_id: str) -> dict[str, str]:
@@ -280,8 +292,10 @@ async def test_chaos_with_outside_faults(tmp_path, keys, tiny_model_dir, tiny_ru
     ``P:requests`` (an error final, or a dead letter), an ``fd engine`` process paused until a
     peer takes its requests over and then resumed, an ``abort_all`` while requests run and wait
     beyond every engine's seats, redis-server paused for longer than the nodes' Redis timeout,
-    Redis connections killed, an engine killed. Every request ends with one final and nothing
-    after it, no engine dies of input and the live ones give every block back."""
+    Redis connections killed, an engine killed; and Redis's own (issue 43): writes refused for
+    a while (OOM), everything emptied (FLUSHALL). Every request ends with one final and nothing
+    after it, or, where its story went with the emptying, its client's stream ends with
+    ``story_lost``; no engine dies and the live ones give every block back."""
     from control.bus import Bus
     from control.keys import owner_engine
     from tests.faultkit import OwnRedis, reap, spawn_engine
@@ -372,8 +386,14 @@ async def test_chaos_with_outside_faults(tmp_path, keys, tiny_model_dir, tiny_ru
                 if kind == "hand":
                     data, _ = HAND_WRITTEN[extra]
                     fields = ["type", "request"] + (["request_id", rid, "data", data] if data else [])
-                    t = time.monotonic()
-                    eid = await bus.redis.execute_command("XADD", keys.requests, "*", *fields)
+                    while True:  # (an operator retries what Redis refuses for now, as fd does)
+                        t = time.monotonic()
+                        try:
+                            eid = await bus.redis.execute_command("XADD", keys.requests, "*", *fields)
+                            break
+                        except RedisError as e:
+                            assert is_outage(e), e
+                            await asyncio.sleep(0.1)
                     hand[rid] = (extra, eid, t)
                     return
                 body = {
@@ -420,6 +440,12 @@ async def test_chaos_with_outside_faults(tmp_path, keys, tiny_model_dir, tiny_ru
                 await asyncio.sleep(0.05)
 
         alive = {"A": a, "B": b}
+        refusing: list[int] = []  # (non-empty while the OOM fault holds)
+        ended_before_flush: dict[str, list] = {}
+
+        async def story_of(rid: str) -> list:
+            return [e for _, e in await bus.read_req(rid)] or ended_before_flush.get(rid, [])
+
         summary = {"stall_503": 0, "p_paused_s": 0.0}
 
         async def fault(name: str) -> None:
@@ -463,6 +489,24 @@ async def test_chaos_with_outside_faults(tmp_path, keys, tiny_model_dir, tiny_ru
                 await asyncio.sleep(STALL_S)  # (the clients' requests go on meanwhile)
                 os.kill(redis.proc.pid, signal.SIGCONT)
                 paused.clear()
+            elif name == "oom-redis":
+                # noeviction with less room than is used: every write refused with OOM
+                await running_on("B")
+                await bus.redis.config_set("maxmemory", 1)
+                refusing.append(1)
+                await asyncio.sleep(STALL_S)
+                await bus.redis.config_set("maxmemory", 0)
+                refusing.clear()
+            elif name == "flush-redis":
+                # a restart without persistence, a lost volume: every story, owner key, queued
+                # entry and heartbeat gone at once, while requests stream
+                await running_on("B")
+                # (the stories that ended so far, kept to be checked as if it had not happened)
+                for rid in [*log, *hand]:
+                    evs = [e for _, e in await bus.read_req(rid)]
+                    if "final" in types(evs):
+                        ended_before_flush[rid] = evs
+                await bus.redis.flushall()
             windows[name] = (t0, time.monotonic())
 
         # A hang (a fault that never returns: nothing else bounds it) prints every task's
@@ -503,24 +547,31 @@ async def test_chaos_with_outside_faults(tmp_path, keys, tiny_model_dir, tiny_ru
         elapsed = time.monotonic() - t_start
 
         # ---- every request's story
-        def overlaps(rid: str, fault_name: str) -> bool:
-            if fault_name not in windows:
-                return False
-            rec = log.get(rid) or {"t0": hand[rid][2], "t1": None}
-            w0, w1 = windows[fault_name]
-            return rec["t0"] <= w1 and (rec["t1"] is None or rec["t1"] >= w0)
+        def overlaps(rid: str, *fault_names: str) -> bool:
+            for fault_name in fault_names:
+                if fault_name not in windows:
+                    continue
+                rec = log.get(rid) or {"t0": hand[rid][2], "t1": None}
+                w0, w1 = windows[fault_name]
+                if rec["t0"] <= w1 and (rec["t1"] is None or rec["t1"] >= w0):
+                    return True
+            return False
+
+        def before_flush(rid: str) -> bool:
+            t0 = log[rid]["t0"] if rid in log else hand[rid][2]
+            return "flush-redis" in windows and t0 <= windows["flush-redis"][1]
 
         sent = [p for p in plan if p[0] in log or p[0] in hand]
         stories = {}
-        counts = dict(finals=0, aborts=0, errors=0, http_400=0, http_503=0, dead=0)
+        counts = dict(finals=0, aborts=0, errors=0, http_400=0, http_503=0, dead=0, lost=0, flushed=0)
         late_aborts = 0
         for rid, kind, prompt, max_tokens, _, extra in sent:
             rec = log.get(rid)
-            key_exists = await bus.redis.exists(keys.req(rid))
+            key_exists = await bus.redis.exists(keys.req(rid)) or rid in ended_before_flush
             if kind == "poison":
                 assert not key_exists, rid  # nothing was submitted
                 if rec["status"] == 503:  # (the API answers 503 before it parses while Redis fails)
-                    assert overlaps(rid, "stall-redis"), (rid, rec)
+                    assert overlaps(rid, *REFUSING), (rid, rec)
                     counts["http_503"] += 1
                     continue
                 assert rec["status"] == 400 and rec["body"]["error"]["param"] == extra[0], (rid, rec)
@@ -529,16 +580,25 @@ async def test_chaos_with_outside_faults(tmp_path, keys, tiny_model_dir, tiny_ru
             if kind == "hand" and HAND_WRITTEN[hand[rid][0]][1] is None:
                 assert not key_exists, rid  # a dead letter has no story
                 continue
+            if not key_exists and before_flush(rid):
+                # its story went with the emptying: a client still streaming was told so
+                counts["flushed"] += 1
+                if rec is not None and rec["status"] == 200 and kind != "disconnect":
+                    assert rec["done"], (rid, rec)
+                    codes = [e.get("code") for e in rec["errors"]]
+                    assert codes == ["story_lost"] or (not codes and rec["finish_reason"]), (rid, rec)
+                    counts["lost"] += codes == ["story_lost"]
+                continue
             if rec is not None and rec["status"] == 503:
                 # refused while Redis stalled; what the API had sent may still have got through
-                assert overlaps(rid, "stall-redis"), (rid, rec)
+                assert overlaps(rid, *REFUSING), (rid, rec)
                 counts["http_503"] += 1
                 if not key_exists:
                     continue
-            evs = [e for _, e in await bus.read_req(rid)]
+            evs = await story_of(rid)
             if "final" not in types(evs):
                 await wait_for(lambda: _has_final(bus, rid), 30, f"final of {rid}")
-                evs = [e for _, e in await bus.read_req(rid)]
+                evs = await story_of(rid)
             t = types(evs)
             assert t.count("final") == 1 and t[-1] == "final", (rid, kind, t)
             stories[rid] = evs
@@ -564,7 +624,7 @@ async def test_chaos_with_outside_faults(tmp_path, keys, tiny_model_dir, tiny_ru
                 # out before the hang-up's or the call's abort reaches it. Then it ran to its
                 # end, and the abort was published all the same (unless Redis was stalled).
                 assert final.finish_reason == "length" and len(tokens_of(evs)) == max_tokens, (rid, t)
-                assert rid in await _aborted(bus) or overlaps(rid, "stall-redis"), (rid, kind, t)
+                assert rid in await _aborted(bus) or overlaps(rid, *REFUSING), (rid, kind, t)
                 late_aborts += 1
                 if kind == "disconnect":
                     continue
@@ -590,8 +650,8 @@ async def test_chaos_with_outside_faults(tmp_path, keys, tiny_model_dir, tiny_ru
         dead = {f[b"entry_id"]: f for _, f in await bus.redis.xrange(keys.dead)}
         want = {
             eid if isinstance(eid, bytes) else str(eid).encode(): name
-            for _, (name, eid, _) in hand.items()
-            if HAND_WRITTEN[name][1] is None
+            for rid, (name, eid, _) in hand.items()
+            if HAND_WRITTEN[name][1] is None and not before_flush(rid)  # (those went with it)
         }
         assert set(dead) == set(want), ({k: v.get(b"reason") for k, v in dead.items()}, want)
         assert all(dead[e][b"stream"] == keys.requests.encode() for e in want)
@@ -604,7 +664,7 @@ async def test_chaos_with_outside_faults(tmp_path, keys, tiny_model_dir, tiny_ru
         hb = await wait_for(lambda: _idle_beat(bus, "P"), 30, "P idle with every block free")
         assert (await bus.redis.xpending(keys.requests, "engines"))["pending"] == 0
         await asyncio.sleep(1.0)  # (P's late step results, if any, would land by now)
-        assert {rid: [e for _, e in await bus.read_req(rid)] for rid in stories} == stories
+        assert {rid: await story_of(rid) for rid in stories} == stories
         assert set(windows) == set(FAULTS)
         burst_queued = sum("claimed" not in types(evs) for rid, evs in stories.items() if rid.startswith("b"))
         print(
@@ -612,7 +672,8 @@ async def test_chaos_with_outside_faults(tmp_path, keys, tiny_model_dir, tiny_ru
             f"({len(log)} over HTTP, {len(hand)} by hand), {counts['finals']} finals, "
             f"{counts['aborts']} aborts ({burst_queued} of the burst never claimed), "
             f"{counts['errors']} error finals, {counts['http_503']} 503s, {counts['http_400']} 400s, "
-            f"{counts['dead']} dead letters, {late_aborts} aborts after the end, 0 leaked blocks, 0 engine deaths; P paused "
+            f"{counts['dead']} dead letters, {late_aborts} aborts after the end, {counts['flushed']} stories "
+            f"emptied ({counts['lost']} clients told story_lost), 0 leaked blocks, 0 engine deaths; P paused "
             f"{summary['p_paused_s']:.1f} s, fenced {hb.get('fenced')}; B took over {b.node.taken_over}, "
             f"{b.node.redis_errors} Redis errors retried; {elapsed:.1f} s"
         )
@@ -621,6 +682,8 @@ async def test_chaos_with_outside_faults(tmp_path, keys, tiny_model_dir, tiny_ru
             watchdog.cancel()
         for pid in paused:
             os.kill(pid, signal.SIGCONT)
+        if refusing:
+            await bus.redis.config_set("maxmemory", 0)
         for api in apis:
             await api.stop()
         await engines.stop_all()

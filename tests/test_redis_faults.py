@@ -204,3 +204,53 @@ async def test_the_mux_ends_a_lost_story_only_once_it_is_known_to_have_been_writ
         assert (await asyncio.wait_for(anext(early), 5))[1].TYPE == "accepted"
     finally:
         await mux.stop()
+
+
+async def test_a_hang_up_while_redis_refuses_writes_still_aborts_its_request(
+    tmp_path, keys, tiny_model_dir, tiny_runner, tiny_tokenizer
+):
+    """The disconnect's abort meets OOM: the API sends it again until Redis takes writes,
+    and the request ends as a disconnect abort, not after all its tokens."""
+    redis = OwnRedis(str(tmp_path))
+    redis.start()
+    admin = sync_redis.Redis(port=redis.port)
+    engines = Engines(redis.url, keys, tiny_model_dir, tiny_runner, tiny_tokenizer)
+    bus = Bus(connect(redis.url), keys)
+    api = None
+    try:
+        eng = await engines.start("E", delay=0.03)
+        api = await start_api(
+            lambda: connect(redis.url),
+            keys,
+            ApiOptions(model_dir=str(tiny_model_dir)),
+            tokenizer=tiny_tokenizer,
+        )
+        body = {
+            "model": api.cfg.model_name,
+            "prompt": PROMPTS[0],
+            "max_tokens": 1000,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        async with aiohttp.ClientSession() as s:
+            resp = await s.post(f"{api.url}/v1/completions", json=body, headers={"X-Request-Id": "gone"})
+            assert resp.status == 200
+            await resp.content.readline()  # streaming
+            _refuse(admin, "oom")
+            await wait_for(lambda: eng.node.link.outage is not None, what="the engine to meet OOM")
+            resp.close()  # the client hangs up while no abort can be written
+        await asyncio.sleep(1.0)
+        _accept(admin, "oom")
+        evs = await story(bus, "gone", timeout=30)
+        assert evs[-1].finish_reason == "abort"
+        assert [e.source for e in evs if e.TYPE == "abort_requested"] == ["disconnect"]
+        assert len(tokens_of(evs)) < 1000
+        await all_blocks_free(eng.node)
+    finally:
+        if api is not None:
+            await api.stop()
+        await engines.stop_all()
+        await bus.redis.aclose()
+        admin.close()
+        redis.stop()

@@ -29,6 +29,8 @@ from typing import Awaitable, Callable
 
 from aiohttp import web
 
+from control.outage import REDIS_FAILURES, is_outage, reason
+
 log = logging.getLogger("fd.api.cancellation")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -124,6 +126,10 @@ class HangUpEar(asyncio.Protocol):
         self.inner.resume_writing()
 
 
+#: How long a disconnect's abort is sent again while Redis is out (see Cancellation._publish).
+ABORT_RETRY_S = 60.0
+
+
 class Cancellation:
     """Wraps generating handlers; ``on_disconnect(request_ids)`` publishes the abort (of the
     watch's ``abort_ids``, else its ``request_id``).
@@ -187,12 +193,29 @@ class Cancellation:
         task.add_done_callback(self._tasks.discard)
 
     async def _publish(self, request_ids: tuple[str, ...]) -> None:
-        try:
-            await self._on_disconnect(request_ids)
-        except Exception:
-            log.exception("could not publish the disconnect abort of %s", request_ids[0])
+        """The abort, sent again through an outage (Redis away or refusing writes for now,
+        control/outage.py) for up to :data:`ABORT_RETRY_S`: a client that hangs up while Redis
+        is out of memory still stops its request once Redis takes writes again."""
+        backoff, deadline = 0.05, asyncio.get_running_loop().time() + ABORT_RETRY_S
+        while True:
+            try:
+                await self._on_disconnect(request_ids)
+                return
+            except REDIS_FAILURES as e:
+                if not is_outage(e) or asyncio.get_running_loop().time() + backoff > deadline:
+                    log.error("could not publish the disconnect abort of %s: %s", request_ids[0], reason(e))
+                    return
+            except Exception:
+                log.exception("could not publish the disconnect abort of %s", request_ids[0])
+                return
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
 
-    async def drain(self) -> None:
-        """Wait for aborts still being published (app cleanup)."""
+    async def drain(self, grace_s: float = 5.0) -> None:
+        """Wait for aborts still being published (app cleanup), those retried through an
+        outage for at most ``grace_s``."""
         if self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+            _, late = await asyncio.wait(list(self._tasks), timeout=grace_s)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
