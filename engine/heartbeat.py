@@ -19,6 +19,7 @@ from typing import Any, Awaitable, Callable
 
 from control.bus import Bus
 from control.fence import Refused
+from control.outage import is_outage, reason
 from engine.redis_link import RETRYABLE, RedisLink
 from engine.request_table import RequestTable
 
@@ -111,11 +112,16 @@ class Heartbeat:
             pipe.get(keys.owner(rid))
         now = time.monotonic()
         due: list[str] = []
-        for rid, owner in zip(rids, await pipe.execute()):
-            owner = owner.decode() if isinstance(owner, bytes) else owner
+        for rid, owner in zip(rids, await pipe.execute(raise_on_error=False)):
+            if isinstance(owner, Exception) and is_outage(owner):
+                raise owner
             live = requests.get(rid)
             if live is None or live.silent or not sched.knows(rid):
                 continue
+            if isinstance(owner, Exception):  # (a key of another type: this one's alone)
+                self.lose(rid, Refused("error", None, reason(owner)))
+                continue
+            owner = owner.decode() if isinstance(owner, bytes) else owner
             if owner != requests.tokens.get(rid):
                 self.lose(rid, Refused("owner", owner))
             elif now - live.renewed > self.bus.req_ttl_s / 4:

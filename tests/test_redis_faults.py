@@ -19,7 +19,7 @@ from control.sampling import SamplingParams
 from engine.llm import LLM
 from fd.compose import ApiOptions, start_api
 from tests.enginekit import story, submit, tokens_of, types
-from tests.faultkit import Engines, OwnRedis, all_blocks_free, wait_for
+from tests.faultkit import Engines, OwnRedis, all_blocks_free, engines, wait_for  # noqa: F401
 from tests.test_outage import stream_completion
 
 PROMPTS = ["Once upon a time", "The quick brown fox", "In a hole in the ground", "It was a dark"]
@@ -254,3 +254,28 @@ async def test_a_hang_up_while_redis_refuses_writes_still_aborts_its_request(
         await bus.redis.aclose()
         admin.close()
         redis.stop()
+
+
+async def test_a_reply_about_one_requests_key_ends_only_that_request(
+    real_bus, keys, engines, tiny_runner, tiny_tokenizer, caplog
+):
+    """An owner key overwritten with a hash mid-run: Redis answers WRONGTYPE for that
+    request's commands only. The engine logs it with the command, drops that request (its
+    blocks back) and runs the others to their exact ends."""
+    eng = await engines.start("E", delay=0.02)
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    prompts = [[5, 17, 33, 9], [41, 12, 7, 19], [3, 8, 22, 40]]
+    refs = LLM(tiny_runner, tiny_tokenizer).generate(prompts, params)
+    for rid, prompt in zip(("a", "poisoned", "c"), prompts):
+        await submit(real_bus, rid, prompt, max_tokens=60, ignore_eos=True)
+    await wait_for(lambda: all(eng.node.sched.knows(r) for r in ("a", "poisoned", "c")), what="admitted")
+    await wait_for(lambda: eng.node.steps > 5, what="decoding")
+    await real_bus.redis.delete(keys.owner("poisoned"))
+    await real_bus.redis.hset(keys.owner("poisoned"), "x", "1")
+    for rid, ref in (("a", refs[0]), ("c", refs[2])):
+        evs = await story(real_bus, rid)
+        assert tokens_of(evs) == ref.token_ids and evs[-1].finish_reason == "length"
+    await wait_for(lambda: not eng.node.sched.knows("poisoned"), what="the poisoned request dropped")
+    await all_blocks_free(eng.node)
+    assert not eng.task.done()
+    assert "WRONGTYPE" in caplog.text
