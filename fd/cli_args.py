@@ -298,6 +298,10 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS methods (JSON list)")
     p.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS headers (JSON list)")
     p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    # how long a client may take to send a request's head (slowloris)
+    from fd.compose import ApiOptions
+
+    add_field_flags(p, ApiOptions, "header_timeout_s")
 
 
 def add_response_args(p: argparse.ArgumentParser) -> None:

@@ -6,9 +6,11 @@ and ``engine``. Each part gets its own Redis connections, exactly as separate pr
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import logging
+import math
 import secrets
 import socket
 from dataclasses import dataclass, field
@@ -119,6 +121,17 @@ class EngineOptions:
     tombstone_ttl_s: int = EngineConfig.tombstone_ttl_s
 
 
+def timeout_s(text: str) -> float:
+    """A timeout flag's seconds (fractions too); 0 turns it off."""
+    try:
+        s = float(text)
+    except ValueError:
+        s = math.nan
+    if not (math.isfinite(s) and s >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (0 or more)")
+    return s
+
+
 @dataclass
 class ApiOptions:
     """An API node's options (the fields with a flag in their metadata are ``fd serve`` and
@@ -203,6 +216,19 @@ class ApiOptions:
     lora_modules: dict[str, str] = field(default_factory=dict)  # the adapters' names (and where)
     runtime_lora: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter
     reuse_port: bool = False  # several API processes on one port (fd serve --api-server-count)
+    # a client that opens a connection, or starts a request on a kept-alive one, and does not
+    # finish the request's head in time is cut off (slowloris: fd.api.server.ApiProtocol)
+    header_timeout_s: float = field(
+        default=20.0,
+        metadata={
+            "flag": "--header-timeout",
+            "type": timeout_s,
+            "metavar": "S",
+            "help": "seconds a client has to send a request's head (line and headers), from "
+            "its connection's start or the head's first byte; else the connection is "
+            "closed (default %(default)s; 0: no limit)",
+        },
+    )
     request_ttl_s: int = REQUEST_TTL_S  # a story (from its accept) and conversation are kept this long
 
 
@@ -413,7 +439,7 @@ async def start_api(
     from control.tokenizer import Tokenizer, served_context
     from fd.api import parse_errors
     from fd.api.sampling import generation_defaults
-    from fd.api.server import ApiConfig, make_app
+    from fd.api.server import ApiConfig, ApiSite, make_app
 
     if opts.reasoning_parser is not None and opts.reasoning_parser not in REASONING_PARSERS:
         raise ValueError(
@@ -465,9 +491,17 @@ async def start_api(
     parse_errors.install()  # (a client's malformed request: one log line, not a traceback)
     # handler_cancellation: a client that goes away cancels its handler, which is how
     # fd.api.cancellation notices a disconnect before anything is written.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
-    site = web.TCPSite(runner, opts.host, opts.port, reuse_port=opts.reuse_port or None)
+    # (the site makes each connection's protocol, so the protocol's settings go to it)
+    site = ApiSite(
+        runner,
+        opts.host,
+        opts.port,
+        reuse_port=opts.reuse_port,
+        header_timeout_s=opts.header_timeout_s,
+        access_log=None,
+    )
     await site.start()
     port = runner.addresses[0][1]
     return RunningApi(runner, mux, bus, opts.host, port, cfg)

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from http import HTTPStatus
+from typing import Any
 
-from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp import StreamReader, web
+from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 from redis.exceptions import RedisError
 
 from control.bus import Bus
@@ -33,7 +35,7 @@ from fd.api.serving_responses import ServingResponses
 from fd.api.streaming import Streams
 from fd.api.tenancy import Tenancy
 
-__all__ = ["ApiConfig", "make_app"]
+__all__ = ["ApiConfig", "ApiSite", "make_app"]
 
 log = logging.getLogger("fd.api")
 
@@ -81,9 +83,15 @@ def _cors_headers(cors: Cors):
     return on_prepare
 
 
+def _http_error(e: web.HTTPException) -> ApiError:
+    code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status)
+    return ApiError(e.status, e.reason, "invalid_request_error", None, code)
+
+
 @web.middleware
 async def _errors(request: web.Request, handler):
-    """Every error a client sees has OpenAI's shape, routing errors included."""
+    """Every error a client sees has OpenAI's shape, routing errors included (and those made
+    before any middleware runs: :class:`ApiProtocol`)."""
     try:
         return await handler(request)
     except ApiError as e:
@@ -91,8 +99,7 @@ async def _errors(request: web.Request, handler):
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status)
-        return _error_response(ApiError(e.status, e.reason, "invalid_request_error", None, code), request)
+        return _error_response(_http_error(e), request)
     except IdTaken:  # another request's story started under this id since it was checked
         shown = request.get(RID, "")
         return _error_response(id_taken(shown), request)
@@ -115,6 +122,170 @@ async def _errors(request: web.Request, handler):
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         return _error_response(ApiError(500, "Internal server error.", "server_error"), request)
+
+
+#: how much of aiohttp's account of a malformed request its error message repeats
+MAX_DETAIL = 300
+
+
+def _protocol_error(status: int, exc: BaseException | None, message: str | None) -> ApiError:
+    """aiohttp's own answer to a request (one it could not parse; a failure that escaped the
+    middlewares) as an ApiError: the status aiohttp chose, what it said, in OpenAI's shape."""
+    if status >= 500:
+        return ApiError(status, f"{HTTPStatus(status).phrase}.", "server_error")
+    if isinstance(exc, LineTooLong):
+        limit = exc.args[1] if len(exc.args) > 1 else "the"
+        return ApiError(
+            status,
+            f"The request line or a header is longer than the server's limit ({limit} bytes).",
+            "invalid_request_error",
+            None,
+            "header_too_large",
+        )
+    detail = " ".join(str(message or getattr(exc, "message", "") or "bad request").split())
+    return ApiError(
+        status,
+        f"Malformed request: {detail[:MAX_DETAIL]}",
+        "invalid_request_error",
+        None,
+        "malformed_request",
+    )
+
+
+class ApiProtocol(web.RequestHandler):
+    """aiohttp's protocol for one connection, with two things aiohttp has no setting for.
+
+    Its own answers have OpenAI's error shape. aiohttp answers a request it cannot parse (a
+    request line or header over its 8,190-byte limit, too many headers, a malformed request
+    line or HTTP version) from ``handle_error``, and an ``Expect`` it refuses from an
+    HTTPException raised before the middlewares, both before any middleware can see them; it
+    has no hook for either (aiohttp issue #3287), so this overrides the two methods that make
+    those answers, and leaves aiohttp's logging and closing as they are.
+
+    And a request's head must be in within ``header_timeout_s`` (0: no limit) of the
+    connection's start, or of the first byte of a later head: a client that sends part of a
+    head and stops (slowloris) loses its connection. One idle between requests is left to
+    aiohttp's keep-alive timeout, and a response, however long, is not timed. aiohttp tells
+    no one when a head is complete; the app's first middleware tells this protocol
+    (:meth:`head_read`), with the request's body, whose end says the next byte is a head's.
+    """
+
+    __slots__ = ("_header_timeout_s", "_head_timer", "_body", "_busy")
+
+    def __init__(self, manager: web.Server, *, header_timeout_s: float = 0, **kwargs: Any):
+        super().__init__(manager, **kwargs)
+        self._header_timeout_s = header_timeout_s
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._body: StreamReader | None = None  # the last request's
+        self._busy = False  # a request is being answered
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._await_head()
+
+    def data_received(self, data: bytes) -> None:
+        # (b"": aiohttp re-reading what it holds, no byte from the client)
+        if data and self._head_timer is None and (self._body is None or self._body.is_eof()):
+            self._await_head()  # (a byte after the last body: the next head's first)
+        super().data_received(data)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._stop_timer()
+        super().connection_lost(exc)
+
+    def head_read(self, body: StreamReader) -> None:
+        """A request's head is complete (its handler is starting); ``body`` is its payload."""
+        self._stop_timer()
+        self._body = body
+        self._busy = True
+
+    async def finish_response(
+        self, request: web.BaseRequest, resp: web.StreamResponse, start_time: float | None
+    ) -> tuple[web.StreamResponse, bool]:
+        if isinstance(resp, web.HTTPException) and resp.status >= 400:
+            # one the middlewares never saw: aiohttp's refusal of an Expect, raised before them
+            resp = json_response(_http_error(resp).body(), resp.status)
+        try:
+            return await super().finish_response(request, resp, start_time)
+        finally:
+            self._busy = False
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        # aiohttp's own logs it (fd.api.parse_errors makes that one line), and refuses once a
+        # response has begun; its plain-text answer is replaced.
+        super().handle_error(request, status, exc, message)
+        resp = json_response(_protocol_error(status, exc, message).body(), status)
+        resp.force_close()
+        return resp
+
+    def _await_head(self) -> None:
+        if self._header_timeout_s > 0:
+            loop = asyncio.get_running_loop()
+            self._head_timer = loop.call_later(self._header_timeout_s, self._head_late)
+
+    def _stop_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_late(self) -> None:
+        self._head_timer = None
+        if self._busy:  # a pipelined head, behind an answer still being made: it waits for it
+            self._await_head()
+            return
+        log.debug("closing a connection whose request head took over %s s", self._header_timeout_s)
+        self.force_close()
+
+
+class ApiSite(web.BaseSite):
+    """``web.TCPSite``'s work, with each connection served by an :class:`ApiProtocol`.
+    aiohttp's own sites serve with the runner's ``web.Server``, which makes aiohttp's protocol
+    and no other; ``BaseSite`` is aiohttp's base for a site of one's own (which sets
+    ``_server``, as aiohttp's sites do: ``stop()`` closes it, the runner's ``addresses`` read
+    it). ``protocol_kw``: ApiProtocol's settings, and aiohttp's ``RequestHandler``'s
+    (``access_log``, ...)."""
+
+    __slots__ = ("_host", "_port", "_reuse_port", "_protocol_kw")
+
+    def __init__(
+        self, runner: web.BaseRunner, host: str, port: int, *, reuse_port: bool = False, **protocol_kw: Any
+    ):
+        super().__init__(runner)
+        self._host, self._port, self._reuse_port = host, port, reuse_port
+        self._protocol_kw = protocol_kw
+
+    @property
+    def name(self) -> str:
+        return f"http://{self._host}:{self._port}"
+
+    async def start(self) -> None:
+        await super().start()
+        loop = asyncio.get_running_loop()
+        server, kw = self._runner.server, self._protocol_kw
+        self._server = await loop.create_server(
+            lambda: ApiProtocol(server, loop=loop, **kw),
+            self._host,
+            self._port,
+            backlog=self._backlog,
+            reuse_port=self._reuse_port or None,
+        )
+        self._port = self._server.sockets[0].getsockname()[1]  # (port 0: the one it got)
+
+
+@web.middleware
+async def _head_read(request: web.Request, handler):
+    """Tells the connection's :class:`ApiProtocol` that a request's head is complete. The first
+    middleware, so that every request the router gets tells it (a CORS preflight too)."""
+    protocol = request.protocol
+    if isinstance(protocol, ApiProtocol):  # (an app served by another site has none)
+        protocol.head_read(request.content)
+    return await handler(request)
 
 
 def _bearer(request: web.Request) -> str | None:
@@ -171,6 +342,7 @@ def make_app(cfg: ApiConfig, bus: Bus, mux: StreamMux, tokenizer, metrics: Metri
     middlewares = [_errors, _auth(Tenancy.of(cfg.api_key, cfg.admin_key))]
     if cfg.cors is not None:
         middlewares.insert(0, _preflight(cfg.cors))
+    middlewares.insert(0, _head_read)
     app = web.Application(
         middlewares=middlewares,
         client_max_size=cfg.max_body_bytes + 1,

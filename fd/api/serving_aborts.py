@@ -149,9 +149,10 @@ class ServingAborts:
                 if any(f is None for f in finals):
                     return None
                 n = sum(int((f.usage or {}).get("completion_tokens") or 0) for f in finals)
-                return Final(
-                    request_id=rid, finish_reason=finals[0].finish_reason, usage={"completion_tokens": n}
-                )
+                # aborted if the abort ended any choice; else as its first choice ended
+                reasons = [f.finish_reason for f in finals]
+                why = "abort" if "abort" in reasons else reasons[0]
+                return Final(request_id=rid, finish_reason=why, usage={"completion_tokens": n})
             for _eid, ev in history:
                 if isinstance(ev, Final):
                     return ev
@@ -168,11 +169,27 @@ class ServingAborts:
             return None
 
         finals = await asyncio.gather(*(one(r) for r in ids))
-        aborted, missing = [], []
-        for rid, fin in zip(shown or ids, finals):
-            if fin is None:
-                missing.append(rid)
-            else:
-                n = (fin.usage or {}).get("completion_tokens", 0)
-                aborted.append({"request_id": rid, "output_token_count": n if isinstance(n, int) else 0})
-        return {"aborted": aborted, "not_found": missing}
+        return _listing(tuple(shown or ids), finals)
+
+
+def _listing(names: tuple[str | None, ...], finals: list[Final | None]) -> dict:
+    """The answer of an abort that waits: under ``aborted`` the requests the abort ended (their
+    final's reason is ``abort``); under ``finished``, only when there are some, those that
+    ended otherwise (before it, or as it came), by finish reason: ``{"length": [...]}``; under
+    ``not_found`` those without a final in time, unknown ids among them. An abort does nothing
+    to a request that has finished, so listing one as aborted would say what did not happen."""
+    aborted, finished, missing = [], {}, []
+    for rid, fin in zip(names, finals):
+        if fin is None:
+            missing.append(rid)
+            continue
+        n = (fin.usage or {}).get("completion_tokens", 0)
+        entry = {"request_id": rid, "output_token_count": n if isinstance(n, int) else 0}
+        if fin.finish_reason == "abort":
+            aborted.append(entry)
+        else:
+            finished.setdefault(fin.finish_reason, []).append(entry)
+    out: dict = {"aborted": aborted, "not_found": missing}
+    if finished:  # (absent otherwise: the answer's shape before it listed them)
+        out["finished"] = finished
+    return out
