@@ -30,7 +30,7 @@ from control.dead_letters import check_event
 from control.entry_ids import entry_id_key, normal_entry_id
 from control.events import REQ_STREAM_TYPES, Event, Final, decode
 from control.keys import Keys, valid_request_id
-from control.outage import REDIS_FAILURES, is_outage
+from control.outage import REDIS_FAILURES, is_outage, kind, reason
 
 # (the bus's logger: the mux is the bus's reader, and operators filter its warnings as the bus's)
 log = logging.getLogger("control.bus")
@@ -265,6 +265,7 @@ class _Shard:
     async def run(self) -> None:
         mux, redis = self.mux, self.mux.redis
         backoff = 0.05
+        failing: str | None = None  # the kind of failure reads meet now (logged once)
         # Only doorbells rung from now on matter. A cluster shard's doorbell is new (its index
         # is unique in this mux), so it skips the look-up: at worst a stale doorbell of an
         # earlier process with the same reader id costs one spurious wake-up.
@@ -304,9 +305,14 @@ class _Shard:
                         self.wake_last = entries[-1][0]
                     else:
                         await self._dispatch(key, entries, streams[key])
+                if failing is not None:
+                    log.info("stream mux %s: reading again", mux.reader_id)
+                    failing = None
                 backoff = 0.05
             except REDIS_FAILURES as e:
-                log.warning("stream mux %s: %s; retrying in %.2fs", mux.reader_id, e, backoff)
+                if kind(e) != failing:  # one line an outage (and one if its kind changes)
+                    failing = kind(e)
+                    log.warning("stream mux %s: %s; retrying", mux.reader_id, reason(e))
                 if not is_outage(e):  # (WRONGTYPE: a story overwritten by another type)
                     self.next_look = 0.0
                 await asyncio.sleep(backoff)
@@ -330,18 +336,20 @@ class _Shard:
         for key in keys:
             pipe.type(key)
         types = await pipe.execute()
-        for key, kind in zip(keys, types):
-            kind = _b(kind)
-            if kind == b"stream":
+        for key, key_type in zip(keys, types):
+            key_type = _b(key_type)
+            if key_type == b"stream":
                 continue
             subs = self.subs.get(key, [])
             # (a key of another type is gone too, and would fail every read of the shard)
-            if kind == b"none" and not any(s.armed or s._last > _NOTHING for s in subs):
+            if key_type == b"none" and not any(s.armed or s._last > _NOTHING for s in subs):
                 continue
             del self.subs[key]
             if mux._where.get(key) is self:
                 del mux._where[key]
-            log.warning("stream mux %s: story %s is gone (%s); ending its stream", mux.reader_id, key, kind)
+            log.warning(
+                "stream mux %s: story %s is gone (%s); ending its stream", mux.reader_id, key, key_type
+            )
             mux.lost += 1
             for sub in subs:
                 sub._end(StoryLost(sub.request_id))

@@ -79,3 +79,10 @@ def reason(e: BaseException) -> str:
     if code is None and isinstance(e, ClusterDownError):
         code = "CLUSTERDOWN"
     return f"{code} {text}" if code and not text.startswith(code) else text
+
+
+def kind(e: BaseException) -> str:
+    """What sort of failure ``e`` is, the same for every command it meets: the reply's code
+    (``OOM``, ``READONLY``, ...) or the exception's class. An outage is logged once a kind."""
+    code = reason(e).split(" ", 1)[0]
+    return code if code.isupper() else type(e).__name__

@@ -17,7 +17,7 @@ import logging
 import time
 from typing import Awaitable, Callable, TypeVar
 
-from control.outage import REDIS_FAILURES, is_outage, reason
+from control.outage import REDIS_FAILURES, is_outage, kind, reason
 
 # (its lines are the engine node's: operators filter on that name)
 log = logging.getLogger("engine.node")
@@ -52,9 +52,10 @@ class RedisLink:
         # heartbeats that expired while nobody could write them, before their requests look
         # orphaned.
         self.ok_since: float | None = 0.0
-        self.outage: str | None = None  # why calls fail now (the last reason logged)
+        self.outage: str | None = None  # why calls fail now (the last failure's reason)
         self._outage_started = 0.0
         self._outage_errors = 0
+        self._outage_kind: str | None = None  # (control.outage.kind) of the outage logged
         self._refusals: dict[tuple[str, str], float] = {}  # (what, kind) -> when last logged
 
     def ok(self) -> None:
@@ -67,7 +68,7 @@ class RedisLink:
                 self._outage_errors,
                 extra={"engine": self.engine_id},
             )
-            self.outage = None
+            self.outage = self._outage_kind = None
 
     def failed(self, what: str, e: BaseException) -> None:
         """A Redis call failed with one of :data:`RETRYABLE`; the caller retries (an outage)
@@ -82,8 +83,9 @@ class RedisLink:
             self._outage_errors = 0
         self.ok_since = None
         self._outage_errors += 1
-        if why != self.outage:  # one line an outage (and one more if Redis's reason changes)
-            self.outage = why
+        self.outage = why
+        if kind(e) != self._outage_kind:  # one line an outage (and one if its kind changes)
+            self._outage_kind = kind(e)
             log.warning("redis unavailable (%s): %s; retrying", what, why, extra={"engine": self.engine_id})
 
     def refused(self, what: str, e: BaseException) -> None:

@@ -41,7 +41,7 @@ def _accept(r: sync_redis.Redis, kind: str) -> None:
 
 @pytest.mark.parametrize("kind", ["oom", "readonly"])
 async def test_redis_refusing_writes_mid_stream_is_an_outage_the_engine_rides_out(
-    kind, tmp_path, keys, tiny_model_dir, tiny_runner, tiny_tokenizer
+    kind, tmp_path, keys, tiny_model_dir, tiny_runner, tiny_tokenizer, caplog
 ):
     redis = OwnRedis(str(tmp_path))
     redis.start()
@@ -93,6 +93,9 @@ async def test_redis_refusing_writes_mid_stream_is_an_outage_the_engine_rides_ou
             assert tokens_of(evs) == ref.token_ids  # nothing repeated, nothing lost
             assert types(evs).count("final") == 1 and types(evs)[-1] == "final"
         assert eng.node.link.outage is None
+        # one line as the outage starts (and one as it ends), not one per failed call
+        said = [r for r in caplog.records if r.name == "engine.node" and "redis unavailable" in r.message]
+        assert 1 <= len(said) <= 2 < eng.node.link.errors, [r.message for r in said]
         async with aiohttp.ClientSession() as s:
             async with s.get(f"{api.url}/health") as r:
                 assert r.status == 200

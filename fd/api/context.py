@@ -28,7 +28,7 @@ from control.events import MAX_FIELD_BYTES, Abort
 from control.keys import ENGINE_ID_RE, REQUEST_ID_RE, choice_ids, is_tombstone
 from control.metrics import Metrics
 from control.mux import StreamMux
-from control.outage import reason
+from control.outage import kind, reason
 from control.tokenizer import TokenizerLike
 from fd.api.cors import Cors
 from fd.api.errors import bad_request, conflict, id_taken, too_large, unavailable
@@ -101,6 +101,7 @@ class ApiContext:
     def __init__(self, cfg: ApiConfig, bus: Bus, mux: StreamMux, tokenizer: TokenizerLike, metrics: Metrics):
         self._redis_suspect_until = 0.0  # see redis_failed()
         self.outage: str | None = None  # why Redis fails now (redis_failed), for /health
+        self._outage_kind: str | None = None  # (control.outage.kind) of the outage logged
         self._ignored_said: set[str] = set()  # request fields said to be ignored (say_ignored)
         self.cfg = cfg
         self.bus = bus
@@ -247,19 +248,19 @@ class ApiContext:
         """Remember that Redis just failed (gone, stalled, or replying "not now":
         control/outage.py): until a quick ping succeeds again, new requests get their 503 at
         once instead of after the client's seconds of connection retries. One log line an
-        outage (and one more when Redis's reason changes), not one a request."""
+        outage (and one more when its kind changes), not one a request."""
         self._redis_suspect_until = time.monotonic() + REDIS_SUSPECT_S
-        why = reason(e)
-        if why != self.outage:
-            self.outage = why
-            log.warning("redis unavailable: %s", why, extra={"api": self.cfg.api_id})
+        self.outage = reason(e)
+        if kind(e) != self._outage_kind:
+            self._outage_kind = kind(e)
+            log.warning("redis unavailable: %s", self.outage, extra={"api": self.cfg.api_id})
 
     def redis_ok(self) -> None:
         """A Redis call that writes got through."""
         self._redis_suspect_until = 0.0
         if self.outage is not None:
             log.info("redis reachable again", extra={"api": self.cfg.api_id})
-            self.outage = None
+            self.outage = self._outage_kind = None
 
     async def check_redis(self) -> None:
         if time.monotonic() >= self._redis_suspect_until:
