@@ -282,3 +282,41 @@ async def test_a_reply_about_one_requests_key_ends_only_that_request(
     await all_blocks_free(eng.node)
     assert not eng.task.done()
     assert "WRONGTYPE" in caplog.text
+
+
+async def test_scripts_flushed_mid_stream_are_loaded_again(
+    tmp_path, keys, tiny_model_dir, tiny_runner, tiny_tokenizer
+):
+    """``SCRIPT FLUSH`` (what a restart does to the script cache): the fence's and the story
+    start's next calls meet NOSCRIPT, load their script again and go on."""
+    redis = OwnRedis(str(tmp_path))
+    redis.start()
+    admin = sync_redis.Redis(port=redis.port)
+    engines = Engines(redis.url, keys, tiny_model_dir, tiny_runner, tiny_tokenizer)
+    api = None
+    try:
+        eng = await engines.start("E", delay=0.02)
+        api = await start_api(
+            lambda: connect(redis.url),
+            keys,
+            ApiOptions(model_dir=str(tiny_model_dir)),
+            tokenizer=tiny_tokenizer,
+        )
+        params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+        (ref,) = LLM(tiny_runner, tiny_tokenizer).generate([tiny_tokenizer.encode(PROMPTS[0])], params)
+        body = {"model": api.cfg.model_name, "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+        client = asyncio.create_task(stream_completion(api.url, {**body, "prompt": PROMPTS[0]}))
+        await wait_for(lambda: eng.node.steps > 5, what="decoding")
+        admin.script_flush()
+        result = await asyncio.wait_for(client, 30)
+        assert result["done"] and not result["errors"] and result["text"] == ref.text
+        admin.script_flush()
+        again = await stream_completion(api.url, {**body, "prompt": "x", "max_tokens": 5})
+        assert again["status"] == 200 and again["done"] and again["finish_reason"] == "length"
+        assert not eng.task.done()
+    finally:
+        if api is not None:
+            await api.stop()
+        await engines.stop_all()
+        admin.close()
+        redis.stop()
