@@ -473,6 +473,7 @@ class StreamMux:
         self.lost_look_s = lost_look_s
         self.lost = 0  # subscribed stories found gone
         self._unlisten: Callable[[], None] | None = None
+        self._rings: set[asyncio.Task] = set()  # doorbells on their way (subscribe)
         self._thread: int | None = None  # the event loop's, where the store's tellings count
 
     @property
@@ -534,6 +535,7 @@ class StreamMux:
             if shard.blocked and not shard.rang:
                 shard.rang = True
                 await self._ring(shard)
+        await asyncio.gather(*self._rings, return_exceptions=True)
         tasks = [s.task for s in self._shards if s.task is not None]
         await asyncio.gather(*tasks, return_exceptions=True)
         for shard in self._shards:
@@ -595,7 +597,12 @@ class StreamMux:
         shard = self._where.get(key) or self._pick_shard(key, request_id)
         self._where[key] = shard
         if shard.add(sub):
-            await self._ring(shard)
+            # Not awaited: the request's own first command must be what meets a stalled
+            # Redis (its 503 within one --redis-timeout, not after the doorbell's too); a
+            # doorbell that fails is a read returning after its BLOCK, late, not lost.
+            ring = asyncio.get_running_loop().create_task(self._ring(shard))
+            self._rings.add(ring)
+            ring.add_done_callback(self._rings.discard)
         return sub
 
     async def _ring(self, shard: _Shard) -> None:
