@@ -192,6 +192,7 @@ class Bus(Ownership, EngineRegistry):
         owners: Mapping[str, str],
         expire: Sequence[tuple[str, str]] = (),
         ack: Sequence[tuple[str, bytes]] = (),
+        last: dict[str, Mapping[str, str]] | None = None,
     ) -> dict[str, Refused]:
         """An engine's flush: :meth:`publish_many`, with every event on a request's story
         appended through the fence (control/fence.py): only while ``P:owner:{id}`` holds
@@ -203,6 +204,10 @@ class Bus(Ownership, EngineRegistry):
         requests whose events got through, so an engine never acknowledges the entry of a
         request another engine now runs (:meth:`control.store.Store.fenced_append`). The
         final's renewal of the story's and owner key's own TTL is the fence's.
+
+        ``last``: request id -> the writer's last event on its story (encoded), which the
+        fence finds the story's last entry or refuses the batch (``gap``); updated here for
+        the batches that got through. A request not in it is not checked.
 
         Returns the requests refused (request id -> why); nothing of theirs was written."""
         keys = self.keys
@@ -239,12 +244,15 @@ class Bus(Ownership, EngineRegistry):
                     Ack(keys.requests, GROUP_ENGINES, [entry]) if entry is not None else None,
                     renew.get(rid, ()),
                     evs,
+                    last.get(rid) if last is not None else None,
                 )
             )
         answers = await self.store.fenced_append(batches, plain)
-        for rid, why in zip(fenced, answers):
+        for rid, batch, why in zip(fenced, batches, answers):
             if why is not None:
                 refused[rid] = why
+            elif last is not None:
+                last[rid] = batch.fields[-1]
         # A request with acks or renewals but no events this flush (its final went earlier).
         rest_expire = [key for rid, key in expire if rid not in groups and rid not in refused]
         rest_ack = [entry for rid, entry in ack if rid not in groups and rid not in refused]

@@ -165,6 +165,8 @@ class _Direct:
             return []  # this batch is there already (control/fence.py)
         if tail and _is_final(tail[0][1]):
             return Refused("final", owner.decode(errors="replace"))
+        if batch.after and (not tail or list(tail[0][1]) != self._encode(batch.after)):
+            return Refused("gap", owner.decode(errors="replace"))
         ids = []
         events = batch.events if told is not None else ()
         for i, fields in enumerate(encoded):

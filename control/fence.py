@@ -27,6 +27,14 @@ connection; whichever of the two Redis runs second finds the other's entries. Tw
 batches never compare equal: an engine's events carry the step and the ``ts`` they were made
 at, one batch a request a step.
 
+Nothing between a writer's batches is lost unnoticed: a batch names the writer's last event
+before it (``after``, field for field), and is refused (``gap``) unless that is the story's
+last entry. While an engine owns a request nobody else writes to its story, so the only way
+for them to differ is a Redis that lost acknowledged writes: a replica promoted before it had
+them (Sentinel's asynchronous replication), an RDB restore. A stream that silently skipped
+them would show its client text that no model wrote; refused, the engine ends the request with
+an error instead (its final, sent with no ``after``, says why).
+
 A final in the batch ends it (anything after it is refused too), renews the TTL of the story
 and the owner key (``EXPIRE``, as the final always did) and, on a single Redis, acknowledges
 and deletes the request's ``P:requests`` entry in the same call: acknowledged only once its
@@ -50,16 +58,20 @@ SEEN = 4
 #: KEYS: owner key, story, then (a single Redis only, where a script may name keys of any
 #: slot) ``P:requests`` and more keys to renew with the final (a choice's parent's).
 #: ARGV: token, ttl (seconds; 0: none), the ``P:requests`` entry to acknowledge and delete
-#: with the final ("" for none), the consumer group, the number of events, then per event its
-#: number of field strings and the strings (name, value, ...; ``type`` first).
-#: Reply: ``{1, id, ...}`` (the ids appended; none when the batch was there already), or ``{0, why, owner}`` with nothing written,
-#: ``why`` "owner" or "final", ``owner`` the owner key's value (false when absent).
+#: with the final ("" for none), the consumer group, the number of events, the writer's last
+#: event before this batch (its number of field strings, 0 for none to check, then the
+#: strings), then per event its number of field strings and the strings (name, value, ...;
+#: ``type`` first).
+#: Reply: ``{1, id, ...}`` (the ids appended; none when the batch was there already), or
+#: ``{0, why, owner}`` with nothing written, ``why`` "owner", "final" or "gap", ``owner`` the
+#: owner key's value (false when absent).
 _SCRIPT = """
 local owner = redis.call('GET', KEYS[1])
 if owner ~= ARGV[1] then return {0, 'owner', owner} end
 local tail = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', SEEN)
-local mine = 6
-local at = 6
+local first = 7 + tonumber(ARGV[6])
+local mine = first
+local at = first
 for _ = 1, tonumber(ARGV[5]) do
   mine = at
   if ARGV[at + 1] == 'type' and ARGV[at + 2] == 'final' then break end
@@ -85,8 +97,18 @@ if last then
     end
   end
 end
+local n = tonumber(ARGV[6])
+if n > 0 then
+  local same = last ~= nil and #last[2] == n
+  if same then
+    for i = 1, n do
+      if last[2][i] ~= ARGV[6 + i] then same = false break end
+    end
+  end
+  if not same then return {0, 'gap', owner} end
+end
 local out = {1}
-local at = 6
+local at = first
 local ended = false
 for _ = 1, tonumber(ARGV[5]) do
   local n = tonumber(ARGV[at])
@@ -119,6 +141,7 @@ class Refused:
     """A batch the fence turned away; nothing of it was appended."""
 
     why: str  # "owner": the owner key holds ``owner``, not the token; "final": the story ended;
+    # "gap": the story's last entry is not the writer's last (a failover lost what it wrote);
     # "error": Redis refused the script for a reason of the request's own (``error``: its
     # reply; a key of the request's overwritten with another type, say: control/outage.py)
     owner: str | None
@@ -135,10 +158,17 @@ def append_fields(args: list, fields: Mapping[str, str]) -> None:
 
 
 def script_args(
-    token: str, ttl_s: int, fields: list[dict[str, str]], ack: bytes | None = None, group: str = ""
+    token: str,
+    ttl_s: int,
+    fields: list[dict[str, str]],
+    ack: bytes | None = None,
+    group: str = "",
+    after: Mapping[str, str] | None = None,
 ) -> list:
-    """ARGV of :data:`SCRIPT` for one request's events (their encoded fields, in order)."""
+    """ARGV of :data:`SCRIPT` for one request's events (their encoded fields, in order);
+    ``after``: the writer's last event on the story before them, which must be its last entry."""
     args: list = [token, str(ttl_s), ack or b"", group, str(len(fields))]
+    append_fields(args, after or {})
     for f in fields:
         append_fields(args, f)
     return args

@@ -73,6 +73,7 @@ class Fenced:
     ack: Ack | None = None
     renew: Sequence[str] = field(default_factory=tuple)
     events: Sequence[Any] = ()
+    after: Mapping[str, str] | None = None  # the writer's last event on the story (control/fence.py)
 
     @property
     def ends(self) -> bool:
@@ -279,7 +280,12 @@ class RedisStore:
                 extra = [b.ack.stream if b.ack else b.story, *b.renew] if folded[i] else []
                 ack = b.ack if folded[i] else None
                 args = fence.script_args(
-                    b.token, b.ttl_s, list(b.fields), ack.ids[0] if ack else None, ack.group if ack else ""
+                    b.token,
+                    b.ttl_s,
+                    list(b.fields),
+                    ack.ids[0] if ack else None,
+                    ack.group if ack else "",
+                    b.after,
                 )
                 # (execute_command: redis-py's cluster pipeline refuses its evalsha, but
                 # routes the command by its first key, the request's slot)

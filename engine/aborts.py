@@ -34,6 +34,12 @@ from engine.redis_link import RedisLink, Stopped
 from engine.request_table import RequestTable
 
 # (its lines are the engine node's: operators filter on that name)
+#: A request's error when its story lost what the engine wrote (:meth:`Aborts._lost_output`).
+LOST_OUTPUT = (
+    "part of this request's output was lost by the control plane (Redis lost writes it had "
+    "acknowledged: a failover to a replica that lacked them); it cannot be continued exactly"
+)
+
 log = logging.getLogger("engine.node")
 
 #: Tombstones laid per round trip for a many-id abort: small enough that the embedded server
@@ -207,6 +213,9 @@ class Aborts:
         """The fence refused this request's events, or its owner key moved on: another
         engine runs it (or it ended). Stop scheduling it, drop it in the runner, release its
         blocks, and write nothing more to its story."""
+        if why.why == "gap":
+            self._lost_output(rid)
+            return
         if not self.requests.lose(rid):
             return  # (a flush made before it was dropped, refused too)
         self.fenced += 1
@@ -225,6 +234,21 @@ class Aborts:
             live.silent = True
             self.emit(self.sched.abort(rid, "engine"))
             self.wake.set()
+
+    def _lost_output(self, rid: str) -> None:
+        """Its story lacks events this engine wrote (control/fence.py's gap: a Redis failover
+        lost them): what its client saw can no longer be continued exactly, so it ends with
+        an error, through the abort stages, while this engine still owns it."""
+        live = self.requests.get(rid)
+        if live is None or live.silent or not self.sched.knows(rid):
+            return
+        log.error(
+            "the request's story lost events this engine wrote (a Redis failover?); ending it",
+            extra={"request_id": rid, "engine": self.engine_id},
+        )
+        self.count("engine")
+        self.emit(self.sched.abort(rid, "engine", LOST_OUTPUT))
+        self.wake.set()
 
     async def watch_timeouts(
         self, limit_s: float, sleep: Callable[[float], Any], stopping: Callable[[], bool]

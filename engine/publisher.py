@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 from dataclasses import replace
-from typing import Callable
+from typing import Callable, Mapping
 
 from control.bus import Bus
 from control.events import Event
@@ -53,6 +53,9 @@ class Publisher:
         self._ack: list[tuple[str, bytes]] = []
         # Requests whose final is in the outbox: their tokens go once that flush is done.
         self._ended: list[str] = []
+        # Each request's last event on its story, as written: the fence checks that nothing of
+        # the story went missing since (control/fence.py's gap).
+        self._last: dict[str, Mapping[str, str]] = {}
         self._lock = asyncio.Lock()
         self._bg: set[asyncio.Task] = set()
 
@@ -81,6 +84,13 @@ class Publisher:
         only then: an engine that cannot publish (Redis away) stops stepping after the steps
         in flight, as the step loop, waiting on its flush, does."""
         return not (self._outbox or self._ack or self._lock.locked())
+
+    def _note_last(self, items: list[tuple[str, Event]], refused: Mapping[str, Refused]) -> None:
+        keys = self.bus.keys
+        for stream, ev in items:
+            rid = getattr(ev, "request_id", None)
+            if rid is not None and rid not in refused and stream == keys.req(rid):
+                self._last[rid] = ev.encode()
 
     # ------------------------------------------------------------------ flushing
 
@@ -116,6 +126,8 @@ class Publisher:
             announced = set(self.requests.unannounced)  # (their `claimed` is among the items)
             await self._publish(items, expire, ack)
             self.requests.release(done)  # their finals are out (or refused)
+            for rid in done:
+                self._last.pop(rid, None)
             if announced:
                 self.requests.unannounced -= announced
 
@@ -130,13 +142,19 @@ class Publisher:
         link = self.link
         backoff = link.backoff_s
         failed = False
+        made = items
         while True:
             try:
                 if failed:
                     items = await unwritten(self.bus.redis, items)
-                refused = await self.bus.publish_owned(items, self.requests.tokens, expire=expire, ack=ack)
+                refused = await self.bus.publish_owned(
+                    items, self.requests.tokens, expire=expire, ack=ack, last=self._last
+                )
                 link.ok()
+                if failed:  # (what had landed before the failure is not in items any more)
+                    self._note_last(made, refused)
                 for rid, why in refused.items():
+                    self._last.pop(rid, None)  # (a gap's final goes with nothing to check)
                     self.lose(rid, why)
                 return
             except RETRYABLE as e:
