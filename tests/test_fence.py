@@ -198,3 +198,30 @@ async def test_a_step_that_finishes_after_a_takeover_writes_nothing(fenced_engin
     aborts = [c for c in calls if c["op"] == "abort" and c["rid"] == "r"]
     assert len(aborts) == 1 and aborts[0]["source"] == "engine"
     assert calls[-1]["free"] == node.sched.num_total_blocks  # and every block came back
+
+
+async def test_a_batch_whose_story_lost_the_writers_last_event_is_refused(bus):
+    """``last``: each request's writer's last event on its story. A story that no longer ends
+    with it (a failover to a replica that lacked it) refuses the next batch as a ``gap``,
+    writing nothing; a batch with nothing to check (the engine's error final) goes through,
+    and a resend of a batch that landed is still answered as written."""
+    mine = owner_token("A", 1)
+    await bus.redis.set(bus.keys.owner("g"), mine)
+    await submit(bus, "g", PROMPT, max_tokens=4)
+    last: dict = {}
+    assert await bus.publish_owned(on(bus, toks("g", 1, 2)), {"g": mine}, last=last) == {}
+    entries = await bus.redis.xrange(bus.keys.req("g"))
+    assert last["g"] == {k.decode(): v.decode() for k, v in entries[-1][1].items()}  # (t2, as written)
+    assert await bus.publish_owned(on(bus, toks("g", 3)), {"g": mine}, last=last) == {}
+    again = dict(last)
+    assert await bus.publish_owned(on(bus, toks("g", 3)), {"g": mine}, last=again) == {}  # (a resend)
+    # what the failover lost: the story's last entry, t3
+    entries = await bus.redis.xrange(bus.keys.req("g"))
+    assert len(entries) == 4  # (accepted, t1, t2, t3: the resend wrote nothing)
+    await bus.redis.xdel(bus.keys.req("g"), entries[-1][0])
+    refused = await bus.publish_owned(on(bus, toks("g", 4)), {"g": mine}, last=last)
+    assert refused["g"].why == "gap" and refused["g"].owner == mine
+    assert tokens_of([ev for _, ev in await bus.read_req("g")]) == [1, 2]  # nothing written
+    final = Final(request_id="g", finish_reason="error", engine="A", error="lost")
+    assert await bus.publish_owned(on(bus, [final]), {"g": mine}) == {}  # (nothing to check)
+    assert await story_types(bus, "g") == ["accepted", "tokens", "tokens", "final"]
