@@ -213,6 +213,10 @@ class Tokens(Event):
     token_ids: tuple[int, ...]
     text: str = ""
     step: int = 0
+    #: the request's output tokens before these (their place in its output, a takeover's
+    #: included; None from an engine of an earlier release): a reader checks it follows what it
+    #: was sent (a failover can shorten a story a reader had read more of; control/mux.py)
+    pos: int | None = None
     # Only when the request asked (SamplingParams.logprobs): per token of token_ids, in order,
     # {"lp": [its log-probability, ...], "top": [[[token id, log-probability], ...], ...]}
     # (control.token_payloads.logprobs_field / logprobs_entries).

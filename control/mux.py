@@ -28,7 +28,7 @@ from control.bad_event import BadEvent
 from control.bus import Bus
 from control.dead_letters import check_event
 from control.entry_ids import entry_id_key, normal_entry_id
-from control.events import REQ_STREAM_TYPES, Event, Final, decode
+from control.events import REQ_STREAM_TYPES, Event, Final, Tokens, decode
 from control.keys import Keys, valid_request_id
 from control.outage import REDIS_FAILURES, is_outage, kind, reason
 
@@ -54,6 +54,20 @@ class StoryLost(RuntimeError):
             f"The stream of request {request_id} disappeared from the control plane (Redis was "
             "emptied, flushed or failed over, or the stream expired) before the request "
             "finished; its output is lost. Send the request again."
+        )
+        self.request_id = request_id
+
+
+class StoryRewound(StoryLost):
+    """The request's story lost an end this reader was sent (a failover), and what follows
+    does not repeat it: what the client has can no longer be continued exactly."""
+
+    def __init__(self, request_id: str):
+        RuntimeError.__init__(
+            self,
+            f"The stream of request {request_id} was rewound by the control plane (Redis failed "
+            "over and lost its end) and continued differently from what was sent; its output "
+            "cannot be continued exactly. Send the request again.",
         )
         self.request_id = request_id
 
@@ -87,6 +101,9 @@ class Subscription:
         #: subscription made after an entry is armed; one made before its request is
         #: submitted is armed by the submitter (:meth:`story_started`) or by its first entry.
         self.armed = self._last > _NOTHING
+        #: the output token ids delivered, in order (None: made mid-story, whose output before
+        #: ``after`` this reader does not know, and does not check)
+        self._ids: list[int] | None = None if self.armed else []
         #: called whenever something is delivered: one consumer waiting on many subscriptions
         #: (a response of n choices) waits on one event instead of a task per subscription
         self.on_put: Callable[[], None] | None = None
@@ -195,9 +212,28 @@ class Subscription:
             return
         self._last = idk
         self.last_id = entry_id
+        if type(ev) is Tokens and ev.pos is not None and self._ids is not None:
+            if ev.pos != len(self._ids) and not self._follows(ev):
+                return
+            self._ids += ev.token_ids
         self._put((entry_id, ev))
         if isinstance(ev, Final):
             self._end(_END)
+
+    def _follows(self, ev: Tokens) -> bool:
+        """``ev`` is not where this reader's output stands: a failover shortened the story
+        after the reader had read more of it, and the engine that went on from what was left
+        (a takeover, or its own after a final that was lost) writes those positions again.
+        Tokens it repeats as they were sent are skipped (False); anything else (a sampled
+        continuation that differs, one event that repeats and goes on, tokens missing) ends
+        the subscription with :class:`StoryRewound` (False), since the client's text can no
+        longer go on exactly."""
+        sent, pos, ids = self._ids, ev.pos, ev.token_ids
+        if pos is not None and pos < len(sent) and pos + len(ids) <= len(sent):
+            if all(sent[pos + i] == t for i, t in enumerate(ids)):
+                return False
+        self._end(StoryRewound(self.request_id))
+        return False
 
     def _end(self, item) -> None:
         if not self._ended:

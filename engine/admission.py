@@ -312,6 +312,7 @@ class Admission:
             if primed.startswith(hist.text):
                 tail = primed[len(hist.text) :]
         live.detok = detok
+        live.emitted = len(hist.tokens)
         if sp.prompt_logprobs is not None and not hist.tokens:  # (a takeover: shown already)
             live.prompt_lp = {}
         live.progress = time.monotonic()
@@ -319,7 +320,7 @@ class Admission:
             self.taken_over += 1
         evs: list[Event] = [Claimed(request_id=rid, engine=self.engine_id, attempt=owner_attempt(token))]
         if tail:
-            evs.append(Tokens(request_id=rid, token_ids=(), text=tail, step=step))
+            evs.append(Tokens(request_id=rid, token_ids=(), text=tail, step=step, pos=live.emitted))
         self.emit(evs)
         self.requests.unannounced.add(rid)
         self.emit(self.sched.add(rid, data, tuple(hist.tokens)))

@@ -117,7 +117,14 @@ class Emitter:
                 if tail and not silent:
                     put(
                         story(rid),
-                        Tokens(request_id=rid, token_ids=(), text=tail, ts=ts, step=self.sched.step),
+                        Tokens(
+                            request_id=rid,
+                            token_ids=(),
+                            text=tail,
+                            ts=ts,
+                            step=self.sched.step,
+                            pos=live.emitted,
+                        ),
                     )
             if isinstance(ev, AbortRequested):
                 if live is not None:
@@ -178,6 +185,10 @@ class Emitter:
             else None
         )
         emb = embeddings.get(rid) if embeddings else None
+        pos = None
+        if live is not None:
+            pos = live.emitted
+            live.emitted += len(ev.token_ids)
         self.publisher.put(
             self.keys.req(rid),
             Tokens(
@@ -189,6 +200,7 @@ class Emitter:
                 logprobs=None if lp is None else logprobs_field([lp]),
                 prompt_logprobs=plp,
                 embedding=None if emb is None else embedding_field(emb),
+                pos=pos,
             ),
         )
 

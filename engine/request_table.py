@@ -45,6 +45,7 @@ class Live:
     # still winds it down, but none of its events is published.
     silent: bool = False
     timed_out: bool = False  # aborted by the watchdog already (logged and counted once)
+    emitted: int = 0  # output tokens on its story (a takeover's: those before it too)
 
 
 class RequestTable:

@@ -212,9 +212,10 @@ async def test_a_batch_whose_story_lost_the_writers_last_event_is_refused(bus):
     assert await bus.publish_owned(on(bus, toks("g", 1, 2)), {"g": mine}, last=last) == {}
     entries = await bus.redis.xrange(bus.keys.req("g"))
     assert last["g"] == {k.decode(): v.decode() for k, v in entries[-1][1].items()}  # (t2, as written)
-    assert await bus.publish_owned(on(bus, toks("g", 3)), {"g": mine}, last=last) == {}
+    t3 = on(bus, [Tokens(request_id="g", token_ids=(3,), text="t3", step=3, ts=1003)])
     again = dict(last)
-    assert await bus.publish_owned(on(bus, toks("g", 3)), {"g": mine}, last=again) == {}  # (a resend)
+    assert await bus.publish_owned(t3, {"g": mine}, last=last) == {}
+    assert await bus.publish_owned(t3, {"g": mine}, last=again) == {}  # (a resend: as written)
     # what the failover lost: the story's last entry, t3
     entries = await bus.redis.xrange(bus.keys.req("g"))
     assert len(entries) == 4  # (accepted, t1, t2, t3: the resend wrote nothing)

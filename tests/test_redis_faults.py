@@ -13,8 +13,8 @@ import redis as sync_redis
 
 from control.bus import Bus
 from control.connect import connect
-from control.events import Tokens
-from control.mux import StoryLost, StreamMux
+from control.events import Claimed, Final, Tokens
+from control.mux import StoryLost, StoryRewound, StreamMux
 from control.sampling import SamplingParams
 from engine.llm import LLM
 from fd.compose import ApiOptions, start_api
@@ -320,3 +320,46 @@ async def test_scripts_flushed_mid_stream_are_loaded_again(
         await engines.stop_all()
         admin.close()
         redis.stop()
+
+
+@pytest.mark.parametrize("continuation", ["same", "different", "skipping"])
+async def test_a_reader_sent_an_end_the_story_lost_skips_its_repetition_or_ends(bus, keys, continuation):
+    """What a reader on a failed-over Redis meets: it was sent t3 and t4, the story lost
+    them, and another engine goes on from t2 (its tokens at positions 2, 3, ...). A greedy
+    continuation repeats t3 t4: not sent again, the client's text goes on exactly; one that
+    differs, or that leaves positions out, ends the stream with an error (StoryRewound), never
+    a text that repeats, forks or skips."""
+    mux = StreamMux(bus.redis, keys, "rewind-test", block_ms=100)
+    await mux.start()
+    story = keys.req("w")
+
+    def toks(first: int, *ids: int) -> list:
+        return [
+            (story, Tokens(request_id="w", token_ids=(t,), text=f"t{t}", step=t, pos=first + i))
+            for i, t in enumerate(ids)
+        ]
+
+    try:
+        sub = await mux.subscribe("w", b"0")
+        await submit(bus, "w", [1, 2, 3])
+        sub.story_started()
+        await bus.publish_many([(story, Claimed(request_id="w", engine="A")), *toks(0, 1, 2, 3, 4)])
+        seen = [await asyncio.wait_for(anext(sub), 5) for _ in range(6)]
+        assert [ev.TYPE for _, ev in seen] == ["accepted", "claimed", "tokens", "tokens", "tokens", "tokens"]
+        lost = [eid for eid, _ in (await bus.redis.xrange(story))[-2:]]
+        await bus.redis.xdel(story, *lost)  # (what the failover lost)
+        after = {"same": toks(2, 3, 4, 5), "different": toks(2, 3, 9, 5), "skipping": toks(5, 6)}[
+            continuation
+        ]
+        await bus.publish_many([(story, Claimed(request_id="w", engine="B", attempt=2)), *after])
+        await bus.publish(story, Final(request_id="w", finish_reason="length", engine="B"))
+        if continuation == "same":
+            rest = [ev async for _, ev in sub]
+            assert [ev.TYPE for ev in rest] == ["claimed", "tokens", "final"]
+            assert rest[1].token_ids == (5,)  # t3 t4 not sent twice
+        else:
+            assert (await asyncio.wait_for(anext(sub), 5))[1].TYPE == "claimed"
+            with pytest.raises(StoryRewound):
+                await asyncio.wait_for(anext(sub), 5)
+    finally:
+        await mux.stop()
