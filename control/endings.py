@@ -95,10 +95,11 @@ def abort_story(
     step: int = 0,
     engine: str = "",
     noted: Collection[str] = (),
+    error: str | None = None,
 ) -> list[Event]:
     """The whole abort story of a request that holds no blocks here: each stage not already
     on its stream (``noted``: their types, the stages a previous owner wrote), then its
-    ``final``."""
+    ``final`` (``finish_reason=error`` saying ``error`` where the abort was a failure)."""
     evs: list[Event] = []
     if ABORT_REQUESTED not in noted:
         evs.append(AbortRequested(request_id=request_id, source=source, step=step, engine=engine))
@@ -106,7 +107,10 @@ def abort_story(
         evs.append(Drained(request_id=request_id, step=step, engine=engine))
     if BLOCKS_RELEASED not in noted:
         evs.append(BlocksReleased(request_id=request_id, count=0, step=step, engine=engine))
-    evs.append(Final(request_id=request_id, finish_reason="abort", usage=used, step=step, engine=engine))
+    reason = "abort" if error is None else "error"
+    evs.append(
+        Final(request_id=request_id, finish_reason=reason, usage=used, step=step, engine=engine, error=error)
+    )
     return evs
 
 

@@ -34,7 +34,9 @@ from engine.redis_link import RedisLink, Stopped
 from engine.request_table import RequestTable
 
 # (its lines are the engine node's: operators filter on that name)
-#: A request's error when its story lost what the engine wrote (:meth:`Aborts._lost_output`).
+#: The abort source of a request whose story lost what the engine wrote
+#: (:meth:`Aborts._lost_output`), and its error.
+LOST = "lost"
 LOST_OUTPUT = (
     "part of this request's output was lost by the control plane (Redis lost writes it had "
     "acknowledged: a failover to a replica that lacked them); it cannot be continued exactly"
@@ -246,8 +248,8 @@ class Aborts:
             "the request's story lost events this engine wrote (a Redis failover?); ending it",
             extra={"request_id": rid, "engine": self.engine_id},
         )
-        self.count("engine")
-        self.emit(self.sched.abort(rid, "engine", LOST_OUTPUT))
+        self.count(LOST)
+        self.emit(self.sched.abort(rid, LOST, LOST_OUTPUT))
         self.wake.set()
 
     async def watch_timeouts(

@@ -27,7 +27,7 @@ from control.guided import GuidedError
 from control.guided import check as check_guided
 from control.keys import is_tombstone, owner_attempt, owner_engine, owner_token
 from engine import failover
-from engine.aborts import Aborts
+from engine.aborts import LOST, LOST_OUTPUT, Aborts
 from engine.adapters import Adapters
 from engine.detokenizer import IncrementalDetokenizer
 from engine.failover import History
@@ -293,9 +293,10 @@ class Admission:
         if dismissed is not None or ABORT_REQUESTED in hist.noted:
             # Aborted while no live engine ran it (its owner had died, or was handing it back):
             # finish the abort's story, never run it.
-            source = dismissed if dismissed is not None else "engine"
+            source = dismissed if dismissed is not None else hist.abort_source or "engine"
             self.aborts.count(source)
-            self.emit(abort_story(rid, source, used, step=step, noted=hist.noted))
+            error = LOST_OUTPUT if source == LOST else None  # (its output lost: a failure)
+            self.emit(abort_story(rid, source, used, step=step, noted=hist.noted, error=error))
             return
         refused = self._refusal(req, hist)
         if refused is not None:

@@ -57,6 +57,7 @@ class History:
     handbacks: int = 0  # `preempted handback=1`: starts that ended in a drain, not a failure
     final: bool = False
     noted: set[str] = field(default_factory=set)  # abort stages already on the stream
+    abort_source: str | None = None  # the source of the abort noted on it
 
     @property
     def failures(self) -> int:
@@ -78,6 +79,8 @@ class History:
                 h.final = True
             elif isinstance(ev, (AbortRequested, Drained, BlocksReleased)):
                 h.noted.add(ev.TYPE)
+                if isinstance(ev, AbortRequested):
+                    h.abort_source = ev.source
         return h
 
 

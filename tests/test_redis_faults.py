@@ -116,7 +116,7 @@ async def test_an_emptied_redis_ends_every_client_stream_with_an_error(
 ):
     """FLUSHALL under live streams (what a restart without persistence, a lost volume or a
     failover to a replica that had not caught up leave): every client gets an error naming
-    what happened, streams then ``[DONE]``, within the mux's look (2 s) and a read; the
+    what happened, streams then ``[DONE]``, within the mux's two looks (2 s apart) and a read; the
     engine frees the blocks of the requests whose ownership went with it."""
     redis = OwnRedis(str(tmp_path))
     redis.start()
@@ -160,7 +160,7 @@ async def test_an_emptied_redis_ends_every_client_stream_with_an_error(
             assert "disappeared" in result["errors"][0]["message"]
             assert result["finish_reason"] is None
         assert status == 503 and answer["error"]["code"] == "story_lost"
-        assert waited < 10  # (documented: within about 3 s of the loss)
+        assert waited < 15  # (documented: within about 5 s of the loss)
         await all_blocks_free(eng.node, timeout=10)  # their owner keys went: dropped, blocks back
         again = await stream_completion(api.url, {**body, "prompt": "x", "max_tokens": 5})
         assert again["done"] and again["finish_reason"] == "length" and not again["errors"]
