@@ -17,7 +17,8 @@ def add_redis_args(p: argparse.ArgumentParser, required: bool = False) -> None:
     p.add_argument(
         "--redis-url",
         default=os.environ.get("FD_REDIS_URL"),
-        help="Redis URL (redis://, rediss://, user:password@ work); default $FD_REDIS_URL",
+        help="Redis URL: redis://, rediss://, user:password@; a Cluster's redis+cluster://host:port; "
+        "Sentinel's redis+sentinel://host:26379[,host:port...]/<service>[/<db>]; default $FD_REDIS_URL",
     )
     p.add_argument("--prefix", default=os.environ.get("FD_PREFIX", "fd"), help="key prefix (default fd)")
     p.add_argument(

@@ -6,6 +6,8 @@ waiting for ever."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 import pytest
@@ -25,6 +27,43 @@ from tests.test_outage import stream_completion
 PROMPTS = ["Once upon a time", "The quick brown fox", "In a hole in the ground", "It was a dark"]
 
 
+@dataclass
+class Deployment:
+    redis: OwnRedis
+    admin: sync_redis.Redis  # (a client of the test's own, for the faults)
+    bus: Bus
+    eng: Any
+    api: Any
+
+
+@pytest.fixture
+async def deploy(tmp_path, keys, tiny_model_dir, tiny_runner, tiny_tokenizer):
+    """``await deploy(delay)``: a redis-server of the test's own, an engine ``E`` stepping
+    at least ``delay`` s and an API node on it; all stopped at the end."""
+    redis = OwnRedis(str(tmp_path))
+    redis.start()
+    admin = sync_redis.Redis(port=redis.port)
+    engines = Engines(redis.url, keys, tiny_model_dir, tiny_runner, tiny_tokenizer)
+    bus = Bus(connect(redis.url), keys)
+    apis = []
+
+    async def start(delay: float) -> Deployment:
+        eng = await engines.start("E", delay=delay)
+        opts = ApiOptions(model_dir=str(tiny_model_dir))
+        apis.append(await start_api(lambda: connect(redis.url), keys, opts, tokenizer=tiny_tokenizer))
+        return Deployment(redis, admin, bus, eng, apis[-1])
+
+    try:
+        yield start
+    finally:
+        for api in apis:
+            await api.stop()
+        await engines.stop_all()
+        await bus.redis.aclose()
+        admin.close()
+        redis.stop()
+
+
 def _refuse(r: sync_redis.Redis, kind: str) -> None:
     if kind == "oom":  # noeviction (the default) and less room than is used: writes refused
         r.config_set("maxmemory", 1)
@@ -41,136 +80,96 @@ def _accept(r: sync_redis.Redis, kind: str) -> None:
 
 @pytest.mark.parametrize("kind", ["oom", "readonly"])
 async def test_redis_refusing_writes_mid_stream_is_an_outage_the_engine_rides_out(
-    kind, tmp_path, keys, tiny_model_dir, tiny_runner, tiny_tokenizer, caplog
+    kind, deploy, tiny_runner, tiny_tokenizer, caplog
 ):
-    redis = OwnRedis(str(tmp_path))
-    redis.start()
-    admin = sync_redis.Redis(port=redis.port)
-    engines = Engines(redis.url, keys, tiny_model_dir, tiny_runner, tiny_tokenizer)
-    bus = Bus(connect(redis.url), keys)
-    api = None
-    try:
-        eng = await engines.start("E", delay=0.03)
-        api = await start_api(
-            lambda: connect(redis.url),
-            keys,
-            ApiOptions(model_dir=str(tiny_model_dir)),
-            tokenizer=tiny_tokenizer,
-        )
-        params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
-        refs = LLM(tiny_runner, tiny_tokenizer).generate([tiny_tokenizer.encode(p) for p in PROMPTS], params)
-        body = {"model": api.cfg.model_name, "max_tokens": 80, "temperature": 0, "ignore_eos": True}
-        clients = [
-            asyncio.create_task(stream_completion(api.url, {**body, "prompt": p}, {"X-Request-Id": f"s{i}"}))
-            for i, p in enumerate(PROMPTS)
-        ]
-        await wait_for(lambda: all(eng.node.sched.knows(f"s{i}") for i in range(4)), what="all admitted")
-        await wait_for(lambda: eng.node.steps > 8, what="decoding")
-        _refuse(admin, kind)
-        await wait_for(lambda: eng.node.link.outage is not None, what="the engine to meet the refusal")
-        steps = eng.node.steps
-        async with aiohttp.ClientSession() as s:
-            async with s.get(f"{api.url}/health") as r:
-                assert r.status == 503
-                said = (await r.json())["error"]["message"]
-                assert ("OOM" if kind == "oom" else "READONLY") in said
-            async with s.post(
-                f"{api.url}/v1/completions", json={**body, "prompt": "x", "max_tokens": 2}
-            ) as r:
-                assert r.status == 503
-                assert (await r.json())["error"]["code"] == "service_unavailable"
-        await asyncio.sleep(1.0)  # the engine waits out the refusal: alive, its requests kept
-        assert not eng.task.done()
-        assert all(eng.node.sched.knows(f"s{i}") for i in range(4))
-        assert eng.node.steps - steps <= 4  # (no stepping ahead of what it cannot publish)
-        _accept(admin, kind)
-        results = await asyncio.wait_for(asyncio.gather(*clients), 60)
-        for ref, result in zip(refs, results):
-            assert result["status"] == 200 and result["done"] and not result["errors"]
-            assert result["text"] == ref.text and result["finish_reason"] == "length"
-        for i, ref in enumerate(refs):
-            evs = await story(bus, f"s{i}")
-            assert tokens_of(evs) == ref.token_ids  # nothing repeated, nothing lost
-            assert types(evs).count("final") == 1 and types(evs)[-1] == "final"
-        assert eng.node.link.outage is None
-        # one line as the outage starts (and one as it ends), not one per failed call
-        said = [r for r in caplog.records if r.name == "engine.node" and "redis unavailable" in r.message]
-        assert 1 <= len(said) <= 2 < eng.node.link.errors, [r.message for r in said]
-        async with aiohttp.ClientSession() as s:
-            async with s.get(f"{api.url}/health") as r:
-                assert r.status == 200
-        again = await stream_completion(api.url, {**body, "prompt": "x", "max_tokens": 5})
-        assert again["done"] and again["finish_reason"] == "length"
-        await all_blocks_free(eng.node)
-    finally:
-        if api is not None:
-            await api.stop()
-        await engines.stop_all()
-        await bus.redis.aclose()
-        admin.close()
-        redis.stop()
+    d = await deploy(0.03)
+    eng, api, admin, bus = d.eng, d.api, d.admin, d.bus
+    params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+    refs = LLM(tiny_runner, tiny_tokenizer).generate([tiny_tokenizer.encode(p) for p in PROMPTS], params)
+    body = {"model": api.cfg.model_name, "max_tokens": 80, "temperature": 0, "ignore_eos": True}
+    clients = [
+        asyncio.create_task(stream_completion(api.url, {**body, "prompt": p}, {"X-Request-Id": f"s{i}"}))
+        for i, p in enumerate(PROMPTS)
+    ]
+    await wait_for(lambda: all(eng.node.sched.knows(f"s{i}") for i in range(4)), what="all admitted")
+    await wait_for(lambda: eng.node.steps > 8, what="decoding")
+    _refuse(admin, kind)
+    await wait_for(lambda: eng.node.link.outage is not None, what="the engine to meet the refusal")
+    steps = eng.node.steps
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{api.url}/health") as r:
+            assert r.status == 503
+            said = (await r.json())["error"]["message"]
+            assert ("OOM" if kind == "oom" else "READONLY") in said
+        async with s.post(f"{api.url}/v1/completions", json={**body, "prompt": "x", "max_tokens": 2}) as r:
+            assert r.status == 503
+            assert (await r.json())["error"]["code"] == "service_unavailable"
+    await asyncio.sleep(1.0)  # the engine waits out the refusal: alive, its requests kept
+    assert not eng.task.done()
+    assert all(eng.node.sched.knows(f"s{i}") for i in range(4))
+    assert eng.node.steps - steps <= 4  # (no stepping ahead of what it cannot publish)
+    _accept(admin, kind)
+    results = await asyncio.wait_for(asyncio.gather(*clients), 60)
+    for ref, result in zip(refs, results):
+        assert result["status"] == 200 and result["done"] and not result["errors"]
+        assert result["text"] == ref.text and result["finish_reason"] == "length"
+    for i, ref in enumerate(refs):
+        evs = await story(bus, f"s{i}")
+        assert tokens_of(evs) == ref.token_ids  # nothing repeated, nothing lost
+        assert types(evs).count("final") == 1 and types(evs)[-1] == "final"
+    assert eng.node.link.outage is None
+    # one line as the outage starts (and one as it ends), not one per failed call
+    said = [r for r in caplog.records if r.name == "engine.node" and "redis unavailable" in r.message]
+    assert 1 <= len(said) <= 2 < eng.node.link.errors, [r.message for r in said]
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{api.url}/health") as r:
+            assert r.status == 200
+    again = await stream_completion(api.url, {**body, "prompt": "x", "max_tokens": 5})
+    assert again["done"] and again["finish_reason"] == "length"
+    await all_blocks_free(eng.node)
 
 
-async def test_an_emptied_redis_ends_every_client_stream_with_an_error(
-    tmp_path, keys, tiny_model_dir, tiny_runner, tiny_tokenizer
-):
+async def test_an_emptied_redis_ends_every_client_stream_with_an_error(deploy):
     """FLUSHALL under live streams (what a restart without persistence, a lost volume or a
     failover to a replica that had not caught up leave): every client gets an error naming
     what happened, streams then ``[DONE]``, within the mux's two looks (2 s apart) and a read; the
     engine frees the blocks of the requests whose ownership went with it."""
-    redis = OwnRedis(str(tmp_path))
-    redis.start()
-    admin = sync_redis.Redis(port=redis.port)
-    engines = Engines(redis.url, keys, tiny_model_dir, tiny_runner, tiny_tokenizer)
-    api = None
-    try:
-        eng = await engines.start("E", delay=0.05)
-        api = await start_api(
-            lambda: connect(redis.url),
-            keys,
-            ApiOptions(model_dir=str(tiny_model_dir)),
-            tokenizer=tiny_tokenizer,
-        )
-        body = {"model": api.cfg.model_name, "max_tokens": 400, "temperature": 0, "ignore_eos": True}
-        streams = [
-            asyncio.create_task(stream_completion(api.url, {**body, "prompt": p}, {"X-Request-Id": f"s{i}"}))
-            for i, p in enumerate(PROMPTS[:3])
-        ]
+    d = await deploy(0.05)
+    eng, api, admin = d.eng, d.api, d.admin
+    body = {"model": api.cfg.model_name, "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    streams = [
+        asyncio.create_task(stream_completion(api.url, {**body, "prompt": p}, {"X-Request-Id": f"s{i}"}))
+        for i, p in enumerate(PROMPTS[:3])
+    ]
 
-        async def whole() -> tuple[int, dict]:
-            async with aiohttp.ClientSession() as s:
-                async with s.post(
-                    f"{api.url}/v1/completions",
-                    json={**body, "prompt": PROMPTS[3]},
-                    headers={"X-Request-Id": "w"},
-                ) as r:
-                    return r.status, await r.json()
+    async def whole() -> tuple[int, dict]:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(
+                f"{api.url}/v1/completions",
+                json={**body, "prompt": PROMPTS[3]},
+                headers={"X-Request-Id": "w"},
+            ) as r:
+                return r.status, await r.json()
 
-        unary = asyncio.create_task(whole())
-        await wait_for(lambda: all(eng.node.sched.knows(r) for r in ("s0", "s1", "s2", "w")), what="admitted")
-        await wait_for(lambda: eng.node.steps > 5, what="decoding")
-        admin.flushall()
-        t0 = asyncio.get_running_loop().time()
-        results = await asyncio.wait_for(asyncio.gather(*streams), 30)
-        status, answer = await asyncio.wait_for(unary, 30)
-        waited = asyncio.get_running_loop().time() - t0
-        for result in results:
-            assert result["status"] == 200 and result["done"]  # an error event, then [DONE]
-            assert [e["code"] for e in result["errors"]] == ["story_lost"]
-            assert "disappeared" in result["errors"][0]["message"]
-            assert result["finish_reason"] is None
-        assert status == 503 and answer["error"]["code"] == "story_lost"
-        assert waited < 15  # (documented: within about 5 s of the loss)
-        await all_blocks_free(eng.node, timeout=10)  # their owner keys went: dropped, blocks back
-        again = await stream_completion(api.url, {**body, "prompt": "x", "max_tokens": 5})
-        assert again["done"] and again["finish_reason"] == "length" and not again["errors"]
-        assert not eng.task.done()
-    finally:
-        if api is not None:
-            await api.stop()
-        await engines.stop_all()
-        admin.close()
-        redis.stop()
+    unary = asyncio.create_task(whole())
+    await wait_for(lambda: all(eng.node.sched.knows(r) for r in ("s0", "s1", "s2", "w")), what="admitted")
+    await wait_for(lambda: eng.node.steps > 5, what="decoding")
+    admin.flushall()
+    t0 = asyncio.get_running_loop().time()
+    results = await asyncio.wait_for(asyncio.gather(*streams), 30)
+    status, answer = await asyncio.wait_for(unary, 30)
+    waited = asyncio.get_running_loop().time() - t0
+    for result in results:
+        assert result["status"] == 200 and result["done"]  # an error event, then [DONE]
+        assert [e["code"] for e in result["errors"]] == ["story_lost"]
+        assert "disappeared" in result["errors"][0]["message"]
+        assert result["finish_reason"] is None
+    assert status == 503 and answer["error"]["code"] == "story_lost"
+    assert waited < 15  # (documented: within about 5 s of the loss)
+    await all_blocks_free(eng.node, timeout=10)  # their owner keys went: dropped, blocks back
+    again = await stream_completion(api.url, {**body, "prompt": "x", "max_tokens": 5})
+    assert again["done"] and again["finish_reason"] == "length" and not again["errors"]
+    assert not eng.task.done()
 
 
 async def test_the_mux_ends_a_lost_story_only_once_it_is_known_to_have_been_written(bus, keys):
@@ -209,54 +208,33 @@ async def test_the_mux_ends_a_lost_story_only_once_it_is_known_to_have_been_writ
         await mux.stop()
 
 
-async def test_a_hang_up_while_redis_refuses_writes_still_aborts_its_request(
-    tmp_path, keys, tiny_model_dir, tiny_runner, tiny_tokenizer
-):
+async def test_a_hang_up_while_redis_refuses_writes_still_aborts_its_request(deploy):
     """The disconnect's abort meets OOM: the API sends it again until Redis takes writes,
     and the request ends as a disconnect abort, not after all its tokens."""
-    redis = OwnRedis(str(tmp_path))
-    redis.start()
-    admin = sync_redis.Redis(port=redis.port)
-    engines = Engines(redis.url, keys, tiny_model_dir, tiny_runner, tiny_tokenizer)
-    bus = Bus(connect(redis.url), keys)
-    api = None
-    try:
-        eng = await engines.start("E", delay=0.03)
-        api = await start_api(
-            lambda: connect(redis.url),
-            keys,
-            ApiOptions(model_dir=str(tiny_model_dir)),
-            tokenizer=tiny_tokenizer,
-        )
-        body = {
-            "model": api.cfg.model_name,
-            "prompt": PROMPTS[0],
-            "max_tokens": 1000,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-        }
-        async with aiohttp.ClientSession() as s:
-            resp = await s.post(f"{api.url}/v1/completions", json=body, headers={"X-Request-Id": "gone"})
-            assert resp.status == 200
-            await resp.content.readline()  # streaming
-            _refuse(admin, "oom")
-            await wait_for(lambda: eng.node.link.outage is not None, what="the engine to meet OOM")
-            resp.close()  # the client hangs up while no abort can be written
-        await asyncio.sleep(1.0)
-        _accept(admin, "oom")
-        evs = await story(bus, "gone", timeout=30)
-        assert evs[-1].finish_reason == "abort"
-        assert [e.source for e in evs if e.TYPE == "abort_requested"] == ["disconnect"]
-        assert len(tokens_of(evs)) < 1000
-        await all_blocks_free(eng.node)
-    finally:
-        if api is not None:
-            await api.stop()
-        await engines.stop_all()
-        await bus.redis.aclose()
-        admin.close()
-        redis.stop()
+    d = await deploy(0.03)
+    eng, api, admin, bus = d.eng, d.api, d.admin, d.bus
+    body = {
+        "model": api.cfg.model_name,
+        "prompt": PROMPTS[0],
+        "max_tokens": 1000,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    async with aiohttp.ClientSession() as s:
+        resp = await s.post(f"{api.url}/v1/completions", json=body, headers={"X-Request-Id": "gone"})
+        assert resp.status == 200
+        await resp.content.readline()  # streaming
+        _refuse(admin, "oom")
+        await wait_for(lambda: eng.node.link.outage is not None, what="the engine to meet OOM")
+        resp.close()  # the client hangs up while no abort can be written
+    await asyncio.sleep(1.0)
+    _accept(admin, "oom")
+    evs = await story(bus, "gone", timeout=30)
+    assert evs[-1].finish_reason == "abort"
+    assert [e.source for e in evs if e.TYPE == "abort_requested"] == ["disconnect"]
+    assert len(tokens_of(evs)) < 1000
+    await all_blocks_free(eng.node)
 
 
 async def test_a_reply_about_one_requests_key_ends_only_that_request(
@@ -284,42 +262,23 @@ async def test_a_reply_about_one_requests_key_ends_only_that_request(
     assert "WRONGTYPE" in caplog.text
 
 
-async def test_scripts_flushed_mid_stream_are_loaded_again(
-    tmp_path, keys, tiny_model_dir, tiny_runner, tiny_tokenizer
-):
+async def test_scripts_flushed_mid_stream_are_loaded_again(deploy, tiny_runner, tiny_tokenizer):
     """``SCRIPT FLUSH`` (what a restart does to the script cache): the fence's and the story
     start's next calls meet NOSCRIPT, load their script again and go on."""
-    redis = OwnRedis(str(tmp_path))
-    redis.start()
-    admin = sync_redis.Redis(port=redis.port)
-    engines = Engines(redis.url, keys, tiny_model_dir, tiny_runner, tiny_tokenizer)
-    api = None
-    try:
-        eng = await engines.start("E", delay=0.02)
-        api = await start_api(
-            lambda: connect(redis.url),
-            keys,
-            ApiOptions(model_dir=str(tiny_model_dir)),
-            tokenizer=tiny_tokenizer,
-        )
-        params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
-        (ref,) = LLM(tiny_runner, tiny_tokenizer).generate([tiny_tokenizer.encode(PROMPTS[0])], params)
-        body = {"model": api.cfg.model_name, "max_tokens": 60, "temperature": 0, "ignore_eos": True}
-        client = asyncio.create_task(stream_completion(api.url, {**body, "prompt": PROMPTS[0]}))
-        await wait_for(lambda: eng.node.steps > 5, what="decoding")
-        admin.script_flush()
-        result = await asyncio.wait_for(client, 30)
-        assert result["done"] and not result["errors"] and result["text"] == ref.text
-        admin.script_flush()
-        again = await stream_completion(api.url, {**body, "prompt": "x", "max_tokens": 5})
-        assert again["status"] == 200 and again["done"] and again["finish_reason"] == "length"
-        assert not eng.task.done()
-    finally:
-        if api is not None:
-            await api.stop()
-        await engines.stop_all()
-        admin.close()
-        redis.stop()
+    d = await deploy(0.02)
+    eng, api, admin = d.eng, d.api, d.admin
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    (ref,) = LLM(tiny_runner, tiny_tokenizer).generate([tiny_tokenizer.encode(PROMPTS[0])], params)
+    body = {"model": api.cfg.model_name, "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+    client = asyncio.create_task(stream_completion(api.url, {**body, "prompt": PROMPTS[0]}))
+    await wait_for(lambda: eng.node.steps > 5, what="decoding")
+    admin.script_flush()
+    result = await asyncio.wait_for(client, 30)
+    assert result["done"] and not result["errors"] and result["text"] == ref.text
+    admin.script_flush()
+    again = await stream_completion(api.url, {**body, "prompt": "x", "max_tokens": 5})
+    assert again["status"] == 200 and again["done"] and again["finish_reason"] == "length"
+    assert not eng.task.done()
 
 
 @pytest.mark.parametrize("continuation", ["same", "different", "skipping"])
