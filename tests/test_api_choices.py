@@ -33,7 +33,7 @@ async def test_stream_of_three_choices(real_bus):
     async with setup(real_bus, FakeEngine(real_bus)) as client:
         resp = await client.post(
             "/v1/chat/completions",
-            headers={"X-Request-Id": "n3"},
+            headers={"X-Request-Id": "n3", "X-Event-Ids": "1"},
             json={**CHAT_BODY, "n": 3, "seed": 7, "stream": True, "stream_options": {"include_usage": True}},
         )
         assert resp.status == 200
@@ -84,7 +84,7 @@ async def test_replay_and_resume_from_any_frame(real_bus):
     async with setup(real_bus, FakeEngine(real_bus)) as client:
         resp = await client.post(
             "/v1/completions",
-            headers={"X-Request-Id": "rc"},
+            headers={"X-Request-Id": "rc", "X-Event-Ids": "1"},
             json={
                 "model": "tiny",
                 "prompt": "hey",

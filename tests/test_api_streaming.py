@@ -125,6 +125,9 @@ async def setup(bus, engine: FakeEngine | None = None, metrics: Metrics | None =
             await task
 
 
+EVENT_IDS = {"X-Event-Ids": "1"}  # (a client that will resume asks for the frames' ids)
+
+
 def parse_sse(raw: bytes) -> list[tuple[str | None, str]]:
     """(id, data) of each event; comments dropped."""
     out = []
@@ -252,7 +255,7 @@ async def test_chat_stream_sse_format(bus):
         assert events[-1] == (None, "[DONE]")
         chunks = [orjson.loads(d) for _, d in events[:-1]]
         ids = [eid for eid, _ in events[:-1]]
-        assert all(ids) and all(c["id"] == "s1" for c in chunks)
+        assert not any(ids) and all(c["id"] == "s1" for c in chunks)  # data: lines only, as OpenAI
         assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
         text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
         assert text == "Hello, world!"
@@ -263,10 +266,13 @@ async def test_chat_stream_sse_format(bus):
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
         assert all(c["usage"] is None for c in chunks[:-1])
         assert all(c["object"] == "chat.completion.chunk" for c in chunks)
-        # ids are the stream's entry ids, in order
+        # asked for, ids are the stream's entry ids, in order
+        again = parse_sse(await (await client.get("/v1/requests/s1/stream", headers=EVENT_IDS)).read())
+        ids = [eid for eid, _ in again[:-1]]
         entry_ids = [eid.decode() for eid, _ in await bus.redis.xrange(bus.keys.req("s1"))]
-        assert set(ids) <= set(entry_ids)
+        assert all(ids) and set(ids) <= set(entry_ids)
         assert ids == sorted(ids, key=lambda i: tuple(map(int, i.split("-"))))
+        assert [d for _, d in again] == [d for _, d in events]
 
 
 async def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(real_bus):
@@ -346,11 +352,11 @@ async def test_replay_and_resume_exactly(real_bus):
     async with setup(real_bus, FakeEngine(real_bus)) as client:
         resp = await client.post(
             "/v1/chat/completions",
-            headers={"X-Request-Id": "r1"},
+            headers={"X-Request-Id": "r1", "X-Event-Ids": "1"},  # (ids to resume from)
             json={**CHAT_BODY, "stream": True, "stream_options": {"include_usage": True}},
         )
         original = parse_sse(await resp.read())
-        replay = parse_sse(await (await client.get("/v1/requests/r1/stream")).read())
+        replay = parse_sse(await (await client.get("/v1/requests/r1/stream", headers=EVENT_IDS)).read())
         assert replay == original
 
         def key(eid):

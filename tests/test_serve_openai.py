@@ -199,7 +199,7 @@ async def test_two_replicas_two_engines_resume_from_any_replica(
             }
             # replica A: read a few events, then go away
             async with http.post(
-                f"{a.url}/v1/completions", json=body, headers={"X-Request-Id": "resume-1"}
+                f"{a.url}/v1/completions", json=body, headers={"X-Request-Id": "resume-1", "X-Event-Ids": "1"}
             ) as resp:
                 assert resp.status == 200 and resp.headers["X-Request-Id"] == "resume-1"
                 seen = []
@@ -212,7 +212,7 @@ async def test_two_replicas_two_engines_resume_from_any_replica(
                         if len(seen) == 5:
                             break
             # replica B: the whole story from the start
-            async with http.get(f"{b.url}/v1/requests/resume-1/stream") as resp:
+            async with http.get(f"{b.url}/v1/requests/resume-1/stream", headers={"X-Event-Ids": "1"}) as resp:
                 assert resp.status == 200
                 full = await _sse_events(resp)
             assert full[-1][1] == "[DONE]"

@@ -34,8 +34,10 @@ def frame(data: Any, event_id: bytes | str | None = None, event: str | None = No
     return head + body + b"\n"
 
 
-def json_frame(payload: bytes, event_id: bytes | str) -> bytes:
+def json_frame(payload: bytes, event_id: bytes | str | None) -> bytes:
     """:func:`frame` of an already serialised JSON value (one line: JSON has no raw newline)."""
+    if event_id is None:
+        return b"data: " + payload + b"\n\n"
     eid = event_id if isinstance(event_id, bytes) else event_id.encode()
     return b"id: " + _one_line(eid) + b"\ndata: " + payload + b"\n\n"
 

@@ -112,6 +112,23 @@ async def merged(subs: list) -> AsyncIterator[list[tuple[int, bytes, Any]] | Non
             yield None
 
 
+#: The request header by which a client of a generating POST asks for ``id:`` lines (any value
+#: but "0" or "false"): what it resumes from with ``Last-Event-ID``.
+EVENT_IDS_HEADER = "X-Event-Ids"
+
+
+def with_event_ids(request: web.Request) -> bool:
+    """Whether a stream's frames carry ``id:`` lines. OpenAI's streams are ``data:`` lines only,
+    and clients that strip a leading ``data: `` from each event and parse the rest (vLLM's
+    benchmark client) fail on anything else; so a stream carries ids only when its client asks
+    (:data:`EVENT_IDS_HEADER`), or resumes from one (``Last-Event-ID``, ``?last_event_id=``),
+    and the same request's stream and its replay are the same bytes."""
+    if "Last-Event-ID" in request.headers or "last_event_id" in request.query:
+        return True
+    flag = request.headers.get(EVENT_IDS_HEADER, "")
+    return bool(flag) and flag.strip().lower() not in ("0", "false", "no")
+
+
 class Streams:
     """SSE answers over one replica's mux: a request's events live, its story replayed, or
     the story and then the rest live. A response of n choices that fails stops its other
@@ -185,9 +202,10 @@ class Streams:
         await resp.prepare(request)
         watch = watch_of(request)
         write = self._write_choice_events if isinstance(renderer, Choices) else self._write_events
+        ids = with_event_ids(request)
         async with contextlib.aclosing(events):
             try:
-                await write(resp, events, renderer, timing, skip_until, watch)
+                await write(resp, events, renderer, timing, skip_until, watch, ids)
             except StoryLost as e:  # (nothing left to abort: the stream ends with why)
                 watch.finished = True
                 error = story_lost(str(e)).body()
@@ -196,7 +214,9 @@ class Streams:
         await resp.write_eof()
         return resp
 
-    async def _write_choice_events(self, resp, events, choices: Choices, timing, skip_until, watch) -> None:
+    async def _write_choice_events(
+        self, resp, events, choices: Choices, timing, skip_until, watch, ids: bool
+    ) -> None:
         """:meth:`_write_events` for a response of n choices. A frame's ``id:`` is where every
         choice's stream stands (``choices_cursor``), so ``Last-Event-ID`` resumes them all."""
         n = len(choices.parts)
@@ -213,7 +233,7 @@ class Streams:
                 payload, chunks = render(ev, choices.choice(k), None if timing is None else timing[k])
                 failed = isinstance(ev, Final) and ev.finish_reason == "error"
                 if (payload is not None or chunks) and entry_id_key(eid) > skip[k]:
-                    cid = choices_cursor(cursor)
+                    cid = choices_cursor(cursor) if ids else None
                     out += (
                         [sse.json_frame(payload, cid)]
                         if payload is not None
@@ -232,7 +252,7 @@ class Streams:
                 return
         await resp.write(sse.frame(unavailable("The request's stream ended without a final event.").body()))
 
-    async def _write_events(self, resp, events, renderer, timing, skip_until, watch) -> None:
+    async def _write_events(self, resp, events, renderer, timing, skip_until, watch, ids: bool) -> None:
         """Write each batch of events as one ``write``: the bytes are exactly those of one
         write per event, in order; only the number of sends (and wake-ups) shrinks. (A
         renderer with ``named_events``, the Responses API's, names each frame's event type and
@@ -249,12 +269,13 @@ class Streams:
                 if isinstance(ev, Final):
                     watch.finished = done = True
                 if (payload is not None or chunks) and (skip_until is None or entry_id_key(eid) > skip_until):
+                    fid = eid if ids else None
                     if payload is not None:
-                        out.append(sse.json_frame(payload, eid))
+                        out.append(sse.json_frame(payload, fid))
                     elif named:
-                        out += [sse.frame(c, eid, c["type"]) for c in chunks]
+                        out += [sse.frame(c, fid, c["type"]) for c in chunks]
                     else:
-                        out += [sse.frame(c, eid) for c in chunks]
+                        out += [sse.frame(c, fid) for c in chunks]
                 if done:
                     if not named:
                         out.append(sse.DONE)
