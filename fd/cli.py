@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="fd",
         description="fd: an OpenAI-compatible LLM server whose control plane is an event log on Redis Streams.",
     )
+    p.add_argument("--version", action="version", version=f"fd {_version()}")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     s = sub.add_parser("serve", help="API + engine + embedded control plane in one process")
@@ -184,8 +185,20 @@ def _loop_factory():
     return uvloop.new_event_loop
 
 
+def _version() -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("fd")
+    except importlib.metadata.PackageNotFoundError:  # (run from a tree that is not installed)
+        return "unknown"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:  # (`fd` alone: what it can do, not an error)
+        build_parser().print_help()
+        return 0
     # replay and export parse their own flags (engine.replay owns them)
     if argv[:1] == ["replay"]:
         from engine.replay import main as replay_main

@@ -495,3 +495,11 @@ async def test_fd_serve_api_server_count_spreads_connections_over_api_processes(
         assert code == 0, out
         for pid in apis:  # none outlives fd serve
             assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+
+
+def test_fd_alone_prints_its_help_and_fd_version_its_version():
+    alone = _fd()
+    assert alone.returncode == 0 and "usage: fd" in alone.stdout and "serve" in alone.stdout
+    assert not alone.stderr.strip()
+    version = _fd("--version")
+    assert version.returncode == 0 and version.stdout.startswith("fd ")
