@@ -349,7 +349,11 @@ def main(argv: list[str] | None = None, bus_factory=None) -> int:
         )
         groups = {args.engine: entries} if entries else {}
     else:
-        groups = by_engine(load_journal_jsonl(args.file))
+        try:
+            groups = by_engine(load_journal_jsonl(args.file))
+        except OSError as e:  # (a path that is not there: one line, not a traceback)
+            print(f"error: cannot read {args.file}: {e.strerror or e}", file=sys.stderr)
+            return 2
     if not groups:
         print("no journal entries found", file=sys.stderr)
         return 2

@@ -503,3 +503,9 @@ def test_fd_alone_prints_its_help_and_fd_version_its_version():
     assert not alone.stderr.strip()
     version = _fd("--version")
     assert version.returncode == 0 and version.stdout.startswith("fd ")
+
+
+def test_fd_replay_of_a_missing_file_says_so_in_one_line(tmp_path):
+    r = _fd("replay", str(tmp_path / "nowhere.jsonl"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == f"error: cannot read {tmp_path / 'nowhere.jsonl'}: No such file or directory"
