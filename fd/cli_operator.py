@@ -11,7 +11,7 @@ from typing import Any
 import orjson
 
 from control.keys import GROUP_ENGINES, Keys
-from fd.cli_args import need_url
+from fd.local_serve import LocalServe
 
 
 def _lora_status(heartbeat: dict) -> str:
@@ -28,6 +28,17 @@ def _print_json_or(args: argparse.Namespace, obj: Any, text: str) -> None:
         sys.stdout.write(orjson.dumps(obj, option=orjson.OPT_INDENT_2).decode() + "\n")
     else:
         print(text)
+
+
+def need_url(args: argparse.Namespace) -> str:
+    """``--redis-url`` (or ``FD_REDIS_URL``), else a local ``fd serve``'s (fd.local_serve)."""
+    url = args.redis_url or LocalServe(args.prefix).redis_url()
+    if not url:
+        raise SystemExit(
+            "error: --redis-url (or FD_REDIS_URL) is required for this command: no fd serve with "
+            f"key prefix {args.prefix!r} is running on this machine"
+        )
+    return url
 
 
 async def cmd_abort(args: argparse.Namespace) -> int:

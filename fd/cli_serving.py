@@ -20,6 +20,7 @@ from pathlib import Path
 from control.keys import Keys
 from fd.cli_args import api_keys, lora_modules, need_url
 from fd.cli_models import resolve_model
+from fd.local_serve import LocalServe
 
 log = logging.getLogger("fd.cli")
 
@@ -232,13 +233,22 @@ async def cmd_serve(args: argparse.Namespace) -> int:
     embedded, engine, api = await _start_serving(args)
     _tune_gc()
     print(f"fd serving {api.cfg.model_name} on {api.url}/v1", flush=True)
+    local = None
     if embedded is not None:
+        url = f"redis://127.0.0.1:{embedded.port}"
         print(
             f"embedded control plane: redis-cli -p {embedded.port}   (key prefix {args.prefix}:)", flush=True
         )
+        print(f"FD_REDIS_URL={url}   (fd status, fd trace and fd abort on this machine find it)", flush=True)
+        local = LocalServe(args.prefix)
+        local.write(url, api.url)
     else:
         print(f"control plane: {args.redis_url}", flush=True)
-    await _wait_for_signal(engine.task)
+    try:
+        await _wait_for_signal(engine.task)
+    finally:
+        if local is not None:
+            local.remove()
     failed = engine.task.done() and not engine.task.cancelled() and engine.task.exception() is not None
     # With its one engine gone, nothing will finish the requests still streaming: close them
     # after a moment instead of aiohttp's minute of waiting, and say so in the exit code.

@@ -215,11 +215,16 @@ async def test_fd_serve_embedded_as_a_new_user(tmp_path):
     plane answers redis-cli, Ctrl-C exits cleanly. (`fd serve` with no --model at all serves
     the real default model: tests/test_real_model.py.)"""
     port, rport = free_port(), free_port()
-    env = {**os.environ, "FD_CACHE_DIR": str(tmp_path / "cache")}
+    env = {**os.environ, "FD_CACHE_DIR": str(tmp_path / "cache"), "FD_RUNTIME_DIR": str(tmp_path / "run")}
+    env.pop("FD_REDIS_URL", None)
     serve = _spawn("serve", "--model", "tiny", "--port", str(port), "--embedded-port", str(rport), env=env)
     base = f"http://127.0.0.1:{port}"
     try:
         await _wait_healthy(base, [serve], timeout=90)
+        # the operator's commands on this machine find it with no URL
+        status = _fd("status", env=env)
+        assert status.returncode == 0, status.stderr
+        assert "engine" in status.stdout.lower(), status.stdout
         ping = subprocess.run(
             [_redis_cli(), "-p", str(rport), "PING"], capture_output=True, text=True, timeout=10
         )
@@ -265,6 +270,10 @@ async def test_fd_serve_embedded_as_a_new_user(tmp_path):
         code, out = _stop(serve, signal.SIGINT)
     assert code == 0, out
     assert "embedded control plane: redis-cli -p" in out
+    assert f"FD_REDIS_URL=redis://127.0.0.1:{rport}" in out
+    gone = _fd("status", env=env)  # (its record went with it)
+    assert gone.returncode != 0 and "no fd serve with key prefix 'fd' is running" in gone.stderr
+    assert not list((tmp_path / "run").glob("*.json"))
 
 
 def _children(pid: int, marker: bytes) -> list[int]:
