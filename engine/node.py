@@ -579,13 +579,12 @@ class EngineNode:
         its tombstone and is never claimed and prefilled. The cursor after them."""
         while True:
             before = cursor
-            read = functools.partial(self.control_bus.read_control, cursor, None)
-            cursor, events = await self.link.retry("control read", read)
-            for entry_id, ev in events:
-                try:
-                    await self._on_control(ev, entry_id)
-                except RETRYABLE as e:  # (a refusal of its command: the next event)
-                    self.link.failed("control event", e)
+            try:
+                read = functools.partial(self.control_bus.read_control, cursor, None)
+                cursor, events = await self.link.retry("control read", read)
+            except RETRYABLE:  # (a refusal, logged: the control loop reads on from here)
+                break
+            await self._apply_control(events)
             if cursor == before:
                 break
         await self._flush()
@@ -606,16 +605,19 @@ class EngineNode:
                 await asyncio.sleep(0.5)
                 continue
             try:
-                for entry_id, ev in events:
-                    try:
-                        await self._on_control(ev, entry_id)
-                    except RETRYABLE as e:  # (a refusal of its command: the next event)
-                        self.link.failed("control event", e)
+                await self._apply_control(events)
                 if events:
                     await self._flush()
                     self._wake.set()
             except Stopped:
                 return
+
+    async def _apply_control(self, events: list[tuple[bytes, Event]]) -> None:
+        for entry_id, ev in events:
+            try:
+                await self._on_control(ev, entry_id)
+            except RETRYABLE as e:  # (a refusal of its command: the next event)
+                self.link.failed("control event", e)
 
     async def _on_control(self, ev: Event, entry_id: bytes | None = None) -> None:
         if isinstance(ev, Abort):
