@@ -164,7 +164,7 @@ class Aborts:
         for i in range(0, len(unknown), TOMBSTONE_BATCH):
             batch = unknown[i : i + TOMBSTONE_BATCH]
             results += await self.link.retry(
-                "abort", lambda: self.bus.tombstone_many(batch, source, self.tombstone_ttl_s)
+                "abort", lambda batch=batch: self.bus.tombstone_many(batch, source, self.tombstone_ttl_s)
             )
             await asyncio.sleep(0)  # an in-process Redis runs each batch on this loop: let others in
         choices: list[str] = []

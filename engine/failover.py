@@ -218,13 +218,15 @@ async def hand_back(
         key = bus.keys.owner(rid)
         # The owner key goes before the request is re-queued: a claimer must find it free.
         released = await link.retry(
-            "hand back", lambda: cas_owner(bus.redis, key, token, None, bus.req_ttl_s)
+            "hand back", lambda key=key, token=token: cas_owner(bus.redis, key, token, None, bus.req_ttl_s)
         )
         if not released:
             continue  # no longer ours (taken over meanwhile): nothing to hand back
         await link.retry(
             "hand back",
-            lambda: bus.publish_many([(bus.keys.requests, replace(req, resume=True, ts=0))], ack=[entry]),
+            lambda req=req, entry=entry: bus.publish_many(
+                [(bus.keys.requests, replace(req, resume=True, ts=0))], ack=[entry]
+            ),
         )
         n += 1
         log.info("handed back", extra={"request_id": rid, "engine": engine_id})

@@ -189,7 +189,7 @@ async def test_chaos(redis_server, real_bus, keys, tiny_model_dir, tiny_runner, 
         for rid, kind, prompt, max_tokens, _, guided in plan:
             evs = [e for _, e in await real_bus.read_req(rid)]
             if kind == "disconnect" and "final" not in types(evs):
-                await wait_for(lambda: _has_final(real_bus, rid), 20, f"final of {rid}")
+                await wait_for(lambda rid=rid: _has_final(real_bus, rid), 20, f"final of {rid}")
                 evs = [e for _, e in await real_bus.read_req(rid)]
             t = types(evs)
             assert t.count("final") == 1 and t[-1] == "final", (rid, kind, t)
@@ -526,7 +526,7 @@ async def test_chaos_with_outside_faults(tmp_path, keys, tiny_model_dir, tiny_ru
                 # the fault comes once a seeded number of this segment's requests has begun
                 k = rnd.randint(1, len(seg) // 2)
                 await wait_for(
-                    lambda: sum(p[0] in log or p[0] in hand for p in seg) >= k,
+                    lambda seg=seg, k=k: sum(p[0] in log or p[0] in hand for p in seg) >= k,
                     60,
                     f"{k} requests of segment {s_i} begun",
                 )
@@ -597,7 +597,7 @@ async def test_chaos_with_outside_faults(tmp_path, keys, tiny_model_dir, tiny_ru
                     continue
             evs = await story_of(rid)
             if "final" not in types(evs):
-                await wait_for(lambda: _has_final(bus, rid), 30, f"final of {rid}")
+                await wait_for(lambda rid=rid: _has_final(bus, rid), 30, f"final of {rid}")
                 evs = await story_of(rid)
             t = types(evs)
             assert t.count("final") == 1 and t[-1] == "final", (rid, kind, t)
@@ -837,7 +837,7 @@ async def test_chaos_of_redis_itself(tmp_path, keys, tiny_model_dir, tiny_runner
                     n += 1
                 if s_i < len(faults):
                     await wait_for(
-                        lambda: (
+                        lambda seg=seg: (
                             sum(
                                 r in log and (log[r]["text"] != "" or log[r]["t1"] is not None)
                                 for r, _, _ in seg

@@ -45,7 +45,9 @@ async def test_frames_come_out_in_order_however_the_bytes_are_split():
     for _ in range(50):
         wire = head + _chunked(body, [rng.randint(1, 9) for _ in range(40)])
         seen: list = []
-        ex = _Exchange(b"POST / HTTP/1.1\r\n\r\n", lambda i, d: seen.append((i, d)) or d == b"[DONE]")
+        ex = _Exchange(
+            b"POST / HTTP/1.1\r\n\r\n", lambda i, d, seen=seen: seen.append((i, d)) or d == b"[DONE]"
+        )
         tr = _Transport()
         ex.connection_made(tr)
         at = 0
