@@ -4,7 +4,9 @@ Each :class:`Metrics` owns its registry rather than using prometheus_client's gl
 tests and several apps in one process do not collide on metric names. In ``fd serve`` the
 engine and the API share one instance: the engine sets the KV and queue gauges itself (and
 says so with :attr:`Metrics.engine_in_process`); in a split deployment the API fills them from
-the engines' heartbeat hashes at scrape time (:meth:`Metrics.set_engine_gauges_from`).
+the engines' heartbeat hashes at scrape time (:meth:`Metrics.set_engine_gauges_from`). Beside
+fd's ``fd_*`` names, :attr:`Metrics.vllm` exports vLLM's ``vllm:*`` ones from the same
+measurements (control/vllm_metrics.py; docs/metrics.md lists both).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from typing import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from control.vllm_metrics import VllmMetrics
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -210,6 +214,8 @@ class Metrics:
         self.dead_letters_total = _track(
             r, Counter, "fd_dead_letters_total", "Events that did not decode and went to P:dead."
         )
+        # vLLM's names for the same measurements (control/vllm_metrics.py), after fd's own
+        self.vllm = VllmMetrics()
         #: Set by an engine that shares this object and keeps the engine gauges current itself.
         self.engine_in_process = False
 
@@ -229,6 +235,16 @@ class Metrics:
         self.num_requests_waiting.set(waiting)
         self.prefix_cache_queries.set(cache_queries)
         self.prefix_cache_hits.set(cache_hits)
+        self.vllm.set_engines(
+            {
+                "blocks_total": blocks_total,
+                "blocks_free": blocks_free,
+                "running": running,
+                "waiting": waiting,
+                "cache_queries": cache_queries,
+                "cache_hits": cache_hits,
+            }
+        )
 
     def set_engine_gauges_from(self, engines: Mapping[str, Mapping[str, str]]) -> None:
         """Sum the gauges over the live engines' heartbeat hashes (missing/garbled fields: 0)."""
@@ -241,9 +257,10 @@ class Metrics:
                     pass
         for name, attr in HEARTBEAT_GAUGES.items():
             getattr(self, attr).set(sums[name])
+        self.vllm.set_engines(sums)
 
     def render(self) -> bytes:
         """The exposition text; a metric that did not change since the last render is not
         rendered again (a poller reading every few ms costs a join, not prometheus_client's
         walk over every bucket of every histogram)."""
-        return b"".join(family.text() for family in self._families)
+        return b"".join(family.text() for family in self._families) + self.vllm.text()

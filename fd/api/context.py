@@ -109,6 +109,7 @@ class ApiContext:
         self.tokenizer = tokenizer
         self.token_bytes = tokenizer.id_to_bytes  # what a token is, for log-probabilities
         self.metrics = metrics
+        metrics.vllm.configure(cfg.model_name, cfg.max_model_len)  # (vLLM's labels and buckets)
         self.limits = Limits(
             model_name=cfg.model_name,
             max_model_len=cfg.max_model_len,

@@ -63,6 +63,7 @@ class ServingAborts:
         # (every engine reads every abort; exactly one owns the request).
         # their finals go unseen by this replica (a response of n choices: n requests)
         self.ctx.metrics.requests_total.labels("abort").inc(len(request_ids))
+        self.ctx.metrics.vllm.finished("abort", len(request_ids))
 
     async def abort_requests(self, request: web.Request) -> web.Response:
         """Publish one abort and answer at once (``?wait=S``: the old synchronous answer)."""

@@ -115,6 +115,7 @@ class ServingEmbeddings:
             for k, (c, ids_) in enumerate(zip(ids, req.inputs))
         ]
         subs = [await ctx.mux.subscribe(c, b"0") for c in ids]  # before submit: nothing missed
+        timing: list[Timing] = []
         try:
             watch.request_id = rid  # from here on a disconnect aborts them
             if many:
@@ -128,10 +129,13 @@ class ServingEmbeddings:
                 await ctx.bus.submit(*requests[0])
             for sub in subs:
                 sub.story_started()
-            vectors = await self._collect(ids, subs, [Timing(ctx.metrics, arrival) for _ in ids])
+            timing = [Timing(ctx.metrics, arrival, len(x)) for x in req.inputs]
+            vectors = await self._collect(ids, subs, timing)
             watch.finished = True
             return shown, created, parsed, vectors
         finally:
+            for t in timing:
+                t.close()
             for sub in subs:
                 await sub.close()
 

@@ -16,7 +16,7 @@ from typing import Any
 from aiohttp import web
 
 from control.bus import entry_id_key
-from control.events import Accepted, Final, Request, RequestData, Tokens
+from control.events import Accepted, Claimed, Final, Preempted, Request, RequestData, Tokens
 from control.keys import choice_ids
 from fd.api import bodies, protocol, rendering
 from fd.api.cancellation import watch_of
@@ -70,6 +70,7 @@ class ServingGenerate:
         await ctx.know_adapters(body)
         gen: protocol.GenerationRequest = parse(body, ctx.limits, ctx.tokenizer)
         ctx.say_ignored(body.ignored(), rid)
+        ctx.metrics.vllm.incoming(gen.model)
         if gen.n > 1 or gen.prompts:
             return await self._generate_choices(request, rid, explicit, endpoint, gen, arrival)
         if explicit:
@@ -81,6 +82,7 @@ class ServingGenerate:
         if keep is not None:
             await ctx.bus.save_conversation(rid, keep)
         sub = await ctx.mux.subscribe(rid, b"0")  # before submit: nothing can be missed
+        timing: Timing | None = None
         try:
             watch.request_id = rid  # from here on a disconnect aborts it
             await ctx.bus.submit(
@@ -122,7 +124,7 @@ class ServingGenerate:
                 gen.include_usage,
                 gen.continuous_usage,
             )
-            timing = Timing(ctx.metrics, arrival)
+            timing = Timing(ctx.metrics, arrival, len(gen.prompt_token_ids), gen.sampling.max_tokens)
             if gen.stream:
                 return await self.streams.stream(request, shown, events(sub), renderer, timing)
             if gen.background and isinstance(renderer, ResponsesRenderer):
@@ -131,6 +133,8 @@ class ServingGenerate:
                 return json_response(renderer.queued(), headers={"X-Request-Id": shown})
             return await self._collect(shown, sub, renderer, timing, watch)
         finally:
+            if timing is not None:
+                timing.close()
             await sub.close()
 
     async def _generate_choices(
@@ -167,6 +171,7 @@ class ServingGenerate:
             **gen.rendering(),
         )
         subs = [await ctx.mux.subscribe(c, b"0") for c in ids]  # before submit: nothing missed
+        timing: list[Timing] = []
         try:
             watch.request_id, watch.abort_ids = rid, ids  # from here on a disconnect aborts them
             items = [
@@ -214,13 +219,18 @@ class ServingGenerate:
                 gen.n,
                 request_ids=ids,
             )
-            timing = [Timing(ctx.metrics, arrival) for _ in ids]  # latencies are each choice's
+            timing = [  # latencies are each choice's; vLLM's n, each response's once
+                Timing(ctx.metrics, arrival, len(prompt), sp.max_tokens, gen.n if k % gen.n == 0 else 0)
+                for k, (prompt, sp) in enumerate(plan)
+            ]
             if gen.stream:
                 resp = await self.streams.stream(request, shown, merged(subs), choices, timing)
             else:
                 resp = await self._collect_choices(shown, subs, choices, timing, watch)
             return resp
         finally:
+            for t in timing:
+                t.close()
             for sub in subs:
                 await sub.close()
 
@@ -237,6 +247,8 @@ class ServingGenerate:
                         )
                     elif isinstance(ev, Accepted):
                         choices.parts[k].accept(ev)
+                    elif isinstance(ev, (Claimed, Preempted)):
+                        timing[k].engine_event(ev)
                     elif isinstance(ev, Final):
                         timing[k].final(ev)
                         choices.finals[k] = ev
@@ -258,6 +270,8 @@ class ServingGenerate:
                 renderer.add_tokens(ev.text, len(ev.token_ids), ev.token_ids, ev.logprobs, ev.prompt_logprobs)
             elif isinstance(ev, Accepted):
                 renderer.accept(ev)
+            elif isinstance(ev, (Claimed, Preempted)):
+                timing.engine_event(ev)
             elif isinstance(ev, Final):
                 watch.finished = True
                 timing.final(ev)

@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator
 from aiohttp import web
 
 from control.bus import entry_id_key
-from control.events import Accepted, Final, Tokens
+from control.events import Accepted, Claimed, Final, Preempted, Tokens
 from control.metrics import Metrics
 from control.mux import StoryLost
 from fd.api import rendering, sse
@@ -28,17 +28,40 @@ KEEPALIVE_S = 15.0  # an SSE comment this often while nothing happens, so proxie
 
 
 class Timing:
-    """TTFT / ITL / E2E of one live request, measured where the client sees them."""
+    """TTFT / ITL / E2E of one live request, measured where the client sees them, and vLLM's
+    per-request metrics from the same events (control.vllm_metrics.VllmRequest). ``n``: the
+    response's choices, given to one of them (0 for the others, so vLLM's n counts once)."""
 
-    def __init__(self, metrics: Metrics, arrival: float):
+    def __init__(
+        self,
+        metrics: Metrics,
+        arrival: float,
+        prompt_tokens: int = 0,
+        max_tokens: int | None = None,
+        n: int = 1,
+    ):
         self.m = metrics
         self.arrival = arrival
         self.last: float | None = None
+        self.vllm = metrics.vllm.request(arrival, prompt_tokens, max_tokens, n)
+
+    def close(self) -> None:
+        """Its handler is done, with or without the final (a client that hung up, a background
+        response answered at once): it no longer waits in vLLM's waiting count."""
+        self.vllm.close()
+
+    def engine_event(self, ev: Claimed | Preempted) -> None:
+        """An engine claimed the request (its queue time ends) or preempted it."""
+        if isinstance(ev, Claimed):
+            self.vllm.claimed(time.monotonic())
+        elif not ev.handback:  # (a draining engine handing it back is no preemption)
+            self.vllm.preempted()
 
     def tokens(self, n: int) -> None:
         if n <= 0:
             return
         now = time.monotonic()
+        self.vllm.tokens(now, n)
         if self.last is None:
             self.m.time_to_first_token_seconds.observe(now - self.arrival)
             n -= 1
@@ -50,8 +73,10 @@ class Timing:
         self.last = now
 
     def final(self, final: Final) -> None:
-        self.m.e2e_request_latency_seconds.observe(time.monotonic() - self.arrival)
+        now = time.monotonic()
+        self.m.e2e_request_latency_seconds.observe(now - self.arrival)
         self.m.requests_total.labels(final.finish_reason).inc()
+        self.vllm.final(now, final.finish_reason, final.usage)
 
 
 def render(ev: Any, renderer: Any, timing: Timing | None) -> tuple[bytes | None, list[dict]]:
@@ -70,6 +95,8 @@ def render(ev: Any, renderer: Any, timing: Timing | None) -> tuple[bytes | None,
         if timing is not None:
             timing.final(ev)
         return None, renderer.final_chunks(ev)
+    if isinstance(ev, (Claimed, Preempted)) and timing is not None:
+        timing.engine_event(ev)
     return None, []
 
 
