@@ -59,6 +59,7 @@ from control.events import (
     Tokens,
     UnloadLora,
 )
+from control.logs import StatsLine
 from control.tokenizer import served_context
 from engine import failover
 from engine.aborts import Aborts
@@ -98,7 +99,9 @@ class EngineNode:
         tokenizer: Any,
         cfg: EngineConfig,
         metrics: Any = None,
+        stats_interval_s: float = 0.0,
     ):
+        """``stats_interval_s``: log vLLM's throughput line this often while busy (0: never)."""
         # Two clients: the control reader blocks on its own connection, so a blocked XREAD
         # never holds up the step loop's XREADGROUP and XADDs.
         self.bus = bus
@@ -224,6 +227,11 @@ class EngineNode:
         self._orphans = OrphanFinder(bus, self.id, cfg.failover_idle_ms)
         self.steps = 0
         self.step_seconds = 0.0
+        # Tokens the steps folded in so far: prompt tokens computed (a recompute's too) and
+        # tokens sampled, for the throughput line.
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.stats_interval_s = stats_interval_s
         self.handed_back = 0
         self._cursor: bytes | None = None
         self._started_ms = int(time.time() * 1000)
@@ -259,6 +267,8 @@ class EngineNode:
             ),
             asyncio.create_task(self._failover_loop(), name=f"failover-{self.id}"),
         ]
+        if self.stats_interval_s > 0:
+            tasks.append(asyncio.create_task(self._stats_loop(), name=f"stats-{self.id}"))
         if self.cfg.request_timeout_s > 0:
             watch = self.aborts.watch_timeouts(
                 self.cfg.request_timeout_s, self._sleep_while_running, lambda: self._stopping
@@ -517,6 +527,9 @@ class EngineNode:
             if got is not None:  # (a recompute after a preemption scores it again: kept once)
                 for j, e in enumerate(entries):
                     got.setdefault(first + j, e)
+        self.generation_tokens += len(result.sampled)
+        # (a decode feeds one token, the last sampled; what else a step feeds is prompt)
+        self.prompt_tokens += out.num_batched_tokens - sum(1 for ss in out.seqs if ss.num_generated)
         evs = self.sched.update(out, result)
         now = time.monotonic()
         for ev in evs:
@@ -648,6 +661,26 @@ class EngineNode:
     async def _flush(self) -> None:
         """Publish what the loops queued (engine.publisher); every loop flushes through here."""
         await self.publisher.flush()
+
+    async def _stats_loop(self) -> None:
+        """vLLM's throughput line every ``stats_interval_s`` while busy (control.logs.StatsLine)."""
+        line = StatsLine(log)
+        while not self._stopping:
+            await self._sleep_while_running(self.stats_interval_s)
+            if self._stopping:
+                return
+            sched = self.sched
+            total = sched.num_total_blocks
+            line.tick(
+                prompt_tokens=self.prompt_tokens,
+                generation_tokens=self.generation_tokens,
+                running=sched.num_running,
+                waiting=sched.num_waiting,
+                kv_usage=(total - sched.num_free_blocks) / total if total else 0.0,
+                cache_queries=sched.num_cache_queries,
+                cache_hits=sched.num_cache_hits,
+                engine=self.id,
+            )
 
     async def _sleep_while_running(self, seconds: float) -> None:
         end = time.monotonic() + seconds

@@ -19,10 +19,21 @@ from engine.config import SCHEDULING_POLICIES, default
 @dataclass
 class EngineConfig:
     engine_id: str
-    block_size: int = field(default=default("block_size"), metadata={"flag": "--block-size"})
-    max_num_seqs: int = field(default=default("max_num_seqs"), metadata={"flag": "--max-num-seqs"})
+    block_size: int = field(
+        default=default("block_size"),
+        metadata={"flag": "--block-size", "help": "tokens a KV cache block holds (vLLM's)"},
+    )
+    max_num_seqs: int = field(
+        default=default("max_num_seqs"),
+        metadata={"flag": "--max-num-seqs", "help": "requests a step runs at most (vLLM's)"},
+    )
     max_num_batched_tokens: int = field(
-        default=default("max_num_batched_tokens"), metadata={"flag": "--max-num-batched-tokens"}
+        default=default("max_num_batched_tokens"),
+        metadata={
+            "flag": "--max-num-batched-tokens",
+            "type": "human_int",
+            "help": "tokens a step computes at most (vLLM's; 8192 or 8k)",
+        },
     )
     # At most this many claimed requests wait to start (what it cannot start soon stays in
     # Redis for another engine), so a step starts at most this many prompts of a burst that

@@ -14,10 +14,10 @@ SIGKILL.
 from __future__ import annotations
 
 import gc
+import logging
 import multiprocessing as mp
 import os
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -28,6 +28,8 @@ from typing import Any, Callable, NamedTuple
 from engine.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from engine.runners import LoraDone, PipelinedRunner, Reply, Skipped
 from engine.step_cut import StepCut
+
+log = logging.getLogger("fd.worker")
 
 
 class WorkerError(RuntimeError):
@@ -238,19 +240,28 @@ def _worker_main(
     cpus: frozenset[int] | None = None,
     nice: int = 0,
     alone: int | None = None,
+    log_settings: tuple[str, str] | None = None,
 ) -> None:
     # Ctrl-C reaches the whole process group; the worker stops when its engine closes the pipe.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if log_settings is not None:
+        # Logged as its engine logs, set up before Paddle is imported (whose import installs a
+        # handler of its own on a root logger that has none); in JSON mode descriptors 1 and 2
+        # go through pipes, so what Paddle writes from C++ is a JSON line too.
+        from control.logs import setup_logging
+
+        level, fmt = log_settings
+        setup_logging(level, fmt, capture_fds=fmt == "json")
     if cpus:
         try:
             os.sched_setaffinity(0, cpus)  # before paddle starts any thread (engine/affinity.py)
         except OSError as e:  # (a container that forbids it: run where the kernel puts us)
-            print(f"fd model worker: could not pin to CPUs {sorted(cpus)}: {e}", file=sys.stderr)
+            log.warning("fd model worker: could not pin to CPUs %s: %s", sorted(cpus), e)
     if nice and alone is None:
         try:
             os.nice(nice)  # (engine/affinity.py: the engine's process preempts a worker it shares CPUs with)
         except OSError as e:
-            print(f"fd model worker: could not lower its priority by {nice}: {e}", file=sys.stderr)
+            log.warning("fd model worker: could not lower its priority by %d: %s", nice, e)
     try:
         import engine  # noqa: F401  (its warning filters)
         from engine.model_runner import ModelRunner
@@ -314,7 +325,7 @@ def _worker_main(
             try:
                 out = runner.execute(msg, inbox.cut)
             except Exception as e:  # noqa: BLE001 - its requests fail; the worker goes on
-                traceback.print_exc()
+                log.exception("the model step failed")
                 out = RunnerOutput.failure(msg, f"the model step failed: {type(e).__name__}: {e}")
             finally:
                 inbox.cut.end()
@@ -352,11 +363,13 @@ class ProcessRunner(PipelinedRunner):
     ):
         """``cpus``, ``nice``, ``alone``: the worker's placement (engine/affinity.py's
         :class:`CpuPlan`); :attr:`cpus` says where it settled."""
+        from control.logs import settings as log_settings
+
         ctx = mp.get_context("spawn")  # paddle and threads do not survive a fork
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(
             target=_worker_main,
-            args=(child, str(model_dir), kwargs, cpus, nice, alone),
+            args=(child, str(model_dir), kwargs, cpus, nice, alone, log_settings()),
             name="fd-model-worker",
             daemon=True,
         )

@@ -26,6 +26,7 @@ from fd.cli_args import (
     add_vllm_compat_args,
     vllm_compat,
 )
+from fd.cli_flags import HelpFormatter
 from fd.cli_models import cmd_convert, cmd_make_tiny
 from fd.cli_operator import cmd_abort, cmd_status, cmd_trace
 from fd.cli_serving import cmd_api, cmd_engine, cmd_run_batch, cmd_serve
@@ -41,14 +42,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"fd {_version()}")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    s = sub.add_parser("serve", help="API + engine + embedded control plane in one process")
+    # (the usage line alone: with vLLM's flags, argparse's own would fill a screen before an error)
+    s = sub.add_parser(
+        "serve",
+        help="API + engine + embedded control plane in one process",
+        usage="%(prog)s [MODEL] [options]",
+        formatter_class=HelpFormatter,
+    )
     add_redis_args(s)
     add_engine_args(s, worker_cpus="auto")  # (one engine by construction: no CPU to share)
     add_lora_args(s)
-    add_vllm_compat_args(s)
     add_log_args(s)
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    _add_listen_args(s, port=8000)
     s.add_argument("--embedded-port", type=int, default=0, help="port of the embedded Redis (0: free)")
     add_served_name(s)
     add_chat_args(s)
@@ -57,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_tool_args(s)
     s.add_argument(
         "--api-server-count",
+        "-asc",
         type=int,
         default=1,
         help="API processes on --port (vLLM's): the others serve HTTP beside this "
@@ -69,9 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="accepted for old scripts; no effect (the loop is always plain asyncio, "
         "or uvloop where it is installed)",
     )
+    add_vllm_compat_args(s)  # (last: it adds the vLLM flags the ones above do not declare)
 
     rb = sub.add_parser(
-        "run-batch", help="a file of OpenAI batch requests (JSONL) through fd (vLLM's run-batch)"
+        "run-batch",
+        help="a file of OpenAI batch requests (JSONL) through fd (vLLM's run-batch)",
+        usage="%(prog)s -i FILE -o FILE [options]",
+        formatter_class=HelpFormatter,
     )
     rb.add_argument("-i", "--input-file", required=True, help="JSONL, one request a line ('-': stdin)")
     rb.add_argument(
@@ -87,25 +97,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_redis_args(rb)
     add_engine_args(rb, worker_cpus="auto")
     add_lora_args(rb)
-    add_vllm_compat_args(rb)
     add_log_args(rb)
-    rb.add_argument("--host", default="127.0.0.1")
-    rb.add_argument("--port", type=int, default=0)
-    rb.add_argument("--embedded-port", type=int, default=0)
+    _add_listen_args(rb, port=0)
+    rb.add_argument("--embedded-port", type=int, default=0, help="port of the embedded Redis (0: free)")
     add_served_name(rb)
     add_chat_args(rb)
     add_response_args(rb)
     add_http_args(rb)
     add_tool_args(rb)
+    add_vllm_compat_args(rb)
 
-    a = sub.add_parser("api", help="an API node against --redis-url")
+    a = sub.add_parser("api", help="an API node against --redis-url", formatter_class=HelpFormatter)
     add_redis_args(a)
     add_log_args(a)
     a.add_argument(
         "--model", default=None, help="the engines' model, as they are given it (for its tokenizer and name)"
     )
-    a.add_argument("--host", default="127.0.0.1")
-    a.add_argument("--port", type=int, default=8000)
+    _add_listen_args(a, port=8000)
     add_served_name(a)
     add_max_model_len(a)
     add_ttl_args(a, tombstone=False)
@@ -116,12 +124,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_http_args(a)
     add_tool_args(a)
 
-    e = sub.add_parser("engine", help="an engine node against --redis-url")
+    e = sub.add_parser(
+        "engine",
+        help="an engine node against --redis-url",
+        usage="%(prog)s [MODEL] [options]",
+        formatter_class=HelpFormatter,
+    )
     add_redis_args(e)
     add_engine_args(e)
     add_lora_args(e, api=False)
-    add_vllm_compat_args(e)
     add_log_args(e)
+    add_vllm_compat_args(e)
 
     ab = sub.add_parser("abort", help="abort requests by id, or --all")
     add_redis_args(ab)
@@ -163,6 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
     mt.add_argument("dir")
     mt.add_argument("--seed", type=int, default=0)
     return p
+
+
+def _add_listen_args(p: argparse.ArgumentParser, port: int) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="the address the API listens on (0.0.0.0: every one)")
+    p.add_argument("--port", type=int, default=port, help="the API's TCP port (0: a free one)")
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -212,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
         from engine.replay import export_main
 
         return export_main(argv[2:])
+    if argv[:1] in (["serve"], ["engine"], ["run-batch"]):
+        from fd.vllm_flags import expand_argv
+
+        argv = expand_argv(argv)  # (vLLM's --config FILE, --flag_name and -O3)
     args = build_parser().parse_args(argv)
     compat_notes = vllm_compat(args) if args.cmd in ("serve", "engine", "run-batch") else []
     if args.cmd in ("serve", "engine", "run-batch"):

@@ -5,6 +5,7 @@ of them come to once parsed: vLLM's command line (:func:`vllm_compat`), the LoRA
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from pathlib import Path
 
@@ -32,8 +33,14 @@ def add_redis_args(p: argparse.ArgumentParser, required: bool = False) -> None:
 
 
 def add_log_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--log-level", default="info")
-    p.add_argument("--log-format", choices=("text", "json"), default="text")
+    p.add_argument(
+        "--log-level",
+        default="info",
+        help="debug, info, warning, error or critical (any case, as vLLM's INFO)",
+    )
+    p.add_argument(
+        "--log-format", choices=("text", "json"), default="text", help="json: one JSON object a log line"
+    )
 
 
 def add_engine_args(p: argparse.ArgumentParser, worker_cpus: str = "none") -> None:
@@ -69,6 +76,14 @@ def add_engine_args(p: argparse.ArgumentParser, worker_cpus: str = "none") -> No
     add_scheduling_policy(p)
     add_field_flags(p, EngineConfig, "async_scheduling", "drain_timeout_s")
     add_ttl_args(p)
+    add_field_flags(p, EngineOptions, *_fields(EngineOptions, "log_stats_interval_s", "disable_log_stats"))
+
+
+def _fields(cls: type, *names: str) -> tuple[str, ...]:
+    """Those of ``names`` that are fields of ``cls`` (flags whose fields are still being
+    added to fd/compose.py: fd.vllm_flags takes vLLM's of them where fd has none)."""
+    have = {f.name for f in dataclasses.fields(cls)}
+    return tuple(n for n in names if n in have)
 
 
 def add_ttl_args(p: argparse.ArgumentParser, tombstone: bool = True) -> None:
@@ -89,8 +104,10 @@ def add_ttl_args(p: argparse.ArgumentParser, tombstone: bool = True) -> None:
 
 def add_vllm_compat_args(p: argparse.ArgumentParser) -> None:
     """vLLM's command line, so a ``vllm serve`` line runs here: the model as the first
-    argument, and the flags that mean nothing for fd taken and said so at start (never
-    silently): see :func:`vllm_compat`."""
+    argument, and every other ``vllm serve`` flag fd does not declare itself, from
+    fd.vllm_flags's table (call it after the command's own flags): see :func:`vllm_compat`."""
+    from fd.vllm_flags import add_vllm_args
+
     p.add_argument(
         "model_tag",
         nargs="?",
@@ -98,79 +115,15 @@ def add_vllm_compat_args(p: argparse.ArgumentParser) -> None:
         metavar="MODEL",
         help="the model dir, as `vllm serve MODEL` takes it (the same as --model)",
     )
-    p.add_argument(
-        "--dtype",
-        choices=("auto", "float32"),
-        default="auto",
-        help="fd runs models in float32 (bf16 and fp16 checkpoints are widened)",
-    )
-    p.add_argument(
-        "--tensor-parallel-size",
-        "-tp",
-        type=int,
-        default=1,
-        help="1: an engine runs its model on one device (scale with more engines)",
-    )
-    p.add_argument(
-        "--trust-remote-code", action="store_true", help="taken and ignored: fd runs no code from a model dir"
-    )
-    p.add_argument("--enforce-eager", action="store_true", help="taken and ignored: fd has no graphs")
-    p.add_argument(
-        "--enable-chunked-prefill", action="store_true", help="taken and ignored: prompts are always chunked"
-    )
-    p.add_argument(
-        "--enable-prefix-caching",
-        action="store_true",
-        help="taken: prefix caching is on by default (--no-enable-prefix-caching)",
-    )
-    p.add_argument(
-        "--disable-log-requests",
-        action="store_true",
-        help="taken and ignored: fd does not log requests' contents",
-    )
-    p.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=None,
-        help="on a CPU, taken and ignored (the KV cache is --kv-cache-mb); on a GPU, "
-        "not supported: give --kv-cache-mb",
-    )
+    add_vllm_args(p)
 
 
 def vllm_compat(args: argparse.Namespace) -> list[str]:
     """What a vLLM command line's flags come to here: raises SystemExit for one fd cannot
     honour, returns the notes for those it takes and ignores (logged at start)."""
-    tag = getattr(args, "model_tag", None)
-    if tag is not None:
-        if args.model is not None and args.model != tag:
-            raise SystemExit(f"error: the model is given twice: {tag} and --model {args.model}")
-        args.model = tag
-    if getattr(args, "tensor_parallel_size", 1) != 1:
-        raise SystemExit(
-            "error: --tensor-parallel-size: an fd engine runs its model on one device; "
-            "run more engines to scale out"
-        )
-    if getattr(args, "enable_prefix_caching", False) and args.no_enable_prefix_caching:
-        raise SystemExit("error: --enable-prefix-caching and --no-enable-prefix-caching together")
-    notes = [
-        f"--{name.replace('_', '-')} ({why})"
-        for name, why in (
-            ("trust_remote_code", "fd runs no code from a model dir"),
-            ("enforce_eager", "fd has no graphs to capture"),
-            ("enable_chunked_prefill", "prompts are always chunked"),
-            ("disable_log_requests", "fd does not log requests' contents"),
-        )
-        if getattr(args, name, False)
-    ]
-    if getattr(args, "gpu_memory_utilization", None) is not None:
-        if args.device != "cpu":
-            raise SystemExit(
-                "error: --gpu-memory-utilization is not supported: size the KV cache with --kv-cache-mb"
-            )
-        notes.append("--gpu-memory-utilization (a CPU: the KV cache is --kv-cache-mb)")
-    if getattr(args, "max_loras", None) is not None:
-        notes.append("--max-loras (every adapter is loaded, any mix of them in a batch)")
-    return notes
+    from fd import vllm_flags
+
+    return vllm_flags.vllm_compat(args)
 
 
 def _lora_module(text: str) -> tuple[str, str]:
@@ -243,13 +196,15 @@ def add_scheduling_policy(p: argparse.ArgumentParser) -> None:
 
 
 def add_max_model_len(p: argparse.ArgumentParser) -> None:
+    from fd.vllm_flags import human_int_or_auto
+
     p.add_argument(
         "--max-model-len",
-        type=int,
+        type=human_int_or_auto,
         default=None,
-        help="the longest prompt + output a request may have, in tokens (default: "
-        "the model's max_position_embeddings; at most that). fd serve, fd api "
-        "and fd engine must be given the same",
+        help="the longest prompt + output a request may have, in tokens (as vLLM's: 4096, "
+        "32k or auto; default: the model's max_position_embeddings; at most that). fd serve, "
+        "fd api and fd engine must be given the same",
     )
 
 
@@ -303,6 +258,9 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
     from fd.compose import ApiOptions
 
     add_field_flags(p, ApiOptions, "header_timeout_s")
+    add_field_flags(
+        p, ApiOptions, *_fields(ApiOptions, "disable_uvicorn_access_log", "disable_access_log_for_endpoints")
+    )
 
 
 def add_response_args(p: argparse.ArgumentParser) -> None:

@@ -32,8 +32,17 @@ _TYPES: dict[str, Callable[[str], Any]] = {
     "int | None": int,
     "float | None": float,
 }
+
+
+def human_int(text: str) -> int:
+    """vLLM's human-readable int (32k), for the fields whose flags are vLLM's."""
+    from fd import vllm_flags
+
+    return vllm_flags.human_int(text)
+
+
 #: the parsers a field's metadata may name as its ``type`` (the engine cannot import them)
-NAMED_TYPES: dict[str, Callable[[str], Any]] = {"seconds": seconds}
+NAMED_TYPES: dict[str, Callable[[str], Any]] = {"seconds": seconds, "human_int": human_int}
 
 
 def _field(cls: type, name: str) -> dataclasses.Field:
@@ -82,3 +91,23 @@ def field_values(args: argparse.Namespace, cls: type) -> dict[str, Any]:
         v = getattr(args, dest(f))
         out[f.name] = (not v) if f.metadata.get("negate") else v
     return out
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` that shows every flag's default: argparse's ``(default: ...)``, unless the
+    help says it already; a switch's as on or off, a flag that is None as not given."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (
+            "default" in text.lower()
+            or action.default is argparse.SUPPRESS
+            or not action.option_strings
+            and action.nargs not in ("?", "*")
+        ):
+            return text
+        if action.nargs == 0:
+            return text + (" (default: on)" if action.default else " (default: off)")
+        if action.default is None or action.default == []:
+            return text + " (default: not given)"
+        return text + " (default: %(default)s)"

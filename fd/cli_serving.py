@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from control.keys import Keys
+from control.logs import say
 from fd.cli_args import api_keys, lora_modules, need_url
 from fd.cli_models import resolve_model
 from fd.local_serve import LocalServe
@@ -42,6 +43,20 @@ def _engine_opts(args: argparse.Namespace, model_dir: Path):
         request_ttl_s=_request_ttl(args),
         batch_invariant=args.batch_invariant,
     )
+
+
+def _shown(url: str) -> str:
+    """A Redis URL as a log may show it: its password masked."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<a Redis URL>"
+    if parts.password is None:
+        return url
+    user = f"{parts.username}:" if parts.username else ":"
+    return parts._replace(netloc=f"{user}***@{parts.netloc.rpartition('@')[2]}").geturl()
 
 
 def _request_ttl(args: argparse.Namespace, embedded: bool = False) -> int:
@@ -94,6 +109,18 @@ def _api_opts(args: argparse.Namespace, model_dir: Path):
 
 async def _start_serving(args: argparse.Namespace):
     """What ``fd serve`` runs: (the embedded server or None, the engine, the API)."""
+    from fd.compose import hold_port
+
+    count = getattr(args, "api_server_count", 1)
+    # The port first: one in use fails the start now, not after the model has loaded.
+    held = hold_port(args.host, args.port, reuse_port=count > 1)
+    try:
+        return await _start_serving_on(args, held)
+    finally:
+        held.close()  # (handed to the API, or the start failed)
+
+
+async def _start_serving_on(args: argparse.Namespace, held):
     from control.connect import connect
     from control.metrics import Metrics
     from fd.compose import join_in_process, start_api, start_engine
@@ -121,9 +148,11 @@ async def _start_serving(args: argparse.Namespace):
     )
     count = getattr(args, "api_server_count", 1)
     opts = dataclasses.replace(_api_opts(args, model_dir), request_ttl_s=ttl)
+    if opts.max_model_len is None:  # (the engine's: the model's context, or what its KV cache holds)
+        opts = dataclasses.replace(opts, max_model_len=engine.max_model_len)
     if count > 1:
         opts = dataclasses.replace(opts, reuse_port=True)
-    api = await start_api(factory, keys, opts, metrics=metrics)
+    api = await start_api(factory, keys, opts, metrics=metrics, held=held)
     join_in_process(api, engine)
     if count > 1:  # vLLM's --api-server-count: more API processes on the same port
         url = args.redis_url or f"redis://127.0.0.1:{embedded.port}"
@@ -232,18 +261,28 @@ async def cmd_run_batch(args: argparse.Namespace) -> int:
 async def cmd_serve(args: argparse.Namespace) -> int:
     embedded, engine, api = await _start_serving(args)
     _tune_gc()
-    print(f"fd serving {api.cfg.model_name} on {api.url}/v1", flush=True)
+    say(
+        f"fd serving {api.cfg.model_name} on {api.url}/v1",
+        event="serving",
+        model=api.cfg.model_name,
+        url=f"{api.url}/v1",
+        max_model_len=api.cfg.max_model_len,
+    )
     local = None
     if embedded is not None:
         url = f"redis://127.0.0.1:{embedded.port}"
-        print(
-            f"embedded control plane: redis-cli -p {embedded.port}   (key prefix {args.prefix}:)", flush=True
+        say(
+            f"embedded control plane: redis-cli -p {embedded.port}   (key prefix {args.prefix}:)",
+            event="control_plane",
+            redis_url=url,
+            prefix=args.prefix,
         )
-        print(f"FD_REDIS_URL={url}   (fd status, fd trace and fd abort on this machine find it)", flush=True)
+        say(f"FD_REDIS_URL={url}   (fd status, fd trace and fd abort on this machine find it)")
         local = LocalServe(args.prefix)
         local.write(url, api.url)
     else:
-        print(f"control plane: {args.redis_url}", flush=True)
+        shown = _shown(args.redis_url)
+        say(f"control plane: {shown}", event="control_plane", redis_url=shown)
     try:
         await _wait_for_signal(engine.task)
     finally:
@@ -324,7 +363,7 @@ async def cmd_api(args: argparse.Namespace) -> int:
         lambda: connect(url, args.redis_timeout), Keys(args.prefix), _api_opts(args, model_dir)
     )
     _tune_gc()
-    print(f"fd api on {api.url}/v1 (control plane {url})", flush=True)
+    say(f"fd api on {api.url}/v1 (control plane {_shown(url)})", event="serving", url=f"{api.url}/v1")
     await _wait_for_signal()
     await api.stop()
     return 0
@@ -341,7 +380,12 @@ async def cmd_engine(args: argparse.Namespace) -> int:
         lambda: connect(url, args.redis_timeout), Keys(args.prefix), opts, runner=_runner(args, model_dir)
     )
     _tune_gc()
-    print(f"fd engine {engine.id} serving {model_dir} (control plane {url})", flush=True)
+    say(
+        f"fd engine {engine.id} serving {model_dir} (control plane {_shown(url)})",
+        event="serving",
+        engine=engine.id,
+        max_model_len=engine.max_model_len,
+    )
     # SIGTERM/SIGINT: drain (finish or hand back what runs, then exit 0); a second one: stop
     # now (peers take over what was running).
     loop = asyncio.get_running_loop()
@@ -351,7 +395,7 @@ async def cmd_engine(args: argparse.Namespace) -> int:
         nonlocal signals
         signals += 1
         if signals == 1:
-            print(f"fd engine {engine.id}: draining (signal again to stop now)", flush=True)
+            say(f"fd engine {engine.id}: draining (signal again to stop now)", event="draining")
             engine.node.drain()
         else:
             engine.node.stop()

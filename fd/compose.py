@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import json
 import logging
 import math
+import os
 import secrets
 import socket
 from dataclasses import dataclass, field
@@ -27,6 +29,21 @@ from fd.api.reasoning import PARSERS as REASONING_PARSERS
 from fd.api.tool_calls import PARSERS as TOOL_PARSERS
 
 log = logging.getLogger("fd.api")
+engine_log = logging.getLogger("fd.engine")
+
+
+def _env_seconds(name: str, default: float) -> float:
+    """A number of seconds from the environment (vLLM's variables), else ``default``."""
+    try:
+        value = float(os.environ.get(name) or default)
+    except ValueError:
+        return default
+    return value if math.isfinite(value) and value > 0 else default
+
+
+def endpoint_list(text: str) -> tuple[str, ...]:
+    """vLLM's ``--disable-access-log-for-endpoints``: paths, comma-separated."""
+    return tuple(p.strip() for p in text.split(",") if p.strip())
 
 
 #: EngineOptions' fields that are the engine node's own settings, handed to its EngineConfig
@@ -54,12 +71,18 @@ class EngineOptions:
 
     model_dir: str
     device: str = field(default="cpu", metadata={"flag": "--device", "help": "cpu | gpu | gpu:N"})
-    engine_id: str | None = field(default=None, metadata={"flag": "--engine-id"})
+    engine_id: str | None = field(
+        default=None,
+        metadata={
+            "flag": "--engine-id",
+            "help": "this engine's name on the control plane (default: a new one)",
+        },
+    )
     block_size: int = EngineConfig.block_size
     num_blocks: int | None = field(
         default=None, metadata={"flag": "--num-blocks", "help": "KV blocks (default: from --kv-cache-mb)"}
     )
-    kv_cache_mb: int = field(default=256, metadata={"flag": "--kv-cache-mb"})
+    kv_cache_mb: int = field(default=256, metadata={"flag": "--kv-cache-mb", "help": "MiB of KV cache"})
     max_num_seqs: int = EngineConfig.max_num_seqs
     max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens
     max_attempts: int = EngineConfig.max_attempts
@@ -119,6 +142,26 @@ class EngineOptions:
     batch_invariant: bool = False
     request_ttl_s: int = REQUEST_TTL_S  # a finished request's story and owner key are kept this long
     tombstone_ttl_s: int = EngineConfig.tombstone_ttl_s
+    # vLLM's periodic throughput line (control.logs.StatsLine): every this many seconds while
+    # the engine is busy; vLLM's VLLM_LOG_STATS_INTERVAL sets the default, as it does there
+    log_stats_interval_s: float = field(
+        default=_env_seconds("VLLM_LOG_STATS_INTERVAL", 10.0),
+        metadata={
+            "flag": "--log-stats-interval",
+            "metavar": "S",
+            "help": "seconds between the engine's throughput lines (prompt and generation "
+            "tokens/s, running, waiting, KV cache usage, prefix cache hit rate), logged "
+            "while it is busy; default $VLLM_LOG_STATS_INTERVAL or 10",
+        },
+    )
+    disable_log_stats: bool = field(
+        default=False,
+        metadata={
+            "flag": "--disable-log-stats",
+            "action": "store_true",
+            "help": "no periodic throughput line (vLLM's)",
+        },
+    )
 
 
 def timeout_s(text: str) -> float:
@@ -230,6 +273,25 @@ class ApiOptions:
         },
     )
     request_ttl_s: int = REQUEST_TTL_S  # a story (from its accept) and conversation are kept this long
+    # an access line per HTTP request (fd.api.server's, uvicorn's in vLLM): on by default
+    disable_uvicorn_access_log: bool = field(
+        default=False,
+        metadata={
+            "flag": "--disable-uvicorn-access-log",
+            "action": "store_true",
+            "help": "no access line per HTTP request (vLLM's name for it)",
+        },
+    )
+    disable_access_log_for_endpoints: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "flag": "--disable-access-log-for-endpoints",
+            "type": endpoint_list,
+            "metavar": "PATHS",
+            "help": "paths whose requests get no access line, comma-separated (vLLM's; "
+            "e.g. /health,/metrics)",
+        },
+    )
 
 
 @dataclass
@@ -242,6 +304,12 @@ class RunningEngine:
     @property
     def id(self) -> str:
         return self.node.id
+
+    @property
+    def max_model_len(self) -> int:
+        """The context it serves (:func:`engine_context`): what an API in its process holds
+        requests to."""
+        return self.node.sched.config.max_model_len
 
     async def stop(self) -> None:
         self.node.stop()
@@ -330,6 +398,96 @@ def make_runner(opts: EngineOptions, progress: bool = True):
     return runner
 
 
+def engine_context(asked: int | None, model_len: int, kv_tokens: int, kv_flag: str = "--kv-cache-mb") -> int:
+    """The context an engine serves. Not asked for (no ``--max-model-len``): the model's, or
+    what its KV cache holds if that is less, said once. Asked for more than the KV cache holds:
+    refused, as vLLM refuses it, since one request of that length could never run; a request
+    that outgrows the cache is otherwise finished early with ``length``, which is no context."""
+    if asked is None:
+        served = min(model_len, kv_tokens)
+        if served < model_len:
+            engine_log.info(
+                "max_model_len %d: what the KV cache holds (the model's context is %d; give "
+                "more %s for more)",
+                served,
+                model_len,
+                kv_flag,
+                extra={"max_model_len": served, "model_context": model_len, "kv_tokens": kv_tokens},
+            )
+        else:
+            engine_log.info(
+                "max_model_len %d: the model's context (the KV cache holds %d tokens)",
+                served,
+                kv_tokens,
+                extra={"max_model_len": served, "model_context": model_len, "kv_tokens": kv_tokens},
+            )
+        return served
+    if asked > kv_tokens:
+        raise ValueError(
+            f"--max-model-len {asked} is more than the KV cache holds ({kv_tokens} tokens): "
+            f"give --max-model-len {kv_tokens} or less, or more {kv_flag} (vLLM refuses this too)"
+        )
+    return asked
+
+
+@dataclass
+class HeldPort:
+    """An API's port, bound before anything slow (``fd serve`` binds it before the model
+    loads), so that a port in use fails the start at once and not after the load. Bound, not
+    listening: a client is refused until the API serves. One address (a host like 127.0.0.1 or
+    0.0.0.0): its socket is handed to the site (:meth:`take`); several (``localhost``: IPv4
+    and IPv6): held until the site binds them itself."""
+
+    host: str
+    port: int
+    socks: list[socket.socket]
+
+    def take(self) -> socket.socket | None:
+        """The socket for the site to serve, or None (the site binds ``host``:``port``, which
+        the held sockets are closed for)."""
+        if len(self.socks) == 1:
+            return self.socks.pop()
+        self.close()
+        return None
+
+    def close(self) -> None:
+        for s in self.socks:
+            s.close()
+        self.socks = []
+
+
+def hold_port(host: str, port: int, reuse_port: bool = False) -> HeldPort:
+    """Bind ``host``:``port`` as the API's site will (raises OSError naming the port if it is
+    in use); see :class:`HeldPort`."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise OSError(f"--host {host}: {e.strerror}") from None
+    addrs = list(dict.fromkeys((family, addr) for family, _, _, _, addr in infos))
+    if port == 0 and len(addrs) > 1:  # (each would get a port of its own: the site picks)
+        return HeldPort(host, port, [])
+    socks: list[socket.socket] = []
+    try:
+        for family, addr in addrs:
+            s = socket.socket(family, socket.SOCK_STREAM)
+            socks.append(s)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as asyncio's create_server)
+            if reuse_port:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            s.bind(addr)
+    except OSError as e:
+        for s in socks:
+            s.close()
+        if e.errno == errno.EADDRINUSE:
+            raise OSError(
+                f"port {port} on {host} is in use (another server listens there): give --port another"
+            ) from None
+        raise OSError(f"cannot bind {host}:{port}: {e.strerror or e}") from None
+    return HeldPort(host, port, socks)
+
+
 async def start_engine(
     redis_factory: Callable[[], Any],
     keys: Keys,
@@ -340,13 +498,11 @@ async def start_engine(
     tokenizer: Any = None,
     **node_kw: Any,
 ) -> RunningEngine:
-    from control.tokenizer import Tokenizer
+    from control.tokenizer import Tokenizer, served_context
     from engine.node import EngineNode
 
     owns_runner = runner is None
     if owns_runner and opts.max_model_len is not None:  # (a bad value: said before the model loads)
-        from control.tokenizer import served_context
-
         served_context(opts.max_model_len, Tokenizer.from_dir(opts.model_dir).max_model_len)
     runner = runner if runner is not None else make_runner(opts)
     tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_dir(opts.model_dir)
@@ -355,6 +511,19 @@ async def start_engine(
     engine_id = opts.engine_id or f"{socket.gethostname()[:24]}-{secrets.token_hex(3)}"
     kw = {name: getattr(opts, name) for name in NODE_FIELDS}
     kw.update(node_kw)
+    try:
+        if kw.get("max_model_len") is not None:  # (out of the model's range: said as ever)
+            served_context(kw["max_model_len"], runner.max_model_len)
+        kw["max_model_len"] = engine_context(
+            kw.get("max_model_len"),
+            runner.max_model_len,
+            runner.num_blocks * kw.get("block_size", opts.block_size),
+            "--num-blocks" if opts.num_blocks is not None else "--kv-cache-mb",
+        )
+    except BaseException:
+        if owns_runner:
+            runner.close()  # a model worker must not outlive a failed start
+        raise
     cfg = EngineConfig(engine_id=engine_id, **kw)
     node = EngineNode(
         Bus(
@@ -368,6 +537,8 @@ async def start_engine(
         tokenizer,
         cfg,
         metrics=metrics,
+        # (an interval of 0 or less: off, as --disable-log-stats)
+        stats_interval_s=0.0 if opts.disable_log_stats else max(0.0, opts.log_stats_interval_s or 0.0),
     )
     if metrics is not None:
         node.bus.on_dead_letter = node.control_bus.on_dead_letter = metrics.dead_letters_total.inc
@@ -433,7 +604,10 @@ async def start_api(
     *,
     metrics: Metrics | None = None,
     tokenizer: Any = None,
+    held: HeldPort | None = None,
 ) -> RunningApi:
+    """``held``: the port, bound already (:func:`hold_port`); else ``opts.host``:``opts.port``
+    is bound here."""
     from aiohttp import web
 
     from control.tokenizer import Tokenizer, served_context
@@ -487,7 +661,15 @@ async def start_api(
     await mux.start()
     bus = Bus(redis_factory(), keys, req_ttl_s=opts.request_ttl_s)
     bus.on_dead_letter = mux.on_dead_letter = metrics.dead_letters_total.inc
-    app = make_app(cfg, bus, mux, tokenizer, metrics)
+    app = make_app(
+        cfg,
+        bus,
+        mux,
+        tokenizer,
+        metrics,
+        access=not opts.disable_uvicorn_access_log,
+        access_skip=opts.disable_access_log_for_endpoints or (),
+    )
     parse_errors.install()  # (a client's malformed request: one log line, not a traceback)
     # handler_cancellation: a client that goes away cancels its handler, which is how
     # fd.api.cancellation notices a disconnect before anything is written.
@@ -499,6 +681,7 @@ async def start_api(
         opts.host,
         opts.port,
         reuse_port=opts.reuse_port,
+        sock=held.take() if held is not None else None,
         header_timeout_s=opts.header_timeout_s,
         access_log=None,
     )

@@ -446,8 +446,8 @@ def test_a_vllm_command_line_runs_here():
     ):
         with pytest.raises(SystemExit, match=says):
             vllm_compat(build_parser().parse_args(argv))
-    with pytest.raises(SystemExit):  # fd runs float32: argparse names the choices
-        build_parser().parse_args(["serve", "--dtype", "bfloat16"])
+    with pytest.raises(SystemExit):  # not a dtype: argparse names the choices
+        build_parser().parse_args(["serve", "--dtype", "int3"])
 
 
 async def test_fd_serve_api_server_count_spreads_connections_over_api_processes(tmp_path, redis_server):

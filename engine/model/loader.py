@@ -14,8 +14,8 @@ import os
 import struct
 
 import numpy as np
-from tqdm import tqdm
 
+from control.logs import progress as progress_of
 from engine.model.checkpoint_layout import expected_shapes, fused_parts
 from engine.model.config import ModelConfig
 from engine.model.llama import Llama
@@ -112,7 +112,9 @@ def load_weights(model_dir: str, cfg: ModelConfig, progress: bool = True) -> dic
     out: dict[str, np.ndarray] = {}
     maps: dict[str, np.memmap] = {}
     last: tuple[str, np.ndarray | None] = ("", None)  # the fused tensor read last
-    for name in tqdm(want, desc="loading weights", unit="tensor", disable=not progress, leave=False):
+    # (a bar on a terminal, JSON progress records with --log-format json, else nothing)
+    names = progress_of(want, "loading weights", len(want), unit="tensor") if progress else want
+    for name in names:
         path, info, base = where[name]
         if path not in maps:
             maps[path] = np.memmap(path, dtype=np.uint8, mode="r")

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
+import time
 from http import HTTPStatus
-from typing import Any
+from typing import Any, Awaitable, Iterable
 
 from aiohttp import StreamReader, web
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
@@ -24,6 +26,7 @@ from control.metrics import Metrics
 from control.mux import MuxStopped, StoryLost, StreamMux
 from control.outage import is_outage, reason
 from control.story import IdTaken
+from fd.api.cancellation import CLIENT_CLOSED, client_disconnected
 from fd.api.context import CALLER, RID, ApiConfig, ApiContext, json_response
 from fd.api.cors import Cors
 from fd.api.errors import ApiError, bad_request, id_taken, server_error, story_lost, unauthorized, unavailable
@@ -43,6 +46,95 @@ API_KEY = web.AppKey("fd.api", ApiContext)
 ADMIN_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")  # they act on everyone's requests
 KEYED_PATHS = ("/score", "/rerank", "/v2/rerank")  # vLLM's, outside /v1: they run the model
 CORS_REFUSED = web.RequestKey("fd.cors_refused", bool)
+USAGE = web.RequestKey("fd.usage", dict)  # a streamed answer's token counts, as its frames say
+
+#: one line per HTTP request (uvicorn's access log, as vLLM serves it)
+access_log = logging.getLogger("fd.access")
+#: a token count in an answer's usage object (OpenAI's names, and the Responses API's)
+_USAGE_FIELD = re.compile(rb'"(prompt_tokens|completion_tokens|input_tokens|output_tokens)":\s*(\d+)')
+_USAGE_NAMES = {b"input_tokens": "prompt_tokens", b"output_tokens": "completion_tokens"}
+
+
+def _usage_of(data: bytes, into: dict) -> None:
+    """The token counts of the last usage object in ``data`` (an answer's JSON, or frames of
+    one), into ``into``. A quote inside a JSON string is escaped, so ``"usage"`` is a key."""
+    at = data.rfind(b'"usage"')
+    if at >= 0:
+        for name, n in _USAGE_FIELD.findall(data, at):
+            into[_USAGE_NAMES.get(name, name.decode())] = int(n)
+
+
+async def _sniff_usage(request: web.Request, response: web.StreamResponse) -> None:
+    """A streamed answer (SSE) tells its token counts in its last frames, if at all (a
+    client's ``include_usage``): its writes are read for them, for the access line."""
+    if isinstance(response, web.Response) or not access_log.isEnabledFor(logging.INFO):
+        return  # (a whole answer's body is read once its handler returns)
+    usage = request[USAGE] = {}
+    write = response.write
+
+    # (a plain function handing back write's own coroutine: no frame more per token write)
+    def write_reading_usage(data: bytes | bytearray | memoryview) -> Awaitable[None]:
+        if b'"usage"' in data:
+            _usage_of(bytes(data), usage)
+        return write(data)
+
+    response.write = write_reading_usage  # type: ignore[method-assign]
+
+
+def _access(skip: frozenset[str]):
+    """One line per request, after its answer (a stream: once it ended): method, path,
+    status, request id, token counts where the answer says them, latency. A client that hung
+    up is logged as 499 (nginx's "client closed request"). Never a header: no key is logged.
+    The outermost middleware after :func:`_head_read`, so a 401 or a CORS refusal is logged too."""
+
+    @web.middleware
+    async def access(request: web.Request, handler):
+        if request.path in skip or not access_log.isEnabledFor(logging.INFO):
+            return await handler(request)
+        t0 = time.perf_counter()
+        resp: web.StreamResponse | None = None
+        status = 500
+        try:
+            resp = await handler(request)
+            status = resp.status
+            return resp
+        except web.HTTPException as e:  # (a redirect: answered by aiohttp as it is)
+            status = e.status
+            raise
+        except (asyncio.CancelledError, ConnectionError):
+            # a hang-up, or the server's own shutdown cancelling its handlers
+            status = CLIENT_CLOSED if client_disconnected(request) else 503
+            raise
+        finally:
+            _log_access(request, resp, status, time.perf_counter() - t0)
+
+    return access
+
+
+def _log_access(request: web.Request, resp: web.StreamResponse | None, status: int, dt: float) -> None:
+    usage = request.get(USAGE)
+    if usage is None:
+        usage = {}
+        if isinstance(resp, web.Response) and isinstance(resp.body, (bytes, bytearray)):
+            _usage_of(bytes(resp.body), usage)
+    rid = request.get(RID) or (resp.headers.get("X-Request-Id") if resp is not None else None)
+    fields: dict[str, Any] = {"event": "access", "method": request.method, "path": request.path}
+    fields["status"] = status
+    if rid:
+        fields["request_id"] = rid
+    fields.update(usage)
+    fields["latency_ms"] = round(dt * 1000, 1)
+    fields["client"] = request.remote
+    fields["_in_msg"] = ("event", "method", "path", "status")  # (text mode: said in the message)
+    access_log.info(
+        '"%s %s HTTP/%d.%d" %d',
+        request.method,
+        request.path,
+        request.version.major,
+        request.version.minor,
+        status,
+        extra=fields,
+    )
 
 
 def _error_response(err: ApiError, request: web.Request) -> web.Response:
@@ -249,15 +341,23 @@ class ApiSite(web.BaseSite):
     and no other; ``BaseSite`` is aiohttp's base for a site of one's own (which sets
     ``_server``, as aiohttp's sites do: ``stop()`` closes it, the runner's ``addresses`` read
     it). ``protocol_kw``: ApiProtocol's settings, and aiohttp's ``RequestHandler``'s
-    (``access_log``, ...)."""
+    (``access_log``, ...). ``sock``: a socket bound already (``fd serve`` binds its port before
+    the model loads), served instead of binding ``host``:``port``."""
 
-    __slots__ = ("_host", "_port", "_reuse_port", "_protocol_kw")
+    __slots__ = ("_host", "_port", "_reuse_port", "_sock", "_protocol_kw")
 
     def __init__(
-        self, runner: web.BaseRunner, host: str, port: int, *, reuse_port: bool = False, **protocol_kw: Any
+        self,
+        runner: web.BaseRunner,
+        host: str,
+        port: int,
+        *,
+        reuse_port: bool = False,
+        sock: Any = None,
+        **protocol_kw: Any,
     ):
         super().__init__(runner)
-        self._host, self._port, self._reuse_port = host, port, reuse_port
+        self._host, self._port, self._reuse_port, self._sock = host, port, reuse_port, sock
         self._protocol_kw = protocol_kw
 
     @property
@@ -268,13 +368,18 @@ class ApiSite(web.BaseSite):
         await super().start()
         loop = asyncio.get_running_loop()
         server, kw = self._runner.server, self._protocol_kw
-        self._server = await loop.create_server(
-            lambda: ApiProtocol(server, loop=loop, **kw),
-            self._host,
-            self._port,
-            backlog=self._backlog,
-            reuse_port=self._reuse_port or None,
-        )
+        if self._sock is not None:
+            self._server = await loop.create_server(
+                lambda: ApiProtocol(server, loop=loop, **kw), sock=self._sock, backlog=self._backlog
+            )
+        else:
+            self._server = await loop.create_server(
+                lambda: ApiProtocol(server, loop=loop, **kw),
+                self._host,
+                self._port,
+                backlog=self._backlog,
+                reuse_port=self._reuse_port or None,
+            )
         self._port = self._server.sockets[0].getsockname()[1]  # (port 0: the one it got)
 
 
@@ -326,8 +431,19 @@ def _auth(tenancy: Tenancy):
     return auth
 
 
-def make_app(cfg: ApiConfig, bus: Bus, mux: StreamMux, tokenizer, metrics: Metrics) -> web.Application:
+def make_app(
+    cfg: ApiConfig,
+    bus: Bus,
+    mux: StreamMux,
+    tokenizer,
+    metrics: Metrics,
+    *,
+    access: bool = False,
+    access_skip: Iterable[str] = (),
+) -> web.Application:
     """The API node's aiohttp app. It starts ``mux`` if nobody has (and then stops it).
+    ``access``: an access line per request (:func:`_access`), but for the paths in
+    ``access_skip`` (vLLM's ``--disable-access-log-for-endpoints``).
 
     ``handler_cancellation`` is what lets :mod:`fd.api.cancellation` see a client leave while
     its request is still queued; it is set here, on the app, so every runner gets it.
@@ -342,6 +458,8 @@ def make_app(cfg: ApiConfig, bus: Bus, mux: StreamMux, tokenizer, metrics: Metri
     middlewares = [_errors, _auth(Tenancy.of(cfg.api_key, cfg.admin_key))]
     if cfg.cors is not None:
         middlewares.insert(0, _preflight(cfg.cors))
+    if access:
+        middlewares.insert(0, _access(frozenset(access_skip)))
     middlewares.insert(0, _head_read)
     app = web.Application(
         middlewares=middlewares,
@@ -350,6 +468,8 @@ def make_app(cfg: ApiConfig, bus: Bus, mux: StreamMux, tokenizer, metrics: Metri
     )
     if cfg.cors is not None:
         app.on_response_prepare.append(_cors_headers(cfg.cors))
+    if access:
+        app.on_response_prepare.append(_sniff_usage)
     app[API_KEY] = ctx
     generating = {
         "/v1/chat/completions": generate.chat,
