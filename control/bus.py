@@ -43,11 +43,11 @@ from control.entry_ids import entry_id_key
 from control.events import (
     CONTROL_TYPES,
     REQ_STREAM_TYPES,
-    Abort,
-    AbortAll,
     Accepted,
-    Drain,
+    ControlEvent,
     Event,
+    JsonObject,
+    RawFields,
     Request,
 )
 from control.fence import Refused
@@ -60,7 +60,7 @@ from control.keys import (
     valid_request_id,
 )
 from control.ownership import Ownership
-from control.store import Ack, Append, Fenced, Store, store_for
+from control.store import Ack, Append, Fenced, RedisClient, Store, StreamEntry, store_for
 
 log = logging.getLogger("control.bus")
 
@@ -69,7 +69,7 @@ def _b(x: bytes | str) -> bytes:
     return x if isinstance(x, bytes) else x.encode()
 
 
-def is_cluster(redis) -> bool:
+def is_cluster(redis: RedisClient) -> bool:
     return isinstance(redis, RedisCluster)
 
 
@@ -91,7 +91,7 @@ class Bus(Ownership, EngineRegistry):
 
     def __init__(
         self,
-        redis,
+        redis: RedisClient,
         keys: Keys,
         *,
         req_ttl_s: int = REQUEST_TTL_S,
@@ -341,7 +341,7 @@ class Bus(Ownership, EngineRegistry):
         self.dead.on_write = hook
 
     async def dead_letter(
-        self, source_stream: str | bytes, entry_id: bytes | str | None, fields: Mapping, reason: str
+        self, source_stream: str | bytes, entry_id: bytes | str | None, fields: RawFields, reason: str
     ) -> None:
         """Copy a rejected entry to ``P:dead`` with why, and count it."""
         await self.dead.write(source_stream, entry_id, fields, reason)
@@ -372,7 +372,7 @@ class Bus(Ownership, EngineRegistry):
             out += await self._requests_or_dead(entries)
         return out
 
-    async def _requests_or_dead(self, entries: Iterable) -> list[tuple[bytes, Request]]:
+    async def _requests_or_dead(self, entries: Iterable[StreamEntry]) -> list[tuple[bytes, Request]]:
         out = []
         for entry_id, fields in entries:
             ev = await self.dead.decode_or_dead(self.keys.requests, entry_id, fields, (Request,))
@@ -441,18 +441,18 @@ class Bus(Ownership, EngineRegistry):
 
     async def read_control(
         self, cursor: bytes | str, block_ms: int | None, count: int = 1000
-    ) -> tuple[bytes, list[tuple[bytes, Abort | AbortAll | Drain]]]:
+    ) -> tuple[bytes, list[tuple[bytes, ControlEvent]]]:
         """Control events after ``cursor``, and the cursor to read from next."""
-        cursor = _b(cursor)
-        resp = await self.redis.xread({self.keys.control: cursor}, count=count, block=block_ms)
-        out = []
+        at = _b(cursor)
+        resp = await self.redis.xread({self.keys.control: at}, count=count, block=block_ms)
+        out: list[tuple[bytes, ControlEvent]] = []
         for _stream, entries in resp or ():
             for entry_id, fields in entries:
-                cursor = entry_id
+                at = entry_id
                 ev = await self.dead.decode_or_dead(self.keys.control, entry_id, fields, CONTROL_TYPES)
                 if ev is not None:
                     out.append((entry_id, ev))
-        return cursor, out
+        return at, out
 
     # ------------------------------------------------------------------ one request
 
@@ -484,10 +484,10 @@ class Bus(Ownership, EngineRegistry):
         """Give each of ``keys`` (that exists) the request TTL again, in one round trip."""
         await self.store.expire(keys, self.req_ttl_s)
 
-    async def save_conversation(self, request_id: str, items: list) -> None:
+    async def save_conversation(self, request_id: str, items: list[JsonObject]) -> None:
         await self.redis.set(self.keys.conversation(request_id), orjson.dumps(items), ex=self.req_ttl_s)
 
-    async def conversation(self, request_id: str) -> list | None:
+    async def conversation(self, request_id: str) -> list[JsonObject] | None:
         """What :meth:`save_conversation` kept, or None (never kept, or expired)."""
         raw = await self.redis.get(self.keys.conversation(request_id))
         return None if raw is None else orjson.loads(raw)

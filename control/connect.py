@@ -30,10 +30,11 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, TypeAlias, TypeVar, cast
 from urllib.parse import unquote, urlsplit
 
 import redis.asyncio as aioredis
-from redis.asyncio.connection import parse_url
+from redis.asyncio.connection import AbstractConnection, Connection, parse_url
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import (
     Sentinel,
@@ -67,13 +68,31 @@ SENTINEL_PORT = 26379
 #: How often a Sentinel client busy with commands asks a sentinel where the primary is.
 MASTER_CHECK_S = 1.0
 
+#: What a retried command returns
+T = TypeVar("T")
+#: redis-py's keyword options of a client and its pool, as its ``from_url`` takes them
+ConnectionOptions: TypeAlias = dict[str, Any]
+
+if TYPE_CHECKING:
+    # (_Connection is a mixin over whichever connection class a URL picks: typed as the base
+    # of them all, so its super() calls are checked against redis-py's)
+    _ConnectionBase = AbstractConnection
+else:
+    _ConnectionBase = object
+
 
 class _Retry(Retry):
     """Retries connection trouble, but not a refused login (redis-py's AuthenticationError is
     a ConnectionError, and retrying it only delays a wrong password's error by seconds) nor a
     timeout (see the module's docstring)."""
 
-    async def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):
+    async def call_with_retry(
+        self,
+        do: Callable[[], Awaitable[T]],
+        fail: Callable[[Exception], Any] | Callable[[Exception, int], Any],
+        is_retryable: Callable[[Exception], bool] | None = None,
+        with_failure_count: bool = False,
+    ) -> T:
         def retryable(e: Exception) -> bool:
             if isinstance(e, (AuthenticationError, AuthenticationWrongNumberOfArgsError, TimeoutError)):
                 return False
@@ -82,7 +101,7 @@ class _Retry(Retry):
         return await super().call_with_retry(do, fail, retryable, with_failure_count)
 
 
-class _Connection:
+class _Connection(_ConnectionBase):
     """fd's connection, over the URL's (TCP, TLS, unix, or a sentinel-managed one):
 
     - its write's timeout is ``asyncio.timeout``, not redis-py's ``asyncio.wait_for``: on
@@ -95,17 +114,20 @@ class _Connection:
       again through its pool's look-up of the primary, also when redis-py's retry of a command
       sends it again: redis-py reconnects there with the host and port it had."""
 
-    async def send_packed_command(self, command, check_health: bool = True) -> None:
+    async def send_packed_command(
+        self, command: bytes | str | Iterable[bytes], check_health: bool = True
+    ) -> None:
         timeout = self.socket_timeout
         if not timeout:
-            return await super().send_packed_command(command, check_health)
+            await super().send_packed_command(command, check_health)
+            return
         self.socket_timeout = None  # (so redis-py writes without its wait_for; the bound is here)
         try:
             async with asyncio.timeout(timeout):
                 if not self.is_connected and isinstance(self, SentinelManagedConnection):
                     # (redis-py would reconnect to the address it had, the old primary's: a
                     # command retried after a READONLY met it again and again; redis-py #3874)
-                    await self.connect()
+                    await self.connect()  # type: ignore[no-untyped-call]  # (unannotated in redis-py)
                 await super().send_packed_command(command, check_health)
         except asyncio.TimeoutError:  # (redis-py disconnected on the cancel the timeout sent)
             raise TimeoutError("Timeout writing to socket") from None
@@ -113,12 +135,13 @@ class _Connection:
             self.socket_timeout = timeout
 
 
-_CONNECTIONS: dict[type, type] = {}
+_CONNECTIONS: dict[type[AbstractConnection], type[AbstractConnection]] = {}
 
 
-def _fd_connection(cls: type) -> type:
+def _fd_connection(cls: type[AbstractConnection]) -> type[AbstractConnection]:
     if cls not in _CONNECTIONS:
-        _CONNECTIONS[cls] = type(cls.__name__, (_Connection, cls), {})
+        # (a class made at run time, on the URL's own: what type() makes is one of cls's)
+        _CONNECTIONS[cls] = cast(type[AbstractConnection], type(cls.__name__, (_Connection, cls), {}))
     return _CONNECTIONS[cls]
 
 
@@ -136,24 +159,27 @@ class _SentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):
     one. Measured (tests/test_sentinel.py): a busy client leaves the old primary 0.1-2 s after
     the sentinels' switch; without the look-up it stayed on it until the sentinels demoted it."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]  # (unannotated in redis-py)
         self._next_check = 0.0
-        self._check: asyncio.Task | None = None
+        self._check: asyncio.Task[None] | None = None
 
-    async def get_connection(self, *args, **kwargs):
+    async def get_connection(self, *args: Any, **kwargs: Any) -> AbstractConnection:
         now = time.monotonic()
         if now >= self._next_check and self._check is None:
             self._next_check = now + MASTER_CHECK_S
             self._check = asyncio.get_running_loop().create_task(self._follow_master())
-        return await super().get_connection(*args, **kwargs)
+        conn: AbstractConnection = await super().get_connection(*args, **kwargs)  # type: ignore[no-untyped-call]  # (unannotated in redis-py)
+        return conn
 
     async def _follow_master(self) -> None:
         try:
-            address = await self.get_master_address()  # (closes idle connections if it moved)
+            # (closes idle connections if it moved)
+            address = await self.get_master_address()  # type: ignore[no-untyped-call]  # (unannotated in redis-py)
             for conn in list(self._in_use_connections):
+                assert isinstance(conn, Connection)  # (a sentinel's are TCP: SentinelManagedConnection)
                 if conn.is_connected and (conn.host, conn.port) != address:
-                    conn.mark_for_reconnect()
+                    conn.mark_for_reconnect()  # type: ignore[no-untyped-call]  # (unannotated in redis-py)
         except (RedisError, OSError):
             pass  # (no primary known now: the commands' own connects say so)
         finally:
@@ -235,7 +261,7 @@ def connect(url: str, timeout_s: float | None = None) -> aioredis.Redis | aiored
     return aioredis.Redis.from_pool(pool)
 
 
-def _sentinel_client(url: str, tls: bool, rest: str, kwargs: dict) -> aioredis.Redis:
+def _sentinel_client(url: str, tls: bool, rest: str, kwargs: ConnectionOptions) -> aioredis.Redis:
     parts = urlsplit(f"//{rest}")
     userinfo, _, hosts = parts.netloc.rpartition("@")
     try:
@@ -262,7 +288,7 @@ def _sentinel_client(url: str, tls: bool, rest: str, kwargs: dict) -> aioredis.R
         ),
     )
     base = SentinelManagedSSLConnection if tls else SentinelManagedConnection
-    return manager.master_for(
+    client: aioredis.Redis = manager.master_for(
         path[0],
         redis_class=aioredis.Redis,
         connection_pool_class=_SentinelPool,
@@ -275,6 +301,7 @@ def _sentinel_client(url: str, tls: bool, rest: str, kwargs: dict) -> aioredis.R
             **options,  # (the query's win, as in redis-py's own URLs)
         },
     )
+    return client
 
 
 def _host_port(text: str) -> tuple[str, int]:

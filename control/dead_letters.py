@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, TypeVar
 
 from control.bad_event import BadEvent
-from control.events import Event, decode
+from control.events import Event, RawFields, decode
+from control.store import RedisClient
 
 # (the bus's logger: dead letters are written by the bus's readers, and filtered as theirs)
 log = logging.getLogger("control.bus")
@@ -25,18 +26,24 @@ _DEAD_RESERVED = (b"reason", b"stream", b"entry_id")
 DEAD_SEEN_MAX = 4096
 
 
+#: The event types a stream allows, and so what its reader gets back
+E = TypeVar("E", bound=Event)
+
+
 def _b(x: bytes | str) -> bytes:
     return x if isinstance(x, bytes) else x.encode()
 
 
 def check_event(
-    stream: str | bytes, ev: Event, allowed: tuple[type, ...], request_id: str | None = None
-) -> Event:
+    stream: str | bytes, ev: Event, allowed: tuple[type[E], ...], request_id: str | None = None
+) -> E:
     """Reject an event that decoded fine but has no business on this stream."""
     if not isinstance(ev, allowed):
         raise BadEvent(f"event type {ev.TYPE!r} does not belong on {_b(stream).decode()}", "type")
-    if request_id is not None and getattr(ev, "request_id", request_id) != request_id:
-        raise BadEvent(f"event for {ev.request_id!r} on the stream of {request_id!r}", "request_id")
+    if request_id is not None:
+        own = getattr(ev, "request_id", request_id)
+        if own != request_id:
+            raise BadEvent(f"event for {own!r} on the stream of {request_id!r}", "request_id")
     return ev
 
 
@@ -44,7 +51,7 @@ class DeadLetters:
     """One client's writer of ``P:dead``: the letters it wrote, and the entries it wrote them
     for (the last :data:`DEAD_SEEN_MAX`), so an entry read again gets no second letter."""
 
-    def __init__(self, redis, stream: str, maxlen: int):
+    def __init__(self, redis: RedisClient, stream: str, maxlen: int):
         self.redis = redis
         self.stream = stream
         self.maxlen = maxlen
@@ -54,7 +61,7 @@ class DeadLetters:
         self._seen: OrderedDict[tuple[bytes, bytes], None] = OrderedDict()
 
     async def write(
-        self, source_stream: str | bytes, entry_id: bytes | str | None, fields: Mapping, reason: str
+        self, source_stream: str | bytes, entry_id: bytes | str | None, fields: RawFields, reason: str
     ) -> None:
         """Copy a rejected entry to ``P:dead`` with why, and count it."""
         stream = _b(source_stream)
@@ -97,10 +104,10 @@ class DeadLetters:
         self,
         stream: str | bytes,
         entry_id: bytes,
-        fields: Mapping | None,
-        allowed: tuple[type, ...],
+        fields: RawFields | None,
+        allowed: tuple[type[E], ...],
         request_id: str | None = None,
-    ) -> Event | None:
+    ) -> E | None:
         """The entry's event if it belongs on ``stream``; else None, with its dead letter written."""
         if fields is None:  # an entry trimmed or deleted while pending
             await self.write(stream, entry_id, {}, "entry deleted from the stream while pending")

@@ -22,13 +22,14 @@ from __future__ import annotations
 import logging
 import socketserver
 import threading
+from typing import Any, Callable
 
 import fakeredis
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from control.connect import MAX_CONNECTIONS, POOL_WAIT_S
-from control.embedded_info import ServerInfo, parse_info
+from control.embedded_info import InfoValue, ServerInfo, parse_info
 from control.embedded_store import AppendListeners, EmbeddedStore, direct_works
 from control.resp import ProtocolError, RequestReader, encode_reply
 
@@ -45,7 +46,9 @@ class _Client(fakeredis.FakeAsyncRedis):
     def store(self) -> EmbeddedStore:
         return self._store
 
-    async def info(self, section=None, *args, **kwargs) -> dict:  # (redis-py's signature)
+    async def info(  # (redis-py's signature)
+        self, section: str | bytes | None = None, *args: str | bytes, **kwargs: Any
+    ) -> dict[str, InfoValue]:
         asked = [a.encode() if isinstance(a, str) else a for a in ((section, *args) if section else ())]
         return parse_info(self.server_info.render(asked))
 
@@ -105,7 +108,8 @@ class _Connection(socketserver.StreamRequestHandler):
         if name == b"HELLO":
             return self._hello(args[1:])
         try:
-            return encode_reply(self.client.execute_command(*args), self.protocol)
+            reply = self.client.execute_command(*args)  # type: ignore[no-untyped-call]  # (unannotated in redis-py)
+            return encode_reply(reply, self.protocol)
         except ResponseError as e:
             return encode_reply(e)
         except Exception as e:  # a command fakeredis could not run: the client's error, not ours
@@ -142,7 +146,12 @@ class _Door(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, address, fake_server, port_info):
+    def __init__(
+        self,
+        address: tuple[str, int],
+        fake_server: fakeredis.FakeServer,
+        port_info: Callable[[_Door], ServerInfo],
+    ):
         self.fake_server = fake_server
         self.closing = threading.Event()
         self.clients = 0
@@ -237,15 +246,18 @@ class EmbeddedRedis:
 
     def client(self) -> aioredis.Redis:
         """A client for code in this process, on the same data the TCP port serves."""
+        door = self._door
+        if door is None:
+            raise RuntimeError("EmbeddedRedis is not started")
         client = _Client(
-            server=self.fake_server,
+            server=self._server,
             decode_responses=False,
             protocol=2,
             connection_pool_class=aioredis.BlockingConnectionPool,
             max_connections=MAX_CONNECTIONS,
             timeout=POOL_WAIT_S,
         )
-        client.server_info = self._door.info
+        client.server_info = door.info
         if self._direct is None:
             self._direct = direct_works(self._server)
         client._store = EmbeddedStore(client, self._server, self._direct, self._listeners)
@@ -255,5 +267,5 @@ class EmbeddedRedis:
         self.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()

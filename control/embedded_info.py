@@ -18,18 +18,22 @@ import platform
 import resource
 import sys
 import time
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeAlias
 
 import fakeredis
+
+#: One value of INFO as redis-py's ``info()`` reads it: a number where it parses as one, a
+#: ``db<n>`` line's ``a=1,b=2`` as a dict of them.
+InfoValue: TypeAlias = int | float | str | dict[str, int | float | str]
 
 SECTIONS = ("server", "clients", "memory", "persistence", "replication", "cpu", "keyspace")
 
 
-def _human(n: int) -> str:
+def _human(n: float) -> str:
     for unit in ("B", "K", "M", "G"):
         if n < 1024 or unit == "G":
             return f"{n}{unit}" if unit == "B" else f"{n:.2f}{unit}"
-        n /= 1024  # type: ignore[assignment]
+        n /= 1024
     return f"{n}B"
 
 
@@ -49,7 +53,7 @@ def _peak_bytes() -> int:
 class ServerInfo:
     """The facts one embedded server reports, rendered as Redis renders INFO."""
 
-    def __init__(self, fake_server, port: int, tcp_clients: Callable[[], int]):
+    def __init__(self, fake_server: fakeredis.FakeServer, port: int, tcp_clients: Callable[[], int]):
         self.fake_server = fake_server
         self.port = port
         self.tcp_clients = tcp_clients
@@ -123,7 +127,7 @@ class ServerInfo:
         return [("used_cpu_sys", f"{use.ru_stime:.6f}"), ("used_cpu_user", f"{use.ru_utime:.6f}")]
 
     def _keyspace(self) -> list[tuple[str, object]]:
-        out = []
+        out: list[tuple[str, object]] = []
         for index in range(16):
             client = fakeredis.FakeRedis(server=self.fake_server, db=index)
             keys = client.dbsize()  # (what is past its TTL goes first)
@@ -136,9 +140,9 @@ class ServerInfo:
         return out
 
 
-def parse_info(text: bytes) -> dict:
+def parse_info(text: bytes) -> dict[str, InfoValue]:
     """INFO's text as redis-py's ``info()`` gives it: numbers as numbers, ``a=1,b=2`` as dicts."""
-    out: dict = {}
+    out: dict[str, InfoValue] = {}
     for line in text.decode().splitlines():
         if not line or line.startswith("#") or ":" not in line:
             continue
@@ -150,7 +154,7 @@ def parse_info(text: bytes) -> dict:
     return out
 
 
-def _number(v: str):
+def _number(v: str) -> int | float | str:
     for kind in (int, float):
         try:
             return kind(v)

@@ -44,14 +44,18 @@ import asyncio
 import logging
 import threading
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Literal, Mapping, Sequence
 
 import fakeredis
 from fakeredis.model import StreamEntryKey, StreamRangeTest, XStream
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from control.events import Event
 from control.fence import SEEN, Refused
-from control.store import Ack, Append, AppendListener, Fenced, RedisStore
+from control.store import Ack, Append, AppendListener, Fenced, RedisClient, RedisStore, StreamsReply
+
+if TYPE_CHECKING:
+    from fakeredis._core import Database
 
 log = logging.getLogger("control.embedded")
 
@@ -66,7 +70,7 @@ def _is_final(fields: Sequence[bytes]) -> bool:
 
 
 #: ``(stream, before, entry id, event, fields)`` of an append to tell listeners of
-_Told = tuple[bytes, bytes, bytes, Any, Mapping[str, str]]
+_Told = tuple[bytes, bytes, bytes, Event, Mapping[str, str]]
 
 
 class AppendListeners:
@@ -116,13 +120,13 @@ class _Direct:
             out.append(v.encode())
         return out
 
-    def _db(self):
+    def _db(self) -> Database:
         """Database 0, its clock set (a key past its TTL reads as absent), under the lock."""
         db = self.server.dbs[0]
         db.time = time.time()
         return db
 
-    def _stream(self, db, key: bytes) -> XStream | None | bool:
+    def _stream(self, db: Database, key: bytes) -> XStream | None | Literal[False]:
         """The stream at ``key``; None when absent; False when it holds another type."""
         try:
             value = db[key].value
@@ -176,7 +180,7 @@ class _Direct:
             before = stream.last_item_key() if events else b""
             stream.add(fields, entry, *limits)
             ids.append(entry.encode())
-            if events:
+            if events and told is not None:  # (events only where told is given)
                 told.append((key, before, ids[-1], events[i], batch.fields[i]))
             if fields[:2] == [b"type", b"final"]:
                 break
@@ -207,10 +211,10 @@ class _Direct:
             told.append((key, before, entry_id, entry.event, entry.fields))
         return entry_id
 
-    def scan(self, streams: Mapping[bytes, bytes], count: int | None) -> list | None:
+    def scan(self, streams: Mapping[bytes, bytes], count: int | None) -> StreamsReply | None:
         """XREAD's reply for ``streams`` now, under the lock; None: a key of another type or
         an id that does not parse (fakeredis says what is wrong)."""
-        out = []
+        out: StreamsReply = []
         with self.server.lock:
             db = self._db()
             for key, after in streams.items():
@@ -271,7 +275,7 @@ class _Direct:
         group = stream.group_get(ack.group.encode())
         ids = [i if isinstance(i, bytes) else i.encode() for i in ack.ids]
         if group is not None:
-            group.ack(tuple(ids))
+            group.ack(tuple(ids))  # type: ignore[arg-type]  # (fakeredis types it tuple[bytes]: it takes any number)
         stream.delete(ids)
         if db.has_watch(key):
             db.notify_watch(key)
@@ -294,7 +298,8 @@ def direct_works(server: fakeredis.FakeServer) -> bool:
     """Whether the direct operations give what the commands give on this fakeredis: a story
     appended both ways and read back both ways, and a group read up to its end and then not,
     on keys of this check's own."""
-    client = fakeredis.FakeRedis(server=server)
+    # (redis-py types replies as the union over protocols and decoding: read here as RESP2 bytes)
+    client: RedisClient = fakeredis.FakeRedis(server=server)
     direct = _Direct(server)
     owner, story = "fd-embedded-check:owner", "fd-embedded-check:story"
     try:
@@ -306,6 +311,8 @@ def direct_works(server: fakeredis.FakeServer) -> bool:
             again = direct.fenced(batch, direct._limits())
         with server.lock:
             after = direct.fenced(Fenced(owner, story, "e#1", [{"type": "tokens", "n": "3"}], 0), (100, 4096))
+        if isinstance(ids, Refused):  # (the check's own owner key: a refusal is a misbehaving server)
+            raise TypeError(f"the check's batch was refused ({ids.why})")
         want = [(first, {b"type": b"accepted", b"request_id": b"r"})]
         want += [
             (i, f)
@@ -322,7 +329,7 @@ def direct_works(server: fakeredis.FakeServer) -> bool:
         with server.lock:  # (MAXLEN ~ trims whole nodes only: none of these three entries)
             appended = direct.append(Append(story, {"type": "note", "n": "4"}, maxlen=2), (100, 4096))
             absent = direct.append(Append("fd-embedded-check:none", {"n": "5"}), (100, 4096))
-        same = same and appended and not absent and client.xlen(story) == 4
+        same = same and bool(appended) and not absent and client.xlen(story) == 4
         same = same and client.xrevrange(story, count=1)[0][1] == {b"type": b"note", b"n": b"4"}
         with server.lock:
             got, there = direct.value(owner), direct.exists(owner)
@@ -339,12 +346,12 @@ def direct_works(server: fakeredis.FakeServer) -> bool:
         pending = client.xpending(story, "g")["pending"]
         with server.lock:
             acked = direct.ack_delete(Ack(story, "g", [last]))
-            absent = direct.ack_delete(Ack("fd-embedded-check:none", "g", [last]))
+            absent_acked = direct.ack_delete(Ack("fd-embedded-check:none", "g", [last]))
         left = [i for i, _ in client.xrange(story)]
         return (
             same
             and acked
-            and not absent
+            and not absent_acked
             and client.xpending(story, "g")["pending"] == pending - 1
             and last not in left
         )
@@ -364,7 +371,11 @@ class EmbeddedStore(RedisStore):
     otherwise. What it appends there it tells its :class:`AppendListeners`."""
 
     def __init__(
-        self, redis: Any, server: fakeredis.FakeServer, direct: bool, listeners: AppendListeners | None = None
+        self,
+        redis: RedisClient,
+        server: fakeredis.FakeServer,
+        direct: bool,
+        listeners: AppendListeners | None = None,
     ):
         super().__init__(redis)
         self._direct = _Direct(server) if direct else None
@@ -478,7 +489,7 @@ class EmbeddedStore(RedisStore):
 
     async def read_group(
         self, stream: str, group: str, consumer: str, count: int, block_ms: int | None
-    ) -> list:
+    ) -> StreamsReply:
         # An engine polls P:requests while it runs (engine/admission.py), nearly always to
         # find nothing: that answer comes from the stream's and group's last ids here, not
         # from a command (~0.35 ms of the loop through fakeredis's command layer).
@@ -494,7 +505,7 @@ class EmbeddedStore(RedisStore):
 
     async def read(
         self, streams: Mapping[bytes | str, bytes], count: int | None, block_ms: int | None
-    ) -> list:
+    ) -> StreamsReply:
         direct = self._direct
         if direct is None or not direct.usable():
             return await super().read(streams, count, block_ms)

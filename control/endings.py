@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Collection
 
-from control.events import AbortRequested, BlocksReleased, Drained, Event, Final
+from control.events import AbortRequested, BlocksReleased, Drained, Event, Final, JsonObject
 
 #: The events of an ending by their type, as stories and journal digests name them.
 ABORT_REQUESTED = AbortRequested.TYPE
@@ -24,7 +24,7 @@ FINAL = Final.TYPE  # what ends a story: nothing follows it
 ABORT_STAGES = (ABORT_REQUESTED, DRAINED, BLOCKS_RELEASED)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int) -> JsonObject:
     """OpenAI's usage object."""
     return {
         "prompt_tokens": prompt_tokens,
@@ -36,7 +36,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 def final(
     request_id: str,
     reason: str,
-    used: dict,
+    used: JsonObject,
     stop: str | int | None = None,
     error: str | None = None,
     step: int = 0,
@@ -57,7 +57,7 @@ def final(
     )
 
 
-def error_final(request_id: str, used: dict, error: str, step: int = 0) -> Final:
+def error_final(request_id: str, used: JsonObject, error: str, step: int = 0) -> Final:
     """A request that ends with an error before (or instead of) running."""
     return Final(request_id=request_id, finish_reason="error", usage=used, error=error, step=step)
 
@@ -67,7 +67,7 @@ def release(
     count: int,
     step: int,
     reason: str,
-    used: dict,
+    used: JsonObject,
     stop: str | int | None = None,
     error: str | None = None,
 ) -> list[Event]:
@@ -91,7 +91,7 @@ def drained(request_id: str, step: int, discarded_tokens: int = 0) -> Drained:
 def abort_story(
     request_id: str,
     source: str,
-    used: dict,
+    used: JsonObject,
     step: int = 0,
     engine: str = "",
     noted: Collection[str] = (),

@@ -23,7 +23,7 @@ import time
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Mapping, Union
+from typing import Any, ClassVar, Mapping, TypeAlias, Union
 
 import orjson
 
@@ -38,6 +38,10 @@ MAX_IDS_PER_ABORT = 10_000
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
+#: A JSON object, decoded: its values are unchecked until read. Events carry some as one field
+#: each (``usage``, ``logprobs``, a journal's ``config``).
+JsonObject: TypeAlias = dict[str, Any]
+
 
 def now_ms() -> int:
     return int(time.time() * 1000)
@@ -45,7 +49,7 @@ def now_ms() -> int:
 
 # --------------------------------------------------------------------------- events
 
-_REGISTRY: dict[str, type["Event"]] = {}
+_REGISTRY: dict[str, type["AnyEvent"]] = {}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -220,11 +224,11 @@ class Tokens(Event):
     # Only when the request asked (SamplingParams.logprobs): per token of token_ids, in order,
     # {"lp": [its log-probability, ...], "top": [[[token id, log-probability], ...], ...]}
     # (control.token_payloads.logprobs_field / logprobs_entries).
-    logprobs: dict | None = None
+    logprobs: JsonObject | None = None
     # Only on the first tokens event of a request that asked (SamplingParams.prompt_logprobs):
     # {"ids": the prompt, "lp": [...], "top": [...]}, lp and top for its tokens 1.. (the first
     # has none), shaped as `logprobs` (control.token_payloads.prompt_logprobs_field / prompt_logprobs_entries).
-    prompt_logprobs: dict | None = None
+    prompt_logprobs: JsonObject | None = None
     # Only on the first tokens event of an embeddings request (SamplingParams.embed): the
     # final hidden state at the prompt's last position, float32 little-endian, base64
     # (control.token_payloads.embedding_field / embedding_vector).
@@ -285,7 +289,7 @@ class Final(Event):
     TYPE: ClassVar[str] = "final"
     request_id: str
     finish_reason: str
-    usage: dict = field(default_factory=dict)
+    usage: JsonObject = field(default_factory=dict)
     engine: str = ""
     step: int = 0
     error: str | None = None
@@ -295,12 +299,17 @@ class Final(Event):
     stop_token: int | None = None
 
 
-REQ_STREAM_TYPES = (Accepted, Claimed, Tokens, Preempted, AbortRequested, Drained, BlocksReleased, Final)
-CONTROL_TYPES = (Abort, AbortAll, Drain, LoadLora, UnloadLora)
+#: What ``P:control`` carries.
+ControlEvent: TypeAlias = Abort | AbortAll | Drain | LoadLora | UnloadLora
 
+REQ_STREAM_TYPES = (Accepted, Claimed, Tokens, Preempted, AbortRequested, Drained, BlocksReleased, Final)
+CONTROL_TYPES: tuple[type[ControlEvent], ...] = (Abort, AbortAll, Drain, LoadLora, UnloadLora)
+
+_cls: type[AnyEvent]
 for _cls in (*CONTROL_TYPES, Request, *REQ_STREAM_TYPES):
     _REGISTRY[_cls.TYPE] = _cls
 
+#: Every event :func:`decode` gives (the engine journal's too, defined further down).
 AnyEvent = Union[
     Abort,
     AbortAll,
@@ -316,6 +325,8 @@ AnyEvent = Union[
     Drained,
     BlocksReleased,
     Final,
+    "JournalStart",
+    "JournalStep",
 ]
 
 
@@ -435,7 +446,12 @@ def _text(x: Any, name: str) -> str:
     return s
 
 
-def decode(fields: Mapping[Any, Any], entry_id: str | bytes | None = None) -> AnyEvent:
+#: A stream entry's fields as a client hands them back (bytes from redis-py; str from a test or
+#: a hand-typed entry): unchecked until :func:`decode` reads them.
+RawFields: TypeAlias = Mapping[Any, Any]
+
+
+def decode(fields: RawFields, entry_id: str | bytes | None = None) -> AnyEvent:
     """Decode a stream entry (keys/values as bytes or str) into its event.
 
     Raises :class:`BadEvent` for anything a reader must dead-letter.
@@ -468,7 +484,7 @@ def decode(fields: Mapping[Any, Any], entry_id: str | bytes | None = None) -> An
         raise BadEvent(f"schema version {kw['v']} is newer than this node's {SCHEMA_VERSION}", "v")
     ev = cls(**kw)
     _validate(ev)
-    return ev  # type: ignore[return-value]
+    return ev
 
 
 def _validate(ev: Event) -> None:
@@ -511,7 +527,7 @@ class JournalStart(Event):
 
     TYPE: ClassVar[str] = "journal_start"
     engine: str = ""
-    config: dict = field(default_factory=dict)
+    config: JsonObject = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -523,7 +539,7 @@ class JournalStep(Event):
     engine: str = ""
     step: int = 0
     seq: int = 0
-    data: dict = field(default_factory=dict)
+    data: JsonObject = field(default_factory=dict)
 
 
 JOURNAL_TYPES = (JournalStart, JournalStep)

@@ -50,7 +50,7 @@ sends it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Mapping, Sequence, TypeAlias
 
 #: How many of the story's last entries a batch is looked for among (see the module's docstring).
 SEEN = 4
@@ -135,6 +135,9 @@ return out
 """
 SCRIPT = _SCRIPT.replace("SEEN", str(SEEN))
 
+#: A script's ARGV as redis-py sends it: strings, and an acked entry's id as its bytes.
+ScriptArgs: TypeAlias = list[str | bytes]
+
 
 @dataclass(frozen=True, slots=True)
 class Refused:
@@ -148,7 +151,7 @@ class Refused:
     error: str | None = None
 
 
-def append_fields(args: list, fields: Mapping[str, str]) -> None:
+def append_fields(args: ScriptArgs, fields: Mapping[str, str]) -> None:
     """One event as the stories' scripts take it in ARGV: its number of field strings, then
     the strings (name, value, ...)."""
     args.append(str(2 * len(fields)))
@@ -160,21 +163,21 @@ def append_fields(args: list, fields: Mapping[str, str]) -> None:
 def script_args(
     token: str,
     ttl_s: int,
-    fields: list[dict[str, str]],
+    fields: Sequence[Mapping[str, str]],
     ack: bytes | None = None,
     group: str = "",
     after: Mapping[str, str] | None = None,
-) -> list:
+) -> ScriptArgs:
     """ARGV of :data:`SCRIPT` for one request's events (their encoded fields, in order);
     ``after``: the writer's last event on the story before them, which must be its last entry."""
-    args: list = [token, str(ttl_s), ack or b"", group, str(len(fields))]
+    args: ScriptArgs = [token, str(ttl_s), ack or b"", group, str(len(fields))]
     append_fields(args, after or {})
     for f in fields:
         append_fields(args, f)
     return args
 
 
-def script_result(reply) -> list[bytes] | Refused:
+def script_result(reply: Sequence[Any]) -> list[bytes] | Refused:
     """The script's reply as :meth:`control.bus.Bus.publish_owned` hands it on."""
     if int(reply[0]) == 1:
         return [r if isinstance(r, bytes) else str(r).encode() for r in reply[1:]]

@@ -23,7 +23,11 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    # (a name of llguidance's stub only: the package does not export it at run time)
+    from llguidance._lib import JsonCompileOptions
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 MAX_SPEC_BYTES = 64 << 10
@@ -94,7 +98,11 @@ def grammar(text: str) -> str:
     import llguidance
 
     kind, value = parse(text)
-    compact = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    compact: JsonCompileOptions = {
+        "whitespace_flexible": False,
+        "item_separator": ", ",
+        "key_separator": ": ",
+    }
     if kind in ("json", "json_object"):
         schema = {"type": "object"} if kind == "json_object" else value
         try:

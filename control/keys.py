@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Sequence, TypeGuard
 
 #: Request ids become parts of key names, so they are restricted to a charset that cannot
 #: open a hash tag or a glob and to a length that keeps keys small.
@@ -109,10 +110,14 @@ def valid_request_id(request_id: str) -> bool:
 _REQUEST_IDS_RE = re.compile(r"(?:[A-Za-z0-9_.:@-]{1,128}\n)*")
 
 
-def all_valid_request_ids(request_ids: list) -> bool:
+def _all_str(items: Sequence[object]) -> TypeGuard[Sequence[str]]:
+    return all(type(r) is str for r in items)
+
+
+def all_valid_request_ids(request_ids: Sequence[object]) -> bool:
     """True when every item is a valid request id: one regex pass over them all (a 1,000-id
     abort would otherwise run 1,000), for the common case; False says only "look closer"."""
-    if not request_ids or not all(type(r) is str for r in request_ids):
+    if not request_ids or not _all_str(request_ids):
         return False
     joined = "\n".join(request_ids)
     if joined.count("\n") != len(request_ids) - 1:  # an id with a newline in it: not valid

@@ -17,10 +17,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import enum
 import logging
 import threading
 from collections import deque
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence, TypeAlias
 
 from redis.crc import key_slot
 
@@ -31,6 +32,7 @@ from control.entry_ids import entry_id_key, normal_entry_id
 from control.events import REQ_STREAM_TYPES, Event, Final, Tokens, decode
 from control.keys import Keys, valid_request_id
 from control.outage import REDIS_FAILURES, is_outage, kind, reason
+from control.store import RedisClient, StreamEntry
 
 # (the bus's logger: the mux is the bus's reader, and operators filter its warnings as the bus's)
 log = logging.getLogger("control.bus")
@@ -72,7 +74,15 @@ class StoryRewound(StoryLost):
         self.request_id = request_id
 
 
-_END = object()
+class _End(enum.Enum):
+    """What ends a subscription's queue: its ``final`` was queued, or it was closed."""
+
+    END = enum.auto()
+
+
+_END = _End.END
+#: What a subscription's queue holds: entries, then its end (or what stopped it).
+_Item: TypeAlias = tuple[bytes, Event] | BaseException | _End
 _NOTHING = entry_id_key(b"0-0")  # a subscription's ``_last`` before it has seen an entry
 
 
@@ -91,8 +101,8 @@ class Subscription:
         self.last_id = after
         self._last = entry_id_key(after)
         self._mux = mux
-        self._items: deque = deque()
-        self._waiter: asyncio.Future | None = None
+        self._items: deque[_Item] = deque()
+        self._waiter: asyncio.Future[bool] | None = None
         self._quiet_until: float | None = None  # ready(timeout): when the wait gives up (loop time)
         self._timer: asyncio.TimerHandle | None = None
         self._ended = False  # nothing more will be queued
@@ -140,7 +150,8 @@ class Subscription:
         if self._items or self._closed:
             return True
         loop = asyncio.get_running_loop()
-        fut = self._waiter = loop.create_future()
+        fut: asyncio.Future[bool] = loop.create_future()
+        self._waiter = fut
         if timeout is None:
             self._quiet_until = None
         else:
@@ -169,7 +180,7 @@ class Subscription:
         """Every ``(entry_id, event)`` delivered and not yet taken, without waiting. Empty
         once the consumer has seen the end (check :attr:`done`); raises what stopped the
         mux once everything before it was taken."""
-        out = []
+        out: list[tuple[bytes, Event]] = []
         items = self._items
         while items:
             item = items[0]
@@ -181,7 +192,8 @@ class Subscription:
                 if item is _END:
                     break
                 raise item
-            out.append(items.popleft())
+            items.popleft()
+            out.append(item)
         return out
 
     def _finish(self) -> None:
@@ -199,7 +211,7 @@ class Subscription:
             self._timer = None
 
     # -- called by the mux
-    def _put(self, item) -> None:
+    def _put(self, item: _Item) -> None:
         self._items.append(item)
         fut = self._waiter
         if fut is not None and not fut.done():
@@ -213,14 +225,14 @@ class Subscription:
         self._last = idk
         self.last_id = entry_id
         if type(ev) is Tokens and ev.pos is not None and self._ids is not None:
-            if ev.pos != len(self._ids) and not self._follows(ev):
+            if ev.pos != len(self._ids) and not self._follows(ev, self._ids):
                 return
             self._ids += ev.token_ids
         self._put((entry_id, ev))
         if isinstance(ev, Final):
             self._end(_END)
 
-    def _follows(self, ev: Tokens) -> bool:
+    def _follows(self, ev: Tokens, sent: list[int]) -> bool:
         """``ev`` is not where this reader's output stands: a failover shortened the story
         after the reader had read more of it, and the engine that went on from what was left
         (a takeover, or its own after a final that was lost) writes those positions again.
@@ -228,14 +240,14 @@ class Subscription:
         continuation that differs, one event that repeats and goes on, tokens missing) ends
         the subscription with :class:`StoryRewound` (False), since the client's text can no
         longer go on exactly."""
-        sent, pos, ids = self._ids, ev.pos, ev.token_ids
+        pos, ids = ev.pos, ev.token_ids
         if pos is not None and pos < len(sent) and pos + len(ids) <= len(sent):
             if all(sent[pos + i] == t for i, t in enumerate(ids)):
                 return False
         self._end(StoryRewound(self.request_id))
         return False
 
-    def _end(self, item) -> None:
+    def _end(self, item: _End | BaseException) -> None:
         if not self._ended:
             self._ended = True
             self._put(item)
@@ -255,7 +267,7 @@ class _ReadGate:
         finally:
             self.waiting -= 1
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         self._sem.release()
 
     def full(self) -> bool:
@@ -278,9 +290,9 @@ class _Shard:
         self.rang = False  # a wake-up is already on its way for this blocking read
         self.rung = False  # the doorbell stream exists (cluster shards delete it on retiring)
         self.long = False  # the current read blocks for the full block_ms
-        self.task: asyncio.Task | None = None
+        self.task: asyncio.Task[None] | None = None
         self.wake_last = b"0-0"
-        self.reading: dict[bytes, bytes] | None = None  # the ids the read in progress reads after
+        self.reading: dict[bytes | str, bytes] | None = None  # the ids the read in progress reads after
         self.next_look = 0.0  # when to look for stories that disappeared (loop time)
         self.missing: dict[bytes, int] = {}  # looks in a row that found a story gone
 
@@ -323,7 +335,7 @@ class _Shard:
                 async with mux._gate:
                     if mux._stopping or (self.slot is not None and not self.subs):
                         continue
-                    streams = {self.wake_key: self.wake_last}
+                    streams: dict[bytes | str, bytes] = {self.wake_key: self.wake_last}
                     for key, subs in self.subs.items():
                         streams[key] = min(subs, key=lambda s: s._last).last_id
                     # Others queue for a read: hold it briefly, so the readers take turns.
@@ -406,7 +418,7 @@ class _Shard:
         """Cluster only: stop reading a slot with nothing left to watch. Synchronously
         unlisted first, so a new subscription to this slot gets a fresh shard."""
         mux = self.mux
-        if mux._by_slot.get(self.slot) is self:
+        if self.slot is not None and mux._by_slot.get(self.slot) is self:
             del mux._by_slot[self.slot]
         if self.rung:
             try:
@@ -416,7 +428,7 @@ class _Shard:
         if self in mux._shards:
             mux._shards.remove(self)
 
-    async def _dispatch(self, key: bytes, entries: list, after: bytes) -> None:
+    async def _dispatch(self, key: bytes, entries: Sequence[StreamEntry], after: bytes) -> None:
         """Hand a read's ``entries`` (those after ``after``) to the key's subscriptions. One
         that was added during the read with an earlier ``after`` (a resume) takes none of
         them: it would skip what lies between; the next read starts from it."""
@@ -488,7 +500,7 @@ class StreamMux:
 
     def __init__(
         self,
-        redis,
+        redis: RedisClient,
         keys: Keys,
         reader_id: str,
         *,
@@ -521,7 +533,7 @@ class StreamMux:
         self.lost_look_s = lost_look_s
         self.lost = 0  # subscribed stories found gone
         self._unlisten: Callable[[], None] | None = None
-        self._rings: set[asyncio.Task] = set()  # doorbells on their way (subscribe)
+        self._rings: set[asyncio.Task[None]] = set()  # doorbells on their way (subscribe)
         self._thread: int | None = None  # the event loop's, where the store's tellings count
 
     @property
@@ -534,12 +546,12 @@ class StreamMux:
         return self._started
 
     @property
-    def on_dead_letter(self):
+    def on_dead_letter(self) -> Callable[[], Any] | None:
         """Called once per dead letter the mux's reads write (its bus's hook)."""
         return self._bus.on_dead_letter
 
     @on_dead_letter.setter
-    def on_dead_letter(self, hook) -> None:
+    def on_dead_letter(self, hook: Callable[[], Any] | None) -> None:
         self._bus.on_dead_letter = hook
 
     def _gate_waiting(self) -> bool:

@@ -69,13 +69,14 @@ def is_outage(e: BaseException) -> bool:
 def reason(e: BaseException) -> str:
     """A short line for logs and ``/health``: the reply's class and text."""
     text = str(e) or type(e).__name__
-    code = {
+    codes: dict[type[BaseException], str] = {
         OutOfMemoryError: "OOM",
         ReadOnlyError: "READONLY",
         BusyLoadingError: "LOADING",
         TryAgainError: "TRYAGAIN",
         NoScriptError: "NOSCRIPT",
-    }.get(type(e))
+    }
+    code = codes.get(type(e))
     if code is None and isinstance(e, ClusterDownError):
         code = "CLUSTERDOWN"
     return f"{code} {text}" if code and not text.startswith(code) else text

@@ -43,7 +43,7 @@ class Ownership:
         if not request_ids:
             return []
         olds = await self.store.set_nx_get([self.keys.owner(r) for r in request_ids], owner, ttl_s)
-        out = []
+        out: list[tuple[bool, str | None]] = []
         for old in olds:
             out.append((True, owner) if old is None else (False, old.decode()))
         return out

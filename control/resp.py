@@ -74,7 +74,7 @@ class RequestReader:
         return args
 
 
-def _int(raw) -> int:
+def _int(raw: bytes | bytearray) -> int:
     try:
         return int(raw)
     except ValueError:

@@ -22,17 +22,29 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Mapping, Protocol, Sequence, TypeAlias, runtime_checkable
 
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, ResponseError
 
 from control import fence
 from control import story as story_start
+from control.events import Event
 from control.fence import Refused
 from control.outage import is_outage, reason
 
 log = logging.getLogger("control.store")
+
+#: A redis-py client (asyncio's ``Redis``, ``RedisCluster``, fakeredis's ``FakeAsyncRedis``; a
+#: synchronous one where a check runs outside the loop) or a pipeline of one. redis-py types
+#: its commands' replies as ``Awaitable[Any] | Any``, so the replies are unchecked whatever
+#: the client: each caller reads them into its own types.
+RedisClient: TypeAlias = Any
+#: One stream entry of a read: its id and its fields (None: deleted while pending).
+StreamEntry: TypeAlias = tuple[bytes, Mapping[bytes, bytes] | None]
+#: ``XREAD``'s and ``XREADGROUP``'s reply as redis-py gives it: per stream a two-item list, its
+#: key and its entries (``(entry id, fields)`` each); the server's reply, read by the bus.
+StreamsReply: TypeAlias = list[list[Any]]
 
 _FAKEREDIS_NO_STREAM = "The XGROUP subcommand requires the key to exist"
 
@@ -46,7 +58,7 @@ class Append:
     stream: str
     fields: Mapping[str, str]
     maxlen: int | None = None
-    event: Any = None
+    event: Event | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +84,7 @@ class Fenced:
     ttl_s: int
     ack: Ack | None = None
     renew: Sequence[str] = field(default_factory=tuple)
-    events: Sequence[Any] = ()
+    events: Sequence[Event] = ()
     after: Mapping[str, str] | None = None  # the writer's last event on the story (control/fence.py)
 
     @property
@@ -83,7 +95,7 @@ class Fenced:
 #: ``(stream, before, entry_id, event, fields)``: ``event`` was appended to ``stream`` as
 #: ``entry_id``, encoded as ``fields``, right after the entry ``before`` (the stream's last id
 #: then; ``0-0`` for none).
-AppendListener = Callable[[bytes, bytes, bytes, Any, Mapping[str, str]], None]
+AppendListener = Callable[[bytes, bytes, bytes, Event, Mapping[str, str]], None]
 
 
 class Store(Protocol):
@@ -120,7 +132,7 @@ class Store(Protocol):
 
     async def read(
         self, streams: Mapping[bytes | str, bytes], count: int | None, block_ms: int | None
-    ) -> list:
+    ) -> StreamsReply:
         """``XREAD [COUNT count] [BLOCK ms] STREAMS key... id...``, in redis-py's reply shape.
         A store that looks again while it blocks reads the ids in ``streams`` again: a
         listener's reader (:meth:`listen`) moves them past what it was told meanwhile."""
@@ -145,7 +157,7 @@ class Store(Protocol):
 
     async def read_group(
         self, stream: str, group: str, consumer: str, count: int, block_ms: int | None
-    ) -> list:
+    ) -> StreamsReply:
         """``XREADGROUP GROUP group consumer COUNT count [BLOCK ms] STREAMS stream >``, in
         redis-py's reply shape; ``block_ms=None`` does not block. Raises redis-py's
         ``ResponseError``, one that starts ``NOGROUP`` where the stream or the group is
@@ -163,12 +175,12 @@ class HasStore(Protocol):
     def store(self) -> Store: ...
 
 
-def store_for(redis: Any) -> Store:
+def store_for(redis: RedisClient) -> Store:
     """The store to use on ``redis``: its own where it brings one, else :class:`RedisStore`."""
     return redis.store() if isinstance(redis, HasStore) else RedisStore(redis)
 
 
-def _xadd(client, entry: Append) -> Any:
+def _xadd(client: RedisClient, entry: Append) -> Any:
     if entry.maxlen:
         return client.xadd(entry.stream, entry.fields, maxlen=entry.maxlen, approximate=True)
     return client.xadd(entry.stream, entry.fields)
@@ -184,7 +196,7 @@ def _refusal(e: Exception, command: str, key: str) -> Refused:
     return Refused("error", None, reason(e))
 
 
-def _ack(pipe, ack: Ack) -> None:
+def _ack(pipe: RedisClient, ack: Ack) -> None:
     pipe.xack(ack.stream, ack.group, *ack.ids)
     pipe.xdel(ack.stream, *ack.ids)
 
@@ -192,7 +204,7 @@ def _ack(pipe, ack: Ack) -> None:
 class RedisStore:
     """:class:`Store` over redis-py commands and scripts, on a single node or a Cluster."""
 
-    def __init__(self, redis: Any):
+    def __init__(self, redis: RedisClient):
         self.redis = redis
         self.cluster = isinstance(redis, RedisCluster)
         self._fence_sha: str | None = None  # control/fence.py's script, once loaded
@@ -214,7 +226,7 @@ class RedisStore:
         if ack is not None and ack.ids and self.cluster and (entries or expire):
             # The acked stream may live on another node, and the cluster pipeline runs the
             # nodes' batches side by side: write first, then ack.
-            written = await pipe.execute()
+            written: list[bytes] = await pipe.execute()
             pipe = self.redis.pipeline(transaction=False)
             _ack(pipe, ack)
             await pipe.execute()
@@ -318,29 +330,30 @@ class RedisStore:
     async def start_story(
         self, story: str, fields: Sequence[Mapping[str, str]], ttl_s: int, request: Append | None = None
     ) -> tuple[int, bool]:
-        with_request = request is not None and not self.cluster
+        req = request if not self.cluster else None  # (a cluster's script takes the story alone)
         if self._start_script is None:
             self._start_script = self.redis.register_script(story_start.SCRIPT)
         got = int(
             await self._start_script(
-                keys=[story, request.stream] if with_request else [story],
+                keys=[story, req.stream] if req is not None else [story],
                 args=story_start.script_args(
                     ttl_s,
                     list(fields),
-                    dict(request.fields) if with_request else None,
-                    request.maxlen if with_request else None,
+                    dict(req.fields) if req is not None else None,
+                    req.maxlen if req is not None else None,
                 ),
             )
         )
-        return got, with_request
+        return got, req is not None
 
     async def read(
         self, streams: Mapping[bytes | str, bytes], count: int | None, block_ms: int | None
-    ) -> list:
+    ) -> StreamsReply:
         return await self.redis.xread(dict(streams), count=count, block=block_ms) or []
 
     async def get(self, key: str) -> bytes | None:
-        return await self.redis.get(key)
+        value: bytes | None = await self.redis.get(key)
+        return value
 
     async def exists(self, key: str) -> bool:
         return bool(await self.redis.exists(key))
@@ -371,7 +384,7 @@ class RedisStore:
 
     async def read_group(
         self, stream: str, group: str, consumer: str, count: int, block_ms: int | None
-    ) -> list:
+    ) -> StreamsReply:
         try:
             return (
                 await self.redis.xreadgroup(group, consumer, {stream: ">"}, count=count, block=block_ms) or []

@@ -20,7 +20,9 @@ gives an engine a second entry of a request it already owns, which the claim dro
 
 from __future__ import annotations
 
-from control.fence import append_fields
+from typing import Mapping, Sequence
+
+from control.fence import ScriptArgs, append_fields
 
 #: KEYS: the story, then (a single Redis only) ``P:requests``.
 #: ARGV: ttl (seconds; 0: none), ``P:requests``' MAXLEN (0: none), the number of story events,
@@ -63,10 +65,13 @@ TAKEN, WRITTEN, DONE = 0, 1, 2
 
 
 def script_args(
-    ttl_s: int, story: list[dict[str, str]], request: dict[str, str] | None = None, maxlen: int | None = None
-) -> list:
+    ttl_s: int,
+    story: Sequence[Mapping[str, str]],
+    request: Mapping[str, str] | None = None,
+    maxlen: int | None = None,
+) -> ScriptArgs:
     """ARGV of :data:`SCRIPT`: the story's encoded events, in order, and the request's."""
-    args: list = [str(ttl_s), str(maxlen or 0), str(len(story))]
+    args: ScriptArgs = [str(ttl_s), str(maxlen or 0), str(len(story))]
     for fields in story:
         append_fields(args, fields)
     if request is not None:

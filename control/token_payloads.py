@@ -8,7 +8,17 @@ or answers None when it is not that shape (a hand-typed event), so the tokens ar
 from __future__ import annotations
 
 import base64
-from typing import Any, Sequence
+from typing import Any, Sequence, TypeAlias
+
+from control.events import JsonObject
+
+#: One token's log-probability and its likeliest alternatives, (token id, log-probability),
+#: likeliest first.
+LogprobEntry: TypeAlias = tuple[float, Sequence[tuple[int, float]]]
+#: A prompt token's entry: a :data:`LogprobEntry`, with the token's rank where the runner has it.
+PromptLogprobEntry: TypeAlias = LogprobEntry | tuple[float, Sequence[tuple[int, float]], int]
+#: An entry read back from an event: its alternatives as a list.
+ReadLogprobEntry: TypeAlias = tuple[float, list[tuple[int, float]]]
 
 
 def embedding_field(vector: bytes) -> str:
@@ -30,12 +40,13 @@ def embedding_vector(field: Any) -> Any:
     return np.frombuffer(raw, dtype="<f4")
 
 
-def prompt_logprobs_field(prompt: Sequence[int], entries: Sequence[tuple]) -> dict:
+def prompt_logprobs_field(prompt: Sequence[int], entries: Sequence[PromptLogprobEntry]) -> JsonObject:
     """Entries of (log-probability, alternatives[, rank]): the rank (1: the likeliest token of
     its position) rides as ``rank`` when every entry has one."""
     out = {"ids": list(prompt), **logprobs_field([e[:2] for e in entries])}
-    if entries and all(len(e) > 2 for e in entries):
-        out["rank"] = [int(e[2]) for e in entries]
+    ranked = [e for e in entries if len(e) > 2]  # (the entries with a rank, typed as such)
+    if entries and len(ranked) == len(entries):
+        out["rank"] = [int(e[2]) for e in ranked]
     return out
 
 
@@ -48,7 +59,7 @@ def prompt_logprob_ranks(field: Any, n: int) -> list[int] | None:
     return ranks if len(ranks) == n else None
 
 
-def prompt_logprobs_entries(field: Any) -> tuple[list[int], list[tuple[float, list]]] | None:
+def prompt_logprobs_entries(field: Any) -> tuple[list[int], list[ReadLogprobEntry]] | None:
     """:func:`prompt_logprobs_field` read back: the prompt's ids and an entry for each but the
     first; None when it is not that shape."""
     try:
@@ -59,13 +70,13 @@ def prompt_logprobs_entries(field: Any) -> tuple[list[int], list[tuple[float, li
     return None if entries is None else (ids, entries)
 
 
-def logprobs_field(entries: Sequence[tuple[float, Sequence[tuple[int, float]]]]) -> dict:
+def logprobs_field(entries: Sequence[LogprobEntry]) -> JsonObject:
     """A tokens event's ``logprobs``: per token, its log-probability and the likeliest
     alternatives as (token id, log-probability), likeliest first."""
     return {"lp": [lp for lp, _ in entries], "top": [[list(pair) for pair in top] for _, top in entries]}
 
 
-def logprobs_entries(field: Any, n_tokens: int) -> list[tuple[float, list]] | None:
+def logprobs_entries(field: Any, n_tokens: int) -> list[ReadLogprobEntry] | None:
     """:func:`logprobs_field` read back, one entry per token; None when it is not that shape
     (a hand-typed event: its tokens are shown without log-probabilities)."""
     try:

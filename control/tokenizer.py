@@ -20,6 +20,8 @@ import jinja2
 import jinja2.sandbox
 import tokenizers
 
+from control.events import JsonObject
+
 DEFAULT_MAX_MODEL_LEN = 2048
 
 
@@ -43,7 +45,7 @@ class TokenizerLike(Protocol):
     def id_to_bytes(self, token_id: int) -> bytes: ...
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
+        self, messages: list[JsonObject], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str: ...
 
 
@@ -90,14 +92,14 @@ def _read_json(path: str, *, required: bool) -> dict[str, Any]:
             raise FileNotFoundError(f"missing {os.path.basename(path)} in {os.path.dirname(path)}")
         return {}
     with open(path, encoding="utf-8") as f:
-        return json.load(f)
+        obj: JsonObject = json.load(f)
+    return obj
 
 
 def _token_text(tok: Any) -> str | None:
     """``bos_token`` and friends appear as a string or as an AddedToken dict."""
-    if isinstance(tok, dict):
-        return tok.get("content")
-    return tok
+    text: str | None = tok.get("content") if isinstance(tok, dict) else tok
+    return text
 
 
 def _raise_exception(message: str) -> None:
@@ -167,8 +169,10 @@ class Tokenizer:
                 if isinstance(i, int) and i not in eos_ids:
                     eos_ids.append(i)
         eos_token = _token_text(tcfg.get("eos_token"))
-        if not eos_ids and eos_token is not None and tok.token_to_id(eos_token) is not None:
-            eos_ids.append(tok.token_to_id(eos_token))
+        if not eos_ids and eos_token is not None:
+            eos_id = tok.token_to_id(eos_token)
+            if eos_id is not None:
+                eos_ids.append(eos_id)
 
         dims = cfg.get("matryoshka_dimensions")
         if (
@@ -180,7 +184,7 @@ class Tokenizer:
         else:
             matryoshka = cfg.get("is_matryoshka") is True
 
-        def is_byte_level(d: dict) -> bool:
+        def is_byte_level(d: JsonObject) -> bool:
             return d.get("type") == "ByteLevel" or any(is_byte_level(x) for x in d.get("decoders") or [])
 
         return cls(
@@ -257,12 +261,13 @@ class Tokenizer:
     # ------------------------------------------------------------------ chat
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
+        self, messages: list[JsonObject], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:
         """Render messages with the model's Jinja chat template, as ``transformers`` does."""
-        if self._template is None:
-            self._compile()
-        return self._template.render(
+        template = self._template
+        if template is None:
+            template = self._compile()
+        return template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
@@ -270,7 +275,7 @@ class Tokenizer:
             **kwargs,
         )
 
-    def _compile(self) -> None:
+    def _compile(self) -> jinja2.Template:
         if not self.chat_template:
             raise ValueError(
                 f"model {self.name!r} has no chat_template in tokenizer_config.json "
@@ -281,3 +286,4 @@ class Tokenizer:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
         self._template = env.from_string(self.chat_template)
+        return self._template

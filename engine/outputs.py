@@ -8,9 +8,15 @@ and replayed without a model.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 from control.events import Event
 from control.sampling import SamplingParams
+
+#: A token's log-probability and the likeliest tokens' as (id, log-probability), likeliest first.
+Logprob: TypeAlias = tuple[float, tuple[tuple[int, float], ...]]
+#: A prompt token's: the same, and its rank among its row's tokens (1: the likeliest).
+PromptLogprob: TypeAlias = tuple[float, tuple[tuple[int, float], ...], int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,10 +67,10 @@ class RunnerOutput:
     stopped: dict[str, str] = field(default_factory=dict)  # request_id -> the stop string
     # Requests that asked for log-probabilities: request_id -> (the sampled token's, and the
     # likeliest tokens' as (id, log-probability), likeliest first). Data, never a decision.
-    logprobs: dict[str, tuple[float, tuple[tuple[int, float], ...]]] = field(default_factory=dict)
+    logprobs: dict[str, Logprob] = field(default_factory=dict)
     # Requests that asked for prompt log-probabilities and had prompt in this step:
     # request_id -> (position of the first prompt token scored, one entry a token as above).
-    prompt_logprobs: dict[str, tuple[int, tuple]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, tuple[PromptLogprob, ...]]] = field(default_factory=dict)
     # Embeddings requests (SamplingParams.embed) whose prompt ended in this step: request_id ->
     # the model's final hidden state at the prompt's last position, float32 little-endian.
     embeddings: dict[str, bytes] = field(default_factory=dict)

@@ -443,8 +443,9 @@ class Scheduler:
                 if seq.aborting is not None:
                     self._drain(seq, events, step)
                 else:
-                    reason, stop_reason = seq.finishing  # type: ignore[misc]
-                    self._release(seq, reason, stop_reason, events, step)
+                    assert seq.finishing is not None  # (done, and not aborting)
+                    finish_reason, finish_stop = seq.finishing
+                    self._release(seq, finish_reason, finish_stop, events, step)
                 continue
             if rid in failed:
                 # Its KV of this step may be half written: nothing of it is kept or cached.
@@ -602,7 +603,9 @@ class Scheduler:
             self._waiting.appendleft(seq)  # victims go latest-first, so the front stays FCFS
         events.append(Preempted(request_id=seq.request_id, count=count, step=step))
 
-    def _finish_reason(self, seq: Sequence, token: int, stop_string: str | None):
+    def _finish_reason(
+        self, seq: Sequence, token: int, stop_string: str | None
+    ) -> tuple[str | None, str | int | None]:
         sp = seq.sampling
         if sp.ends_on(token, self.config.eos_token_ids):
             return "stop", token if token in sp.stop_token_ids else None

@@ -74,7 +74,7 @@ class Sequence:
         self.num_pending = 0  # tokens those steps will sample, not in token_ids yet
         # (finish_reason, stop_reason) of a request that finished while a later step holding it
         # was already in flight: like an abort, its blocks wait for that step.
-        self.finishing: tuple[str, str | None] | None = None
+        self.finishing: tuple[str, str | int | None] | None = None
         self.error: str | None = None  # why its step failed (finish_reason "error"), for its Final
         self.num_discarded = 0  # sampled tokens dropped because of the above or an abort
         # prefix caching: the hashes of its full blocks' contents so far (block_hash, each
