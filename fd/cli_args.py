@@ -5,7 +5,6 @@ of them come to once parsed: vLLM's command line (:func:`vllm_compat`), the LoRA
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 from pathlib import Path
 
@@ -76,14 +75,7 @@ def add_engine_args(p: argparse.ArgumentParser, worker_cpus: str = "none") -> No
     add_scheduling_policy(p)
     add_field_flags(p, EngineConfig, "async_scheduling", "drain_timeout_s")
     add_ttl_args(p)
-    add_field_flags(p, EngineOptions, *_fields(EngineOptions, "log_stats_interval_s", "disable_log_stats"))
-
-
-def _fields(cls: type, *names: str) -> tuple[str, ...]:
-    """Those of ``names`` that are fields of ``cls`` (flags whose fields are still being
-    added to fd/compose.py: fd.vllm_flags takes vLLM's of them where fd has none)."""
-    have = {f.name for f in dataclasses.fields(cls)}
-    return tuple(n for n in names if n in have)
+    add_field_flags(p, EngineOptions, "log_stats_interval_s", "disable_log_stats")
 
 
 def add_ttl_args(p: argparse.ArgumentParser, tombstone: bool = True) -> None:
@@ -258,8 +250,9 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
     from fd.compose import ApiOptions
 
     add_field_flags(p, ApiOptions, "header_timeout_s")
+    add_field_flags(p, ApiOptions, "disable_uvicorn_access_log", "disable_access_log_for_endpoints")
     add_field_flags(
-        p, ApiOptions, *_fields(ApiOptions, "disable_uvicorn_access_log", "disable_access_log_for_endpoints")
+        p, ApiOptions, "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs", "ssl_ciphers"
     )
 
 

@@ -109,8 +109,10 @@ def _api_opts(args: argparse.Namespace, model_dir: Path):
 
 async def _start_serving(args: argparse.Namespace):
     """What ``fd serve`` runs: (the embedded server or None, the engine, the API)."""
-    from fd.compose import hold_port
+    from fd.cli_flags import field_values
+    from fd.compose import ApiOptions, hold_port
 
+    ApiOptions(model_dir="", **field_values(args, ApiOptions)).ssl_context()  # (before the model loads)
     count = getattr(args, "api_server_count", 1)
     # The port first: one in use fails the start now, not after the model has loaded.
     held = hold_port(args.host, args.port, reuse_port=count > 1)

@@ -15,6 +15,7 @@ import math
 import os
 import secrets
 import socket
+import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -292,6 +293,54 @@ class ApiOptions:
             "e.g. /health,/metrics)",
         },
     )
+    # HTTPS as vLLM serves it (its uvicorn's settings): a key and a certificate chain, and for
+    # client certificates the CAs and whether one is required
+    ssl_keyfile: str | None = field(
+        default=None, metadata={"flag": "--ssl-keyfile", "metavar": "FILE", "help": "HTTPS: the key"}
+    )
+    ssl_certfile: str | None = field(
+        default=None,
+        metadata={"flag": "--ssl-certfile", "metavar": "FILE", "help": "HTTPS: the certificate chain"},
+    )
+    ssl_ca_certs: str | None = field(
+        default=None,
+        metadata={
+            "flag": "--ssl-ca-certs",
+            "metavar": "FILE",
+            "help": "HTTPS: the CAs of client certificates",
+        },
+    )
+    ssl_cert_reqs: int = field(
+        default=0,
+        metadata={
+            "flag": "--ssl-cert-reqs",
+            "choices": (0, 1, 2),
+            "help": "HTTPS: client certificates 0 not asked for, 1 checked if given, 2 required "
+            "(Python's ssl.CERT_*, as vLLM's)",
+        },
+    )
+    ssl_ciphers: str | None = field(
+        default=None, metadata={"flag": "--ssl-ciphers", "help": "HTTPS: the ciphers (OpenSSL's list)"}
+    )
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """The HTTPS context of the ``ssl_*`` settings (None: plain HTTP). Raises ValueError,
+        naming the flag, for one that does not go with the others or a file that cannot be read."""
+        if self.ssl_certfile is None:
+            if self.ssl_keyfile or self.ssl_ca_certs or self.ssl_cert_reqs:
+                raise ValueError("--ssl-keyfile, --ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile")
+            return None
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        try:
+            ctx.load_cert_chain(self.ssl_certfile, self.ssl_keyfile)
+            if self.ssl_ca_certs:
+                ctx.load_verify_locations(self.ssl_ca_certs)
+            if self.ssl_ciphers:
+                ctx.set_ciphers(self.ssl_ciphers)
+        except (OSError, ssl.SSLError) as e:
+            raise ValueError(f"--ssl-certfile/--ssl-keyfile/--ssl-ca-certs/--ssl-ciphers: {e}") from None
+        ctx.verify_mode = ssl.VerifyMode(self.ssl_cert_reqs)
+        return ctx
 
 
 @dataclass
@@ -328,10 +377,11 @@ class RunningApi:
     host: str
     port: int
     cfg: Any
+    tls: bool = False
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}"
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stop serving; requests still streaming get ``grace_s`` seconds (default aiohttp's
@@ -619,6 +669,7 @@ async def start_api(
         raise ValueError(
             f"unknown reasoning parser {opts.reasoning_parser!r}: one of {', '.join(REASONING_PARSERS)}"
         )
+    tls = opts.ssl_context()
     tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_dir(opts.model_dir)
     if opts.chat_template is not None:
         tokenizer = tokenizer.with_chat_template(read_chat_template(opts.chat_template))
@@ -682,9 +733,10 @@ async def start_api(
         opts.port,
         reuse_port=opts.reuse_port,
         sock=held.take() if held is not None else None,
+        ssl_context=tls,
         header_timeout_s=opts.header_timeout_s,
         access_log=None,
     )
     await site.start()
     port = runner.addresses[0][1]
-    return RunningApi(runner, mux, bus, opts.host, port, cfg)
+    return RunningApi(runner, mux, bus, opts.host, port, cfg, tls=tls is not None)

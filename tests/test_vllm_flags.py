@@ -165,7 +165,7 @@ def test_applied_flags_set_fds_own():
         (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8"),
         (["-tp", "2"], "--tensor-parallel-size 2"),
         (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2"),
-        (["--ssl-keyfile", "k.pem"], "--ssl-keyfile"),
+        (["--uds", "/tmp/fd.sock"], "--uds"),
         (["--load-format", "dummy"], "--load-format dummy"),
         (["m", "--tokenizer", "other/tok"], "--tokenizer other/tok"),
         (["--default-chat-template-kwargs", '{"enable_thinking": false}'], "--default-chat-template-kwargs"),

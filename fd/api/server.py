@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import ssl
 import time
 from http import HTTPStatus
 from typing import Any, Awaitable, Iterable
@@ -342,9 +343,9 @@ class ApiSite(web.BaseSite):
     ``_server``, as aiohttp's sites do: ``stop()`` closes it, the runner's ``addresses`` read
     it). ``protocol_kw``: ApiProtocol's settings, and aiohttp's ``RequestHandler``'s
     (``access_log``, ...). ``sock``: a socket bound already (``fd serve`` binds its port before
-    the model loads), served instead of binding ``host``:``port``."""
+    the model loads), served instead of binding ``host``:``port``; ``ssl_context``: HTTPS."""
 
-    __slots__ = ("_host", "_port", "_reuse_port", "_sock", "_protocol_kw")
+    __slots__ = ("_host", "_port", "_reuse_port", "_sock", "_ssl", "_protocol_kw")
 
     def __init__(
         self,
@@ -354,15 +355,17 @@ class ApiSite(web.BaseSite):
         *,
         reuse_port: bool = False,
         sock: Any = None,
+        ssl_context: ssl.SSLContext | None = None,
         **protocol_kw: Any,
     ):
         super().__init__(runner)
         self._host, self._port, self._reuse_port, self._sock = host, port, reuse_port, sock
+        self._ssl = ssl_context
         self._protocol_kw = protocol_kw
 
     @property
     def name(self) -> str:
-        return f"http://{self._host}:{self._port}"
+        return f"{'https' if self._ssl else 'http'}://{self._host}:{self._port}"
 
     async def start(self) -> None:
         await super().start()
@@ -370,7 +373,10 @@ class ApiSite(web.BaseSite):
         server, kw = self._runner.server, self._protocol_kw
         if self._sock is not None:
             self._server = await loop.create_server(
-                lambda: ApiProtocol(server, loop=loop, **kw), sock=self._sock, backlog=self._backlog
+                lambda: ApiProtocol(server, loop=loop, **kw),
+                sock=self._sock,
+                backlog=self._backlog,
+                ssl=self._ssl,
             )
         else:
             self._server = await loop.create_server(
@@ -379,6 +385,7 @@ class ApiSite(web.BaseSite):
                 self._port,
                 backlog=self._backlog,
                 reuse_port=self._reuse_port or None,
+                ssl=self._ssl,
             )
         self._port = self._server.sockets[0].getsockname()[1]  # (port 0: the one it got)
 
