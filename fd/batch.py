@@ -96,14 +96,14 @@ async def run_batch(
     """Send every line's request to ``base_url`` (at most ``concurrency`` at once) and write
     the output lines to ``out`` (a binary file) in input order. Returns (succeeded, failed)."""
     import aiohttp
-    from tqdm import tqdm
+
+    from control.logs import progress as told
 
     todo = [ln for ln in (raw.strip() for raw in lines) if ln]
     results: list[bytes | None] = [None] * len(todo)
     gate = asyncio.Semaphore(max(1, concurrency))
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     ok = 0
-    bar = tqdm(total=len(todo), desc="batch", unit="req", disable=not progress)
 
     async def one(session: aiohttp.ClientSession, k: int, raw: bytes) -> None:
         nonlocal ok
@@ -145,12 +145,13 @@ async def run_batch(
                     )
             results[k] = output_line(parsed.custom_id, status, rid, body)
             ok += status < 400
-        bar.update(1)
 
     timeout = aiohttp.ClientTimeout(total=None, sock_read=None)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-        await asyncio.gather(*(one(session, k, raw) for k, raw in enumerate(todo)))
-    bar.close()
+        answers = asyncio.as_completed([one(session, k, raw) for k, raw in enumerate(todo)])
+        # (a bar on a terminal, progress records in JSON logs: control.logs.progress)
+        for answer in told(answers, "batch", total=len(todo), unit="req") if progress else answers:
+            await answer
     for line in results:
         out.write(line)
     return ok, len(todo) - ok

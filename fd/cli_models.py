@@ -5,8 +5,8 @@ commands that write one (``fd convert``, ``fd make-tiny-model``)."""
 from __future__ import annotations
 
 import argparse
+import logging
 import os
-import sys
 from pathlib import Path
 
 #: `--model tiny`: the tiny random-weight model (engine/model/tiny.py), made on first use
@@ -88,7 +88,7 @@ def _tiny_model() -> Path:
     if not (DEFAULT_TINY_MODEL / "config.json").exists():
         from engine.model.tiny import make_tiny_model
 
-        print(f"making the tiny model in {DEFAULT_TINY_MODEL} ...", file=sys.stderr)
+        logging.getLogger("fd").info("making the tiny model in %s", DEFAULT_TINY_MODEL)
         tmp = DEFAULT_TINY_MODEL.with_name(DEFAULT_TINY_MODEL.name + f".tmp{os.getpid()}")
         make_tiny_model(tmp)
         tmp.rename(DEFAULT_TINY_MODEL) if not DEFAULT_TINY_MODEL.exists() else None
