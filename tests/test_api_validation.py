@@ -123,7 +123,7 @@ CASES = [
         CHAT,
         {"model": "tiny", "messages": MSG, "max_tokens": 1000},
         400,
-        "max_tokens",
+        "messages",  # (OpenAI's: the messages, even where the asked length does not fit)
         "context_length_exceeded",
     ),
     (
@@ -138,7 +138,7 @@ CASES = [
         COMP,
         {"model": "tiny", "prompt": "x" * 60, "max_tokens": 5},
         400,
-        "max_tokens",
+        "prompt",
         "context_length_exceeded",
     ),
     (CHAT, {"model": "tiny", "messages": MSG, "n": 17}, 400, "n", "invalid_value"),
@@ -286,7 +286,7 @@ CASES = [
         COMP,
         {"model": "tiny", "prompt": ["a", "x" * 60], "max_tokens": 5},
         400,
-        "max_tokens",
+        "prompt",
         "context_length_exceeded",
     ),  # (the longest prompt decides)
     (COMP, {"model": "tiny", "prompt": ["a"] * 17, "n": 16}, 400, "prompt", "invalid_value"),  # 272 choices

@@ -199,7 +199,7 @@ async def test_what_it_does_not_serve_is_a_400(openai_client, caplog):
         ({}, "input"),
         ({"input": 3}, "input"),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
-        ({"input": "x", "max_output_tokens": api.cfg.max_model_len}, "max_output_tokens"),
+        ({"input": "x", "max_output_tokens": api.cfg.max_model_len}, "input"),  # (OpenAI's param)
         ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format"),
     ):
         async with aiohttp.ClientSession() as s:

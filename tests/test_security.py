@@ -246,7 +246,7 @@ async def test_body_and_prompt_limits(real_bus):
             (CHAT, {"messages": [{"role": "user", "content": "x" * MAX_LEN}]}, "messages"),
             (COMP, {"prompt": "x" * (MAX_LEN + 1)}, "prompt"),
             (COMP, {"prompt": [1] * MAX_LEN}, "prompt"),
-            (COMP, {"prompt": "x" * 10, "max_tokens": MAX_LEN}, "max_tokens"),
+            (COMP, {"prompt": "x" * 10, "max_tokens": MAX_LEN}, "prompt"),  # (OpenAI's param)
         ):
             resp = await client.post(path, json=body)
             assert resp.status == 400, (path, param)

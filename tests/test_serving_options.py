@@ -98,7 +98,7 @@ async def test_max_model_len_holds_the_api_and_the_engine_to_a_shorter_context(
         prompt = list(range(10, 70))  # 60 tokens: 4 left to generate
         status, body = await _post(f"{api.url}/v1/completions", {"prompt": prompt, "max_tokens": 10})
         assert status == 400 and body["error"]["code"] == "context_length_exceeded"
-        assert f"context is {CONTEXT} tokens" in body["error"]["message"]
+        assert f"This model's maximum context length is {CONTEXT} tokens" in body["error"]["message"]
         c = await client.completions.create(
             model=api.cfg.model_name, prompt=prompt, temperature=0, extra_body={"ignore_eos": True}
         )

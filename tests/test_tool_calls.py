@@ -452,25 +452,36 @@ def test_forced_answers_read_as_calls():
         "required", '[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {}}]'
     ) == [ToolCall("f", '{"a": 1}'), ToolCall("g", "{}")]
     assert forced_calls("named:f", ' {"a": [1, 2]} ') == [ToolCall("f", '{"a": [1, 2]}')]
-    for mode, cut in (("named:f", '{"a": '), ("required", '[{"name": "f", "param'), ("required", "{}")):
+    # a named answer cut short is still its call, with the arguments so far (vLLM's)
+    assert forced_calls("named:f", '{"a": ') == [ToolCall("f", '{"a": ')]
+    for mode, cut in (("required", '[{"name": "f", "param'), ("required", "{}")):
         assert forced_calls(mode, cut) is None
 
 
-async def test_a_forced_answer_cut_short_is_shown_as_text(real_bus):
-    """(The fake engine ignores the grammar: what a max_tokens cut leaves looks the same.)"""
+async def test_a_forced_answer_cut_short(real_bus):
+    """(The fake engine ignores the grammar: what a max_tokens cut leaves looks the same.) A
+    named function's answer is its call whatever its text, as vLLM's; a ``required`` one that
+    does not parse is shown as text."""
     async with setup(real_bus, FakeEngine(real_bus)) as client:
         body = {**CHAT, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
         r = await (await client.post("/v1/chat/completions", json=body)).json()
-        assert r["choices"][0]["message"] == {"role": "assistant", "content": "Hello, world!"}
+        message = r["choices"][0]["message"]
+        assert message["content"] is None
+        assert [c["function"] for c in message["tool_calls"]] == [
+            {"name": "get_weather", "arguments": "Hello, world!"}
+        ]
         events = parse_sse(
             await (await client.post("/v1/chat/completions", json={**body, "stream": True})).read()
         )
         got = _accumulate([orjson.loads(d) for _, d in events[:-1]])
-        assert got[0]["content"] == "Hello, world!" and not got[0]["calls"]
+        assert not got[0]["content"] and got[0]["calls"]
         sent = [
             decode(f).data.sampling.guided for _, f in await real_bus.redis.xrange(real_bus.keys.requests)
         ]
         assert sent and all(orjson.loads(g)["json"] == WEATHER["function"]["parameters"] for g in sent)
+        required = {**CHAT, "tool_choice": "required"}
+        r = await (await client.post("/v1/chat/completions", json=required)).json()
+        assert r["choices"][0]["message"] == {"role": "assistant", "content": "Hello, world!"}
 
 
 # ----------------------------------------------------------------------------- llama3_json

@@ -39,6 +39,28 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return ApiError(400, message, "invalid_request_error", param, code)
 
 
+def context_length_exceeded(
+    max_model_len: int, prompt_tokens: int, completion_tokens: int | None, param: str
+) -> ApiError:
+    """OpenAI's (and vLLM's) words for a request that does not fit the context: clients match
+    them (LiteLLM's ContextWindowExceededError looks for "This model's maximum context length
+    is"; some read the counts back to shrink ``max_tokens``). ``completion_tokens`` None: the
+    request asked no output length, so only the prompt is counted, as OpenAI words it then."""
+    head = f"This model's maximum context length is {max_model_len} tokens. However, "
+    if completion_tokens is None:
+        message = (
+            f"{head}your messages resulted in {prompt_tokens} tokens. "
+            "Please reduce the length of the messages."
+        )
+    else:
+        message = (
+            f"{head}you requested {prompt_tokens + completion_tokens} tokens ({prompt_tokens} in "
+            f"the messages, {completion_tokens} in the completion). Please reduce the length of "
+            "the messages or completion."
+        )
+    return bad_request(message, param, "context_length_exceeded")
+
+
 def unauthorized(message: str = "Invalid or missing API key.") -> ApiError:
     return ApiError(401, message, "authentication_error", None, "invalid_api_key")
 

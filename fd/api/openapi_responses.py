@@ -125,6 +125,21 @@ def responses_request(sampling: dict[str, Any], max_model_len: int) -> dict[str,
                 "description": "Go on from a stored response (its input and output come before this input).",
             },
             "store": {**NULLABLE_BOOL, "description": "false: keep no conversation to go on from."},
+            "metadata": {
+                "type": "object",
+                "nullable": True,
+                "maxProperties": 16,
+                "propertyNames": {"maxLength": 64},
+                "additionalProperties": {"type": "string", "maxLength": 512},
+                "description": "Echoed on the Response (OpenAI's: keys up to 64 characters).",
+            },
+            "user": {"type": "string", "nullable": True, "description": "Echoed on the Response."},
+            "truncation": {
+                "type": "string",
+                "nullable": True,
+                "enum": ["auto", "disabled"],
+                "description": "Echoed on the Response (as vLLM: a prompt too long is a 400 either way).",
+            },
             "include": {
                 "type": "array",
                 "nullable": True,
@@ -218,11 +233,12 @@ def input_items() -> dict[str, Any]:
     """``GET /v1/responses/{id}/input_items``"""
     return {
         "get": {
-            "summary": "The conversation a response was given (after the one it went on from)",
+            "summary": "The conversation a response was given (after the one it went on from), "
+            "as OpenAI's items, each with an id",
             "security": [{"apiKey": []}],
             "parameters": [RID_PATH],
             "responses": {
-                "200": {"description": "{object: list, data: [items]}"},
+                "200": {"description": "{object: list, data: [items], first_id, last_id, has_more}"},
                 "400": ERRORS["400"],
                 "401": ERRORS["401"],
                 "404": err("Unknown, expired or not stored"),
@@ -235,7 +251,8 @@ def cancel(security: list[dict[str, list]]) -> dict[str, Any]:
     """``POST /v1/responses/{id}/cancel``"""
     return {
         "post": {
-            "summary": "Abort a response; answers with it once the abort's final is in",
+            "summary": "Abort a background response; answers with it once the abort's final is "
+            "in (any other response: a 400)",
             "security": security,
             "parameters": [RID_PATH],
             "responses": {

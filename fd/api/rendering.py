@@ -404,7 +404,8 @@ class ChatRenderer(Renderer):
         return self.tools is not None or self.forced is not None or self.reasoning is not None
 
     def _forced(self) -> tuple[str, list[ToolCall]]:
-        """A forced call's output: its calls, or (cut short, not JSON) the text as content."""
+        """A forced call's output: its calls (a named function's with the arguments written so
+        far when cut short, as vLLM's), or a ``required`` answer cut short as content."""
         text = "".join(self.text)
         calls = forced_calls(self.forced, text)
         return ("", calls) if calls is not None else (text, [])

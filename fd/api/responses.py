@@ -5,7 +5,7 @@ Sans-IO, like :mod:`fd.api.protocol`: :func:`parse` turns a body into the
 :class:`~fd.api.protocol.GenerationRequest` of the chat request it stands for (endpoint
 ``responses``), and :class:`ResponsesRenderer` turns the request's events into what the client
 sees. Everything the rendering needs is in the ``accepted`` event (the endpoint, the tool and
-reasoning parsers), so a replay from any replica (``GET /v1/requests/<id>/stream``) sends the
+reasoning parsers, the request fields the Response echoes: :func:`echo_of`), so a replay from any replica (``GET /v1/requests/<id>/stream``) sends the
 same events, sequence numbers included.
 
 Served: text input (a string, or messages whose content is text, earlier ``function_call``
@@ -21,8 +21,11 @@ a 400, not ignored: tools other than functions, and input other than text.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import re
 from typing import Any, Callable
+
+import orjson
 
 from control.events import Accepted, Final
 from control.token_payloads import logprobs_entries
@@ -32,7 +35,7 @@ from fd.api.errors import ApiError, bad_request
 from fd.api.protocol import GenerationRequest, parse_chat
 from fd.api.reasoning import REASONING, ReasoningParser
 from fd.api.tool_calls import PARSERS, ToolCall, call_id, forced_calls, make_parser
-from fd.api.validation import Body, Limits, is_int, opt
+from fd.api.validation import Body, Limits, is_bool, is_int, is_num, opt
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 #: chat's fields that mean nothing here (several choices, chat's log-probabilities): left out
@@ -212,8 +215,136 @@ def output_as_input(output: list[dict]) -> list[dict]:
     return out
 
 
-def parse(body: Body | dict, limits: Limits, tokenizer: TokenizerLike) -> GenerationRequest:
-    """The chat request a Responses body stands for, answered as a Response."""
+#: What a Response echoes of a request whose story carries no echo (a story of an earlier
+#: release): unknown is null, except where OpenAI's object has a value for a request that sent
+#: nothing.
+UNKNOWN_ECHO: dict[str, Any] = {
+    "background": None,
+    "instructions": None,
+    "max_output_tokens": None,
+    "metadata": None,
+    "parallel_tool_calls": True,
+    "previous_response_id": None,
+    "store": None,
+    "temperature": None,
+    "text": {"format": {"type": "text"}},
+    "tool_choice": "auto",
+    "tools": [],
+    "top_logprobs": None,
+    "top_p": None,
+    "truncation": "disabled",
+    "user": None,
+}
+MAX_METADATA = 16  # OpenAI's metadata: 16 pairs, keys up to 64 characters, values up to 512
+
+
+def _is_metadata(v: Any) -> bool:
+    return (
+        isinstance(v, dict)
+        and len(v) <= MAX_METADATA
+        and all(isinstance(k, str) and len(k) <= 64 for k in v)
+        and all(isinstance(x, str) and len(x) <= 512 for x in v.values())
+    )
+
+
+def echo_of(body: Body | dict, limits: Limits) -> dict[str, Any]:
+    """What the Response echoes of its request, as OpenAI's object does: each field as sent,
+    else what the request runs with (the model's sampling defaults), else OpenAI's default.
+    Takes the original body (``previous_response_id`` as the client sent it). Checks the
+    fields only echoed (``metadata``, ``user``, ``truncation``); chat's parse checks the rest,
+    so a bad one is a 400 either way."""
+    defaults = limits.sampling_defaults
+
+    def num(name: str) -> float:
+        v = body.get(name)
+        return float(v) if is_num(v) else float(defaults.get(name, 1.0))
+
+    text = body.get("text")
+    tools = body.get("tools")
+    prev = body.get("previous_response_id")
+    return {
+        "background": body.get("background") is True,
+        "instructions": opt(body, "instructions", lambda v: isinstance(v, str), "a string", None),
+        "max_output_tokens": body.get("max_output_tokens") if is_int(body.get("max_output_tokens")) else None,
+        "metadata": opt(
+            body,
+            "metadata",
+            _is_metadata,
+            f"an object of at most {MAX_METADATA} strings (keys up to 64 characters, values up to 512)",
+            {},
+        ),
+        "parallel_tool_calls": opt(body, "parallel_tool_calls", is_bool, "a boolean", True),
+        "previous_response_id": prev if isinstance(prev, str) else None,
+        "store": body.get("store") is not False,
+        "temperature": num("temperature"),
+        "text": {"format": {"type": "text"}, **text} if isinstance(text, dict) else UNKNOWN_ECHO["text"],
+        "tool_choice": body.get("tool_choice") if body.get("tool_choice") is not None else "auto",
+        "tools": tools if isinstance(tools, list) else [],
+        "top_logprobs": body.get("top_logprobs") if is_int(body.get("top_logprobs")) else 0,
+        "top_p": num("top_p"),
+        "truncation": opt(
+            body, "truncation", lambda v: v in ("auto", "disabled"), "'auto' or 'disabled'", "disabled"
+        ),
+        "user": opt(body, "user", lambda v: isinstance(v, str), "a string", None),
+    }
+
+
+def echo_in(accepted: Any) -> dict[str, Any] | None:
+    """The echo a Responses request's ``accepted`` event carries (:func:`parse` puts it in the
+    event's ``echo``, completions' echo of their prompt: what the answer echoes of its request),
+    so every replica's render of its stream, retrieve and replay says the same; None for a
+    story of an earlier release, which carries none."""
+    raw = getattr(accepted, "echo", None)
+    if not raw:
+        return None
+    try:
+        echo = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    return echo if isinstance(echo, dict) else None
+
+
+_ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def listed_items(response_id: str, items: list) -> list[dict]:
+    """A kept conversation as OpenAI's ``input_items`` lists it: each item typed, a message's
+    content as parts (``input_text``, an assistant's ``output_text``), a status, and an id:
+    the client's, else one made from the response's id and the item's place, so it is the
+    same on every call and every replica (clients page and refer by it)."""
+    out: list[dict] = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            continue  # (never kept: the parse refuses such input)
+        kind = item.get("type", "message")
+        shown = {**item, "type": kind}
+        if kind == "message":
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            content = item.get("content")
+            parts = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or ())
+            shown["content"] = [
+                {
+                    **p,
+                    "type": part if p.get("type") in _TEXT_PARTS else p.get("type"),
+                    **({"annotations": p.get("annotations", [])} if part == "output_text" else {}),
+                }
+                for p in parts
+                if isinstance(p, dict)
+            ]
+        elif kind == "reasoning":
+            shown.setdefault("summary", [])
+        shown.setdefault("status", "completed")
+        digest = hashlib.sha256(f"{response_id}#input#{i}".encode()).hexdigest()[:24]
+        made = f"{_ITEM_PREFIX.get(kind, 'item')}_{digest}"
+        out.append({"id": item.get("id") if isinstance(item.get("id"), str) else made, **shown})
+    return out
+
+
+def parse(
+    body: Body | dict, limits: Limits, tokenizer: TokenizerLike, echo: dict[str, Any] | None = None
+) -> GenerationRequest:
+    """The chat request a Responses body stands for, answered as a Response; ``echo``
+    (:func:`echo_of` the client's body) goes on its ``accepted`` event (:func:`echo_in`)."""
     if body.get("previous_response_id") is not None:  # (the server puts it into `input` first)
         raise bad_request(
             "'previous_response_id' is not supported here.", "previous_response_id", "unsupported"
@@ -242,7 +373,8 @@ def parse(body: Body | dict, limits: Limits, tokenizer: TokenizerLike) -> Genera
     finally:
         if isinstance(body, Body):
             body.seen.difference_update(sent)  # (chat's, sent here: ignored, and said so)
-    return dataclasses.replace(gen, endpoint="responses")
+    shown = (orjson.dumps(echo).decode(),) if echo is not None else ()
+    return dataclasses.replace(gen, endpoint="responses", echo_texts=shown, echo_only=False)
 
 
 #: ``include`` values: the answer's log-probabilities; reasoning kept for a stateless client
@@ -294,6 +426,9 @@ class ResponsesRenderer:
         token_bytes: Callable[[int], bytes] | None = None,
     ) -> None:
         self.rid = request_id
+        # what the Response echoes of its request (the `accepted` event's, echo_in);
+        # UNKNOWN_ECHO's where the story carries none
+        self.echo: dict[str, Any] = dict(UNKNOWN_ECHO)
         self._token_bytes = token_bytes  # (a token's text, for logprobs)
         self._lp: list[dict] = []  # the message's tokens' log-probabilities (include ...logprobs)
         self._lp_due = 0  # how many of them no delta has carried yet
@@ -316,6 +451,9 @@ class ResponsesRenderer:
         """The parsers the ``accepted`` event names (as :meth:`rendering.Renderer.accept`)."""
         if accepted is None:
             return
+        echo = echo_in(accepted)
+        if echo is not None:
+            self.echo = {**UNKNOWN_ECHO, **echo}
         mode = accepted.tool_parser
         if mode and self.tools is None and self.forced is None:
             if mode in PARSERS:
@@ -445,7 +583,7 @@ class ResponsesRenderer:
             )
         ]
 
-    def _call(self, call: ToolCall) -> list[dict]:
+    def _call(self, call: ToolCall, status: str = "completed") -> list[dict]:
         out = self._close()
         n, i = len(self.items), self._calls
         self._calls += 1
@@ -457,7 +595,7 @@ class ResponsesRenderer:
             "name": call.name,
             "arguments": "",
         }
-        done = {**item, "status": "completed", "arguments": call.arguments}
+        done = {**item, "status": status, "arguments": call.arguments}
         self.items.append(done)
         return out + [
             self._event("response.output_item.added", output_index=n, item=item),
@@ -511,7 +649,11 @@ class ResponsesRenderer:
         elif self.forced is not None:
             text = "".join(self.text)
             calls = forced_calls(self.forced, text)
-            out += self._answer(calls if calls is not None else [text])
+            if calls is None:
+                out += self._answer([text])
+            else:  # (cut short with the response: the call is incomplete, as OpenAI marks it)
+                for call in calls:
+                    out += self._call(call, "completed" if status == "completed" else "incomplete")
         return out + self._close("completed" if status == "completed" else "incomplete")
 
     def _response(self, status: str, final: Final | None = None) -> dict:
@@ -524,15 +666,7 @@ class ResponsesRenderer:
             "output": list(self.items),
             "error": None,
             "incomplete_details": None,
-            "instructions": None,
-            "metadata": None,
-            "parallel_tool_calls": True,
-            "temperature": None,
-            "top_p": None,
-            "max_output_tokens": None,
-            "tool_choice": "auto",
-            "tools": [],
-            "text": {"format": {"type": "text"}},
+            **self.echo,
             "usage": None,
         }
         if final is None:

@@ -14,7 +14,7 @@ import orjson
 from control.guided import GuidedError, canonical, check
 from control.sampling import MAX_REPETITION_PENALTY, SamplingParams
 from control.tokenizer import TokenizerLike
-from fd.api.errors import ApiError, bad_request
+from fd.api.errors import ApiError, bad_request, context_length_exceeded
 from fd.api.validation import Limits, check_ids, is_bool, is_int, is_num, lora_of, opt
 
 
@@ -23,28 +23,20 @@ def sampling_of(
 ) -> SamplingParams:
 
     room = limits.max_model_len - prompt_len
-    if room < 1:
-        raise bad_request(
-            f"The prompt is {prompt_len} tokens long; this model's context is {limits.max_model_len} "
-            f"tokens, which leaves no room to generate.",
-            "messages" if default_max is None else "prompt",
-            "context_length_exceeded",
-        )
     max_tokens = None
     for name in ("max_completion_tokens", "max_tokens"):
         v = opt(body, name, is_int, "an integer", None)
         if v is not None:
             if v < 1:
                 raise bad_request(f"'{name}' must be at least 1.", name, "invalid_value")
-            if v > room:
-                raise bad_request(
-                    f"'{name}' is {v}, but the prompt is {prompt_len} tokens and this model's context "
-                    f"is {limits.max_model_len} tokens: at most {room} can be generated.",
-                    name,
-                    "context_length_exceeded",
-                )
             max_tokens = v
             break
+    if room < 1 or (max_tokens is not None and max_tokens > room):
+        # (named as OpenAI names it: the messages, or completions' prompt, even when it is the
+        # asked length that does not fit)
+        raise context_length_exceeded(
+            limits.max_model_len, prompt_len, max_tokens, "messages" if default_max is None else "prompt"
+        )
     if max_tokens is None:
         max_tokens = room if default_max is None else min(default_max, room)
     if limits.max_output_tokens is not None:  # (the model's max_new_tokens: a server-wide cap)

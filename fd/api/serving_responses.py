@@ -6,12 +6,22 @@ lives in its stream for the story's TTL, which is how long it can be retrieved.
 
 from __future__ import annotations
 
+import functools
+
+import orjson
 from aiohttp import web
 
 from control.events import Accepted, Claimed, Final, Tokens
 from fd.api.context import CALLER, RID, ApiContext, json_response, new_abort_id, valid_request_id
 from fd.api.errors import bad_request, not_found
-from fd.api.responses import ResponsesRenderer, input_items, output_as_input
+from fd.api.responses import (
+    ResponsesRenderer,
+    echo_in,
+    echo_of,
+    input_items,
+    listed_items,
+    output_as_input,
+)
 from fd.api.responses import parse as parse_responses
 from fd.api.serving_aborts import ServingAborts
 from fd.api.serving_generate import ServingGenerate
@@ -38,6 +48,7 @@ class ServingResponses:
         request can go on from it with ``previous_response_id``."""
         bus = self.ctx.bus
         body = await self.ctx.body(request)
+        echo = echo_of(body, self.ctx.limits)
         prev = body.get("previous_response_id")
         if prev is not None:
             if not isinstance(prev, str) or not valid_request_id(prev):
@@ -67,14 +78,19 @@ class ServingResponses:
                 }
             )
         store = opt(body, "store", is_bool, "a boolean", True)
-        return await self.generate.generate(
+        answer = await self.generate.generate(
             request,
             "responses",
             "resp",
-            parse_responses,
+            functools.partial(parse_responses, echo=echo),  # (the echo rides on its `accepted`)
             body=body,
             keep=input_items(body) if store else None,
         )
+        if echo["background"] and isinstance(answer, web.Response) and answer.status == 200:
+            # The queued answer is rendered before any `accepted` event is read back, so the
+            # echo its renderer learns from that event is put in here.
+            answer.body = orjson.dumps({**orjson.loads(answer.body), **echo})
+        return answer
 
     async def _story(self, request: web.Request) -> tuple[str, str, list]:
         """The story of a Responses API request (``/v1/responses/{id}``), or a 404: its id in
@@ -139,14 +155,32 @@ class ServingResponses:
                 "id",
                 "response_not_found",
             )
+        data = listed_items(shown, items)
         return json_response(
-            {"object": "list", "data": items, "has_more": False}, headers={"X-Request-Id": shown}
+            {
+                "object": "list",
+                "data": data,
+                "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None,
+                "has_more": False,
+            },
+            headers={"X-Request-Id": shown},
         )
 
     async def cancel_response(self, request: web.Request) -> web.Response:
         """``POST /v1/responses/{id}/cancel``: abort it and answer with the Response once the
-        abort's final is in (or, past CANCEL_WAIT_S, as it stands)."""
+        abort's final is in (or, past CANCEL_WAIT_S, as it stands); again, once it has ended,
+        the Response as it ended. Only a ``background`` response is cancelled here, as OpenAI's
+        and vLLM's: any other is a 400 (its client ends it by going away)."""
         rid, shown, history = await self._story(request)
+        echo = echo_in(history[0][1])
+        if echo is not None and echo.get("background") is not True:  # (None: an earlier release's)
+            raise bad_request(
+                "Cannot cancel a synchronous response: only responses created with "
+                "background=true can be cancelled.",
+                "response_id",
+                "invalid_request",
+            )
         if not any(isinstance(ev, Final) for _eid, ev in history):
             await self.ctx.publish_abort((rid,), new_abort_id())
             await self.aborts.wait_final((rid,), CANCEL_WAIT_S)

@@ -370,14 +370,19 @@ def forced_spec(mode: str, tools: list[dict], parallel: bool = True) -> dict | N
 
 
 def forced_calls(mode: str, text: str) -> list[ToolCall] | None:
-    """The calls of a forced answer (:func:`forced_spec`); None if it is not one (cut short
-    by max_tokens)."""
+    """The calls of a forced answer (:func:`forced_spec`); None if it is not one. A named
+    function's answer is its call whatever its text, as vLLM's: cut short by max_tokens, the
+    call carries the arguments written so far (the client sees finish_reason ``length``); only
+    an answer with no text at all (aborted before its first token) makes no call. A
+    ``required`` answer cut short names no call it could be sure of, so it is None."""
     try:
         obj = json.loads(text)
     except ValueError:
-        return None
+        obj = None
     if mode.startswith("named:"):
-        return [ToolCall(mode[len("named:") :], text.strip())] if isinstance(obj, dict) else None
+        if not text.strip():
+            return None
+        return [ToolCall(mode[len("named:") :], text.strip() if isinstance(obj, dict) else text)]
     if not isinstance(obj, list) or not all(
         isinstance(x, dict) and isinstance(x.get("name"), str) for x in obj
     ):
