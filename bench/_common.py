@@ -26,7 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from fd.gauge_sampler import parse
+from fd.engine.runner.process import tune
+from fd.tools.gauge_sampler import parse
+
+tune()  # the settings fd's own processes run the model with (before anything imports Paddle)
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -149,7 +152,7 @@ def model_dir(arg: str | None, tmp: str) -> str:
     """``--model DIR``, or the tiny random-weight model (TARGETS.md shape) made under ``tmp``."""
     if arg:
         return arg
-    from engine.model.tiny import make_tiny_model
+    from fd.engine.model.tiny import make_tiny_model
 
     return make_tiny_model(os.path.join(tmp, "tiny-llama"))
 

@@ -23,7 +23,7 @@ measures three things, with aiohttp clients in this process:
    answer starts (the engine's tombstones) before it could read the answer.
 3. the TARGETS.md number: streams of 900 tokens, the client hanging up after 10 chunks, at
    concurrency 1/8/32 (all clients of a wave start together); a poller in a process of its own
-   (fd/gauge_sampler.py) reads ``fd_num_requests_running + fd_num_requests_waiting`` on
+   (fd/tools/gauge_sampler.py) reads ``fd_num_requests_running + fd_num_requests_waiting`` on
    /metrics every 5 ms, and the i-th drop of that sum is matched to the i-th hang-up of the wave.
 
 Usage: python bench/abort.py [--model DIR] [--concurrency 1,8,32,128] [--requests 128]
@@ -72,7 +72,7 @@ from bench._common import (  # noqa: E402
     wait_idle,
     write_json,
 )
-from fd.gauge_sampler import GaugeSampler  # noqa: E402
+from fd.tools.gauge_sampler import GaugeSampler  # noqa: E402
 
 MS = 1000.0
 
@@ -109,11 +109,11 @@ async def disconnects(
 
 async def stories(redis_url: str, prefix: str, rids: list[str], timeout: float = 30.0) -> tuple:
     """Each request's events, once its final is there; and the engines' step times."""
-    from control.bus import Bus
-    from control.connect import connect
-    from control.events import Final
-    from control.keys import Keys
-    from engine.journal_reader import journal_engines, load_journal_from_redis
+    from fd.control.bus import Bus
+    from fd.control.connect import connect
+    from fd.control.events import Final
+    from fd.control.keys import Keys
+    from fd.engine.journal.journal_reader import journal_engines, load_journal_from_redis
 
     bus = Bus(connect(redis_url), Keys(prefix))
     got = {}
@@ -188,7 +188,7 @@ def beyond_step(close_ms: float, release_ms: float, runs: list[tuple[int, int]])
 
 
 def analyse(results: list, story: dict, runs: dict | None = None) -> dict:
-    from control.events import AbortRequested, BlocksReleased, Drained, Final, Tokens
+    from fd.control.events import AbortRequested, BlocksReleased, Drained, Final, Tokens
 
     runs = runs or {}
     beyond = []  # hang-up → blocks_released, ms beyond the step the release waited for

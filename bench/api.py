@@ -6,7 +6,7 @@ The workload is TARGETS.md's: streaming ``/v1/completions``, a 33-token prompt (
 temperature 0, ``ignore_eos``, 256 output tokens. At concurrency N, N clients each send
 ``--rounds`` requests back to back (closed loop).
 
-The baseline is :class:`engine.llm.LLM` in this process on the same model, prompts and
+The baseline is :class:`fd.engine.runner.llm.LLM` in this process on the same model, prompts and
 lengths: ``--rounds`` calls of ``generate`` on N prompts at once; TTFT and inter-token latency
 come from ``Generation.token_times``. Each concurrency runs the baseline, then the API path.
 
@@ -84,7 +84,7 @@ def main_thread_cpu_s(pid: int) -> float:
 
 
 def run_inprocess(llm, n: int, rounds: int, max_tokens: int, seed: int) -> dict:
-    from control.sampling import SamplingParams
+    from fd.control.sampling import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     ttft, itl, ntok = [], [], 0
@@ -233,16 +233,16 @@ def main() -> None:
     args = ap.parse_args()
     conc = [int(x) for x in args.concurrency.split(",")]
 
-    from control.tokenizer import Tokenizer
-    from engine.llm import LLM
-    from engine.model_runner import ModelRunner
+    from fd.control.tokenizer import Tokenizer
+    from fd.engine.runner.llm import LLM
+    from fd.engine.runner.model_runner import ModelRunner
 
     tmp = tempfile.mkdtemp(prefix="fd-bench-api-")
     mdir = model_dir(args.model, tmp)
     runner = ModelRunner(mdir, device="cpu", num_blocks=2048, block_size=16)
     runner.warmup()
     llm = LLM(runner, Tokenizer.from_dir(mdir), max_num_seqs=max(64, max(conc)))
-    from control.sampling import SamplingParams
+    from fd.control.sampling import SamplingParams
 
     llm.generate(prompts(max(conc), seed=99), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
 

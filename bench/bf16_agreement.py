@@ -54,7 +54,7 @@ def round_bf16(a: np.ndarray) -> np.ndarray:
 
 
 def _bf16_model(cfg, weights):
-    from engine.model.llama import Llama
+    from fd.engine.model.llama import Llama
 
     def rounded(x: paddle.Tensor) -> paddle.Tensor:
         return paddle.cast(paddle.cast(x, "bfloat16"), "float32")
@@ -85,11 +85,11 @@ def main() -> None:
     ap.add_argument("--output-json", default=str(RESULTS / "bf16_agreement.json"))
     args = ap.parse_args()
 
-    from control.tokenizer import Tokenizer
-    from engine.model.config import ModelConfig
-    from engine.model.llama import Llama
-    from engine.model.loader import load_weights
-    from fd.cli_models import resolve_model
+    from fd.cli.models import resolve_model
+    from fd.control.tokenizer import Tokenizer
+    from fd.engine.model.config import ModelConfig
+    from fd.engine.model.llama import Llama
+    from fd.engine.model.loader import load_weights
 
     model = str(resolve_model(args.model))
     cfg = ModelConfig.from_dir(model)

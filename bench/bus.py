@@ -36,12 +36,12 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from control import events as E  # noqa: E402
-from control.bus import Bus  # noqa: E402
-from control.connect import connect  # noqa: E402
-from control.embedded import EmbeddedRedis  # noqa: E402
-from control.keys import Keys  # noqa: E402
-from control.mux import StreamMux  # noqa: E402
+from fd.control import events as E  # noqa: E402
+from fd.control.bus import Bus  # noqa: E402
+from fd.control.connect import connect  # noqa: E402
+from fd.control.embedded import EmbeddedRedis  # noqa: E402
+from fd.control.keys import Keys  # noqa: E402
+from fd.control.mux import StreamMux  # noqa: E402
 
 BATCH = 64
 

@@ -2,9 +2,9 @@
 
 For batch sizes 1/8/32 (33-token prompts, 256 output tokens, greedy, ignore_eos):
 
-- ``llm``: :class:`engine.llm.LLM`, the scheduler and the runner in a plain loop (no Redis),
+- ``llm``: :class:`fd.engine.runner.llm.LLM`, the scheduler and the runner in a plain loop (no Redis),
   the model in this process;
-- ``node, sync``: a real :class:`engine.node.EngineNode` on the embedded control plane
+- ``node, sync``: a real :class:`fd.engine.node.node.EngineNode` on the embedded control plane
   (``fd.compose.start_engine`` with the in-process fakeredis client, as in ``fd serve``), the
   model in a worker process (``--executor paddle``, the default), each step decided after the
   last one's results are in (``--no-async-scheduling``);
@@ -57,10 +57,10 @@ from bench._common import (  # noqa: E402
     start_redis_server,
     write_json,
 )
-from control.events import Accepted, Final, Request  # noqa: E402
-from control.request_data import RequestData  # noqa: E402
-from control.sampling import SamplingParams  # noqa: E402
-from engine.runners import InProcessRunner  # noqa: E402
+from fd.control.events import Accepted, Final, Request  # noqa: E402
+from fd.control.request_data import RequestData  # noqa: E402
+from fd.control.sampling import SamplingParams  # noqa: E402
+from fd.engine.runner.runners import InProcessRunner  # noqa: E402
 
 
 class TimedRunner(InProcessRunner):
@@ -89,7 +89,7 @@ class TimedRunner(InProcessRunner):
 
 
 class WorkerTimer:
-    """The same ``reset()`` for a :class:`engine.worker.ProcessRunner`: the time its worker
+    """The same ``reset()`` for a :class:`fd.engine.runner.worker.ProcessRunner`: the time its worker
     spent inside ``execute``, and how many steps."""
 
     def __init__(self, runner):
@@ -228,10 +228,10 @@ async def node_part(
     bar,
     real_redis: bool,
 ):
-    from control.connect import connect
-    from control.embedded import EmbeddedRedis
-    from control.keys import Keys
     from fd.compose import EngineOptions, start_engine
+    from fd.control.connect import connect
+    from fd.control.embedded import EmbeddedRedis
+    from fd.control.keys import Keys
 
     emb = EmbeddedRedis()
     emb.start()
@@ -293,12 +293,12 @@ def main() -> None:
     ap.add_argument("--output-json", default=str(RESULTS / "engine.json"))
     args = ap.parse_args()
     batches = [int(x) for x in args.batches.split(",")]
-    sys.setswitchinterval(0.0005)  # as `fd serve` and `fd engine` run (fd/cli.py)
+    sys.setswitchinterval(0.0005)  # as `fd serve` and `fd engine` run (fd/cli/main.py)
 
-    from control.tokenizer import Tokenizer
-    from engine.llm import LLM
-    from engine.model_runner import ModelRunner
-    from engine.worker import ProcessRunner
+    from fd.control.tokenizer import Tokenizer
+    from fd.engine.runner.llm import LLM
+    from fd.engine.runner.model_runner import ModelRunner
+    from fd.engine.runner.worker import ProcessRunner
 
     tmp = tempfile.mkdtemp(prefix="fd-bench-engine-")
     mdir = model_dir(args.model, tmp)

@@ -1,4 +1,4 @@
-"""What the fence (control/fence.py) costs an engine's publish of one step.
+"""What the fence (fd/control/fence.py) costs an engine's publish of one step.
 
 An engine's flush, as it is made after a step: one ``tokens`` event per request and one
 journal entry, published with ``Bus.publish_many`` (unfenced, as before the fence) and with
@@ -23,11 +23,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import environment, print_table, start_redis_server, write_json  # noqa: E402
-from control import events as E  # noqa: E402
-from control.bus import Bus  # noqa: E402
-from control.connect import connect  # noqa: E402
-from control.embedded import EmbeddedRedis  # noqa: E402
-from control.keys import Keys, owner_token  # noqa: E402
+from fd.control import events as E  # noqa: E402
+from fd.control.bus import Bus  # noqa: E402
+from fd.control.connect import connect  # noqa: E402
+from fd.control.embedded import EmbeddedRedis  # noqa: E402
+from fd.control.keys import Keys, owner_token  # noqa: E402
 
 
 def flush(bus: Bus, rids: list[str], step: int) -> list:

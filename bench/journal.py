@@ -7,11 +7,11 @@ engine node drives it (schedule, execute, update, and with the journal on a
 
 - ``fake``: a runner that costs nothing, so the overhead is the journal against the bare
   scheduler alone (the worst case, far from what an engine pays);
-- ``tiny``: the tiny random Llama on CPU through :class:`engine.model_runner.ModelRunner`,
+- ``tiny``: the tiny random Llama on CPU through :class:`fd.engine.runner.model_runner.ModelRunner`,
   the engine's real step loop minus Redis.
 
 It also reports the serialisation cost per step (``drain()`` + ``encode()``, bytes per entry),
-and replay speed: the recorded tiny-model run re-executed by :func:`engine.replay.replay`
+and replay speed: the recorded tiny-model run re-executed by :func:`fd.engine.journal.replay.replay`
 against its recorded wall time. Goals: journal cost <= 3% of engine throughput, replay >= 50x.
 
 Usage: python bench/journal.py [--quick] [--output-json bench/results/journal.json]
@@ -31,14 +31,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from control.events import decode  # noqa: E402
-from control.request_data import RequestData  # noqa: E402
-from control.sampling import SamplingParams  # noqa: E402
-from engine.config import SchedulerConfig  # noqa: E402
-from engine.journal import JournalRecorder  # noqa: E402
-from engine.outputs import RunnerOutput  # noqa: E402
-from engine.replay import replay  # noqa: E402
-from engine.scheduler import Scheduler  # noqa: E402
+from fd.control.events import decode  # noqa: E402
+from fd.control.request_data import RequestData  # noqa: E402
+from fd.control.sampling import SamplingParams  # noqa: E402
+from fd.engine.core.config import SchedulerConfig  # noqa: E402
+from fd.engine.core.outputs import RunnerOutput  # noqa: E402
+from fd.engine.core.scheduler import Scheduler  # noqa: E402
+from fd.engine.journal.journal import JournalRecorder  # noqa: E402
+from fd.engine.journal.replay import replay  # noqa: E402
 
 
 class FakeRunner:
@@ -168,12 +168,12 @@ async def served_replay(model_dir: str, runner, n: int) -> dict:
     from the first entry to the last, so it includes the node's own I/O, as in production."""
     import asyncio
 
-    from control.bus import Bus
-    from control.embedded import EmbeddedRedis
-    from control.keys import Keys
-    from control.tokenizer import Tokenizer
-    from engine.journal_reader import load_journal_from_redis
     from fd.compose import EngineOptions, start_engine
+    from fd.control.bus import Bus
+    from fd.control.embedded import EmbeddedRedis
+    from fd.control.keys import Keys
+    from fd.control.tokenizer import Tokenizer
+    from fd.engine.journal.journal_reader import load_journal_from_redis
     from tests.enginekit import story, submit_together
 
     emb = EmbeddedRedis()
@@ -238,8 +238,8 @@ def main(argv=None) -> int:
     results["runs"].append(row)
     results["replay"]["fake"] = replay_speed(fake_entries)
 
-    from engine.model.tiny import make_tiny_model
-    from engine.model_runner import ModelRunner
+    from fd.engine.model.tiny import make_tiny_model
+    from fd.engine.runner.model_runner import ModelRunner
 
     d = Path(tempfile.mkdtemp(prefix="fd-bench-")) / "tiny"
     make_tiny_model(d)

@@ -1,7 +1,7 @@
 """LoRA benchmark: what serving adapters costs the model.
 
 For batch sizes 1/8/32 (33-token prompts, 128 output tokens, greedy, ignore_eos), through
-:class:`engine.llm.LLM` (the scheduler and the runner, no Redis, the model in this process),
+:class:`fd.engine.runner.llm.LLM` (the scheduler and the runner, no Redis, the model in this process),
 every request of a run on:
 
 - ``base``: the base model, on a runner with no adapter loaded;
@@ -11,7 +11,7 @@ every request of a run on:
 - ``two adapters + base``: requests spread over two adapters and the base model, round-robin.
 
 Columns: output tok/s (median of ``--reps`` interleaved runs) and its ratio to ``base``.
-Random adapters made here (``engine.model.lora.save_adapter``), the tiny model of
+Random adapters made here (``fd.engine.model.lora.save_adapter``), the tiny model of
 ``fd make-tiny-model`` unless ``--model``.
 
 Usage: python bench/lora.py [--model DIR] [--batches 1,8,32] [--reps 3] [--rank 16]
@@ -35,7 +35,7 @@ sys.path.insert(0, str(_HERE.parent))
 from tqdm import tqdm  # noqa: E402
 
 from bench._common import RESULTS, model_dir, print_table, prompts, write_json  # noqa: E402
-from control.sampling import SamplingParams  # noqa: E402
+from fd.control.sampling import SamplingParams  # noqa: E402
 
 MODES = ("base", "base, adapters loaded", "one adapter", "two adapters + base")
 
@@ -50,11 +50,11 @@ def main() -> None:
     ap.add_argument("--output-json", default=str(RESULTS / "lora.json"))
     args = ap.parse_args()
 
-    from control.tokenizer import Tokenizer
-    from engine.llm import LLM
-    from engine.model.config import ModelConfig
-    from engine.model.lora import save_adapter
-    from engine.model_runner import ModelRunner
+    from fd.control.tokenizer import Tokenizer
+    from fd.engine.model.config import ModelConfig
+    from fd.engine.model.lora import save_adapter
+    from fd.engine.runner.llm import LLM
+    from fd.engine.runner.model_runner import ModelRunner
 
     tmp = tempfile.mkdtemp(prefix="fd-bench-lora-")
     mdir = model_dir(args.model, tmp)
@@ -99,7 +99,7 @@ def main() -> None:
             rows.append([n, mode, v, v / base])
             runs[f"{n}/{mode}"] = {"tok_per_s": v, "vs_base": v / base, "all": tps[(n, mode)]}
     md = print_table(
-        f"lora: output tok/s through engine.llm.LLM, rank {args.rank} adapters on every "
+        f"lora: output tok/s through fd.engine.runner.llm.LLM, rank {args.rank} adapters on every "
         f"projection, {args.max_tokens} output tokens, median of {args.reps}",
         ["batch", "requests on", "output tok/s", "vs base"],
         rows,

@@ -1,7 +1,7 @@
 """Prefix caching: time to first token for requests sharing a long prefix, cache on and off.
 
 A chat service's requests mostly begin with the same system prompt; vLLM's automatic prefix
-caching (fd's too, engine/block_manager.py) computes its KV blocks once. This starts ``fd
+caching (fd's too, fd/engine/core/block_manager.py) computes its KV blocks once. This starts ``fd
 serve`` twice on the same model, with its default (cache on) and with
 ``--no-enable-prefix-caching``, sends one request to warm it, then ``--requests`` streaming
 completions one after another, each the shared prefix plus ``--suffix`` tokens of its own,

@@ -62,9 +62,9 @@ def engine_steps(
 ) -> list[dict]:
     import numpy as np
 
-    from control.sampling import SamplingParams
-    from engine.model_runner import ModelRunner
-    from engine.outputs import ScheduledSeq, SchedulerOutput
+    from fd.control.sampling import SamplingParams
+    from fd.engine.core.outputs import ScheduledSeq, SchedulerOutput
+    from fd.engine.runner.model_runner import ModelRunner
 
     nb = -(-(prompt_len + steps + 1) // 16)
     runner = ModelRunner(
@@ -253,7 +253,7 @@ def main() -> None:
     args = ap.parse_args()
     import json
 
-    from fd.cli_models import resolve_model
+    from fd.cli.models import resolve_model
 
     args.model = str(resolve_model(args.model))  # (the peer serves the same directory)
 

@@ -3,13 +3,13 @@ the control plane costs in Redis round trips, bytes and memory per generated tok
 
 Each comparison runs both sides in one run of this script (ratios, not absolute numbers, are
 what carries across machines; see TARGETS.md on noise). Engines run the timed executor
-(:class:`engine.timed_runner.TimedRunner`): every step sleeps ``--step-ms`` instead of running
+(:class:`fd.engine.runner.timed_runner.TimedRunner`): every step sleeps ``--step-ms`` instead of running
 a forward, standing in for a GPU, so that on a 2-core box the comparison measures the serving
 system rather than CPU contention between model steps, Redis, the API and the clients. Every
 engine and API node is its own process (``python bench/scale.py _node ...``: fd.compose with a
 TimedRunner, what ``fd engine --executor timed --step-ms N`` runs) against a real
 ``redis-server``, except the embedded-server row. The load comes from ``fd bench``
-(:mod:`fd.loadgen`) in this process: streaming ``/v1/completions``, ``ignore_eos``.
+(:mod:`fd.tools.loadgen.main`) in this process: streaming ``/v1/completions``, ``ignore_eos``.
 
 1. engines: 1 vs 2 engine processes behind one API node, load that saturates one engine
    (concurrency 2 x --max-num-seqs); goal: 2 engines >= 1.8x the output tok/s.
@@ -63,16 +63,16 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 async def node_main(a: argparse.Namespace) -> int:
     """Engines on the timed executor and/or an API node, in this process, until SIGTERM."""
-    from control.connect import connect
-    from control.keys import Keys
-    from control.metrics import Metrics
-    from control.tokenizer import Tokenizer
-    from engine.timed_runner import TimedRunner
     from fd.compose import ApiOptions, EngineOptions, start_api, start_engine
+    from fd.control.connect import connect
+    from fd.control.keys import Keys
+    from fd.control.metrics import Metrics
+    from fd.control.tokenizer import Tokenizer
+    from fd.engine.runner.timed_runner import TimedRunner
 
     embedded = None
     if a.embedded:
-        from control.embedded import EmbeddedRedis
+        from fd.control.embedded import EmbeddedRedis
 
         embedded = EmbeddedRedis(port=0)
         embedded.start()
@@ -229,7 +229,7 @@ class RedisStats:
     def __init__(self, url: str, pid: int):
         import redis
 
-        from control.connect import redis_timeout
+        from fd.control.connect import redis_timeout
 
         t = redis_timeout()  # (a stalled server fails the run instead of hanging it)
         self.r = redis.Redis.from_url(url, socket_timeout=t, socket_connect_timeout=t)
@@ -311,7 +311,7 @@ async def load(
     warmups: int = 2,
     seed: int = 0,
 ) -> dict:
-    from fd import loadgen
+    from fd.tools.loadgen import main as loadgen
 
     cfg = loadgen.BenchConfig(
         base_urls=urls,
@@ -532,7 +532,7 @@ async def memory(a, model, rs: RedisStats, url: str, tmp: str, out: dict) -> Non
         base = {"used_memory": rs.used_memory(), "req_keys": rs.count(f"{prefix}:req:*")}
         by_len = []
         for L in (16, 64, 256):
-            from fd import loadgen
+            from fd.tools.loadgen import main as loadgen
 
             cfg = loadgen.BenchConfig(
                 base_urls=[api.url],

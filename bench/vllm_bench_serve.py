@@ -190,7 +190,7 @@ def main() -> None:
     ap.add_argument("--output-json", default=str(RESULTS / "vllm_bench_serve.json"))
     args = ap.parse_args()
 
-    from fd.cli_models import resolve_model
+    from fd.cli.models import resolve_model
 
     args.model = str(resolve_model(args.model))  # an HF dir: vLLM's tokenizer and server read it
     tmp = tempfile.mkdtemp(prefix="fd-vllm-bench-")

@@ -1,3 +1,3 @@
-from fd.cli import main
+from fd.cli.main import main
 
 raise SystemExit(main())

@@ -20,14 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from control.bus import REQUEST_TTL_S, Bus
-from control.keys import Keys
-from control.metrics import Metrics
-from control.mux import StreamMux
-from engine.node_config import EngineConfig
 from fd.api.cors import Cors
 from fd.api.reasoning import PARSERS as REASONING_PARSERS
 from fd.api.tool_calls import PARSERS as TOOL_PARSERS
+from fd.control.bus import REQUEST_TTL_S, Bus
+from fd.control.keys import Keys
+from fd.control.metrics import Metrics
+from fd.control.mux import StreamMux
+from fd.engine.node.node_config import EngineConfig
 
 log = logging.getLogger("fd.api")
 engine_log = logging.getLogger("fd.engine")
@@ -67,7 +67,7 @@ NODE_FIELDS = (
 @dataclass
 class EngineOptions:
     """An engine node's options: its model and the process that runs it (the fields with a
-    flag in their metadata are ``fd serve`` and ``fd engine`` flags: fd.cli_flags), and the
+    flag in their metadata are ``fd serve`` and ``fd engine`` flags: fd.cli.flags), and the
     node's own settings (:data:`NODE_FIELDS`), whose defaults are :class:`EngineConfig`'s."""
 
     model_dir: str
@@ -102,7 +102,7 @@ class EngineOptions:
             "pass replaced by a wait of --step-ms (a stand-in for a GPU)",
         },
     )
-    # Where the model worker runs (engine/affinity.py): "auto", a CPU list, or "none".
+    # Where the model worker runs (fd/engine/runner/affinity.py): "auto", a CPU list, or "none".
     worker_cpus: str = field(
         default="none",
         metadata={
@@ -112,7 +112,7 @@ class EngineOptions:
             "thread, else the last alone; on more, all but the first, which this process "
             "keeps), a list like 3 or "
             "2-3, or none (the kernel decides); default %(default)s (see "
-            "engine/affinity.py)",
+            "fd/engine/runner/affinity.py)",
         },
     )
     # vLLM's --seed: where the sampler's random stream starts, for requests that give no seed
@@ -138,12 +138,12 @@ class EngineOptions:
     max_model_len: int | None = EngineConfig.max_model_len
     lora_modules: dict[str, str] = field(default_factory=dict)  # vLLM's --lora-modules: name -> path
     max_lora_rank: int | None = None
-    # vLLM's VLLM_BATCH_INVARIANT: a request's logits the same in any batch (engine/model/llama.py),
+    # vLLM's VLLM_BATCH_INVARIANT: a request's logits the same in any batch (fd/engine/model/llama.py),
     # at the price of batch 1 costing what batch 8 does
     batch_invariant: bool = False
     request_ttl_s: int = REQUEST_TTL_S  # a finished request's story and owner key are kept this long
     tombstone_ttl_s: int = EngineConfig.tombstone_ttl_s
-    # vLLM's periodic throughput line (control.logs.StatsLine): every this many seconds while
+    # vLLM's periodic throughput line (fd.control.logs.StatsLine): every this many seconds while
     # the engine is busy; vLLM's VLLM_LOG_STATS_INTERVAL sets the default, as it does there
     log_stats_interval_s: float = field(
         default=_env_seconds("VLLM_LOG_STATS_INTERVAL", 10.0),
@@ -179,7 +179,7 @@ def timeout_s(text: str) -> float:
 @dataclass
 class ApiOptions:
     """An API node's options (the fields with a flag in their metadata are ``fd serve`` and
-    ``fd api`` flags: fd.cli_flags)."""
+    ``fd api`` flags: fd.cli.flags)."""
 
     model_dir: str
     host: str = "127.0.0.1"
@@ -401,7 +401,7 @@ class RunningApi:
 
 def _no_retries(client):
     """The engine retries Redis calls itself, and must: a client that silently re-sends a
-    pipeline after a lost reply would repeat tokens on a stream (see engine.outbox)."""
+    pipeline after a lost reply would repeat tokens on a stream (see fd.engine.node.outbox)."""
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
 
@@ -425,8 +425,8 @@ def make_runner(opts: EngineOptions, progress: bool = True):
         batch_invariant=opts.batch_invariant,
     )
     if opts.executor == "paddle":
-        from engine import affinity
-        from engine.worker import ProcessRunner
+        from fd.engine.runner import affinity
+        from fd.engine.runner.worker import ProcessRunner
 
         cpus = affinity.plan(opts.worker_cpus)
         runner = ProcessRunner(
@@ -439,7 +439,7 @@ def make_runner(opts: EngineOptions, progress: bool = True):
         if cpus is not None:
             affinity.apply_rest(cpus.settled(runner.cpus))
     elif opts.executor == "paddle-thread":
-        from engine.model_runner import ModelRunner
+        from fd.engine.runner.model_runner import ModelRunner
 
         runner = ModelRunner(opts.model_dir, **kw)
     else:
@@ -548,8 +548,8 @@ async def start_engine(
     tokenizer: Any = None,
     **node_kw: Any,
 ) -> RunningEngine:
-    from control.tokenizer import Tokenizer, served_context
-    from engine.node import EngineNode
+    from fd.control.tokenizer import Tokenizer, served_context
+    from fd.engine.node.node import EngineNode
 
     owns_runner = runner is None
     if owns_runner and opts.max_model_len is not None:  # (a bad value: said before the model loads)
@@ -660,10 +660,10 @@ async def start_api(
     is bound here."""
     from aiohttp import web
 
-    from control.tokenizer import Tokenizer, served_context
     from fd.api import parse_errors
     from fd.api.sampling import generation_defaults
     from fd.api.server import ApiConfig, ApiSite, make_app
+    from fd.control.tokenizer import Tokenizer, served_context
 
     if opts.reasoning_parser is not None and opts.reasoning_parser not in REASONING_PARSERS:
         raise ValueError(

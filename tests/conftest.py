@@ -19,12 +19,16 @@ from dataclasses import dataclass
 import pytest
 from hypothesis import settings
 
-from control.bus import Bus
-from control.connect import connect
-from control.embedded import EmbeddedRedis
-from control.keys import Keys
+from fd.control.bus import Bus
+from fd.control.connect import connect
+from fd.control.embedded import EmbeddedRedis
+from fd.control.keys import Keys
+from fd.engine.runner.process import tune
 from tests.engine_fixtures import openai_client, served, tiny_model_dir, tiny_runner, tiny_tokenizer  # noqa: F401
 from tests.real_model import smollm2_dir, smollm2_gguf, smollm2_reference, smollm2_runner, smollm2_tokenizer  # noqa: F401
+
+# the settings fd's own processes run the model with; nothing above imports Paddle
+tune()
 
 # Property tests that do not fix their examples draw new ones each run here, where a failure is
 # a find to keep (tests/test_scheduler_props.py found a harness gap that way); CI (CI=true)

@@ -7,7 +7,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    from engine.model.tiny import make_tiny_model
+    from fd.engine.model.tiny import make_tiny_model
 
     d = tmp_path_factory.mktemp("models") / "tiny-llama"
     make_tiny_model(d)
@@ -16,7 +16,7 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_model_dir):
-    from control.tokenizer import Tokenizer
+    from fd.control.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(str(tiny_model_dir))
 
@@ -27,7 +27,7 @@ def tiny_runner(tiny_model_dir):
     every request overwrites through its own block table. Batch-invariant: the tests that
     share it hold requests to the same tokens and vectors alone and batched, and to those of
     other (equally invariant) runners."""
-    from engine.model_runner import ModelRunner
+    from fd.engine.runner.model_runner import ModelRunner
 
     return ModelRunner(str(tiny_model_dir), device="cpu", num_blocks=512, block_size=16, batch_invariant=True)
 
@@ -36,8 +36,8 @@ def tiny_runner(tiny_model_dir):
 async def served(embedded_redis, keys, tiny_model_dir, tiny_runner, tiny_tokenizer):
     """What `fd serve` runs, in this process: one engine and one API node on the embedded
     server, sharing one Metrics object. Yields (api, engine)."""
-    from control.metrics import Metrics
     from fd.compose import ApiOptions, EngineOptions, join_in_process, start_api, start_engine
+    from fd.control.metrics import Metrics
 
     metrics = Metrics()
     eng = await start_engine(

@@ -7,12 +7,12 @@ import asyncio
 import threading
 import time
 
-from control.bus import Bus
-from control.events import Accepted, Final, Request, Tokens
-from control.request_data import RequestData
-from control.sampling import SamplingParams
-from engine.outputs import RunnerOutput, SchedulerOutput
-from engine.runners import InProcessRunner
+from fd.control.bus import Bus
+from fd.control.events import Accepted, Final, Request, Tokens
+from fd.control.request_data import RequestData
+from fd.control.sampling import SamplingParams
+from fd.engine.core.outputs import RunnerOutput, SchedulerOutput
+from fd.engine.runner.runners import InProcessRunner
 
 
 class GatedRunner(InProcessRunner):
@@ -108,7 +108,7 @@ def text_of(evs) -> str:
 def prefix_logits(runner, tokens: list[int]):
     """The model's logits after ``tokens`` (float64): one prefill in scratch blocks from 0 up,
     for a reference computed from the model itself (the runner must be idle)."""
-    from engine.outputs import ScheduledSeq
+    from fd.engine.core.outputs import ScheduledSeq
 
     table = tuple(range(-(-len(tokens) // runner.block_size)))
     seq = ScheduledSeq("ref", tuple(tokens), 0, table, True, SamplingParams(temperature=0.0), 0)

@@ -17,11 +17,11 @@ from dataclasses import replace
 import orjson
 import pytest
 
-from control.connect import connect
-from engine.outputs import RunnerOutput, SchedulerOutput
-from engine.runners import InProcessRunner
-from engine.sequence import PLACEHOLDER
 from fd.compose import EngineOptions, start_engine
+from fd.control.connect import connect
+from fd.engine.core.outputs import RunnerOutput, SchedulerOutput
+from fd.engine.core.sequence import PLACEHOLDER
+from fd.engine.runner.runners import InProcessRunner
 from tests.conftest import _ping, free_port
 from tests.enginekit import GatedRunner
 

@@ -14,7 +14,7 @@ REFERENCE = Path(__file__).with_name("smollm2_reference.json")
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
-    from fd.cli_models import default_gguf
+    from fd.cli.models import default_gguf
 
     try:
         return default_gguf()
@@ -24,22 +24,22 @@ def smollm2_gguf() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_dir(smollm2_gguf) -> Path:
-    from engine.model.gguf_cache import cached_hf_dir
-    from fd.cli_models import cache_dir
+    from fd.cli.models import cache_dir
+    from fd.engine.model.gguf_cache import cached_hf_dir
 
     return cached_hf_dir(smollm2_gguf, cache_dir(), progress=False)
 
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_dir):
-    from control.tokenizer import Tokenizer
+    from fd.control.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(str(smollm2_dir))
 
 
 @pytest.fixture(scope="session")
 def smollm2_runner(smollm2_dir):
-    from engine.model_runner import ModelRunner
+    from fd.engine.runner.model_runner import ModelRunner
 
     return ModelRunner(str(smollm2_dir), device="cpu", num_blocks=64, block_size=16)
 

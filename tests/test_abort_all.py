@@ -10,13 +10,13 @@ import time
 
 import aiohttp
 
-from control.bus import Bus
-from control.connect import connect
-from control.events import Abort, AbortAll, Accepted, BlocksReleased, Final, Request, Tokens
-from control.keys import GROUP_ENGINES, owner_engine
-from control.request_data import RequestData
-from control.sampling import SamplingParams
 from fd.compose import ApiOptions, start_api
+from fd.control.bus import Bus
+from fd.control.connect import connect
+from fd.control.events import Abort, AbortAll, Accepted, BlocksReleased, Final, Request, Tokens
+from fd.control.keys import GROUP_ENGINES, owner_engine
+from fd.control.request_data import RequestData
+from fd.control.sampling import SamplingParams
 from tests.enginekit import story, submit, types
 from tests.faultkit import Engines, all_blocks_free, wait_for
 

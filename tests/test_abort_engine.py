@@ -10,12 +10,12 @@ import asyncio
 
 import pytest
 
-from control.connect import connect
-from control.events import Abort, AbortAll, AbortRequested, Claimed, Drained, Final, Tokens
-from control.metrics import Metrics
-from engine.journal_reader import load_journal_from_redis
-from engine.replay import replay
 from fd.compose import EngineOptions, start_engine
+from fd.control.connect import connect
+from fd.control.events import Abort, AbortAll, AbortRequested, Claimed, Drained, Final, Tokens
+from fd.control.metrics import Metrics
+from fd.engine.journal.journal_reader import load_journal_from_redis
+from fd.engine.journal.replay import replay
 from tests.enginekit import GatedRunner, _pair, story, submit, submit_together, tokens_of, types
 from tests.faultkit import wait_for
 

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from engine.affinity import SHARED_WORKER_NICE, CpuPlan, parse_cpus, plan
-from engine.worker import ProcessRunner
+from fd.engine.runner.affinity import SHARED_WORKER_NICE, CpuPlan, parse_cpus, plan
+from fd.engine.runner.worker import ProcessRunner
 
 
 def test_auto_offers_two_cpus_to_settle_and_keeps_one_of_more():

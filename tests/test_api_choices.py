@@ -12,9 +12,9 @@ import orjson
 import pytest
 from test_api_streaming import CHAT_BODY, FakeEngine, control_events, parse_sse, setup, wait_for
 
-from control.events import Abort, Accepted, Final, decode
-from control.sampling import SamplingParams
-from engine.llm import LLM
+from fd.control.events import Abort, Accepted, Final, decode
+from fd.control.sampling import SamplingParams
+from fd.engine.runner.llm import LLM
 
 
 def _by_choice(chunks: list[dict]) -> dict[int, list[dict]]:
@@ -252,8 +252,8 @@ async def test_two_engines_share_the_choices_and_an_abort_of_the_id_reaches_both
     """Real Redis, two engines with two running slots each, a response of four choices: the
     choices run on both engines, and `/v1/abort_requests` naming only the response's id (on a
     replica that did not accept it) ends every one with `abort` and frees both engines' blocks."""
-    from control.connect import connect
     from fd.compose import ApiOptions, start_api
+    from fd.control.connect import connect
     from tests.faultkit import Engines, all_blocks_free, sse_objects
 
     engines = Engines(redis_server.url, keys, tiny_model_dir, tiny_runner, tiny_tokenizer)
@@ -367,7 +367,7 @@ async def test_a_failed_choice_fails_the_response(real_bus):
 
 
 def test_the_choices_mark_and_ids():
-    from control.keys import choice_ids, choices_owner, is_tombstone, owner_choices
+    from fd.control.keys import choice_ids, choices_owner, is_tombstone, owner_choices
 
     assert choice_ids("r", 3) == ("r.0", "r.1", "r.2")
     assert owner_choices(choices_owner(3)) == 3 and not is_tombstone(choices_owner(3))

@@ -11,9 +11,9 @@ import orjson
 import pytest
 import redis
 
-from control import events as E
-from control.mux import MuxStopped, StreamMux
 from fd.api import bodies, rendering, sse
+from fd.control import events as E
+from fd.control.mux import MuxStopped, StreamMux
 
 TEXTS = [
     "hi",
@@ -67,7 +67,7 @@ class _Mux:
 
 
 def _sub():
-    from control.mux import Subscription
+    from fd.control.mux import Subscription
 
     return Subscription(_Mux(), "r1", b"fd:req:{r1}", b"0-0")
 

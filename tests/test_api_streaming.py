@@ -15,11 +15,11 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from test_api_validation import FakeTokenizer
 
-from control.events import Abort, Claimed, Final, Tokens, decode
-from control.metrics import Metrics
-from control.mux import StreamMux
-from control.token_payloads import embedding_field
 from fd.api import ApiConfig, make_app
+from fd.control.events import Abort, Claimed, Final, Tokens, decode
+from fd.control.metrics import Metrics
+from fd.control.mux import StreamMux
+from fd.control.token_payloads import embedding_field
 
 WORDS = ("Hello", ",", "", " world", "!")  # an empty delta: no chunk, ids still progress
 
@@ -546,9 +546,9 @@ async def test_health(real_bus):
 
 
 async def test_health_503_when_redis_is_down(real_bus):
-    from control.bus import Bus
-    from control.connect import connect
-    from control.keys import Keys
+    from fd.control.bus import Bus
+    from fd.control.connect import connect
+    from fd.control.keys import Keys
 
     dead = connect("redis://127.0.0.1:1")  # nothing listens there
     mux = StreamMux(dead, Keys("x"), "api-dead", block_ms=100)

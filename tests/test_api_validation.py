@@ -7,9 +7,9 @@ import contextlib
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from control.metrics import Metrics
-from control.mux import StreamMux
 from fd.api import ApiConfig, make_app
+from fd.control.metrics import Metrics
+from fd.control.mux import StreamMux
 
 MAX_LEN = 64
 

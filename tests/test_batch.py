@@ -10,10 +10,10 @@ import sys
 
 import orjson
 
-from control.events import Accepted, decode
-from control.sampling import SamplingParams
-from engine.llm import LLM
-from fd.batch import BatchLine, parse_line, run_batch
+from fd.control.events import Accepted, decode
+from fd.control.sampling import SamplingParams
+from fd.engine.runner.llm import LLM
+from fd.tools.batch import BatchLine, parse_line, run_batch
 
 
 def _line(custom_id, url, body, method="POST") -> bytes:

@@ -1,6 +1,6 @@
 import pytest
 
-from engine.block_manager import BlockManager, DoubleFree, NoFreeBlocks
+from fd.engine.core.block_manager import BlockManager, DoubleFree, NoFreeBlocks
 
 
 def test_allocate_and_free_return_blocks_to_the_pool():
@@ -72,7 +72,7 @@ def test_check_detects_a_corrupted_pool():
 
 
 def test_cached_blocks_are_shared_read_only_and_evicted_only_for_new_contents():
-    from engine.block_manager import block_hash
+    from fd.engine.core.block_manager import block_hash
 
     bm = BlockManager(num_blocks=4, block_size=2)
     h0 = block_hash(b"", [1, 2])

@@ -11,13 +11,13 @@ import time
 
 import pytest
 
-from control import events as E
-from control.bus import Bus
-from control.connect import connect
-from control.keys import GROUP_ENGINES
-from control.mux import MuxStopped, StreamMux
-from control.request_data import RequestData
-from control.sampling import SamplingParams
+from fd.control import events as E
+from fd.control.bus import Bus
+from fd.control.connect import connect
+from fd.control.keys import GROUP_ENGINES
+from fd.control.mux import MuxStopped, StreamMux
+from fd.control.request_data import RequestData
+from fd.control.sampling import SamplingParams
 
 DATA = RequestData(prompt_token_ids=(1, 2, 3), sampling=SamplingParams(max_tokens=4))
 
@@ -132,7 +132,7 @@ async def test_bad_control_events_are_dead_lettered_and_reading_goes_on(bus, cap
     await x("XADD", c, "*", "type", "abort", "request_id", b"\xff\xfe")
     await x("XADD", c, "*", "type", "tokens", "request_id", "r1", "token_ids", "1")  # wrong stream
     good = await x("XADD", c, "*", "type", "abort", "request_id", "r9")
-    with caplog.at_level(logging.WARNING, logger="control.bus"):
+    with caplog.at_level(logging.WARNING, logger="fd.control.bus"):
         cursor, evs = await bus.read_control(b"0-0", block_ms=None)
     assert cursor == good
     assert [e.request_ids for _, e in evs] == [("r9",)]
@@ -146,7 +146,7 @@ async def test_bad_control_events_are_dead_lettered_and_reading_goes_on(bus, cap
     assert "does not belong" in reasons[3]
     assert letters[2][b"request_id"] == b"\xff\xfe"  # the original bytes, kept
     assert letters[0][b"type"] == b"explode" and letters[0][b"request_id"] == b"r1"
-    assert sum("dead letter" in r.message for r in caplog.records if r.name == "control.bus") == 4
+    assert sum("dead letter" in r.message for r in caplog.records if r.name == "fd.control.bus") == 4
 
 
 async def test_dead_letter_prefixes_clashing_fields(bus):
@@ -262,7 +262,7 @@ async def test_claim_recreates_a_vanished_group(bus):
 
 async def test_claim_recreates_the_group_of_a_deleted_stream(bus):
     """A claim on a P:requests that is gone altogether (not only its group) recreates both:
-    fakeredis words that NOGROUP otherwise (control/store.py)."""
+    fakeredis words that NOGROUP otherwise (fd/control/store.py)."""
     await bus.ensure_group()
     await bus.redis.delete(bus.keys.requests)
     assert await bus.claim_requests("e1", 10, 10) == []

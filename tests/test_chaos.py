@@ -24,15 +24,15 @@ import time
 import aiohttp
 from redis.exceptions import RedisError
 
-from control.connect import connect
-from control.events import Abort, Final
-from control.guided import canonical
-from control.outage import is_outage
-from control.sampling import SamplingParams
-from engine.journal_reader import load_journal_from_redis
-from engine.llm import LLM
-from engine.replay import replay
 from fd.compose import ApiOptions, start_api
+from fd.control.connect import connect
+from fd.control.events import Abort, Final
+from fd.control.guided import canonical
+from fd.control.outage import is_outage
+from fd.control.sampling import SamplingParams
+from fd.engine.journal.journal_reader import load_journal_from_redis
+from fd.engine.journal.replay import replay
+from fd.engine.runner.llm import LLM
 from tests.enginekit import text_of, tokens_of, types
 from tests.faultkit import Engines, all_blocks_free, dump_tasks_after, kill, sse_objects, wait_for
 
@@ -296,8 +296,8 @@ async def test_chaos_with_outside_faults(tmp_path, keys, tiny_model_dir, tiny_ru
     a while (OOM), everything emptied (FLUSHALL). Every request ends with one final and nothing
     after it, or, where its story went with the emptying, its client's stream ends with
     ``story_lost``; no engine dies and the live ones give every block back."""
-    from control.bus import Bus
-    from control.keys import owner_engine
+    from fd.control.bus import Bus
+    from fd.control.keys import owner_engine
     from tests.faultkit import OwnRedis, reap, spawn_engine
 
     rnd = random.Random(SEED)
@@ -750,7 +750,7 @@ async def test_chaos_of_redis_itself(tmp_path, keys, tiny_model_dir, tiny_runner
     engine dies, and each gives every block back."""
     from redis.asyncio import Redis as AsyncRedis
 
-    from control.bus import Bus
+    from fd.control.bus import Bus
     from tests.sentinelkit import SentinelSet
 
     rnd = random.Random(SEED)

@@ -7,9 +7,9 @@ other 15 a poll later)."""
 
 from __future__ import annotations
 
-from control.bus import Bus
-from engine.node import EngineNode
-from engine.node_config import EngineConfig
+from fd.control.bus import Bus
+from fd.engine.node.node import EngineNode
+from fd.engine.node.node_config import EngineConfig
 from tests.enginekit import submit_together
 
 

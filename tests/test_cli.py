@@ -387,7 +387,7 @@ async def test_servers_run_full_collections_on_a_timer_not_on_heap_growth():
     Python's growth rule fires in the middle of a burst."""
     import gc
 
-    from fd import cli_serving
+    from fd.cli import serving as cli_serving
 
     before = gc.get_threshold()
     try:
@@ -406,8 +406,8 @@ async def test_servers_run_full_collections_on_a_timer_not_on_heap_growth():
 def test_a_vllm_command_line_runs_here():
     """`vllm serve MODEL` with the flags people paste: the model as the first argument, flags
     that mean nothing here taken and named at start, the ones fd cannot honour refused."""
-    from fd.cli import build_parser
-    from fd.cli_args import vllm_compat
+    from fd.cli.args import vllm_compat
+    from fd.cli.main import build_parser
 
     args = build_parser().parse_args(
         [

@@ -14,10 +14,10 @@ import pytest
 from redis.asyncio import Redis, RedisCluster
 from redis.crc import key_slot
 
-from control import events as E
-from control.bus import Bus
-from control.connect import connect, redis_timeout
-from control.mux import StreamMux
+from fd.control import events as E
+from fd.control.bus import Bus
+from fd.control.connect import connect, redis_timeout
+from fd.control.mux import StreamMux
 from tests.conftest import _ping, free_port
 from tests.test_bus import dead, request, same, story
 
@@ -221,11 +221,11 @@ async def test_submit_claim_and_ack_with_the_final(cbus):
 
 
 async def test_the_fence_per_request_on_every_master(cbus):
-    """control/fence.py's script names only the request's own slot: each request's batch is
+    """fd/control/fence.py's script names only the request's own slot: each request's batch is
     fenced on its own master, the refused one writes and acknowledges nothing, the others'
     finals are acknowledged after them."""
-    from control.fence import Refused
-    from control.keys import owner_token
+    from fd.control.fence import Refused
+    from fd.control.keys import owner_token
 
     await cbus.ensure_group()
     rids = ids_on_every_master(cbus, cbus.keys.req, 2)

@@ -1,4 +1,4 @@
-"""control.connect's client on a real redis-server: what its socket timeout does to a cancel,
+"""fd.control.connect's client on a real redis-server: what its socket timeout does to a cancel,
 and to a Redis that stops answering."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import time
 import aiohttp
 import pytest
 
-from control.connect import connect
 from fd.compose import ApiOptions, start_api
+from fd.control.connect import connect
 from tests.conftest import start_redis_server
 from tests.faultkit import Engines
 

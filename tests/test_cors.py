@@ -9,7 +9,7 @@ import pytest
 from test_api_streaming import FakeEngine, parse_sse, setup
 
 from fd.api.cors import Cors
-from fd.cli import build_parser
+from fd.cli.main import build_parser
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fd.cli import build_parser
+from fd.cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -127,7 +127,7 @@ def _fd_args(argv: list[str]):
         return build_parser().parse_args(argv[1:])
     except SystemExit:
         pytest.fail(
-            f"`{' '.join(argv)}` does not parse with fd.cli.build_parser() (see the argparse error above)",
+            f"`{' '.join(argv)}` does not parse with fd.cli.main.build_parser() (see the argparse error above)",
             pytrace=False,
         )
 
@@ -324,9 +324,9 @@ def test_engine_gpu_drain_and_grace_period(docs):
 def test_engine_prestop_publishes_a_drain_for_its_own_id(docs, monkeypatch):
     import fakeredis
 
-    from control.bus import Bus  # noqa: F401  (the hook must not need more than control/)
-    from control.events import Drain, decode
-    from control.keys import Keys
+    from fd.control.bus import Bus  # noqa: F401  (the hook must not need more than fd/control/)
+    from fd.control.events import Drain, decode
+    from fd.control.keys import Keys
 
     (c,) = _containers(_named(docs, "Deployment", "fd-engine"))
     code = _python_c(c["lifecycle"]["preStop"]["exec"]["command"])
@@ -345,7 +345,7 @@ def test_engine_prestop_publishes_a_drain_for_its_own_id(docs, monkeypatch):
 def test_engine_readiness_is_its_heartbeat(docs, monkeypatch):
     import fakeredis
 
-    from control.keys import Keys
+    from fd.control.keys import Keys
 
     (c,) = _containers(_named(docs, "Deployment", "fd-engine"))
     env = {"FD_REDIS_URL": "redis://x:6379/0", "FD_ENGINE_ID": POD}
@@ -428,7 +428,7 @@ def test_compose_fd_command_lines(compose):
 def test_compose_engine_healthcheck_is_its_heartbeat(compose, monkeypatch):
     import fakeredis
 
-    from control.keys import Keys
+    from fd.control.keys import Keys
 
     for name, s in _services(compose, "engine").items():
         code = _python_c(s["healthcheck"]["test"][1:])
@@ -490,7 +490,7 @@ def test_dockerfiles(name):
     copied = {r.split()[0] for r in get("COPY")}
     for src in copied:
         assert (ROOT / src).exists(), f"COPY {src}: not in the repository"
-    assert {"control", "engine", "fd", "pyproject.toml"} <= copied
+    assert {"fd", "pyproject.toml"} <= copied
     installs = " ".join(r for r in get("RUN") if "pip install" in r)
     if name == "Dockerfile":
         assert get("FROM")[0].startswith("python:3.11-slim")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from test_api_validation import FakeTokenizer
 
-from control.tokenizer import Tokenizer
-from engine.detokenizer import IncrementalDetokenizer
-from engine.model.tiny import make_tiny_model
+from fd.control.tokenizer import Tokenizer
+from fd.engine.core.detokenizer import IncrementalDetokenizer
+from fd.engine.model.tiny import make_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +102,7 @@ def test_flush_of_an_incomplete_character(tok):
 
 
 def test_min_tokens_lets_a_stop_string_through_until_then():
-    from engine.detokenizer import IncrementalDetokenizer
+    from fd.engine.core.detokenizer import IncrementalDetokenizer
 
     d = IncrementalDetokenizer(FakeTokenizer(), stop=("b",), min_tokens=3)
     assert d.push(b"ab") == ("ab", None)  # 2 tokens: too early to stop
@@ -139,7 +139,7 @@ def test_a_stop_string_that_straddles_min_tokens_ends_the_request_unleaked():
 def test_the_token_that_ends_a_request_is_counted_but_not_shown(tok):
     """vLLM's rule: an EOS or stop_token_ids token ends the request without its text, even
     with skip_special_tokens false, unless include_stop_str_in_output."""
-    from control.sampling import SamplingParams
+    from fd.control.sampling import SamplingParams
 
     ids = tok.encode("The harbour town")
     stop = ids[-1]

@@ -7,11 +7,11 @@ from __future__ import annotations
 import asyncio
 import signal
 
-from control.events import Claimed, Drain, Preempted, Tokens
-from control.sampling import SamplingParams
-from engine.journal_reader import load_journal_from_redis
-from engine.llm import LLM
-from engine.replay import replay
+from fd.control.events import Claimed, Drain, Preempted, Tokens
+from fd.control.sampling import SamplingParams
+from fd.engine.journal.journal_reader import load_journal_from_redis
+from fd.engine.journal.replay import replay
+from fd.engine.runner.llm import LLM
 from tests.enginekit import story, submit, text_of, tokens_of, types
 from tests.faultkit import all_blocks_free, engines, reap, spawn_engine, wait_for  # noqa: F401
 

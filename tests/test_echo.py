@@ -10,10 +10,10 @@ import orjson
 import pytest
 from test_api_streaming import FakeEngine, parse_sse, setup
 
-from control.sampling import SamplingParams
-from engine.config import SchedulerConfig
-from engine.llm import LLM
-from engine.scheduler import Scheduler
+from fd.control.sampling import SamplingParams
+from fd.engine.core.config import SchedulerConfig
+from fd.engine.core.scheduler import Scheduler
+from fd.engine.runner.llm import LLM
 from tests.enginekit import prefix_logits
 
 
@@ -93,7 +93,7 @@ def test_prompt_scores_do_not_depend_on_how_the_prompt_was_chunked(tiny_runner, 
     """Chunked prefill: each chunk's last position is scored against the next chunk's first
     token (ScheduledSeq.prompt_next); the scores equal those of one whole-prompt step. So do
     those of a step whose logits the runner makes a few rows at a time (SCORE_ROWS)."""
-    from control.request_data import RequestData
+    from fd.control.request_data import RequestData
 
     prompt = tuple(range(3, 40))
     sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=3)
@@ -115,7 +115,7 @@ def test_prompt_scores_do_not_depend_on_how_the_prompt_was_chunked(tiny_runner, 
 
     whole, n1 = scores(256)
     chunked, n2 = scores(8)
-    monkeypatch.setattr("engine.model_runner.SCORE_ROWS", 5)
+    monkeypatch.setattr("fd.engine.runner.model_runner.SCORE_ROWS", 5)
     sliced, n3 = scores(256)
     assert n2 > n1 == n3 and sorted(whole) == sorted(chunked) == sorted(sliced) == list(range(1, len(prompt)))
     for p in whole:

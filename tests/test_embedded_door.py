@@ -1,4 +1,4 @@
-"""The embedded server's TCP door (control/embedded.py, control/resp.py): what a client of
+"""The embedded server's TCP door (fd/control/embedded.py, fd/control/resp.py): what a client of
 another process sees is what a Redis would show it — replies in RESP2 or RESP3, errors with
 their codes, transactions and WATCH per connection, blocking reads woken by writes through the
 other door, and a malformed request answered, not a dead server."""
@@ -14,7 +14,7 @@ import pytest
 import redis
 from redis.exceptions import NoScriptError, ResponseError, WatchError
 
-from control.resp import ProtocolError, RequestReader, encode_reply
+from fd.control.resp import ProtocolError, RequestReader, encode_reply
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import time
 import pytest
 import redis
 
-from control.embedded import EmbeddedRedis
+from fd.control.embedded import EmbeddedRedis
 
 
 def _redis_cli() -> str:

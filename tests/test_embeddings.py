@@ -20,14 +20,14 @@ import pytest
 from test_api_streaming import FakeEngine, control_events, setup, wait_for
 from test_api_validation import MAX_LEN, api_client, assert_openai_error
 
-from control.events import Abort, Accepted, BlocksReleased, Claimed, Final, Tokens, decode
-from control.sampling import SamplingParams
-from control.token_payloads import embedding_vector
-from control.tokenizer import Tokenizer
-from engine.llm import LLM
-from engine.outputs import ScheduledSeq, SchedulerOutput
-from engine.timed_runner import EMBED_DIM, TimedRunner
 from fd.api.embeddings import SAMPLING
+from fd.control.events import Abort, Accepted, BlocksReleased, Claimed, Final, Tokens, decode
+from fd.control.sampling import SamplingParams
+from fd.control.token_payloads import embedding_vector
+from fd.control.tokenizer import Tokenizer
+from fd.engine.core.outputs import ScheduledSeq, SchedulerOutput
+from fd.engine.runner.llm import LLM
+from fd.engine.runner.timed_runner import EMBED_DIM, TimedRunner
 
 TEXTS = ["Hello world", "The quick brown fox jumps over the lazy dog " * 6, "a"]
 

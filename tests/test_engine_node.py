@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
-from control.connect import connect
-from control.sampling import SamplingParams
-from engine.llm import LLM
 from fd.compose import EngineOptions, start_engine
+from fd.control.connect import connect
+from fd.control.sampling import SamplingParams
+from fd.engine.runner.llm import LLM
 from tests.enginekit import story, submit, text_of, tokens_of, types
 
 
@@ -121,7 +121,7 @@ async def test_bad_events_never_stop_the_engine(
 async def test_dead_letters_are_counted_in_metrics(
     real_bus, redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer
 ):
-    from control.metrics import Metrics
+    from fd.control.metrics import Metrics
 
     metrics = Metrics()
     opts = EngineOptions(model_dir=str(tiny_model_dir), engine_id="e-dead")
@@ -183,7 +183,7 @@ async def test_a_cancel_that_meets_a_wake_up_still_stops_the_engine(
     # wake-up event. A cancel (a kill, the loop shutting down) that arrives in the same turn as a
     # wake-up must still end the task: asyncio.wait_for of Python 3.11 returns the result then
     # and loses the cancel, and the engine ran on, with its heartbeat, forever.
-    from engine.outputs import SchedulerOutput
+    from fd.engine.core.outputs import SchedulerOutput
 
     eng = await _start(redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer)
     try:

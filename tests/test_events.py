@@ -7,11 +7,11 @@ import dataclasses
 import orjson
 import pytest
 
-from control import events as E
-from control.bad_event import BadEvent
-from control.events import decode
-from control.request_data import RequestData
-from control.sampling import SamplingParams
+from fd.control import events as E
+from fd.control.bad_event import BadEvent
+from fd.control.events import decode
+from fd.control.request_data import RequestData
+from fd.control.sampling import SamplingParams
 
 TS = 1_700_000_000_123
 

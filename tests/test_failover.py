@@ -7,13 +7,13 @@ from __future__ import annotations
 import asyncio
 import signal
 
-from control.connect import connect
-from control.events import Abort, Claimed, Final, Preempted, Tokens
-from control.sampling import SamplingParams
-from engine.failover import History, cas_owner
-from engine.journal_reader import load_journal_from_redis
-from engine.llm import LLM
-from engine.replay import replay
+from fd.control.connect import connect
+from fd.control.events import Abort, Claimed, Final, Preempted, Tokens
+from fd.control.sampling import SamplingParams
+from fd.engine.journal.journal_reader import load_journal_from_redis
+from fd.engine.journal.replay import replay
+from fd.engine.node.failover import History, cas_owner
+from fd.engine.runner.llm import LLM
 from tests.enginekit import story, submit, text_of, tokens_of, types
 from tests.faultkit import all_blocks_free, engines, kill, reap, spawn_engine, wait_for  # noqa: F401
 

@@ -1,4 +1,4 @@
-"""The fence (control/fence.py): an engine's events reach a request's story only while its
+"""The fence (fd/control/fence.py): an engine's events reach a request's story only while its
 owner key holds the writer's token, and nothing ever follows a final.
 
 The bus-level tests run on a real Redis (the Lua script), on the embedded server's in-process
@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import pytest
 
-from control.bus import Bus
-from control.connect import connect
-from control.events import Final, JournalStep, Tokens
-from control.fence import Refused
-from control.keys import GROUP_ENGINES, owner_token
-from engine.journal_reader import load_journal_from_redis
+from fd.control.bus import Bus
+from fd.control.connect import connect
+from fd.control.events import Final, JournalStep, Tokens
+from fd.control.fence import Refused
+from fd.control.keys import GROUP_ENGINES, owner_token
+from fd.engine.journal.journal_reader import load_journal_from_redis
 from tests.enginekit import submit, tokens_of, types
 from tests.faultkit import Engines, all_blocks_free, wait_for
 

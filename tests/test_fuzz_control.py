@@ -16,14 +16,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from control.bad_event import BadEvent
-from control.bus import Bus
-from control.connect import connect
-from control.events import CONTROL_TYPES, MAX_FIELD_BYTES, Accepted, Request, decode
-from control.request_data import RequestData
-from control.sampling import SamplingParams
-from engine.llm import LLM
 from fd.compose import EngineOptions, start_engine
+from fd.control.bad_event import BadEvent
+from fd.control.bus import Bus
+from fd.control.connect import connect
+from fd.control.events import CONTROL_TYPES, MAX_FIELD_BYTES, Accepted, Request, decode
+from fd.control.request_data import RequestData
+from fd.control.sampling import SamplingParams
+from fd.engine.runner.llm import LLM
 from tests.enginekit import story, submit, text_of, tokens_of
 
 ENGINE = "fz-e0"

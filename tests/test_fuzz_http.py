@@ -23,11 +23,11 @@ from hypothesis import strategies as st
 from test_api_streaming import FakeEngine, parse_sse
 from test_api_validation import MAX_LEN, FakeTokenizer, assert_openai_error
 
-from control.bus import Bus
-from control.connect import connect
-from control.metrics import Metrics
-from control.mux import StreamMux
 from fd.api import ApiConfig, make_app
+from fd.control.bus import Bus
+from fd.control.connect import connect
+from fd.control.metrics import Metrics
+from fd.control.mux import StreamMux
 
 CHAT, COMP, ABORT = "/v1/chat/completions", "/v1/completions", "/v1/abort_requests"
 RESP = "/v1/responses"
@@ -765,7 +765,7 @@ def test_openapi_document_is_served_and_schema_bodies_are_accepted(harness):
 def test_replay_of_a_story_without_accepted(harness):
     """An abort that overtook its request writes the whole story itself, with no `accepted`
     (DESIGN §4): replaying it is a normal abort answer, not a 5xx."""
-    from control.events import AbortRequested, BlocksReleased, Drained, Final
+    from fd.control.events import AbortRequested, BlocksReleased, Drained, Final
 
     async def run():
         bus = harness.bus

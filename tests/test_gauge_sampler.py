@@ -1,4 +1,4 @@
-"""fd/gauge_sampler.py, the gauge poller of the release benchmarks and ``fd bench``: it
+"""fd/tools/gauge_sampler.py, the gauge poller of the release benchmarks and ``fd bench``: it
 samples a server's running + waiting sum on the caller's clock from a process of its own, and
 reads fd's and vLLM's exposition alike."""
 
@@ -9,7 +9,7 @@ import threading
 import time
 
 from bench._common import FD_GAUGES
-from fd.gauge_sampler import GaugeSampler, parse
+from fd.tools.gauge_sampler import GaugeSampler, parse
 
 VLLM = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 

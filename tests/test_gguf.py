@@ -15,15 +15,15 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from control.sampling import SamplingParams
-from control.tokenizer import Tokenizer
-from engine.llm import LLM
-from engine.model.config import ModelConfig, UnsupportedModel
-from engine.model.gguf import GGUFCheckpoint, model_name
-from engine.model.gguf_cache import cached_hf_dir
-from engine.model.loader import load_weights
-from engine.model_runner import ModelRunner
-from fd.cli import main
+from fd.cli.main import main
+from fd.control.sampling import SamplingParams
+from fd.control.tokenizer import Tokenizer
+from fd.engine.model.config import ModelConfig, UnsupportedModel
+from fd.engine.model.gguf import GGUFCheckpoint, model_name
+from fd.engine.model.gguf_cache import cached_hf_dir
+from fd.engine.model.loader import load_weights
+from fd.engine.runner.llm import LLM
+from fd.engine.runner.model_runner import ModelRunner
 
 Q = gguf.GGMLQuantizationType
 
@@ -305,7 +305,7 @@ def test_what_fd_cannot_convert_is_refused_by_name(change, says, tiny_model_dir,
 
 
 def test_a_model_dir_or_gguf_is_resolved_once_for_both_sides(tiny_model_dir, tmp_path, monkeypatch):
-    from fd.cli_models import resolve_model
+    from fd.cli.models import resolve_model
 
     monkeypatch.setenv("FD_CACHE_DIR", str(tmp_path / "cache"))
     src_dir = tmp_path / "ggufs"

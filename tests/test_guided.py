@@ -12,11 +12,11 @@ import numpy as np
 import openai
 import pytest
 
-from control.guided import canonical
-from control.request_data import RequestData
-from control.sampling import SamplingParams
-from engine.llm import LLM
-from engine.model_runner import ModelRunner
+from fd.control.guided import canonical
+from fd.control.request_data import RequestData
+from fd.control.sampling import SamplingParams
+from fd.engine.runner.llm import LLM
+from fd.engine.runner.model_runner import ModelRunner
 
 PERSON = {
     "type": "object",
@@ -103,8 +103,8 @@ def test_the_mask_is_llguidances_and_survives_a_rebuild(tiny_model_dir, tiny_run
     import llguidance
     import llguidance.numpy as lnp
 
-    from control.guided import grammar
-    from engine.guided import Guides
+    from fd.control.guided import grammar
+    from fd.engine.runner.guided import Guides
 
     spec = canonical({"json": PERSON})
     tj = (tiny_model_dir / "tokenizer.json").read_text()
@@ -189,7 +189,7 @@ async def test_structured_outputs_through_the_api(served):
 
 def test_a_hand_written_request_with_a_spec(tiny_runner, tiny_tokenizer):
     """The spec is plain JSON text on the request event: what an operator can XADD."""
-    from control.events import Request, decode, encode
+    from fd.control.events import Request, decode, encode
 
     spec = json.dumps({"choice": ["left", "right"]})
     ev = decode(
@@ -205,7 +205,7 @@ def test_a_hand_written_request_with_a_spec(tiny_runner, tiny_tokenizer):
     assert ev.data.sampling.guided == spec
     g = LLM(tiny_runner, tiny_tokenizer).generate([list(ev.data.prompt_token_ids)], ev.data.sampling)[0]
     assert g.text in ("left", "right")
-    from control.bad_event import BadEvent
+    from fd.control.bad_event import BadEvent
 
     with pytest.raises(BadEvent):
         SamplingParams.from_dict({"guided": '{"regex": 5}'})
@@ -216,7 +216,7 @@ async def test_a_hand_written_spec_that_does_not_compile_ends_with_an_error(serv
     engine answers with an error final instead of generating unconstrained text."""
     from test_api_streaming import wait_for
 
-    from control.events import Final, Request, encode
+    from fd.control.events import Final, Request, encode
 
     api, eng = served
     bad = json.dumps({"grammar": "start: nothing_defined"})

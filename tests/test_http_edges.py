@@ -12,8 +12,8 @@ import aiohttp
 import orjson
 import pytest
 
-from engine.timed_runner import TimedRunner
 from fd.compose import ApiOptions, EngineOptions, join_in_process, start_api, start_engine
+from fd.engine.runner.timed_runner import TimedRunner
 
 HEAD_S = 1.0  # the server's --header-timeout here
 STEP_MS = 20  # each engine step lasts this long (the timed runner): streams take their time

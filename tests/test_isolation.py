@@ -22,11 +22,11 @@ from aiohttp.test_utils import TestClient, TestServer
 from test_api_streaming import FakeEngine, parse_sse
 from test_api_validation import FakeTokenizer
 
-from control.events import Abort, Accepted, Final, decode
-from control.metrics import Metrics
-from control.mux import StreamMux
 from fd.api import ApiConfig, make_app
 from fd.api.tenancy import key_tag
+from fd.control.events import Abort, Accepted, Final, decode
+from fd.control.metrics import Metrics
+from fd.control.mux import StreamMux
 
 A, B, ADMIN = "key-a-7f3c9d", "key-b-21e8aa", "key-admin-5b0c"
 TAG_A = key_tag(A)
@@ -298,8 +298,8 @@ async def test_one_key_servers_work_as_before(real_bus):
 
 
 def test_api_keys_from_flags_a_file_and_the_environment(tmp_path, monkeypatch):
-    from fd.cli import build_parser
-    from fd.cli_args import api_keys
+    from fd.cli.args import api_keys
+    from fd.cli.main import build_parser
 
     monkeypatch.delenv("FD_API_KEY", raising=False)
     monkeypatch.delenv("VLLM_API_KEY", raising=False)

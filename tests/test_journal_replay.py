@@ -13,7 +13,7 @@ import json
 import orjson
 import pytest
 
-from control.events import (
+from fd.control.events import (
     AbortRequested,
     BlocksReleased,
     Drained,
@@ -24,16 +24,16 @@ from control.events import (
     Tokens,
     decode,
 )
-from control.request_data import RequestData
-from control.sampling import SamplingParams
-from engine.config import SchedulerConfig
-from engine.journal import JournalRecorder, config_from_json, journaled
-from engine.journal_check import check_journal
-from engine.journal_reader import export_jsonl, load_journal_from_redis, load_journal_jsonl
-from engine.outputs import RunnerOutput
-from engine.replay import main, replay
-from engine.scheduler import Scheduler
-from engine.sequence import Status
+from fd.control.request_data import RequestData
+from fd.control.sampling import SamplingParams
+from fd.engine.core.config import SchedulerConfig
+from fd.engine.core.outputs import RunnerOutput
+from fd.engine.core.scheduler import Scheduler
+from fd.engine.core.sequence import Status
+from fd.engine.journal.journal import JournalRecorder, config_from_json, journaled
+from fd.engine.journal.journal_check import check_journal
+from fd.engine.journal.journal_reader import export_jsonl, load_journal_from_redis, load_journal_jsonl
+from fd.engine.journal.replay import main, replay
 
 EOS = 2
 CFG = SchedulerConfig(
@@ -491,7 +491,7 @@ async def test_journal_through_real_redis(real_bus, redis_server):
 
 
 async def test_export_all_engines_then_replay_the_file(real_bus, redis_server, tmp_path, capsys):
-    from engine.replay import export_main
+    from fd.engine.journal.replay import export_main
 
     bus = real_bus
     for eng in ("e1", "e2"):

@@ -18,7 +18,7 @@ import time
 import aiohttp
 import pytest
 
-from control.logs import JsonLines, StatsLine, _progress_records
+from fd.control.logs import JsonLines, StatsLine, _progress_records
 from tests.conftest import free_port
 
 PY = sys.executable
@@ -273,7 +273,7 @@ def test_printed_lines_become_json_objects_and_json_passes_through():
 
 
 def test_progress_records_come_at_the_start_the_end_and_a_steady_rate(caplog, monkeypatch):
-    import control.logs as logs
+    import fd.control.logs as logs
 
     t = [0.0]
     monkeypatch.setattr(logs.time, "monotonic", lambda: t[0])

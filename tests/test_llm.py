@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from control.sampling import SamplingParams
-from engine.llm import LLM
-from engine.model_runner import ModelRunner
+from fd.control.sampling import SamplingParams
+from fd.engine.runner.llm import LLM
+from fd.engine.runner.model_runner import ModelRunner
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""``fd bench`` (fd.loadgen) against API + engine in this process: the report adds up, cancels
+"""``fd bench`` (fd.tools.loadgen.main) against API + engine in this process: the report adds up, cancels
 end in ``abort`` on the requests' own streams, everything else runs to ``length``."""
 
 from __future__ import annotations
@@ -9,9 +9,11 @@ import math
 
 import pytest
 
-from control.bus import Bus
-from control.connect import connect
-from fd import loadgen, loadgen_report, loadgen_workload
+from fd.control.bus import Bus
+from fd.control.connect import connect
+from fd.tools.loadgen import main as loadgen
+from fd.tools.loadgen import report as loadgen_report
+from fd.tools.loadgen import workload as loadgen_workload
 
 
 def _ordered(d: dict) -> None:

@@ -14,15 +14,15 @@ import numpy as np
 import openai
 import pytest
 
-from control.events import Final, Request, decode
-from control.request_data import RequestData
-from control.sampling import SamplingParams
-from engine.llm import LLM
-from engine.model.config import ModelConfig
-from engine.model.loader import WeightError, load_model, load_weights
-from engine.model.lora import load_adapter, save_adapter
-from engine.model_runner import ModelRunner
-from engine.outputs import ScheduledSeq, SchedulerOutput
+from fd.control.events import Final, Request, decode
+from fd.control.request_data import RequestData
+from fd.control.sampling import SamplingParams
+from fd.engine.core.outputs import ScheduledSeq, SchedulerOutput
+from fd.engine.model.config import ModelConfig
+from fd.engine.model.loader import WeightError, load_model, load_weights
+from fd.engine.model.lora import load_adapter, save_adapter
+from fd.engine.runner.llm import LLM
+from fd.engine.runner.model_runner import ModelRunner
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -135,8 +135,8 @@ def test_greedy_output_is_the_merged_models_and_the_prefix_cache_keeps_them_apar
 async def test_the_openai_client_names_an_adapter_as_its_model(
     embedded_redis, keys, tiny_model_dir, tiny_tokenizer, lora_runner, adapters
 ):
-    from control.metrics import Metrics
     from fd.compose import ApiOptions, EngineOptions, join_in_process, start_api, start_engine
+    from fd.control.metrics import Metrics
 
     mods = {name: a for name, (a, _) in adapters.items()}
     eng = await start_engine(
@@ -191,7 +191,7 @@ async def test_the_openai_client_names_an_adapter_as_its_model(
                     prompt_token_ids=(1, 2, 3), sampling=SamplingParams(max_tokens=2, lora="missing")
                 ),
             ),
-            __import__("control.events", fromlist=["Accepted"]).Accepted(request_id="no-adapter"),
+            __import__("fd.control.events", fromlist=["Accepted"]).Accepted(request_id="no-adapter"),
         )
         for _ in range(200):
             story = [decode(f, e) for e, f in await api.bus.redis.xrange(api.bus.keys.req("no-adapter"))]
@@ -228,8 +228,8 @@ def test_what_an_adapter_may_not_be(tiny_model_dir, tmp_path):
 
 
 def test_the_flags(tmp_path):
-    from fd.cli import build_parser
-    from fd.cli_args import lora_modules
+    from fd.cli.args import lora_modules
+    from fd.cli.main import build_parser
 
     args = build_parser().parse_args(
         ["serve", "--enable-lora", "--lora-modules", "a=/x", '{"name": "b", "path": "/y"}']
@@ -242,7 +242,7 @@ def test_the_flags(tmp_path):
     assert lora_modules(build_parser().parse_args(["api", "--enable-lora", "--lora-modules", "a=/x"])) == {
         "a": "/x"
     }
-    from fd.cli_args import vllm_compat
+    from fd.cli.args import vllm_compat
 
     notes = vllm_compat(build_parser().parse_args(["serve", "--enable-lora", "--max-loras", "4"]))
     assert any("--max-loras" in n for n in notes)
@@ -262,8 +262,8 @@ async def test_adapters_loaded_and_unloaded_at_run_time(
 
     import aiohttp
 
-    from control.metrics import Metrics
     from fd.compose import ApiOptions, EngineOptions, join_in_process, start_api, start_engine
+    from fd.control.metrics import Metrics
 
     def runner():
         return ModelRunner(str(tiny_model_dir), num_blocks=256, block_size=16)
@@ -397,7 +397,7 @@ async def test_adapters_loaded_and_unloaded_at_run_time(
 
 
 def test_an_engines_adapters_as_the_control_stream_changes_them():
-    from engine.adapters import Adapters
+    from fd.engine.core.adapters import Adapters
 
     a = Adapters(("static",))
     assert a.want_load("x") and not a.want_load("x") and not a.want_load("static")  # (once; not twice)

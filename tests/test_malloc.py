@@ -1,4 +1,4 @@
-"""The model's process keeps step-sized buffers on the heap (engine/malloc.py).
+"""The model's process keeps step-sized buffers on the heap (fd/engine/runner/malloc.py).
 
 Each check runs in a fresh interpreter: glibc's thresholds are per process and move with
 its allocation history. "On the heap" is read from /proc/self/maps: a 4 MiB malloc either
@@ -60,19 +60,19 @@ def test_default_glibc_puts_four_megabytes_in_an_mmap():
 
 
 def test_pinned_thresholds_put_it_on_the_heap():
-    assert probe("from engine.malloc import pin_thresholds; assert pin_thresholds()") == "heap"
+    assert probe("from fd.engine.runner.malloc import pin_thresholds; assert pin_thresholds()") == "heap"
 
 
 def test_the_model_runner_pins_them(tiny_model_dir):
     # Loading Paddle alone moves glibc's dynamic threshold past 1 MiB (checked: without the
     # pin this probe says "mmap" after the same load), hence 4 MiB.
     setup = (
-        "from engine.model_runner import ModelRunner; "
+        "from fd.engine.runner.model_runner import ModelRunner; "
         f"ModelRunner({str(tiny_model_dir)!r}, device='cpu', num_blocks=8)"
     )
     assert probe(setup) == "heap"
 
 
 def test_an_operator_setting_wins():
-    setup = "from engine.malloc import pin_thresholds; assert not pin_thresholds()"
+    setup = "from fd.engine.runner.malloc import pin_thresholds; assert not pin_thresholds()"
     assert probe(setup, {"MALLOC_MMAP_THRESHOLD_": "65536"}) == "mmap"

@@ -1,11 +1,11 @@
-"""control/metrics.py: what a scrape reads is current after every update, whichever metrics
+"""fd/control/metrics.py: what a scrape reads is current after every update, whichever metrics
 moved, and is the text prometheus_client renders for the same updates."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from control.metrics import _LATENCY_BUCKETS, Metrics
+from fd.control.metrics import _LATENCY_BUCKETS, Metrics
 
 
 def test_each_update_shows_in_the_next_render():

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from control.sampling import SamplingParams
-from engine.model.config import ModelConfig, UnsupportedModel
-from engine.model.loader import WeightError, load_model
-from engine.model.tiny import make_tiny_model
-from engine.model_runner import ModelRunner
-from engine.outputs import ScheduledSeq, SchedulerOutput
+from fd.control.sampling import SamplingParams
+from fd.engine.core.outputs import ScheduledSeq, SchedulerOutput
+from fd.engine.model.config import ModelConfig, UnsupportedModel
+from fd.engine.model.loader import WeightError, load_model
+from fd.engine.model.tiny import make_tiny_model
+from fd.engine.runner.model_runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 BLOCK = 16
@@ -591,7 +591,7 @@ def test_packed_gemms_agree_with_the_eager_ones(tiny_dir, runner):
     CPU wheel ships MKL, as CI's does): products of 1 to 700 rows are the eager ones, a
     200-token prefill's last logits are the reference's, and the decodes after it give its
     greedy tokens."""
-    from engine.model import packed_gemm
+    from fd.engine.model import packed_gemm
 
     assert packed_gemm.available()
     fast = ModelRunner(tiny_dir, num_blocks=32, gemms="packed")
@@ -623,7 +623,7 @@ def test_packed_gemms_agree_with_the_eager_ones(tiny_dir, runner):
 def test_a_gemm_plan_serves_each_row_count_by_its_bucket():
     """A plan timed at 1, 8 and 32 rows serves 1-3 rows by the first choice, 4-15 by the
     second and every count above by the last; its threads are the most any choice takes."""
-    from engine.model.packed_gemm import GemmChoice, GemmPlan
+    from fd.engine.model.packed_gemm import GemmChoice, GemmPlan
 
     one, eight, many = GemmChoice("eager", 2), GemmChoice("packed", 1), GemmChoice("packed", 2)
     plan = GemmPlan(((3, one), (15, eight), (None, many)))
@@ -702,7 +702,7 @@ LLAMA3_ROPE = {
 def test_llama3_rope_scaling_frequencies():
     """Llama 3.1's own numbers (head_dim 128, theta 500,000): high frequencies untouched, low
     ones slowed by the factor, the band between blended, the whole still decreasing."""
-    from engine.model.config import rope_inv_freq
+    from fd.engine.model.config import rope_inv_freq
 
     base = dict(
         architectures=["LlamaForCausalLM"],

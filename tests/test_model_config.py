@@ -11,11 +11,11 @@ import shutil
 import numpy as np
 import pytest
 
-from control.sampling import SamplingParams
-from control.tokenizer import Tokenizer
-from engine.llm import LLM
-from engine.model.config import ModelConfig, UnsupportedModel, rope_inv_freq
-from engine.model_runner import ModelRunner
+from fd.control.sampling import SamplingParams
+from fd.control.tokenizer import Tokenizer
+from fd.engine.model.config import ModelConfig, UnsupportedModel, rope_inv_freq
+from fd.engine.runner.llm import LLM
+from fd.engine.runner.model_runner import ModelRunner
 
 BASE = dict(
     hidden_size=4096,

@@ -15,14 +15,14 @@ import time
 import aiohttp
 import pytest
 
-from control.bus import Bus
-from control.connect import connect
-from control.events import AbortRequested, Tokens
-from control.sampling import SamplingParams
-from engine.journal_reader import load_journal_from_redis
-from engine.llm import LLM
-from engine.replay import replay
 from fd.compose import ApiOptions, start_api
+from fd.control.bus import Bus
+from fd.control.connect import connect
+from fd.control.events import AbortRequested, Tokens
+from fd.control.sampling import SamplingParams
+from fd.engine.journal.journal_reader import load_journal_from_redis
+from fd.engine.journal.replay import replay
+from fd.engine.runner.llm import LLM
 from tests.enginekit import story, submit, tokens_of, types
 from tests.faultkit import Engines, OwnRedis, all_blocks_free, sse_objects, wait_for
 
@@ -146,7 +146,7 @@ async def test_request_without_progress_times_out_with_an_error(real_bus, engine
 
 async def test_a_batch_cut_off_midway_is_completed_not_repeated(real_bus):
     # what Redis holds after a pipeline whose connection dropped: a prefix of it, per stream
-    from engine.outbox import unwritten
+    from fd.engine.node.outbox import unwritten
 
     k1, k2 = real_bus.keys.req("o1"), real_bus.keys.req("o2")
     items = [

@@ -1,4 +1,4 @@
-"""engine/model/paged_attention.py: decode attention read from the paged cache in place equals
+"""fd/engine/model/paged_attention.py: decode attention read from the paged cache in place equals
 the gather path's, alone and inside the model."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import numpy as np
 import paddle
 import pytest
 
-from engine.model import paged_attention
-from engine.model.llama import MASKED
-from engine.model_runner import ModelRunner
+from fd.engine.model import paged_attention
+from fd.engine.model.llama import MASKED
+from fd.engine.runner.model_runner import ModelRunner
 from tests.test_model import Blocks, _prompt, _run, tiny_dir  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.skipif(

@@ -1,5 +1,5 @@
 """An engine process paused (SIGSTOP) under live streams, its requests taken over by a peer,
-then resumed (SIGCONT): the step results it was holding meet the fence (control/fence.py) and
+then resumed (SIGCONT): the step results it was holding meet the fence (fd/control/fence.py) and
 are dropped. Nothing of the old owner's lands on any stream after the takeover, nothing after a
 final, every story is the greedy reference, and the old engine gives its blocks back."""
 
@@ -8,9 +8,9 @@ from __future__ import annotations
 import os
 import signal
 
-from control.events import Claimed, Final, Tokens
-from control.sampling import SamplingParams
-from engine.llm import LLM
+from fd.control.events import Claimed, Final, Tokens
+from fd.control.sampling import SamplingParams
+from fd.engine.runner.llm import LLM
 from tests.enginekit import story, submit_together, text_of, tokens_of, types
 from tests.faultkit import Engines, reap, spawn_engine, wait_for
 

@@ -9,8 +9,8 @@ import asyncio
 import openai
 from test_api_streaming import wait_for
 
-from control.sampling import SamplingParams
-from engine.llm import LLM
+from fd.control.sampling import SamplingParams
+from fd.engine.runner.llm import LLM
 
 SYSTEM = (
     "You are a helpful assistant for the harbour town. Answer briefly, kindly, and never "

@@ -16,8 +16,8 @@ import signal
 import openai
 import pytest
 
-from control.sampling import SamplingParams
-from engine.llm import LLM
+from fd.control.sampling import SamplingParams
+from fd.engine.runner.llm import LLM
 from tests.conftest import free_port
 from tests.test_cli import _spawn, _stop, _wait_healthy
 
@@ -78,7 +78,7 @@ async def test_fd_serve_with_no_model_answers_the_official_client(
 def test_no_model_and_no_default_package_says_how_to_get_one(monkeypatch):
     from importlib import metadata
 
-    from fd import cli_models
+    from fd.cli import models as cli_models
 
     def missing(name):
         raise metadata.PackageNotFoundError(name)

@@ -18,14 +18,14 @@ from test_api_streaming import FakeEngine, parse_sse, setup
 from test_api_validation import FakeTokenizer, assert_openai_error
 from test_tool_calls import _accumulate as accumulate_answer
 
-from control.events import Accepted, decode
-from control.guided import canonical, starting_after
-from control.sampling import SamplingParams
-from engine.llm import LLM
-from engine.model_runner import ModelRunner
 from fd.api.reasoning import ReasoningParser, split_all
 from fd.api.tool_calls import call_id
 from fd.compose import ApiOptions, EngineOptions, join_in_process, start_api, start_engine
+from fd.control.events import Accepted, decode
+from fd.control.guided import canonical, starting_after
+from fd.control.sampling import SamplingParams
+from fd.engine.runner.llm import LLM
+from fd.engine.runner.model_runner import ModelRunner
 
 # what a reasoning model writes: its thinking (tags split across deltas), then the answer
 WORDS = ("<thi", "nk>\nTwo and ", "two.</th", "ink>\n\nIt is ", "4.")
@@ -296,7 +296,7 @@ async def test_chat_template_kwargs_reach_the_template(
 
 
 def test_a_spec_may_start_after_a_token():
-    from control.guided import GuidedError, after_token, canonical, grammar, parse, starting_after
+    from fd.control.guided import GuidedError, after_token, canonical, grammar, parse, starting_after
 
     plain = canonical({"regex": "[0-9]{3}"})
     later = starting_after(plain, 300)
@@ -311,8 +311,8 @@ def test_a_spec_may_start_after_a_token():
 def test_the_runner_masks_only_after_the_token(tiny_model_dir, tiny_runner, tiny_tokenizer):
     """Guides: no mask while the token has not come; from the token after it, the grammar's
     (the same mask a plain spec gives an output that starts there), rebuilt if forgotten."""
-    from control.guided import canonical, starting_after
-    from engine.guided import Guides
+    from fd.control.guided import canonical, starting_after
+    from fd.engine.runner.guided import Guides
 
     tj = (tiny_model_dir / "tokenizer.json").read_text()
     g = Guides(tj, tiny_runner.vocab_size, tiny_runner.eos_token_ids)

@@ -13,13 +13,13 @@ import aiohttp
 import pytest
 import redis as sync_redis
 
-from control.bus import Bus
-from control.connect import connect
-from control.events import Claimed, Final, Tokens
-from control.mux import StoryLost, StoryRewound, StreamMux
-from control.sampling import SamplingParams
-from engine.llm import LLM
 from fd.compose import ApiOptions, start_api
+from fd.control.bus import Bus
+from fd.control.connect import connect
+from fd.control.events import Claimed, Final, Tokens
+from fd.control.mux import StoryLost, StoryRewound, StreamMux
+from fd.control.sampling import SamplingParams
+from fd.engine.runner.llm import LLM
 from tests.enginekit import story, submit, tokens_of, types
 from tests.faultkit import Engines, OwnRedis, all_blocks_free, engines, wait_for  # noqa: F401
 from tests.test_outage import stream_completion
@@ -119,7 +119,7 @@ async def test_redis_refusing_writes_mid_stream_is_an_outage_the_engine_rides_ou
         assert types(evs).count("final") == 1 and types(evs)[-1] == "final"
     assert eng.node.link.outage is None
     # one line as the outage starts (and one as it ends), not one per failed call
-    said = [r for r in caplog.records if r.name == "engine.node" and "redis unavailable" in r.message]
+    said = [r for r in caplog.records if r.name == "fd.engine.node.node" and "redis unavailable" in r.message]
     assert 1 <= len(said) <= 2 < eng.node.link.errors, [r.message for r in said]
     async with aiohttp.ClientSession() as s:
         async with s.get(f"{api.url}/health") as r:

@@ -10,9 +10,9 @@ import aiohttp
 import openai
 import pytest
 
-from control.events import Accepted, decode
-from control.sampling import SamplingParams
-from engine.llm import LLM
+from fd.control.events import Accepted, decode
+from fd.control.sampling import SamplingParams
+from fd.engine.runner.llm import LLM
 
 USER = {"role": "user", "content": "Name a colour."}
 PARTIAL = {"role": "assistant", "content": "The colour is"}
@@ -242,7 +242,7 @@ async def test_allowed_token_ids_is_all_that_is_sampled(openai_client, tiny_runn
 
 
 def test_allowed_token_ids_on_the_wire_only_when_set():
-    from control.bad_event import BadEvent
+    from fd.control.bad_event import BadEvent
 
     assert "allowed_token_ids" not in SamplingParams().to_dict()
     d = SamplingParams(allowed_token_ids=(3, 9)).to_dict()
@@ -340,7 +340,7 @@ async def test_return_token_ids(openai_client, tiny_runner, tiny_tokenizer):
 def test_a_bad_words_last_token_is_banned_only_where_it_completes_it():
     import numpy as np
 
-    from engine.sampler import adjust
+    from fd.engine.runner.sampler import adjust
 
     sp = SamplingParams(bad_words_ids=((5,), (7, 8)))
     row = np.zeros(16, dtype=np.float32)

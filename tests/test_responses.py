@@ -13,9 +13,9 @@ import aiohttp
 import openai
 import pytest
 
-from control.events import Abort, Accepted, decode
-from control.sampling import SamplingParams
-from engine.llm import LLM
+from fd.control.events import Abort, Accepted, decode
+from fd.control.sampling import SamplingParams
+from fd.engine.runner.llm import LLM
 
 
 def _prompt(tokenizer, messages):
@@ -224,7 +224,7 @@ async def test_a_client_that_hangs_up_aborts_its_response(openai_client):
     abort protocol, and the story ends with the abort's final."""
     import asyncio
 
-    from control.events import Final
+    from fd.control.events import Final
 
     api, _ = openai_client
     async with aiohttp.ClientSession() as s:

@@ -6,8 +6,8 @@ import numpy as np
 import paddle
 import pytest
 
-from engine.model import llama
-from engine.model.loader import load_model
+from fd.engine.model import llama
+from fd.engine.model.loader import load_model
 
 
 def _reference(x: np.ndarray, w: np.ndarray, eps: float, residual: np.ndarray | None):

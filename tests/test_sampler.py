@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from control.sampling import SamplingParams
-from engine.sampler import Sampler
+from fd.control.sampling import SamplingParams
+from fd.engine.runner.sampler import Sampler
 
 V = 64
 
@@ -89,7 +89,7 @@ def test_unseeded_uses_the_runner_generator():
 
 
 def test_frequency_and_presence_penalties_take_openais_formula_off_the_output_tokens():
-    from engine.sampler import apply_penalties
+    from fd.engine.runner.sampler import apply_penalties
 
     row = _logits(1, 11)[0]
     sp = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)
@@ -102,7 +102,7 @@ def test_frequency_and_presence_penalties_take_openais_formula_off_the_output_to
 
 
 def test_repetition_penalty_shrinks_every_seen_tokens_logit_whatever_its_sign():
-    from engine.sampler import apply_penalties
+    from fd.engine.runner.sampler import apply_penalties
 
     row = np.zeros(V, dtype=np.float32)
     row[[1, 2, 3, 4]] = [2.0, -1.0, 3.0, 5.0]
@@ -152,7 +152,7 @@ def test_min_p_drops_tokens_much_less_likely_than_the_top():
 
 
 def sample_row_u(row, sp, u):
-    from engine.sampler import sample_row
+    from fd.engine.runner.sampler import sample_row
 
     return sample_row(row, sp, float(u))
 
@@ -179,7 +179,7 @@ def test_the_partial_sort_draws_what_a_full_sort_would():
     """sample_row sorts only the prefix of the vocabulary it needs; every draw must equal the
     full sort's, over flat and peaked rows, ties, banned (-inf) tokens and every cut, including
     draws far into the tail (u near 1) that make it sort more."""
-    from engine.sampler import likeliest, sample_row
+    from fd.engine.runner.sampler import likeliest, sample_row
 
     rng = np.random.default_rng(11)
     params = [

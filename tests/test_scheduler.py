@@ -4,13 +4,13 @@ import json
 
 import pytest
 
-from control.events import Final, Preempted, Tokens
-from control.request_data import RequestData
-from control.sampling import SamplingParams
-from engine.config import SchedulerConfig
-from engine.outputs import RunnerOutput
-from engine.scheduler import Scheduler
-from engine.sequence import PLACEHOLDER
+from fd.control.events import Final, Preempted, Tokens
+from fd.control.request_data import RequestData
+from fd.control.sampling import SamplingParams
+from fd.engine.core.config import SchedulerConfig
+from fd.engine.core.outputs import RunnerOutput
+from fd.engine.core.scheduler import Scheduler
+from fd.engine.core.sequence import PLACEHOLDER
 
 EOS = 2
 
@@ -556,7 +556,7 @@ def test_token_ids_outside_the_vocabulary_end_the_request_before_it_runs():
 
 
 def _cached_cfg(**kw):
-    from engine.config import SchedulerConfig
+    from fd.engine.core.config import SchedulerConfig
 
     base = dict(
         num_blocks=16,
@@ -570,7 +570,7 @@ def _cached_cfg(**kw):
 
 
 def _run_one_step(s, sampled_token=5):
-    from engine.outputs import RunnerOutput
+    from fd.engine.core.outputs import RunnerOutput
 
     out = s.schedule()
     return out, list(out.events) + s.update(
@@ -580,8 +580,8 @@ def _run_one_step(s, sampled_token=5):
 
 
 def test_a_prompt_prefix_computed_before_is_shared_not_recomputed():
-    from control.request_data import RequestData
-    from control.sampling import SamplingParams
+    from fd.control.request_data import RequestData
+    from fd.control.sampling import SamplingParams
 
     s = Scheduler(_cached_cfg())
     prompt = tuple(range(10, 20))  # 10 tokens: blocks [10-13] [14-17] and 2 more
@@ -609,9 +609,9 @@ def test_a_prompt_prefix_computed_before_is_shared_not_recomputed():
 def test_a_block_is_shared_only_once_a_finished_step_has_filled_it():
     """A request that comes while the step computing a prefix is in flight (or in the same
     batch) computes it itself: that KV is not written yet."""
-    from control.request_data import RequestData
-    from control.sampling import SamplingParams
-    from engine.outputs import RunnerOutput
+    from fd.control.request_data import RequestData
+    from fd.control.sampling import SamplingParams
+    from fd.engine.core.outputs import RunnerOutput
 
     s = Scheduler(_cached_cfg(max_steps_in_flight=2))
     prompt = tuple(range(10, 19))
@@ -635,8 +635,8 @@ def test_a_block_is_shared_only_once_a_finished_step_has_filled_it():
 
 
 def test_a_request_scoring_its_prompt_computes_all_of_it():
-    from control.request_data import RequestData
-    from control.sampling import SamplingParams
+    from fd.control.request_data import RequestData
+    from fd.control.sampling import SamplingParams
 
     s = Scheduler(_cached_cfg())
     prompt = tuple(range(10, 20))
@@ -651,9 +651,9 @@ def test_a_request_scoring_its_prompt_computes_all_of_it():
 
 
 def test_a_preempted_request_takes_its_own_cached_blocks_back():
-    from control.events import Preempted
-    from control.request_data import RequestData
-    from control.sampling import SamplingParams
+    from fd.control.events import Preempted
+    from fd.control.request_data import RequestData
+    from fd.control.sampling import SamplingParams
 
     s = Scheduler(_cached_cfg(num_blocks=8, max_num_batched_tokens=32))
     s.add(

@@ -9,9 +9,9 @@ from dataclasses import replace
 
 import pytest
 
-from control.events import Final, Tokens
-from engine.outputs import RunnerOutput
-from engine.sequence import PLACEHOLDER
+from fd.control.events import Final, Tokens
+from fd.engine.core.outputs import RunnerOutput
+from fd.engine.core.sequence import PLACEHOLDER
 from tests.test_scheduler import EOS, req
 from tests.test_scheduler import make as make_sched
 

@@ -13,13 +13,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from control.events import AbortRequested, BlocksReleased, Drained, Final, Preempted, Tokens
-from control.request_data import RequestData
-from control.sampling import SamplingParams
-from engine.config import SchedulerConfig
-from engine.outputs import RunnerOutput
-from engine.scheduler import Scheduler
-from engine.sequence import PLACEHOLDER
+from fd.control.events import AbortRequested, BlocksReleased, Drained, Final, Preempted, Tokens
+from fd.control.request_data import RequestData
+from fd.control.sampling import SamplingParams
+from fd.engine.core.config import SchedulerConfig
+from fd.engine.core.outputs import RunnerOutput
+from fd.engine.core.scheduler import Scheduler
+from fd.engine.core.sequence import PLACEHOLDER
 
 EOS = 0
 

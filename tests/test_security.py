@@ -27,10 +27,10 @@ from redis.exceptions import AuthenticationError, ResponseError
 from test_api_streaming import FakeEngine, setup
 from test_api_validation import MAX_LEN, api_client, assert_openai_error
 
-from control.bus import Bus
-from control.connect import connect
-from control.events import Abort, Accepted, Final
-from control.keys import Keys
+from fd.control.bus import Bus
+from fd.control.connect import connect
+from fd.control.events import Abort, Accepted, Final
+from fd.control.keys import Keys
 from tests.conftest import free_port
 
 CHAT, COMP = "/v1/chat/completions", "/v1/completions"
@@ -204,7 +204,7 @@ async def test_redis_password_and_acl_user_from_the_url(acl_redis):
 @pytest.mark.parametrize("userinfo", ["fduser:wrong", ":wrong", "nobody:fd%20pw%3A1", ""])
 async def test_wrong_redis_credentials_fail_clearly(acl_redis, userinfo, monkeypatch):
     # no retries here: whether an auth error is retried at all is the next test's question
-    monkeypatch.setattr("control.connect.RETRIES", 0)
+    monkeypatch.setattr("fd.control.connect.RETRIES", 0)
     at = f"{userinfo}@" if userinfo else ""
     client = connect(f"redis://{at}127.0.0.1:{acl_redis}/0")
     try:
@@ -337,7 +337,7 @@ async def test_header_injection_at_the_wire_is_refused(real_bus):
 
 def test_many_ids_are_checked_as_strictly_as_one():
     """The one-pass check of a many-id abort agrees with the per-id check on every input."""
-    from control.keys import all_valid_request_ids, valid_request_id
+    from fd.control.keys import all_valid_request_ids, valid_request_id
 
     good = ["a", "req-1", "x" * 128, "cmpl-abc_def.ghi:jkl@mno"]
     cases = [

@@ -13,11 +13,11 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import AuthenticationError, ConnectionError
 
-from control.bus import Bus
-from control.connect import MASTER_CHECK_S, connect
-from control.sampling import SamplingParams
-from engine.llm import LLM
 from fd.compose import ApiOptions, start_api
+from fd.control.bus import Bus
+from fd.control.connect import MASTER_CHECK_S, connect
+from fd.control.sampling import SamplingParams
+from fd.engine.runner.llm import LLM
 from tests.conftest import free_port
 from tests.enginekit import submit, types
 from tests.faultkit import Engines, dump_tasks_after, sse_objects, wait_for
@@ -137,7 +137,7 @@ async def test_a_command_that_meets_the_old_primary_turned_replica_goes_to_the_n
     sentinels, keys, monkeypatch
 ):
     # (no look-up of the primary is due: what moves the client here is the READONLY reply)
-    monkeypatch.setattr("control.connect.MASTER_CHECK_S", 3600.0)
+    monkeypatch.setattr("fd.control.connect.MASTER_CHECK_S", 3600.0)
     client = connect(sentinels.url)
     bare = connect(sentinels.url)  # (no retries, as the engine's clients: it retries itself)
     bare.set_retry(Retry(NoBackoff(), 0))

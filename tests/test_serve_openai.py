@@ -10,10 +10,10 @@ import aiohttp
 import openai
 import pytest
 
-from control.connect import connect
-from control.sampling import SamplingParams
-from engine.llm import LLM
 from fd.compose import ApiOptions, EngineOptions, start_api, start_engine
+from fd.control.connect import connect
+from fd.control.sampling import SamplingParams
+from fd.engine.runner.llm import LLM
 
 
 def _client(api) -> openai.AsyncOpenAI:
@@ -166,7 +166,7 @@ async def _sse_events(resp):
 async def test_two_replicas_two_engines_resume_from_any_replica(
     redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer
 ):
-    from engine.model_runner import ModelRunner
+    from fd.engine.runner.model_runner import ModelRunner
 
     factory = lambda: connect(redis_server.url)  # noqa: E731
     runner2 = ModelRunner(str(tiny_model_dir), device="cpu", num_blocks=256, batch_invariant=True)
@@ -252,7 +252,7 @@ async def test_requests_not_announced_in_process_are_still_claimed_while_busy(se
     """In fd serve the engine claims when its API says it submitted something, and otherwise
     polls P:requests every CLAIM_POLL_S: a request written by anyone else (another API node,
     redis-cli) still starts while the engine is busy."""
-    from control.bus import Bus
+    from fd.control.bus import Bus
     from tests.enginekit import story, submit
 
     api, eng = served
@@ -287,7 +287,7 @@ async def test_requests_not_announced_in_process_are_still_claimed_while_idle(se
     """Idle, an fd serve engine waits for its API's word instead of in a blocking read of
     P:requests, and asks P:requests every CLAIM_POLL_S meanwhile: a request written by anyone
     else starts too, and one the API announces starts without waiting for the poll."""
-    from control.bus import Bus
+    from fd.control.bus import Bus
     from tests.enginekit import story, submit
 
     api, eng = served

@@ -14,10 +14,6 @@ import pytest
 from test_api_streaming import wait_for
 from test_api_validation import FakeTokenizer
 
-from control.events import Final
-from control.sampling import SamplingParams
-from control.tokenizer import served_context
-from engine.llm import LLM
 from fd.api import protocol, sampling, validation
 from fd.compose import (
     ApiOptions,
@@ -28,6 +24,10 @@ from fd.compose import (
     start_api,
     start_engine,
 )
+from fd.control.events import Final
+from fd.control.sampling import SamplingParams
+from fd.control.tokenizer import served_context
+from fd.engine.runner.llm import LLM
 
 CONTEXT = 64
 
@@ -105,8 +105,8 @@ async def test_max_model_len_holds_the_api_and_the_engine_to_a_shorter_context(
         assert c.usage.completion_tokens == CONTEXT - len(prompt) and c.choices[0].finish_reason == "length"
         # The engine holds a request that never passed an API (a hand-written one) to it too.
         rid = "hand-written-long"
-        from control.events import Request
-        from control.request_data import RequestData
+        from fd.control.events import Request
+        from fd.control.request_data import RequestData
 
         await api.bus.publish(
             api.bus.keys.requests,
@@ -273,7 +273,7 @@ async def test_an_engine_whose_kv_cache_is_shorter_than_the_context_serves_what_
 ):
     """No --max-model-len: the engine serves what its KV cache holds, says so once at info and
     warns of nothing; a --max-model-len beyond the cache is refused, as vLLM refuses it."""
-    from engine.timed_runner import TimedRunner
+    from fd.engine.runner.timed_runner import TimedRunner
 
     runner = TimedRunner.for_tokenizer(tiny_tokenizer, step_ms=1, num_blocks=CONTEXT // 16)
     with caplog.at_level(logging.INFO, logger="fd.engine"):
@@ -339,7 +339,7 @@ async def test_skip_special_tokens_false_keeps_their_text(served):
 
 
 def test_skip_special_tokens_is_on_the_wire_only_when_false():
-    from control.bad_event import BadEvent
+    from fd.control.bad_event import BadEvent
 
     assert "skip_special_tokens" not in SamplingParams().to_dict()
     d = SamplingParams(skip_special_tokens=False).to_dict()
@@ -351,7 +351,7 @@ def test_skip_special_tokens_is_on_the_wire_only_when_false():
 
 async def test_several_served_model_names(embedded_redis, keys, tiny_model_dir, tiny_runner, tiny_tokenizer):
     """vLLM's --served-model-name a b: a request may name either, every answer names the first."""
-    from fd.cli import build_parser
+    from fd.cli.main import build_parser
 
     names = (
         build_parser().parse_args(["serve", "--served-model-name", "main", "gpt-4o-mini"]).served_model_name
@@ -381,10 +381,10 @@ async def test_several_served_model_names(embedded_redis, keys, tiny_model_dir, 
 def test_seed_starts_the_samplers_stream_for_unseeded_requests(tiny_model_dir):
     """vLLM's --seed: two engines with the same seed sample an unseeded request alike, with
     another seed not (a request's own seed is its own stream either way)."""
-    from engine.llm import LLM
-    from fd.cli import build_parser
-    from fd.cli_serving import _engine_opts
+    from fd.cli.main import build_parser
+    from fd.cli.serving import _engine_opts
     from fd.compose import make_runner
+    from fd.engine.runner.llm import LLM
 
     args = build_parser().parse_args(["serve", "--seed", "7", "--executor", "paddle"])
     assert _engine_opts(args, tiny_model_dir).seed == 7
@@ -393,7 +393,7 @@ def test_seed_starts_the_samplers_stream_for_unseeded_requests(tiny_model_dir):
         opts = _engine_opts(build_parser().parse_args(["serve", "--seed", str(seed)]), tiny_model_dir)
         opts.executor, opts.num_blocks = "paddle-thread", 64
         runner = make_runner(opts, progress=False)
-        from control.tokenizer import Tokenizer
+        from fd.control.tokenizer import Tokenizer
 
         return [
             g.token_ids
@@ -413,8 +413,8 @@ async def test_server_wide_usage_and_token_id_defaults(
 ):
     """vLLM's --enable-force-include-usage (every stream ends with its usage) and
     --return-tokens-as-token-ids (unless a request says otherwise)."""
-    from fd.cli import build_parser
-    from fd.cli_serving import _api_opts
+    from fd.cli.main import build_parser
+    from fd.cli.serving import _api_opts
 
     args = build_parser().parse_args(
         ["serve", "--enable-force-include-usage", "--return-tokens-as-token-ids"]
@@ -466,8 +466,8 @@ async def test_scheduling_policy_priority(embedded_redis, keys, tiny_model_dir, 
     """vLLM's --scheduling-policy priority: the API takes a request's `priority` and the
     engine's scheduler orders by it (tests/test_scheduler.py); the request event and the
     journal carry it, so a replay decides the same."""
-    from fd.cli import build_parser
-    from fd.cli_serving import _api_opts, _engine_opts
+    from fd.cli.main import build_parser
+    from fd.cli.serving import _api_opts, _engine_opts
 
     args = build_parser().parse_args(["serve", "--scheduling-policy", "priority"])
     assert _api_opts(args, tiny_model_dir).priority_scheduling

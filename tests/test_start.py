@@ -87,7 +87,7 @@ def test_the_context_served_is_the_models_or_what_the_kv_cache_holds(caplog):
 async def test_an_engine_fits_its_context_to_the_kv_cache_and_refuses_more(
     embedded_redis, keys, tiny_model_dir, tiny_tokenizer, caplog
 ):
-    from engine.timed_runner import TimedRunner
+    from fd.engine.runner.timed_runner import TimedRunner
 
     caplog.set_level(logging.INFO)
     runner = TimedRunner.for_tokenizer(tiny_tokenizer, step_ms=1, num_blocks=4)  # 64 tokens

@@ -1,4 +1,4 @@
-"""An abort that lands while a step runs (engine/step_cut.py): the step writes none of the
+"""An abort that lands while a step runs (fd/engine/runner/step_cut.py): the step writes none of the
 request's KV from its next layer on, says so for that step, gives it no token, and the other
 requests of the batch get the tokens they get without the cut."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from control.sampling import SamplingParams
-from engine.outputs import ScheduledSeq, SchedulerOutput
-from engine.step_cut import StepCut
+from fd.control.sampling import SamplingParams
+from fd.engine.core.outputs import ScheduledSeq, SchedulerOutput
+from fd.engine.runner.step_cut import StepCut
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
 BS = 16

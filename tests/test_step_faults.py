@@ -20,17 +20,17 @@ import numpy as np
 import orjson
 import pytest
 
-from control.connect import connect
-from control.events import BlocksReleased, Claimed, Final, Tokens
-from control.sampling import SamplingParams
-from engine.journal_reader import load_journal_from_redis
-from engine.llm import LLM
-from engine.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
-from engine.replay import replay
-from engine.runners import InProcessRunner
-from engine.sampler import Sampler
-from engine.sequence import PLACEHOLDER
 from fd.compose import ApiOptions, EngineOptions, start_api, start_engine
+from fd.control.connect import connect
+from fd.control.events import BlocksReleased, Claimed, Final, Tokens
+from fd.control.sampling import SamplingParams
+from fd.engine.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
+from fd.engine.core.sequence import PLACEHOLDER
+from fd.engine.journal.journal_reader import load_journal_from_redis
+from fd.engine.journal.replay import replay
+from fd.engine.runner.llm import LLM
+from fd.engine.runner.runners import InProcessRunner
+from fd.engine.runner.sampler import Sampler
 from tests.enginekit import story, submit, submit_together, tokens_of, types
 from tests.faultkit import all_blocks_free, engines, kill, wait_for  # noqa: F401
 
@@ -495,7 +495,7 @@ def test_the_runner_fails_only_the_request_that_breaks_its_step(tiny_runner):
 def test_a_failed_step_crosses_the_workers_pipe(tiny_model_dir, tiny_runner):
     """In a worker process (``--executor paddle``) the same: the failed request comes back in
     ``failed``, the other with its token, and the worker goes on."""
-    from engine.worker import ProcessRunner
+    from fd.engine.runner.worker import ProcessRunner
 
     good = ScheduledSeq("good", tuple(PROMPT), 0, (1,), True, SamplingParams(temperature=0.0), 0)
     bad = ScheduledSeq(

@@ -1,15 +1,15 @@
 """Steps reach the runner in the order the scheduler decided them, whoever decides them: the
 step loop (after a claim, whose ``claimed`` it publishes first) or the driver's callback as a
-result comes in (engine/node.py ``_result_in``)."""
+result comes in (fd/engine/node/node.py ``_result_in``)."""
 
 from __future__ import annotations
 
 import asyncio
 
-from control.bus import Bus
-from control.connect import connect
-from control.sampling import SamplingParams
-from engine.llm import LLM
+from fd.control.bus import Bus
+from fd.control.connect import connect
+from fd.control.sampling import SamplingParams
+from fd.engine.runner.llm import LLM
 from tests.enginekit import story, submit, tokens_of, types
 from tests.faultkit import engines  # noqa: F401  (a fixture)
 

@@ -1,7 +1,7 @@
-"""control/store.py's contract: the store does the same thing on every server fd runs on — a
+"""fd/control/store.py's contract: the store does the same thing on every server fd runs on — a
 real redis-server, a 3-master Redis Cluster, the embedded server through its in-process client
-(control/embedded_store.py, its direct path), and the embedded server through its TCP door
-(control/resp.py's RESP, as another process's engine or redis-cli reaches it: the commands)."""
+(fd/control/embedded_store.py, its direct path), and the embedded server through its TCP door
+(fd/control/resp.py's RESP, as another process's engine or redis-cli reaches it: the commands)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import uuid
 import pytest
 from redis.exceptions import ResponseError
 
-from control import story
-from control.connect import connect
-from control.embedded_store import EmbeddedStore
-from control.fence import Refused
-from control.store import Ack, Append, Fenced, RedisStore, store_for
+from fd.control import story
+from fd.control.connect import connect
+from fd.control.embedded_store import EmbeddedStore
+from fd.control.fence import Refused
+from fd.control.store import Ack, Append, Fenced, RedisStore, store_for
 from tests.test_cluster import cluster_url  # noqa: F401  (the fixture)
 
 
@@ -323,8 +323,8 @@ async def test_listen_tells_this_processs_appends_with_the_entry_before_each(cli
 async def test_the_embedded_store_uses_the_commands_where_its_direct_path_does_not_hold(monkeypatch, k):
     """On a fakeredis whose objects do not behave as the direct path expects, the embedded
     store says so once and does everything with the commands: slower, still right."""
-    from control import embedded_store
-    from control.embedded import EmbeddedRedis
+    from fd.control import embedded_store
+    from fd.control.embedded import EmbeddedRedis
 
     def broken(self, batch, limits):
         raise AttributeError("no such method in this fakeredis")

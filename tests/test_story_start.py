@@ -1,4 +1,4 @@
-"""A request's story starts exactly once (control/story.py): a start that Redis ran but whose
+"""A request's story starts exactly once (fd/control/story.py): a start that Redis ran but whose
 reply was lost is sent again by redis-py and writes nothing the second time, even when the
 request ran to its final in between; an id whose story is another request's is refused with
 nothing written (the API's 409)."""
@@ -8,12 +8,12 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from control.bus import Bus
-from control.connect import connect
-from control.events import Accepted, Final, Request
-from control.request_data import RequestData
-from control.sampling import SamplingParams
-from control.story import IdTaken
+from fd.control.bus import Bus
+from fd.control.connect import connect
+from fd.control.events import Accepted, Final, Request
+from fd.control.request_data import RequestData
+from fd.control.sampling import SamplingParams
+from fd.control.story import IdTaken
 from tests.enginekit import types
 from tests.faultkit import ReplyCutter, engines  # noqa: F401, F811  (engines: a fixture)
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 import time
 
-from control.request_data import RequestData
-from control.sampling import SamplingParams
-from engine.outputs import ScheduledSeq, SchedulerOutput
-from engine.timed_runner import TimedRunner
 from fd.compose import EngineOptions, start_engine
+from fd.control.request_data import RequestData
+from fd.control.sampling import SamplingParams
+from fd.engine.core.outputs import ScheduledSeq, SchedulerOutput
+from fd.engine.runner.timed_runner import TimedRunner
 
 
 def _step(step: int, *seqs: tuple[str, tuple[int, ...], int]) -> SchedulerOutput:
@@ -66,7 +66,7 @@ async def test_an_engine_runs_on_it(embedded_redis, keys, tiny_tokenizer):
     )
     bus = eng.node.bus
     try:
-        from control.events import Accepted, Request
+        from fd.control.events import Accepted, Request
 
         prompt = tuple(tiny_tokenizer.encode("Hello there"))
 
@@ -96,7 +96,7 @@ async def test_an_engine_runs_on_it(embedded_redis, keys, tiny_tokenizer):
         assert toks == [runner.token_at("done", n + i) for i in range(6)]
         assert evs[-1].finish_reason == "length"
 
-        from control.events import Abort
+        from fd.control.events import Abort
 
         await bus.publish(bus.keys.control, Abort(request_ids=("long",), source="cli"))
         evs = await story("long")

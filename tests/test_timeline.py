@@ -11,8 +11,8 @@ import zlib
 
 import pytest
 
-from engine.replay import replay
-from engine.timeline import LEFT, RUN, render_html
+from fd.engine.journal.replay import replay
+from fd.engine.journal.timeline import LEFT, RUN, render_html
 from tests.test_journal_replay import record_run
 
 

@@ -14,8 +14,8 @@ import httpx
 import openai
 import pytest
 
-from control.metrics import Metrics
 from fd.compose import ApiOptions, EngineOptions, join_in_process, start_api, start_engine
+from fd.control.metrics import Metrics
 
 
 @pytest.fixture(scope="module")

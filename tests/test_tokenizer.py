@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from control.tokenizer import Tokenizer
-from engine.model.tiny import make_tiny_model
+from fd.control.tokenizer import Tokenizer
+from fd.engine.model.tiny import make_tiny_model
 
 TEXTS = [
     "Hello, world!",

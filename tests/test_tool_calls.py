@@ -13,10 +13,10 @@ import pytest
 from test_api_streaming import FakeEngine, parse_sse, setup
 from test_api_validation import assert_openai_error
 
-from control.events import Accepted, decode
-from control.sampling import SamplingParams
-from engine.llm import LLM
 from fd.api.tool_calls import HermesParser, ToolCall, call_id, parse_all
+from fd.control.events import Accepted, decode
+from fd.control.sampling import SamplingParams
+from fd.engine.runner.llm import LLM
 
 WEATHER = {
     "type": "function",
@@ -267,7 +267,7 @@ async def test_a_server_without_a_parser_refuses_auto_as_vllm_does(real_bus):
 
 
 def test_the_flags_go_together():
-    from fd.cli import main
+    from fd.cli.main import main
 
     with pytest.raises(SystemExit, match="go together"):
         main(["serve", "--tool-call-parser", "hermes"])
@@ -278,8 +278,8 @@ def test_the_flags_go_together():
 async def test_the_real_model_sees_the_tools(redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer):
     """The tiny model's template offers tools Qwen's way; through the `openai` client the prompt
     is that rendering (usage), and greedy output equals the engine's own for it."""
-    from control.connect import connect
     from fd.compose import ApiOptions, start_api
+    from fd.control.connect import connect
     from tests.faultkit import Engines
 
     engines = Engines(redis_server.url, keys, tiny_model_dir, tiny_runner, tiny_tokenizer)
@@ -591,7 +591,7 @@ def test_pythonic_reads_an_answer_that_is_a_list_of_calls(text, want):
 async def test_pythonic_calls_through_the_api(real_bus):
     async with setup(real_bus, FakeEngine(real_bus, words=PY), tool_parser="pythonic") as client:
         await _two_calls_streamed_and_replayed(client, "py1")
-    from fd.cli import build_parser
+    from fd.cli.main import build_parser
 
     assert (
         build_parser()

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import aiohttp
 
-from control.bus import REQUEST_TTL_S, Bus
-from control.connect import connect
-from control.embedded import EmbeddedRedis
-from control.events import Abort
-from control.keys import Keys
-from fd.cli import build_parser
-from fd.cli_serving import _start_serving
+from fd.cli.main import build_parser
+from fd.cli.serving import _start_serving
+from fd.control.bus import REQUEST_TTL_S, Bus
+from fd.control.connect import connect
+from fd.control.embedded import EmbeddedRedis
+from fd.control.events import Abort
+from fd.control.keys import Keys
 from tests.enginekit import story
 from tests.faultkit import wait_for
 
@@ -113,7 +113,7 @@ async def test_a_request_that_runs_longer_than_the_ttl_keeps_its_story(
         assert types(evs)[:2] == ["accepted", "claimed"] and types(evs).count("final") == 1
         assert sum(len(e.token_ids) for e in evs if e.TYPE == "tokens") == 80
         assert 0 < await bus.redis.ttl(keys.req("long")) <= ttl
-        assert await bus.owner("long") == "long#1"  # (its owner token, control/fence.py)
+        assert await bus.owner("long") == "long#1"  # (its owner token, fd/control/fence.py)
     finally:
         await eng.stop()
         await bus.redis.aclose()

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import aiohttp
 import pytest
 
-from control.sampling import SamplingParams
-from engine.llm import LLM
+from fd.control.sampling import SamplingParams
+from fd.engine.runner.llm import LLM
 
 PROMPT = "The benchmark asks for a long answer about"
 OUTPUT_LEN = 24

@@ -19,10 +19,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from fd import vllm_flags
-from fd.cli import build_parser, main
-from fd.cli_args import vllm_compat
-from fd.cli_flags import HelpFormatter
+from fd.cli import vllm_flags
+from fd.cli.args import vllm_compat
+from fd.cli.flags import HelpFormatter
+from fd.cli.main import build_parser, main
 from tests.conftest import free_port
 
 DATA = json.loads((Path(__file__).parent / "data" / "vllm_serve_flags_0.32.json").read_text())

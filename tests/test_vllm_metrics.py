@@ -1,4 +1,4 @@
-"""vLLM's metrics beside fd's (control/vllm_metrics.py): every ``vllm:`` series that vLLM's Grafana
+"""vLLM's metrics beside fd's (fd/control/vllm_metrics.py): every ``vllm:`` series that vLLM's Grafana
 dashboard and production-stack's autoscaling rules query is in ``/metrics`` with vLLM's labels and
 buckets, and the numbers are those of the requests actually served."""
 
@@ -13,8 +13,8 @@ import aiohttp
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
-from control.metrics import Metrics
-from control.vllm_metrics import (
+from fd.control.metrics import Metrics
+from fd.control.vllm_metrics import (
     INTER_TOKEN_LATENCY_BUCKETS,
     REQUEST_LATENCY_BUCKETS,
     TIME_TO_FIRST_TOKEN_BUCKETS,

@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from control.sampling import SamplingParams
-from engine.llm import LLM
-from engine.runners import LoraDone
-from engine.worker import ProcessRunner, WorkerError
+from fd.control.sampling import SamplingParams
+from fd.engine.runner.llm import LLM
+from fd.engine.runner.runners import LoraDone
+from fd.engine.runner.worker import ProcessRunner, WorkerError
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def test_worker_gives_the_same_tokens_as_in_process(worker, tiny_runner, tiny_to
     assert worker.busy_seconds > 0
     assert worker.num_blocks == 256 and worker.vocab_size == tiny_runner.vocab_size
     # log-probabilities come back over the pipe as the in-process runner makes them
-    from engine.outputs import ScheduledSeq, SchedulerOutput
+    from fd.engine.core.outputs import ScheduledSeq, SchedulerOutput
 
     want = SamplingParams(temperature=0.0, logprobs=3)
     step = SchedulerOutput(step=-1, seqs=(ScheduledSeq("lp", tuple(prompts[2]), 0, (0, 1), True, want, 0),))
@@ -96,9 +96,9 @@ def test_worker_exits_when_its_engine_goes_away(tiny_model_dir):
 def _two_steps_ahead(worker):
     """A scheduler with "a" (a 1,500-token prefill that keeps the worker busy) and "b", and
     its first two steps, the second decided ahead (decodes on placeholders)."""
-    from control.request_data import RequestData
-    from engine.config import SchedulerConfig
-    from engine.scheduler import Scheduler
+    from fd.control.request_data import RequestData
+    from fd.engine.core.config import SchedulerConfig
+    from fd.engine.core.scheduler import Scheduler
 
     sched = Scheduler(
         SchedulerConfig(
@@ -157,8 +157,8 @@ def test_the_pipe_form_of_a_step_round_trips_and_sends_sampling_once():
     number); what the worker rebuilds equals what the engine scheduled, across a reset."""
     import pickle
 
-    from engine.outputs import ScheduledSeq, SchedulerOutput
-    from engine.worker import _StepDecoder, _StepEncoder
+    from fd.engine.core.outputs import ScheduledSeq, SchedulerOutput
+    from fd.engine.runner.worker import _StepDecoder, _StepEncoder
 
     a = SamplingParams(temperature=0.0, max_tokens=5)
     b = SamplingParams(temperature=0.7, top_p=0.9, seed=3, max_tokens=9, stop=("x",))
@@ -190,7 +190,7 @@ def test_replies_are_read_without_waiting_skips_before_their_step(worker):
     result of the step it left the request out of."""
     import select
 
-    from engine.outputs import RunnerOutput
+    from fd.engine.core.outputs import RunnerOutput
 
     _, out1, out2 = _two_steps_ahead(worker)
     assert worker.take_ready() == []  # nothing has come: no wait
@@ -229,9 +229,9 @@ def test_a_dead_worker_is_an_error_for_a_reader_too(tiny_model_dir):
 def test_vectors_and_adapters_cross_the_pipe(tiny_model_dir, tiny_runner, tiny_tokenizer, tmp_path):
     """An embeddings request's vector comes back from the worker as from an in-process
     runner, and adapters given to the worker are loaded there and named to the engine."""
-    from engine.model.config import ModelConfig
-    from engine.model.lora import save_adapter
-    from engine.model_runner import ModelRunner
+    from fd.engine.model.config import ModelConfig
+    from fd.engine.model.lora import save_adapter
+    from fd.engine.runner.model_runner import ModelRunner
 
     ids = [tiny_tokenizer.encode("Hello there"), tiny_tokenizer.encode("The quick brown fox")]
     save_adapter(str(tmp_path / "ad"), ModelConfig.from_dir(str(tiny_model_dir)), rank=4, alpha=8)
@@ -251,7 +251,7 @@ def test_vectors_and_adapters_cross_the_pipe(tiny_model_dir, tiny_runner, tiny_t
         # it comes among the replies, after the steps sent before it
         assert runner.load_lora("late", mods["ad"], wait=True) is None
         assert "FileNotFoundError" in runner.load_lora("nowhere", str(tmp_path / "nowhere"), wait=True)
-        from engine.outputs import ScheduledSeq, SchedulerOutput
+        from fd.engine.core.outputs import ScheduledSeq, SchedulerOutput
 
         step = SchedulerOutput(
             step=1,

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from control.endings import usage
-from control.events import Final
 from fd.api.errors import ApiError
 from fd.api.validation import is_int
+from fd.control.endings import usage
+from fd.control.events import Final
 
 
 def final_usage(final: Final, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from typing import Awaitable, Callable
 
 from aiohttp import web
 
-from control.outage import REDIS_FAILURES, is_outage, reason
+from fd.control.outage import REDIS_FAILURES, is_outage, reason
 
 log = logging.getLogger("fd.api.cancellation")
 
@@ -194,7 +194,7 @@ class Cancellation:
 
     async def _publish(self, request_ids: tuple[str, ...]) -> None:
         """The abort, sent again through an outage (Redis away or refusing writes for now,
-        control/outage.py) for up to :data:`ABORT_RETRY_S`: a client that hangs up while Redis
+        fd/control/outage.py) for up to :data:`ABORT_RETRY_S`: a client that hangs up while Redis
         is out of memory still stops its request once Redis takes writes again."""
         backoff, deadline = 0.05, asyncio.get_running_loop().time() + ABORT_RETRY_S
         while True:

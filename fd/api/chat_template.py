@@ -12,14 +12,14 @@ from typing import Any
 
 import orjson
 
-from control.guided import GuidedError, canonical, check, starting_after
-from control.sampling import SamplingParams
-from control.tokenizer import TokenizerLike
 from fd.api.errors import bad_request
 from fd.api.reasoning import END as REASONING_END
 from fd.api.reasoning import START as REASONING_START
 from fd.api.tool_calls import forced_spec
 from fd.api.validation import Limits, is_bool, opt
+from fd.control.guided import GuidedError, canonical, check, starting_after
+from fd.control.sampling import SamplingParams
+from fd.control.tokenizer import TokenizerLike
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_TOOLS = 128

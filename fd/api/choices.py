@@ -10,14 +10,14 @@ from typing import Any, Callable
 
 import orjson
 
-from control.endings import usage
-from control.events import Final
-from control.keys import choice_ids
-from control.sampling import SamplingParams
 from fd.api.bodies import usage_chunk
 from fd.api.errors import bad_request
 from fd.api.rendering import make_renderer
 from fd.api.validation import is_int, opt
+from fd.control.endings import usage
+from fd.control.events import Final
+from fd.control.keys import choice_ids
+from fd.control.sampling import SamplingParams
 
 MAX_CHOICES = 16  # n: each choice is a request of its own on the engines
 MAX_BATCH = 256  # prompts x n, of one completions request

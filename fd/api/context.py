@@ -23,18 +23,18 @@ import orjson
 from aiohttp import web
 from redis.exceptions import RedisError
 
-from control.bus import Bus
-from control.events import MAX_FIELD_BYTES, Abort
-from control.keys import ENGINE_ID_RE, REQUEST_ID_RE, choice_ids, is_tombstone
-from control.metrics import Metrics
-from control.mux import StreamMux
-from control.outage import kind, reason
-from control.tokenizer import TokenizerLike
 from fd.api.cors import Cors
 from fd.api.errors import bad_request, conflict, id_taken, too_large, unavailable
 from fd.api.lora_admin import LoraNames
 from fd.api.tenancy import TENANT_ID_MAX, Caller
 from fd.api.validation import DEFAULT_MAX_TOKENS, MAX_BODY_BYTES, Limits, parse_body
+from fd.control.bus import Bus
+from fd.control.events import MAX_FIELD_BYTES, Abort
+from fd.control.keys import ENGINE_ID_RE, REQUEST_ID_RE, choice_ids, is_tombstone
+from fd.control.metrics import Metrics
+from fd.control.mux import StreamMux
+from fd.control.outage import kind, reason
+from fd.control.tokenizer import TokenizerLike
 
 log = logging.getLogger("fd.api")
 
@@ -101,7 +101,7 @@ class ApiContext:
     def __init__(self, cfg: ApiConfig, bus: Bus, mux: StreamMux, tokenizer: TokenizerLike, metrics: Metrics):
         self._redis_suspect_until = 0.0  # see redis_failed()
         self.outage: str | None = None  # why Redis fails now (redis_failed), for /health
-        self._outage_kind: str | None = None  # (control.outage.kind) of the outage logged
+        self._outage_kind: str | None = None  # (fd.control.outage.kind) of the outage logged
         self._ignored_said: set[str] = set()  # request fields said to be ignored (say_ignored)
         self.cfg = cfg
         self.bus = bus
@@ -247,7 +247,7 @@ class ApiContext:
 
     def redis_failed(self, e: BaseException) -> None:
         """Remember that Redis just failed (gone, stalled, or replying "not now":
-        control/outage.py): until a quick ping succeeds again, new requests get their 503 at
+        fd/control/outage.py): until a quick ping succeeds again, new requests get their 503 at
         once instead of after the client's seconds of connection retries. One log line an
         outage (and one more when its kind changes), not one a request."""
         self._redis_suspect_until = time.monotonic() + REDIS_SUSPECT_S

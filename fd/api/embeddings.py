@@ -20,8 +20,6 @@ from typing import Any
 
 import numpy as np
 
-from control.sampling import SamplingParams
-from control.tokenizer import TokenizerLike
 from fd.api.chat_template import chat_ids, chat_rendering, parse_messages, template_kwargs
 from fd.api.errors import bad_request
 from fd.api.validation import (
@@ -35,6 +33,8 @@ from fd.api.validation import (
     priority_of,
     truncation_of,
 )
+from fd.control.sampling import SamplingParams
+from fd.control.tokenizer import TokenizerLike
 
 MAX_INPUTS = 2048  # OpenAI's limit on one request's inputs
 ENCODINGS = ("float", "base64")

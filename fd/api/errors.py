@@ -93,6 +93,6 @@ def unavailable(message: str) -> ApiError:
 
 
 def story_lost(message: str) -> ApiError:
-    """A request whose story disappeared from Redis before its final (control.mux.StoryLost):
+    """A request whose story disappeared from Redis before its final (fd.control.mux.StoryLost):
     a 503, which clients retry, since nothing of it can be recovered."""
     return ApiError(503, message, "service_unavailable", None, "story_lost")

@@ -17,10 +17,10 @@ import asyncio
 import time
 from typing import Any
 
-from control.bus import Bus
-from control.events import LoadLora, UnloadLora
-from control.keys import valid_request_id
 from fd.api.errors import ApiError, bad_request, not_found, unavailable
+from fd.control.bus import Bus
+from fd.control.events import LoadLora, UnloadLora
+from fd.control.keys import valid_request_id
 
 LOAD_WAIT_S = 30.0  # how long a load waits for every engine to say it has the adapter
 REFRESH_S = 0.02  # a model name not served here reads P:loras again at most this often

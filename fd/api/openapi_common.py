@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from control.keys import REQUEST_ID_RE
+from fd.control.keys import REQUEST_ID_RE
 
 REQUEST_ID_PATTERN = REQUEST_ID_RE.pattern  # ECMA-262 as JSON Schema wants: "$" is the very end there
 

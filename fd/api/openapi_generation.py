@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from control.sampling import MAX_LOGPROBS, MAX_REPETITION_PENALTY
 from fd.api.chat_template import MAX_TOOLS, ROLES
 from fd.api.choices import MAX_BATCH, MAX_CHOICES
 from fd.api.openapi_common import ERRORS, INT_OR_NULL, NULLABLE_BOOL, RID_HEADER, err, ref
 from fd.api.sampling import MAX_BAD_WORDS
+from fd.control.sampling import MAX_LOGPROBS, MAX_REPETITION_PENALTY
 
 
 def sampling_props(model_name: str, max_model_len: int, aliases: tuple[str, ...] = ()) -> dict[str, Any]:

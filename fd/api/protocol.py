@@ -16,8 +16,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from control.sampling import SamplingParams
-from control.tokenizer import TokenizerLike
 from fd.api.chat_template import (
     chat_ids,
     chat_rendering,
@@ -46,6 +44,8 @@ from fd.api.validation import (
     top_logprobs,
     truncation_of,
 )
+from fd.control.sampling import SamplingParams
+from fd.control.tokenizer import TokenizerLike
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,9 +12,6 @@ from typing import Any, Callable
 
 import orjson
 
-from control.endings import usage
-from control.events import Accepted, Final
-from control.token_payloads import logprobs_entries, prompt_logprob_ranks, prompt_logprobs_entries
 from fd.api.bodies import (
     chat_chunk,
     chat_completion,
@@ -36,6 +33,9 @@ from fd.api.tool_calls import (
     make_parser,
     parse_all,
 )
+from fd.control.endings import usage
+from fd.control.events import Accepted, Final
+from fd.control.token_payloads import logprobs_entries, prompt_logprob_ranks, prompt_logprobs_entries
 
 _TEXT_MARKER = "\x00fd-text\x00"  # JSON-escaped, it can appear in no id, model or text
 
@@ -167,7 +167,7 @@ class Renderer:
         return chunk
 
     def _add_logprobs(self, token_ids: tuple[int, ...], logprobs: Any) -> None:
-        """A tokens event's ``logprobs`` (control.token_payloads.logprobs_field)."""
+        """A tokens event's ``logprobs`` (fd.control.token_payloads.logprobs_field)."""
         entries = logprobs_entries(logprobs, len(token_ids))
         for t, (lp, top) in zip(token_ids, entries or ()):
             self.logprobs.append((t, lp, top, self._lp_offset))

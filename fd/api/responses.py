@@ -27,15 +27,15 @@ from typing import Any, Callable
 
 import orjson
 
-from control.events import Accepted, Final
-from control.token_payloads import logprobs_entries
-from control.tokenizer import TokenizerLike
 from fd.api.bodies import final_error, final_usage
 from fd.api.errors import ApiError, bad_request
 from fd.api.protocol import GenerationRequest, parse_chat
 from fd.api.reasoning import REASONING, ReasoningParser
 from fd.api.tool_calls import PARSERS, ToolCall, call_id, forced_calls, make_parser
 from fd.api.validation import Body, Limits, is_bool, is_int, is_num, opt
+from fd.control.events import Accepted, Final
+from fd.control.token_payloads import logprobs_entries
+from fd.control.tokenizer import TokenizerLike
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 #: chat's fields that mean nothing here (several choices, chat's log-probabilities): left out

@@ -1,4 +1,4 @@
-"""A request body's sampling parameters (control.sampling's :class:`SamplingParams`), without
+"""A request body's sampling parameters (fd.control.sampling's :class:`SamplingParams`), without
 I/O: the output's length against the context, temperature and the other knobs with the model's
 own defaults (``generation_config.json``), stop sequences, token restrictions, and structured
 outputs, each checked here so that a bad value is a 400 and never a failed request.
@@ -11,11 +11,11 @@ from typing import Any
 
 import orjson
 
-from control.guided import GuidedError, canonical, check
-from control.sampling import MAX_REPETITION_PENALTY, SamplingParams
-from control.tokenizer import TokenizerLike
 from fd.api.errors import ApiError, bad_request, context_length_exceeded
 from fd.api.validation import Limits, check_ids, is_bool, is_int, is_num, lora_of, opt
+from fd.control.guided import GuidedError, canonical, check
+from fd.control.sampling import MAX_REPETITION_PENALTY, SamplingParams
+from fd.control.tokenizer import TokenizerLike
 
 
 def sampling_of(
@@ -53,7 +53,7 @@ def sampling_of(
     if top_k < -1:
         raise bad_request("'top_k' must be -1, 0 (off) or a positive integer.", "top_k", "invalid_value")
     seed = opt(body, "seed", is_int, "an integer", None)
-    if seed is not None and not 0 <= seed < 2**63:  # what an engine accepts (control.events)
+    if seed is not None and not 0 <= seed < 2**63:  # what an engine accepts (fd.control.events)
         raise bad_request("'seed' must be an integer in [0, 2**63).", "seed", "invalid_value")
     penalties = {}
     for name in ("presence_penalty", "frequency_penalty"):
@@ -175,7 +175,7 @@ def _guided(body: dict) -> str:
     """A structured output, however it was asked: OpenAI's ``response_format`` (``json_object``,
     ``json_schema``), vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
     ``guided_grammar``, or vLLM's newer ``structured_outputs`` object. At most one; checked
-    by compiling its grammar here (control.guided), so a bad one is a 400, not a failed request."""
+    by compiling its grammar here (fd.control.guided), so a bad one is a 400, not a failed request."""
     asked: list[tuple[str, dict]] = []
     rf = body.get("response_format")
     if rf is not None:

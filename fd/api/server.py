@@ -22,11 +22,6 @@ from aiohttp import StreamReader, web
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 from redis.exceptions import RedisError
 
-from control.bus import Bus
-from control.metrics import Metrics
-from control.mux import MuxStopped, StoryLost, StreamMux
-from control.outage import is_outage, reason
-from control.story import IdTaken
 from fd.api.cancellation import CLIENT_CLOSED, client_disconnected
 from fd.api.context import CALLER, RID, ApiConfig, ApiContext, json_response
 from fd.api.cors import Cors
@@ -38,6 +33,11 @@ from fd.api.serving_generate import ServingGenerate
 from fd.api.serving_responses import ServingResponses
 from fd.api.streaming import Streams
 from fd.api.tenancy import Tenancy
+from fd.control.bus import Bus
+from fd.control.metrics import Metrics
+from fd.control.mux import MuxStopped, StoryLost, StreamMux
+from fd.control.outage import is_outage, reason
+from fd.control.story import IdTaken
 
 __all__ = ["ApiConfig", "ApiSite", "make_app"]
 
@@ -197,7 +197,7 @@ async def _errors(request: web.Request, handler):
         shown = request.get(RID, "")
         return _error_response(id_taken(shown), request)
     except RedisError as e:
-        if not is_outage(e):  # about this request's command, not the server (control/outage.py)
+        if not is_outage(e):  # about this request's command, not the server (fd/control/outage.py)
             log.error("redis refused a command of %s %s: %s", request.method, request.path, e)
             return _error_response(
                 server_error(f"The control plane (Redis) refused the request: {e}"), request

@@ -10,8 +10,6 @@ import math
 
 from aiohttp import web
 
-from control.events import MAX_IDS_PER_ABORT, Abort, AbortAll, Accepted, Final
-from control.keys import all_valid_request_ids, choice_ids
 from fd.api.abort import parse_abort
 from fd.api.cancellation import Cancellation
 from fd.api.context import (
@@ -24,6 +22,8 @@ from fd.api.context import (
 )
 from fd.api.errors import bad_request, unauthorized
 from fd.api.tenancy import abort_targets
+from fd.control.events import MAX_IDS_PER_ABORT, Abort, AbortAll, Accepted, Final
+from fd.control.keys import all_valid_request_ids, choice_ids
 
 MAX_WAIT_S = 300.0
 

@@ -15,12 +15,12 @@ from typing import Any
 from aiohttp import web
 from redis.exceptions import RedisError
 
-from control.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from control.outage import reason
 from fd.api import lora_admin, openapi, protocol
 from fd.api.context import ApiContext, json_response
 from fd.api.errors import not_found, unavailable
 from fd.api.validation import is_bool, opt
+from fd.control.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from fd.control.outage import reason
 
 log = logging.getLogger("fd.api")
 

@@ -12,9 +12,6 @@ from typing import Any
 
 from aiohttp import web
 
-from control.events import Accepted, Final, Request, Tokens
-from control.request_data import RequestData
-from control.token_payloads import embedding_vector
 from fd.api import bodies
 from fd.api.cancellation import watch_of
 from fd.api.context import CALLER, RID, ApiContext, json_response, new_abort_id
@@ -30,6 +27,9 @@ from fd.api.embeddings import (
 from fd.api.embeddings import response as embedding_response
 from fd.api.errors import ApiError, id_taken, unavailable
 from fd.api.streaming import Timing, merged
+from fd.control.events import Accepted, Final, Request, Tokens
+from fd.control.request_data import RequestData
+from fd.control.token_payloads import embedding_vector
 
 
 class ServingEmbeddings:

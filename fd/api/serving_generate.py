@@ -15,9 +15,6 @@ from typing import Any
 
 from aiohttp import web
 
-from control.bus import entry_id_key
-from control.events import Accepted, Claimed, Final, Preempted, Request, RequestData, Tokens
-from control.keys import choice_ids
 from fd.api import bodies, protocol, rendering
 from fd.api.cancellation import watch_of
 from fd.api.choices import Choices
@@ -27,6 +24,9 @@ from fd.api.responses import ResponsesRenderer
 from fd.api.streaming import Streams, Timing, events, merged
 from fd.api.tenancy import story
 from fd.api.validation import Body
+from fd.control.bus import entry_id_key
+from fd.control.events import Accepted, Claimed, Final, Preempted, Request, RequestData, Tokens
+from fd.control.keys import choice_ids
 
 
 def _echo(gen: protocol.GenerationRequest, prompt: int) -> dict[str, Any]:

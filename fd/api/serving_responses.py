@@ -11,7 +11,6 @@ import functools
 import orjson
 from aiohttp import web
 
-from control.events import Accepted, Claimed, Final, Tokens
 from fd.api.context import CALLER, RID, ApiContext, json_response, new_abort_id, valid_request_id
 from fd.api.errors import bad_request, not_found
 from fd.api.responses import (
@@ -28,6 +27,7 @@ from fd.api.serving_generate import ServingGenerate
 from fd.api.streaming import Streams
 from fd.api.tenancy import story
 from fd.api.validation import is_bool, opt
+from fd.control.events import Accepted, Claimed, Final, Tokens
 
 CANCEL_WAIT_S = 2.0  # POST /v1/responses/{id}/cancel waits this long for the abort's final
 

@@ -13,23 +13,23 @@ from typing import Any, AsyncIterator
 
 from aiohttp import web
 
-from control.bus import entry_id_key
-from control.events import Accepted, Claimed, Final, Preempted, Tokens
-from control.metrics import Metrics
-from control.mux import StoryLost
 from fd.api import rendering, sse
 from fd.api.cancellation import watch_of
 from fd.api.choices import Choices, choices_cursor
 from fd.api.context import ApiContext, new_abort_id
 from fd.api.errors import story_lost, unavailable
 from fd.api.responses import ResponsesRenderer
+from fd.control.bus import entry_id_key
+from fd.control.events import Accepted, Claimed, Final, Preempted, Tokens
+from fd.control.metrics import Metrics
+from fd.control.mux import StoryLost
 
 KEEPALIVE_S = 15.0  # an SSE comment this often while nothing happens, so proxies keep the line
 
 
 class Timing:
     """TTFT / ITL / E2E of one live request, measured where the client sees them, and vLLM's
-    per-request metrics from the same events (control.vllm_metrics.VllmRequest). ``n``: the
+    per-request metrics from the same events (fd.control.vllm_metrics.VllmRequest). ``n``: the
     response's choices, given to one of them (0 for the others, so vLLM's n counts once)."""
 
     def __init__(

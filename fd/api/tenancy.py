@@ -23,9 +23,9 @@ import hmac
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from control.bus import Bus
-from control.events import Accepted
-from control.keys import valid_request_id
+from fd.control.bus import Bus
+from fd.control.events import Accepted
+from fd.control.keys import valid_request_id
 
 TAG_HEX = 16  # 64 bits of SHA-256: tells a handful of keys apart, says nothing of any
 TENANT_ID_MAX = 128 - TAG_HEX - 1  # the longest id a tenant may give: `<tag>:<id>` is an id too

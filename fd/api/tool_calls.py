@@ -336,7 +336,7 @@ def parse_all(text: str, name: str = "hermes") -> tuple[str, list[ToolCall]]:
 
 
 def forced_spec(mode: str, tools: list[dict], parallel: bool = True) -> dict | None:
-    """The structured output (control.guided) that makes the model's whole answer the call:
+    """The structured output (fd.control.guided) that makes the model's whole answer the call:
     a named function's arguments (its parameters' schema), or for ``required`` a list of
     ``{"name", "parameters"}`` objects, one of the tools each (vLLM's forms); just one with
     ``parallel_tool_calls: false``."""

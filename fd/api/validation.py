@@ -16,8 +16,8 @@ from typing import Any
 
 import orjson
 
-from control.sampling import MAX_LOGPROBS
 from fd.api.errors import bad_request, not_found, too_large
+from fd.control.sampling import MAX_LOGPROBS
 
 MAX_BODY_BYTES = 4 << 20  # a request body's size, unless the server says otherwise
 DEFAULT_MAX_TOKENS = 16  # completions' max_tokens when a request gives none (OpenAI's)

@@ -1,0 +1,668 @@
+"""The Llama-family decoder (Llama, Qwen2, Qwen3) in PaddlePaddle, over a paged KV cache.
+
+One forward runs a flattened mixed batch: prefill chunks and decode tokens side by side. Each
+token's K/V is written to its cache slot (``block * block_size + offset``); attention gathers a
+sequence's context back by its block table, causal within the chunk and full over the past
+(a large group of decodes on a CPU reads it in place instead: fd/engine/model/paged_attention.py).
+
+Two things shape the code more than the math does:
+
+- **Op count and GEMM size.** For a model this small a step costs what Paddle dispatch
+  (~2 µs per op) and small GEMMs cost, so projections are fused (q|k|v in one matmul, gate|up
+  in one), RoPE is a multiply-add against a precomputed table, the residual add rides in the
+  fused RMSNorm, logits are computed only for the rows being sampled, and attention is one
+  padded, masked batch per group of sequences rather than a loop per sequence.
+- **Batch invariance** (opt-in: ``batch_invariant=True``, ``fd serve --batch-invariant``). A
+  request's tokens then do not depend on what else is in the batch. The CPU GEMM rounds rows that do not fill a whole 8-row tile differently, and Q·Kᵀ rounds
+  differently unless the key length is a multiple of 16, so the token rows are padded to a
+  multiple of 8 and every key length to a multiple of 16 (padding is masked: exact zeros).
+  With that, a sequence's logits agree to ~1e-6 alone, in any batch, chunked or not, and in
+  :meth:`Llama.reference_logits`, and its greedy tokens are the same but at near-ties (what
+  tests/test_model.py checks; on this project's CPU machines: GPUs differ).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import numpy as np
+import paddle
+import paddle.incubate.nn.functional as IF
+import paddle.nn.functional as F
+
+from fd.engine.model import packed_gemm, paged_attention
+from fd.engine.model.checkpoint_layout import expert_names
+from fd.engine.model.config import ModelConfig, rope_inv_freq
+
+ROW_ALIGN = 8  # the CPU GEMM rounds rows outside full 8-row tiles differently
+KEY_ALIGN = 16  # key lengths padded to a multiple of this for the same reason
+MASKED = -1e30  # finite, so fully padded query rows stay NaN-free
+
+
+def cpu_swiglu(x: paddle.Tensor) -> paddle.Tensor:
+    """F.swiglu (silu(gate) * up of x = [gate | up]) on a CPU, whose fused kernel takes 1.4x as
+    long as these three ops (0.10 against 0.07 ms for 32 rows of SmolLM2's 1536)."""
+    gate, up = paddle.split(x, 2, axis=-1)
+    return paddle.multiply(F.silu(gate), up)
+
+
+def fused_rms_norm_runs(device: str) -> bool:
+    """Whether Paddle's fused RMSNorm can run here. Its CPU kernel is written in AVX-512 and
+    is not guarded: on a CPU without it (AMD before Zen 4, many laptops) it dies of SIGILL."""
+    return device != "cpu" or paddle.base.core.supports_avx512f()
+
+
+def composed_rms_norm(
+    x: paddle.Tensor, w: paddle.Tensor, eps: float, residual: paddle.Tensor | None = None
+) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """What ``fused_rms_norm`` computes, in plain ops: ``(rms_norm(x + residual) * w, x + residual)``."""
+    if residual is not None:
+        x = paddle.add(x, residual)
+    ms = paddle.mean(paddle.square(x), axis=-1, keepdim=True)
+    return paddle.multiply(paddle.multiply(x, paddle.rsqrt(ms + eps)), w), x
+
+
+def fused_rms_norm(
+    x: paddle.Tensor, w: paddle.Tensor, eps: float, residual: paddle.Tensor | None = None
+) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """Paddle's fused kernel, with composed_rms_norm's contract."""
+    if residual is None:
+        return IF.fused_rms_norm(x, w, None, eps, 1)[0], x
+    return IF.fused_rms_norm(x, w, None, eps, 1, residual=residual)
+
+
+def pad_keys(n: int) -> int:
+    return max(KEY_ALIGN, -(-n // KEY_ALIGN) * KEY_ALIGN)
+
+
+def attention_mask(qpos: np.ndarray, num_keys: int, window: int | None = None) -> np.ndarray:
+    """Additive mask [*qpos.shape, num_keys]: key ``k`` is seen from position ``q`` when
+    ``k <= q`` and, with a sliding window of ``W`` (Mistral's, Phi-3's), ``k > q - W``: the W
+    positions up to and including its own, as transformers' and vLLM's windows count them."""
+    k = np.arange(num_keys)
+    q = qpos[..., None]
+    seen = k <= q if window is None else (k <= q) & (k > q - window)
+    return np.where(seen, 0.0, MASKED).astype(np.float32)
+
+
+def key_blocks(context_len: int, block_size: int) -> int:
+    """Blocks of keys to gather for a context: enough, and a multiple of KEY_ALIGN keys."""
+    n = -(-max(context_len, 1) // block_size)
+    while (n * block_size) % KEY_ALIGN:
+        n += 1
+    return n
+
+
+@dataclass(slots=True)
+class AttnGroup:
+    """Sequences whose attention runs as one padded batch: [S, Qmax] queries x [S, L] keys."""
+
+    num_seqs: int
+    max_q: int
+    num_keys: int  # L = blocks per sequence * block_size
+    q_index: paddle.Tensor | None  # [S*Qmax] token rows, or None when the rows are already laid out
+    ctx_blocks: paddle.Tensor  # [S*L/block_size] each sequence's KV blocks, padded with any block
+    mask: paddle.Tensor  # [S, 1, Qmax, 1, L] additive: 0 or MASKED
+    # [S, L/block_size] the same blocks on the host, for a decode group (Qmax 1) whose
+    # attention may read them in place (fd/engine/model/paged_attention.py); None otherwise
+    tables: np.ndarray | None = None
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    input_ids: paddle.Tensor  # [Tp], Tp = pad_rows(T)
+    positions: paddle.Tensor  # [Tp]
+    slot_mapping: paddle.Tensor  # [Tp]; padding rows write the trash slot
+    groups: list[AttnGroup]
+    out_index: paddle.Tensor | None  # [Tp] rows of the concatenated group outputs, or None
+    logits_index: paddle.Tensor  # [Np] rows to compute logits for, Np a multiple of ROW_ALIGN
+    # LoRA adapters of the batch: (slot, the token rows of its requests); empty: the base only
+    lora: tuple[tuple[int, paddle.Tensor], ...] = ()
+    # Asked before each layer writes its KV: a new slot mapping when the step is to stop
+    # writing some requests' blocks (their rows then write the trash slot), else None
+    # (fd/engine/runner/step_cut.py: an abort that lands while the step runs)
+    new_slots: Callable[[], paddle.Tensor | None] | None = None
+
+
+class Llama:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: Mapping[str, np.ndarray],
+        device: str = "cpu",
+        batch_invariant: bool = False,
+        gemms: str = "eager",
+    ):
+        """``gemms``: ``eager`` (every GEMM a Paddle matmul), ``packed`` (on a CPU with MKL, the
+        dense layers' and the head's over weights packed once: fd/engine/model/packed_gemm.py),
+        or ``auto`` (whichever of the two is faster here, timed at load)."""
+        self.cfg = cfg
+        self.device = device
+        # Opt-in (vLLM's VLLM_BATCH_INVARIANT): batch 1 then runs its GEMMs on 8 rows, which on
+        # SmolLM2-135M costs what batch 8 costs (134 against 52 ms a decode step on one core).
+        # Off, a request's logits depend on what else is in the batch by rounding (~1e-6).
+        self.batch_invariant = batch_invariant
+        self.row_align = ROW_ALIGN if batch_invariant else 1
+        self.place = (
+            paddle.CPUPlace()
+            if device == "cpu"
+            else paddle.CUDAPlace(int(device.split(":")[1]) if ":" in device else 0)
+        )
+        # Strided views make a later matmul copy element by element (1.5 ms for one [32, 112,
+        # 2, 32] transpose on CPU); real transposes cost ~30 µs.
+        paddle.set_flags({"FLAGS_use_stride_kernel": False})
+        hd, nh, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        self.group = nh // nkv
+        scale = np.float32(1.0 / np.sqrt(hd))
+
+        def t(a: np.ndarray) -> paddle.Tensor:
+            return paddle.to_tensor(np.ascontiguousarray(a, dtype=np.float32), place=self.place)
+
+        self.embed = t(weights["model.embed_tokens.weight"])
+        head = weights["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+        self.lm_head = t(head.T)  # [H, V], contiguous: no transposed GEMM (see module doc)
+        self.norm = t(weights["model.norm.weight"])
+        self.layers = []
+        for n in range(cfg.num_hidden_layers):
+            p = f"model.layers.{n}."
+            # The softmax scale folded into q: its projection, or with Qwen3's q_norm (which
+            # undoes any scale of its input) that norm's weight.
+            wq = weights[p + "self_attn.q_proj.weight"].T * (1 if cfg.qk_norm else scale)
+            wk = weights[p + "self_attn.k_proj.weight"].T
+            wv = weights[p + "self_attn.v_proj.weight"].T
+            qkv = np.concatenate([wq, wk, wv], axis=1)
+            qkv_b = None
+            if cfg.qkv_bias:
+                qkv_b = t(
+                    np.concatenate(
+                        [
+                            weights[p + "self_attn.q_proj.bias"] * (1 if cfg.qk_norm else scale),
+                            weights[p + "self_attn.k_proj.bias"],
+                            weights[p + "self_attn.v_proj.bias"],
+                        ]
+                    )
+                )
+            self.layers.append(
+                dict(
+                    in_norm=t(weights[p + "input_layernorm.weight"]),
+                    qkv=t(qkv),
+                    qkv_b=qkv_b,
+                    # Qwen3: one [heads, head_dim] weight for the q heads' norm and the k heads'
+                    qk_norm=t(
+                        np.concatenate(
+                            [
+                                np.tile(weights[p + "self_attn.q_norm.weight"] * scale, (nh, 1)),
+                                np.tile(weights[p + "self_attn.k_norm.weight"], (nkv, 1)),
+                            ]
+                        )
+                    )
+                    if cfg.qk_norm
+                    else None,
+                    o=t(weights[p + "self_attn.o_proj.weight"].T),
+                    o_b=t(weights[p + "self_attn.o_proj.bias"]) if cfg.o_bias else None,
+                    post_norm=t(weights[p + "post_attention_layernorm.weight"]),
+                )
+            )
+            if n in cfg.sparse_layers:
+                router, experts = expert_names(cfg, n)
+                self.layers[-1]["moe"] = dict(
+                    router=t(weights[router].T),
+                    experts=[
+                        (t(np.concatenate([weights[g].T, weights[u].T], axis=1)), t(weights[d].T))
+                        for g, u, d in experts
+                    ],
+                )
+                if cfg.shared_expert_intermediate_size:
+                    s = p + "mlp.shared_expert"
+                    self.layers[-1]["moe"]["shared"] = (
+                        t(
+                            np.concatenate(
+                                [weights[s + ".gate_proj.weight"].T, weights[s + ".up_proj.weight"].T], axis=1
+                            )
+                        ),
+                        t(weights[s + ".down_proj.weight"].T),
+                        t(weights[s + "_gate.weight"].T),
+                    )
+            else:
+                self.layers[-1].update(
+                    gate_up=t(
+                        np.concatenate(
+                            [weights[p + "mlp.gate_proj.weight"].T, weights[p + "mlp.up_proj.weight"].T],
+                            axis=1,
+                        )
+                    ),
+                    down=t(weights[p + "mlp.down_proj.weight"].T),
+                )
+        inv_freq = rope_inv_freq(cfg)
+        ang = (
+            np.arange(cfg.max_position_embeddings, dtype=np.float64)[:, None]
+            * np.concatenate([inv_freq, inv_freq])[None, :]
+        )
+        sign = np.concatenate([-np.ones(hd // 2), np.ones(hd // 2)])
+        self.rope = t(np.stack([np.cos(ang), np.sin(ang) * sign], axis=1))  # [P, 2, hd]
+        self._scale = scale
+        self._swiglu = cpu_swiglu if device == "cpu" else F.swiglu
+        self._rms_norm = fused_rms_norm if fused_rms_norm_runs(device) else composed_rms_norm
+        # Large decode groups' attention over the cache in place of the gather (its choice by
+        # shape would make a sequence's logits depend on the batch: not when batch-invariant)
+        self.paged_decode = device == "cpu" and not batch_invariant and paged_attention.available()
+        self.lm_head_packed = None
+        # The GEMMs' route and MKL threads by a step's rows (0 threads: Paddle's own setting,
+        # as on a GPU); ``_packed_step``: this step's route
+        self._plan = packed_gemm.GemmPlan.always("eager", 0)
+        self._packed_step = False
+        if gemms not in ("eager", "packed", "auto"):
+            raise ValueError(f"gemms must be eager, packed or auto, not {gemms!r}")
+        if gemms != "eager":
+            self._pack_weights(keep_if_slower=gemms == "packed")
+        # LoRA adapters (add_lora): per slot, per layer, fused projection -> (A [in, R], B [R, out])
+        self.loras: dict[int, list[dict[str, tuple[paddle.Tensor, paddle.Tensor]]]] = {}
+        self._active: tuple[tuple[list, paddle.Tensor], ...] = ()  # this forward's (layers, rows)
+        self.k_blocks: list[paddle.Tensor] = []  # [num_blocks + 1, block_size, kvh, hd]
+        self.v_blocks: list[paddle.Tensor] = []
+        self.k_slots: list[paddle.Tensor] = []  # the same memory as [slots, kvh, hd]
+        self.v_slots: list[paddle.Tensor] = []
+        self.k_rows: list[paddle.Tensor] = []  # the same memory as [kvh * blocks, block_size * hd]
+        self.v_rows: list[paddle.Tensor] = []
+        self.num_blocks_total = 0
+        self.block_size = 0
+        self.trash_slot = 0
+
+    def _pack_weights(self, keep_if_slower: bool) -> None:
+        """Packs the dense layers' and the head's weights, then times the routes (packed or,
+        unless ``keep_if_slower``, eager) and MKL threads (one, or one per CPU this process may
+        run on, the worker's --worker-cpus, where the weights are beyond the caches:
+        packed_gemm.THREADS_MIN_BYTES) at a few row counts and keeps, for each, the one
+        that runs a step's GEMMs fastest (packed_gemm.GemmPlan). The timing streams every third
+        layer's weights and the head's: as far beyond the caches as all of them (SmolLM2:
+        ~250 MB), in under half the time."""
+        cpus = len(os.sched_getaffinity(0))
+        weights = sum(
+            int(np.prod(layer[n].shape))
+            for layer in self.layers
+            if "moe" not in layer
+            for n in ("qkv", "o", "gate_up", "down")
+        )
+        if (weights + int(np.prod(self.lm_head.shape))) * 4 < packed_gemm.THREADS_MIN_BYTES:
+            cpus = 1  # (the caches hold them: see THREADS_MIN_BYTES)
+        # MKL lays a packed weight out for the threads set when it packs: packed on one thread,
+        # a product on two ran no faster than on one below 64 rows (bench/README.md, "a GEMM
+        # plan by rows")
+        packed_gemm.use_threads(cpus)
+        pairs = []
+        for i, layer in enumerate(self.layers):
+            if "moe" not in layer:
+                for n in ("qkv", "o", "gate_up", "down"):
+                    layer[n + "_packed"] = packed_gemm.PackedLinear(layer[n].numpy())
+                    if i % 3 == 0:
+                        pairs.append((layer[n], layer[n + "_packed"]))
+        self.lm_head_packed = packed_gemm.PackedLinear(self.lm_head.numpy())
+        pairs.append((self.lm_head, self.lm_head_packed))
+        self._plan = packed_gemm.fastest_gemms(
+            pairs,
+            ("packed",) if keep_if_slower else ("packed", "eager"),
+            tuple(sorted({1, cpus})),
+        )
+        if "packed" in self._plan.routes:
+            return
+        for layer in self.layers:  # (their memory back: as large as the weights)
+            for n in ("qkv", "o", "gate_up", "down"):
+                layer.pop(n + "_packed", None)
+        self.lm_head_packed = None
+
+    @property
+    def gemms(self) -> str:
+        """Which GEMMs the model runs: ``packed``, ``eager``, or the plan by rows where it mixes
+        them (``packed on 1 thread(s) at 1-3 rows, ...``)."""
+        routes = self._plan.routes
+        return next(iter(routes)) if len(routes) == 1 else str(self._plan)
+
+    @property
+    def gemm_plan(self) -> packed_gemm.GemmPlan:
+        return self._plan
+
+    @property
+    def gemm_threads(self) -> int:
+        """The most MKL threads any step's GEMMs take (0: Paddle's own setting)."""
+        return self._plan.max_threads
+
+    def _mm(self, x: paddle.Tensor, layer: dict, name: str) -> paddle.Tensor:
+        """``x @ layer[name]``: over the packed weight where there is one, else eager."""
+        if self._packed_step:
+            packed = layer.get(name + "_packed")
+            if packed is not None:
+                return packed(x)
+        return paddle.matmul(x, layer[name])
+
+    # ------------------------------------------------------------------ LoRA
+
+    def add_lora(self, slot: int, adapter) -> None:
+        """An adapter (fd.engine.model.lora.Adapter) as ``slot``: for each of the fused projections
+        (q|k|v, o, gate|up, down) one ``A`` [in, R] and one block-diagonal ``B`` [R, out], so a
+        batch's rows of that adapter cost two small GEMMs a projection. The scale is in ``B``,
+        and so is the softmax scale q's columns carry (as the base q weights do)."""
+        c = self.cfg
+        q_scale = 1.0 if c.qk_norm else float(self._scale)
+        fused = {
+            "qkv": (("q_proj", q_scale), ("k_proj", 1.0), ("v_proj", 1.0)),
+            "o": (("o_proj", 1.0),),
+            "gate_up": (("gate_proj", 1.0), ("up_proj", 1.0)),
+            "down": (("down_proj", 1.0),),
+        }
+        from fd.engine.model.lora import module_shape
+
+        layers = []
+        for mods in adapter.layers:
+            out: dict[str, tuple[paddle.Tensor, paddle.Tensor]] = {}
+            for name, parts in fused.items():
+                taken = [(m, s) for m, s in parts if m in mods]
+                if not taken:
+                    continue
+                fan_in = module_shape(c, parts[0][0])[0]
+                widths = [module_shape(c, m)[1] for m, _ in parts]
+                r = sum(mods[m][0].shape[0] for m, _ in taken)
+                a = np.zeros((fan_in, r), dtype=np.float32)
+                b = np.zeros((r, sum(widths)), dtype=np.float32)
+                row = 0
+                for (m, s), col, width in zip(parts, np.cumsum([0, *widths[:-1]]), widths):
+                    if m not in mods:
+                        continue
+                    am, bm = mods[m]
+                    k = am.shape[0]
+                    a[:, row : row + k] = am.T
+                    b[row : row + k, col : col + width] = bm.T * (adapter.scale * s)
+                    row += k
+                out[name] = (self.tensor(a), self.tensor(b))
+            layers.append(out)
+        self.loras[slot] = layers
+
+    def _lora(self, y: paddle.Tensor, x: paddle.Tensor, layer: int, name: str) -> paddle.Tensor:
+        """``y`` (the base projection of ``x``) plus each active adapter's on its rows."""
+        for layers, rows in self._active:
+            ab = layers[layer].get(name)
+            if ab is not None:
+                d = paddle.matmul(paddle.matmul(paddle.index_select(x, rows), ab[0]), ab[1])
+                y = paddle.index_add(y, rows, 0, d)
+        return y
+
+    # ------------------------------------------------------------------ cache
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        c = self.cfg
+        return 2 * c.num_hidden_layers * block_size * c.kv_size * 4
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        """Zeroed (masked keys must be finite: 0 * NaN would poison the output), plus one trash
+        block at the end that padding rows write to. Tokens are written by slot and read back
+        by whole blocks (a block gather is ~4x faster than a slot gather).
+
+        Head-major, [kvh, blocks, block_size, hd]: gathering a step's blocks of each head (as
+        rows of [kvh * blocks, block_size * hd]) gives each KV head's context as attention
+        multiplies it, [kvh, S, L, hd], where a token-major
+        cache had to transpose all of it, in every layer, every step."""
+        c = self.cfg
+        self.block_size = block_size
+        self.trash_slot = num_blocks * block_size
+        self.num_slots = (num_blocks + 1) * block_size
+        kvh, hd = c.num_key_value_heads, c.head_dim
+        shape = [kvh, num_blocks + 1, block_size * hd]
+        self.k_blocks = [paddle.zeros(shape, dtype="float32") for _ in range(c.num_hidden_layers)]
+        self.v_blocks = [paddle.zeros(shape, dtype="float32") for _ in range(c.num_hidden_layers)]
+        self.num_blocks_total = num_blocks + 1
+        # reshapes share the buffer: row h * num_slots + slot is KV head h of that slot, and
+        # row h * (num_blocks + 1) + block that head's block
+        self.k_rows = [k.reshape([kvh * (num_blocks + 1), block_size * hd]) for k in self.k_blocks]
+        self.v_rows = [v.reshape([kvh * (num_blocks + 1), block_size * hd]) for v in self.v_blocks]
+        self.k_slots = [k.reshape([kvh * self.num_slots, hd]) for k in self.k_blocks]
+        self.v_slots = [v.reshape([kvh * self.num_slots, hd]) for v in self.v_blocks]
+
+    def pad_rows(self, n: int) -> int:
+        a = self.row_align
+        return max(a, -(-n // a) * a)
+
+    def tensor(self, a: np.ndarray) -> paddle.Tensor:
+        return paddle.to_tensor(a, place=self.place)
+
+    def upload(self, arrays: list[np.ndarray], dtype) -> list[paddle.Tensor]:
+        """Several 1-D arrays to the device in one copy."""
+        if not arrays:
+            return []
+        if len(arrays) == 1:
+            return [self.tensor(np.asarray(arrays[0], dtype=dtype))]
+        sizes = [len(a) for a in arrays]
+        return paddle.split(self.tensor(np.concatenate(arrays).astype(dtype, copy=False)), sizes)
+
+    # ------------------------------------------------------------------ forward
+
+    def _qkv(self, layer: dict, h: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor, i: int = 0):
+        """Projections with RoPE applied (q already scaled by 1/sqrt(head_dim)).
+
+        rotate_half(x) is ``concat(x2, x1)``, a roll by half a head, with the sign folded into
+        the sin table: one cheap copy instead of a matmul or extra projection columns (a roll
+        costs a third of a split and a concat).
+        """
+        c = self.cfg
+        n = h.shape[0]
+        a = self._mm(h, layer, "qkv")
+        if self._active:
+            a = self._lora(a, h, i, "qkv")
+        if layer["qkv_b"] is not None:
+            a = paddle.add(a, layer["qkv_b"])
+        heads = c.num_attention_heads + c.num_key_value_heads
+        qk, v = paddle.split(a, [heads * c.head_dim, c.kv_size], axis=-1)
+        qk = qk.reshape([n, heads, c.head_dim])
+        if layer["qk_norm"] is not None:  # Qwen3: each head's q and k RMS-normalised
+            qk = composed_rms_norm(qk, layer["qk_norm"], c.rms_norm_eps)[0]
+        qk = paddle.add(
+            paddle.multiply(qk, cos), paddle.multiply(paddle.roll(qk, c.head_dim // 2, axis=-1), sin)
+        )
+        q, k = paddle.split(qk, [c.num_attention_heads, c.num_key_value_heads], axis=1)
+        return q, k, v.reshape([n, c.num_key_value_heads, c.head_dim])
+
+    def _attend(
+        self, q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, mask: paddle.Tensor, s: int, qmax: int
+    ) -> paddle.Tensor:
+        """q [S*Qmax, nh, hd], k and v [kvh, S, L, hd] (the cache's own layout, so the context
+        is used as gathered), mask [kvh, S, Qmax, g, L] -> [S*Qmax, nh*hd]. Only q and the
+        output are transposed: Qmax rows a sequence, where the context has L."""
+        c = self.cfg
+        kvh, g, hd = c.num_key_value_heads, self.group, c.head_dim
+        L = k.shape[-2]
+        # One query row (a lone decode) already lies as [kvh, g, hd]: no transposes, in or out
+        one = s * qmax == 1
+        q = (
+            q.reshape([kvh, 1, g, hd])
+            if one
+            else q.reshape([s, qmax, kvh, g, hd]).transpose([2, 0, 1, 3, 4]).reshape([kvh, s, qmax * g, hd])
+        )
+        scores = paddle.matmul(q, k, transpose_y=True).reshape([kvh, s, qmax, g, L])
+        p = F.softmax(paddle.add(scores, mask), axis=-1).reshape([kvh, s, qmax * g, L])
+        o = paddle.matmul(p, v)
+        if one:
+            return o.reshape([1, c.q_size])
+        return o.reshape([kvh, s, qmax, g, hd]).transpose([1, 2, 0, 3, 4]).reshape([s * qmax, c.q_size])
+
+    def _mlp_block(self, layer: dict, attn: paddle.Tensor, residual: paddle.Tensor, i: int = 0):
+        eps = self.cfg.rms_norm_eps
+        x = self._mm(attn, layer, "o")
+        if self._active:
+            x = self._lora(x, attn, i, "o")
+        if layer["o_b"] is not None:
+            x = paddle.add(x, layer["o_b"])
+        h, residual = self._rms_norm(x, layer["post_norm"], eps, residual)
+        if "moe" in layer:
+            return self._moe(layer["moe"], h), residual
+        if not self._active:
+            return self._mm(self._swiglu(self._mm(h, layer, "gate_up")), layer, "down"), residual
+        g = self._swiglu(self._lora(self._mm(h, layer, "gate_up"), h, i, "gate_up"))
+        return self._lora(self._mm(g, layer, "down"), g, i, "down"), residual
+
+    def _moe(self, moe: dict, h: paddle.Tensor) -> paddle.Tensor:
+        """A sparse layer's MLP: each token through its top-k experts by the router's softmax,
+        weighted by their probabilities (renormalised over the k with norm_topk_prob), summed
+        in expert order (as transformers does). An expert's rows are gathered and padded to whole
+        8-row tiles (weight 0), as the dense GEMMs' rows are (see the module doc)."""
+        c = self.cfg
+        k = c.num_experts_per_tok
+        probs = F.softmax(paddle.matmul(h, moe["router"]), axis=-1)
+        w, idx = paddle.topk(probs, k, axis=-1)
+        if c.norm_topk_prob:
+            w = paddle.divide(w, paddle.sum(w, axis=-1, keepdim=True))
+        chosen = idx.numpy()
+        flat = w.reshape([-1])
+        out = paddle.zeros_like(h)
+        for e in np.unique(chosen):
+            tok, j = np.nonzero(chosen == e)
+            n = len(tok)
+            pad = self.pad_rows(n) - n
+            rows = np.concatenate([tok, np.zeros(pad, dtype=tok.dtype)])
+            at = np.concatenate([tok * k + j, np.zeros(pad, dtype=tok.dtype)])
+            rows_t, at_t = self.upload([rows, at], np.int64)
+            gate_up, down = moe["experts"][e]
+            y = paddle.matmul(self._swiglu(paddle.matmul(paddle.index_select(h, rows_t), gate_up)), down)
+            scale = paddle.index_select(flat, at_t)
+            if pad:
+                scale = paddle.multiply(
+                    scale, self.tensor(np.r_[np.ones(n), np.zeros(pad)].astype(np.float32))
+                )
+            out = paddle.index_add(out, rows_t, 0, paddle.multiply(y, scale.unsqueeze(-1)))
+        if "shared" in moe:  # Qwen2-MoE: plus the shared expert, gated by a sigmoid
+            gate_up, down, gate = moe["shared"]
+            y = paddle.matmul(self._swiglu(paddle.matmul(h, gate_up)), down)
+            out = paddle.add(out, paddle.multiply(F.sigmoid(paddle.matmul(h, gate)), y))
+        return out
+
+    def _layers(self, ids: paddle.Tensor, positions: paddle.Tensor, attention) -> paddle.Tensor:
+        """The decoder stack; ``attention(i, q, k, v)`` supplies the context. Returns the final
+        normed hidden states [Tp, H]."""
+        eps = self.cfg.rms_norm_eps
+        # This step's GEMMs by its rows (MKL's threads are per thread: the one running it)
+        gemms = self._plan.choice(int(ids.shape[0]))
+        self._packed_step = gemms.route == "packed"
+        if gemms.threads:
+            packed_gemm.use_threads(gemms.threads)
+        x = paddle.index_select(self.embed, ids)
+        cos, sin = paddle.split(paddle.index_select(self.rope, positions), 2, axis=1)  # [T, 1, hd]
+        # Broadcast over the heads once a step, not in each layer's RoPE (a broadcasting
+        # multiply costs several times a same-shape one: 0.3 ms each for a 528-token prefill).
+        heads = [cos.shape[0], self.cfg.num_attention_heads + self.cfg.num_key_value_heads, self.cfg.head_dim]
+        cos, sin = paddle.expand(cos, heads), paddle.expand(sin, heads)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            h, residual = self._rms_norm(x, layer["in_norm"], eps, residual)
+            q, k, v = self._qkv(layer, h, cos, sin, i)
+            x, residual = self._mlp_block(layer, attention(i, q, k, v), residual, i)
+        return self._rms_norm(x, self.norm, eps, residual)[0]
+
+    @paddle.no_grad()
+    def forward(self, b: ForwardBatch) -> paddle.Tensor:
+        """Logits [len(logits_index), vocab] of a paged, flattened batch."""
+        return self.head(self.hidden(b))
+
+    @paddle.no_grad()
+    def head(self, h: paddle.Tensor) -> paddle.Tensor:
+        """Logits [rows, vocab] of final hidden states [rows, hidden]."""
+        if self._packed_step and self.lm_head_packed is not None:
+            return self.lm_head_packed(h)
+        return paddle.matmul(h, self.lm_head)
+
+    @paddle.no_grad()
+    def hidden(self, b: ForwardBatch) -> paddle.Tensor:
+        """The final hidden states [len(logits_index), hidden] of a paged, flattened batch:
+        :meth:`forward` without the head, for a caller that takes the logits of many rows a
+        slice at a time (a prompt's scores)."""
+
+        c = self.cfg
+        kvh, hd = c.num_key_value_heads, c.head_dim
+        # the mask broadcast over heads once per step, not once per layer (a broadcasting add
+        # costs ~6x a same-shape one)
+        masks = [
+            paddle.expand(
+                g.mask.reshape([1, g.num_seqs, g.max_q, 1, g.num_keys]),
+                [kvh, g.num_seqs, g.max_q, self.group, g.num_keys],
+            )
+            for g in b.groups
+        ]
+        # each token's row of each KV head in the head-major cache (allocate_kv_cache), token
+        # by token: [n, kvh] as k and v come out of the projection, so they scatter as they are
+        heads_of_slots = paddle.arange(0, kvh * self.num_slots, self.num_slots, dtype="int64").unsqueeze(0)
+        rows = paddle.add(b.slot_mapping.unsqueeze(1), heads_of_slots).reshape([-1])
+        n = b.slot_mapping.shape[0]
+        # each group's context as rows of the cache seen as [kvh * blocks, block_size * hd]:
+        # one gather of whole rows (axis 0) copies it faster than index_select on axis 1
+        heads = paddle.arange(0, kvh * self.num_blocks_total, self.num_blocks_total, dtype="int64").unsqueeze(
+            1
+        )
+        decoders = [
+            paged_attention.PagedDecode(g.tables, kvh, self.group, hd, self.block_size, self.num_blocks_total)
+            if self.paged_decode
+            and g.tables is not None
+            and paged_attention.worth_it(g.num_seqs, g.num_keys, kvh, hd)
+            else None
+            for g in b.groups
+        ]
+        ctx_rows = [
+            None if d is not None else paddle.add(g.ctx_blocks.unsqueeze(0), heads).reshape([-1])
+            for g, d in zip(b.groups, decoders)
+        ]
+
+        def paged(i: int, q, k, v):
+            nonlocal rows
+            if b.new_slots is not None and (slots := b.new_slots()) is not None:
+                rows = paddle.add(slots.unsqueeze(1), heads_of_slots).reshape([-1])
+            paddle.scatter_(self.k_slots[i], rows, k.reshape([n * kvh, hd]), overwrite=True)
+            paddle.scatter_(self.v_slots[i], rows, v.reshape([n * kvh, hd]), overwrite=True)
+            outs = []
+            for grp, mask, ctx, decode in zip(b.groups, masks, ctx_rows, decoders):
+                s, L = grp.num_seqs, grp.num_keys
+                qg = q if grp.q_index is None else paddle.index_select(q, grp.q_index)
+                if decode is not None:
+                    outs.append(decode(qg, self.k_blocks[i], self.v_blocks[i], mask))
+                    continue
+                kg = paddle.gather(self.k_rows[i], ctx).reshape([kvh, s, L, hd])
+                vg = paddle.gather(self.v_rows[i], ctx).reshape([kvh, s, L, hd])
+                outs.append(self._attend(qg, kg, vg, mask, s, grp.max_q))
+            o = outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
+            return o if b.out_index is None else paddle.index_select(o, b.out_index)
+
+        self._active = tuple((self.loras[slot], rows) for slot, rows in b.lora)
+        try:
+            h = self._layers(b.input_ids, b.positions, paged)
+        finally:
+            self._active = ()
+        return paddle.index_select(h, b.logits_index)
+
+    @paddle.no_grad()
+    def reference_logits(self, token_ids, lora: int | None = None) -> np.ndarray:
+        """Logits [len, vocab] by plain full recompute: no cache, no block tables, one sequence
+        (with LoRA adapter ``lora`` on every row, if given).
+
+        The ground truth the paged path is tested against; it shares only the per-token math.
+        """
+        c = self.cfg
+        n = len(token_ids)
+        tp, L = self.pad_rows(n), pad_keys(n)
+        ids = np.zeros(tp, dtype=np.int64)
+        ids[:n] = token_ids
+        pos = np.zeros(tp, dtype=np.int64)
+        pos[:n] = np.arange(n)
+        qpos = np.arange(n)
+        mask = attention_mask(qpos, L, c.sliding_window)
+        mask_t = self.tensor(mask.reshape(1, 1, n, 1, L))
+        kv_pad = paddle.zeros([L - n, c.num_key_value_heads, c.head_dim], dtype="float32").to(self.place)
+        row_pad = paddle.zeros([tp - n, c.q_size], dtype="float32").to(self.place)
+
+        def full(i: int, q, k, v):
+            kk = paddle.concat([k[:n], kv_pad]).transpose([1, 0, 2]).unsqueeze(1)
+            vv = paddle.concat([v[:n], kv_pad]).transpose([1, 0, 2]).unsqueeze(1)
+            return paddle.concat([self._attend(q[:n], kk, vv, mask_t, 1, n), row_pad])
+
+        if lora is not None:
+            self._active = ((self.loras[lora], self.tensor(np.arange(n, dtype=np.int64))),)
+        try:
+            h = self._layers(self.tensor(ids), self.tensor(pos), full)
+        finally:
+            self._active = ()
+        return paddle.matmul(h, self.lm_head).numpy()[:n]
