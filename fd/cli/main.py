@@ -41,6 +41,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"fd {_version()}")
     sub = p.add_subparsers(dest="cmd", required=True)
+    # What a command without the flag reads (its subparser's own default wins where it has it):
+    # every attribute the code reads is there, so nothing asks the namespace what it holds.
+    p.set_defaults(
+        log_level="warning",
+        log_format="text",
+        json=False,
+        api_server_count=1,
+        model_tag=None,
+        vllm_compat_flags=frozenset(),
+        gpu_memory_utilization=None,
+        tokenizer=None,
+    )
 
     # (the usage line alone: with vLLM's flags, argparse's own would fill a screen before an error)
     s = sub.add_parser(
@@ -259,8 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     from fd.control.logs import setup_logging
 
     setup_logging(
-        getattr(args, "log_level", "warning") if hasattr(args, "log_level") else "warning",
-        getattr(args, "log_format", "text"),
+        args.log_level,
+        args.log_format,
     )
     if compat_notes:
         logging.getLogger("fd").info("vLLM flags taken and ignored: %s", "; ".join(compat_notes))

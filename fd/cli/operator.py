@@ -24,7 +24,7 @@ def _lora_status(heartbeat: dict) -> str:
 
 
 def _print_json_or(args: argparse.Namespace, obj: Any, text: str) -> None:
-    if getattr(args, "json", False):
+    if args.json:
         sys.stdout.write(orjson.dumps(obj, option=orjson.OPT_INDENT_2).decode() + "\n")
     else:
         print(text)

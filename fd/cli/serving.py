@@ -113,7 +113,7 @@ async def _start_serving(args: argparse.Namespace):
     from fd.compose import ApiOptions, hold_port
 
     ApiOptions(model_dir="", **field_values(args, ApiOptions)).ssl_context()  # (before the model loads)
-    count = getattr(args, "api_server_count", 1)
+    count = args.api_server_count
     # The port first: one in use fails the start now, not after the model has loaded.
     held = hold_port(args.host, args.port, reuse_port=count > 1)
     try:
@@ -148,7 +148,7 @@ async def _start_serving_on(args: argparse.Namespace, held):
         metrics=metrics,
         runner=_runner(args, model_dir),
     )
-    count = getattr(args, "api_server_count", 1)
+    count = args.api_server_count
     opts = dataclasses.replace(_api_opts(args, model_dir), request_ttl_s=ttl)
     if opts.max_model_len is None:  # (the engine's: the model's context, or what its KV cache holds)
         opts = dataclasses.replace(opts, max_model_len=engine.max_model_len)
@@ -168,8 +168,8 @@ async def _start_serving_on(args: argparse.Namespace, held):
                     dataclasses.replace(opts, port=api.port),
                     url,
                     args.prefix,
-                    getattr(args, "log_level", "warning"),
-                    getattr(args, "log_format", "text"),
+                    args.log_level,
+                    args.log_format,
                     up,
                     args.redis_timeout,
                 ),

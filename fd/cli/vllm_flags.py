@@ -696,13 +696,13 @@ def vllm_compat(args: argparse.Namespace) -> list[str]:
     """What a vLLM command line's flags come to here: raises SystemExit (one line, naming the
     flag) for one fd cannot honour, applies those fd has (setting fd's own flags), and returns
     a note for each it takes and ignores (fd logs them once at start)."""
-    tag = getattr(args, "model_tag", None)
+    tag = args.model_tag
     if tag is not None:
         if args.model is not None and args.model != tag:
             raise SystemExit(f"error: the model is given twice: {tag} and --model {args.model}")
         args.model = tag
     notes: list[str] = []
-    compat = getattr(args, "vllm_compat_flags", frozenset())
+    compat = args.vllm_compat_flags
     for f in TABLE:
         if f.flag not in compat and not f.fd:
             continue  # (fd's own flag here, or none of this command's)
@@ -727,7 +727,7 @@ def vllm_compat(args: argparse.Namespace) -> list[str]:
 
 
 def _gpu_memory(args: argparse.Namespace) -> str | None:
-    if getattr(args, "gpu_memory_utilization", None) is None:
+    if args.gpu_memory_utilization is None:
         return None
     if args.device != "cpu":
         raise SystemExit(
@@ -737,7 +737,7 @@ def _gpu_memory(args: argparse.Namespace) -> str | None:
 
 
 def _tokenizer(args: argparse.Namespace) -> None:
-    tok = getattr(args, "tokenizer", None)
+    tok = args.tokenizer
     if tok is None or args.model is not None and _same_path(tok, args.model):
         return
     raise SystemExit(
