@@ -22,12 +22,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from fd.engine.runner.process import tune
 from fd.tools.gauge_sampler import parse
+from tests.kit.redis import RedisDidNotStart, RedisNotInstalled
+from tests.kit.redis import start_redis_server as launch_redis_server
 
 tune()  # the settings fd's own processes run the model with (before anything imports Paddle)
 
@@ -209,38 +212,14 @@ class RedisServer:
 
 
 def start_redis_server() -> RedisServer:
-    exe = shutil.which("redis-server") or "/usr/bin/redis-server"
-    if not os.path.exists(exe):
-        raise SystemExit("redis-server not found (apt-get install redis-server)")
+    """A throwaway redis-server on a free port: the tests' launcher (tests/kit/redis.py)."""
     tmp = tempfile.mkdtemp(prefix="fd-bench-redis-")
-    for _ in range(5):
-        port = free_port()
-        proc = subprocess.Popen(
-            [
-                exe,
-                "--port",
-                str(port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                tmp,
-                "--loglevel",
-                "warning",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and proc.poll() is None:
-            if _ping(port):
-                return RedisServer(proc, port, tmp)
-            time.sleep(0.02)
-        kill_pid(proc)
-    raise SystemExit("redis-server did not come up on a free port")
+    try:
+        server = launch_redis_server(tmp)
+    except (RedisNotInstalled, RedisDidNotStart) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise SystemExit(str(e)) from None
+    return RedisServer(server.proc, server.port, tmp)
 
 
 @dataclass
@@ -296,15 +275,14 @@ def start_serve(
         cmd += ["--embedded-port", str(eport)]
         url = f"redis://127.0.0.1:{eport}/0"
     log = Path(log_dir or tempfile.mkdtemp(prefix="fd-bench-serve-")) / f"serve-{port}.log"
-    fh = open(log, "wb")
-    proc = subprocess.Popen(
-        cmd,
-        cwd=tree or ROOT,
-        stdout=fh,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    fh.close()
+    with open(log, "wb") as fh:  # (the child keeps its own copy)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=tree or ROOT,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:

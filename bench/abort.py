@@ -42,6 +42,7 @@ import sys
 import tempfile
 import time
 from collections import deque
+from itertools import pairwise
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
@@ -321,8 +322,8 @@ async def release_wave(
         if prev is not None and v < prev and closes and t >= closes[0]:
             releases += [t] * int(round(prev - v))
         prev = v
-    lat = [r - h for h, r in zip(closes, releases)]
-    gaps = [b[0] - a[0] for a, b in zip(samples, samples[1:])]
+    lat = [r - h for h, r in zip(closes, releases, strict=False)]
+    gaps = [b[0] - a[0] for a, b in pairwise(samples)]
     return {
         "latency": lat,
         "unmatched": len(closes) - len(lat),

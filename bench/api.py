@@ -38,6 +38,7 @@ import os
 import sys
 import tempfile
 import time
+from itertools import pairwise
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
@@ -94,7 +95,7 @@ def run_inprocess(llm, n: int, rounds: int, max_tokens: int, seed: int) -> dict:
         for g in llm.generate(prompts(n, seed=seed * 1000 + r), sp):
             ntok += len(g.token_ids)
             ttft.append(g.token_times[0] - ts)
-            itl += [b - a for a, b in zip(g.token_times, g.token_times[1:])]
+            itl += [b - a for a, b in pairwise(g.token_times)]
     wall = time.perf_counter() - t0
     return {"wall_s": wall, "tokens": ntok, "tok_per_s": ntok / wall, "ttft": ttft, "itl": itl}
 
@@ -151,7 +152,7 @@ async def run_api(
             continue
         ntok += max_tokens  # ignore_eos + finish_reason=length: exactly max_tokens generated
         ttft.append(res.chunk_times[0] - res.t_send)
-        itl += [b - a for a, b in zip(res.chunk_times, res.chunk_times[1:])]
+        itl += [b - a for a, b in pairwise(res.chunk_times)]
     return {
         "wall_s": wall,
         "tokens": ntok,

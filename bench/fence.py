@@ -97,7 +97,7 @@ async def with_finals(bus: Bus, n: int, flushes: int) -> dict:
                     items, expire=[k for r in rids for k in (bus.keys.req(r), bus.keys.owner(r))], ack=entries
                 )
             else:
-                await bus.publish_owned(items, owners, ack=list(zip(rids, entries)))
+                await bus.publish_owned(items, owners, ack=list(zip(rids, entries, strict=True)))
             out.append(time.perf_counter() - t0)
     p, f = statistics.median(plain) * 1e6, statistics.median(fenced) * 1e6
     return {

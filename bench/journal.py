@@ -174,7 +174,7 @@ async def served_replay(model_dir: str, runner, n: int) -> dict:
     from fd.control.keys import Keys
     from fd.control.tokenizer import Tokenizer
     from fd.engine.journal.journal_reader import load_journal_from_redis
-    from tests.enginekit import story, submit_together
+    from tests.kit.engine import story, submit_together
 
     emb = EmbeddedRedis()
     emb.start()

@@ -29,6 +29,7 @@ import os
 import random
 import sys
 import time
+from itertools import pairwise
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
@@ -161,7 +162,7 @@ async def stream_level(
     bar.close()
     ok = [r for r in results if not r.error and r.chunk_times]
     ttft = [(r.chunk_times[0] - r.t_send) * MS for r in ok]
-    itl = [(b - a) * MS for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:])]
+    itl = [(b - a) * MS for r in ok for a, b in pairwise(r.chunk_times)]
     return {
         "streams": c,
         "requests": len(results),

@@ -173,7 +173,7 @@ class Node:
         self.port = 0
         self.redis_url = redis_url
 
-    def wait_ready(self, timeout: float = 60.0) -> "Node":
+    def wait_ready(self, timeout: float = 60.0) -> Node:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             text = self.log.read_text(errors="replace")
@@ -488,7 +488,7 @@ async def control_planes(a, model, rs: RedisStats, url: str, tmp: str, out: dict
     every: dict[str, list] = {k: [] for k in kinds}
     try:
         for rep in range(a.reps):
-            for kind, node in zip(kinds, nodes):
+            for kind, node in zip(kinds, nodes, strict=True):
                 cpu = CpuMeter([node], rs.pid if kind == "redis-server" else None)
                 r = await load([node.url], a, n=n, conc=conc, tag=f"cp-{kind}-r{rep}")
                 r["cpu"] = cpu.done()

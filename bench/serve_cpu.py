@@ -89,7 +89,7 @@ def main() -> None:
         wall = time.perf_counter() - t0
         n = args.streams * args.waves
         serve = (cpu_ms(pid) - serve0) / n
-        worker = sum(cpu_ms(k) - c for k, c in zip(kids, kids0)) / n
+        worker = sum(cpu_ms(k) - c for k, c in zip(kids, kids0, strict=True)) / n
     finally:
         srv.stop()
     row = [args.streams, args.max_tokens, n, serve, worker, wall * 1000 / n]

@@ -17,9 +17,10 @@ headers, then a chunked, a ``Content-Length`` or a close-delimited body.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import orjson
 
@@ -75,10 +76,8 @@ class _Exchange(asyncio.Protocol):
         if self.transport is not None:
             sock = self.transport.get_extra_info("socket")
             if sock is not None:
-                try:
+                with contextlib.suppress(OSError):  # (already gone)
                     sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass  # (already gone)
             self.transport.close()
         if not self.done.done():
             self.done.set_result(None)

@@ -102,7 +102,6 @@ def run_client(args, base: str, model: str, concurrency: int, out_dir: str, tag:
 
 def start_vllm(args, dtype: str, log_dir: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    log = open(Path(log_dir) / f"vllm-{dtype}.log", "wb")
     env = {
         **os.environ,
         "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -111,28 +110,30 @@ def start_vllm(args, dtype: str, log_dir: str) -> tuple[subprocess.Popen, str]:
         "TRANSFORMERS_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
     }
-    proc = subprocess.Popen(
-        [
-            args.vllm_python,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            args.model,
-            "--served-model-name",
-            "peer",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--max-model-len",
-            "2048",
-            "--dtype",
-            dtype,
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-    )
+    # (the server writes its own copy of the descriptor; this one is closed once it started)
+    with open(Path(log_dir) / f"vllm-{dtype}.log", "wb") as log:
+        proc = subprocess.Popen(
+            [
+                args.vllm_python,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                args.model,
+                "--served-model-name",
+                "peer",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--max-model-len",
+                "2048",
+                "--dtype",
+                dtype,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:

@@ -1,5 +1,5 @@
 """Write every ``vllm serve`` flag, as vLLM's own parser declares it, to a JSON file: the test
-data of tests/test_vllm_flags.py (fd serve must take each one).
+data of tests/integration/test_vllm_flags.py (fd serve must take each one).
 
 It runs under a Python that has vLLM installed, not fd's (vLLM is no dependency of fd), e.g.::
 

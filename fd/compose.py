@@ -16,9 +16,10 @@ import os
 import secrets
 import socket
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from fd.api.cors import Cors
 from fd.api.reasoning import PARSERS as REASONING_PARSERS
@@ -602,7 +603,7 @@ async def start_engine(
     return RunningEngine(node, task, metrics, owns_runner=owns_runner)
 
 
-def join_in_process(api: "RunningApi", engine: "RunningEngine") -> None:
+def join_in_process(api: RunningApi, engine: RunningEngine) -> None:
     """API and engine in one process (``fd serve``): the engine hears the API's aborts as
     they are published, a few event-loop turns before its control read brings them (which it
     still does: the stream is the record, and the second delivery is a no-op), ..."""

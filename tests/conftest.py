@@ -1,4 +1,6 @@
-"""Shared fixtures: a real redis-server, the embedded server, and a Bus on each.
+"""Fixtures of tests/unit and tests/integration: the tiny and the default model, a real
+redis-server (tests/kit/redis.py's launcher), the embedded server, and a Bus on each. Unit tests
+take none of the servers (tests/unit/conftest.py holds them to it); they start on first use.
 
 Every test gets its own key prefix, so tests share the two session-scoped servers without
 seeing each other's keys. Clients are made inside the test's own event loop (a redis.asyncio
@@ -8,13 +10,7 @@ connection belongs to the loop that opened it).
 from __future__ import annotations
 
 import os
-import shutil
-import signal
-import socket
-import subprocess
-import time
 import uuid
-from dataclasses import dataclass
 
 import pytest
 from hypothesis import settings
@@ -24,97 +20,36 @@ from fd.control.connect import connect
 from fd.control.embedded import EmbeddedRedis
 from fd.control.keys import Keys
 from fd.engine.runner.process import tune
-from tests.engine_fixtures import openai_client, served, tiny_model_dir, tiny_runner, tiny_tokenizer  # noqa: F401
-from tests.real_model import smollm2_dir, smollm2_gguf, smollm2_reference, smollm2_runner, smollm2_tokenizer  # noqa: F401
+from tests.kit.real_model import (  # noqa: F401
+    smollm2_dir,
+    smollm2_gguf,
+    smollm2_reference,
+    smollm2_runner,
+    smollm2_tokenizer,
+)
+from tests.kit.redis import RedisDidNotStart, RedisNotInstalled, RedisProcess, free_port, start_redis_server
+from tests.kit.tiny_model import openai_client, served, tiny_model_dir, tiny_runner, tiny_tokenizer  # noqa: F401
 
 # the settings fd's own processes run the model with; nothing above imports Paddle
 tune()
 
 # Property tests that do not fix their examples draw new ones each run here, where a failure is
-# a find to keep (tests/test_scheduler_props.py found a harness gap that way); CI (CI=true)
+# a find to keep (tests/unit/test_scheduler_props.py found a harness gap that way); CI (CI=true)
 # draws the same ones every time, so a landing is never decided by the draw.
 settings.register_profile("ci", derandomize=True, database=None)
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class RedisServer:
-    url: str
-    port: int
-    pid: int
-
-
-def _ping(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
-            s.sendall(b"PING\r\n")
-            return s.recv(64).startswith(b"+PONG")
-    except OSError:
-        return False
-
-
-def start_redis_server(tmpdir: str) -> tuple[subprocess.Popen, RedisServer]:
-    """A throwaway redis-server on a free port; the caller kills it by pid."""
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.fail(
-            "redis-server is not on PATH; install it (e.g. `apt-get install redis-server`) "
-            "-- the bus tests need a real Redis next to the embedded one",
-            pytrace=False,
-        )
-    for _attempt in range(5):  # the free port can be taken between probing and binding
-        port = free_port()
-        proc = subprocess.Popen(
-            [
-                exe,
-                "--port",
-                str(port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                tmpdir,
-                "--loglevel",
-                "warning",
-                "--logfile",
-                "redis.log",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and proc.poll() is None:
-            if _ping(port):
-                return proc, RedisServer(f"redis://127.0.0.1:{port}", port, proc.pid)
-            time.sleep(0.02)
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-    log = os.path.join(tmpdir, "redis.log")
-    tail = open(log, errors="replace").read()[-2000:] if os.path.exists(log) else ""
-    pytest.fail(f"redis-server did not answer PING on a free port after 5 tries\n{tail}", pytrace=False)
-
-
 @pytest.fixture(scope="session")
-def redis_server(tmp_path_factory):
-    proc, server = start_redis_server(str(tmp_path_factory.mktemp("redis")))
-    yield server
-    os.kill(server.pid, signal.SIGTERM)
+def redis_server(tmp_path_factory) -> RedisProcess:
+    """The session's real redis-server (tests/kit/redis.py's launcher), killed by pid at the end."""
     try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        os.kill(server.pid, signal.SIGKILL)
-        proc.wait()
+        server = start_redis_server(str(tmp_path_factory.mktemp("redis")))
+    except (RedisNotInstalled, RedisDidNotStart) as e:
+        pytest.fail(str(e), pytrace=False)
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="session")

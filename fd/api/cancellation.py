@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Awaitable, Callable
 
 from aiohttp import web
 
@@ -85,7 +85,7 @@ class HangUpEar(asyncio.Protocol):
         self.on_hangup: Callable[[], None] | None = None
 
     @classmethod
-    def of(cls, transport: asyncio.BaseTransport | None) -> "HangUpEar | None":
+    def of(cls, transport: asyncio.BaseTransport | None) -> HangUpEar | None:
         """The connection's ear, put in place on its first guarded request."""
         if transport is None or transport.is_closing():
             return None

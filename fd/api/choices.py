@@ -5,8 +5,9 @@ the joining of their renderers into the one response a client sees."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import orjson
 
@@ -96,9 +97,12 @@ class Choices:
 
     def _usage(self) -> dict[str, Any]:
         # what the engines counted for the choices that ended, this replica's count for the rest
-        ended = [None if f is None else r.final_usage(f) for f, r in zip(self.finals, self.parts)]
+        ended = [
+            None if f is None else r.final_usage(f) for f, r in zip(self.finals, self.parts, strict=True)
+        ]
         c = sum(
-            r.completion_tokens if u is None else u["completion_tokens"] for u, r in zip(ended, self.parts)
+            r.completion_tokens if u is None else u["completion_tokens"]
+            for u, r in zip(ended, self.parts, strict=True)
         )
         out: dict[str, Any] = usage(self.prompt_tokens, c)
         # Each prompt counted once, so its cached tokens are those of one choice, its first:
@@ -165,7 +169,7 @@ class Choices:
 
     def response(self) -> dict:
         """The whole body once every choice ended; raises the first choice's error, if any."""
-        bodies = [r.response(f) for r, f in zip(self.parts, self.finals)]
+        bodies = [r.response(f) for r, f in zip(self.parts, self.finals, strict=True)]
         body = bodies[0]
         body["choices"] = [b["choices"][0] for b in bodies]
         for k, c in enumerate(body["choices"]):

@@ -16,8 +16,9 @@ import logging
 import secrets
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -270,7 +271,7 @@ class ApiContext:
             # (not wait_for: see fd.api.streaming.merged)
             async with asyncio.timeout(REDIS_PING_TIMEOUT_S):
                 await self.bus.redis.ping()
-        except (RedisError, OSError, asyncio.TimeoutError) as e:
+        except (TimeoutError, RedisError, OSError) as e:
             self.redis_failed(e)
             raise unavailable(f"The control plane (Redis) is unavailable: {reason(e)}") from None
         # (a ping is no write: an OOM or READONLY outage lasts until a write gets through)

@@ -241,7 +241,7 @@ def _score_request(
         priority=priority_of(body, limits),
         lora=lora_of(body, limits),
     )
-    return ScoreRequest(embed, tuple((at[a], at[b]) for a, b in zip(firsts, seconds)), **extra)
+    return ScoreRequest(embed, tuple((at[a], at[b]) for a, b in zip(firsts, seconds, strict=True)), **extra)
 
 
 def parse_score(body: dict, limits: Limits, tokenizer: TokenizerLike) -> ScoreRequest:

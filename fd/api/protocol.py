@@ -232,7 +232,7 @@ def parse_completion(body: dict, limits: Limits, tokenizer: TokenizerLike) -> Ge
         # (what the model was given: a truncated prompt's kept tokens)
         echo_texts = tuple(
             p if isinstance(p, str) and len(ids) == len(w) else tokenizer.decode(list(ids))
-            for p, w, ids in zip(batch, whole, prompts)
+            for p, w, ids in zip(batch, whole, prompts, strict=True)
         )
         if logprobs is not None:  # the prompt's tokens are scored too
             sampling = dataclasses.replace(sampling, prompt_logprobs=logprobs)

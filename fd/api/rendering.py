@@ -8,7 +8,9 @@ the same bytes for the same story, and each shape is testable without a server.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from collections.abc import Callable
+from typing import Any
 
 import orjson
 
@@ -134,7 +136,7 @@ class Renderer:
         if self.prompt_scores_k is not None:
             self.prompt_scores = self._prompt_scores(ids, entries, prompt_logprob_ranks(field, len(entries)))
             return
-        for t, (lp, top) in zip(ids, [(None, None), *entries]):
+        for t, (lp, top) in zip(ids, [(None, None), *entries], strict=True):
             self.logprobs.append((t, lp, top, self._lp_offset))
             self._lp_offset += len(self._token(t)[0])
 
@@ -142,7 +144,7 @@ class Renderer:
         """vLLM's shape: per prompt token (the first has none) ``{id: {logprob, rank,
         decoded_token}}`` for the token and its position's likeliest ``prompt_logprobs``."""
         out: list[dict | None] = [None]
-        for i, (t, (lp, top)) in enumerate(zip(ids[1:], entries)):
+        for i, (t, (lp, top)) in enumerate(zip(ids[1:], entries, strict=True)):
             rank = (
                 ranks[i]
                 if ranks is not None
@@ -169,7 +171,7 @@ class Renderer:
     def _add_logprobs(self, token_ids: tuple[int, ...], logprobs: Any) -> None:
         """A tokens event's ``logprobs`` (fd.control.token_payloads.logprobs_field)."""
         entries = logprobs_entries(logprobs, len(token_ids))
-        for t, (lp, top) in zip(token_ids, entries or ()):
+        for t, (lp, top) in zip(token_ids, entries or (), strict=False):
             self.logprobs.append((t, lp, top, self._lp_offset))
             self._lp_offset += len(self._token(t)[0])
 
@@ -392,10 +394,9 @@ class ChatRenderer(Renderer):
                 self.forced = mode
         kind = accepted.reasoning_parser
         if kind and self.reasoning is None and self.forced is None:
-            try:
+            # (a story of a later release may name a parser this one lacks: then none)
+            with contextlib.suppress(ValueError):
                 self.reasoning = ReasoningParser(kind)
-            except ValueError:  # (a story of a later release, with a parser this one lacks)
-                pass
         self.show_reasoning = accepted.include_reasoning is not False
         super().accept(accepted)
 

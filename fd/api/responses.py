@@ -20,10 +20,12 @@ a 400, not ignored: tools other than functions, and input other than text.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import orjson
 
@@ -462,10 +464,8 @@ class ResponsesRenderer:
                 self.forced = mode
         kind = accepted.reasoning_parser
         if kind and self.reasoning is None and self.forced is None:
-            try:
+            with contextlib.suppress(ValueError):  # (a story of a later release)
                 self.reasoning = ReasoningParser(kind)
-            except ValueError:  # (a story of a later release)
-                pass
 
     # -- events
     def _event(self, kind: str, **fields: Any) -> dict:
@@ -731,7 +731,7 @@ class ResponsesRenderer:
             b = self._token_bytes(int(t)) if self._token_bytes is not None else b""
             return {"token": b.decode("utf-8", errors="replace"), "logprob": lp, "bytes": list(b)}
 
-        for t, (lp, top) in zip(token_ids, logprobs_entries(logprobs, len(token_ids)) or ()):
+        for t, (lp, top) in zip(token_ids, logprobs_entries(logprobs, len(token_ids)) or (), strict=False):
             self._lp.append({**entry(t, lp), "top_logprobs": [entry(a, c) for a, c in top]})
             self._lp_due += 1
 

@@ -15,8 +15,9 @@ import logging
 import re
 import ssl
 import time
+from collections.abc import Awaitable, Iterable
 from http import HTTPStatus
-from typing import Any, Awaitable, Iterable
+from typing import Any
 
 from aiohttp import StreamReader, web
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong

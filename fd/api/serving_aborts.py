@@ -180,7 +180,7 @@ def _listing(names: tuple[str | None, ...], finals: list[Final | None]) -> dict:
     ``not_found`` those without a final in time, unknown ids among them. An abort does nothing
     to a request that has finished, so listing one as aborted would say what did not happen."""
     aborted, finished, missing = [], {}, []
-    for rid, fin in zip(names, finals):
+    for rid, fin in zip(names, finals, strict=False):
         if fin is None:
             missing.append(rid)
             continue

@@ -131,7 +131,7 @@ class ServingAdmin:
                 # answers pings and reads while it refuses every request's story.
                 await ctx.bus.health_probe(ctx.cfg.api_id)
                 engines = await ctx.bus.engines()
-        except (RedisError, OSError, asyncio.TimeoutError) as e:
+        except (TimeoutError, RedisError, OSError) as e:
             ctx.redis_failed(e)
             raise unavailable(f"Redis is unavailable: {reason(e)}") from None
         ctx.redis_ok()
@@ -145,6 +145,6 @@ class ServingAdmin:
             try:
                 async with asyncio.timeout(HEALTH_TIMEOUT_S):  # (not wait_for: see fd.api.streaming.merged)
                     metrics.set_engine_gauges_from(await self.ctx.bus.engines())
-            except (RedisError, OSError, asyncio.TimeoutError) as e:
+            except (TimeoutError, RedisError, OSError) as e:
                 log.warning("metrics: could not read engine heartbeats: %s", e)
         return web.Response(body=metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})

@@ -112,7 +112,7 @@ class ServingEmbeddings:
                     **(dict(parent=rid, index=k) if many else {}),
                 ),
             )
-            for k, (c, ids_) in enumerate(zip(ids, req.inputs))
+            for k, (c, ids_) in enumerate(zip(ids, req.inputs, strict=False))
         ]
         subs = [await ctx.mux.subscribe(c, b"0") for c in ids]  # before submit: nothing missed
         timing: list[Timing] = []
@@ -155,7 +155,7 @@ class ServingEmbeddings:
                         timing[k].final(ev)
                         finals[k] = ev
                         if ev.finish_reason in ("error", "abort"):
-                            rest = tuple(c for c, f in zip(ids, finals) if f is None)
+                            rest = tuple(c for c, f in zip(ids, finals, strict=True) if f is None)
                             if rest:
                                 await self.ctx.publish_abort(rest, new_abort_id())
                             if ev.finish_reason == "error":

@@ -199,7 +199,7 @@ class ServingGenerate:
                         **_echo(gen, k // gen.n),
                     ),
                 )
-                for k, (c, (prompt, sp)) in enumerate(zip(ids, plan))
+                for k, (c, (prompt, sp)) in enumerate(zip(ids, plan, strict=True))
             ]
             parent = Accepted(request_id=rid, choices=len(ids), n=gen.n, prompt_tokens=n_prompt, **common)
             if not await ctx.bus.submit_choices(parent, items):

@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from aiohttp import web
 
@@ -190,7 +191,7 @@ class Streams:
 
     async def abort_rest(self, choices: Choices) -> None:
         """One choice failed: the response has failed, so the others stop too."""
-        rest = tuple(c for c, f in zip(choices.request_ids, choices.finals) if f is None)
+        rest = tuple(c for c, f in zip(choices.request_ids, choices.finals, strict=False) if f is None)
         if rest:
             await self.ctx.publish_abort(rest, new_abort_id())
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 from fd.control.bus import Bus
 from fd.control.events import Accepted
@@ -79,7 +79,7 @@ class Tenancy:
         self._sole = len(self._keys) == 1 and self._admin is None
 
     @classmethod
-    def of(cls, api_key: str | Iterable[str] | None, admin_key: str | None) -> "Tenancy":
+    def of(cls, api_key: str | Iterable[str] | None, admin_key: str | None) -> Tenancy:
         """From ``ApiConfig``'s fields: one key as a string, several as a list."""
         keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
         return cls(keys, admin_key)
@@ -133,9 +133,9 @@ async def abort_targets(bus: Bus, caller: Caller, ids: Sequence[str]) -> list[st
     mine = [caller.own(r) for r in ids]
     spaced = [m for m in mine if m is not None]
     firsts = await bus.first_events(spaced + list(ids))
-    in_space = dict(zip(spaced, firsts))
+    in_space = dict(zip(spaced, firsts, strict=False))
     out: list[str | None] = []
-    for rid, m, first in zip(ids, mine, firsts[len(spaced) :]):
+    for rid, m, first in zip(ids, mine, firsts[len(spaced) :], strict=False):
         if m is not None and in_space[m] is not None:
             out.append(m)
         elif caller.owns(first):

@@ -75,7 +75,7 @@ class Body(dict):
         self.seen.add(key)  # type: ignore[arg-type]
         return super().__contains__(key)
 
-    def replaced(self, changes: dict[str, Any]) -> "Body":
+    def replaced(self, changes: dict[str, Any]) -> Body:
         """A copy with ``changes``, whose reads count as this one's."""
         out = Body({**self, **changes})
         out.seen = self.seen

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def seconds(text: str) -> int:

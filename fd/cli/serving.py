@@ -229,7 +229,7 @@ async def cmd_run_batch(args: argparse.Namespace) -> int:
     """vLLM's ``run-batch``: a file of OpenAI batch requests through an fd server (fd.tools.batch)."""
     from fd.tools.batch import run_batch
 
-    src = sys.stdin.buffer if args.input_file == "-" else open(args.input_file, "rb")
+    src = sys.stdin.buffer if args.input_file == "-" else open(args.input_file, "rb")  # noqa: SIM115 (closed by the with)
     with src:
         lines = src.readlines()
     started = None
@@ -239,7 +239,7 @@ async def cmd_run_batch(args: argparse.Namespace) -> int:
         base = started[2].url
     base = base.rstrip("/").removesuffix("/v1")
     try:
-        dst = sys.stdout.buffer if args.output_file == "-" else open(args.output_file, "wb")
+        dst = sys.stdout.buffer if args.output_file == "-" else open(args.output_file, "wb")  # noqa: SIM115 (closed by the with)
         with dst:
             ok, failed = await run_batch(
                 base,

@@ -9,16 +9,17 @@ dtype fd cannot run, a watermark, a tokenizer other than the model's) or where i
 :data:`TABLE` is the one place that says so: :func:`add_vllm_args` makes the flags fd does not
 declare itself from it, :func:`vllm_compat` says what a parsed command line's come to, and
 :func:`markdown` writes docs/vllm-flags.md. tests/data/vllm_serve_flags_0.32.json (written by
-bench/vllm_flags_dump.py from vLLM's own parser) is what tests/test_vllm_flags.py holds it to.
+bench/vllm_flags_dump.py from vLLM's own parser) is what tests/integration/test_vllm_flags.py holds it to.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 APPLY, IGNORE, REFUSE = "apply", "ignore", "refuse"
 #: vLLM's release whose ``vllm serve`` flags :data:`TABLE` holds
@@ -838,7 +839,7 @@ def markdown() -> str:
         f"{len(TABLE)} flags: {counts[APPLY]} apply, {counts[IGNORE]} ignore, {counts[REFUSE]} "
         "refuse. This file is written by `python -c 'import fd.cli.vllm_flags as v; "
         'print(v.markdown(), end="")\' > docs/vllm-flags.md` from fd/cli/vllm_flags.py; '
-        "tests/test_vllm_flags.py checks it is up to date, and that every flag of "
+        "tests/integration/test_vllm_flags.py checks it is up to date, and that every flag of "
         "vLLM's own parser (tests/data/vllm_serve_flags_0.32.json) is here.",
         "",
         "| flag | fd | why |",

@@ -29,11 +29,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import orjson
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import ResponseError
+from redis.exceptions import ResponseError, WatchError
 
 from fd.control import story as story_start
 from fd.control.dead_letters import DeadLetters
@@ -71,6 +72,34 @@ def _b(x: bytes | str) -> bytes:
 
 def is_cluster(redis: RedisClient) -> bool:
     return isinstance(redis, RedisCluster)
+
+
+def _text(x: bytes | str | None) -> str | None:
+    return x.decode() if isinstance(x, bytes) else x
+
+
+async def compare_and_set(
+    redis: RedisClient, key: str, expected: str | None, new: str | None, ttl_s: int
+) -> bool:
+    """Set ``key`` to ``new`` for ``ttl_s`` (or, with ``new=None``, delete it) only if it still
+    holds ``expected`` (``None``: absent): WATCH, GET, then MULTI/EXEC, so of callers that read
+    the same value exactly one makes the change. True when this call made it.
+    :meth:`Bus.cas_owner` on an owner key."""
+    async with redis.pipeline(transaction=True) as pipe:
+        try:
+            await pipe.watch(key)
+            cur = _text(await pipe.get(key))
+            if cur != expected:
+                return False
+            pipe.multi()
+            if new is None:
+                pipe.delete(key)
+            else:
+                pipe.set(key, new, ex=ttl_s)
+            await pipe.execute()
+            return True
+        except WatchError:  # the key changed after the GET: someone else's change won
+            return False
 
 
 #: How long a finished request's story (``P:req``), owner key and conversation are kept, by
@@ -248,7 +277,7 @@ class Bus(Ownership, EngineRegistry):
                 )
             )
         answers = await self.store.fenced_append(batches, plain)
-        for rid, batch, why in zip(fenced, batches, answers):
+        for rid, batch, why in zip(fenced, batches, answers, strict=False):
             if why is not None:
                 refused[rid] = why
             elif last is not None:
@@ -369,10 +398,13 @@ class Bus(Ownership, EngineRegistry):
             resp = await self.store.read_group(self.keys.requests, GROUP_ENGINES, consumer, count, block_ms)
         out: list[tuple[bytes, Request]] = []
         for _stream, entries in resp:
-            out += await self._requests_or_dead(entries)
+            out += await self.decode_requests(entries)
         return out
 
-    async def _requests_or_dead(self, entries: Iterable[StreamEntry]) -> list[tuple[bytes, Request]]:
+    async def decode_requests(self, entries: Iterable[StreamEntry]) -> list[tuple[bytes, Request]]:
+        """``(entry id, request)`` of each ``P:requests`` entry that decodes to a request; one
+        that does not (or was deleted while pending) goes to ``P:dead`` and is acknowledged and
+        removed, so no claimer reads it again."""
         out = []
         for entry_id, fields in entries:
             ev = await self.dead.decode_or_dead(self.keys.requests, entry_id, fields, (Request,))
@@ -407,7 +439,7 @@ class Bus(Ownership, EngineRegistry):
                 await self.dead_letter(
                     self.keys.requests, gone, {}, "request trimmed from the stream while pending"
                 )
-            out += await self._requests_or_dead(entries)
+            out += await self.decode_requests(entries)
             if _b(cursor) == b"0-0":
                 break
         return out
@@ -505,7 +537,7 @@ class Bus(Ownership, EngineRegistry):
         for rid in request_ids:
             pipe.xrange(self.keys.req(rid), count=1)
         out: list[Event | None] = []
-        for rid, entries in zip(request_ids, await pipe.execute()):
+        for rid, entries in zip(request_ids, await pipe.execute(), strict=False):
             ev = None
             for entry_id, fields in entries or ():
                 ev = await self.dead.decode_or_dead(
@@ -513,3 +545,111 @@ class Bus(Ownership, EngineRegistry):
                 )
             out.append(ev)
         return out
+
+    # ------------------------------------------------------------------ an engine's failover
+
+    async def cas_owner(self, request_id: str, expected: str | None, new: str | None, ttl_s: int) -> bool:
+        """Move ``P:owner:{id}`` from ``expected`` (``None``: absent) to ``new`` with ``ttl_s``
+        (``new=None``: delete it) only if it still holds ``expected``
+        (:func:`compare_and_set`): a takeover from a dead owner, or a drain's release of its
+        own. Of two engines that saw the same owner exactly one wins. True when this call
+        made the change."""
+        return await compare_and_set(self.redis, self.keys.owner(request_id), expected, new, ttl_s)
+
+    async def pending_requests(self, min_idle_ms: int, count: int) -> list[bytes]:
+        """The entry ids of up to ``count`` entries of ``P:requests`` that a consumer read and
+        has not acknowledged for ``min_idle_ms`` or longer, oldest first (``XPENDING ... IDLE``):
+        failover's candidates, whose owner keys then say whether anyone still runs them."""
+        pending = await self.redis.xpending_range(
+            self.keys.requests, GROUP_ENGINES, min="-", max="+", count=count, idle=min_idle_ms
+        )
+        return [p["message_id"] for p in pending]
+
+    async def request_entries(self, entry_ids: Sequence[bytes]) -> list[list[StreamEntry]]:
+        """Each ``P:requests`` entry as ``XRANGE id id`` gives it (``[]``: no longer there), in
+        one round trip."""
+        if not entry_ids:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for eid in entry_ids:
+            pipe.xrange(self.keys.requests, min=eid, max=eid)
+        return list(await pipe.execute())
+
+    async def owners(self, request_ids: Sequence[str]) -> list[str | None]:
+        """Each request's owner key (an owner token, a tombstone, ...; None: absent), in one
+        round trip; the first error reply raises, as a pipeline's does."""
+        if not request_ids:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for rid in request_ids:
+            pipe.get(self.keys.owner(rid))
+        return [_text(o) for o in await pipe.execute()]
+
+    async def owners_or_errors(self, request_ids: Sequence[str]) -> list[str | None | Exception]:
+        """:meth:`owners`, with an error reply kept as that key's result instead of raised
+        (``raise_on_error=False``): a key of another type costs its own request alone. A lost
+        connection still raises."""
+        if not request_ids:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for rid in request_ids:
+            pipe.get(self.keys.owner(rid))
+        replies = await pipe.execute(raise_on_error=False)
+        return [o if isinstance(o, Exception) else _text(o) for o in replies]
+
+    async def engines_alive(self, engine_ids: Sequence[str]) -> dict[str, bool]:
+        """Whether each engine's heartbeat hash ``P:engine:<id>`` exists (an engine whose hash
+        expired or was deleted is dead), in one round trip."""
+        if not engine_ids:
+            return {}
+        pipe = self.redis.pipeline(transaction=False)
+        for eid in engine_ids:
+            pipe.exists(self.keys.engine(eid))
+        return {eid: bool(n) for eid, n in zip(engine_ids, await pipe.execute(), strict=False)}
+
+    async def move_pending_request(self, entry_id: bytes, consumer: str) -> None:
+        """Move a pending ``P:requests`` entry to ``consumer`` (``XCLAIM ... 0 JUSTID``): it
+        shows who runs it now, and its idle time starts over."""
+        await self.redis.xclaim(
+            self.keys.requests, GROUP_ENGINES, consumer, min_idle_time=0, message_ids=[entry_id], justid=True
+        )
+
+    async def delete_heartbeat(self, engine_id: str) -> None:
+        """Delete the engine's heartbeat hash ``P:engine:<id>``: peers count it dead at once."""
+        await self.redis.delete(self.keys.engine(engine_id))
+
+    async def tails(self, lengths: Mapping[str, int]) -> dict[str, list[dict[str, str]]]:
+        """The fields of the last ``n`` entries of each stream, oldest first, decoded
+        (``XREVRANGE stream + - COUNT n`` each), in one round trip: what of a batch cut off
+        by a lost connection is on its streams already."""
+        if not lengths:
+            return {}
+        pipe = self.redis.pipeline(transaction=False)
+        for stream, n in lengths.items():
+            pipe.xrevrange(stream, count=n)
+        out: dict[str, list[dict[str, str]]] = {}
+        for stream, tail in zip(lengths, await pipe.execute(), strict=False):
+            out[stream] = [
+                {_b(k).decode(): _b(v).decode() for k, v in fields.items()} for _, fields in reversed(tail)
+            ]
+        return out
+
+    # ------------------------------------------------------------------ journals
+
+    async def journal_page(self, key: str, start: bytes | str, count: int) -> list[StreamEntry]:
+        """Up to ``count`` entries of the journal stream ``key`` (``P:journal:<engine>``) from
+        ``start`` on (an ``XRANGE`` bound: ``-``, an id, or ``(`` and an id to start after it)."""
+        return list(await self.redis.xrange(key, min=start, max="+", count=count))
+
+    async def journal_engines(self) -> list[str]:
+        """The engine ids that have a journal under this prefix (``SCAN`` for
+        ``P:journal:*``), sorted."""
+        head = len(self.keys.journal(""))
+        names = set()
+        async for k in self.redis.scan_iter(match=self.keys.journal("*"), count=1000):
+            names.add(_b(k).decode()[head:])
+        return sorted(names)
+
+    async def aclose(self) -> None:
+        """Close the client under this bus, for a caller that made the client for it alone."""
+        await self.redis.aclose()

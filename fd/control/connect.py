@@ -28,9 +28,11 @@ and follows it when they fail it over.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import os
 import time
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, TypeAlias, TypeVar, cast
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, cast
 from urllib.parse import unquote, urlsplit
 
 import redis.asyncio as aioredis
@@ -129,7 +131,7 @@ class _Connection(_ConnectionBase):
                     # command retried after a READONLY met it again and again; redis-py #3874)
                     await self.connect()  # type: ignore[no-untyped-call]  # (unannotated in redis-py)
                 await super().send_packed_command(command, check_health)
-        except asyncio.TimeoutError:  # (redis-py disconnected on the cancel the timeout sent)
+        except builtins.TimeoutError:  # (redis-py disconnected on the cancel the timeout sent)
             raise TimeoutError("Timeout writing to socket") from None
         finally:
             self.socket_timeout = timeout
@@ -156,7 +158,7 @@ class _SentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):
     command also starts a look-up of the primary, at most every :data:`MASTER_CHECK_S` and in
     the background (a slow sentinel delays no command); once it moved, idle connections close
     and busy ones close when they are given back, and the next commands connect to the new
-    one. Measured (tests/test_sentinel.py): a busy client leaves the old primary 0.1-2 s after
+    one. Measured (tests/integration/test_sentinel.py): a busy client leaves the old primary 0.1-2 s after
     the sentinels' switch; without the look-up it stayed on it until the sentinels demoted it."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from fd.control.bad_event import BadEvent
 from fd.control.events import Event, RawFields, decode

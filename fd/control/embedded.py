@@ -22,7 +22,8 @@ from __future__ import annotations
 import logging
 import socketserver
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import fakeredis
 import redis.asyncio as aioredis
@@ -57,7 +58,7 @@ class _Connection(socketserver.StreamRequestHandler):
     """One TCP client: RESP requests in, each run on this connection's own client, replies
     out. It speaks RESP2 until the client says ``HELLO 3``, as a Redis does."""
 
-    server: "_Door"
+    server: _Door
     protocol = 2
     client: fakeredis.FakeRedis
 
@@ -263,7 +264,7 @@ class EmbeddedRedis:
         client._store = EmbeddedStore(client, self._server, self._direct, self._listeners)
         return client
 
-    def __enter__(self) -> "EmbeddedRedis":
+    def __enter__(self) -> EmbeddedRedis:
         self.start()
         return self
 

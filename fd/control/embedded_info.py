@@ -18,7 +18,8 @@ import platform
 import resource
 import sys
 import time
-from typing import Callable, Sequence, TypeAlias
+from collections.abc import Callable, Sequence
+from typing import TypeAlias
 
 import fakeredis
 

@@ -44,7 +44,8 @@ import asyncio
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Literal, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Literal
 
 import fakeredis
 from fakeredis.model import StreamEntryKey, StreamRangeTest, XStream
@@ -231,7 +232,7 @@ class _Direct:
                     return None
                 got = stream.irange(start, _ALL[1], count=count or None)
                 if got:
-                    out.append([key, [(eid, dict(zip(f[0::2], f[1::2]))) for eid, f in got]])
+                    out.append([key, [(eid, dict(zip(f[0::2], f[1::2], strict=False))) for eid, f in got]])
         return out
 
     def value(self, key: str) -> tuple[bool, bytes | None]:
@@ -316,7 +317,9 @@ def direct_works(server: fakeredis.FakeServer) -> bool:
         want = [(first, {b"type": b"accepted", b"request_id": b"r"})]
         want += [
             (i, f)
-            for i, f in zip(ids or [], [{b"type": b"tokens", b"n": b"1"}, {b"type": b"final", b"n": b"2"}])
+            for i, f in zip(
+                ids or [], [{b"type": b"tokens", b"n": b"1"}, {b"type": b"final", b"n": b"2"}], strict=False
+            )
         ]
         read = direct.scan({story.encode(): b"0-0"}, None)
         same = (
@@ -416,7 +419,7 @@ class EmbeddedStore(RedisStore):
         if told:
             self._listeners.tell(told)
         if left:
-            for i, why in zip(left, await super().fenced_append([batches[i] for i in left])):
+            for i, why in zip(left, await super().fenced_append([batches[i] for i in left]), strict=False):
                 answers[i] = why
         # What the script does for its own batches, for those that got through here.
         skipped = set(left)

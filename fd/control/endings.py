@@ -11,7 +11,7 @@ OpenAI's. Pure values only: no I/O, no clock.
 
 from __future__ import annotations
 
-from typing import Collection
+from collections.abc import Collection
 
 from fd.control.events import AbortRequested, BlocksReleased, Drained, Event, Final, JsonObject
 

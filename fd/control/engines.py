@@ -7,7 +7,8 @@ long: an engine that stops beating drops out of :meth:`EngineRegistry.engines` o
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import orjson
 
@@ -81,7 +82,7 @@ class EngineRegistry:
             pipe.hgetall(k)
         head = len(self.keys.engine(""))
         out = {}
-        for k, h in zip(keys, await pipe.execute()):
+        for k, h in zip(keys, await pipe.execute(), strict=False):
             if h:  # expired between SCAN and HGETALL
                 out[_b(k)[head:].decode()] = {
                     _b(a).decode(errors="replace"): _b(b).decode(errors="replace") for a, b in h.items()

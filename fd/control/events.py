@@ -22,8 +22,9 @@ import dataclasses
 import time
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Mapping, TypeAlias, Union
+from typing import Any, ClassVar, TypeAlias, Union
 
 import orjson
 
@@ -49,7 +50,7 @@ def now_ms() -> int:
 
 # --------------------------------------------------------------------------- events
 
-_REGISTRY: dict[str, type["AnyEvent"]] = {}
+_REGISTRY: dict[str, type[AnyEvent]] = {}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -49,8 +49,9 @@ sends it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence, TypeAlias
+from typing import Any, TypeAlias
 
 #: How many of the story's last entries a batch is looked for among (see the module's docstring).
 SEEN = 4

@@ -8,8 +8,9 @@ and the final-event EXPIRE can then be pipelined together.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence, TypeGuard
+from typing import TypeGuard
 
 #: Request ids become parts of key names, so they are restricted to a charset that cannot
 #: open a hash tag or a glob and to a length that keeps keys small.
@@ -34,7 +35,7 @@ def tombstone(source: str) -> str:
 
 def is_tombstone(owner: str | None) -> bool:
     return owner is not None and (
-        owner == ABORTED_OWNER or owner == ABORT_WRITTEN or owner.startswith(ABORTED_OWNER + ":")
+        owner in (ABORTED_OWNER, ABORT_WRITTEN) or owner.startswith(ABORTED_OWNER + ":")
     )
 
 

@@ -11,6 +11,7 @@ a terminal, nothing on a pipe, and ``{"event": "progress"}`` records in JSON mod
 from __future__ import annotations
 
 import atexit
+import contextlib
 import io
 import logging
 import os
@@ -18,7 +19,8 @@ import re
 import sys
 import threading
 import time
-from typing import Any, Iterable, Iterator, TextIO, TypeVar
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, BinaryIO, TextIO, TypeVar
 
 import orjson
 
@@ -117,7 +119,7 @@ class JsonLines(io.TextIOBase):
         return getattr(self._target, "encoding", "utf-8")
 
     @property
-    def buffer(self):  # (bytes written here go out as they are: run-batch's JSONL answers)
+    def buffer(self) -> BinaryIO:  # (bytes written here go out as they are: run-batch's JSONL answers)
         return self._target.buffer
 
     def fileno(self) -> int:  # (faulthandler, subprocess: the real descriptor)
@@ -158,10 +160,8 @@ class _FdPump:
         self._threads: list[threading.Thread] = []
         self._saved: list[tuple[int, int]] = []
         for fd, name, level in ((1, "stdout", "info"), (2, "stderr", "warning")):
-            try:
+            with contextlib.suppress(OSError, ValueError, AttributeError):
                 sys.stdout.flush() if fd == 1 else sys.stderr.flush()
-            except (OSError, ValueError, AttributeError):
-                pass
             saved = os.dup(fd)
             target = os.fdopen(os.dup(saved), "w", buffering=1, encoding="utf-8", errors="replace")
             _streams[name] = target
@@ -196,10 +196,8 @@ class _FdPump:
 
     def stop(self) -> None:
         for stream in (sys.stdout, sys.stderr):
-            try:
+            with contextlib.suppress(OSError, ValueError, AttributeError):
                 stream.flush()
-            except (OSError, ValueError, AttributeError):
-                pass
         for fd, saved in self._saved:  # (the pipes' last write ends close: the pumps see EOF)
             os.dup2(saved, fd)
             os.close(saved)
@@ -300,7 +298,7 @@ def progress(items: Iterable[T], what: str, total: int | None = None, unit: str 
         yield from _progress_records(items, what, total)
         return
     if sys.stderr.isatty():
-        from tqdm import tqdm
+        from tqdm import tqdm  # type: ignore[import-untyped]  # (no stubs: types-tqdm is not a dependency)
 
         yield from tqdm(items, desc=what, unit=unit, total=total, leave=False)
         return
@@ -337,7 +335,7 @@ class StatsLine:
     only while busy — something ran in it, or something runs or waits — so an idle server's
     log stays quiet."""
 
-    def __init__(self, logger: logging.Logger, clock=time.monotonic):
+    def __init__(self, logger: logging.Logger, clock: Callable[[], float] = time.monotonic):
         self._log = logger
         self._clock = clock
         self._last = clock()

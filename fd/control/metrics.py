@@ -11,7 +11,8 @@ measurements (fd/control/vllm_metrics.py; docs/metrics.md lists both).
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Generic, Self, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -96,20 +97,38 @@ class _Family:
         return self._text
 
 
-class _Tracked:
+M = TypeVar("M", Counter, Gauge, Histogram)
+
+
+class _Tracked(Generic[M]):
     """A prometheus_client metric (or one labelled child of it) whose every change is counted
-    in its family's version. Only the updates fd makes are here: inc, set, observe, labels."""
+    in its family's version. Only the updates fd makes are here: a counter's inc, a gauge's
+    set, a histogram's observe, and labels."""
 
-    __slots__ = ("_metric", "_family", "_last")
+    __slots__ = ("_metric", "_family")
 
-    def __init__(self, metric, family: _Family):
-        self._metric = metric
+    def __init__(self, metric: M, family: _Family):
+        self._metric: M = metric
         self._family = family
-        self._last: float | None = None
+
+    def labels(self, *values: str, **labels: str) -> Self:
+        return type(self)(self._metric.labels(*values, **labels), self._family)
+
+
+class _Counter(_Tracked[Counter]):
+    __slots__ = ()
 
     def inc(self, amount: float = 1) -> None:
         self._metric.inc(amount)
         self._family.version += 1
+
+
+class _Gauge(_Tracked[Gauge]):
+    __slots__ = ("_last",)
+
+    def __init__(self, metric: Gauge, family: _Family):
+        super().__init__(metric, family)
+        self._last: float | None = None
 
     def set(self, value: float) -> None:
         if value != self._last:  # (the engine sets its gauges every step, mostly unchanged)
@@ -117,18 +136,38 @@ class _Tracked:
             self._last = value
             self._family.version += 1
 
+
+class _Histogram(_Tracked[Histogram]):
+    __slots__ = ()
+
     def observe(self, amount: float) -> None:
         self._metric.observe(amount)
         self._family.version += 1
 
-    def labels(self, *values: str, **labels: str) -> "_Tracked":
-        return _Tracked(self._metric.labels(*values, **labels), self._family)
 
-
-def _track(families: list[_Family], kind, *args, **kwargs) -> _Tracked:
+def _family(families: list[_Family]) -> _Family:
     family = _Family()
     families.append(family)
-    return _Tracked(kind(*args, registry=family.registry, **kwargs), family)
+    return family
+
+
+def _counter(
+    families: list[_Family], name: str, documentation: str, labelnames: Sequence[str] = ()
+) -> _Counter:
+    family = _family(families)
+    return _Counter(Counter(name, documentation, labelnames, registry=family.registry), family)
+
+
+def _gauge(families: list[_Family], name: str, documentation: str) -> _Gauge:
+    family = _family(families)
+    return _Gauge(Gauge(name, documentation, registry=family.registry), family)
+
+
+def _histogram(
+    families: list[_Family], name: str, documentation: str, buckets: Sequence[float]
+) -> _Histogram:
+    family = _family(families)
+    return _Histogram(Histogram(name, documentation, buckets=buckets, registry=family.registry), family)
 
 
 #: heartbeat hash field -> gauge attribute
@@ -146,73 +185,63 @@ class Metrics:
     def __init__(self) -> None:
         self._families: list[_Family] = []
         r = self._families  # (each metric in a registry of its own: see _Family)
-        self.requests_total = _track(
+        self.requests_total = _counter(
             r,
-            Counter,
             "fd_requests_total",
             "Finished requests, by finish reason (aborts included).",
             ["finish_reason"],
         )
-        self.abort_requests_total = _track(
+        self.abort_requests_total = _counter(
             r,
-            Counter,
             "fd_abort_requests_total",
             "Request aborts published, by source.",
             ["source"],
         )
-        self.abort_release_seconds = _track(
+        self.abort_release_seconds = _histogram(
             r,
-            Histogram,
             "fd_abort_release_seconds",
             "Abort noted by the engine -> the request's KV blocks released.",
-            buckets=_LATENCY_BUCKETS,
+            _LATENCY_BUCKETS,
         )
-        self.kv_blocks_total = _track(r, Gauge, "fd_kv_blocks_total", "KV cache blocks, all engines.")
-        self.kv_blocks_free = _track(r, Gauge, "fd_kv_blocks_free", "Free KV cache blocks, all engines.")
-        self.num_requests_running = _track(
-            r, Gauge, "fd_num_requests_running", "Requests scheduled on engines."
+        self.kv_blocks_total = _gauge(r, "fd_kv_blocks_total", "KV cache blocks, all engines.")
+        self.kv_blocks_free = _gauge(r, "fd_kv_blocks_free", "Free KV cache blocks, all engines.")
+        self.num_requests_running = _gauge(r, "fd_num_requests_running", "Requests scheduled on engines.")
+        self.num_requests_waiting = _gauge(
+            r, "fd_num_requests_waiting", "Requests claimed by engines and waiting to run."
         )
-        self.num_requests_waiting = _track(
-            r, Gauge, "fd_num_requests_waiting", "Requests claimed by engines and waiting to run."
-        )
-        self.time_to_first_token_seconds = _track(
+        self.time_to_first_token_seconds = _histogram(
             r,
-            Histogram,
             "fd_time_to_first_token_seconds",
             "Arrival at the API -> first token seen by the API.",
-            buckets=_LATENCY_BUCKETS,
+            _LATENCY_BUCKETS,
         )
-        self.inter_token_latency_seconds = _track(
+        self.inter_token_latency_seconds = _histogram(
             r,
-            Histogram,
             "fd_inter_token_latency_seconds",
             "Time between successive output tokens, per token.",
-            buckets=_LATENCY_BUCKETS,
+            _LATENCY_BUCKETS,
         )
-        self.e2e_request_latency_seconds = _track(
+        self.e2e_request_latency_seconds = _histogram(
             r,
-            Histogram,
             "fd_e2e_request_latency_seconds",
             "Arrival at the API -> final event.",
-            buckets=_E2E_BUCKETS,
+            _E2E_BUCKETS,
         )
         # vLLM's prefix_cache_queries / _hits; gauges, as sums over the live engines' counts
         # since each started (an engine that stops takes its share with it)
-        self.prefix_cache_queries = _track(
+        self.prefix_cache_queries = _gauge(
             r,
-            Gauge,
             "fd_prefix_cache_queries_tokens",
             "Prompt tokens looked up in the prefix cache "
             "(at each start or restart of a request), live engines since they started.",
         )
-        self.prefix_cache_hits = _track(
+        self.prefix_cache_hits = _gauge(
             r,
-            Gauge,
             "fd_prefix_cache_hits_tokens",
             "Of those, tokens found cached (not computed).",
         )
-        self.dead_letters_total = _track(
-            r, Counter, "fd_dead_letters_total", "Events that did not decode and went to P:dead."
+        self.dead_letters_total = _counter(
+            r, "fd_dead_letters_total", "Events that did not decode and went to P:dead."
         )
         # vLLM's names for the same measurements (fd/control/vllm_metrics.py), after fd's own
         self.vllm = VllmMetrics()
@@ -251,7 +280,7 @@ class Metrics:
         sums = dict.fromkeys(HEARTBEAT_GAUGES, 0.0)
         for fields in engines.values():
             for name in HEARTBEAT_GAUGES:
-                try:
+                try:  # noqa: SIM105 (per field per engine per scrape: suppress() costs more)
                     sums[name] += float(fields.get(name, 0) or 0)
                 except (TypeError, ValueError):
                     pass

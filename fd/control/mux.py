@@ -21,7 +21,8 @@ import enum
 import logging
 import threading
 from collections import deque
-from typing import Any, Callable, Mapping, Sequence, TypeAlias
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeAlias
 
 from redis.crc import key_slot
 
@@ -95,7 +96,7 @@ class Subscription:
     :meth:`take_ready`, so one wake-up that brought several entries costs one write, and
     waiting costs no task per entry."""
 
-    def __init__(self, mux: "StreamMux", request_id: str, key: bytes, after: bytes):
+    def __init__(self, mux: StreamMux, request_id: str, key: bytes, after: bytes):
         self.request_id = request_id
         self.key = key
         self.last_id = after
@@ -127,7 +128,7 @@ class Subscription:
         """The consumer has seen the end (after ``final``, a stop, or :meth:`close`)."""
         return self._closed
 
-    def __aiter__(self) -> "Subscription":
+    def __aiter__(self) -> Subscription:
         return self
 
     async def __anext__(self) -> tuple[bytes, Event]:
@@ -241,9 +242,13 @@ class Subscription:
         the subscription with :class:`StoryRewound` (False), since the client's text can no
         longer go on exactly."""
         pos, ids = ev.pos, ev.token_ids
-        if pos is not None and pos < len(sent) and pos + len(ids) <= len(sent):
-            if all(sent[pos + i] == t for i, t in enumerate(ids)):
-                return False
+        if (
+            pos is not None
+            and pos < len(sent)
+            and pos + len(ids) <= len(sent)
+            and all(sent[pos + i] == t for i, t in enumerate(ids))
+        ):
+            return False
         self._end(StoryRewound(self.request_id))
         return False
 
@@ -280,7 +285,7 @@ class _Shard:
     On a cluster a shard holds the streams of one slot (``slot``), its doorbell is tagged into
     that slot, and it retires once it has nothing left to watch."""
 
-    def __init__(self, mux: "StreamMux", index: int, slot: int | None = None, tag: str = ""):
+    def __init__(self, mux: StreamMux, index: int, slot: int | None = None, tag: str = ""):
         self.mux = mux
         self.slot = slot
         name = f"{mux.reader_id}.{index}"
@@ -388,7 +393,7 @@ class _Shard:
         types = await pipe.execute()
         for key in [k for k in self.missing if k not in self.subs]:
             del self.missing[key]
-        for key, key_type in zip(keys, types):
+        for key, key_type in zip(keys, types, strict=False):
             key_type = _b(key_type)
             if key_type == b"stream":
                 self.missing.pop(key, None)
@@ -449,7 +454,7 @@ class _Shard:
             # long way, which dead-letters it.
             ev = None
             if fields is not None:
-                try:
+                try:  # noqa: SIM105 (per event read: suppress() costs more)
                     ev = check_event(key, decode(fields, entry_id), REQ_STREAM_TYPES, rid)
                 except BadEvent:
                     pass

@@ -10,7 +10,8 @@ marked ``choices=<n>`` the same way.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from redis.exceptions import WatchError
 

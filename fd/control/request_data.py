@@ -48,7 +48,7 @@ class RequestData:
         return d
 
     @classmethod
-    def from_json(cls, d: Any) -> "RequestData":
+    def from_json(cls, d: Any) -> RequestData:
         if not isinstance(d, dict):
             raise BadEvent("must be a JSON object", "data")
         ids = d.get("prompt_token_ids")

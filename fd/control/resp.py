@@ -9,7 +9,8 @@ strings, errors with their error code, bytes as bulk strings, numbers, nulls and
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from redis.connection import DefaultParser
 from redis.exceptions import ResponseError

@@ -9,8 +9,9 @@ an exception inside an engine step.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from fd.control.bad_event import BadEvent
 
@@ -120,7 +121,7 @@ class SamplingParams:
         return d
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "SamplingParams":
+    def from_dict(cls, d: Mapping[str, Any]) -> SamplingParams:
         """Strict: a request event is typed by hand or by another program, and a wrong type
         here must become a dead letter, not an exception inside an engine step."""
         unknown = set(d) - _SAMPLING_FIELDS

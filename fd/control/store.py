@@ -13,7 +13,7 @@ across slots matters it spends a second round trip), and the embedded server
 (fd/control/embedded.py), whose in-process client is fakeredis's own ``FakeAsyncRedis`` on the
 same server object as its TCP door; that client brings a subclass of it
 (fd/control/embedded_store.py) which does a step's hot work on the server's objects.
-tests/test_store_contract.py runs the same contract on all of them.
+tests/integration/test_store_contract.py runs the same contract on all of them.
 
 Replies are redis-py's (bytes, ``decode_responses=False``): the bus decodes them.
 """
@@ -21,8 +21,9 @@ Replies are redis-py's (bytes, ``decode_responses=False``): the bus decodes them
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol, Sequence, TypeAlias, runtime_checkable
+from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, ResponseError
@@ -248,7 +249,7 @@ class RedisStore:
         folded = [not self.cluster and b.ends for b in batches]
         refused = await self._scripts(batches, folded, plain)
         await self.after_fence(
-            [b for b, fold, why in zip(batches, folded, refused) if why is None and not fold]
+            [b for b, fold, why in zip(batches, folded, refused, strict=False) if why is None and not fold]
         )
         return refused
 
@@ -309,7 +310,7 @@ class RedisStore:
             sent, plain = plain, ()
             results = await pipe.execute(raise_on_error=False)
             again = []
-            for i, res in zip(todo, results):
+            for i, res in zip(todo, results, strict=False):
                 if isinstance(res, NoScriptError):
                     again.append(i)
                 elif isinstance(res, Exception):
@@ -318,7 +319,7 @@ class RedisStore:
                     got = fence.script_result(res)
                     if isinstance(got, Refused):
                         refused[i] = got
-            for res, entry in zip(results[len(todo) :], sent):
+            for res, entry in zip(results[len(todo) :], sent, strict=False):
                 if isinstance(res, Exception):
                     _refusal(res, "XADD", entry.stream)
             if not again:
@@ -376,11 +377,11 @@ class RedisStore:
         self, owner_keys: Sequence[str], value: str, ttl_s: int, req_keys: Sequence[str]
     ) -> list[tuple[bytes | None, bool]]:
         pipe = self.redis.pipeline(transaction=False)
-        for owner_key, req_key in zip(owner_keys, req_keys):
+        for owner_key, req_key in zip(owner_keys, req_keys, strict=False):
             pipe.set(owner_key, value, nx=True, ex=ttl_s, get=True)
             pipe.exists(req_key)
         res = await pipe.execute()
-        return [(old, bool(exists)) for old, exists in zip(res[0::2], res[1::2])]
+        return [(old, bool(exists)) for old, exists in zip(res[0::2], res[1::2], strict=False)]
 
     async def read_group(
         self, stream: str, group: str, consumer: str, count: int, block_ms: int | None

@@ -20,7 +20,7 @@ gives an engine a second entry of a request it already owns, which the claim dro
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from fd.control.fence import ScriptArgs, append_fields
 

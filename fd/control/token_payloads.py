@@ -8,7 +8,8 @@ or answers None when it is not that shape (a hand-typed event), so the tokens ar
 from __future__ import annotations
 
 import base64
-from typing import Any, Sequence, TypeAlias
+from collections.abc import Sequence
+from typing import Any, TypeAlias
 
 from fd.control.events import JsonObject
 
@@ -83,6 +84,6 @@ def logprobs_entries(field: Any, n_tokens: int) -> list[ReadLogprobEntry] | None
         lps, tops = field["lp"], field["top"]
         if len(lps) != n_tokens or len(tops) != n_tokens:
             return None
-        return [(float(lp), [(int(t), float(v)) for t, v in top]) for lp, top in zip(lps, tops)]
+        return [(float(lp), [(int(t), float(v)) for t, v in top]) for lp, top in zip(lps, tops, strict=True)]
     except (TypeError, KeyError, ValueError):
         return None

@@ -13,8 +13,9 @@ from __future__ import annotations
 import copy
 import json
 import os
+from collections.abc import Sequence
 from datetime import datetime
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 import jinja2
 import jinja2.sandbox
@@ -140,7 +141,7 @@ class Tokenizer:
     # ------------------------------------------------------------------ loading
 
     @classmethod
-    def from_dir(cls, path: str) -> "Tokenizer":
+    def from_dir(cls, path: str) -> Tokenizer:
         path = os.fspath(path)
         if not os.path.isdir(path):
             raise FileNotFoundError(f"model directory {path} does not exist")
@@ -199,7 +200,7 @@ class Tokenizer:
             matryoshka=matryoshka,
         )
 
-    def with_chat_template(self, template: str) -> "Tokenizer":
+    def with_chat_template(self, template: str) -> Tokenizer:
         """This tokenizer with another chat template (``--chat-template``), compiled now so a
         broken one is said at start-up, not at the first chat request."""
         other = copy.copy(self)

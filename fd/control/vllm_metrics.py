@@ -20,9 +20,12 @@ poller reading ``/metrics`` every few ms (fd.tools.gauge_sampler) re-renders onl
 from __future__ import annotations
 
 import bisect
-from typing import Mapping
+from collections.abc import Callable, Mapping
 
-from prometheus_client.utils import floatToGoString
+from prometheus_client import utils
+
+# prometheus_client leaves it unannotated: a float in, its exposition text out
+floatToGoString: Callable[[float], str] = utils.floatToGoString
 
 #: vLLM's label names; fd's engines are summed into engine "0"
 LABELS = ("model_name", "engine")
@@ -142,7 +145,7 @@ class _Histogram(_Metric):
 
     def _samples(self, labels: Mapping[str, str]) -> list[str]:
         out, total = [], 0
-        for bound, n in zip((*self.bounds, float("inf")), self.counts):
+        for bound, n in zip((*self.bounds, float("inf")), self.counts, strict=True):
             total += n
             le = _labels({**labels, "le": floatToGoString(bound)})
             out.append(f"{self.name}_bucket{le} {floatToGoString(total)}\n")
@@ -352,7 +355,7 @@ class VllmMetrics:
     def observe(self, name: str, value: float) -> None:
         self._histograms[name].observe(value)
 
-    def request(self, arrival: float, prompt_tokens: int, max_tokens: int | None, n: int) -> "VllmRequest":
+    def request(self, arrival: float, prompt_tokens: int, max_tokens: int | None, n: int) -> VllmRequest:
         return VllmRequest(self, arrival, prompt_tokens, max_tokens, n)
 
     # ------------------------------------------------------------------ exposition
@@ -428,7 +431,7 @@ class VllmRequest:
         m = self.m
         self.generated += n
         m.count("vllm:generation_tokens", n)
-        if self.first is None:
+        if self.first is None or self.last is None:  # (the two are set together)
             self._dequeue()  # (a route that does not relay `claimed`: running by now)
             self.first = now
             m.observe("vllm:time_to_first_token_seconds", now - self.arrival)
@@ -440,7 +443,7 @@ class VllmRequest:
                 m.observe("vllm:time_per_output_token_seconds", per)
         self.last = now
 
-    def final(self, now: float, finish_reason: str, usage: Mapping) -> None:
+    def final(self, now: float, finish_reason: str, usage: Mapping[str, object]) -> None:
         self._dequeue()
         m = self.m
         m.finished(finish_reason)

@@ -23,7 +23,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 #: The environment variable the sampler takes the API key from.

@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from typing import Sequence
+from collections.abc import Sequence
 
 
 class NoFreeBlocks(RuntimeError):

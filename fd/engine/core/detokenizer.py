@@ -10,7 +10,8 @@ request ends for another reason.
 from __future__ import annotations
 
 import codecs
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from fd.control.tokenizer import TokenizerLike
 
@@ -44,7 +45,7 @@ class IncrementalDetokenizer:
         self.stop_str: str | None = None  # set once a stop string matched; later pushes are ignored
 
     @classmethod
-    def for_request(cls, tokenizer, sp: Any, eos_token_ids: Iterable[int] = ()) -> "IncrementalDetokenizer":
+    def for_request(cls, tokenizer, sp: Any, eos_token_ids: Iterable[int] = ()) -> IncrementalDetokenizer:
         """The detokenizer a request's sampling parameters ask for, on a model whose EOS
         tokens are ``eos_token_ids``."""
         eos = tuple(eos_token_ids)

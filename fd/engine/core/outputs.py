@@ -83,7 +83,7 @@ class RunnerOutput:
     failed: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def failure(cls, out: SchedulerOutput, error: str) -> "RunnerOutput":
+    def failure(cls, out: SchedulerOutput, error: str) -> RunnerOutput:
         """The result of a step that failed as a whole, for each of its requests: what a
         runner that cannot tell which request broke the step says."""
         return cls(step=out.step, sampled={}, failed={s.request_id: error for s in out.seqs})

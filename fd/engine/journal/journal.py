@@ -43,7 +43,8 @@ What is not recorded: read-only queries (``can_admit``, ``knows``...). The event
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fd.control.events import (
     AbortRequested,

@@ -9,24 +9,26 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import orjson
 
 from fd.control.bad_event import BadEvent
+from fd.control.bus import Bus
 from fd.control.events import Event, JournalStart, JournalStep, decode
 
 # (``fd replay``'s logger: a journal entry that does not decode is its finding)
 log = logging.getLogger("fd.engine.journal.replay")
 
 
-async def read_journal(bus, key: str, page: int = 1000) -> list[tuple[str, Event]]:
+async def read_journal(bus: Bus, key: str, page: int = 1000) -> list[tuple[str, Event]]:
     """``(entry id, event)`` of every journal event on ``key``, oldest first; an entry that
     does not decode is logged and left out."""
     out: list[tuple[str, Event]] = []
     start = "-"
     while True:
-        rows = await bus.redis.xrange(key, min=start, max="+", count=page)
+        rows = await bus.journal_page(key, start, page)
         for entry_id, fields in rows:
             eid = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
             try:
@@ -41,19 +43,14 @@ async def read_journal(bus, key: str, page: int = 1000) -> list[tuple[str, Event
         start = "(" + (rows[-1][0].decode() if isinstance(rows[-1][0], bytes) else rows[-1][0])
 
 
-async def load_journal_from_redis(bus, engine_id: str) -> list[Event]:
+async def load_journal_from_redis(bus: Bus, engine_id: str) -> list[Event]:
     """The whole ``P:journal:<engine_id>`` stream, oldest first."""
     return [ev for _, ev in await read_journal(bus, bus.keys.journal(engine_id))]
 
 
-async def journal_engines(bus) -> list[str]:
+async def journal_engines(bus: Bus) -> list[str]:
     """Engine ids that have a journal under the bus's prefix."""
-    head = bus.keys.journal("")
-    names = set()
-    async for k in bus.redis.scan_iter(match=bus.keys.journal("*"), count=1000):
-        k = k.decode() if isinstance(k, bytes) else k
-        names.add(k[len(head) :])
-    return sorted(names)
+    return await bus.journal_engines()
 
 
 def jsonl_line(ev: Event, entry_id: str | None = None, stream: str | None = None) -> bytes:

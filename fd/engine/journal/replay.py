@@ -25,9 +25,10 @@ import dataclasses
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import orjson
 
@@ -262,7 +263,7 @@ def replay(
         if steps:
             recorded_ms += max(0, steps[-1].ts - start.ts)
         rp = _Replayer(scheduler_factory(config_from_json(start.config)))
-        for ei, st in enumerate(steps):
+        for _ei, st in enumerate(steps):
             for ci, c in enumerate(st.data.get("calls", ())):
                 calls += 1
                 if divergence is not None and divergence.segment == si:
@@ -322,7 +323,7 @@ async def _with_bus(args, bus_factory, fn):
     try:
         return await fn(bus)
     finally:
-        await bus.redis.aclose()
+        await bus.aclose()
 
 
 def main(argv: list[str] | None = None, bus_factory=None) -> int:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import bisect
 import html
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fd.control.events import Event
 

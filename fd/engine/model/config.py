@@ -90,7 +90,7 @@ class ModelConfig:
         return self.num_key_value_heads * self.head_dim
 
     @classmethod
-    def from_dir(cls, path: str) -> "ModelConfig":
+    def from_dir(cls, path: str) -> ModelConfig:
         file = os.path.join(path, "config.json")
         if not os.path.exists(file):
             raise FileNotFoundError(f"missing config.json in {path}")
@@ -98,7 +98,7 @@ class ModelConfig:
             return cls.from_dict(json.load(f))
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ModelConfig":
+    def from_dict(cls, d: dict) -> ModelConfig:
         archs = d.get("architectures") or []
         # (transformers 5 sometimes writes `architectures: null` beside the model_type)
         arch = archs[0] if archs else ARCHITECTURE_OF_MODEL_TYPE.get(d.get("model_type"))

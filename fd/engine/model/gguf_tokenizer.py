@@ -134,7 +134,7 @@ class GGUFVocab:
         tok.decoder = decoders.ByteLevel()
         added = [
             AddedToken(t, special=ty in (CONTROL, UNKNOWN), normalized=False)
-            for t, ty in zip(self.tokens, self.types)
+            for t, ty in zip(self.tokens, self.types, strict=False)
             if ty in (CONTROL, UNKNOWN, USER_DEFINED)
         ]
         tok.add_tokens(added)  # (their ids are already theirs in the vocabulary)

@@ -18,14 +18,14 @@ Two things shape the code more than the math does:
   multiple of 8 and every key length to a multiple of 16 (padding is masked: exact zeros).
   With that, a sequence's logits agree to ~1e-6 alone, in any batch, chunked or not, and in
   :meth:`Llama.reference_logits`, and its greedy tokens are the same but at near-ties (what
-  tests/test_model.py checks; on this project's CPU machines: GPUs differ).
+  tests/unit/test_model.py checks; on this project's CPU machines: GPUs differ).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping
 
 import numpy as np
 import paddle
@@ -366,7 +366,7 @@ class Llama:
                 a = np.zeros((fan_in, r), dtype=np.float32)
                 b = np.zeros((r, sum(widths)), dtype=np.float32)
                 row = 0
-                for (m, s), col, width in zip(parts, np.cumsum([0, *widths[:-1]]), widths):
+                for (m, s), col, width in zip(parts, np.cumsum([0, *widths[:-1]]), widths, strict=False):
                     if m not in mods:
                         continue
                     am, bm = mods[m]
@@ -605,7 +605,7 @@ class Llama:
         ]
         ctx_rows = [
             None if d is not None else paddle.add(g.ctx_blocks.unsqueeze(0), heads).reshape([-1])
-            for g, d in zip(b.groups, decoders)
+            for g, d in zip(b.groups, decoders, strict=False)
         ]
 
         def paged(i: int, q, k, v):
@@ -615,7 +615,7 @@ class Llama:
             paddle.scatter_(self.k_slots[i], rows, k.reshape([n * kvh, hd]), overwrite=True)
             paddle.scatter_(self.v_slots[i], rows, v.reshape([n * kvh, hd]), overwrite=True)
             outs = []
-            for grp, mask, ctx, decode in zip(b.groups, masks, ctx_rows, decoders):
+            for grp, mask, ctx, decode in zip(b.groups, masks, ctx_rows, decoders, strict=False):
                 s, L = grp.num_seqs, grp.num_keys
                 qg = q if grp.q_index is None else paddle.index_select(q, grp.q_index)
                 if decode is not None:

@@ -107,7 +107,7 @@ class GemmPlan:
     steps: tuple[tuple[int | None, GemmChoice], ...]
 
     @classmethod
-    def always(cls, route: str, threads: int) -> "GemmPlan":
+    def always(cls, route: str, threads: int) -> GemmPlan:
         return cls(((None, GemmChoice(route, threads)),))
 
     def choice(self, rows: int) -> GemmChoice:
@@ -134,7 +134,7 @@ class GemmPlan:
 
 
 def fastest_gemms(
-    pairs: list[tuple[paddle.Tensor, "PackedLinear"]],
+    pairs: list[tuple[paddle.Tensor, PackedLinear]],
     routes: tuple[str, ...],
     threads: tuple[int, ...],
     rows: tuple[tuple[int, int | None], ...] = TIMED_ROWS,

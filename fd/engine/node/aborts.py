@@ -21,7 +21,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from fd.control.bus import Bus
 from fd.control.endings import timeout_error, tombstone_story
@@ -168,7 +169,7 @@ class Aborts:
             )
             await asyncio.sleep(0)  # an in-process Redis runs each batch on this loop: let others in
         choices: list[str] = []
-        for rid, (won, owner, exists) in zip(unknown, results):
+        for rid, (won, owner, exists) in zip(unknown, results, strict=False):
             if won:
                 self.count(source)
             if won or (exists and pending_tombstone_source(owner) is not None):

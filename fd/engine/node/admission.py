@@ -18,7 +18,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fd.control.bus import Bus
 from fd.control.endings import ABORT_REQUESTED, abort_story, error_final, usage
@@ -146,7 +147,9 @@ class Admission:
         if len(fresh) > 1:
             try:
                 token = owner_token(self.engine_id, 1)
-                owned = dict(zip(fresh, await self.bus.try_own_many(fresh, token, self.bus.req_ttl_s)))
+                owned = dict(
+                    zip(fresh, await self.bus.try_own_many(fresh, token, self.bus.req_ttl_s), strict=False)
+                )
             except RETRYABLE as e:
                 self.link.failed("claim", e)  # (then each is owned on its own below)
         for entry_id, req in got:
@@ -211,7 +214,7 @@ class Admission:
             if last is None:
                 last = (await self._story(rid)).attempt
             token = owner_token(self.engine_id, last + 1)
-            if not await failover.cas_owner(self.bus.redis, self.bus.keys.owner(rid), owner, token, ttl):
+            if not await self.bus.cas_owner(rid, owner, token, ttl):
                 return None  # another engine was faster, or an abort won
             await failover.take_entry(self.bus, entry_id, self.engine_id)
         else:

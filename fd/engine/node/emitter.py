@@ -19,8 +19,9 @@ on an event happens exactly once, wherever the event was made:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
 from fd.control.events import (
     AbortRequested,

@@ -23,10 +23,9 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from redis.exceptions import WatchError
-
 from fd.control.bad_event import BadEvent
 from fd.control.bus import Bus
+from fd.control.bus import compare_and_set as cas_owner  # noqa: F401 (tests race two clients with it)
 from fd.control.events import (
     AbortRequested,
     BlocksReleased,
@@ -39,7 +38,7 @@ from fd.control.events import (
     Tokens,
     decode,
 )
-from fd.control.keys import GROUP_ENGINES, is_tombstone, owner_engine
+from fd.control.keys import is_tombstone, owner_engine
 from fd.engine.node.redis_link import RedisLink
 
 # (its lines are the engine node's: operators filter on that name)
@@ -64,7 +63,7 @@ class History:
         return self.claims - self.handbacks
 
     @classmethod
-    def of(cls, events: list[Event]) -> "History":
+    def of(cls, events: list[Event]) -> History:
         h = cls()
         for ev in events:
             if isinstance(ev, Tokens):
@@ -82,27 +81,6 @@ class History:
                 if isinstance(ev, AbortRequested):
                     h.abort_source = ev.source
         return h
-
-
-async def cas_owner(redis, key: str, expected: str | None, new: str | None, ttl_s: int) -> bool:
-    """Set (or, with ``new=None``, delete) the owner key only if it still holds ``expected``
-    (``None``: absent). True when this call made the change."""
-    async with redis.pipeline(transaction=True) as pipe:
-        try:
-            await pipe.watch(key)
-            cur = await pipe.get(key)
-            cur = cur.decode() if isinstance(cur, bytes) else cur
-            if cur != expected:
-                return False
-            pipe.multi()
-            if new is None:
-                pipe.delete(key)
-            else:
-                pipe.set(key, new, ex=ttl_s)
-            await pipe.execute()
-            return True
-        except WatchError:
-            return False
 
 
 @dataclass
@@ -130,29 +108,17 @@ class OrphanFinder:
         ack)``; an entry's fields are those of one that does not decode (to dead-letter: the
         engine that read it died, or Redis failed its dead letter, before one was written),
         None for one deleted; ``mine(request_id)`` says this engine runs it now."""
-        r, keys = self.bus.redis, self.bus.keys
-        pending = await r.xpending_range(
-            keys.requests,
-            GROUP_ENGINES,
-            min="-",
-            max="+",
-            count=max(count, 1) * 4 + 16,
-            idle=self.min_idle_ms,
-        )
-        ids = [p["message_id"] for p in pending]
+        bus = self.bus
+        ids = await bus.pending_requests(self.min_idle_ms, max(count, 1) * 4 + 16)
         live_ids = set(ids)
         for eid in [e for e in self._requests if e not in live_ids]:
             del self._requests[eid]
             self._bad.pop(eid, None)
         unknown = [eid for eid in ids if eid not in self._requests]
-        if unknown:
-            pipe = r.pipeline(transaction=False)
-            for eid in unknown:
-                pipe.xrange(keys.requests, min=eid, max=eid)
-            for eid, rows in zip(unknown, await pipe.execute()):
-                self._requests[eid] = _request_of(rows)
-                if rows and self._requests[eid] is None:
-                    self._bad[eid] = rows[0][1]
+        for eid, rows in zip(unknown, await bus.request_entries(unknown), strict=False):
+            self._requests[eid] = _request_of(rows)
+            if rows and self._requests[eid] is None:
+                self._bad[eid] = rows[0][1]
         drop: list[tuple[bytes, Any]] = []
         cands: list[tuple[bytes, Request]] = []
         for eid in ids:
@@ -163,21 +129,15 @@ class OrphanFinder:
                 cands.append((eid, req))
         if not cands:
             return [], drop, []
-        pipe = r.pipeline(transaction=False)
-        for _, req in cands:
-            pipe.get(keys.owner(req.request_id))
-        owners = [o.decode() if isinstance(o, bytes) else o for o in await pipe.execute()]
+        owners = await bus.owners([req.request_id for _, req in cands])
         engines = [owner_engine(o) for o in owners]
-        others = sorted({e for o, e in zip(owners, engines) if e and e != self.id and not is_tombstone(o)})
-        alive: dict[str, bool] = {}
-        if others:
-            pipe = r.pipeline(transaction=False)
-            for o in others:
-                pipe.exists(keys.engine(o))
-            alive = {o: bool(n) for o, n in zip(others, await pipe.execute())}
+        others = sorted(
+            {e for o, e in zip(owners, engines, strict=False) if e and e != self.id and not is_tombstone(o)}
+        )
+        alive = await bus.engines_alive(others)
         found: list[Orphan] = []
         aborted: list[tuple[bytes, str]] = []
-        for (eid, req), owner, engine in zip(cands, owners, engines):
+        for (eid, req), owner, engine in zip(cands, owners, engines, strict=False):
             if is_tombstone(owner):
                 aborted.append((eid, req.request_id))  # an abort won: finish its story, ack
             elif owner is None or engine == self.id or not alive.get(engine, False):
@@ -201,9 +161,7 @@ def _request_of(rows) -> Request | None:
 async def take_entry(bus: Bus, entry_id: bytes, consumer: str) -> None:
     """Move a pending entry to ``consumer``: it shows who runs it now, and its idle time starts
     over, so peers do not look at it again until this engine, too, goes quiet."""
-    await bus.redis.xclaim(
-        bus.keys.requests, GROUP_ENGINES, consumer, min_idle_time=0, message_ids=[entry_id], justid=True
-    )
+    await bus.move_pending_request(entry_id, consumer)
 
 
 async def hand_back(
@@ -215,10 +173,9 @@ async def hand_back(
     How many went back."""
     n = 0
     for rid, entry, req, token in back:
-        key = bus.keys.owner(rid)
         # The owner key goes before the request is re-queued: a claimer must find it free.
         released = await link.retry(
-            "hand back", lambda key=key, token=token: cas_owner(bus.redis, key, token, None, bus.req_ttl_s)
+            "hand back", lambda rid=rid, token=token: bus.cas_owner(rid, token, None, bus.req_ttl_s)
         )
         if not released:
             continue  # no longer ours (taken over meanwhile): nothing to hand back

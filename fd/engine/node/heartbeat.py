@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from fd.control.bus import Bus
 from fd.control.fence import Refused
@@ -81,7 +82,7 @@ class Heartbeat:
         not once the hash expires."""
         try:
             async with asyncio.timeout(2.0):  # (not wait_for: see EngineNode._step_loop)
-                await self.bus.redis.delete(self.bus.keys.engine(self.engine_id))
+                await self.bus.delete_heartbeat(self.engine_id)
         except Exception as e:  # Redis down: the key expires on its own
             log.warning("could not delete heartbeat: %s", e, extra={"engine": self.engine_id})
 
@@ -107,12 +108,10 @@ class Heartbeat:
         rids = [r for r, live in requests.items() if not live.silent and sched.knows(r)]
         if not rids:
             return
-        pipe = self.bus.redis.pipeline(transaction=False)
-        for rid in rids:
-            pipe.get(keys.owner(rid))
+        owners = await self.bus.owners_or_errors(rids)
         now = time.monotonic()
         due: list[str] = []
-        for rid, owner in zip(rids, await pipe.execute(raise_on_error=False)):
+        for rid, owner in zip(rids, owners, strict=False):
             if isinstance(owner, Exception) and is_outage(owner):
                 raise owner
             live = requests.get(rid)
@@ -121,7 +120,6 @@ class Heartbeat:
             if isinstance(owner, Exception):  # (a key of another type: this one's alone)
                 self.lose(rid, Refused("error", None, reason(owner)))
                 continue
-            owner = owner.decode() if isinstance(owner, bytes) else owner
             if owner != requests.tokens.get(rid):
                 self.lose(rid, Refused("owner", owner))
             elif now - live.renewed > self.bus.req_ttl_s / 4:

@@ -717,7 +717,7 @@ class EngineNode:
             if fields is None:
                 await self.bus.ack_request(entry)
             else:  # it never decodes: a dead letter, and acked
-                await self.bus._requests_or_dead([(entry, fields)])
+                await self.bus.decode_requests([(entry, fields)])
         for entry, rid in aborted:  # read by an engine that died before acking it
             await self.aborts.write_tombstone_story(rid)
             await self._flush()

@@ -14,29 +14,21 @@ client's own retries off): a silent re-send is exactly the duplicate this module
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
+from fd.control.bus import Bus
 from fd.control.events import Event
 
 
-def _fields(raw) -> dict[str, str]:
-    return {
-        (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
-        for k, v in raw.items()
-    }
-
-
-async def unwritten(redis, items: Sequence[tuple[str, Event]]) -> list[tuple[str, Event]]:
+async def unwritten(bus: Bus, items: Sequence[tuple[str, Event]]) -> list[tuple[str, Event]]:
     """The items not yet on their streams, in order."""
     per: dict[str, list[int]] = {}
     for i, (stream, _) in enumerate(items):
         per.setdefault(stream, []).append(i)
-    pipe = redis.pipeline(transaction=False)
-    for stream, idx in per.items():
-        pipe.xrevrange(stream, count=len(idx))
+    tails = await bus.tails({stream: len(idx) for stream, idx in per.items()})
     written: set[int] = set()
-    for (stream, idx), tail in zip(per.items(), await pipe.execute()):
-        tail = [_fields(f) for _, f in reversed(tail)]  # oldest first
+    for stream, idx in per.items():
+        tail = tails[stream]  # oldest first
         mine = [items[i][1].encode() for i in idx]
         # the longest prefix of ours that the stream ends with
         for k in range(min(len(mine), len(tail)), 0, -1):

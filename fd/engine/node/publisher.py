@@ -15,8 +15,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import Callable, Mapping
 
 from fd.control.bus import Bus
 from fd.control.events import Event
@@ -146,7 +146,7 @@ class Publisher:
         while True:
             try:
                 if failed:
-                    items = await unwritten(self.bus.redis, items)
+                    items = await unwritten(self.bus, items)
                 refused = await self.bus.publish_owned(
                     items, self.requests.tokens, expire=expire, ack=ack, last=self._last
                 )

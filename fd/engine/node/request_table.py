@@ -17,8 +17,8 @@ No I/O and no clock of its own: the node passes the times in.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 from fd.control.events import Request
 from fd.engine.core.detokenizer import IncrementalDetokenizer

@@ -21,8 +21,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
 
 from fd.engine.core.outputs import RunnerOutput, SchedulerOutput
 from fd.engine.runner.runners import InProcessRunner, LoraDone, PipelinedRunner, Runner, Skipped

@@ -50,7 +50,7 @@ class CpuPlan:
     # it) if its model's GEMMs are no faster on all of ``worker``; None: it keeps them.
     alone: int | None = None
 
-    def settled(self, worker_cpus: frozenset[int]) -> "CpuPlan":
+    def settled(self, worker_cpus: frozenset[int]) -> CpuPlan:
         """The plan once the worker has said where it stays (``alone`` or all it was given)."""
         if self.alone is not None and worker_cpus == {self.alone}:
             return CpuPlan(worker_cpus, self.rest - worker_cpus or self.rest)

@@ -16,7 +16,7 @@ of generating unconstrained text it did not ask for.
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

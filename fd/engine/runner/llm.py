@@ -75,7 +75,7 @@ class LLM:
         sps = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         gens: dict[str, Generation] = {}
         detoks: dict[str, IncrementalDetokenizer] = {}
-        for i, (ids, sp) in enumerate(zip(prompts, sps)):
+        for i, (ids, sp) in enumerate(zip(prompts, sps, strict=False)):
             rid = f"r{i}"
             gens[rid] = Generation(rid)
             detoks[rid] = IncrementalDetokenizer.for_request(self.tokenizer, sp, self.cfg.eos_token_ids)

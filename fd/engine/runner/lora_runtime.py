@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Mapping
 
 from fd.engine.core.adapters import Adapters
 from fd.engine.runner.runners import NO_LORA, Runner

@@ -19,8 +19,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Sequence
 
 import numpy as np
 import paddle
@@ -265,7 +265,7 @@ class ModelRunner(InProcessRunner):
             for i in guided:
                 self.guides.took(sampled[i].request_id, tokens[i])
             self.guides.keep_only({sampled[i].request_id for i in guided})
-        self._last_sampled = {s.request_id: t for s, t in zip(sampled, tokens)}
+        self._last_sampled = {s.request_id: t for s, t in zip(sampled, tokens, strict=False)}
         wanted = [i for i, s in enumerate(sampled) if s.sampling.logprobs is not None]
         if not wanted:
             return RunnerOutput(
@@ -321,7 +321,7 @@ class ModelRunner(InProcessRunner):
             # each with the token's rank in its row, 1 the likeliest (vLLM's prompt_logprobs)
             lps.extend(
                 (*token_logprobs(row, t, s.sampling.prompt_logprobs), int((row > row[t]).sum()) + 1)
-                for row, (s, t) in zip(rows, part)
+                for row, (s, t) in zip(rows, part, strict=False)
             )
         out, r = {}, 0
         for s, first, ts in scored:
@@ -434,7 +434,7 @@ class ModelRunner(InProcessRunner):
                 continue
             qlens = [len(seqs[i].token_ids) for i in members]
             S, qmax = len(members), max(qlens)
-            nb = key_blocks(max(seqs[i].start_pos + q for i, q in zip(members, qlens)), bs)
+            nb = key_blocks(max(seqs[i].start_pos + q for i, q in zip(members, qlens, strict=False)), bs)
             L = nb * bs
             tables = np.zeros((S, nb), dtype=np.int64)  # padding gathers block 0: masked anyway
             for r, i in enumerate(members):
@@ -447,7 +447,7 @@ class ModelRunner(InProcessRunner):
             else:
                 q_index = np.zeros((S, qmax), dtype=np.int64)
                 qpos = np.full((S, qmax), -1, dtype=np.int64)
-                for r, (i, q) in enumerate(zip(members, qlens)):
+                for r, (i, q) in enumerate(zip(members, qlens, strict=False)):
                     q_index[r, :q] = np.arange(starts[i], starts[i] + q)
                     qpos[r, :q] = np.arange(seqs[i].start_pos, seqs[i].start_pos + q)
                     out_index[starts[i] : starts[i] + q] = offset + r * qmax + np.arange(q)
@@ -514,7 +514,7 @@ class ModelRunner(InProcessRunner):
     def _lora_rows(self, seqs: Sequence[ScheduledSeq], starts: list[int]) -> tuple:
         """Each adapter of the batch and its requests' token rows (none: the base model only)."""
         rows: dict[int, list[int]] = {}
-        for s, start in zip(seqs, starts):
+        for s, start in zip(seqs, starts, strict=False):
             if s.sampling.lora:
                 try:
                     slot = self.lora_slots[s.sampling.lora]
@@ -525,4 +525,6 @@ class ModelRunner(InProcessRunner):
                 rows.setdefault(slot, []).extend(range(start, start + len(s.token_ids)))
         if not rows:
             return ()
-        return tuple(zip(rows, self.model.upload([np.asarray(r) for r in rows.values()], np.int64)))
+        return tuple(
+            zip(rows, self.model.upload([np.asarray(r) for r in rows.values()], np.int64), strict=False)
+        )

@@ -24,7 +24,7 @@ runner that does not know it (the engine then leaves token ids unchecked at admi
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal, NamedTuple, Protocol, Union
+from typing import ClassVar, Literal, NamedTuple, Protocol
 
 from fd.engine.core.outputs import RunnerOutput, SchedulerOutput
 
@@ -48,7 +48,7 @@ class LoraDone(NamedTuple):
 
 
 #: One answer read from a pipelined runner, in the order it was sent.
-Reply = Union[RunnerOutput, Skipped, LoraDone]
+Reply = RunnerOutput | Skipped | LoraDone
 
 
 class InProcessRunner(Protocol):
@@ -113,4 +113,4 @@ class PipelinedRunner(Protocol):
         ...
 
 
-Runner = Union[InProcessRunner, PipelinedRunner]
+Runner = InProcessRunner | PipelinedRunner

@@ -17,7 +17,7 @@ EOS and the stop token ids ruled out.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -21,7 +21,7 @@ every later step's, so blocks handed to another request are written by it only a
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from fd.engine.core.outputs import SchedulerOutput
 from fd.engine.runner.runners import Skipped

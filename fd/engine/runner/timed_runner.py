@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -87,7 +88,7 @@ class TimedRunner(InProcessRunner):
     @classmethod
     def for_tokenizer(
         cls, tokenizer: Any, *, step_ms: float, num_blocks: int | None = None, per_token_ms: float = 0.0
-    ) -> "TimedRunner":
+    ) -> TimedRunner:
         """The runner ``fd engine --executor timed`` uses: the model's limits and EOS from its
         tokenizer, text-only tokens."""
         return cls(

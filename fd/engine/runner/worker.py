@@ -22,8 +22,9 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 from fd.engine.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from fd.engine.runner.runners import LoraDone, PipelinedRunner, Reply, Skipped

@@ -96,7 +96,7 @@ async def _post_abort(session: aiohttp.ClientSession, base: str, key: str | None
         ) as r:
             if r.status != 200:
                 return f"abort: HTTP {r.status}: {(await r.text())[:200]}"
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+    except (TimeoutError, aiohttp.ClientError) as e:
         return f"abort: {type(e).__name__}: {e}"
     return None
 
@@ -193,7 +193,7 @@ async def send_one(
     except _Cancel:
         o.status = "disconnected"
         o.t_end = time.perf_counter()
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+    except (TimeoutError, aiohttp.ClientError, ValueError) as e:
         o.error = f"{type(e).__name__}: {e}"[:300]
         o.status = "error"
         o.t_end = time.perf_counter()

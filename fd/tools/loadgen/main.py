@@ -34,7 +34,8 @@ import os
 import secrets
 import sys
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import aiohttp
 
@@ -106,7 +107,7 @@ async def run_bench(cfg: BenchConfig, session: aiohttp.ClientSession | None = No
 
         offsets = arrival_offsets(len(planned), cfg.request_rate, cfg.seed)
         t0 = time.perf_counter()
-        outcomes = await asyncio.gather(*(one(p, t0 + dt) for p, dt in zip(planned, offsets)))
+        outcomes = await asyncio.gather(*(one(p, t0 + dt) for p, dt in zip(planned, offsets, strict=True)))
         if bar is not None:
             bar.close()
         if poller is not None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict
-from typing import Any, Sequence
+from itertools import pairwise
+from typing import Any
 
 from fd.tools.loadgen.client import Outcome
 from fd.tools.loadgen.workload import CANCEL_KINDS, BenchConfig
@@ -41,7 +43,7 @@ def summarize(
     E2EL the requests that ran to completion (not cancelled, no error)."""
     ok = [o for o in outcomes if o.status in ("length", "stop")]
     ttft = [o.ttft for o in outcomes if o.ttft is not None]
-    itl = [b - a for o in outcomes for a, b in zip(o.chunk_times, o.chunk_times[1:])]
+    itl = [b - a for o in outcomes for a, b in pairwise(o.chunk_times)]
     e2el = [o.t_end - o.t_send for o in ok]
     tpot = [
         (o.t_end - o.t_send - o.ttft) / (o.output_tokens - 1)
@@ -192,10 +194,10 @@ def plot_report(r: dict[str, Any], path: str) -> None:
     ):
         pts = [(q["send_s"], q["ttft_ms"]) for q in reqs if q["status"] == status and q["ttft_ms"]]
         if pts:
-            ax[0][0].scatter(*zip(*pts), s=8, color=color, label=status)
+            ax[0][0].scatter(*zip(*pts, strict=True), s=8, color=color, label=status)
         pts = [(q["send_s"], q["e2el_ms"]) for q in reqs if q["status"] == status and q["e2el_ms"]]
         if pts:
-            ax[0][1].scatter(*zip(*pts), s=8, color=color, label=status)
+            ax[0][1].scatter(*zip(*pts, strict=True), s=8, color=color, label=status)
     ax[0][0].set(title="TTFT", xlabel="sent at (s)", ylabel="ms")
     ax[0][1].set(title="end-to-end (cancelled: until their stream ended)", xlabel="sent at (s)", ylabel="ms")
     ax[0][0].legend(fontsize=7)
