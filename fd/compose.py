@@ -294,6 +294,24 @@ class ApiOptions:
             "e.g. /health,/metrics)",
         },
     )
+    log_requests: bool = field(
+        default=False,
+        metadata={
+            "flag": "--enable-log-requests",
+            "action": "store_true",
+            "help": "a log line for each generating request with its prompt and sampling "
+            "parameters (vLLM's; off: prompts are the users' data)",
+        },
+    )
+    max_log_len: int | None = field(
+        default=None,
+        metadata={
+            "flag": "--max-log-len",
+            "metavar": "N",
+            "help": "at most N characters and token ids of a prompt in --enable-log-requests' "
+            "lines (vLLM's; default: all)",
+        },
+    )
     # HTTPS as vLLM serves it (its uvicorn's settings): a key and a certificate chain, and for
     # client certificates the CAs and whether one is required
     ssl_keyfile: str | None = field(
@@ -707,6 +725,8 @@ async def start_api(
         priority_scheduling=opts.priority_scheduling,
         lora_modules=dict(opts.lora_modules),
         runtime_lora=opts.runtime_lora,
+        log_requests=opts.log_requests,
+        max_log_len=opts.max_log_len,
     )
     metrics = metrics if metrics is not None else Metrics()
     mux = StreamMux(redis_factory(), keys, cfg.api_id)

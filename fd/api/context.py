@@ -72,6 +72,11 @@ class ApiConfig:
     lora_modules: dict[str, str] = field(default_factory=dict)  # vLLM's --lora-modules: name -> path
     # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING: /v1/load_lora_adapter and /v1/unload_lora_adapter
     runtime_lora: bool = False
+    # vLLM's --enable-log-requests: a line for each generating request with its prompt and
+    # sampling parameters (off by default: prompts are the users' data); --max-log-len: at most
+    # this many characters and token ids of the prompt in it
+    log_requests: bool = False
+    max_log_len: int | None = None
 
 
 def valid_request_id(rid: str) -> bool:
@@ -217,6 +222,23 @@ class ApiContext:
                     f"A request with id '{shown}' (or one of its choices) already exists.", "X-Request-Id"
                 )
         return ids
+
+    def log_request(self, rid: str, endpoint: str, prompt_ids: tuple[int, ...], sampling: Any) -> None:
+        """vLLM's --enable-log-requests line: the request's prompt (as text and token ids, cut
+        to --max-log-len) and its sampling parameters; never a key or a header."""
+        if not self.cfg.log_requests:
+            return
+        cut = self.cfg.max_log_len
+        ids = prompt_ids if cut is None else prompt_ids[:cut]
+        text = self.tokenizer.decode(list(ids))
+        log.info(
+            "received request %s: prompt: %r, params: %s, prompt_token_ids: %s",
+            rid,
+            text if cut is None else text[:cut],
+            sampling,
+            list(ids),
+            extra={"request_id": rid, "endpoint": endpoint, "prompt_tokens": len(prompt_ids)},
+        )
 
     def say_ignored(self, names: list[str], rid: str) -> None:
         """Fields of a request that nothing read, in the log (as vLLM's "present in the request

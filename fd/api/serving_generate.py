@@ -70,6 +70,7 @@ class ServingGenerate:
         await ctx.know_adapters(body)
         gen: protocol.GenerationRequest = parse(body, ctx.limits, ctx.tokenizer)
         ctx.say_ignored(body.ignored(), rid)
+        ctx.log_request(rid, endpoint, gen.prompt_token_ids, gen.sampling)
         ctx.metrics.vllm.incoming(gen.model)
         if gen.n > 1 or gen.prompts:
             return await self._generate_choices(request, rid, explicit, endpoint, gen, arrival)

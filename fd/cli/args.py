@@ -251,6 +251,7 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
 
     add_field_flags(p, ApiOptions, "header_timeout_s")
     add_field_flags(p, ApiOptions, "disable_uvicorn_access_log", "disable_access_log_for_endpoints")
+    add_field_flags(p, ApiOptions, "log_requests", "max_log_len")
     add_field_flags(
         p, ApiOptions, "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs", "ssl_ciphers"
     )

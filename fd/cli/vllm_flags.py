@@ -191,9 +191,13 @@ TABLE: tuple[VllmFlag, ...] = tuple(
         *_flags(ignore("fd has no graphs to capture"), "--enforce-eager b"),
         *_flags(ignore("prompts are always chunked"), "--enable-chunked-prefill b"),
         *_flags(
-            ignore("fd does not log requests' contents"),
+            ignore("requests' contents are logged only with --enable-log-requests"),
             "--disable-log-requests t",
+        ),
+        *_fd(
+            "a line for each request with its prompt and parameters",
             "--enable-log-requests b",
+            "--max-log-len i",
         ),
         VllmFlag(
             ("--gpu-memory-utilization", "--device-memory-utilization"),
@@ -555,7 +559,6 @@ TABLE: tuple[VllmFlag, ...] = tuple(
         *_flags(
             ignore(_OBSERVE),
             "--aggregate-engine-logging t",
-            "--max-log-len i",
             "--enable-per-request-metrics b",
             "--enable-server-load-tracking b",
             "--enable-log-outputs b",

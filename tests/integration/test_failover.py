@@ -7,12 +7,13 @@ from __future__ import annotations
 import asyncio
 import signal
 
+from fd.control.bus import compare_and_set as cas_owner
 from fd.control.connect import connect
 from fd.control.events import Abort, Claimed, Final, Preempted, Tokens
 from fd.control.sampling import SamplingParams
 from fd.engine.journal.journal_reader import load_journal_from_redis
 from fd.engine.journal.replay import replay
-from fd.engine.node.failover import History, cas_owner
+from fd.engine.node.failover import History
 from fd.engine.runner.llm import LLM
 from tests.kit.engine import story, submit, text_of, tokens_of, types
 from tests.kit.faults import all_blocks_free, engines, kill, reap, spawn_engine, wait_for  # noqa: F401

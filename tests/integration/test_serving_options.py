@@ -267,39 +267,6 @@ async def test_generation_config_through_the_api(
         await eng.stop()
 
 
-async def test_an_engine_whose_kv_cache_is_shorter_than_the_context_serves_what_it_holds(
-    embedded_redis, keys, tiny_model_dir, tiny_tokenizer, caplog
-):
-    """No --max-model-len: the engine serves what its KV cache holds, says so once at info and
-    warns of nothing; a --max-model-len beyond the cache is refused, as vLLM refuses it."""
-    from fd.engine.runner.timed_runner import TimedRunner
-
-    runner = TimedRunner.for_tokenizer(tiny_tokenizer, step_ms=1, num_blocks=CONTEXT // 16)
-    with caplog.at_level(logging.INFO, logger="fd.engine"):
-        eng = await start_engine(
-            embedded_redis.client,
-            keys,
-            EngineOptions(model_dir=str(tiny_model_dir), engine_id="e-kv"),
-            runner=runner,
-            tokenizer=tiny_tokenizer,
-        )
-    await eng.stop()
-    assert eng.max_model_len == CONTEXT
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
-    said = [r.getMessage() for r in caplog.records if "what the KV cache holds" in r.getMessage()]
-    assert len(said) == 1 and said[0].startswith(f"max_model_len {CONTEXT}:"), said
-
-    runner = TimedRunner.for_tokenizer(tiny_tokenizer, step_ms=1, num_blocks=CONTEXT // 16)
-    with pytest.raises(ValueError, match="more than the KV cache holds"):
-        await start_engine(
-            embedded_redis.client,
-            keys,
-            EngineOptions(model_dir=str(tiny_model_dir), engine_id="e-kv2", max_model_len=2 * CONTEXT),
-            runner=runner,
-            tokenizer=tiny_tokenizer,
-        )
-
-
 async def test_skip_special_tokens_false_keeps_their_text(served):
     """vLLM's skip_special_tokens: special tokens (the tiny model's <|im_start|> is one) are
     left out of the text by default; false keeps them, streamed and not."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -50,6 +51,9 @@ log = logging.getLogger("fd.engine.node.node")
 #: `POST /v1/abort_requests` with 1,000 unknown ids, 50 calls 20 ms apart, in `fd serve`:
 #: p99 24-37 ms with 32 a round trip, 3.8-5.3 ms with 8.
 TOMBSTONE_BATCH = 8
+#: Aborts told in-process kept until their echo from ``P:control`` comes (it comes within a
+#: read or two; one whose publish failed never does, and ages out)
+TOLD_KEPT = 10_000
 
 
 class Aborts:
@@ -81,6 +85,9 @@ class Aborts:
         #: driver's callback only while no new one came since its last decided step)
         self.heard = 0
         self._counters: dict[str, Any] = {}
+        #: abort_id -> the ids an abort told in-process (``fd serve``) stopped here: its echo from
+        #: ``P:control`` acts on the others only, so each abort is handled once by this engine
+        self._told: OrderedDict[str, frozenset[str]] = OrderedDict()
 
     def count(self, source: str, n: int = 1) -> None:
         if self.metrics is not None:
@@ -99,11 +106,12 @@ class Aborts:
     def on_local(self, ev: Event) -> None:
         """An abort published in this process (``fd serve``'s API): stage 1 for the requests
         this engine runs, now rather than when the control read brings it. The same event comes
-        again from ``P:control`` and is then a no-op for them; unknown ids (tombstones) are left
-        to that read."""
+        again from ``P:control`` (:meth:`echoed`), which then acts on the other ids only: unknown
+        ids (tombstones) are left to that read."""
         if not isinstance(ev, Abort):
             return
         evs: list[Event] = []
+        handled: list[str] = []
         for rid in ev.request_ids:
             if self.sched.knows(rid) and not self.requests.silent(rid):
                 mine = self.sched.abort(rid, ev.source)
@@ -111,10 +119,25 @@ class Aborts:
                     self.count(ev.source)
                     self.heard += 1
                 evs += mine
+                handled.append(rid)
+        if ev.abort_id and handled:
+            self._told[ev.abort_id] = frozenset(handled)
+            while len(self._told) > TOLD_KEPT:  # (an echo that never came: its publish failed)
+                self._told.popitem(last=False)
         if evs:
             self.emit(evs)
             self.publisher.flush_soon()
             self.wake.set()
+
+    def echoed(self, ev: Abort) -> tuple[str, ...]:
+        """The ids of ``ev``, read from ``P:control``, that are still this engine's to handle:
+        all of them, but for an abort told in-process first (:meth:`on_local`), whose ids it
+        stopped then are not handled again (their requests may have ended since: a second
+        handling would race a tombstone against a finished request for nothing)."""
+        told = self._told.pop(ev.abort_id, None) if ev.abort_id else None
+        if told is None:
+            return ev.request_ids
+        return tuple(rid for rid in ev.request_ids if rid not in told)
 
     async def abort_all(self, ev: AbortAll, entry_id: bytes | None) -> None:
         """``abort_all``: every request this engine runs or is owning, and, unless the event

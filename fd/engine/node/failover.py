@@ -25,7 +25,6 @@ from typing import Any
 
 from fd.control.bad_event import BadEvent
 from fd.control.bus import Bus
-from fd.control.bus import compare_and_set as cas_owner  # noqa: F401 (tests race two clients with it)
 from fd.control.events import (
     AbortRequested,
     BlocksReleased,

@@ -634,7 +634,9 @@ class EngineNode:
 
     async def _on_control(self, ev: Event, entry_id: bytes | None = None) -> None:
         if isinstance(ev, Abort):
-            await self.aborts.abort(ev.request_ids, ev.source)
+            rids = self.aborts.echoed(ev)
+            if rids:
+                await self.aborts.abort(rids, ev.source)
         elif isinstance(ev, AbortAll):
             if ev.engine in (None, "", self.id):
                 await self.aborts.abort_all(ev, entry_id)
