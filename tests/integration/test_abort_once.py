@@ -22,7 +22,13 @@ async def test_an_abort_told_in_process_is_not_handled_again_from_the_stream(ser
         return await real_tombstones(rids, source, ttl_s)
 
     monkeypatch.setattr(node.bus, "tombstone_many", tombstones)
-    body = {"model": api.cfg.model_name, "prompt": "Hello", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    body = {
+        "model": api.cfg.model_name,
+        "prompt": "Hello",
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+    }
     async with aiohttp.ClientSession() as s:
         async with s.post(f"{api.url}/v1/completions", json=body) as r:
             rid = r.headers["X-Request-Id"]
