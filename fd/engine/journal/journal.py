@@ -60,6 +60,7 @@ from fd.control.events import (
 from fd.control.request_data import RequestData
 from fd.engine.core.config import SchedulerConfig
 from fd.engine.core.outputs import RunnerOutput, SchedulerOutput
+from fd.engine.core.protocol import SchedulerLike
 from fd.engine.core.scheduler import Scheduler
 
 
@@ -71,35 +72,41 @@ def config_to_json(cfg: SchedulerConfig) -> dict[str, Any]:
 
 def config_from_json(d: dict[str, Any]) -> SchedulerConfig:
     known = {f.name for f in dataclasses.fields(SchedulerConfig)}
-    return SchedulerConfig(
-        **{k: (tuple(v) if k == "eos_token_ids" else v) for k, v in d.items() if k in known}
-    )
+    # (a journal's JSON: each value as the field it names takes it; eos_token_ids a tuple again)
+    fields: dict[str, Any] = {
+        k: (tuple(v) if k == "eos_token_ids" else v) for k, v in d.items() if k in known
+    }
+    return SchedulerConfig(**fields)
 
 
 # --------------------------------------------------------------------------- digests
 
 
-def _tokens(e: Tokens) -> list:
+#: one event or one batch, as the journal writes it down (JSON values)
+Digest = list[Any]
+
+
+def _tokens(e: Tokens) -> Digest:
     return ["tokens", e.request_id, list(e.token_ids), e.step]
 
 
-def _preempted(e: Preempted) -> list:
+def _preempted(e: Preempted) -> Digest:
     return ["preempted", e.request_id, e.count, e.step]
 
 
-def _abort_requested(e: AbortRequested) -> list:
+def _abort_requested(e: AbortRequested) -> Digest:
     return ["abort_requested", e.request_id, e.source, e.step]
 
 
-def _drained(e: Drained) -> list:
+def _drained(e: Drained) -> Digest:
     return ["drained", e.request_id, e.discarded_tokens, e.step]
 
 
-def _blocks_released(e: BlocksReleased) -> list:
+def _blocks_released(e: BlocksReleased) -> Digest:
     return ["blocks_released", e.request_id, e.count, e.step]
 
 
-def _final(e: Final) -> list:
+def _final(e: Final) -> Digest:
     return [
         "final",
         e.request_id,
@@ -110,7 +117,7 @@ def _final(e: Final) -> list:
     ]
 
 
-_EVENT_DIGESTS = {
+_EVENT_DIGESTS: dict[type[Event], Callable[[Any], Digest]] = {
     Tokens: _tokens,
     Preempted: _preempted,
     AbortRequested: _abort_requested,
@@ -120,7 +127,7 @@ _EVENT_DIGESTS = {
 }
 
 
-def digest_event(e: Event) -> list:
+def digest_event(e: Event) -> Digest:
     f = _EVENT_DIGESTS.get(type(e))
     if f is None:  # an event type this module does not know yet: still compared, by value
         return [e.TYPE, getattr(e, "request_id", ""), repr(e)]
@@ -134,24 +141,23 @@ class Digester:
     def __init__(self) -> None:
         self.tables: dict[str, tuple[int, ...]] = {}  # rid -> block table last recorded
 
-    def events(self, evs: list[Event]) -> list[list]:
+    def events(self, evs: list[Event]) -> list[Digest]:
         if not evs:
             return []
-        out = []
+        out: list[Digest] = []
         tables = self.tables
         for e in evs:
-            t = type(e)
-            if t is Tokens:  # the common case, inlined
+            if type(e) is Tokens:  # the common case, inlined
                 out.append(["tokens", e.request_id, list(e.token_ids), e.step])
                 continue
             out.append(digest_event(e))
-            if t is Preempted or t is BlocksReleased:
+            if isinstance(e, (Preempted, BlocksReleased)):
                 tables.pop(e.request_id, None)
         return out
 
-    def batch(self, out: SchedulerOutput) -> list:
+    def batch(self, out: SchedulerOutput) -> Digest:
         tables = self.tables
-        seqs = []
+        seqs: Digest = []
         append = seqs.append
         for s in out.seqs:
             rid = s.request_id
@@ -265,7 +271,7 @@ class JournalRecorder:
 
     # ------------------------------------------------------------------ recorded calls
 
-    def _record(self, call: dict[str, Any], fn, *args) -> list[Event]:
+    def _record(self, call: dict[str, Any], fn: Callable[..., list[Event]], *args: Any) -> list[Event]:
         if self._clock is not None:
             call["t"] = int(self._clock() * 1000)
         try:
@@ -321,7 +327,7 @@ class JournalRecorder:
             call["ran"] = list(ran)
         return self._record(call, self.scheduler.finished, step, ran)
 
-    def skipped(self, step: int, request_ids) -> list[Event]:
+    def skipped(self, step: int, request_ids: tuple[str, ...] | list[str]) -> list[Event]:
         return self._record(
             {"op": "skip", "step": step, "rids": list(request_ids)},
             self.scheduler.skipped,
@@ -330,7 +336,7 @@ class JournalRecorder:
         )
 
     def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[Event]:
-        call = {
+        call: dict[str, Any] = {
             "op": "update",
             "step": out.step,
             "rstep": result.step,
@@ -344,6 +350,6 @@ class JournalRecorder:
 
 def journaled(
     scheduler: Scheduler, engine_id: str = "", enabled: bool = True, clock: Callable[[], float] | None = None
-):
+) -> SchedulerLike:
     """The scheduler the node should drive: recorded, or bare when the journal is off."""
     return JournalRecorder(scheduler, engine_id, clock) if enabled else scheduler

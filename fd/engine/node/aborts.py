@@ -31,6 +31,7 @@ from fd.control.entry_ids import entry_id_key
 from fd.control.events import Abort, AbortAll, Event
 from fd.control.fence import Refused
 from fd.control.keys import ABORT_WRITTEN, choice_ids, is_tombstone, owner_choices, pending_tombstone_source
+from fd.engine.core.protocol import SchedulerLike
 from fd.engine.node.publisher import Publisher
 from fd.engine.node.redis_link import RedisLink, Stopped
 from fd.engine.node.request_table import RequestTable
@@ -61,7 +62,7 @@ class Aborts:
         self,
         engine_id: str,
         bus: Bus,
-        sched: Any,
+        sched: SchedulerLike,
         requests: RequestTable,
         link: RedisLink,
         publisher: Publisher,

@@ -29,6 +29,7 @@ from fd.control.guided import check as check_guided
 from fd.control.keys import is_tombstone, owner_attempt, owner_engine, owner_token
 from fd.engine.core.adapters import Adapters
 from fd.engine.core.detokenizer import IncrementalDetokenizer
+from fd.engine.core.protocol import SchedulerLike
 from fd.engine.node import failover
 from fd.engine.node.aborts import LOST, LOST_OUTPUT, Aborts
 from fd.engine.node.failover import History
@@ -56,7 +57,7 @@ class Admission:
         self,
         cfg: EngineConfig,
         bus: Bus,
-        sched: Any,
+        sched: SchedulerLike,
         requests: RequestTable,
         link: RedisLink,
         publisher: Publisher,

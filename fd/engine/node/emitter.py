@@ -36,6 +36,7 @@ from fd.control.events import (
 from fd.control.keys import Keys
 from fd.control.token_payloads import embedding_field, logprobs_field, prompt_logprobs_field
 from fd.engine.core.adapters import Adapters
+from fd.engine.core.protocol import SchedulerLike
 from fd.engine.node.publisher import Publisher
 from fd.engine.node.request_table import Live, RequestTable
 from fd.engine.runner.lora_runtime import LoraLoader
@@ -65,7 +66,7 @@ class Emitter:
         keys: Keys,
         publisher: Publisher,
         requests: RequestTable,
-        sched: Any,
+        sched: SchedulerLike,
         adapters: Adapters,
         lora: LoraLoader,
         dropped: Callable[[list[str]], None],

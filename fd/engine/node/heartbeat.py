@@ -21,6 +21,7 @@ from typing import Any
 from fd.control.bus import Bus
 from fd.control.fence import Refused
 from fd.control.outage import is_outage, reason
+from fd.engine.core.protocol import SchedulerLike
 from fd.engine.node.redis_link import RETRYABLE, RedisLink
 from fd.engine.node.request_table import RequestTable
 
@@ -33,7 +34,7 @@ class Heartbeat:
         self,
         engine_id: str,
         bus: Bus,
-        sched: Any,
+        sched: SchedulerLike,
         requests: RequestTable,
         link: RedisLink,
         status: Callable[[], dict[str, Any]],
