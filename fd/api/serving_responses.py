@@ -29,6 +29,8 @@ from fd.api.tenancy import story
 from fd.api.validation import is_bool, opt
 from fd.control.events import Accepted, Claimed, Final, Tokens
 
+#: input_items' page, as OpenAI's: 20 by default, at most 100
+INPUT_ITEMS_PAGE, INPUT_ITEMS_MAX = 20, 100
 CANCEL_WAIT_S = 2.0  # POST /v1/responses/{id}/cancel waits this long for the abort's final
 
 
@@ -146,7 +148,21 @@ class ServingResponses:
 
     async def response_input_items(self, request: web.Request) -> web.Response:
         """``GET /v1/responses/{id}/input_items``: the conversation it was given (after that of
-        the response it continued), as kept for ``previous_response_id``."""
+        the response it continued), as kept for ``previous_response_id``, a page at a time as
+        OpenAI's: ``limit`` (1-100, default 20), ``order`` (``desc``, the default, or ``asc``),
+        and ``after`` / ``before`` an item's id (the SDK's auto-paging sends ``after``)."""
+        q = request.query
+        try:
+            limit = int(q.get("limit", INPUT_ITEMS_PAGE))
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= INPUT_ITEMS_MAX:
+            raise bad_request(
+                f"'limit' must be an integer from 1 to {INPUT_ITEMS_MAX}.", "limit", "invalid_value"
+            )
+        order = q.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise bad_request("'order' must be 'asc' or 'desc'.", "order", "invalid_value")
         rid, shown, _history = await self._story(request)
         items = await self.ctx.bus.conversation(rid)
         if items is None:
@@ -156,13 +172,24 @@ class ServingResponses:
                 "response_not_found",
             )
         data = listed_items(shown, items)
+        if order == "desc":
+            data.reverse()
+        for name in ("after", "before"):
+            mark = q.get(name)
+            if mark is None:
+                continue
+            at = next((i for i, item in enumerate(data) if item["id"] == mark), None)
+            if at is None:
+                raise bad_request(f"No input item with id '{mark}' in this response.", name, "invalid_value")
+            data = data[at + 1 :] if name == "after" else data[:at]
+        page = data[:limit]
         return json_response(
             {
                 "object": "list",
-                "data": data,
-                "first_id": data[0]["id"] if data else None,
-                "last_id": data[-1]["id"] if data else None,
-                "has_more": False,
+                "data": page,
+                "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None,
+                "has_more": len(data) > limit,
             },
             headers={"X-Request-Id": shown},
         )

@@ -151,7 +151,7 @@ async def test_input_items_have_ids_and_the_sdks_types(openai_client):
         {"id": "msg_mine", "role": "user", "content": [{"type": "input_text", "text": "Thanks"}]},
     ]
     r = await oa.responses.create(model=api.cfg.model_name, input=given, max_output_tokens=1)
-    page = await oa.responses.input_items.list(r.id)
+    page = await oa.responses.input_items.list(r.id, order="asc")
     items = page.data
     assert [type(it) for it in items] == [
         ResponseInputMessageItem,
@@ -164,7 +164,7 @@ async def test_input_items_have_ids_and_the_sdks_types(openai_client):
     ids = [it.id for it in items]
     assert all(ids) and len(set(ids)) == len(ids) and ids[-1] == "msg_mine"  # (the client's kept)
     assert ids[0].startswith("msg_") and ids[1].startswith("fc_")
-    assert [it.id for it in (await oa.responses.input_items.list(r.id)).data] == ids  # stable
+    assert [it.id for it in (await oa.responses.input_items.list(r.id, order="asc")).data] == ids  # stable
     assert items[0].content[0].type == "input_text" and items[0].content[0].text == "Time?"
     assert items[3].content[0].type == "output_text" and items[3].content[0].text == "Noon."
     assert (items[1].call_id, items[1].name, items[2].output) == ("c1", "get_time", "12:00")
@@ -328,3 +328,32 @@ async def test_litellm_classifies_it_as_a_context_window_error(openai_client):
     assert litellm.litellm_core_utils.exception_mapping_utils.ExceptionCheckers.is_error_str_context_window_exceeded(
         body["error"]["message"]
     )
+
+
+async def test_input_items_page_as_openais_newest_first(openai_client):
+    """OpenAI's paging: ``limit`` (default 20), ``order`` (default ``desc``), ``after`` /
+    ``before``; the SDK's auto-paging walks every item with ``after``."""
+    api, oa = openai_client
+    given = [{"role": "user", "content": f"m{i}"} for i in range(5)]
+    r = await oa.responses.create(model=api.cfg.model_name, input=given, max_output_tokens=1)
+    texts = lambda items: [it.content[0].text for it in items]  # noqa: E731
+    page = await oa.responses.input_items.list(r.id, limit=2)
+    assert texts(page.data) == ["m4", "m3"] and page.has_more and page.last_id == page.data[-1].id
+    assert texts([it async for it in oa.responses.input_items.list(r.id, limit=2)]) == [
+        "m4",
+        "m3",
+        "m2",
+        "m1",
+        "m0",
+    ]
+    asc = await oa.responses.input_items.list(r.id, order="asc")
+    assert texts(asc.data) == ["m0", "m1", "m2", "m3", "m4"] and not asc.has_more
+    after = await oa.responses.input_items.list(r.id, order="asc", after=asc.data[1].id, limit=2)
+    assert texts(after.data) == ["m2", "m3"] and after.has_more
+    # (``before``, which the SDK no longer names, as a plain query parameter)
+    before = await oa.responses.input_items.list(r.id, order="asc", extra_query={"before": asc.data[2].id})
+    assert texts(before.data) == ["m0", "m1"]
+    for bad in ({"limit": 0}, {"limit": 101}, {"order": "sideways"}, {"after": "msg_nope"}):
+        with pytest.raises(openai.BadRequestError) as e:
+            await oa.responses.input_items.list(r.id, **bad)
+        assert e.value.body["param"] == next(iter(bad))

@@ -464,7 +464,7 @@ async def test_a_conversation_goes_on_from_a_stored_response(openai_client, tiny
     ids = _prompt(tiny_tokenizer, messages)
     assert r2.usage.input_tokens == len(ids)
     assert r2.output_text == _greedy(tiny_runner, tiny_tokenizer, ids, 3).text
-    kept = await oa.responses.input_items.list(r2.id)
+    kept = await oa.responses.input_items.list(r2.id, order="asc")
     assert [it.role for it in kept.data] == ["user", "assistant", "user"]
     # a chain goes on from the last link
     r3 = await oa.responses.create(
