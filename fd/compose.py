@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import errno
 import json
 import logging
 import math
@@ -22,16 +21,16 @@ from pathlib import Path
 from typing import Any
 
 from fd.api.cors import Cors
+from fd.api.listen import HeldPort
 from fd.api.reasoning import PARSERS as REASONING_PARSERS
 from fd.api.tool_calls import PARSERS as TOOL_PARSERS
 from fd.control.bus import REQUEST_TTL_S, Bus
 from fd.control.keys import Keys
 from fd.control.metrics import Metrics
 from fd.control.mux import StreamMux
-from fd.engine.node.node_config import EngineConfig
+from fd.engine.node.node_config import EngineConfig, engine_context
 
 log = logging.getLogger("fd.api")
-engine_log = logging.getLogger("fd.engine")
 
 
 def _env_seconds(name: str, default: float) -> float:
@@ -375,7 +374,7 @@ class RunningEngine:
 
     @property
     def max_model_len(self) -> int:
-        """The context it serves (:func:`engine_context`): what an API in its process holds
+        """The context it serves (:func:`fd.engine.node.node_config.engine_context`): what an API in its process holds
         requests to."""
         return self.node.sched.config.max_model_len
 
@@ -465,96 +464,6 @@ def make_runner(opts: EngineOptions, progress: bool = True):
         raise ValueError(f"unknown executor {opts.executor!r}")
     runner.warmup()  # before any request is admitted: warm-up writes scratch KV
     return runner
-
-
-def engine_context(asked: int | None, model_len: int, kv_tokens: int, kv_flag: str = "--kv-cache-mb") -> int:
-    """The context an engine serves. Not asked for (no ``--max-model-len``): the model's, or
-    what its KV cache holds if that is less, said once. Asked for more than the KV cache holds:
-    refused, as vLLM refuses it, since one request of that length could never run; a request
-    that outgrows the cache is otherwise finished early with ``length``, which is no context."""
-    if asked is None:
-        served = min(model_len, kv_tokens)
-        if served < model_len:
-            engine_log.info(
-                "max_model_len %d: what the KV cache holds (the model's context is %d; give "
-                "more %s for more)",
-                served,
-                model_len,
-                kv_flag,
-                extra={"max_model_len": served, "model_context": model_len, "kv_tokens": kv_tokens},
-            )
-        else:
-            engine_log.info(
-                "max_model_len %d: the model's context (the KV cache holds %d tokens)",
-                served,
-                kv_tokens,
-                extra={"max_model_len": served, "model_context": model_len, "kv_tokens": kv_tokens},
-            )
-        return served
-    if asked > kv_tokens:
-        raise ValueError(
-            f"--max-model-len {asked} is more than the KV cache holds ({kv_tokens} tokens): "
-            f"give --max-model-len {kv_tokens} or less, or more {kv_flag} (vLLM refuses this too)"
-        )
-    return asked
-
-
-@dataclass
-class HeldPort:
-    """An API's port, bound before anything slow (``fd serve`` binds it before the model
-    loads), so that a port in use fails the start at once and not after the load. Bound, not
-    listening: a client is refused until the API serves. One address (a host like 127.0.0.1 or
-    0.0.0.0): its socket is handed to the site (:meth:`take`); several (``localhost``: IPv4
-    and IPv6): held until the site binds them itself."""
-
-    host: str
-    port: int
-    socks: list[socket.socket]
-
-    def take(self) -> socket.socket | None:
-        """The socket for the site to serve, or None (the site binds ``host``:``port``, which
-        the held sockets are closed for)."""
-        if len(self.socks) == 1:
-            return self.socks.pop()
-        self.close()
-        return None
-
-    def close(self) -> None:
-        for s in self.socks:
-            s.close()
-        self.socks = []
-
-
-def hold_port(host: str, port: int, reuse_port: bool = False) -> HeldPort:
-    """Bind ``host``:``port`` as the API's site will (raises OSError naming the port if it is
-    in use); see :class:`HeldPort`."""
-    try:
-        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as e:
-        raise OSError(f"--host {host}: {e.strerror}") from None
-    addrs = list(dict.fromkeys((family, addr) for family, _, _, _, addr in infos))
-    if port == 0 and len(addrs) > 1:  # (each would get a port of its own: the site picks)
-        return HeldPort(host, port, [])
-    socks: list[socket.socket] = []
-    try:
-        for family, addr in addrs:
-            s = socket.socket(family, socket.SOCK_STREAM)
-            socks.append(s)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as asyncio's create_server)
-            if reuse_port:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
-                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            s.bind(addr)
-    except OSError as e:
-        for s in socks:
-            s.close()
-        if e.errno == errno.EADDRINUSE:
-            raise OSError(
-                f"port {port} on {host} is in use (another server listens there): give --port another"
-            ) from None
-        raise OSError(f"cannot bind {host}:{port}: {e.strerror or e}") from None
-    return HeldPort(host, port, socks)
 
 
 async def start_engine(
@@ -675,7 +584,7 @@ async def start_api(
     tokenizer: Any = None,
     held: HeldPort | None = None,
 ) -> RunningApi:
-    """``held``: the port, bound already (:func:`hold_port`); else ``opts.host``:``opts.port``
+    """``held``: the port, bound already (:func:`fd.api.listen.hold_port`); else ``opts.host``:``opts.port``
     is bound here."""
     from aiohttp import web
 

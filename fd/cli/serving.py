@@ -109,8 +109,9 @@ def _api_opts(args: argparse.Namespace, model_dir: Path):
 
 async def _start_serving(args: argparse.Namespace):
     """What ``fd serve`` runs: (the embedded server or None, the engine, the API)."""
+    from fd.api.listen import hold_port
     from fd.cli.flags import field_values
-    from fd.compose import ApiOptions, hold_port
+    from fd.compose import ApiOptions
 
     ApiOptions(model_dir="", **field_values(args, ApiOptions)).ssl_context()  # (before the model loads)
     count = args.api_server_count

@@ -16,7 +16,9 @@ import time
 import aiohttp
 import pytest
 
-from fd.compose import EngineOptions, engine_context, hold_port, start_engine
+from fd.api.listen import hold_port
+from fd.compose import EngineOptions, start_engine
+from fd.engine.node.node_config import engine_context
 from tests.kit.redis import free_port
 
 PY = sys.executable

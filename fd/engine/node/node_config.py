@@ -10,6 +10,7 @@ alone.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from fd.control.bus import TOMBSTONE_TTL_S
@@ -127,3 +128,39 @@ class EngineConfig:
     failover_idle_ms: int = 1000  # pending entries younger than this are not even looked at
     retry_backoff_s: float = 0.05  # first wait after a Redis error, doubling ...
     retry_backoff_max_s: float = 2.0  # ... up to this
+
+
+#: (its lines are the engine's: operators filter on that name)
+log = logging.getLogger("fd.engine")
+
+
+def engine_context(asked: int | None, model_len: int, kv_tokens: int, kv_flag: str = "--kv-cache-mb") -> int:
+    """The context an engine serves. Not asked for (no ``--max-model-len``): the model's, or
+    what its KV cache holds if that is less, said once. Asked for more than the KV cache holds:
+    refused, as vLLM refuses it, since one request of that length could never run; a request
+    that outgrows the cache is otherwise finished early with ``length``, which is no context."""
+    if asked is None:
+        served = min(model_len, kv_tokens)
+        if served < model_len:
+            log.info(
+                "max_model_len %d: what the KV cache holds (the model's context is %d; give "
+                "more %s for more)",
+                served,
+                model_len,
+                kv_flag,
+                extra={"max_model_len": served, "model_context": model_len, "kv_tokens": kv_tokens},
+            )
+        else:
+            log.info(
+                "max_model_len %d: the model's context (the KV cache holds %d tokens)",
+                served,
+                kv_tokens,
+                extra={"max_model_len": served, "model_context": model_len, "kv_tokens": kv_tokens},
+            )
+        return served
+    if asked > kv_tokens:
+        raise ValueError(
+            f"--max-model-len {asked} is more than the KV cache holds ({kv_tokens} tokens): "
+            f"give --max-model-len {kv_tokens} or less, or more {kv_flag} (vLLM refuses this too)"
+        )
+    return asked
