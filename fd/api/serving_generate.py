@@ -20,7 +20,7 @@ from fd.api.cancellation import watch_of
 from fd.api.choices import Choices
 from fd.api.context import CALLER, RID, ApiContext, json_response, valid_request_id
 from fd.api.errors import bad_request, id_taken, not_found, unavailable
-from fd.api.responses import ResponsesRenderer
+from fd.api.responses_renderer import ResponsesRenderer
 from fd.api.streaming import Streams, Timing, events, merged
 from fd.api.tenancy import story
 from fd.api.validation import Body

@@ -14,7 +14,6 @@ from aiohttp import web
 from fd.api.context import CALLER, RID, ApiContext, json_response, new_abort_id, valid_request_id
 from fd.api.errors import bad_request, not_found
 from fd.api.responses import (
-    ResponsesRenderer,
     echo_in,
     echo_of,
     input_items,
@@ -22,6 +21,7 @@ from fd.api.responses import (
     output_as_input,
 )
 from fd.api.responses import parse as parse_responses
+from fd.api.responses_renderer import ResponsesRenderer
 from fd.api.serving_aborts import ServingAborts
 from fd.api.serving_generate import ServingGenerate
 from fd.api.streaming import Streams
