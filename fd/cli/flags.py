@@ -14,6 +14,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from fd.cli.vllm_table import human_int
+
 
 def seconds(text: str) -> int:
     """A flag's whole number of seconds, at least 1."""
@@ -35,14 +37,8 @@ _TYPES: dict[str, Callable[[str], Any]] = {
 }
 
 
-def human_int(text: str) -> int:
-    """vLLM's human-readable int (32k), for the fields whose flags are vLLM's."""
-    from fd.cli import vllm_flags
-
-    return vllm_flags.human_int(text)
-
-
-#: the parsers a field's metadata may name as its ``type`` (the engine cannot import them)
+#: the parsers a field's metadata may name as its ``type`` (the engine cannot import them);
+#: human_int: vLLM's human-readable int (32k), for the fields whose flags are vLLM's
 NAMED_TYPES: dict[str, Callable[[str], Any]] = {"seconds": seconds, "human_int": human_int}
 
 
