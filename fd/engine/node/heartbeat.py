@@ -20,6 +20,7 @@ from typing import Any
 
 from fd.control.bus import Bus
 from fd.control.fence import Refused
+from fd.control.logs import StatsLine
 from fd.control.outage import is_outage, reason
 from fd.engine.core.protocol import SchedulerLike
 from fd.engine.node.redis_link import RETRYABLE, RedisLink
@@ -86,6 +87,34 @@ class Heartbeat:
                 await self.bus.delete_heartbeat(self.engine_id)
         except Exception as e:  # Redis down: the key expires on its own
             log.warning("could not delete heartbeat: %s", e, extra={"engine": self.engine_id})
+
+    async def log_throughput(
+        self,
+        every_s: float,
+        tokens: Callable[[], tuple[int, int]],
+        sleep: Callable[[float], Awaitable[None]],
+        stopping: Callable[[], bool],
+    ) -> None:
+        """vLLM's throughput line every ``every_s`` while busy (fd.control.logs.StatsLine), from
+        the gauges this publishes and ``tokens()``: the prompt and generated tokens so far."""
+        line = StatsLine(log)
+        while not stopping():
+            await sleep(every_s)
+            if stopping():
+                return
+            sched = self.sched
+            total = sched.num_total_blocks
+            prompt, generated = tokens()
+            line.tick(
+                prompt_tokens=prompt,
+                generation_tokens=generated,
+                running=sched.num_running,
+                waiting=sched.num_waiting,
+                kv_usage=(total - sched.num_free_blocks) / total if total else 0.0,
+                cache_queries=sched.num_cache_queries,
+                cache_hits=sched.num_cache_hits,
+                engine=self.engine_id,
+            )
 
     def publish_gauges(self) -> None:
         if self.metrics is not None:

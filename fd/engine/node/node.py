@@ -39,7 +39,6 @@ Faults (DESIGN.md §1, issue 7):
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections import deque
@@ -59,7 +58,6 @@ from fd.control.events import (
     Tokens,
     UnloadLora,
 )
-from fd.control.logs import StatsLine
 from fd.control.tokenizer import served_context
 from fd.engine.core.adapters import Adapters
 from fd.engine.core.config import SchedulerConfig
@@ -69,6 +67,7 @@ from fd.engine.journal.journal import JournalRecorder, journaled
 from fd.engine.node import failover
 from fd.engine.node.aborts import Aborts
 from fd.engine.node.admission import Admission
+from fd.engine.node.control_reader import ControlReader
 from fd.engine.node.emitter import Emitter
 from fd.engine.node.failover import OrphanFinder
 from fd.engine.node.heartbeat import Heartbeat
@@ -89,7 +88,7 @@ class EngineNode:
     (:class:`~fd.engine.node.aborts.Aborts`), the runner's steps (:class:`~fd.engine.node.step_driver.
     StepDriver`), events to the outbox (:class:`~fd.engine.node.emitter.Emitter`) and out to Redis
     (:class:`~fd.engine.node.publisher.Publisher`), the heartbeat (:class:`~fd.engine.node.heartbeat.
-    Heartbeat`). The node runs the loops that drive them, in one order."""
+    Heartbeat`), the control stream's reader (:class:`~fd.engine.node.control_reader.ControlReader`). The node runs the loops that drive them, in one order."""
 
     def __init__(
         self,
@@ -225,6 +224,17 @@ class EngineNode:
         self._heard = 0  # self.aborts.heard when the last step was decided
         self._task: asyncio.Task | None = None
         self._orphans = OrphanFinder(bus, self.id, cfg.failover_idle_ms)
+        self.control = ControlReader(
+            self.id,
+            control_bus,
+            self.link,
+            self._on_control,
+            self._flush,
+            self._wake,
+            lambda: self._stopping,
+            cfg.control_block_ms,
+            cfg.retry_backoff_s,
+        )
         self.steps = 0
         self.step_seconds = 0.0
         # Tokens the steps folded in so far: prompt tokens computed (a recompute's too) and
@@ -258,9 +268,9 @@ class EngineNode:
         if isinstance(self.sched, JournalRecorder):
             start = self.sched.start_record()
             await self.bus.publish(self.bus.keys.journal(self.id), replace(start, ts=int(time.time() * 1000)))
-        cursor = await self._catch_up(cursor)
+        cursor = await self.control.catch_up(cursor)
         tasks = [
-            asyncio.create_task(self._control_loop(cursor), name=f"control-{self.id}"),
+            asyncio.create_task(self.control.run(cursor), name=f"control-{self.id}"),
             asyncio.create_task(
                 self.heartbeat.run(self._sleep_while_running, lambda: self._stopping),
                 name=f"heartbeat-{self.id}",
@@ -268,7 +278,13 @@ class EngineNode:
             asyncio.create_task(self._failover_loop(), name=f"failover-{self.id}"),
         ]
         if self.stats_interval_s > 0:
-            tasks.append(asyncio.create_task(self._stats_loop(), name=f"stats-{self.id}"))
+            stats = self.heartbeat.log_throughput(
+                self.stats_interval_s,
+                lambda: (self.prompt_tokens, self.generation_tokens),
+                self._sleep_while_running,
+                lambda: self._stopping,
+            )
+            tasks.append(asyncio.create_task(stats, name=f"stats-{self.id}"))
         if self.cfg.request_timeout_s > 0:
             watch = self.aborts.watch_timeouts(
                 self.cfg.request_timeout_s, self._sleep_while_running, lambda: self._stopping
@@ -586,52 +602,6 @@ class EngineNode:
         await self._flush()  # the notes (and every token before them) first
         self.handed_back += await failover.hand_back(self.bus, self.link, self.id, back)
 
-    async def _catch_up(self, cursor: bytes) -> bytes:
-        """Apply the control events already there (the lookback's, :meth:`prepare`) before the
-        first claim: a request aborted while no engine ran, by id or by ``abort_all``, meets
-        its tombstone and is never claimed and prefilled. The cursor after them."""
-        while True:
-            before = cursor
-            try:
-                read = functools.partial(self.control_bus.read_control, cursor, None)
-                cursor, events = await self.link.retry("control read", read)
-            except RETRYABLE:  # (a refusal, logged: the control loop reads on from here)
-                break
-            await self._apply_control(events)
-            if cursor == before:
-                break
-        await self._flush()
-        return cursor
-
-    async def _control_loop(self, cursor: bytes) -> None:
-        backoff = self.cfg.retry_backoff_s
-        while not self._stopping:
-            try:
-                cursor, events = await self.control_bus.read_control(cursor, self.cfg.control_block_ms)
-                backoff = self.cfg.retry_backoff_s
-            except RETRYABLE as e:
-                self.link.failed("control read", e)
-                backoff = await self.link.pause(backoff)
-                continue
-            except Exception:  # a bug: keep the engine alive, retry shortly
-                log.exception("control read failed", extra={"engine": self.id})
-                await asyncio.sleep(0.5)
-                continue
-            try:
-                await self._apply_control(events)
-                if events:
-                    await self._flush()
-                    self._wake.set()
-            except Stopped:
-                return
-
-    async def _apply_control(self, events: list[tuple[bytes, Event]]) -> None:
-        for entry_id, ev in events:
-            try:
-                await self._on_control(ev, entry_id)
-            except RETRYABLE as e:  # (a refusal of its command: the next event)
-                self.link.failed("control event", e)
-
     async def _on_control(self, ev: Event, entry_id: bytes | None = None) -> None:
         if isinstance(ev, Abort):
             rids = self.aborts.echoed(ev)
@@ -663,26 +633,6 @@ class EngineNode:
     async def _flush(self) -> None:
         """Publish what the loops queued (fd.engine.node.publisher); every loop flushes through here."""
         await self.publisher.flush()
-
-    async def _stats_loop(self) -> None:
-        """vLLM's throughput line every ``stats_interval_s`` while busy (fd.control.logs.StatsLine)."""
-        line = StatsLine(log)
-        while not self._stopping:
-            await self._sleep_while_running(self.stats_interval_s)
-            if self._stopping:
-                return
-            sched = self.sched
-            total = sched.num_total_blocks
-            line.tick(
-                prompt_tokens=self.prompt_tokens,
-                generation_tokens=self.generation_tokens,
-                running=sched.num_running,
-                waiting=sched.num_waiting,
-                kv_usage=(total - sched.num_free_blocks) / total if total else 0.0,
-                cache_queries=sched.num_cache_queries,
-                cache_hits=sched.num_cache_hits,
-                engine=self.id,
-            )
 
     async def _sleep_while_running(self, seconds: float) -> None:
         end = time.monotonic() + seconds
