@@ -175,7 +175,8 @@ class Accepted(Event):
     parent: str | None = None
     index: int | None = None
     # Completions' echo: the prompt's text, shown before the completion; `echo_only` when the
-    # client asked max_tokens=0 (the engine generates one token, which is not shown).
+    # client asked max_tokens=0 (the engine generates one token, which is not shown). On a
+    # Responses API request: JSON of the request fields its Response echoes (fd.api.responses).
     echo: str | None = None
     echo_only: bool | None = None
     # Chat with tools, on a server started with a tool-call parser (fd.api.tool_calls): the
