@@ -168,12 +168,15 @@ async def test_journal_can_be_turned_off_and_bounded(
 
 def _parked_in_step_loop(task: asyncio.Task) -> bool:
     """The task's chain of awaits ends in the step loop's wait for a wake-up (an Event's
-    ``wait``, or a ``wait_for`` around it)."""
+    ``wait``, through the engine core's ``wait``, or a ``wait_for`` around it)."""
     coro, names = task.get_coro(), []
     while coro is not None and getattr(coro, "cr_frame", None) is not None:
         names.append(coro.cr_frame.f_code.co_name)
         coro = coro.cr_await
-    return len(names) >= 2 and names[-2] == "_step_loop" and names[-1] in ("wait_for", "wait")
+    if "_step_loop" not in names:
+        return False
+    tail = names[names.index("_step_loop") + 1 :]
+    return bool(tail) and all(n in ("wait_for", "wait") for n in tail)
 
 
 async def test_a_cancel_that_meets_a_wake_up_still_stops_the_engine(

@@ -12,7 +12,7 @@ from fd.control.events import AbortRequested, Event
 from fd.control.request_data import RequestData
 from fd.control.sampling import SamplingParams
 from fd.engine.core.config import SchedulerConfig
-from fd.engine.core.outputs import RunnerOutput
+from fd.engine.core.outputs import Aborted, RunnerOutput
 from fd.engine.core.scheduler import Scheduler
 from fd.engine.journal.journal import JournalRecorder
 
@@ -74,6 +74,8 @@ class Run:
 
     def call(self, name, *args):
         evs = getattr(self.rec, name)(*args)
+        if isinstance(evs, Aborted):  # (an abort's answer: its events, and what the runner drops)
+            evs = evs.events
         self.events += evs
         return evs
 

@@ -51,7 +51,7 @@ def test_abort_waiting_request_is_immediate_and_never_scheduled():
     sched.add("a", req(5))
     step(sched, runner)
     assert sched.num_waiting == 1
-    evs = sched.abort("a", "http")
+    evs = sched.abort("a", "http").events
     assert kinds(evs) == ["AbortRequested", "Drained", "BlocksReleased", "Final"]
     assert evs[0].source == "http" and evs[1].discarded_tokens == 0 and evs[2].count == 0
     assert evs[3].finish_reason == "abort"
@@ -71,7 +71,7 @@ def test_abort_decoding_request_between_steps_releases_its_blocks_at_once():
     assert kinds(e1 + e2) == ["Tokens", "Tokens"]
     held = len(sched.snapshot()["requests"][0]["block_table"])
     assert held == 2 and sched.num_free_blocks == sched.num_total_blocks - 2
-    evs = sched.abort("a", "disconnect")
+    evs = sched.abort("a", "disconnect").events
     assert kinds(evs) == ["AbortRequested", "Drained", "BlocksReleased", "Final"]
     assert evs[2].count == 2
     assert evs[3].usage["completion_tokens"] == 2
@@ -87,12 +87,12 @@ def test_abort_in_flight_waits_for_the_step_and_discards_its_token():
     assert sched.in_flight("a")
     table = out.seqs[0].block_table
     free = sched.num_free_blocks
-    evs = sched.abort("a", "cli")
+    evs = sched.abort("a", "cli").events
     assert kinds(evs) == ["AbortRequested"]
     # the step may still be writing a's KV: nothing goes back to the pool yet
     assert sched.num_free_blocks == free
     assert sched.snapshot()["requests"][0]["block_table"] == list(table)
-    assert sched.abort("a", "cli") == []  # duplicate while draining
+    assert sched.abort("a", "cli").events == []  # duplicate while draining
     evs = sched.update(out, runner.run(out))
     assert kinds(evs) == ["Drained", "BlocksReleased", "Final"]
     assert evs[0].discarded_tokens == 1 and evs[1].count == len(table)
@@ -110,14 +110,14 @@ def test_an_abort_with_an_error_ends_with_an_error_final_between_steps_and_in_fl
     sched.add("a", req(6, max_tokens=10))
     sched.add("b", req(5, max_tokens=10, start=40))
     step(sched, runner)
-    evs = sched.abort("a", "timeout", "no progress for 2 s (request timeout)")
+    evs = sched.abort("a", "timeout", "no progress for 2 s (request timeout)").events
     assert kinds(evs) == ["AbortRequested", "Drained", "BlocksReleased", "Final"]
     assert evs[0].source == "timeout"
     assert evs[-1].finish_reason == "error" and evs[-1].error == "no progress for 2 s (request timeout)"
     assert evs[-1].usage["completion_tokens"] == 1
     out = sched.schedule()
     assert sched.in_flight("b")
-    assert kinds(sched.abort("b", "timeout", "late")) == ["AbortRequested"]
+    assert kinds(sched.abort("b", "timeout", "late").events) == ["AbortRequested"]
     evs = sched.update(out, runner.run(out))
     assert kinds(evs) == ["Drained", "BlocksReleased", "Final"]
     assert evs[-1].finish_reason == "error" and evs[-1].error == "late"
@@ -131,12 +131,12 @@ def test_abort_mid_chunked_prefill_between_steps_and_in_flight():
     out, evs = step(sched, runner)  # a: tokens 0..7
     assert [(s.request_id, s.start_pos, len(s.token_ids), s.sample) for s in out.seqs] == [("a", 0, 8, False)]
     assert evs == []
-    evs = sched.abort("a", "http")
+    evs = sched.abort("a", "http").events
     assert kinds(evs) == ["AbortRequested", "Drained", "BlocksReleased", "Final"]
     assert evs[2].count == 2
     out = sched.schedule()
     assert [s.request_id for s in out.seqs] == ["b"] and not out.seqs[0].sample
-    assert kinds(sched.abort("b", "http")) == ["AbortRequested"]
+    assert kinds(sched.abort("b", "http").events) == ["AbortRequested"]
     evs = sched.update(out, runner.run(out))
     assert kinds(evs) == ["Drained", "BlocksReleased", "Final"]
     assert evs[0].discarded_tokens == 0 and evs[1].count == 2
@@ -159,15 +159,15 @@ def test_abort_wins_over_a_finish_in_the_same_step():
 
 def test_unknown_finished_and_duplicate_aborts_are_noops():
     sched, runner = make()
-    assert sched.abort("nope", "http") == []
+    assert sched.abort("nope", "http").events == []
     sched.add("a", req(4, max_tokens=1))
     evs = run_all(sched, runner)
     assert final_of(evs, "a").finish_reason == "length"
-    assert sched.abort("a", "http") == []
+    assert sched.abort("a", "http").events == []
     sched.add("b", req(4))
-    assert len(sched.abort("b", "http")) == 4
-    assert sched.abort("b", "http") == []
-    assert sched.abort_all("cli") == []
+    assert len(sched.abort("b", "http").events) == 4
+    assert sched.abort("b", "http").events == []
+    assert sched.abort_all("cli").events == []
 
 
 def test_abort_all_covers_every_state_in_arrival_order():
@@ -176,7 +176,7 @@ def test_abort_all_covers_every_state_in_arrival_order():
         sched.add(rid, req(4, max_tokens=10))
     out = sched.schedule()
     assert [s.request_id for s in out.seqs] == ["a", "b"]
-    evs = sched.abort_all("cli")
+    evs = sched.abort_all("cli").events
     assert [(type(e).__name__, e.request_id) for e in evs] == [
         ("AbortRequested", "a"),
         ("AbortRequested", "b"),
@@ -420,9 +420,9 @@ def test_same_calls_give_the_same_outputs():
             log.append(out)
             log += out.events
             if n == 3:
-                log += sched.abort("r1", "http")
+                log += sched.abort("r1", "http").events
             if n == 5:
-                log += sched.abort("r4", "http")
+                log += sched.abort("r4", "http").events
             if not out.empty:
                 log += sched.update(out, runner.run(out))
             log.append(json.dumps(sched.snapshot()))

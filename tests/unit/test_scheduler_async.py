@@ -103,7 +103,7 @@ def test_a_request_that_stops_while_the_next_step_holds_it_keeps_its_blocks_unti
     assert kinds(evs) == ["Tokens"] and tokens(evs, "a") == [EOS]
     assert sched.num_free_blocks == free and sched.in_flight("a")
     assert sched.discards("a")  # its token from out2 will be dropped
-    assert sched.abort("a", "http") == []  # finished: an abort is a no-op
+    assert sched.abort("a", "http").events == []  # finished: an abort is a no-op
     assert sched.schedule().seqs == ()  # nothing more for it
     evs = sched.update(out2, runner.run(out2))
     assert kinds(evs) == ["BlocksReleased", "Final"]
@@ -114,7 +114,7 @@ def test_a_request_that_stops_while_the_next_step_holds_it_keeps_its_blocks_unti
 def test_abort_with_two_steps_in_flight_drains_after_the_last_one():
     sched, runner, seen, out1, out2 = two_in_flight("b")  # both prefilled: one token each
     table = list(out2.seqs[0].block_table)
-    evs = sched.abort("a", "disconnect")
+    evs = sched.abort("a", "disconnect").events
     assert kinds(evs) == ["AbortRequested"]
     evs = sched.update(out1, runner.run(out1))
     seen += evs
@@ -166,7 +166,7 @@ def test_an_aborting_request_left_out_of_the_queued_step_is_released_after_the_r
     one; it leaves the request out and says so (``skipped``): the blocks then wait only for the
     running step."""
     sched, runner, seen, out1, out2 = two_in_flight("b")
-    assert kinds(sched.abort("a", "disconnect")) == ["AbortRequested"]
+    assert kinds(sched.abort("a", "disconnect").events) == ["AbortRequested"]
     assert sched.skipped(out2.step, ["a", "b"]) == []  # b is not aborting: never left out
     assert sched.in_flight("a")  # still in out1, which is running
     evs = sched.update(out1, runner.run(out1))
@@ -205,7 +205,7 @@ def test_finished_releases_an_abort_before_its_steps_are_folded_in_and_changes_n
         sched, runner, seen, out1, out2 = two_in_flight("b")
         table = list(out2.seqs[0].block_table)
         r1 = runner.run(out1)
-        assert kinds(sched.abort("a", "disconnect")) == ["AbortRequested"]
+        assert kinds(sched.abort("a", "disconnect").events) == ["AbortRequested"]
         assert sched.num_draining == 1
         if early:
             free = sched.num_free_blocks

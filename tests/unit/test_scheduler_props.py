@@ -121,7 +121,7 @@ class Harness:
         # holds it: its final comes with that step, and there is nothing left to abort.
         seq = s._seqs.get(rid)
         finishing = seq is not None and seq.finishing is not None
-        evs = s.abort(rid, "http")
+        evs = s.abort(rid, "http").events
         if again or finishing:
             assert evs == []
         elif flying:
@@ -133,7 +133,7 @@ class Harness:
         self.record(evs)
 
     def abort_all(self):
-        self.record(self.sched.abort_all("cli"))
+        self.record(self.sched.abort_all("cli").events)
 
     def step(self, abort_in_flight=()):
         s = self.sched

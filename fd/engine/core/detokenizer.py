@@ -45,7 +45,9 @@ class IncrementalDetokenizer:
         self.stop_str: str | None = None  # set once a stop string matched; later pushes are ignored
 
     @classmethod
-    def for_request(cls, tokenizer, sp: Any, eos_token_ids: Iterable[int] = ()) -> IncrementalDetokenizer:
+    def for_request(
+        cls, tokenizer: TokenizerLike, sp: Any, eos_token_ids: Iterable[int] = ()
+    ) -> IncrementalDetokenizer:
         """The detokenizer a request's sampling parameters ask for, on a model whose EOS
         tokens are ``eos_token_ids``."""
         eos = tuple(eos_token_ids)

@@ -44,6 +44,20 @@ class ScheduledSeq:
 
 
 @dataclass(frozen=True, slots=True)
+class Aborted:
+    """What an abort decided: its events (stage 1, and stages 2-3 for a request no step
+    holds), and ``drop``, the aborted requests a step in flight still holds, which the runner
+    is told to leave out of any step it has not started (their blocks then come back after the
+    running step, not after the queued one too)."""
+
+    events: list[Event] = field(default_factory=list)
+    drop: tuple[str, ...] = ()
+
+    def __add__(self, other: Aborted) -> Aborted:
+        return Aborted(self.events + other.events, self.drop + other.drop)
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulerOutput:
     step: int
     seqs: tuple[ScheduledSeq, ...]

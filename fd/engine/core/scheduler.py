@@ -40,7 +40,7 @@ from fd.control.guided import GuidedError, after_token
 from fd.control.request_data import RequestData
 from fd.engine.core.block_manager import BlockManager, block_hash
 from fd.engine.core.config import SchedulerConfig
-from fd.engine.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
+from fd.engine.core.outputs import Aborted, RunnerOutput, ScheduledSeq, SchedulerOutput
 from fd.engine.core.sequence import PLACEHOLDER, Sequence, Status
 
 
@@ -224,28 +224,28 @@ class Scheduler:
 
     # ------------------------------------------------------------------ aborts
 
-    def abort(self, request_id: str, source: str, error: str | None = None) -> list[Event]:
+    def abort(self, request_id: str, source: str, error: str | None = None) -> Aborted:
         """Stage 1 of the abort protocol, and stages 2-3 too if no step is writing its blocks.
         ``error``: why, when the abort is a failure rather than a wish (the watchdog's
-        timeout): the same stages, and a ``final`` that says ``error`` with it."""
-        events: list[Event] = []
+        timeout): the same stages, and a ``final`` that says ``error`` with it. The request is
+        in the answer's ``drop`` while a step in flight holds it."""
         seq = self._seqs.get(request_id)
         if seq is None or seq.done:
-            return events  # unknown, finished (maybe awaiting a step), already aborting: no-op
-        events.append(endings.abort_requested(request_id, source, self.step))
+            return Aborted()  # unknown, finished (maybe awaiting a step), already aborting: no-op
+        events: list[Event] = [endings.abort_requested(request_id, source, self.step)]
         seq.error = error
         if request_id in self._in_flight_ids:
             seq.aborting = source  # finished() or update() drains and releases it
             self._aborting[request_id] = None
-            return events
+            return Aborted(events, (request_id,))
         self._drain(seq, events, self.step)  # (nothing discarded: no step held it)
-        return events
+        return Aborted(events)
 
-    def abort_all(self, source: str) -> list[Event]:
-        events: list[Event] = []
+    def abort_all(self, source: str) -> Aborted:
+        out = Aborted()
         for rid in list(self._seqs):
-            events.extend(self.abort(rid, source))
-        return events
+            out += self.abort(rid, source)
+        return out
 
     def finished(self, step: int, ran: tuple[int, int] | None = None) -> list[Event]:
         """The runner has finished every step up to ``step``: their results are in, not yet

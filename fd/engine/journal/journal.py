@@ -59,7 +59,7 @@ from fd.control.events import (
 )
 from fd.control.request_data import RequestData
 from fd.engine.core.config import SchedulerConfig
-from fd.engine.core.outputs import RunnerOutput, SchedulerOutput
+from fd.engine.core.outputs import Aborted, RunnerOutput, SchedulerOutput
 from fd.engine.core.protocol import SchedulerLike
 from fd.engine.core.scheduler import Scheduler
 
@@ -292,14 +292,26 @@ class JournalRecorder:
             call["gen"] = [int(t) for t in generated]
         return self._record(call, self.scheduler.add, request_id, data, tuple(generated))
 
-    def abort(self, request_id: str, source: str, error: str | None = None) -> list[Event]:
+    def abort(self, request_id: str, source: str, error: str | None = None) -> Aborted:
         call: dict[str, Any] = {"op": "abort", "rid": request_id, "source": source}
         if error is not None:
             call["error"] = error
-        return self._record(call, self.scheduler.abort, request_id, source, error)
+        return self._record_aborted(call, lambda: self.scheduler.abort(request_id, source, error))
 
-    def abort_all(self, source: str) -> list[Event]:
-        return self._record({"op": "abort_all", "source": source}, self.scheduler.abort_all, source)
+    def abort_all(self, source: str) -> Aborted:
+        return self._record_aborted(
+            {"op": "abort_all", "source": source}, lambda: self.scheduler.abort_all(source)
+        )
+
+    def _record_aborted(self, call: dict[str, Any], fn: Callable[[], Aborted]) -> Aborted:
+        got: list[Aborted] = []
+
+        def events() -> list[Event]:
+            got.append(fn())
+            return got[0].events
+
+        self._record(call, events)
+        return got[0]
 
     def schedule(self) -> SchedulerOutput:
         call: dict[str, Any] = {"op": "schedule"}

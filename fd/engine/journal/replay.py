@@ -219,9 +219,9 @@ class _Replayer:
                 if op == "add":
                     evs = s.add(c["rid"], _request_data(c["data"]), tuple(c.get("gen") or ()))
                 elif op == "abort":
-                    evs = s.abort(c["rid"], c["source"], c.get("error"))
+                    evs = s.abort(c["rid"], c["source"], c.get("error")).events
                 elif op == "abort_all":
-                    evs = s.abort_all(c["source"])
+                    evs = s.abort_all(c["source"]).events
                 elif op == "skip":
                     evs = s.skipped(c["step"], list(c["rids"]))
                 elif op == "finished":

@@ -31,9 +31,9 @@ from fd.control.entry_ids import entry_id_key
 from fd.control.events import Abort, AbortAll, Event
 from fd.control.fence import Refused
 from fd.control.keys import ABORT_WRITTEN, choice_ids, is_tombstone, owner_choices, pending_tombstone_source
-from fd.engine.core.protocol import SchedulerLike
+from fd.engine.node.engine_core import EngineCore
 from fd.engine.node.publisher import Publisher
-from fd.engine.node.redis_link import RedisLink, Stopped
+from fd.engine.node.redis_link import RedisLink
 from fd.engine.node.request_table import RequestTable
 
 # (its lines are the engine node's: operators filter on that name)
@@ -57,38 +57,13 @@ TOMBSTONE_BATCH = 8
 TOLD_KEPT = 10_000
 
 
-class Aborts:
-    def __init__(
-        self,
-        engine_id: str,
-        bus: Bus,
-        sched: SchedulerLike,
-        requests: RequestTable,
-        link: RedisLink,
-        publisher: Publisher,
-        emit: Callable[[list[Event]], None],
-        wake: asyncio.Event,
-        tombstone_ttl_s: int,
-        metrics: Any = None,
-    ) -> None:
-        self.engine_id = engine_id
-        self.bus = bus
-        self.sched = sched
-        self.requests = requests
-        self.link = link
-        self.publisher = publisher
-        self.emit = emit
-        self.wake = wake  # the step loop, waiting for blocks: an abort may have freed some
-        self.tombstone_ttl_s = tombstone_ttl_s
+class AbortCounter:
+    """``fd_abort_requests_total{source}``: an abort counted once per request, where it takes
+    effect (the engine core, when it applies one; a tombstone won; a story finished)."""
+
+    def __init__(self, metrics: Any = None) -> None:
         self.metrics = metrics
-        self.fenced = 0  # requests dropped because the fence refused their events
-        #: aborts of requests this engine runs, heard so far (the node steps ahead from the
-        #: driver's callback only while no new one came since its last decided step)
-        self.heard = 0
         self._counters: dict[str, Any] = {}
-        #: abort_id -> the ids an abort told in-process (``fd serve``) stopped here: its echo from
-        #: ``P:control`` acts on the others only, so each abort is handled once by this engine
-        self._told: OrderedDict[str, frozenset[str]] = OrderedDict()
 
     def count(self, source: str, n: int = 1) -> None:
         if self.metrics is not None:
@@ -97,12 +72,33 @@ class Aborts:
                 counter = self._counters[source] = self.metrics.abort_requests_total.labels(source=source)
             counter.inc(n)
 
-    def _abort_known(self, rid: str, source: str) -> None:
-        evs = self.sched.abort(rid, source)
-        if evs:
-            self.count(source)
-            self.heard += 1
-        self.emit(evs)
+
+class Aborts:
+    def __init__(
+        self,
+        engine_id: str,
+        bus: Bus,
+        core: EngineCore,
+        requests: RequestTable,
+        link: RedisLink,
+        publisher: Publisher,
+        emit: Callable[[list[Event]], None],
+        counter: AbortCounter,
+        tombstone_ttl_s: int,
+    ) -> None:
+        self.engine_id = engine_id
+        self.bus = bus
+        self.core = core  # a request it knows is aborted through its inbox, at its next step
+        self.requests = requests
+        self.link = link
+        self.publisher = publisher
+        self.emit = emit
+        self.count = counter.count
+        self.tombstone_ttl_s = tombstone_ttl_s
+        self.fenced = 0  # requests dropped because the fence refused their events
+        #: abort_id -> the ids an abort told in-process (``fd serve``) stopped here: its echo from
+        #: ``P:control`` acts on the others only, so each abort is handled once by this engine
+        self._told: OrderedDict[str, frozenset[str]] = OrderedDict()
 
     def on_local(self, ev: Event) -> None:
         """An abort published in this process (``fd serve``'s API): stage 1 for the requests
@@ -111,24 +107,15 @@ class Aborts:
         ids (tombstones) are left to that read."""
         if not isinstance(ev, Abort):
             return
-        evs: list[Event] = []
         handled: list[str] = []
         for rid in ev.request_ids:
-            if self.sched.knows(rid) and not self.requests.silent(rid):
-                mine = self.sched.abort(rid, ev.source)
-                if mine:
-                    self.count(ev.source)
-                    self.heard += 1
-                evs += mine
+            if self.core.knows(rid) and not self.requests.silent(rid):
+                self.core.abort(rid, ev.source)
                 handled.append(rid)
         if ev.abort_id and handled:
             self._told[ev.abort_id] = frozenset(handled)
             while len(self._told) > TOLD_KEPT:  # (an echo that never came: its publish failed)
                 self._told.popitem(last=False)
-        if evs:
-            self.emit(evs)
-            self.publisher.flush_soon()
-            self.wake.set()
 
     def echoed(self, ev: Abort) -> tuple[str, ...]:
         """The ids of ``ev``, read from ``P:control``, that are still this engine's to handle:
@@ -175,10 +162,10 @@ class Aborts:
         engine claims it only to find the tombstone."""
         unknown = []
         for rid in rids:
-            if not self.sched.knows(rid):
+            if not self.core.knows(rid):
                 unknown.append(rid)
             elif not self.requests.silent(rid):  # (handed back or lost: its new owner aborts it)
-                self._abort_known(rid, source)
+                self.core.abort(rid, source)
         if not unknown:
             return
         # Not ours (yet): race the claim for each with a tombstone (one round trip for all).
@@ -208,12 +195,12 @@ class Aborts:
             elif (
                 owner is not None
                 and owner == self.requests.tokens.get(rid)
-                and self.sched.knows(rid)
+                and self.core.knows(rid)
                 and not self.requests.silent(rid)
             ):
                 # This engine's claim won while the tombstones were on their way, and started
                 # the request meanwhile: it is an abort of a known request now.
-                self._abort_known(rid, source)
+                self.core.abort(rid, source)
             elif not is_tombstone(owner):
                 # Owned: by a live engine (which handles it), by a dead one or one handing it
                 # back (whoever continues it must still abort it), or by this engine between
@@ -257,25 +244,22 @@ class Aborts:
                 extra={"request_id": rid, "engine": self.engine_id, "owner": why.owner, "why": why.why},
             )
         live = self.requests.get(rid)
-        if live is not None and not live.silent and self.sched.knows(rid):
+        if live is not None and not live.silent and self.core.knows(rid):
             live.silent = True
-            self.emit(self.sched.abort(rid, "engine"))
-            self.wake.set()
+            self.core.abort(rid, "engine", counted=False)
 
     def _lost_output(self, rid: str) -> None:
         """Its story lacks events this engine wrote (fd/control/fence.py's gap: a Redis failover
         lost them): what its client saw can no longer be continued exactly, so it ends with
         an error, through the abort stages, while this engine still owns it."""
         live = self.requests.get(rid)
-        if live is None or live.silent or not self.sched.knows(rid):
+        if live is None or live.silent or not self.core.knows(rid):
             return
         log.error(
             "the request's story lost events this engine wrote (a Redis failover?); ending it",
             extra={"request_id": rid, "engine": self.engine_id},
         )
-        self.count(LOST)
-        self.emit(self.sched.abort(rid, LOST, LOST_OUTPUT))
-        self.wake.set()
+        self.core.abort(rid, LOST, LOST_OUTPUT)
 
     async def watch_timeouts(
         self, limit_s: float, sleep: Callable[[float], Any], stopping: Callable[[], bool]
@@ -292,16 +276,9 @@ class Aborts:
                 and now - live.progress > limit_s
                 and not live.timed_out
                 and not live.silent
-                and self.sched.knows(rid)
+                and self.core.knows(rid)
             ]
             for rid, live in late:
                 log.warning("request timed out", extra={"request_id": rid, "engine": self.engine_id})
                 live.timed_out = True
-                self.count("timeout")
-                self.emit(self.sched.abort(rid, "timeout", timeout_error(limit_s)))
-            if late:
-                try:
-                    await self.publisher.flush()
-                except Stopped:
-                    return
-                self.wake.set()
+                self.core.abort(rid, "timeout", timeout_error(limit_s))

@@ -29,9 +29,9 @@ from fd.control.guided import check as check_guided
 from fd.control.keys import is_tombstone, owner_attempt, owner_engine, owner_token
 from fd.engine.core.adapters import Adapters
 from fd.engine.core.detokenizer import IncrementalDetokenizer
-from fd.engine.core.protocol import SchedulerLike
 from fd.engine.node import failover
 from fd.engine.node.aborts import LOST, LOST_OUTPUT, Aborts
+from fd.engine.node.engine_core import EngineCore
 from fd.engine.node.failover import History
 from fd.engine.node.node_config import EngineConfig
 from fd.engine.node.publisher import Publisher
@@ -57,7 +57,7 @@ class Admission:
         self,
         cfg: EngineConfig,
         bus: Bus,
-        sched: SchedulerLike,
+        core: EngineCore,
         requests: RequestTable,
         link: RedisLink,
         publisher: Publisher,
@@ -70,7 +70,7 @@ class Admission:
         self.cfg = cfg
         self.engine_id = cfg.engine_id
         self.bus = bus
-        self.sched = sched
+        self.core = core  # a request starts in its inbox (EngineCore.arrive)
         self.requests = requests
         self.link = link
         self.publisher = publisher
@@ -116,7 +116,7 @@ class Admission:
         """Take as many requests from ``P:requests`` as the scheduler can admit now."""
         if self.closed():
             return 0
-        n = self.sched.can_admit()
+        n = self.core.can_admit()
         if n <= 0:
             if block:
                 await asyncio.sleep(self.cfg.claim_block_ms / 1000)
@@ -170,7 +170,7 @@ class Admission:
         (``req.resume``), or, with ``takeover``, one whose owner (``owner``) is dead."""
         rid = req.request_id
         live = self.requests.get(rid)
-        if rid in self.requests.admitting or self.sched.knows(rid) or live is not None:
+        if rid in self.requests.admitting or self.core.knows(rid) or live is not None:
             if live is not None and live.entry != entry_id and not takeover:
                 await self.ack_copy(entry_id, rid)
             return
@@ -288,11 +288,11 @@ class Admission:
         return None
 
     def _start(self, entry_id: bytes, req: Request, hist: History, token: str) -> None:
-        """Synchronous, so no abort can slip in between the checks and ``sched.add``."""
+        """Synchronous, so no abort can slip in between the checks and ``core.arrive``."""
         rid, data = req.request_id, req.data
         live = self.requests.add(rid, entry_id, req, token, time.monotonic())
         used = usage(len(data.prompt_token_ids), len(hist.tokens))
-        step = self.sched.step
+        step = self.core.sched.step
         dismissed = self.requests.take_dismissed(rid)
         if dismissed is not None or ABORT_REQUESTED in hist.noted:
             # Aborted while no live engine ran it (its owner had died, or was handing it back):
@@ -307,7 +307,7 @@ class Admission:
             self.emit([error_final(rid, used, refused, step=step)])
             return
         sp = data.sampling
-        detok = IncrementalDetokenizer.for_request(self.tokenizer, sp, self.sched.config.eos_token_ids)
+        detok = IncrementalDetokenizer.for_request(self.tokenizer, sp, self.core.sched.config.eos_token_ids)
         tail = ""
         if hist.tokens:
             # Prime it with what the client already has, so text deltas continue exactly; text
@@ -328,4 +328,4 @@ class Admission:
             evs.append(Tokens(request_id=rid, token_ids=(), text=tail, step=step, pos=live.emitted))
         self.emit(evs)
         self.requests.unannounced.add(rid)
-        self.emit(self.sched.add(rid, data, tuple(hist.tokens)))
+        self.core.arrive(rid, data, tuple(hist.tokens))

@@ -9,7 +9,6 @@ on an event happens exactly once, wherever the event was made:
 - a request's held-back text (a possible stop-string prefix, an incomplete UTF-8 character)
   goes out before the end of its story, so nothing but the protocol's own events follows
   ``abort_requested``;
-- an abort of a request in a step in flight is told to the runner at once (``dropped``);
 - a ``final`` forgets the request's record, queues its ack and its parent's TTLs with it, and
   lets a LoRA adapter that waits to be unloaded go once no request uses it;
 - a silent request's events (handed back, or its ownership lost) are bookkept, never
@@ -69,7 +68,6 @@ class Emitter:
         sched: SchedulerLike,
         adapters: Adapters,
         lora: LoraLoader,
-        dropped: Callable[[list[str]], None],
         metrics: Any = None,
         released: Callable[[], None] | None = None,
     ) -> None:
@@ -77,11 +75,9 @@ class Emitter:
         self.keys = keys
         self.publisher = publisher
         self.requests = requests
-        self.sched = sched  # (the step a tail of text is stamped with; who is in flight)
+        self.sched = sched  # (the step a tail of text is stamped with)
         self.adapters = adapters
         self.lora = lora
-        # Aborted requests some step in flight holds: the runner is told to leave them out.
-        self.dropped = dropped
         self.metrics = metrics
         # Blocks came back: the engine's gauges (running, waiting, free blocks) are read now, on
         # every path that releases (a step's result, a queued step that left a request out, an
@@ -100,7 +96,6 @@ class Emitter:
         ``logprobs`` and ``embeddings`` the runner's, for those that asked."""
         now = time.time()
         ts = int(now * 1000)
-        drop: list[str] = []
         released = False
         # abort_requested of requests with no record here (a tombstone's story, written
         # whole in one call): their blocks_released follows in the same call.
@@ -142,8 +137,6 @@ class Emitter:
                     live.abort_noted_at = now
                 else:
                     noted[rid] = now
-                if self.sched.in_flight(rid):
-                    drop.append(rid)
             elif isinstance(ev, BlocksReleased):
                 released = True
                 if live is not None:
@@ -172,11 +165,6 @@ class Emitter:
             put(story(rid), ev)
         if released and self.released is not None:
             self.released()
-        if drop:
-            # A step queued behind the running one (async scheduling) may not have started:
-            # the runner leaves these out of it, and their blocks come back after the running
-            # step instead of after that one too.
-            self.dropped(drop)
 
     def _put_tokens(
         self,

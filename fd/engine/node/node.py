@@ -41,7 +41,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -49,32 +49,30 @@ from fd.control.bus import Bus
 from fd.control.events import (
     Abort,
     AbortAll,
-    BlocksReleased,
     Drain,
     Event,
     LoadLora,
     Preempted,
     Request,
-    Tokens,
     UnloadLora,
 )
 from fd.control.tokenizer import served_context
 from fd.engine.core.adapters import Adapters
 from fd.engine.core.config import SchedulerConfig
-from fd.engine.core.outputs import RunnerOutput, SchedulerOutput
 from fd.engine.core.scheduler import Scheduler
 from fd.engine.journal.journal import JournalRecorder, journaled
 from fd.engine.node import failover
-from fd.engine.node.aborts import Aborts
+from fd.engine.node.aborts import AbortCounter, Aborts
 from fd.engine.node.admission import Admission
 from fd.engine.node.control_reader import ControlReader
 from fd.engine.node.emitter import Emitter
+from fd.engine.node.engine_core import EngineCore
 from fd.engine.node.failover import OrphanFinder
 from fd.engine.node.heartbeat import Heartbeat
 from fd.engine.node.node_config import EngineConfig
 from fd.engine.node.publisher import Publisher
 from fd.engine.node.redis_link import RETRYABLE, RedisLink, Stopped
-from fd.engine.node.request_table import RequestTable
+from fd.engine.node.request_table import Live, RequestTable
 from fd.engine.node.step_driver import StepDriver
 from fd.engine.runner.lora_runtime import LoraLoader
 from fd.engine.runner.runners import Runner
@@ -141,10 +139,13 @@ class EngineNode:
                 kv,
                 extra={"engine": cfg.engine_id},
             )
-        self._wake = asyncio.Event()  # the step loop, waiting for blocks or work: look again
+        # The step loop, waiting for a reply, an arrival, an abort, blocks: look again.
+        self._wake = asyncio.Event()
         self._stopping = False
         self._draining = False
         self._drain_deadline: float | None = None
+        #: what the drain hands back this step: each one's record and owner token
+        self._handing_back: dict[str, tuple[Live | None, str | None]] = {}
         # Every request this engine runs, its owner tokens, and aborts it remembers.
         self.requests = RequestTable()
         self.link = RedisLink(
@@ -153,14 +154,6 @@ class EngineNode:
         journal = self.sched if isinstance(self.sched, JournalRecorder) else None
         self.publisher = Publisher(
             bus, self.id, self.requests, self.link, lambda r, why: self.aborts.lose(r, why), journal
-        )
-        self.driver = StepDriver(
-            runner,
-            self.id,
-            self._finished,
-            self._on_skipped,
-            lambda n, e: self.lora.done(n, e),
-            result_in=self._result_in,
         )
         self.heartbeat = Heartbeat(
             self.id,
@@ -175,8 +168,10 @@ class EngineNode:
             cfg.heartbeat_ttl_s,
             metrics,
         )
+        # The step thread: an in-process runner's steps, and LoRA loads between them.
+        pool = ThreadPoolExecutor(1, thread_name_prefix=f"step-{self.id}")
         self.adapters = Adapters(tuple(runner.lora_names))  # LoRA (fd.engine.core.adapters)
-        self.lora = LoraLoader(runner, self.driver.pool, self.adapters, self.id, self.heartbeat.beat_now)
+        self.lora = LoraLoader(runner, pool, self.adapters, self.id, self.heartbeat.beat_now)
         self.emitter = Emitter(
             self.id,
             bus.keys,
@@ -185,27 +180,36 @@ class EngineNode:
             self.sched,
             self.adapters,
             self.lora,
-            self._dropped,
             metrics,
             released=self.heartbeat.publish_gauges,
         )
         self._emit = self.emitter.emit
+        counter = AbortCounter(metrics)
+        # The one owner of the scheduler: every step is decided in EngineCore.step.
+        self.core = EngineCore(
+            self.sched,
+            StepDriver(runner, self.id, pool, self.lora.done),
+            self.requests,
+            self._emit,
+            counter.count,
+            self.heartbeat.publish_gauges,
+            self._wake,
+        )
         self.aborts = Aborts(
             self.id,
             bus,
-            self.sched,
+            self.core,
             self.requests,
             self.link,
             self.publisher,
             self._emit,
-            self._wake,
+            counter,
             cfg.tombstone_ttl_s,
-            metrics,
         )
         self.admission = Admission(
             cfg,
             bus,
-            self.sched,
+            self.core,
             self.requests,
             self.link,
             self.publisher,
@@ -215,13 +219,6 @@ class EngineNode:
             tokenizer,
             closed=lambda: self._draining or self._stopping,
         )
-        # Steps handed to the runner whose results are not folded in yet, oldest first.
-        self._flying: deque[tuple[SchedulerOutput, asyncio.Future, float]] = deque()
-        self._fold_failed: BaseException | None = None  # a fold in the driver's callback raised
-        # The step loop holds a step it decided and hands over after an await: the driver's
-        # callback folds nothing in meanwhile, or a step it decided would reach the runner first.
-        self._handing_over = False
-        self._heard = 0  # self.aborts.heard when the last step was decided
         self._task: asyncio.Task | None = None
         self._orphans = OrphanFinder(bus, self.id, cfg.failover_idle_ms)
         self.control = ControlReader(
@@ -235,12 +232,6 @@ class EngineNode:
             cfg.control_block_ms,
             cfg.retry_backoff_s,
         )
-        self.steps = 0
-        self.step_seconds = 0.0
-        # Tokens the steps folded in so far: prompt tokens computed (a recompute's too) and
-        # tokens sampled, for the throughput line.
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
         self.stats_interval_s = stats_interval_s
         self.handed_back = 0
         self._cursor: bytes | None = None
@@ -264,7 +255,7 @@ class EngineNode:
         cursor = self._cursor
         loop = asyncio.get_running_loop()
         self._task = asyncio.current_task()
-        self.driver.start(loop)
+        self.core.start(loop)
         if isinstance(self.sched, JournalRecorder):
             start = self.sched.start_record()
             await self.bus.publish(self.bus.keys.journal(self.id), replace(start, ts=int(time.time() * 1000)))
@@ -280,7 +271,7 @@ class EngineNode:
         if self.stats_interval_s > 0:
             stats = self.heartbeat.log_throughput(
                 self.stats_interval_s,
-                lambda: (self.prompt_tokens, self.generation_tokens),
+                lambda: (self.core.prompt_tokens, self.core.generation_tokens),
                 self._sleep_while_running,
                 lambda: self._stopping,
             )
@@ -298,7 +289,7 @@ class EngineNode:
         finally:
             self._stopping = True
             await asyncio.gather(*tasks, return_exceptions=True)
-            self.driver.close(loop)
+            self.core.driver.close(loop)
             await self.heartbeat.forget()
             log.info("engine stopped", extra={"engine": self.id})
 
@@ -316,6 +307,15 @@ class EngineNode:
             self._draining = True
             self.admission.wake_idle()
             self._wake.set()
+
+    @property
+    def steps(self) -> int:
+        """Steps folded in so far."""
+        return self.core.steps
+
+    @property
+    def step_seconds(self) -> float:
+        return self.core.step_seconds
 
     @property
     def redis_errors(self) -> int:
@@ -356,236 +356,81 @@ class EngineNode:
     # ------------------------------------------------------------------ step loop
 
     async def _step_loop(self) -> None:
+        """The engine's loop: around each step (EngineCore.step, where every decision is
+        made), its I/O: new work claimed before a step is decided, what the step produced
+        published after, and a wait for the runner's next reply (or an abort, an arrival)."""
         loop = asyncio.get_running_loop()
-        depth = self.sched.config.max_steps_in_flight
-        flying = self._flying
+        core, admission = self.core, self.admission
         # Runs while steps are in flight, even when stopping: a step's result is never left
         # behind (its tokens are published, its aborts drained).
-        while flying or not self._stopping:
-            if self._draining and not flying:
-                await self._drain_tick()  # hands requests back: only with nothing in flight
-            if not flying and not self.sched.has_work():
-                await self._flush()
-                if self._draining or self._stopping:
+        while core.flying or not self._stopping:
+            closed = self._draining or self._stopping
+            # With async scheduling the next step is decided while the last one runs, queued
+            # behind it: the runner never waits for this loop. Not while draining or
+            # stopping, which act between steps.
+            ahead = 1 if closed else core.depth
+            room = len(core.flying) < ahead
+            if room and core.flying and not closed:
+                # The runner is busy: claim first, so requests that arrived during its step
+                # join the step decided now (as they would join the next step one at a time).
+                await admission.claim(block=False)
+            if self.requests.unannounced:
+                await self._flush()  # their `claimed` before a step runs them
+            if room and core.aborts_pending:
+                # Hang-ups come in waves (a client's pool, a load balancer's cut): one turn of
+                # the loop's sockets first, so the rest of this one is heard before the next
+                # step is decided and its requests are in no step the release waits on.
+                await asyncio.sleep(0)
+            stepped = core.step(ahead, self._drain_due if self._draining else None)
+            if stepped.handed_back:
+                await self._hand_back(stepped.handed_back)
+            await self._flush()
+            if not core.flying and not core.has_work():
+                if closed:
                     break
-                if self.admission.arrivals_told:
-                    await self.admission.await_arrival(loop)
-                    await self.admission.claim(block=False)
+                if admission.arrivals_told:
+                    await admission.await_arrival(loop)
+                    await admission.claim(block=False)
                 else:
-                    await self.admission.claim(block=True)
+                    await admission.claim(block=True)
                 continue
-            out = None
-            # With async scheduling the next step is decided now, while the last one runs,
-            # and queued behind it on the step thread: the runner never waits for this loop.
-            # Not while draining or stopping, which act between steps.
-            ahead = 1 if self._draining or self._stopping else depth
-            claimed = False
-            if len(flying) < ahead:
-                if flying:
-                    # The runner is busy with the step in flight: claim first, so requests that
-                    # arrived during it join the step decided now (as they would join the next
-                    # step one at a time), not the one after.
-                    claimed = True
-                    await self.admission.claim(block=False)
-                if self.aborts.heard != self._heard:
-                    # Hang-ups come in waves (a client's pool, a load balancer's cut): one turn
-                    # of the loop's sockets first, so the rest of this one is heard before the
-                    # next step is decided and its requests are in no step the release waits on.
-                    await asyncio.sleep(0)
-                if len(flying) < ahead:  # (a result folded in meanwhile may have stepped ahead)
-                    self._heard = self.aborts.heard
-                    out = self.sched.schedule()
-                    self._emit(list(out.events))  # preemptions decided by this schedule()
-                    if not out.empty:
-                        unannounced = self.requests.unannounced
-                        if unannounced and any(ss.request_id in unannounced for ss in out.seqs):
-                            self._handing_over = True
-                            try:
-                                await self._flush()  # their `claimed` first (RequestTable.unannounced)
-                            finally:
-                                self._handing_over = False
-                        self._hand_over(out)
-            if not flying:
-                # Work exists but none can run (e.g. waiting for blocks): wait for an event.
-                await self._flush()
-                self._wake.clear()
-                # asyncio.timeout, not wait_for: Python 3.11's wait_for loses a cancellation
-                # that comes as the wait ends (CPython gh-86296), and a cancelled engine (fd
-                # serve's shutdown, a test's kill) would go on running.
-                try:
-                    async with asyncio.timeout(0.01):
-                        await self._wake.wait()
-                except TimeoutError:
-                    pass
-                continue
-            if out is not None and not out.empty and len(flying) < ahead:
+            if stepped.decided and len(core.flying) < ahead:
                 continue  # room for one more ahead: decide it before waiting
-            # While the oldest step runs: publish what the last one produced (one pipelined
-            # round trip), take new work.
-            done, fut, t0 = flying[0]
-            try:
-                await self._flush()
-                if not claimed and await self.admission.claim(block=False):
-                    await self._flush()  # their `claimed` now, not after this step
-            finally:
-                result = await fut  # never leave the step's result behind, even when stopping
-            if self._fold_failed is not None:
-                raise self._fold_failed
-            if flying and flying[0][1] is fut:  # (not folded in by the driver's callback)
-                self._fold_oldest(result)
+            # Until the runner replies; with none in flight (waiting for blocks, draining) look
+            # again soon.
+            await core.wait(None if core.flying else 0.01)
         await self._flush()
-
-    def _hand_over(self, out: SchedulerOutput) -> None:
-        """The step to the runner, behind those in flight."""
-        loop = asyncio.get_running_loop()
-        self._flying.append((out, self.driver.submit(loop, out), time.perf_counter()))
-
-    def _fold_oldest(self, result: RunnerOutput) -> None:
-        flying = self._flying
-        done, _, t0 = flying.popleft()
-        now = time.perf_counter()
-        self.step_seconds += now - t0
-        if flying:  # the next one was queued behind this one: its time starts now
-            nxt, nfut, nt0 = flying[0]
-            flying[0] = (nxt, nfut, max(nt0, now))
-        self.steps += 1
-        self._apply(done, result)
-
-    def _result_in(self) -> None:
-        """The oldest step's result is in (the driver's callback): fold it back and decide and
-        hand over the next step now. The step loop publishes the tokens and claims new work
-        when its task runs; a step that needs either first (the last fold's tokens not out yet,
-        requests whose ``claimed`` is not), and draining or stopping, which act between steps,
-        are left to it."""
-        flying = self._flying
-        if self._fold_failed is not None or self._handing_over or not flying:
-            return
-        fut = flying[0][1]
-        if not fut.done() or fut.cancelled() or fut.exception() is not None:
-            return  # (a failed step: the step loop raises it)
-        try:
-            caught_up = self.publisher.caught_up  # (before this fold queues its tokens)
-            self._fold_oldest(fut.result())
-            if not caught_up or self._draining or self._stopping or self.requests.unannounced:
-                return
-            if len(flying) >= self.sched.config.max_steps_in_flight or self.aborts.heard != self._heard:
-                return  # (aborts just heard: the step loop hears the sockets before it decides)
-            out = self.sched.schedule()
-            self._emit(list(out.events))  # preemptions decided by this schedule()
-            if not out.empty:
-                self._hand_over(out)
-        except BaseException as e:  # noqa: BLE001 - the step loop raises it, as its own
-            self._fold_failed = e
-
-    def _finished(self, step: int, ran: tuple[int, int] | None = None) -> None:
-        """A step's result is in. The loop folds it back when it gets to it, which can be
-        milliseconds later (at 128 streams, behind the last step's token publish and the
-        clients' writes); but the runner is done with the KV blocks of every step up to this
-        one now, so the scheduler hears it now (and the journal has when each step ended):
-        an aborted request that only those steps held is released at once."""
-        evs = self.sched.finished(step, ran)
-        if evs:
-            self._emit(evs)  # (their blocks_released sets the gauges: Emitter.released)
-            self.publisher.flush_soon()
-
-    def _release_finished(self) -> None:
-        """An abort just heard (or a queued step left it out) for a request held only by
-        steps whose results are in already: released now, not at their fold-in."""
-        if not self.sched.num_draining:
-            return
-        last = None
-        for out, fut, _ in self._flying:
-            if not fut.done() or fut.cancelled() or fut.exception() is not None:
-                break
-            last = out.step
-        if last is not None:
-            self._finished(last)
-
-    def _dropped(self, rids: list[str]) -> None:
-        """Aborted requests that a step in flight holds: the runner leaves them out of a step
-        queued behind the running one if it can, and those held only by steps whose results
-        are in already are released now."""
-        self.driver.drop(self.sched.step, rids)
-        self._release_finished()
-
-    def _apply(self, out: SchedulerOutput, result: RunnerOutput) -> None:
-        """Fold a finished step back in: text first (stop strings end requests), then the
-        scheduler's decisions."""
-        deltas: dict[str, str] = {}
-        stopped: dict[str, str] = {}
-        failed: dict[str, str] = {}
-        requests = self.requests
-        for rid, tok in result.sampled.items():
-            live = requests.get(rid)
-            if live is None or live.detok is None or self.sched.discards(rid):
-                continue  # aborted, or finished while this step ran: its token is dropped
-            try:
-                delta, stop = live.detok.push((tok,))
-            except Exception as e:  # noqa: BLE001 - this request's alone: it ends with an error
-                log.exception("detokenizing failed", extra={"request_id": rid, "engine": self.id})
-                live.detok = None  # (nothing more to flush from it)
-                failed[rid] = f"detokenizing token {tok} failed: {type(e).__name__}: {e}"
-                continue
-            deltas[rid] = delta
-            if stop is not None:
-                stopped[rid] = stop
-        if failed:
-            result = replace(
-                result,
-                sampled={r: t for r, t in result.sampled.items() if r not in failed},
-                failed={**result.failed, **failed},
-            )
-        if stopped:
-            result = replace(result, stopped={**result.stopped, **stopped})
-        for rid, (first, entries) in result.prompt_logprobs.items():
-            live = requests.get(rid)
-            got = None if live is None else live.prompt_lp
-            if got is not None:  # (a recompute after a preemption scores it again: kept once)
-                for j, e in enumerate(entries):
-                    got.setdefault(first + j, e)
-        self.generation_tokens += len(result.sampled)
-        # (a decode feeds one token, the last sampled; what else a step feeds is prompt)
-        self.prompt_tokens += out.num_batched_tokens - sum(1 for ss in out.seqs if ss.num_generated)
-        evs = self.sched.update(out, result)
-        now = time.monotonic()
-        for ev in evs:
-            if type(ev) is Tokens and (live := requests.get(ev.request_id)) is not None:
-                live.progress = now
-        self._emit(evs, deltas, result.logprobs, result.embeddings)
-        self.heartbeat.publish_gauges()
 
     # ------------------------------------------------------------------ drain
 
-    async def _drain_tick(self) -> None:
-        """Between steps (nothing in flight): hand back what waits at once, and everything
-        once the drain timeout is up."""
+    def _drain_due(self) -> list[str]:
+        """Between steps (nothing in flight): what to hand back now — what waits at once, and
+        everything once the drain timeout is up. Each one's record and owner token are kept
+        for :meth:`_hand_back` (the step that hands them back ends their records)."""
         now = time.monotonic()
-        snap = None
         if self._drain_deadline is None:
             self._drain_deadline = now + self.cfg.drain_timeout_s
-            snap = self.sched.snapshot()
-            rids = list(snap["waiting"])
+            rids = list(self.sched.snapshot()["waiting"])
         elif now >= self._drain_deadline and self.sched.has_work():
             snap = self.sched.snapshot()
             rids = list(snap["running"]) + list(snap["waiting"])
         else:
-            return
-        rids = [r for r in rids if not self.requests.silent(r)]
-        if rids:
-            await self._hand_back(rids)
+            return []
+        requests = self.requests
+        self._handing_back = {
+            rid: (requests.get(rid), requests.tokens.get(rid)) for rid in rids if not requests.silent(rid)
+        }
+        return list(self._handing_back)
 
-    async def _hand_back(self, rids: list[str]) -> None:
+    async def _hand_back(self, released: dict[str, int]) -> None:
+        """Requests the step handed back (``released``: the blocks each gave back): a
+        ``preempted handback=1`` note on each story, then each re-queued on ``P:requests``."""
         back: list[tuple[str, bytes, Request, str]] = []
-        for rid in rids:
-            live, token = self.requests.get(rid), self.requests.tokens.get(rid)
-            if live is not None:
-                live.silent = True
-            evs = self.sched.abort(rid, "engine")  # nothing is in flight: released at once
-            count = sum(e.count for e in evs if isinstance(e, BlocksReleased))
-            self._emit(evs)  # bookkeeping only: silent
+        due, self._handing_back = self._handing_back, {}
+        for rid, count in released.items():
+            live, token = due[rid]
             if live is None:
                 continue
-            entry, req = live.entry, live.request
             self.publisher.put(
                 self.bus.keys.req(rid),
                 Preempted(
@@ -598,7 +443,7 @@ class EngineNode:
                 ),
             )
             if token is not None:
-                back.append((rid, entry, req, token))
+                back.append((rid, live.entry, live.request, token))
         await self._flush()  # the notes (and every token before them) first
         self.handed_back += await failover.hand_back(self.bus, self.link, self.id, back)
 
@@ -621,14 +466,6 @@ class EngineNode:
             if self.adapters.unload(ev.name, self.requests.using_lora(ev.name)):
                 self.lora.forget(ev.name)
             self.heartbeat.beat_now()
-
-    def _on_skipped(self, step: int, rids: list[str]) -> None:
-        """The worker started ``step`` without these aborting requests: drain and release."""
-        evs = self.sched.skipped(step, rids)
-        if evs:
-            self._emit(evs)
-            self.publisher.flush_soon()
-        self._release_finished()  # those held only by steps whose results are in go now
 
     async def _flush(self) -> None:
         """Publish what the loops queued (fd.engine.node.publisher); every loop flushes through here."""
@@ -659,10 +496,10 @@ class EngineNode:
                 log.exception("failover scan failed", extra={"engine": self.id})
 
     async def _take_over_orphans(self) -> None:
-        room = self.sched.can_admit()
+        room = self.core.can_admit()
 
         def mine(rid: str) -> bool:
-            return self.requests.holds(rid) or self.sched.knows(rid)
+            return self.requests.holds(rid) or self.core.knows(rid)
 
         orphans, done, aborted = await self._orphans.scan(max(room, 0), mine)
         for entry, fields in done:
@@ -675,7 +512,7 @@ class EngineNode:
             await self._flush()
             await self.bus.ack_request(entry)
         for o in orphans:
-            if self._draining or self._stopping or self.sched.can_admit() <= 0:
+            if self._draining or self._stopping or self.core.can_admit() <= 0:
                 break
             log.info(
                 "taking over", extra={"request_id": o.request.request_id, "owner": o.owner, "engine": self.id}

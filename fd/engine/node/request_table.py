@@ -17,11 +17,12 @@ No I/O and no clock of its own: the node passes the times in.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import ItemsView, Iterator, ValuesView
 from dataclasses import dataclass
 
 from fd.control.events import Request
 from fd.engine.core.detokenizer import IncrementalDetokenizer
+from fd.engine.core.outputs import PromptLogprob
 
 #: At most this many dismissed aborts are remembered (each for at most the tombstone TTL).
 MAX_DISMISSED = 100_000
@@ -38,7 +39,7 @@ class Live:
     # Scoring its prompt (SamplingParams.prompt_logprobs), new here: position -> entry, as the
     # prefill chunks bring them, for the request's first tokens event; None when not asked
     # or already published.
-    prompt_lp: dict[int, tuple] | None = None
+    prompt_lp: dict[int, PromptLogprob] | None = None
     progress: float | None = None  # last token (or the start), monotonic; None: not watched
     abort_noted_at: float | None = None  # its abort_requested, for the release-time metric
     # This engine no longer speaks for it (handed back, or ownership lost): the scheduler
@@ -84,10 +85,10 @@ class RequestTable:
     def __iter__(self) -> Iterator[str]:
         return iter(self._live)
 
-    def items(self):
+    def items(self) -> ItemsView[str, Live]:
         return self._live.items()
 
-    def values(self):
+    def values(self) -> ValuesView[Live]:
         return self._live.values()
 
     def silent(self, rid: str) -> bool:

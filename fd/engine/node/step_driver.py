@@ -9,20 +9,19 @@ kind (fd/engine/runner/runners.py), chosen once when the driver is made.
 - An in-process runner computes each step on the step thread, one at a time, and one that
   raises fails each of its requests, not the engine.
 
-Either way each step's result resolves a future, in the order the steps were submitted;
-``finished`` hears of it the moment it is in, so the scheduler can release what only finished
-steps held, and then ``result_in`` folds it back and hands the runner its next step, in the
-same callback: the step loop's task, woken by the future, runs a loop turn later, and under
-load a turn is every stream's token writes.
+Either way each reply (a step's result, a ``Skipped`` note, or a failure) goes to ``reply``
+(fd/engine/node/engine_core.py's inbox) in the order the runner sent it; the engine's loop
+applies it at its next step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import cast
 
 from fd.engine.core.outputs import RunnerOutput, SchedulerOutput
 from fd.engine.runner.runners import InProcessRunner, LoraDone, PipelinedRunner, Runner, Skipped
@@ -31,28 +30,37 @@ from fd.engine.runner.runners import InProcessRunner, LoraDone, PipelinedRunner,
 log = logging.getLogger("fd.engine.node.node")
 
 
+@dataclass(frozen=True, slots=True)
+class StepFailed:
+    """A step whose result never comes: the worker died, or its pipe broke."""
+
+    error: BaseException
+
+
 class StepDriver:
     def __init__(
         self,
         runner: Runner,
         engine_id: str,
-        finished: Callable[[int, tuple[int, int] | None], None],
-        skipped: Callable[[int, list[str]], None],
+        pool: ThreadPoolExecutor,
         lora_done: Callable[[str, str | None], None],
-        result_in: Callable[[], None] = lambda: None,
     ) -> None:
         self.runner = runner
         self.engine_id = engine_id
-        self.finished = finished  # a step's result is in: (step, when it ran)
-        self.skipped = skipped  # a queued step started without these aborting requests
         self.lora_done = lora_done  # a pipelined runner's answer to a LoRA load
-        self.result_in = result_in  # the oldest step's future is resolved: fold it in now
         # The step thread: an in-process runner's steps, and its LoRA loads between them.
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"step-{engine_id}")
+        self.pool = pool
+        #: the runner's word on a step, in order (EngineCore.reply, given at start)
+        self.reply: Callable[[RunnerOutput | Skipped | StepFailed], None] = lambda _: None
         self._reader_fd: int | None = None  # a pipelined runner's pipe, read by the loop
-        self._replies_due: deque[asyncio.Future] = deque()  # its steps, oldest first
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._due = 0  # a pipelined runner's steps whose results are not in
 
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+    def start(
+        self, loop: asyncio.AbstractEventLoop, reply: Callable[[RunnerOutput | Skipped | StepFailed], None]
+    ) -> None:
+        self._loop = loop
+        self.reply = reply
         runner = self.runner
         if runner.pipelined:
             self._reader_fd = runner.fileno()
@@ -67,28 +75,35 @@ class StepDriver:
             loop.remove_reader(self._reader_fd)
             self._reader_fd = None
 
-    def submit(self, loop: asyncio.AbstractEventLoop, out: SchedulerOutput) -> asyncio.Future:
-        """Start a step; its result comes back in order, as the future's."""
+    def submit(self, out: SchedulerOutput) -> None:
+        """Start a step; its result comes back, in order, through ``reply``."""
         runner = self.runner
-        fut = loop.create_future()
         if runner.pipelined:
-            runner.submit(out)
-            self._replies_due.append(fut)
-            return fut
+            self._due += 1
+            try:
+                runner.submit(out)
+            except OSError as e:  # the worker is gone
+                self._fail(e)
+            return
+        loop = self._loop
+        assert loop is not None, "StepDriver.start first"
         work = self.pool.submit(self._execute, runner, out)
 
-        def done(_work) -> None:  # on the step thread
+        def done(work: Future[RunnerOutput]) -> None:  # on the step thread
+            e = None if work.cancelled() else work.exception()
+            reply = StepFailed(e) if e is not None else None if work.cancelled() else work.result()
+            if reply is None:
+                return
             try:
-                loop.call_soon_threadsafe(self._step_done, fut, work)
+                loop.call_soon_threadsafe(self.reply, reply)
             except RuntimeError:
                 pass  # the loop is closed: the engine stopped
 
         work.add_done_callback(done)
-        return fut
 
     def drop(self, step: int, request_ids: list[str]) -> None:
         """Aborting requests that steps up to ``step`` hold: a pipelined runner leaves them out
-        of the steps it has not started and says so (``skipped``). An in-process runner has
+        of the steps it has not started and says so (``Skipped``). An in-process runner has
         no step queued behind the running one to leave them out of."""
         runner = self.runner
         if runner.pipelined:
@@ -107,46 +122,31 @@ class StepDriver:
             log.exception("step %d failed", out.step, extra={"engine": self.engine_id})
             return RunnerOutput.failure(out, f"the model step failed: {type(e).__name__}: {e}")
 
-    def _step_done(self, fut: asyncio.Future, work: Future) -> None:
-        if fut.cancelled():
-            return
-        if work.cancelled():
-            fut.cancel()
-            return
-        e = work.exception()
-        if e is not None:
-            fut.set_exception(e)
-        else:
-            result = work.result()
-            fut.set_result(result)
-            self.finished(result.step, result.ran)
-            self.result_in()
+    def _fail(self, e: BaseException) -> None:
+        """Every step still due fails (once): the engine's loop raises it."""
+        if self._due:
+            self._due = 0
+            self.reply(StepFailed(e))
+        if self._loop is not None:
+            self._stop_reading(self._loop)  # (a dead pipe stays readable)
 
     def _on_replies(self) -> None:
-        """The worker's pipe is readable: fold in what came, in order — a ``Skipped`` note
+        """The worker's pipe is readable: pass on what came, in order — a ``Skipped`` note
         (an aborting request left out of a queued step) before that step's result."""
-        runner: PipelinedRunner = self.runner  # type: ignore[assignment]  (only it is read)
-        due = self._replies_due
+        runner = cast(PipelinedRunner, self.runner)  # (only a pipelined runner's pipe is read)
         try:
             replies = runner.take_ready()
         except Exception as e:  # a failed step or a dead worker: every waiting step fails
-            while due:
-                fut = due.popleft()
-                if not fut.done():
-                    fut.set_exception(e)
-            self._stop_reading(asyncio.get_running_loop())  # (a dead pipe stays readable)
+            self._fail(e)
             return
         for reply in replies:
             if isinstance(reply, RunnerOutput):
-                if not due:
+                if not self._due:
                     log.error("a step result nobody waits for (step %s)", reply.step)
                     continue
-                fut = due.popleft()
-                if not fut.done():
-                    fut.set_result(reply)
-                    self.finished(reply.step, reply.ran)
-                    self.result_in()
+                self._due -= 1
+                self.reply(reply)
             elif isinstance(reply, LoraDone):
                 self.lora_done(reply.name, reply.error)
             elif isinstance(reply, Skipped):
-                self.skipped(reply.step, reply.request_ids)
+                self.reply(reply)
