@@ -56,7 +56,13 @@ def dest(f: dataclasses.Field) -> str:
 
 def add_field_flags(p: argparse.ArgumentParser, cls: type, *names: str, **defaults: Any) -> None:
     """The flags of ``cls``'s fields ``names``, in that order; ``defaults``: a command's own
-    default for a field (``fd serve``'s port, say), where it differs from the field's."""
+    default for a field (``fd serve``'s port, say), where it differs from the field's.
+
+    The command records which fields it made flags of (its namespace's ``field_flags``:
+    class -> field names), so :func:`field_values` reads exactly those."""
+    made = dict(p.get_default("field_flags") or {})
+    made[cls] = (*made.get(cls, ()), *names)
+    p.set_defaults(field_flags=made)
     for name in names:
         f = _field(cls, name)
         meta = dict(f.metadata)
@@ -80,13 +86,13 @@ def add_field_flags(p: argparse.ArgumentParser, cls: type, *names: str, **defaul
 
 
 def field_values(args: argparse.Namespace, cls: type) -> dict[str, Any]:
-    """The values ``args`` gives ``cls``'s fields, for each field whose flag was added."""
+    """The values ``args`` gives ``cls``'s fields: those its command made flags of
+    (:func:`add_field_flags` recorded them), by field name."""
     out: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        if "flag" not in f.metadata or not hasattr(args, dest(f)):
-            continue
-        v = getattr(args, dest(f))
-        out[f.name] = (not v) if f.metadata.get("negate") else v
+    for name in args.field_flags.get(cls, ()):
+        f = _field(cls, name)
+        v = getattr(args, dest(f))  # (the flag's: its command added it)
+        out[name] = (not v) if f.metadata.get("negate") else v
     return out
 
 

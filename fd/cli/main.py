@@ -30,6 +30,7 @@ from fd.cli.flags import HelpFormatter
 from fd.cli.models import cmd_convert, cmd_make_tiny
 from fd.cli.operator import cmd_abort, cmd_status, cmd_trace
 from fd.cli.serving import cmd_api, cmd_engine, cmd_run_batch, cmd_serve
+from fd.cli.vllm_flags import CommandFlags
 
 _USER_ERRORS: tuple[type[BaseException], ...] = ()
 
@@ -49,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
         json=False,
         api_server_count=1,
         model_tag=None,
-        vllm_compat_flags=frozenset(),
+        field_flags={},
+        vllm_flags=CommandFlags(),
         gpu_memory_utilization=None,
         tokenizer=None,
     )
