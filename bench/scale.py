@@ -63,11 +63,12 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 async def node_main(a: argparse.Namespace) -> int:
     """Engines on the timed executor and/or an API node, in this process, until SIGTERM."""
-    from fd.compose import ApiOptions, EngineOptions, start_api, start_engine
+    from fd.compose import ApiOptions, start_api, start_engine
     from fd.control.connect import connect
     from fd.control.keys import Keys
     from fd.control.metrics import Metrics
     from fd.control.tokenizer import Tokenizer
+    from fd.engine.node.node_config import EngineConfig, SchedulerSettings
     from fd.engine.runner.timed_runner import TimedRunner
 
     embedded = None
@@ -88,7 +89,11 @@ async def node_main(a: argparse.Namespace) -> int:
         eng = await start_engine(
             factory,
             keys,
-            EngineOptions(model_dir=a.model, engine_id=f"{a.name}-e{i}", max_num_seqs=a.max_num_seqs),
+            EngineConfig(
+                model_dir=a.model,
+                engine_id=f"{a.name}-e{i}",
+                scheduler=SchedulerSettings(max_num_seqs=a.max_num_seqs),
+            ),
             runner=runner,
             tokenizer=tok,
             metrics=metrics if a.api else None,

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import math
-import os
 import secrets
 import socket
 import ssl
@@ -33,136 +33,9 @@ from fd.engine.node.node_config import EngineConfig, engine_context
 log = logging.getLogger("fd.api")
 
 
-def _env_seconds(name: str, default: float) -> float:
-    """A number of seconds from the environment (vLLM's variables), else ``default``."""
-    try:
-        value = float(os.environ.get(name) or default)
-    except ValueError:
-        return default
-    return value if math.isfinite(value) and value > 0 else default
-
-
 def endpoint_list(text: str) -> tuple[str, ...]:
     """vLLM's ``--disable-access-log-for-endpoints``: paths, comma-separated."""
     return tuple(p.strip() for p in text.split(",") if p.strip())
-
-
-#: EngineOptions' fields that are the engine node's own settings, handed to its EngineConfig
-NODE_FIELDS = (
-    "block_size",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "max_attempts",
-    "drain_timeout_s",
-    "request_timeout_s",
-    "journal",
-    "async_scheduling",
-    "enable_prefix_caching",
-    "scheduling_policy",
-    "max_model_len",
-    "tombstone_ttl_s",
-)
-
-
-@dataclass
-class EngineOptions:
-    """An engine node's options: its model and the process that runs it (the fields with a
-    flag in their metadata are ``fd serve`` and ``fd engine`` flags: fd.cli.flags), and the
-    node's own settings (:data:`NODE_FIELDS`), whose defaults are :class:`EngineConfig`'s."""
-
-    model_dir: str
-    device: str = field(default="cpu", metadata={"flag": "--device", "help": "cpu | gpu | gpu:N"})
-    engine_id: str | None = field(
-        default=None,
-        metadata={
-            "flag": "--engine-id",
-            "help": "this engine's name on the control plane (default: a new one)",
-        },
-    )
-    block_size: int = EngineConfig.block_size
-    num_blocks: int | None = field(
-        default=None, metadata={"flag": "--num-blocks", "help": "KV blocks (default: from --kv-cache-mb)"}
-    )
-    kv_cache_mb: int = field(default=256, metadata={"flag": "--kv-cache-mb", "help": "MiB of KV cache"})
-    max_num_seqs: int = EngineConfig.max_num_seqs
-    max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens
-    max_attempts: int = EngineConfig.max_attempts
-    drain_timeout_s: float = EngineConfig.drain_timeout_s
-    request_timeout_s: float = EngineConfig.request_timeout_s
-    # "paddle": the model in a worker process (its own core and GIL, beside the engine's event
-    # loop); "paddle-thread": in the engine's own process, in a thread (tests, debugging). The
-    # flag's "timed" is no executor of a model: the CLI hands start_engine a TimedRunner.
-    executor: str = field(
-        default="paddle",
-        metadata={
-            "flag": "--executor",
-            "choices": ("paddle", "paddle-thread", "timed"),
-            "help": "paddle: the model in a worker process (default); paddle-thread: in this "
-            "process; timed: the real scheduler, blocks and streams with the forward "
-            "pass replaced by a wait of --step-ms (a stand-in for a GPU)",
-        },
-    )
-    # Where the model worker runs (fd/engine/runner/affinity.py): "auto", a CPU list, or "none".
-    worker_cpus: str = field(
-        default="none",
-        metadata={
-            "flag": "--worker-cpus",
-            "help": "CPUs of the model worker process (--executor paddle): auto (on two CPUs "
-            "both at a lower priority than this process if its GEMMs gain by a second "
-            "thread, else the last alone; on more, all but the first, which this process "
-            "keeps), a list like 3 or "
-            "2-3, or none (the kernel decides); default %(default)s (see "
-            "fd/engine/runner/affinity.py)",
-        },
-    )
-    # vLLM's --seed: where the sampler's random stream starts, for requests that give no seed
-    # (a request's own seed draws from a stream of its own, engine or not)
-    seed: int = field(
-        default=0,
-        metadata={
-            "flag": "--seed",
-            "help": "the sampler's seed for requests that give none (vLLM's; default %(default)s)",
-        },
-    )
-    journal: bool = EngineConfig.journal
-    async_scheduling: bool = EngineConfig.async_scheduling
-    enable_prefix_caching: bool = EngineConfig.enable_prefix_caching
-    scheduling_policy: str = EngineConfig.scheduling_policy
-    journal_maxlen: int = field(
-        default=10_000,
-        metadata={
-            "flag": "--journal-maxlen",
-            "help": "journal entries kept per engine (one a step; MAXLEN ~) for `fd replay`",
-        },
-    )
-    max_model_len: int | None = EngineConfig.max_model_len
-    lora_modules: dict[str, str] = field(default_factory=dict)  # vLLM's --lora-modules: name -> path
-    max_lora_rank: int | None = None
-    # vLLM's VLLM_BATCH_INVARIANT: a request's logits the same in any batch (fd/engine/model/llama.py),
-    # at the price of batch 1 costing what batch 8 does
-    batch_invariant: bool = False
-    request_ttl_s: int = REQUEST_TTL_S  # a finished request's story and owner key are kept this long
-    tombstone_ttl_s: int = EngineConfig.tombstone_ttl_s
-    # vLLM's periodic throughput line (fd.control.logs.StatsLine): every this many seconds while
-    # the engine is busy; vLLM's VLLM_LOG_STATS_INTERVAL sets the default, as it does there
-    log_stats_interval_s: float = field(
-        default=_env_seconds("VLLM_LOG_STATS_INTERVAL", 10.0),
-        metadata={
-            "flag": "--log-stats-interval",
-            "metavar": "S",
-            "help": "seconds between the engine's throughput lines (prompt and generation "
-            "tokens/s, running, waiting, KV cache usage, prefix cache hit rate), logged "
-            "while it is busy; default $VLLM_LOG_STATS_INTERVAL or 10",
-        },
-    )
-    disable_log_stats: bool = field(
-        default=False,
-        metadata={
-            "flag": "--disable-log-stats",
-            "action": "store_true",
-            "help": "no periodic throughput line (vLLM's)",
-        },
-    )
 
 
 def timeout_s(text: str) -> float:
@@ -430,25 +303,25 @@ def _no_retries(client):
     return client
 
 
-def make_runner(opts: EngineOptions, progress: bool = True):
+def make_runner(cfg: EngineConfig, progress: bool = True):
     kw = dict(
-        device=opts.device,
-        num_blocks=opts.num_blocks,
-        block_size=opts.block_size,
-        kv_cache_bytes=opts.kv_cache_mb << 20,
+        device=cfg.device,
+        num_blocks=cfg.num_blocks,
+        block_size=cfg.block_size,
+        kv_cache_bytes=cfg.kv_cache_mb << 20,
         progress=progress,
-        seed=opts.seed,
-        lora_modules=dict(opts.lora_modules) or None,
-        max_lora_rank=opts.max_lora_rank,
-        batch_invariant=opts.batch_invariant,
+        seed=cfg.seed,
+        lora_modules=dict(cfg.lora_modules) or None,
+        max_lora_rank=cfg.max_lora_rank,
+        batch_invariant=cfg.batch_invariant,
     )
-    if opts.executor == "paddle":
+    if cfg.executor == "paddle":
         from fd.engine.runner import affinity
         from fd.engine.runner.worker import ProcessRunner
 
-        cpus = affinity.plan(opts.worker_cpus)
+        cpus = affinity.plan(cfg.worker_cpus)
         runner = ProcessRunner(
-            opts.model_dir,
+            cfg.model_dir,
             cpus=cpus.worker if cpus else None,
             nice=cpus.worker_nice if cpus else 0,
             alone=cpus.alone if cpus else None,
@@ -456,12 +329,12 @@ def make_runner(opts: EngineOptions, progress: bool = True):
         )
         if cpus is not None:
             affinity.apply_rest(cpus.settled(runner.cpus))
-    elif opts.executor == "paddle-thread":
+    elif cfg.executor == "paddle-thread":
         from fd.engine.runner.model_runner import ModelRunner
 
-        runner = ModelRunner(opts.model_dir, **kw)
+        runner = ModelRunner(cfg.model_dir, **kw)
     else:
-        raise ValueError(f"unknown executor {opts.executor!r}")
+        raise ValueError(f"unknown executor {cfg.executor!r}")
     runner.warmup()  # before any request is admitted: warm-up writes scratch KV
     return runner
 
@@ -469,54 +342,57 @@ def make_runner(opts: EngineOptions, progress: bool = True):
 async def start_engine(
     redis_factory: Callable[[], Any],
     keys: Keys,
-    opts: EngineOptions,
+    cfg: EngineConfig,
     *,
     metrics: Metrics | None = None,
     runner: Any = None,
     tokenizer: Any = None,
-    **node_kw: Any,
 ) -> RunningEngine:
+    """An engine node of ``cfg``, running. ``runner``: the model's runner, if the caller has
+    one (else :func:`make_runner`'s, closed with the node)."""
     from fd.control.tokenizer import Tokenizer, served_context
     from fd.engine.node.node import EngineNode
 
     owns_runner = runner is None
-    if owns_runner and opts.max_model_len is not None:  # (a bad value: said before the model loads)
-        served_context(opts.max_model_len, Tokenizer.from_dir(opts.model_dir).max_model_len)
-    runner = runner if runner is not None else make_runner(opts)
-    tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_dir(opts.model_dir)
+    asked = cfg.scheduler.max_model_len
+    if owns_runner and asked is not None:  # (a bad value: said before the model loads)
+        served_context(asked, Tokenizer.from_dir(cfg.model_dir).max_model_len)
+    runner = runner if runner is not None else make_runner(cfg)
+    tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_dir(cfg.model_dir)
     if metrics is not None:
         metrics.engine_in_process = True  # the engine sets its gauges itself, every step
-    engine_id = opts.engine_id or f"{socket.gethostname()[:24]}-{secrets.token_hex(3)}"
-    kw = {name: getattr(opts, name) for name in NODE_FIELDS}
-    kw.update(node_kw)
     try:
-        if kw.get("max_model_len") is not None:  # (out of the model's range: said as ever)
-            served_context(kw["max_model_len"], runner.max_model_len)
-        kw["max_model_len"] = engine_context(
-            kw.get("max_model_len"),
+        if asked is not None:  # (out of the model's range: said as ever)
+            served_context(asked, runner.max_model_len)
+        context = engine_context(
+            asked,
             runner.max_model_len,
-            runner.num_blocks * kw.get("block_size", opts.block_size),
-            "--num-blocks" if opts.num_blocks is not None else "--kv-cache-mb",
+            runner.num_blocks * cfg.block_size,
+            "--num-blocks" if cfg.num_blocks is not None else "--kv-cache-mb",
         )
     except BaseException:
         if owns_runner:
             runner.close()  # a model worker must not outlive a failed start
         raise
-    cfg = EngineConfig(engine_id=engine_id, **kw)
+    cfg = dataclasses.replace(
+        cfg,
+        engine_id=cfg.engine_id or f"{socket.gethostname()[:24]}-{secrets.token_hex(3)}",
+        scheduler=dataclasses.replace(cfg.scheduler, max_model_len=context),
+    )
     node = EngineNode(
         Bus(
             _no_retries(redis_factory()),
             keys,
-            journal_maxlen=opts.journal_maxlen,
-            req_ttl_s=opts.request_ttl_s,
+            journal_maxlen=cfg.journal_maxlen,
+            req_ttl_s=cfg.request_ttl_s,
         ),
-        Bus(_no_retries(redis_factory()), keys, req_ttl_s=opts.request_ttl_s),
+        Bus(_no_retries(redis_factory()), keys, req_ttl_s=cfg.request_ttl_s),
         runner,
         tokenizer,
         cfg,
         metrics=metrics,
         # (an interval of 0 or less: off, as --disable-log-stats)
-        stats_interval_s=0.0 if opts.disable_log_stats else max(0.0, opts.log_stats_interval_s or 0.0),
+        stats_interval_s=0.0 if cfg.disable_log_stats else max(0.0, cfg.log_stats_interval_s or 0.0),
     )
     if metrics is not None:
         node.bus.on_dead_letter = node.control_bus.on_dead_letter = metrics.dead_letters_total.inc
@@ -526,7 +402,7 @@ async def start_engine(
         if owns_runner:
             runner.close()  # a model worker must not outlive a failed start
         raise
-    task = asyncio.create_task(node.run(), name=f"engine-{engine_id}")
+    task = asyncio.create_task(node.run(), name=f"engine-{cfg.engine_id}")
     return RunningEngine(node, task, metrics, owns_runner=owns_runner)
 
 

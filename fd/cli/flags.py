@@ -3,8 +3,8 @@ in its metadata (``flag``: its name; ``help``, ``metavar``, ``choices``, ``nargs
 as argparse takes them; ``type`` when the annotation does not say it; ``negate``: a field true
 by default whose flag ``--no-...`` turns it off), and the flag's default is the field's. So a
 default and its help are written once, where the setting is declared (fd/engine/node/node_config.py's
-``EngineConfig``, fd/compose.py's ``EngineOptions`` and ``ApiOptions``), and the parsed flags
-go back to those fields by :func:`field_values`.
+``EngineConfig`` and its ``SchedulerSettings``, fd/compose.py's ``ApiOptions``), and the parsed
+flags go back to those fields by :func:`field_values`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from fd.cli.vllm_table import human_int
+from fd.cli.vllm_table import human_int, human_int_or_auto
 
 
 def seconds(text: str) -> int:
@@ -38,8 +38,13 @@ _TYPES: dict[str, Callable[[str], Any]] = {
 
 
 #: the parsers a field's metadata may name as its ``type`` (the engine cannot import them);
-#: human_int: vLLM's human-readable int (32k), for the fields whose flags are vLLM's
-NAMED_TYPES: dict[str, Callable[[str], Any]] = {"seconds": seconds, "human_int": human_int}
+#: human_int: vLLM's human-readable int (32k), for the fields whose flags are vLLM's, and
+#: human_int_or_auto one that may also be ``auto`` (None: the model's)
+NAMED_TYPES: dict[str, Callable[[str], Any]] = {
+    "seconds": seconds,
+    "human_int": human_int,
+    "human_int_or_auto": human_int_or_auto,
+}
 
 
 def _field(cls: type, name: str) -> dataclasses.Field:

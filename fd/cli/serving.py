@@ -1,6 +1,6 @@
 """The commands that serve: ``fd serve`` (API, engine and embedded control plane in one
 process, with ``--api-server-count`` more API processes), ``fd api``, ``fd engine`` and
-``fd run-batch``; the options they hand fd.compose, and how their processes run (signals,
+``fd run-batch``; the configs they make of their flags for fd.compose, and how their processes run (signals,
 garbage collection)."""
 
 from __future__ import annotations
@@ -26,20 +26,18 @@ from fd.control.logs import say
 log = logging.getLogger("fd.cli.main")
 
 
-def _engine_opts(args: argparse.Namespace, model_dir: Path):
+def _engine_config(args: argparse.Namespace, model_dir: Path):
     from fd.cli.flags import field_values
-    from fd.compose import EngineOptions
-    from fd.engine.node.node_config import EngineConfig
+    from fd.engine.node.node_config import EngineConfig, SchedulerSettings
 
-    flags = {**field_values(args, EngineConfig), **field_values(args, EngineOptions)}
-    if flags["executor"] == "timed":  # (its runner is _runner's; the options name a model's)
+    flags = field_values(args, EngineConfig)
+    if flags["executor"] == "timed":  # (its runner is _runner's; the config names a model's)
         flags["executor"] = "paddle"
-    return EngineOptions(
+    return EngineConfig(
         model_dir=str(model_dir),
         **flags,
-        max_model_len=args.max_model_len,
+        scheduler=SchedulerSettings(**field_values(args, SchedulerSettings)),
         lora_modules=lora_modules(args),
-        max_lora_rank=args.max_lora_rank,
         request_ttl_s=_request_ttl(args),
         batch_invariant=args.batch_invariant,
     )
@@ -145,7 +143,7 @@ async def _start_serving_on(args: argparse.Namespace, held):
     engine = await start_engine(
         factory,
         keys,
-        dataclasses.replace(_engine_opts(args, model_dir), request_ttl_s=ttl),
+        dataclasses.replace(_engine_config(args, model_dir), request_ttl_s=ttl),
         metrics=metrics,
         runner=_runner(args, model_dir),
     )
@@ -378,9 +376,9 @@ async def cmd_engine(args: argparse.Namespace) -> int:
 
     url = need_url(args)
     model_dir = resolve_model(args.model)
-    opts = _engine_opts(args, model_dir)
+    cfg = _engine_config(args, model_dir)
     engine = await start_engine(
-        lambda: connect(url, args.redis_timeout), Keys(args.prefix), opts, runner=_runner(args, model_dir)
+        lambda: connect(url, args.redis_timeout), Keys(args.prefix), cfg, runner=_runner(args, model_dir)
     )
     _tune_gc()
     say(

@@ -7,8 +7,9 @@ import logging
 
 import aiohttp
 
-from fd.compose import ApiOptions, EngineOptions, join_in_process, start_api, start_engine
+from fd.compose import ApiOptions, join_in_process, start_api, start_engine
 from fd.control.metrics import Metrics
+from fd.engine.node.node_config import EngineConfig
 
 
 async def _serve(embedded_redis, keys, tiny_model_dir, tiny_runner, **api_kw):
@@ -16,7 +17,7 @@ async def _serve(embedded_redis, keys, tiny_model_dir, tiny_runner, **api_kw):
     eng = await start_engine(
         embedded_redis.client,
         keys,
-        EngineOptions(model_dir=str(tiny_model_dir), engine_id="e-log"),
+        EngineConfig(model_dir=str(tiny_model_dir), engine_id="e-log"),
         runner=tiny_runner,
         metrics=metrics,
     )

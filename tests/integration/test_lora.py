@@ -135,14 +135,15 @@ def test_greedy_output_is_the_merged_models_and_the_prefix_cache_keeps_them_apar
 async def test_the_openai_client_names_an_adapter_as_its_model(
     embedded_redis, keys, tiny_model_dir, tiny_tokenizer, lora_runner, adapters
 ):
-    from fd.compose import ApiOptions, EngineOptions, join_in_process, start_api, start_engine
+    from fd.compose import ApiOptions, join_in_process, start_api, start_engine
     from fd.control.metrics import Metrics
+    from fd.engine.node.node_config import EngineConfig
 
     mods = {name: a for name, (a, _) in adapters.items()}
     eng = await start_engine(
         embedded_redis.client,
         keys,
-        EngineOptions(model_dir=str(tiny_model_dir), engine_id="e-lora", lora_modules=mods),
+        EngineConfig(model_dir=str(tiny_model_dir), engine_id="e-lora", lora_modules=mods),
         runner=lora_runner,
         tokenizer=tiny_tokenizer,
         metrics=Metrics(),
@@ -262,8 +263,9 @@ async def test_adapters_loaded_and_unloaded_at_run_time(
 
     import aiohttp
 
-    from fd.compose import ApiOptions, EngineOptions, join_in_process, start_api, start_engine
+    from fd.compose import ApiOptions, join_in_process, start_api, start_engine
     from fd.control.metrics import Metrics
+    from fd.engine.node.node_config import EngineConfig
 
     def runner():
         return ModelRunner(str(tiny_model_dir), num_blocks=256, block_size=16)
@@ -271,7 +273,7 @@ async def test_adapters_loaded_and_unloaded_at_run_time(
     e1 = await start_engine(
         embedded_redis.client,
         keys,
-        EngineOptions(model_dir=str(tiny_model_dir), engine_id="rt1"),
+        EngineConfig(model_dir=str(tiny_model_dir), engine_id="rt1"),
         runner=runner(),
         tokenizer=tiny_tokenizer,
         metrics=Metrics(),
@@ -331,7 +333,7 @@ async def test_adapters_loaded_and_unloaded_at_run_time(
             e2 = await start_engine(
                 embedded_redis.client,
                 keys,
-                EngineOptions(model_dir=str(tiny_model_dir), engine_id="rt2"),
+                EngineConfig(model_dir=str(tiny_model_dir), engine_id="rt2"),
                 runner=runner(),
                 tokenizer=tiny_tokenizer,
                 metrics=Metrics(),

@@ -10,9 +10,10 @@ import aiohttp
 import openai
 import pytest
 
-from fd.compose import ApiOptions, EngineOptions, start_api, start_engine
+from fd.compose import ApiOptions, start_api, start_engine
 from fd.control.connect import connect
 from fd.control.sampling import SamplingParams
+from fd.engine.node.node_config import EngineConfig
 from fd.engine.runner.llm import LLM
 
 
@@ -173,14 +174,14 @@ async def test_two_replicas_two_engines_resume_from_any_replica(
     e1 = await start_engine(
         factory,
         keys,
-        EngineOptions(model_dir=str(tiny_model_dir), engine_id="e1"),
+        EngineConfig(model_dir=str(tiny_model_dir), engine_id="e1"),
         runner=tiny_runner,
         tokenizer=tiny_tokenizer,
     )
     e2 = await start_engine(
         factory,
         keys,
-        EngineOptions(model_dir=str(tiny_model_dir), engine_id="e2"),
+        EngineConfig(model_dir=str(tiny_model_dir), engine_id="e2"),
         runner=runner2,
         tokenizer=tiny_tokenizer,
     )

@@ -14,8 +14,9 @@ import httpx
 import openai
 import pytest
 
-from fd.compose import ApiOptions, EngineOptions, join_in_process, start_api, start_engine
+from fd.compose import ApiOptions, join_in_process, start_api, start_engine
 from fd.control.metrics import Metrics
+from fd.engine.node.node_config import EngineConfig
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ async def test_the_api_speaks_https_with_vllms_flags(embedded_redis, keys, tiny_
     eng = await start_engine(
         embedded_redis.client,
         keys,
-        EngineOptions(model_dir=str(tiny_model_dir), engine_id="e-tls"),
+        EngineConfig(model_dir=str(tiny_model_dir), engine_id="e-tls"),
         runner=tiny_runner,
         metrics=metrics,
     )

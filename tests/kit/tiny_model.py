@@ -37,14 +37,15 @@ def tiny_runner(tiny_model_dir):
 async def served(embedded_redis, keys, tiny_model_dir, tiny_runner, tiny_tokenizer):
     """What `fd serve` runs, in this process: one engine and one API node on the embedded
     server, sharing one Metrics object. Yields (api, engine)."""
-    from fd.compose import ApiOptions, EngineOptions, join_in_process, start_api, start_engine
+    from fd.compose import ApiOptions, join_in_process, start_api, start_engine
     from fd.control.metrics import Metrics
+    from fd.engine.node.node_config import EngineConfig
 
     metrics = Metrics()
     eng = await start_engine(
         embedded_redis.client,
         keys,
-        EngineOptions(model_dir=str(tiny_model_dir), engine_id="e0"),
+        EngineConfig(model_dir=str(tiny_model_dir), engine_id="e0"),
         runner=tiny_runner,
         tokenizer=tiny_tokenizer,
         metrics=metrics,
