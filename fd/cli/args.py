@@ -236,33 +236,33 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS headers (JSON list)")
     p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     # how long a client may take to send a request's head (slowloris)
-    from fd.compose import ApiOptions
+    from fd.api.config import ApiConfig
 
-    add_field_flags(p, ApiOptions, "header_timeout_s")
-    add_field_flags(p, ApiOptions, "disable_uvicorn_access_log", "disable_access_log_for_endpoints")
-    add_field_flags(p, ApiOptions, "log_requests", "max_log_len")
+    add_field_flags(p, ApiConfig, "header_timeout_s")
+    add_field_flags(p, ApiConfig, "disable_uvicorn_access_log", "disable_access_log_for_endpoints")
+    add_field_flags(p, ApiConfig, "log_requests", "max_log_len")
     add_field_flags(
-        p, ApiOptions, "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs", "ssl_ciphers"
+        p, ApiConfig, "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs", "ssl_ciphers"
     )
 
 
 def add_response_args(p: argparse.ArgumentParser) -> None:
     """vLLM's server-wide defaults for what an answer shows."""
-    from fd.compose import ApiOptions
+    from fd.api.config import ApiConfig
 
-    add_field_flags(p, ApiOptions, "force_include_usage", "tokens_as_ids")
+    add_field_flags(p, ApiConfig, "force_include_usage", "tokens_as_ids")
 
 
 def add_served_name(p: argparse.ArgumentParser) -> None:
-    from fd.compose import ApiOptions
+    from fd.api.config import ApiConfig
 
-    add_field_flags(p, ApiOptions, "served_model_name")
+    add_field_flags(p, ApiConfig, "served_model_name")
 
 
 def add_chat_args(p: argparse.ArgumentParser) -> None:
-    from fd.compose import ApiOptions
+    from fd.api.config import ApiConfig
 
-    add_field_flags(p, ApiOptions, "chat_template", "generation_config")
+    add_field_flags(p, ApiConfig, "chat_template", "generation_config")
 
 
 def api_keys(args: argparse.Namespace) -> list[str]:
@@ -293,6 +293,6 @@ def add_tool_args(p: argparse.ArgumentParser) -> None:
         help="let chat requests with tools have the model call them (tool_choice "
         '"auto"); needs --tool-call-parser',
     )
-    from fd.compose import ApiOptions
+    from fd.api.config import ApiConfig
 
-    add_field_flags(p, ApiOptions, "tool_parser", "reasoning_parser")
+    add_field_flags(p, ApiConfig, "tool_parser", "reasoning_parser")

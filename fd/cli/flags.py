@@ -3,14 +3,15 @@ in its metadata (``flag``: its name; ``help``, ``metavar``, ``choices``, ``nargs
 as argparse takes them; ``type`` when the annotation does not say it; ``negate``: a field true
 by default whose flag ``--no-...`` turns it off), and the flag's default is the field's. So a
 default and its help are written once, where the setting is declared (fd/engine/node/node_config.py's
-``EngineConfig`` and its ``SchedulerSettings``, fd/compose.py's ``ApiOptions``), and the parsed
-flags go back to those fields by :func:`field_values`.
+``EngineConfig`` and its ``SchedulerSettings``, fd/api/config.py's ``ApiConfig``), and the
+parsed flags go back to those fields by :func:`field_values`.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +29,22 @@ def seconds(text: str) -> int:
     return n
 
 
+def timeout_s(text: str) -> float:
+    """A timeout flag's seconds (fractions too); 0 turns it off."""
+    try:
+        s = float(text)
+    except ValueError:
+        s = math.nan
+    if not (math.isfinite(s) and s >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (0 or more)")
+    return s
+
+
+def endpoint_list(text: str) -> tuple[str, ...]:
+    """vLLM's ``--disable-access-log-for-endpoints``: paths, comma-separated."""
+    return tuple(p.strip() for p in text.split(",") if p.strip())
+
+
 #: what a field's annotation (a string: the modules use postponed annotations) parses with
 _TYPES: dict[str, Callable[[str], Any]] = {
     "int": int,
@@ -37,11 +54,13 @@ _TYPES: dict[str, Callable[[str], Any]] = {
 }
 
 
-#: the parsers a field's metadata may name as its ``type`` (the engine cannot import them);
+#: the parsers a field's metadata may name as its ``type`` (the nodes do not import the CLI);
 #: human_int: vLLM's human-readable int (32k), for the fields whose flags are vLLM's, and
 #: human_int_or_auto one that may also be ``auto`` (None: the model's)
 NAMED_TYPES: dict[str, Callable[[str], Any]] = {
     "seconds": seconds,
+    "timeout_s": timeout_s,
+    "endpoint_list": endpoint_list,
     "human_int": human_int,
     "human_int_or_auto": human_int_or_auto,
 }

@@ -12,7 +12,8 @@ import aiohttp
 import orjson
 import pytest
 
-from fd.compose import ApiOptions, join_in_process, start_api, start_engine
+from fd.api.config import ApiConfig
+from fd.compose import join_in_process, start_api, start_engine
 from fd.engine.node.node_config import EngineConfig
 from fd.engine.runner.timed_runner import TimedRunner
 
@@ -34,7 +35,7 @@ async def api(embedded_redis, keys, tiny_model_dir, tiny_tokenizer):
     api = await start_api(
         embedded_redis.client,
         keys,
-        ApiOptions(model_dir=str(tiny_model_dir), header_timeout_s=HEAD_S),
+        ApiConfig(model_dir=str(tiny_model_dir), header_timeout_s=HEAD_S),
         tokenizer=tiny_tokenizer,
     )
     join_in_process(api, eng)

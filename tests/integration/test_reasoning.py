@@ -15,9 +15,10 @@ import openai
 import orjson
 import pytest
 
+from fd.api.config import ApiConfig
 from fd.api.reasoning import ReasoningParser, split_all
 from fd.api.tool_calls import call_id
-from fd.compose import ApiOptions, join_in_process, start_api, start_engine
+from fd.compose import join_in_process, start_api, start_engine
 from fd.control.events import Accepted, decode
 from fd.control.guided import canonical, starting_after
 from fd.control.sampling import SamplingParams
@@ -242,7 +243,7 @@ async def test_chat_template_kwargs_reach_the_template(
     api = await start_api(
         embedded_redis.client,
         keys,
-        ApiOptions(model_dir=str(tiny_model_dir), chat_template=template, reasoning_parser="qwen3"),
+        ApiConfig(model_dir=str(tiny_model_dir), chat_template=template, reasoning_parser="qwen3"),
         tokenizer=tiny_tokenizer,
     )
     join_in_process(api, eng)
@@ -287,7 +288,7 @@ async def test_chat_template_kwargs_reach_the_template(
         await start_api(
             embedded_redis.client,
             keys,
-            ApiOptions(model_dir=str(tiny_model_dir), reasoning_parser="nope"),
+            ApiConfig(model_dir=str(tiny_model_dir), reasoning_parser="nope"),
             tokenizer=tiny_tokenizer,
         )
 

@@ -10,7 +10,8 @@ import aiohttp
 import openai
 import pytest
 
-from fd.compose import ApiOptions, start_api, start_engine
+from fd.api.config import ApiConfig
+from fd.compose import start_api, start_engine
 from fd.control.connect import connect
 from fd.control.sampling import SamplingParams
 from fd.engine.node.node_config import EngineConfig
@@ -185,8 +186,8 @@ async def test_two_replicas_two_engines_resume_from_any_replica(
         runner=runner2,
         tokenizer=tiny_tokenizer,
     )
-    a = await start_api(factory, keys, ApiOptions(model_dir=str(tiny_model_dir)), tokenizer=tiny_tokenizer)
-    b = await start_api(factory, keys, ApiOptions(model_dir=str(tiny_model_dir)), tokenizer=tiny_tokenizer)
+    a = await start_api(factory, keys, ApiConfig(model_dir=str(tiny_model_dir)), tokenizer=tiny_tokenizer)
+    b = await start_api(factory, keys, ApiConfig(model_dir=str(tiny_model_dir)), tokenizer=tiny_tokenizer)
     try:
         async with aiohttp.ClientSession() as http:
             body = {

@@ -13,8 +13,8 @@ import openai
 import pytest
 
 from fd.api import protocol, sampling, validation
+from fd.api.config import ApiConfig
 from fd.compose import (
-    ApiOptions,
     join_in_process,
     read_chat_template,
     read_generation_config,
@@ -56,7 +56,7 @@ async def _serve(
     api = await start_api(
         embedded_redis.client,
         keys,
-        ApiOptions(model_dir=str(tiny_model_dir), **api_kw),
+        ApiConfig(model_dir=str(tiny_model_dir), **api_kw),
         tokenizer=tiny_tokenizer,
     )
     join_in_process(api, eng)
@@ -136,7 +136,7 @@ async def test_a_longer_context_than_the_model_has_is_refused_at_start(
         await start_api(
             embedded_redis.client,
             keys,
-            ApiOptions(model_dir=str(tiny_model_dir), max_model_len=10**6),
+            ApiConfig(model_dir=str(tiny_model_dir), max_model_len=10**6),
             tokenizer=tiny_tokenizer,
         )
     with pytest.raises(ValueError, match="max_position_embeddings"):  # before the model loads
@@ -190,7 +190,7 @@ async def test_a_chat_template_that_cannot_be_used_is_said_at_start(
         await start_api(
             embedded_redis.client,
             keys,
-            ApiOptions(model_dir=str(tiny_model_dir), chat_template="{% for m in %}"),
+            ApiConfig(model_dir=str(tiny_model_dir), chat_template="{% for m in %}"),
             tokenizer=tiny_tokenizer,
         )
     with pytest.raises(FileNotFoundError, match="no such file"):
@@ -381,12 +381,12 @@ async def test_server_wide_usage_and_token_id_defaults(
     """vLLM's --enable-force-include-usage (every stream ends with its usage) and
     --return-tokens-as-token-ids (unless a request says otherwise)."""
     from fd.cli.main import build_parser
-    from fd.cli.serving import _api_opts
+    from fd.cli.serving import _api_config
 
     args = build_parser().parse_args(
         ["serve", "--enable-force-include-usage", "--return-tokens-as-token-ids"]
     )
-    opts = _api_opts(args, tiny_model_dir)
+    opts = _api_config(args, tiny_model_dir)
     assert opts.force_include_usage and opts.tokens_as_ids
     api, eng = await _serve(
         embedded_redis,
@@ -434,10 +434,10 @@ async def test_scheduling_policy_priority(embedded_redis, keys, tiny_model_dir, 
     engine's scheduler orders by it (tests/unit/test_scheduler.py); the request event and the
     journal carry it, so a replay decides the same."""
     from fd.cli.main import build_parser
-    from fd.cli.serving import _api_opts, _engine_config
+    from fd.cli.serving import _api_config, _engine_config
 
     args = build_parser().parse_args(["serve", "--scheduling-policy", "priority"])
-    assert _api_opts(args, tiny_model_dir).priority_scheduling
+    assert _api_config(args, tiny_model_dir).priority_scheduling
     assert _engine_config(args, tiny_model_dir).scheduler.scheduling_policy == "priority"
     assert (
         build_parser().parse_args(["api", "--scheduling-policy", "priority"]).scheduling_policy == "priority"

@@ -20,7 +20,8 @@ import numpy as np
 import orjson
 import pytest
 
-from fd.compose import ApiOptions, start_api, start_engine
+from fd.api.config import ApiConfig
+from fd.compose import start_api, start_engine
 from fd.control.connect import connect
 from fd.control.events import BlocksReleased, Claimed, Final, Tokens
 from fd.control.sampling import SamplingParams
@@ -75,7 +76,7 @@ async def api_and_engine(redis_server, keys, tiny_model_dir, tiny_runner, tiny_t
         tokenizer=tiny_tokenizer,
     )
     api = await start_api(
-        lambda: connect(url), keys, ApiOptions(model_dir=str(tiny_model_dir)), tokenizer=tiny_tokenizer
+        lambda: connect(url), keys, ApiConfig(model_dir=str(tiny_model_dir)), tokenizer=tiny_tokenizer
     )
     yield api, eng
     await api.stop()

@@ -107,10 +107,11 @@ class SchedulerSettings:
     )
 
 
-@dataclass
+@dataclass(kw_only=True)
 class EngineConfig:
     """Everything an engine node is configured with. ``fd serve`` and ``fd engine`` make one of
-    their flags (fd/cli/serving.py); :func:`fd.compose.start_engine` starts a node of it."""
+    their flags (fd/cli/serving.py); :func:`fd.compose.start_engine` starts a node of it. Built
+    by keyword: its fields are many, and several of one type."""
 
     # --- the model, and the process that runs it
     model_dir: str
