@@ -228,10 +228,11 @@ async def node_part(
     bar,
     real_redis: bool,
 ):
-    from fd.compose import EngineOptions, start_engine
+    from fd.compose import start_engine
     from fd.control.connect import connect
     from fd.control.embedded import EmbeddedRedis
     from fd.control.keys import Keys
+    from fd.engine.node.node_config import EngineConfig, SchedulerSettings
 
     emb = EmbeddedRedis()
     emb.start()
@@ -251,11 +252,12 @@ async def node_part(
                     eng = await start_engine(
                         factory,
                         Keys(f"bench-{kind}"),
-                        EngineOptions(
+                        EngineConfig(
                             model_dir="unused",
                             num_blocks=worker.num_blocks,
-                            max_num_seqs=max(64, max(batches)),
-                            async_scheduling=kind != "sync",
+                            scheduler=SchedulerSettings(
+                                max_num_seqs=max(64, max(batches)), async_scheduling=kind != "sync"
+                            ),
                             engine_id=f"bench-{kind}",
                         ),
                         runner=worker,

@@ -168,12 +168,13 @@ async def served_replay(model_dir: str, runner, n: int) -> dict:
     from the first entry to the last, so it includes the node's own I/O, as in production."""
     import asyncio
 
-    from fd.compose import EngineOptions, start_engine
+    from fd.compose import start_engine
     from fd.control.bus import Bus
     from fd.control.embedded import EmbeddedRedis
     from fd.control.keys import Keys
     from fd.control.tokenizer import Tokenizer
     from fd.engine.journal.journal_reader import load_journal_from_redis
+    from fd.engine.node.node_config import EngineConfig
     from tests.kit.engine import story, submit_together
 
     emb = EmbeddedRedis()
@@ -182,7 +183,7 @@ async def served_replay(model_dir: str, runner, n: int) -> dict:
         keys = Keys("jb")
         tok = Tokenizer.from_dir(model_dir)
         eng = await start_engine(
-            emb.client, keys, EngineOptions(model_dir=model_dir, engine_id="jb"), runner=runner, tokenizer=tok
+            emb.client, keys, EngineConfig(model_dir=model_dir, engine_id="jb"), runner=runner, tokenizer=tok
         )
         bus = Bus(emb.client(), keys)
         rng = random.Random(3)

@@ -63,11 +63,13 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 async def node_main(a: argparse.Namespace) -> int:
     """Engines on the timed executor and/or an API node, in this process, until SIGTERM."""
-    from fd.compose import ApiOptions, EngineOptions, start_api, start_engine
+    from fd.api.config import ApiConfig
+    from fd.compose import start_api, start_engine
     from fd.control.connect import connect
     from fd.control.keys import Keys
     from fd.control.metrics import Metrics
     from fd.control.tokenizer import Tokenizer
+    from fd.engine.node.node_config import EngineConfig, SchedulerSettings
     from fd.engine.runner.timed_runner import TimedRunner
 
     embedded = None
@@ -88,7 +90,11 @@ async def node_main(a: argparse.Namespace) -> int:
         eng = await start_engine(
             factory,
             keys,
-            EngineOptions(model_dir=a.model, engine_id=f"{a.name}-e{i}", max_num_seqs=a.max_num_seqs),
+            EngineConfig(
+                model_dir=a.model,
+                engine_id=f"{a.name}-e{i}",
+                scheduler=SchedulerSettings(max_num_seqs=a.max_num_seqs),
+            ),
             runner=runner,
             tokenizer=tok,
             metrics=metrics if a.api else None,
@@ -97,7 +103,7 @@ async def node_main(a: argparse.Namespace) -> int:
         engines.append(eng)
     if a.api:
         api = await start_api(
-            factory, keys, ApiOptions(model_dir=a.model, port=a.port), metrics=metrics, tokenizer=tok
+            factory, keys, ApiConfig(model_dir=a.model, port=a.port), metrics=metrics, tokenizer=tok
         )
         api.bus.req_ttl_s = a.req_ttl
     print(f"READY port={api.port if api else 0} redis={url}", flush=True)

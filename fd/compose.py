@@ -6,359 +6,27 @@ and ``engine``. Each part gets its own Redis connections, exactly as separate pr
 
 from __future__ import annotations
 
-import argparse
 import asyncio
+import dataclasses
 import json
 import logging
-import math
-import os
 import secrets
 import socket
-import ssl
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fd.api.cors import Cors
+from fd.api.config import ApiConfig
 from fd.api.listen import HeldPort
 from fd.api.reasoning import PARSERS as REASONING_PARSERS
-from fd.api.tool_calls import PARSERS as TOOL_PARSERS
-from fd.control.bus import REQUEST_TTL_S, Bus
+from fd.control.bus import Bus
 from fd.control.keys import Keys
 from fd.control.metrics import Metrics
 from fd.control.mux import StreamMux
 from fd.engine.node.node_config import EngineConfig, engine_context
 
 log = logging.getLogger("fd.api")
-
-
-def _env_seconds(name: str, default: float) -> float:
-    """A number of seconds from the environment (vLLM's variables), else ``default``."""
-    try:
-        value = float(os.environ.get(name) or default)
-    except ValueError:
-        return default
-    return value if math.isfinite(value) and value > 0 else default
-
-
-def endpoint_list(text: str) -> tuple[str, ...]:
-    """vLLM's ``--disable-access-log-for-endpoints``: paths, comma-separated."""
-    return tuple(p.strip() for p in text.split(",") if p.strip())
-
-
-#: EngineOptions' fields that are the engine node's own settings, handed to its EngineConfig
-NODE_FIELDS = (
-    "block_size",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "max_attempts",
-    "drain_timeout_s",
-    "request_timeout_s",
-    "journal",
-    "async_scheduling",
-    "enable_prefix_caching",
-    "scheduling_policy",
-    "max_model_len",
-    "tombstone_ttl_s",
-)
-
-
-@dataclass
-class EngineOptions:
-    """An engine node's options: its model and the process that runs it (the fields with a
-    flag in their metadata are ``fd serve`` and ``fd engine`` flags: fd.cli.flags), and the
-    node's own settings (:data:`NODE_FIELDS`), whose defaults are :class:`EngineConfig`'s."""
-
-    model_dir: str
-    device: str = field(default="cpu", metadata={"flag": "--device", "help": "cpu | gpu | gpu:N"})
-    engine_id: str | None = field(
-        default=None,
-        metadata={
-            "flag": "--engine-id",
-            "help": "this engine's name on the control plane (default: a new one)",
-        },
-    )
-    block_size: int = EngineConfig.block_size
-    num_blocks: int | None = field(
-        default=None, metadata={"flag": "--num-blocks", "help": "KV blocks (default: from --kv-cache-mb)"}
-    )
-    kv_cache_mb: int = field(default=256, metadata={"flag": "--kv-cache-mb", "help": "MiB of KV cache"})
-    max_num_seqs: int = EngineConfig.max_num_seqs
-    max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens
-    max_attempts: int = EngineConfig.max_attempts
-    drain_timeout_s: float = EngineConfig.drain_timeout_s
-    request_timeout_s: float = EngineConfig.request_timeout_s
-    # "paddle": the model in a worker process (its own core and GIL, beside the engine's event
-    # loop); "paddle-thread": in the engine's own process, in a thread (tests, debugging). The
-    # flag's "timed" is no executor of a model: the CLI hands start_engine a TimedRunner.
-    executor: str = field(
-        default="paddle",
-        metadata={
-            "flag": "--executor",
-            "choices": ("paddle", "paddle-thread", "timed"),
-            "help": "paddle: the model in a worker process (default); paddle-thread: in this "
-            "process; timed: the real scheduler, blocks and streams with the forward "
-            "pass replaced by a wait of --step-ms (a stand-in for a GPU)",
-        },
-    )
-    # Where the model worker runs (fd/engine/runner/affinity.py): "auto", a CPU list, or "none".
-    worker_cpus: str = field(
-        default="none",
-        metadata={
-            "flag": "--worker-cpus",
-            "help": "CPUs of the model worker process (--executor paddle): auto (on two CPUs "
-            "both at a lower priority than this process if its GEMMs gain by a second "
-            "thread, else the last alone; on more, all but the first, which this process "
-            "keeps), a list like 3 or "
-            "2-3, or none (the kernel decides); default %(default)s (see "
-            "fd/engine/runner/affinity.py)",
-        },
-    )
-    # vLLM's --seed: where the sampler's random stream starts, for requests that give no seed
-    # (a request's own seed draws from a stream of its own, engine or not)
-    seed: int = field(
-        default=0,
-        metadata={
-            "flag": "--seed",
-            "help": "the sampler's seed for requests that give none (vLLM's; default %(default)s)",
-        },
-    )
-    journal: bool = EngineConfig.journal
-    async_scheduling: bool = EngineConfig.async_scheduling
-    enable_prefix_caching: bool = EngineConfig.enable_prefix_caching
-    scheduling_policy: str = EngineConfig.scheduling_policy
-    journal_maxlen: int = field(
-        default=10_000,
-        metadata={
-            "flag": "--journal-maxlen",
-            "help": "journal entries kept per engine (one a step; MAXLEN ~) for `fd replay`",
-        },
-    )
-    max_model_len: int | None = EngineConfig.max_model_len
-    lora_modules: dict[str, str] = field(default_factory=dict)  # vLLM's --lora-modules: name -> path
-    max_lora_rank: int | None = None
-    # vLLM's VLLM_BATCH_INVARIANT: a request's logits the same in any batch (fd/engine/model/llama.py),
-    # at the price of batch 1 costing what batch 8 does
-    batch_invariant: bool = False
-    request_ttl_s: int = REQUEST_TTL_S  # a finished request's story and owner key are kept this long
-    tombstone_ttl_s: int = EngineConfig.tombstone_ttl_s
-    # vLLM's periodic throughput line (fd.control.logs.StatsLine): every this many seconds while
-    # the engine is busy; vLLM's VLLM_LOG_STATS_INTERVAL sets the default, as it does there
-    log_stats_interval_s: float = field(
-        default=_env_seconds("VLLM_LOG_STATS_INTERVAL", 10.0),
-        metadata={
-            "flag": "--log-stats-interval",
-            "metavar": "S",
-            "help": "seconds between the engine's throughput lines (prompt and generation "
-            "tokens/s, running, waiting, KV cache usage, prefix cache hit rate), logged "
-            "while it is busy; default $VLLM_LOG_STATS_INTERVAL or 10",
-        },
-    )
-    disable_log_stats: bool = field(
-        default=False,
-        metadata={
-            "flag": "--disable-log-stats",
-            "action": "store_true",
-            "help": "no periodic throughput line (vLLM's)",
-        },
-    )
-
-
-def timeout_s(text: str) -> float:
-    """A timeout flag's seconds (fractions too); 0 turns it off."""
-    try:
-        s = float(text)
-    except ValueError:
-        s = math.nan
-    if not (math.isfinite(s) and s >= 0):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (0 or more)")
-    return s
-
-
-@dataclass
-class ApiOptions:
-    """An API node's options (the fields with a flag in their metadata are ``fd serve`` and
-    ``fd api`` flags: fd.cli.flags)."""
-
-    model_dir: str
-    host: str = "127.0.0.1"
-    port: int = 0  # 0: a free port
-    # the name(s) requests use (vLLM's --served-model-name: the first is the one answers
-    # give); None: the model dir's name
-    served_model_name: str | list[str] | None = field(
-        default=None,
-        metadata={
-            "flag": "--served-model-name",
-            "nargs": "+",
-            "help": "the model name(s) requests use (default: the model dir's name); "
-            "answers give the first, as vLLM's",
-        },
-    )
-    api_key: str | list[str] | None = None  # one key, or several (each a tenant: fd.api.tenancy)
-    admin_key: str | None = None
-    tool_parser: str | None = field(  # see fd.api.tool_calls
-        default=None,
-        metadata={
-            "flag": "--tool-call-parser",
-            "choices": TOOL_PARSERS,
-            "help": "how the model writes a tool call: hermes = <tool_call>{json}</tool_call> "
-            "(Qwen 2.5/3, Hermes); llama3_json = an answer that is {json}; {json} "
-            "(Llama 3.1-3.3)",
-        },
-    )
-    reasoning_parser: str | None = field(  # see fd.api.reasoning
-        default=None,
-        metadata={
-            "flag": "--reasoning-parser",
-            "choices": REASONING_PARSERS,
-            "help": "show a reasoning model's <think>...</think> as reasoning_content in "
-            "chat responses: deepseek_r1 (R1, QwQ, Qwen3 2507 thinking: the output "
-            "thinks until </think>) or qwen3 (Qwen3 hybrid: only an output that "
-            "begins with <think>)",
-        },
-    )
-    max_model_len: int | None = None  # prompt + output; None: the model's own
-    # vLLM's --chat-template: a Jinja file, or the template itself; None: the model's own
-    chat_template: str | None = field(
-        default=None,
-        metadata={
-            "flag": "--chat-template",
-            "help": "a Jinja chat template file, or the template itself, instead of the model's (as vLLM's)",
-        },
-    )
-    # vLLM's --generation-config: "auto" (the model dir's generation_config.json), "vllm"
-    # (none: fd's own defaults), or another dir holding one
-    generation_config: str = field(
-        default="auto",
-        metadata={
-            "flag": "--generation-config",
-            "help": "auto: a request that leaves out temperature, top_p, top_k, min_p or "
-            "repetition_penalty gets the model's generation_config.json value, and "
-            "its max_new_tokens caps every output (vLLM's default); vllm: fd's own "
-            "defaults; or a dir with another generation_config.json",
-        },
-    )
-    cors: Cors | None = field(default_factory=Cors)  # vLLM's --allowed-origins etc. (fd.api.cors)
-    force_include_usage: bool = field(  # vLLM's
-        default=False,
-        metadata={
-            "flag": "--enable-force-include-usage",
-            "action": "store_true",
-            "help": "every stream ends with its usage chunk, asked for or not",
-        },
-    )
-    tokens_as_ids: bool = field(  # vLLM's
-        default=False,
-        metadata={
-            "flag": "--return-tokens-as-token-ids",
-            "action": "store_true",
-            "help": 'log-probabilities name their tokens "token_id:<id>" unless a request says otherwise',
-        },
-    )
-    priority_scheduling: bool = False  # --scheduling-policy priority: requests may carry a priority
-    lora_modules: dict[str, str] = field(default_factory=dict)  # the adapters' names (and where)
-    runtime_lora: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter
-    reuse_port: bool = False  # several API processes on one port (fd serve --api-server-count)
-    # a client that opens a connection, or starts a request on a kept-alive one, and does not
-    # finish the request's head in time is cut off (slowloris: fd.api.server.ApiProtocol)
-    header_timeout_s: float = field(
-        default=20.0,
-        metadata={
-            "flag": "--header-timeout",
-            "type": timeout_s,
-            "metavar": "S",
-            "help": "seconds a client has to send a request's head (line and headers), from "
-            "its connection's start or the head's first byte; else the connection is "
-            "closed (default %(default)s; 0: no limit)",
-        },
-    )
-    request_ttl_s: int = REQUEST_TTL_S  # a story (from its accept) and conversation are kept this long
-    # an access line per HTTP request (fd.api.server's, uvicorn's in vLLM): on by default
-    disable_uvicorn_access_log: bool = field(
-        default=False,
-        metadata={
-            "flag": "--disable-uvicorn-access-log",
-            "action": "store_true",
-            "help": "no access line per HTTP request (vLLM's name for it)",
-        },
-    )
-    disable_access_log_for_endpoints: tuple[str, ...] = field(
-        default=(),
-        metadata={
-            "flag": "--disable-access-log-for-endpoints",
-            "type": endpoint_list,
-            "metavar": "PATHS",
-            "help": "paths whose requests get no access line, comma-separated (vLLM's; "
-            "e.g. /health,/metrics)",
-        },
-    )
-    log_requests: bool = field(
-        default=False,
-        metadata={
-            "flag": "--enable-log-requests",
-            "action": "store_true",
-            "help": "a log line for each generating request with its prompt and sampling "
-            "parameters (vLLM's; off: prompts are the users' data)",
-        },
-    )
-    max_log_len: int | None = field(
-        default=None,
-        metadata={
-            "flag": "--max-log-len",
-            "metavar": "N",
-            "help": "at most N characters and token ids of a prompt in --enable-log-requests' "
-            "lines (vLLM's; default: all)",
-        },
-    )
-    # HTTPS as vLLM serves it (its uvicorn's settings): a key and a certificate chain, and for
-    # client certificates the CAs and whether one is required
-    ssl_keyfile: str | None = field(
-        default=None, metadata={"flag": "--ssl-keyfile", "metavar": "FILE", "help": "HTTPS: the key"}
-    )
-    ssl_certfile: str | None = field(
-        default=None,
-        metadata={"flag": "--ssl-certfile", "metavar": "FILE", "help": "HTTPS: the certificate chain"},
-    )
-    ssl_ca_certs: str | None = field(
-        default=None,
-        metadata={
-            "flag": "--ssl-ca-certs",
-            "metavar": "FILE",
-            "help": "HTTPS: the CAs of client certificates",
-        },
-    )
-    ssl_cert_reqs: int = field(
-        default=0,
-        metadata={
-            "flag": "--ssl-cert-reqs",
-            "choices": (0, 1, 2),
-            "help": "HTTPS: client certificates 0 not asked for, 1 checked if given, 2 required "
-            "(Python's ssl.CERT_*, as vLLM's)",
-        },
-    )
-    ssl_ciphers: str | None = field(
-        default=None, metadata={"flag": "--ssl-ciphers", "help": "HTTPS: the ciphers (OpenSSL's list)"}
-    )
-
-    def ssl_context(self) -> ssl.SSLContext | None:
-        """The HTTPS context of the ``ssl_*`` settings (None: plain HTTP). Raises ValueError,
-        naming the flag, for one that does not go with the others or a file that cannot be read."""
-        if self.ssl_certfile is None:
-            if self.ssl_keyfile or self.ssl_ca_certs or self.ssl_cert_reqs:
-                raise ValueError("--ssl-keyfile, --ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile")
-            return None
-        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        try:
-            ctx.load_cert_chain(self.ssl_certfile, self.ssl_keyfile)
-            if self.ssl_ca_certs:
-                ctx.load_verify_locations(self.ssl_ca_certs)
-            if self.ssl_ciphers:
-                ctx.set_ciphers(self.ssl_ciphers)
-        except (OSError, ssl.SSLError) as e:
-            raise ValueError(f"--ssl-certfile/--ssl-keyfile/--ssl-ca-certs/--ssl-ciphers: {e}") from None
-        ctx.verify_mode = ssl.VerifyMode(self.ssl_cert_reqs)
-        return ctx
 
 
 @dataclass
@@ -394,7 +62,7 @@ class RunningApi:
     bus: Bus
     host: str
     port: int
-    cfg: Any
+    cfg: ApiConfig  # as start_api filled it in
     tls: bool = False
 
     @property
@@ -430,25 +98,25 @@ def _no_retries(client):
     return client
 
 
-def make_runner(opts: EngineOptions, progress: bool = True):
+def make_runner(cfg: EngineConfig, progress: bool = True):
     kw = dict(
-        device=opts.device,
-        num_blocks=opts.num_blocks,
-        block_size=opts.block_size,
-        kv_cache_bytes=opts.kv_cache_mb << 20,
+        device=cfg.device,
+        num_blocks=cfg.num_blocks,
+        block_size=cfg.block_size,
+        kv_cache_bytes=cfg.kv_cache_mb << 20,
         progress=progress,
-        seed=opts.seed,
-        lora_modules=dict(opts.lora_modules) or None,
-        max_lora_rank=opts.max_lora_rank,
-        batch_invariant=opts.batch_invariant,
+        seed=cfg.seed,
+        lora_modules=dict(cfg.lora_modules) or None,
+        max_lora_rank=cfg.max_lora_rank,
+        batch_invariant=cfg.batch_invariant,
     )
-    if opts.executor == "paddle":
+    if cfg.executor == "paddle":
         from fd.engine.runner import affinity
         from fd.engine.runner.worker import ProcessRunner
 
-        cpus = affinity.plan(opts.worker_cpus)
+        cpus = affinity.plan(cfg.worker_cpus)
         runner = ProcessRunner(
-            opts.model_dir,
+            cfg.model_dir,
             cpus=cpus.worker if cpus else None,
             nice=cpus.worker_nice if cpus else 0,
             alone=cpus.alone if cpus else None,
@@ -456,12 +124,12 @@ def make_runner(opts: EngineOptions, progress: bool = True):
         )
         if cpus is not None:
             affinity.apply_rest(cpus.settled(runner.cpus))
-    elif opts.executor == "paddle-thread":
+    elif cfg.executor == "paddle-thread":
         from fd.engine.runner.model_runner import ModelRunner
 
-        runner = ModelRunner(opts.model_dir, **kw)
+        runner = ModelRunner(cfg.model_dir, **kw)
     else:
-        raise ValueError(f"unknown executor {opts.executor!r}")
+        raise ValueError(f"unknown executor {cfg.executor!r}")
     runner.warmup()  # before any request is admitted: warm-up writes scratch KV
     return runner
 
@@ -469,54 +137,57 @@ def make_runner(opts: EngineOptions, progress: bool = True):
 async def start_engine(
     redis_factory: Callable[[], Any],
     keys: Keys,
-    opts: EngineOptions,
+    cfg: EngineConfig,
     *,
     metrics: Metrics | None = None,
     runner: Any = None,
     tokenizer: Any = None,
-    **node_kw: Any,
 ) -> RunningEngine:
+    """An engine node of ``cfg``, running. ``runner``: the model's runner, if the caller has
+    one (else :func:`make_runner`'s, closed with the node)."""
     from fd.control.tokenizer import Tokenizer, served_context
     from fd.engine.node.node import EngineNode
 
     owns_runner = runner is None
-    if owns_runner and opts.max_model_len is not None:  # (a bad value: said before the model loads)
-        served_context(opts.max_model_len, Tokenizer.from_dir(opts.model_dir).max_model_len)
-    runner = runner if runner is not None else make_runner(opts)
-    tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_dir(opts.model_dir)
+    asked = cfg.scheduler.max_model_len
+    if owns_runner and asked is not None:  # (a bad value: said before the model loads)
+        served_context(asked, Tokenizer.from_dir(cfg.model_dir).max_model_len)
+    runner = runner if runner is not None else make_runner(cfg)
+    tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_dir(cfg.model_dir)
     if metrics is not None:
         metrics.engine_in_process = True  # the engine sets its gauges itself, every step
-    engine_id = opts.engine_id or f"{socket.gethostname()[:24]}-{secrets.token_hex(3)}"
-    kw = {name: getattr(opts, name) for name in NODE_FIELDS}
-    kw.update(node_kw)
     try:
-        if kw.get("max_model_len") is not None:  # (out of the model's range: said as ever)
-            served_context(kw["max_model_len"], runner.max_model_len)
-        kw["max_model_len"] = engine_context(
-            kw.get("max_model_len"),
+        if asked is not None:  # (out of the model's range: said as ever)
+            served_context(asked, runner.max_model_len)
+        context = engine_context(
+            asked,
             runner.max_model_len,
-            runner.num_blocks * kw.get("block_size", opts.block_size),
-            "--num-blocks" if opts.num_blocks is not None else "--kv-cache-mb",
+            runner.num_blocks * cfg.block_size,
+            "--num-blocks" if cfg.num_blocks is not None else "--kv-cache-mb",
         )
     except BaseException:
         if owns_runner:
             runner.close()  # a model worker must not outlive a failed start
         raise
-    cfg = EngineConfig(engine_id=engine_id, **kw)
+    cfg = dataclasses.replace(
+        cfg,
+        engine_id=cfg.engine_id or f"{socket.gethostname()[:24]}-{secrets.token_hex(3)}",
+        scheduler=dataclasses.replace(cfg.scheduler, max_model_len=context),
+    )
     node = EngineNode(
         Bus(
             _no_retries(redis_factory()),
             keys,
-            journal_maxlen=opts.journal_maxlen,
-            req_ttl_s=opts.request_ttl_s,
+            journal_maxlen=cfg.journal_maxlen,
+            req_ttl_s=cfg.request_ttl_s,
         ),
-        Bus(_no_retries(redis_factory()), keys, req_ttl_s=opts.request_ttl_s),
+        Bus(_no_retries(redis_factory()), keys, req_ttl_s=cfg.request_ttl_s),
         runner,
         tokenizer,
         cfg,
         metrics=metrics,
         # (an interval of 0 or less: off, as --disable-log-stats)
-        stats_interval_s=0.0 if opts.disable_log_stats else max(0.0, opts.log_stats_interval_s or 0.0),
+        stats_interval_s=0.0 if cfg.disable_log_stats else max(0.0, cfg.log_stats_interval_s or 0.0),
     )
     if metrics is not None:
         node.bus.on_dead_letter = node.control_bus.on_dead_letter = metrics.dead_letters_total.inc
@@ -526,7 +197,7 @@ async def start_engine(
         if owns_runner:
             runner.close()  # a model worker must not outlive a failed start
         raise
-    task = asyncio.create_task(node.run(), name=f"engine-{engine_id}")
+    task = asyncio.create_task(node.run(), name=f"engine-{cfg.engine_id}")
     return RunningEngine(node, task, metrics, owns_runner=owns_runner)
 
 
@@ -578,32 +249,33 @@ def read_generation_config(value: str, model_dir: str) -> dict[str, Any]:
 async def start_api(
     redis_factory: Callable[[], Any],
     keys: Keys,
-    opts: ApiOptions,
+    cfg: ApiConfig,
     *,
     metrics: Metrics | None = None,
     tokenizer: Any = None,
     held: HeldPort | None = None,
 ) -> RunningApi:
-    """``held``: the port, bound already (:func:`fd.api.listen.hold_port`); else ``opts.host``:``opts.port``
-    is bound here."""
+    """An API node of ``cfg``, serving; its config there (``RunningApi.cfg``) has what ``cfg``
+    left to the model dir filled in: its id, the context, the sampling defaults and output cap
+    of ``--generation-config`` (the ones ``cfg`` gives win). ``held``: the port, bound already
+    (:func:`fd.api.listen.hold_port`); else ``cfg.host``:``cfg.port`` is bound here."""
     from aiohttp import web
 
     from fd.api import parse_errors
+    from fd.api.config import new_api_id
     from fd.api.sampling import generation_defaults
-    from fd.api.server import ApiConfig, ApiSite, make_app
+    from fd.api.server import ApiSite, make_app
     from fd.control.tokenizer import Tokenizer, served_context
 
-    if opts.reasoning_parser is not None and opts.reasoning_parser not in REASONING_PARSERS:
+    if cfg.reasoning_parser is not None and cfg.reasoning_parser not in REASONING_PARSERS:
         raise ValueError(
-            f"unknown reasoning parser {opts.reasoning_parser!r}: one of {', '.join(REASONING_PARSERS)}"
+            f"unknown reasoning parser {cfg.reasoning_parser!r}: one of {', '.join(REASONING_PARSERS)}"
         )
-    tls = opts.ssl_context()
-    tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_dir(opts.model_dir)
-    if opts.chat_template is not None:
-        tokenizer = tokenizer.with_chat_template(read_chat_template(opts.chat_template))
-    defaults, cap, ignored = generation_defaults(
-        read_generation_config(opts.generation_config, opts.model_dir)
-    )
+    tls = cfg.ssl_context()
+    tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_dir(cfg.model_dir)
+    if cfg.chat_template is not None:
+        tokenizer = tokenizer.with_chat_template(read_chat_template(cfg.chat_template))
+    defaults, cap, ignored = generation_defaults(read_generation_config(cfg.generation_config, cfg.model_dir))
     for why in ignored:
         log.warning("generation_config.json: %s: left out", why)
     if defaults or cap is not None:
@@ -614,33 +286,18 @@ async def start_api(
             defaults,
             f", output capped at {cap} tokens" if cap is not None else "",
         )
-    names = opts.served_model_name or [Path(opts.model_dir).name]
-    if isinstance(names, str):
-        names = [names]
-    name, aliases = names[0], tuple(n for n in names[1:] if n != names[0])
-    cfg = ApiConfig(
-        model_name=name,
-        model_aliases=aliases,
-        max_model_len=served_context(opts.max_model_len, tokenizer.max_model_len),
-        api_key=opts.api_key,
-        admin_key=opts.admin_key,
-        tool_parser=opts.tool_parser,
-        sampling_defaults=defaults,
-        max_output_tokens=cap,
-        reasoning_parser=opts.reasoning_parser,
-        cors=opts.cors,
-        force_include_usage=opts.force_include_usage,
-        tokens_as_ids=opts.tokens_as_ids,
-        priority_scheduling=opts.priority_scheduling,
-        lora_modules=dict(opts.lora_modules),
-        runtime_lora=opts.runtime_lora,
-        log_requests=opts.log_requests,
-        max_log_len=opts.max_log_len,
+    cfg = dataclasses.replace(
+        cfg,
+        api_id=cfg.api_id or new_api_id(),
+        max_model_len=served_context(cfg.max_model_len, tokenizer.max_model_len),
+        sampling_defaults={**defaults, **cfg.sampling_defaults},
+        max_output_tokens=cap if cfg.max_output_tokens is None else cfg.max_output_tokens,
+        lora_modules=dict(cfg.lora_modules),
     )
     metrics = metrics if metrics is not None else Metrics()
     mux = StreamMux(redis_factory(), keys, cfg.api_id)
     await mux.start()
-    bus = Bus(redis_factory(), keys, req_ttl_s=opts.request_ttl_s)
+    bus = Bus(redis_factory(), keys, req_ttl_s=cfg.request_ttl_s)
     bus.on_dead_letter = mux.on_dead_letter = metrics.dead_letters_total.inc
     app = make_app(
         cfg,
@@ -648,8 +305,8 @@ async def start_api(
         mux,
         tokenizer,
         metrics,
-        access=not opts.disable_uvicorn_access_log,
-        access_skip=opts.disable_access_log_for_endpoints or (),
+        access=not cfg.disable_uvicorn_access_log,
+        access_skip=cfg.disable_access_log_for_endpoints or (),
     )
     parse_errors.install()  # (a client's malformed request: one log line, not a traceback)
     # handler_cancellation: a client that goes away cancels its handler, which is how
@@ -659,14 +316,14 @@ async def start_api(
     # (the site makes each connection's protocol, so the protocol's settings go to it)
     site = ApiSite(
         runner,
-        opts.host,
-        opts.port,
-        reuse_port=opts.reuse_port,
+        cfg.host,
+        cfg.port,
+        reuse_port=cfg.reuse_port,
         sock=held.take() if held is not None else None,
         ssl_context=tls,
-        header_timeout_s=opts.header_timeout_s,
+        header_timeout_s=cfg.header_timeout_s,
         access_log=None,
     )
     await site.start()
     port = runner.addresses[0][1]
-    return RunningApi(runner, mux, bus, opts.host, port, cfg, tls=tls is not None)
+    return RunningApi(runner, mux, bus, cfg.host, port, cfg, tls=tls is not None)

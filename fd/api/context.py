@@ -16,19 +16,17 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 from aiohttp import web
 from redis.exceptions import RedisError
 
-from fd.api.cors import Cors
+from fd.api.config import ApiConfig, new_api_id
 from fd.api.errors import bad_request, conflict, id_taken, too_large, unavailable
 from fd.api.lora_admin import LoraNames
 from fd.api.tenancy import TENANT_ID_MAX, Caller
-from fd.api.validation import DEFAULT_MAX_TOKENS, MAX_BODY_BYTES, Limits, parse_body
+from fd.api.validation import parse_body
 from fd.control.bus import Bus
 from fd.control.events import MAX_FIELD_BYTES, Abort
 from fd.control.keys import ENGINE_ID_RE, REQUEST_ID_RE, choice_ids, is_tombstone
@@ -44,39 +42,6 @@ REDIS_SUSPECT_S = 30.0  # after a Redis error, check with a quick ping before ea
 REDIS_PING_TIMEOUT_S = 0.5
 RID = web.RequestKey("fd.rid", str)  # the request id, echoed in X-Request-Id even on errors
 CALLER = web.RequestKey("fd.caller", Caller)  # who sent it (fd.api.tenancy), on the routes with keys
-
-
-def _new_api_id() -> str:
-    return f"api-{uuid.uuid4().hex[:8]}"
-
-
-@dataclass
-class ApiConfig:
-    model_name: str
-    max_model_len: int
-    api_key: str | Sequence[str] | None = None  # one key, or several (each a tenant: fd.api.tenancy)
-    admin_key: str | None = None
-    max_body_bytes: int = MAX_BODY_BYTES
-    api_id: str = field(default_factory=_new_api_id)
-    default_max_tokens: int = DEFAULT_MAX_TOKENS  # completions; chat: the rest of the context
-    tool_parser: str | None = None  # vLLM's --enable-auto-tool-choice --tool-call-parser NAME
-    # --generation-config: the model's recommended sampling defaults and output cap
-    sampling_defaults: dict[str, Any] = field(default_factory=dict)
-    max_output_tokens: int | None = None
-    reasoning_parser: str | None = None  # vLLM's --reasoning-parser NAME (fd.api.reasoning)
-    model_aliases: tuple[str, ...] = ()  # --served-model-name's names after the first
-    cors: Cors | None = field(default_factory=Cors)  # vLLM's --allowed-origins etc.; None: no CORS
-    force_include_usage: bool = False  # vLLM's --enable-force-include-usage
-    tokens_as_ids: bool = False  # vLLM's --return-tokens-as-token-ids
-    priority_scheduling: bool = False  # --scheduling-policy priority (the engines' too)
-    lora_modules: dict[str, str] = field(default_factory=dict)  # vLLM's --lora-modules: name -> path
-    # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING: /v1/load_lora_adapter and /v1/unload_lora_adapter
-    runtime_lora: bool = False
-    # vLLM's --enable-log-requests: a line for each generating request with its prompt and
-    # sampling parameters (off by default: prompts are the users' data); --max-log-len: at most
-    # this many characters and token ids of the prompt in it
-    log_requests: bool = False
-    max_log_len: int | None = None
 
 
 def valid_request_id(rid: str) -> bool:
@@ -109,29 +74,16 @@ class ApiContext:
         self.outage: str | None = None  # why Redis fails now (redis_failed), for /health
         self._outage_kind: str | None = None  # (fd.control.outage.kind) of the outage logged
         self._ignored_said: set[str] = set()  # request fields said to be ignored (say_ignored)
+        if cfg.api_id is None:  # (a node of make_app alone, as in the tests: start_api names its own)
+            cfg = dataclasses.replace(cfg, api_id=new_api_id())
         self.cfg = cfg
         self.bus = bus
         self.mux = mux
         self.tokenizer = tokenizer
         self.token_bytes = tokenizer.id_to_bytes  # what a token is, for log-probabilities
         self.metrics = metrics
-        metrics.vllm.configure(cfg.model_name, cfg.max_model_len)  # (vLLM's labels and buckets)
-        self.limits = Limits(
-            model_name=cfg.model_name,
-            max_model_len=cfg.max_model_len,
-            max_body_bytes=cfg.max_body_bytes,
-            default_max_tokens=cfg.default_max_tokens,
-            vocab_size=tokenizer.vocab_size,
-            tool_parser=cfg.tool_parser,
-            sampling_defaults=dict(cfg.sampling_defaults),
-            max_output_tokens=cfg.max_output_tokens,
-            reasoning_parser=cfg.reasoning_parser,
-            model_aliases=tuple(cfg.model_aliases),
-            force_include_usage=cfg.force_include_usage,
-            tokens_as_ids=cfg.tokens_as_ids,
-            priority_scheduling=cfg.priority_scheduling,
-            lora_names=tuple(cfg.lora_modules),
-        )
+        self.limits = cfg.limits(tokenizer.vocab_size)
+        metrics.vllm.configure(cfg.model_name, self.limits.max_model_len)  # (vLLM's labels and buckets)
         self.runtime_loras = LoraNames(bus)  # adapters loaded at run time, from any replica
         self.served = {cfg.model_name, *cfg.model_aliases}
         self._started_mux = False

@@ -24,7 +24,8 @@ from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 from redis.exceptions import RedisError
 
 from fd.api.cancellation import CLIENT_CLOSED, client_disconnected
-from fd.api.context import CALLER, RID, ApiConfig, ApiContext, json_response
+from fd.api.config import ApiConfig
+from fd.api.context import CALLER, RID, ApiContext, json_response
 from fd.api.cors import Cors
 from fd.api.errors import ApiError, bad_request, id_taken, server_error, story_lost, unauthorized, unavailable
 from fd.api.serving_aborts import ServingAborts
@@ -40,7 +41,7 @@ from fd.control.mux import MuxStopped, StoryLost, StreamMux
 from fd.control.outage import is_outage, reason
 from fd.control.story import IdTaken
 
-__all__ = ["ApiConfig", "ApiSite", "make_app"]
+__all__ = ["ApiSite", "make_app"]
 
 log = logging.getLogger("fd.api")
 

@@ -25,8 +25,9 @@ DEFAULT_MAX_TOKENS = 16  # completions' max_tokens when a request gives none (Op
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Limits:
-    """What the served model allows; the validation context. Built by keyword: its fields are
-    many and mostly of one type, where a position would let two swap unseen."""
+    """What the served model allows; the validation context (the API's config makes it:
+    :meth:`fd.api.config.ApiConfig.limits`). Built by keyword: its fields are many and mostly of
+    one type, where a position would let two swap unseen."""
 
     model_name: str
     max_model_len: int

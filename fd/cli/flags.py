@@ -3,18 +3,19 @@ in its metadata (``flag``: its name; ``help``, ``metavar``, ``choices``, ``nargs
 as argparse takes them; ``type`` when the annotation does not say it; ``negate``: a field true
 by default whose flag ``--no-...`` turns it off), and the flag's default is the field's. So a
 default and its help are written once, where the setting is declared (fd/engine/node/node_config.py's
-``EngineConfig``, fd/compose.py's ``EngineOptions`` and ``ApiOptions``), and the parsed flags
-go back to those fields by :func:`field_values`.
+``EngineConfig`` and its ``SchedulerSettings``, fd/api/config.py's ``ApiConfig``), and the
+parsed flags go back to those fields by :func:`field_values`.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
-from fd.cli.vllm_table import human_int
+from fd.cli.vllm_table import human_int, human_int_or_auto
 
 
 def seconds(text: str) -> int:
@@ -28,6 +29,22 @@ def seconds(text: str) -> int:
     return n
 
 
+def timeout_s(text: str) -> float:
+    """A timeout flag's seconds (fractions too); 0 turns it off."""
+    try:
+        s = float(text)
+    except ValueError:
+        s = math.nan
+    if not (math.isfinite(s) and s >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (0 or more)")
+    return s
+
+
+def endpoint_list(text: str) -> tuple[str, ...]:
+    """vLLM's ``--disable-access-log-for-endpoints``: paths, comma-separated."""
+    return tuple(p.strip() for p in text.split(",") if p.strip())
+
+
 #: what a field's annotation (a string: the modules use postponed annotations) parses with
 _TYPES: dict[str, Callable[[str], Any]] = {
     "int": int,
@@ -37,9 +54,16 @@ _TYPES: dict[str, Callable[[str], Any]] = {
 }
 
 
-#: the parsers a field's metadata may name as its ``type`` (the engine cannot import them);
-#: human_int: vLLM's human-readable int (32k), for the fields whose flags are vLLM's
-NAMED_TYPES: dict[str, Callable[[str], Any]] = {"seconds": seconds, "human_int": human_int}
+#: the parsers a field's metadata may name as its ``type`` (the nodes do not import the CLI);
+#: human_int: vLLM's human-readable int (32k), for the fields whose flags are vLLM's, and
+#: human_int_or_auto one that may also be ``auto`` (None: the model's)
+NAMED_TYPES: dict[str, Callable[[str], Any]] = {
+    "seconds": seconds,
+    "timeout_s": timeout_s,
+    "endpoint_list": endpoint_list,
+    "human_int": human_int,
+    "human_int_or_auto": human_int_or_auto,
+}
 
 
 def _field(cls: type, name: str) -> dataclasses.Field:
@@ -56,7 +80,13 @@ def dest(f: dataclasses.Field) -> str:
 
 def add_field_flags(p: argparse.ArgumentParser, cls: type, *names: str, **defaults: Any) -> None:
     """The flags of ``cls``'s fields ``names``, in that order; ``defaults``: a command's own
-    default for a field (``fd serve``'s port, say), where it differs from the field's."""
+    default for a field (``fd serve``'s port, say), where it differs from the field's.
+
+    The command records which fields it made flags of (its namespace's ``field_flags``:
+    class -> field names), so :func:`field_values` reads exactly those."""
+    made = dict(p.get_default("field_flags") or {})
+    made[cls] = (*made.get(cls, ()), *names)
+    p.set_defaults(field_flags=made)
     for name in names:
         f = _field(cls, name)
         meta = dict(f.metadata)
@@ -80,13 +110,13 @@ def add_field_flags(p: argparse.ArgumentParser, cls: type, *names: str, **defaul
 
 
 def field_values(args: argparse.Namespace, cls: type) -> dict[str, Any]:
-    """The values ``args`` gives ``cls``'s fields, for each field whose flag was added."""
+    """The values ``args`` gives ``cls``'s fields: those its command made flags of
+    (:func:`add_field_flags` recorded them), by field name."""
     out: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        if "flag" not in f.metadata or not hasattr(args, dest(f)):
-            continue
-        v = getattr(args, dest(f))
-        out[f.name] = (not v) if f.metadata.get("negate") else v
+    for name in args.field_flags.get(cls, ()):
+        f = _field(cls, name)
+        v = getattr(args, dest(f))  # (the flag's: its command added it)
+        out[name] = (not v) if f.metadata.get("negate") else v
     return out
 
 

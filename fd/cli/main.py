@@ -26,10 +26,11 @@ from fd.cli.args import (
     add_vllm_compat_args,
     vllm_compat,
 )
-from fd.cli.flags import HelpFormatter
+from fd.cli.flags import HelpFormatter, add_field_flags
 from fd.cli.models import cmd_convert, cmd_make_tiny
 from fd.cli.operator import cmd_abort, cmd_status, cmd_trace
 from fd.cli.serving import cmd_api, cmd_engine, cmd_run_batch, cmd_serve
+from fd.cli.vllm_flags import CommandFlags
 
 _USER_ERRORS: tuple[type[BaseException], ...] = ()
 
@@ -49,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
         json=False,
         api_server_count=1,
         model_tag=None,
-        vllm_compat_flags=frozenset(),
+        field_flags={},
+        vllm_flags=CommandFlags(),
         gpu_memory_utilization=None,
         tokenizer=None,
     )
@@ -191,8 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_listen_args(p: argparse.ArgumentParser, port: int) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="the address the API listens on (0.0.0.0: every one)")
-    p.add_argument("--port", type=int, default=port, help="the API's TCP port (0: a free one)")
+    from fd.api.config import ApiConfig
+
+    add_field_flags(p, ApiConfig, "host", "port", port=port)
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:

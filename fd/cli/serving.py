@@ -1,6 +1,6 @@
 """The commands that serve: ``fd serve`` (API, engine and embedded control plane in one
 process, with ``--api-server-count`` more API processes), ``fd api``, ``fd engine`` and
-``fd run-batch``; the options they hand fd.compose, and how their processes run (signals,
+``fd run-batch``; the configs they make of their flags for fd.compose, and how their processes run (signals,
 garbage collection)."""
 
 from __future__ import annotations
@@ -26,20 +26,18 @@ from fd.control.logs import say
 log = logging.getLogger("fd.cli.main")
 
 
-def _engine_opts(args: argparse.Namespace, model_dir: Path):
+def _engine_config(args: argparse.Namespace, model_dir: Path):
     from fd.cli.flags import field_values
-    from fd.compose import EngineOptions
-    from fd.engine.node.node_config import EngineConfig
+    from fd.engine.node.node_config import EngineConfig, SchedulerSettings
 
-    flags = {**field_values(args, EngineConfig), **field_values(args, EngineOptions)}
-    if flags["executor"] == "timed":  # (its runner is _runner's; the options name a model's)
+    flags = field_values(args, EngineConfig)
+    if flags["executor"] == "timed":  # (its runner is _runner's; the config names a model's)
         flags["executor"] = "paddle"
-    return EngineOptions(
+    return EngineConfig(
         model_dir=str(model_dir),
         **flags,
-        max_model_len=args.max_model_len,
+        scheduler=SchedulerSettings(**field_values(args, SchedulerSettings)),
         lora_modules=lora_modules(args),
-        max_lora_rank=args.max_lora_rank,
         request_ttl_s=_request_ttl(args),
         batch_invariant=args.batch_invariant,
     )
@@ -81,16 +79,14 @@ def _runner(args: argparse.Namespace, model_dir: Path):
     return TimedRunner.for_tokenizer(tok, step_ms=args.step_ms, num_blocks=args.num_blocks or 4096)
 
 
-def _api_opts(args: argparse.Namespace, model_dir: Path):
+def _api_config(args: argparse.Namespace, model_dir: Path):
+    from fd.api.config import ApiConfig
     from fd.api.cors import Cors
     from fd.cli.flags import field_values
-    from fd.compose import ApiOptions
 
-    return ApiOptions(
+    return ApiConfig(
         model_dir=str(model_dir),
-        **field_values(args, ApiOptions),
-        host=args.host,
-        port=args.port,
+        **field_values(args, ApiConfig),
         api_key=api_keys(args),
         admin_key=args.admin_key,
         max_model_len=args.max_model_len,
@@ -109,11 +105,11 @@ def _api_opts(args: argparse.Namespace, model_dir: Path):
 
 async def _start_serving(args: argparse.Namespace):
     """What ``fd serve`` runs: (the embedded server or None, the engine, the API)."""
+    from fd.api.config import ApiConfig
     from fd.api.listen import hold_port
     from fd.cli.flags import field_values
-    from fd.compose import ApiOptions
 
-    ApiOptions(model_dir="", **field_values(args, ApiOptions)).ssl_context()  # (before the model loads)
+    ApiConfig(model_dir="", **field_values(args, ApiConfig)).ssl_context()  # (before the model loads)
     count = args.api_server_count
     # The port first: one in use fails the start now, not after the model has loaded.
     held = hold_port(args.host, args.port, reuse_port=count > 1)
@@ -145,17 +141,17 @@ async def _start_serving_on(args: argparse.Namespace, held):
     engine = await start_engine(
         factory,
         keys,
-        dataclasses.replace(_engine_opts(args, model_dir), request_ttl_s=ttl),
+        dataclasses.replace(_engine_config(args, model_dir), request_ttl_s=ttl),
         metrics=metrics,
         runner=_runner(args, model_dir),
     )
     count = args.api_server_count
-    opts = dataclasses.replace(_api_opts(args, model_dir), request_ttl_s=ttl)
-    if opts.max_model_len is None:  # (the engine's: the model's context, or what its KV cache holds)
-        opts = dataclasses.replace(opts, max_model_len=engine.max_model_len)
+    api_cfg = dataclasses.replace(_api_config(args, model_dir), request_ttl_s=ttl)
+    if api_cfg.max_model_len is None:  # (the engine's: the model's context, or what its KV cache holds)
+        api_cfg = dataclasses.replace(api_cfg, max_model_len=engine.max_model_len)
     if count > 1:
-        opts = dataclasses.replace(opts, reuse_port=True)
-    api = await start_api(factory, keys, opts, metrics=metrics, held=held)
+        api_cfg = dataclasses.replace(api_cfg, reuse_port=True)
+    api = await start_api(factory, keys, api_cfg, metrics=metrics, held=held)
     join_in_process(api, engine)
     if count > 1:  # vLLM's --api-server-count: more API processes on the same port
         url = args.redis_url or f"redis://127.0.0.1:{embedded.port}"
@@ -166,7 +162,7 @@ async def _start_serving_on(args: argparse.Namespace, held):
             p = ctx.Process(
                 target=_api_process,
                 args=(
-                    dataclasses.replace(opts, port=api.port),
+                    dataclasses.replace(api_cfg, port=api.port),
                     url,
                     args.prefix,
                     args.log_level,
@@ -193,7 +189,7 @@ API_PROCESS_START_S = 60.0
 
 
 def _api_process(
-    opts, url: str, prefix: str, log_level: str, log_format: str, ready, redis_timeout: float | None = None
+    api_cfg, url: str, prefix: str, log_level: str, log_format: str, ready, redis_timeout: float | None = None
 ) -> None:
     """One more API process of ``fd serve`` (``--api-server-count``): an API node on the same
     port (SO_REUSEPORT: the kernel spreads connections), against the same control plane — the
@@ -207,7 +203,7 @@ def _api_process(
     parent = os.getppid()
 
     async def run() -> None:
-        api = await start_api(lambda: connect(url, redis_timeout), Keys(prefix), opts)
+        api = await start_api(lambda: connect(url, redis_timeout), Keys(prefix), api_cfg)
         ready.set()
         try:
             while os.getppid() == parent:
@@ -363,7 +359,7 @@ async def cmd_api(args: argparse.Namespace) -> int:
     url = need_url(args)
     model_dir = resolve_model(args.model)
     api = await start_api(
-        lambda: connect(url, args.redis_timeout), Keys(args.prefix), _api_opts(args, model_dir)
+        lambda: connect(url, args.redis_timeout), Keys(args.prefix), _api_config(args, model_dir)
     )
     _tune_gc()
     say(f"fd api on {api.url}/v1 (control plane {_shown(url)})", event="serving", url=f"{api.url}/v1")
@@ -378,9 +374,9 @@ async def cmd_engine(args: argparse.Namespace) -> int:
 
     url = need_url(args)
     model_dir = resolve_model(args.model)
-    opts = _engine_opts(args, model_dir)
+    cfg = _engine_config(args, model_dir)
     engine = await start_engine(
-        lambda: connect(url, args.redis_timeout), Keys(args.prefix), opts, runner=_runner(args, model_dir)
+        lambda: connect(url, args.redis_timeout), Keys(args.prefix), cfg, runner=_runner(args, model_dir)
     )
     _tune_gc()
     say(

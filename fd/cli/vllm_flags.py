@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import argparse
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +30,28 @@ from fd.cli.vllm_table import (  # noqa: F401 (human_int, dtype: what the flags 
 )
 
 
+@dataclass(frozen=True)
+class CommandFlags:
+    """Which of :data:`TABLE`'s flags a command has, and where the parsed values are, as
+    :func:`add_vllm_args` found them (the command's namespace holds it as ``vllm_flags``):
+    :func:`vllm_compat` reads exactly these."""
+
+    #: the table's flags added for vLLM's sake (fd's own flags are not among them)
+    added: frozenset[str] = frozenset()
+    #: every table flag the command has, fd's or added -> the namespace attribute of its value
+    dests: Mapping[str, str] = field(default_factory=dict)
+    #: a ``--X`` added beside fd's own ``--no-X`` -> the attribute of ``--no-X``'s value
+    negations: Mapping[str, str] = field(default_factory=dict)
+
+
 def add_vllm_args(p: argparse.ArgumentParser) -> None:
     """The flags of :data:`TABLE` that ``p`` lacks, in a group of their own: each parses its
     value as vLLM's does (so ``--swap-space 4`` takes the 4) and is ``None`` when not given; a
     ``bool`` flag's ``--no-`` form is added beside an fd flag that has only the other."""
     have = p._option_string_actions
     added: list[str] = []
+    dests: dict[str, str] = {}
+    negations: dict[str, str] = {}
     group = p.add_argument_group(
         "vLLM compatibility",
         "vLLM's flags that fd serve takes so a `vllm serve` line runs here: each is applied, "
@@ -45,6 +62,7 @@ def add_vllm_args(p: argparse.ArgumentParser) -> None:
         if present:
             # fd's own flag: the names vLLM has besides (an alias, the other half of --x/--no-x)
             action = have[present[0]]
+            dests[f.flag] = action.dest
             if isinstance(action, argparse._StoreTrueAction) and f.negation and f.negation not in have:
                 group.add_argument(
                     f.negation,
@@ -64,10 +82,13 @@ def add_vllm_args(p: argparse.ArgumentParser) -> None:
                 default=None,
                 help=f"vLLM's: fd's default, which {f.negation} turns off",
             )
+            dests[f.flag] = f.dest
+            negations[f.flag] = have[f.negation].dest
             continue
         if f.fd:
             continue  # (a flag of another fd command: fd api's --host, say)
         added.append(f.flag)
+        dests[f.flag] = f.dest
         kw: dict[str, Any] = {"dest": f.dest, "default": None, "help": f.rule.help()}
         if f.kind == "bool":
             kw["action"] = argparse.BooleanOptionalAction
@@ -81,17 +102,7 @@ def add_vllm_args(p: argparse.ArgumentParser) -> None:
             elif f.choices is None:
                 kw["metavar"] = f.dest.upper().split("_")[-1]
         group.add_argument(*f.names, **kw)
-    # which flags are the table's here, not fd's own (which vllm_compat leaves to fd)
-    p.set_defaults(vllm_compat_flags=frozenset(added))
-
-
-def _given(args: argparse.Namespace, f: VllmFlag) -> tuple[bool, Any]:
-    """Whether the command line gave ``f`` (a flag fd declares: whether it differs from fd's
-    default, which vllm_compat cannot tell apart from not given), and its value."""
-    if not hasattr(args, f.dest):
-        return False, None
-    value = getattr(args, f.dest)
-    return value is not None, value
+    p.set_defaults(vllm_flags=CommandFlags(frozenset(added), dests, negations))
 
 
 def _show(f: VllmFlag, value: Any) -> str:
@@ -114,19 +125,21 @@ def vllm_compat(args: argparse.Namespace) -> list[str]:
             raise SystemExit(f"error: the model is given twice: {tag} and --model {args.model}")
         args.model = tag
     notes: list[str] = []
-    compat = args.vllm_compat_flags
+    here: CommandFlags = args.vllm_flags
     for f in TABLE:
-        if f.flag not in compat and not f.fd:
-            continue  # (fd's own flag here, or none of this command's)
+        if f.flag not in here.dests:
+            continue  # (none of this command's: fd api's --host on fd engine, say)
         if f.flag in _SPECIAL:
             note = _SPECIAL[f.flag](args)
             if note:
                 notes.append(note)
             continue
-        given, value = _given(args, f)
-        if f.fd and f.negation and value and getattr(args, f.negation[2:].replace("-", "_"), False):
+        # None: not given (a flag fd declares holds fd's default, which may be a value)
+        value = getattr(args, here.dests[f.flag])
+        negation = here.negations.get(f.flag)
+        if negation is not None and value and getattr(args, negation):
             raise SystemExit(f"error: {f.flag} and {f.negation} together")
-        if not given or f.flag not in compat and f.rule.kind == APPLY:
+        if value is None or f.flag not in here.added and f.rule.kind == APPLY:
             continue
         verdict = f.rule.verdict(value)
         if verdict == REFUSE:

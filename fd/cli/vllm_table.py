@@ -252,9 +252,9 @@ TABLE: tuple[VllmFlag, ...] = tuple(
             "--api-server-count/-asc i",
             "--log-level s",
         ),
+        *_flags(apply("fd's flag (fd/engine/node/node_config.py's)"), "--disable-log-stats t"),
         *_flags(
-            apply("fd's flag (fd/compose.py's)"),
-            "--disable-log-stats t",
+            apply("fd's flag (fd/api/config.py's)"),
             "--disable-uvicorn-access-log b",
             "--disable-access-log-for-endpoints s",
         ),

@@ -10,7 +10,8 @@ import time
 
 import aiohttp
 
-from fd.compose import ApiOptions, start_api
+from fd.api.config import ApiConfig
+from fd.compose import start_api
 from fd.control.bus import Bus
 from fd.control.connect import connect
 from fd.control.events import Abort, AbortAll, Accepted, BlocksReleased, Final, Request, Tokens
@@ -59,7 +60,7 @@ async def test_abort_all_ends_running_and_unclaimed_requests_once(
     api = await start_api(
         lambda: connect(redis_server.url),
         keys,
-        ApiOptions(model_dir=str(tiny_model_dir)),
+        ApiConfig(model_dir=str(tiny_model_dir)),
         tokenizer=tiny_tokenizer,
     )
     try:

@@ -10,12 +10,13 @@ import asyncio
 
 import pytest
 
-from fd.compose import EngineOptions, start_engine
+from fd.compose import start_engine
 from fd.control.connect import connect
 from fd.control.events import Abort, AbortAll, AbortRequested, Claimed, Drained, Final, Tokens
 from fd.control.metrics import Metrics
 from fd.engine.journal.journal_reader import load_journal_from_redis
 from fd.engine.journal.replay import replay
+from fd.engine.node.node_config import EngineConfig, SchedulerSettings
 from tests.kit.engine import GatedRunner, _pair, story, submit, submit_together, tokens_of, types
 from tests.kit.faults import wait_for
 
@@ -29,14 +30,23 @@ async def engines(redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenize
 
     async def start(**kw):
         gated = GatedRunner(tiny_runner)
-        opts = EngineOptions(
+        metrics = kw.pop("metrics", None)
+        cfg = EngineConfig(
             model_dir=str(tiny_model_dir),
             engine_id=f"e{len(started)}",
-            max_num_seqs=kw.pop("max_num_seqs", 8),
-            max_num_batched_tokens=kw.pop("max_num_batched_tokens", 256),
+            scheduler=SchedulerSettings(
+                max_num_seqs=kw.pop("max_num_seqs", 8),
+                max_num_batched_tokens=kw.pop("max_num_batched_tokens", 256),
+            ),
+            **kw,
         )
         eng = await start_engine(
-            lambda: connect(redis_server.url), keys, opts, runner=gated, tokenizer=tiny_tokenizer, **kw
+            lambda: connect(redis_server.url),
+            keys,
+            cfg,
+            runner=gated,
+            tokenizer=tiny_tokenizer,
+            metrics=metrics,
         )
         started.append(eng)
         return eng, gated

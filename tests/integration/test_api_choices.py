@@ -252,7 +252,8 @@ async def test_two_engines_share_the_choices_and_an_abort_of_the_id_reaches_both
     """Real Redis, two engines with two running slots each, a response of four choices: the
     choices run on both engines, and `/v1/abort_requests` naming only the response's id (on a
     replica that did not accept it) ends every one with `abort` and frees both engines' blocks."""
-    from fd.compose import ApiOptions, start_api
+    from fd.api.config import ApiConfig
+    from fd.compose import start_api
     from fd.control.connect import connect
     from tests.kit.faults import Engines, all_blocks_free, sse_objects
 
@@ -266,7 +267,7 @@ async def test_two_engines_share_the_choices_and_an_abort_of_the_id_reaches_both
                 await start_api(
                     lambda: connect(redis_server.url),
                     keys,
-                    ApiOptions(model_dir=str(tiny_model_dir)),
+                    ApiConfig(model_dir=str(tiny_model_dir)),
                     tokenizer=tiny_tokenizer,
                 )
             )

@@ -424,7 +424,9 @@ async def test_health_503_when_redis_is_down(real_bus):
 
     dead = connect("redis://127.0.0.1:1")  # nothing listens there
     mux = StreamMux(dead, Keys("x"), "api-dead", block_ms=100)
-    app = make_app(ApiConfig("tiny", 64), Bus(dead, Keys("x")), mux, FakeTokenizer(), Metrics())
+    app = make_app(
+        ApiConfig(model_dir="tiny", max_model_len=64), Bus(dead, Keys("x")), mux, FakeTokenizer(), Metrics()
+    )
     # the mux is not started: a dead Redis must not keep the API from answering health checks
     app.on_startup.clear()
     app.on_cleanup.clear()

@@ -24,7 +24,8 @@ import time
 import aiohttp
 from redis.exceptions import RedisError
 
-from fd.compose import ApiOptions, start_api
+from fd.api.config import ApiConfig
+from fd.compose import start_api
 from fd.control.connect import connect
 from fd.control.events import Abort, Final
 from fd.control.guided import canonical
@@ -110,7 +111,7 @@ async def test_chaos(redis_server, real_bus, keys, tiny_model_dir, tiny_runner, 
                 await start_api(
                     lambda: connect(redis_server.url),
                     keys,
-                    ApiOptions(model_dir=str(tiny_model_dir)),
+                    ApiConfig(model_dir=str(tiny_model_dir)),
                     tokenizer=tiny_tokenizer,
                 )
             )
@@ -367,7 +368,7 @@ async def test_chaos_with_outside_faults(tmp_path, keys, tiny_model_dir, tiny_ru
         for _ in range(2):
             apis.append(
                 await start_api(
-                    factory, keys, ApiOptions(model_dir=str(tiny_model_dir)), tokenizer=tiny_tokenizer
+                    factory, keys, ApiConfig(model_dir=str(tiny_model_dir)), tokenizer=tiny_tokenizer
                 )
             )
         await wait_for(lambda: _heartbeat(bus, "P"), 120, "engine P up")
@@ -777,7 +778,7 @@ async def test_chaos_of_redis_itself(tmp_path, keys, tiny_model_dir, tiny_runner
         for _ in range(2):
             apis.append(
                 await start_api(
-                    factory, keys, ApiOptions(model_dir=str(tiny_model_dir)), tokenizer=tiny_tokenizer
+                    factory, keys, ApiConfig(model_dir=str(tiny_model_dir)), tokenizer=tiny_tokenizer
                 )
             )
         log: dict = {}

@@ -11,7 +11,7 @@ import asyncio
 
 from fd.control.bus import Bus
 from fd.engine.node.node import EngineNode
-from fd.engine.node.node_config import EngineConfig
+from fd.engine.node.node_config import EngineConfig, SchedulerSettings
 from tests.kit.engine import submit_together
 
 
@@ -21,7 +21,9 @@ async def _node(embedded_redis, keys, tiny_runner, tiny_tokenizer) -> EngineNode
         Bus(embedded_redis.client(), keys),
         tiny_runner,
         tiny_tokenizer,
-        EngineConfig(engine_id="burst", max_num_seqs=64, max_num_waiting=16),
+        EngineConfig(
+            model_dir="", engine_id="burst", scheduler=SchedulerSettings(max_num_seqs=64, max_num_waiting=16)
+        ),
     )
     await node.prepare()
     return node

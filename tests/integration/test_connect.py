@@ -11,7 +11,8 @@ import time
 import aiohttp
 import pytest
 
-from fd.compose import ApiOptions, start_api
+from fd.api.config import ApiConfig
+from fd.compose import start_api
 from fd.control.connect import connect
 from tests.kit.faults import Engines
 from tests.kit.redis import start_redis_server
@@ -79,7 +80,7 @@ async def test_a_new_request_to_a_paused_redis_is_a_503_within_one_timeout(
     try:
         await engines.start("E")
         api = await start_api(
-            factory, keys, ApiOptions(model_dir=str(tiny_model_dir)), tokenizer=tiny_tokenizer
+            factory, keys, ApiConfig(model_dir=str(tiny_model_dir)), tokenizer=tiny_tokenizer
         )
         body = {"model": api.cfg.model_name, "prompt": "Once upon a time", "max_tokens": 2}
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:

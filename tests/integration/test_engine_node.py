@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import asyncio
 
-from fd.compose import EngineOptions, start_engine
+from fd.compose import start_engine
 from fd.control.connect import connect
 from fd.control.sampling import SamplingParams
+from fd.engine.node.node_config import EngineConfig
 from fd.engine.runner.llm import LLM
 from tests.kit.engine import story, submit, text_of, tokens_of, types
 
 
 async def _start(redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer, **kw):
-    opts = EngineOptions(model_dir=str(tiny_model_dir), engine_id=kw.pop("engine_id", "e0"), **kw)
+    opts = EngineConfig(model_dir=str(tiny_model_dir), engine_id=kw.pop("engine_id", "e0"), **kw)
     return await start_engine(
         lambda: connect(redis_server.url), keys, opts, runner=tiny_runner, tokenizer=tiny_tokenizer
     )
@@ -124,7 +125,7 @@ async def test_dead_letters_are_counted_in_metrics(
     from fd.control.metrics import Metrics
 
     metrics = Metrics()
-    opts = EngineOptions(model_dir=str(tiny_model_dir), engine_id="e-dead")
+    opts = EngineConfig(model_dir=str(tiny_model_dir), engine_id="e-dead")
     eng = await start_engine(
         lambda: connect(redis_server.url),
         keys,
@@ -150,7 +151,7 @@ async def test_journal_can_be_turned_off_and_bounded(
 ):
     for journal, maxlen in ((False, 10_000), (True, 500)):
         eid = f"j-{journal}"
-        opts = EngineOptions(
+        opts = EngineConfig(
             model_dir=str(tiny_model_dir), engine_id=eid, journal=journal, journal_maxlen=maxlen
         )
         eng = await start_engine(

@@ -16,13 +16,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fd.compose import EngineOptions, start_engine
+from fd.compose import start_engine
 from fd.control.bad_event import BadEvent
 from fd.control.bus import Bus
 from fd.control.connect import connect
 from fd.control.events import CONTROL_TYPES, MAX_FIELD_BYTES, Accepted, Request, decode
 from fd.control.request_data import RequestData
 from fd.control.sampling import SamplingParams
+from fd.engine.node.node_config import EngineConfig
 from fd.engine.runner.llm import LLM
 from tests.kit.engine import story, submit, text_of, tokens_of
 
@@ -261,7 +262,7 @@ def test_random_entries_never_stop_the_engine(
         start_engine(
             lambda: connect(url),
             keys,
-            EngineOptions(model_dir=str(tiny_model_dir), engine_id=ENGINE),
+            EngineConfig(model_dir=str(tiny_model_dir), engine_id=ENGINE),
             runner=tiny_runner,
             tokenizer=tiny_tokenizer,
         )
@@ -375,7 +376,7 @@ async def test_poisonous_request_is_refused_not_fatal(
     eng = await start_engine(
         lambda: connect(url),
         keys,
-        EngineOptions(model_dir=str(tiny_model_dir), engine_id=ENGINE),
+        EngineConfig(model_dir=str(tiny_model_dir), engine_id=ENGINE),
         runner=tiny_runner,
         tokenizer=tiny_tokenizer,
     )

@@ -56,7 +56,7 @@ class Harness:
         mux = StreamMux(connect(self.url), self.keys, "api-fuzz", block_ms=50)
         self.mux = mux
         app = make_app(
-            ApiConfig("tiny", MAX_LEN, max_body_bytes=MAX_BODY, **self.cfg),
+            ApiConfig(model_dir="tiny", max_model_len=MAX_LEN, max_body_bytes=MAX_BODY, **self.cfg),
             self.bus,
             mux,
             FakeTokenizer(),

@@ -12,7 +12,9 @@ import aiohttp
 import orjson
 import pytest
 
-from fd.compose import ApiOptions, EngineOptions, join_in_process, start_api, start_engine
+from fd.api.config import ApiConfig
+from fd.compose import join_in_process, start_api, start_engine
+from fd.engine.node.node_config import EngineConfig
 from fd.engine.runner.timed_runner import TimedRunner
 
 HEAD_S = 1.0  # the server's --header-timeout here
@@ -26,14 +28,14 @@ async def api(embedded_redis, keys, tiny_model_dir, tiny_tokenizer):
     eng = await start_engine(
         embedded_redis.client,
         keys,
-        EngineOptions(model_dir=str(tiny_model_dir), engine_id="edges0"),
+        EngineConfig(model_dir=str(tiny_model_dir), engine_id="edges0"),
         runner=TimedRunner.for_tokenizer(tiny_tokenizer, step_ms=STEP_MS, num_blocks=512),
         tokenizer=tiny_tokenizer,
     )
     api = await start_api(
         embedded_redis.client,
         keys,
-        ApiOptions(model_dir=str(tiny_model_dir), header_timeout_s=HEAD_S),
+        ApiConfig(model_dir=str(tiny_model_dir), header_timeout_s=HEAD_S),
         tokenizer=tiny_tokenizer,
     )
     join_in_process(api, eng)

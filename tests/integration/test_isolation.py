@@ -44,7 +44,9 @@ async def replicas(bus, engine: FakeEngine, n: int = 2, **cfg):
         clients = []
         for i in range(n):
             mux = StreamMux(bus.redis, bus.keys, f"api-{i}", block_ms=100)
-            app = make_app(ApiConfig("tiny", 64, **cfg), bus, mux, FakeTokenizer(), Metrics())
+            app = make_app(
+                ApiConfig(model_dir="tiny", max_model_len=64, **cfg), bus, mux, FakeTokenizer(), Metrics()
+            )
             clients.append(await stack.enter_async_context(TestClient(TestServer(app))))
         try:
             yield clients

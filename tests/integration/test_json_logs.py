@@ -189,7 +189,8 @@ async def test_access_lines_are_vllms_flags_to_turn_off(
 ):
     """On by default; ``--disable-access-log-for-endpoints`` leaves out the paths it names, and
     ``--disable-uvicorn-access-log`` every line."""
-    from fd.compose import ApiOptions, start_api
+    from fd.api.config import ApiConfig
+    from fd.compose import start_api
 
     cases = (
         ({}, {"/version", "/v1/models"}),
@@ -201,7 +202,7 @@ async def test_access_lines_are_vllms_flags_to_turn_off(
         api = await start_api(
             embedded_redis.client,
             keys,
-            ApiOptions(model_dir=str(tiny_model_dir), api_key=KEY, **kw),
+            ApiConfig(model_dir=str(tiny_model_dir), api_key=KEY, **kw),
             tokenizer=tiny_tokenizer,
         )
         try:

@@ -7,8 +7,10 @@ import logging
 
 import aiohttp
 
-from fd.compose import ApiOptions, EngineOptions, join_in_process, start_api, start_engine
+from fd.api.config import ApiConfig
+from fd.compose import join_in_process, start_api, start_engine
 from fd.control.metrics import Metrics
+from fd.engine.node.node_config import EngineConfig
 
 
 async def _serve(embedded_redis, keys, tiny_model_dir, tiny_runner, **api_kw):
@@ -16,12 +18,12 @@ async def _serve(embedded_redis, keys, tiny_model_dir, tiny_runner, **api_kw):
     eng = await start_engine(
         embedded_redis.client,
         keys,
-        EngineOptions(model_dir=str(tiny_model_dir), engine_id="e-log"),
+        EngineConfig(model_dir=str(tiny_model_dir), engine_id="e-log"),
         runner=tiny_runner,
         metrics=metrics,
     )
     api = await start_api(
-        embedded_redis.client, keys, ApiOptions(model_dir=str(tiny_model_dir), **api_kw), metrics=metrics
+        embedded_redis.client, keys, ApiConfig(model_dir=str(tiny_model_dir), **api_kw), metrics=metrics
     )
     join_in_process(api, eng)
     return api, eng

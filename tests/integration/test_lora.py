@@ -135,14 +135,16 @@ def test_greedy_output_is_the_merged_models_and_the_prefix_cache_keeps_them_apar
 async def test_the_openai_client_names_an_adapter_as_its_model(
     embedded_redis, keys, tiny_model_dir, tiny_tokenizer, lora_runner, adapters
 ):
-    from fd.compose import ApiOptions, EngineOptions, join_in_process, start_api, start_engine
+    from fd.api.config import ApiConfig
+    from fd.compose import join_in_process, start_api, start_engine
     from fd.control.metrics import Metrics
+    from fd.engine.node.node_config import EngineConfig
 
     mods = {name: a for name, (a, _) in adapters.items()}
     eng = await start_engine(
         embedded_redis.client,
         keys,
-        EngineOptions(model_dir=str(tiny_model_dir), engine_id="e-lora", lora_modules=mods),
+        EngineConfig(model_dir=str(tiny_model_dir), engine_id="e-lora", lora_modules=mods),
         runner=lora_runner,
         tokenizer=tiny_tokenizer,
         metrics=Metrics(),
@@ -150,7 +152,7 @@ async def test_the_openai_client_names_an_adapter_as_its_model(
     api = await start_api(
         embedded_redis.client,
         keys,
-        ApiOptions(model_dir=str(tiny_model_dir), lora_modules=mods),
+        ApiConfig(model_dir=str(tiny_model_dir), lora_modules=mods),
         tokenizer=tiny_tokenizer,
     )
     join_in_process(api, eng)
@@ -262,8 +264,10 @@ async def test_adapters_loaded_and_unloaded_at_run_time(
 
     import aiohttp
 
-    from fd.compose import ApiOptions, EngineOptions, join_in_process, start_api, start_engine
+    from fd.api.config import ApiConfig
+    from fd.compose import join_in_process, start_api, start_engine
     from fd.control.metrics import Metrics
+    from fd.engine.node.node_config import EngineConfig
 
     def runner():
         return ModelRunner(str(tiny_model_dir), num_blocks=256, block_size=16)
@@ -271,7 +275,7 @@ async def test_adapters_loaded_and_unloaded_at_run_time(
     e1 = await start_engine(
         embedded_redis.client,
         keys,
-        EngineOptions(model_dir=str(tiny_model_dir), engine_id="rt1"),
+        EngineConfig(model_dir=str(tiny_model_dir), engine_id="rt1"),
         runner=runner(),
         tokenizer=tiny_tokenizer,
         metrics=Metrics(),
@@ -279,11 +283,11 @@ async def test_adapters_loaded_and_unloaded_at_run_time(
     api = await start_api(
         embedded_redis.client,
         keys,
-        ApiOptions(model_dir=str(tiny_model_dir), runtime_lora=True, admin_key="adm"),
+        ApiConfig(model_dir=str(tiny_model_dir), runtime_lora=True, admin_key="adm"),
         tokenizer=tiny_tokenizer,
     )
     other = await start_api(
-        embedded_redis.client, keys, ApiOptions(model_dir=str(tiny_model_dir)), tokenizer=tiny_tokenizer
+        embedded_redis.client, keys, ApiConfig(model_dir=str(tiny_model_dir)), tokenizer=tiny_tokenizer
     )  # (a replica without the routes)
     join_in_process(api, e1)
     engines = [e1]
@@ -331,7 +335,7 @@ async def test_adapters_loaded_and_unloaded_at_run_time(
             e2 = await start_engine(
                 embedded_redis.client,
                 keys,
-                EngineOptions(model_dir=str(tiny_model_dir), engine_id="rt2"),
+                EngineConfig(model_dir=str(tiny_model_dir), engine_id="rt2"),
                 runner=runner(),
                 tokenizer=tiny_tokenizer,
                 metrics=Metrics(),

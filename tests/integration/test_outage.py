@@ -15,7 +15,8 @@ import time
 import aiohttp
 import pytest
 
-from fd.compose import ApiOptions, start_api
+from fd.api.config import ApiConfig
+from fd.compose import start_api
 from fd.control.bus import Bus
 from fd.control.connect import connect
 from fd.control.events import AbortRequested, Tokens
@@ -40,7 +41,7 @@ async def test_redis_restart_mid_stream(tmp_path, keys, tiny_model_dir, tiny_run
         api = await start_api(
             lambda: connect(redis.url),
             keys,
-            ApiOptions(model_dir=str(tiny_model_dir)),
+            ApiConfig(model_dir=str(tiny_model_dir)),
             tokenizer=tiny_tokenizer,
         )
         prompt = "Once upon a time"
@@ -158,7 +159,7 @@ async def test_a_paused_redis_is_a_503_within_the_timeout_and_then_serves_again(
     try:
         eng = await engines.start("E", delay=0.03)
         api = await start_api(
-            factory, keys, ApiOptions(model_dir=str(tiny_model_dir)), tokenizer=tiny_tokenizer
+            factory, keys, ApiConfig(model_dir=str(tiny_model_dir)), tokenizer=tiny_tokenizer
         )
         prompt = "Once upon a time"
         ref = LLM(tiny_runner, tiny_tokenizer).generate(

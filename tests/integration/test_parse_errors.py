@@ -8,7 +8,8 @@ import logging
 
 import orjson
 
-from fd.compose import ApiOptions, start_api
+from fd.api.config import ApiConfig
+from fd.compose import start_api
 
 
 async def _raw(port: int, data: bytes) -> tuple[bytes, bytes]:
@@ -32,7 +33,7 @@ async def test_malformed_requests_are_400_and_one_log_line(
     embedded_redis, keys, tiny_model_dir, tiny_tokenizer, caplog
 ):
     api = await start_api(
-        embedded_redis.client, keys, ApiOptions(model_dir=str(tiny_model_dir)), tokenizer=tiny_tokenizer
+        embedded_redis.client, keys, ApiConfig(model_dir=str(tiny_model_dir)), tokenizer=tiny_tokenizer
     )
     caplog.set_level(logging.INFO)
     try:

@@ -15,12 +15,14 @@ import openai
 import orjson
 import pytest
 
+from fd.api.config import ApiConfig
 from fd.api.reasoning import ReasoningParser, split_all
 from fd.api.tool_calls import call_id
-from fd.compose import ApiOptions, EngineOptions, join_in_process, start_api, start_engine
+from fd.compose import join_in_process, start_api, start_engine
 from fd.control.events import Accepted, decode
 from fd.control.guided import canonical, starting_after
 from fd.control.sampling import SamplingParams
+from fd.engine.node.node_config import EngineConfig
 from fd.engine.runner.llm import LLM
 from fd.engine.runner.model_runner import ModelRunner
 from tests.kit.api import FakeEngine, FakeTokenizer, assert_openai_error, parse_sse, setup
@@ -234,14 +236,14 @@ async def test_chat_template_kwargs_reach_the_template(
     eng = await start_engine(
         embedded_redis.client,
         keys,
-        EngineOptions(model_dir=str(tiny_model_dir), engine_id="e-think"),
+        EngineConfig(model_dir=str(tiny_model_dir), engine_id="e-think"),
         runner=tiny_runner,
         tokenizer=tiny_tokenizer,
     )
     api = await start_api(
         embedded_redis.client,
         keys,
-        ApiOptions(model_dir=str(tiny_model_dir), chat_template=template, reasoning_parser="qwen3"),
+        ApiConfig(model_dir=str(tiny_model_dir), chat_template=template, reasoning_parser="qwen3"),
         tokenizer=tiny_tokenizer,
     )
     join_in_process(api, eng)
@@ -286,7 +288,7 @@ async def test_chat_template_kwargs_reach_the_template(
         await start_api(
             embedded_redis.client,
             keys,
-            ApiOptions(model_dir=str(tiny_model_dir), reasoning_parser="nope"),
+            ApiConfig(model_dir=str(tiny_model_dir), reasoning_parser="nope"),
             tokenizer=tiny_tokenizer,
         )
 

@@ -13,7 +13,8 @@ import aiohttp
 import pytest
 import redis as sync_redis
 
-from fd.compose import ApiOptions, start_api
+from fd.api.config import ApiConfig
+from fd.compose import start_api
 from fd.control.bus import Bus
 from fd.control.connect import connect
 from fd.control.events import Claimed, Final, Tokens
@@ -48,7 +49,7 @@ async def deploy(tmp_path, keys, tiny_model_dir, tiny_runner, tiny_tokenizer):
 
     async def start(delay: float) -> Deployment:
         eng = await engines.start("E", delay=delay)
-        opts = ApiOptions(model_dir=str(tiny_model_dir))
+        opts = ApiConfig(model_dir=str(tiny_model_dir))
         apis.append(await start_api(lambda: connect(redis.url), keys, opts, tokenizer=tiny_tokenizer))
         return Deployment(redis, admin, bus, eng, apis[-1])
 

@@ -13,7 +13,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import AuthenticationError, ConnectionError
 
-from fd.compose import ApiOptions, start_api
+from fd.api.config import ApiConfig
+from fd.compose import start_api
 from fd.control.bus import Bus
 from fd.control.connect import MASTER_CHECK_S, connect
 from fd.control.sampling import SamplingParams
@@ -215,7 +216,7 @@ async def test_streams_live_through_a_primary_failover(
     try:
         eng = await engines.start("E", delay=0.03)
         api = await start_api(
-            lambda: connect(url), keys, ApiOptions(model_dir=str(tiny_model_dir)), tokenizer=tiny_tokenizer
+            lambda: connect(url), keys, ApiConfig(model_dir=str(tiny_model_dir)), tokenizer=tiny_tokenizer
         )
         refs = LLM(tiny_runner, tiny_tokenizer).generate(
             [tiny_tokenizer.encode(p) for p in prompts],

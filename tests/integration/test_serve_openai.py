@@ -10,9 +10,11 @@ import aiohttp
 import openai
 import pytest
 
-from fd.compose import ApiOptions, EngineOptions, start_api, start_engine
+from fd.api.config import ApiConfig
+from fd.compose import start_api, start_engine
 from fd.control.connect import connect
 from fd.control.sampling import SamplingParams
+from fd.engine.node.node_config import EngineConfig
 from fd.engine.runner.llm import LLM
 
 
@@ -173,19 +175,19 @@ async def test_two_replicas_two_engines_resume_from_any_replica(
     e1 = await start_engine(
         factory,
         keys,
-        EngineOptions(model_dir=str(tiny_model_dir), engine_id="e1"),
+        EngineConfig(model_dir=str(tiny_model_dir), engine_id="e1"),
         runner=tiny_runner,
         tokenizer=tiny_tokenizer,
     )
     e2 = await start_engine(
         factory,
         keys,
-        EngineOptions(model_dir=str(tiny_model_dir), engine_id="e2"),
+        EngineConfig(model_dir=str(tiny_model_dir), engine_id="e2"),
         runner=runner2,
         tokenizer=tiny_tokenizer,
     )
-    a = await start_api(factory, keys, ApiOptions(model_dir=str(tiny_model_dir)), tokenizer=tiny_tokenizer)
-    b = await start_api(factory, keys, ApiOptions(model_dir=str(tiny_model_dir)), tokenizer=tiny_tokenizer)
+    a = await start_api(factory, keys, ApiConfig(model_dir=str(tiny_model_dir)), tokenizer=tiny_tokenizer)
+    b = await start_api(factory, keys, ApiConfig(model_dir=str(tiny_model_dir)), tokenizer=tiny_tokenizer)
     try:
         async with aiohttp.ClientSession() as http:
             body = {

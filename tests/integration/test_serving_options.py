@@ -13,9 +13,8 @@ import openai
 import pytest
 
 from fd.api import protocol, sampling, validation
+from fd.api.config import ApiConfig
 from fd.compose import (
-    ApiOptions,
-    EngineOptions,
     join_in_process,
     read_chat_template,
     read_generation_config,
@@ -25,6 +24,7 @@ from fd.compose import (
 from fd.control.events import Final
 from fd.control.sampling import SamplingParams
 from fd.control.tokenizer import served_context
+from fd.engine.node.node_config import EngineConfig, SchedulerSettings
 from fd.engine.runner.llm import LLM
 from tests.kit.api import FakeTokenizer, wait_for
 
@@ -45,11 +45,10 @@ async def _serve(
     eng = await start_engine(
         embedded_redis.client,
         keys,
-        EngineOptions(
+        EngineConfig(
             model_dir=str(tiny_model_dir),
             engine_id="e-opts",
-            max_model_len=engine_max,
-            scheduling_policy=policy,
+            scheduler=SchedulerSettings(max_model_len=engine_max, scheduling_policy=policy),
         ),
         runner=tiny_runner,
         tokenizer=tiny_tokenizer,
@@ -57,7 +56,7 @@ async def _serve(
     api = await start_api(
         embedded_redis.client,
         keys,
-        ApiOptions(model_dir=str(tiny_model_dir), **api_kw),
+        ApiConfig(model_dir=str(tiny_model_dir), **api_kw),
         tokenizer=tiny_tokenizer,
     )
     join_in_process(api, eng)
@@ -137,12 +136,14 @@ async def test_a_longer_context_than_the_model_has_is_refused_at_start(
         await start_api(
             embedded_redis.client,
             keys,
-            ApiOptions(model_dir=str(tiny_model_dir), max_model_len=10**6),
+            ApiConfig(model_dir=str(tiny_model_dir), max_model_len=10**6),
             tokenizer=tiny_tokenizer,
         )
     with pytest.raises(ValueError, match="max_position_embeddings"):  # before the model loads
         await start_engine(
-            embedded_redis.client, keys, EngineOptions(model_dir=str(tiny_model_dir), max_model_len=10**6)
+            embedded_redis.client,
+            keys,
+            EngineConfig(model_dir=str(tiny_model_dir), scheduler=SchedulerSettings(max_model_len=10**6)),
         )
 
 
@@ -189,7 +190,7 @@ async def test_a_chat_template_that_cannot_be_used_is_said_at_start(
         await start_api(
             embedded_redis.client,
             keys,
-            ApiOptions(model_dir=str(tiny_model_dir), chat_template="{% for m in %}"),
+            ApiConfig(model_dir=str(tiny_model_dir), chat_template="{% for m in %}"),
             tokenizer=tiny_tokenizer,
         )
     with pytest.raises(FileNotFoundError, match="no such file"):
@@ -348,15 +349,15 @@ def test_seed_starts_the_samplers_stream_for_unseeded_requests(tiny_model_dir):
     """vLLM's --seed: two engines with the same seed sample an unseeded request alike, with
     another seed not (a request's own seed is its own stream either way)."""
     from fd.cli.main import build_parser
-    from fd.cli.serving import _engine_opts
+    from fd.cli.serving import _engine_config
     from fd.compose import make_runner
     from fd.engine.runner.llm import LLM
 
     args = build_parser().parse_args(["serve", "--seed", "7", "--executor", "paddle"])
-    assert _engine_opts(args, tiny_model_dir).seed == 7
+    assert _engine_config(args, tiny_model_dir).seed == 7
 
     def sample(seed: int, sp: SamplingParams) -> list[list[int]]:
-        opts = _engine_opts(build_parser().parse_args(["serve", "--seed", str(seed)]), tiny_model_dir)
+        opts = _engine_config(build_parser().parse_args(["serve", "--seed", str(seed)]), tiny_model_dir)
         opts.executor, opts.num_blocks = "paddle-thread", 64
         runner = make_runner(opts, progress=False)
         from fd.control.tokenizer import Tokenizer
@@ -380,12 +381,12 @@ async def test_server_wide_usage_and_token_id_defaults(
     """vLLM's --enable-force-include-usage (every stream ends with its usage) and
     --return-tokens-as-token-ids (unless a request says otherwise)."""
     from fd.cli.main import build_parser
-    from fd.cli.serving import _api_opts
+    from fd.cli.serving import _api_config
 
     args = build_parser().parse_args(
         ["serve", "--enable-force-include-usage", "--return-tokens-as-token-ids"]
     )
-    opts = _api_opts(args, tiny_model_dir)
+    opts = _api_config(args, tiny_model_dir)
     assert opts.force_include_usage and opts.tokens_as_ids
     api, eng = await _serve(
         embedded_redis,
@@ -433,11 +434,11 @@ async def test_scheduling_policy_priority(embedded_redis, keys, tiny_model_dir, 
     engine's scheduler orders by it (tests/unit/test_scheduler.py); the request event and the
     journal carry it, so a replay decides the same."""
     from fd.cli.main import build_parser
-    from fd.cli.serving import _api_opts, _engine_opts
+    from fd.cli.serving import _api_config, _engine_config
 
     args = build_parser().parse_args(["serve", "--scheduling-policy", "priority"])
-    assert _api_opts(args, tiny_model_dir).priority_scheduling
-    assert _engine_opts(args, tiny_model_dir).scheduling_policy == "priority"
+    assert _api_config(args, tiny_model_dir).priority_scheduling
+    assert _engine_config(args, tiny_model_dir).scheduler.scheduling_policy == "priority"
     assert (
         build_parser().parse_args(["api", "--scheduling-policy", "priority"]).scheduling_policy == "priority"
     )

@@ -17,8 +17,8 @@ import aiohttp
 import pytest
 
 from fd.api.listen import hold_port
-from fd.compose import EngineOptions, start_engine
-from fd.engine.node.node_config import engine_context
+from fd.compose import start_engine
+from fd.engine.node.node_config import EngineConfig, SchedulerSettings, engine_context
 from tests.kit.redis import free_port
 
 PY = sys.executable
@@ -96,7 +96,7 @@ async def test_an_engine_fits_its_context_to_the_kv_cache_and_refuses_more(
     eng = await start_engine(
         embedded_redis.client,
         keys,
-        EngineOptions(model_dir=str(tiny_model_dir), engine_id="e-fit"),
+        EngineConfig(model_dir=str(tiny_model_dir), engine_id="e-fit"),
         runner=runner,
         tokenizer=tiny_tokenizer,
     )
@@ -109,7 +109,11 @@ async def test_an_engine_fits_its_context_to_the_kv_cache_and_refuses_more(
         await start_engine(
             embedded_redis.client,
             keys,
-            EngineOptions(model_dir=str(tiny_model_dir), engine_id="e-big", max_model_len=128),
+            EngineConfig(
+                model_dir=str(tiny_model_dir),
+                engine_id="e-big",
+                scheduler=SchedulerSettings(max_model_len=128),
+            ),
             runner=runner,
             tokenizer=tiny_tokenizer,
         )

@@ -20,7 +20,8 @@ import numpy as np
 import orjson
 import pytest
 
-from fd.compose import ApiOptions, EngineOptions, start_api, start_engine
+from fd.api.config import ApiConfig
+from fd.compose import start_api, start_engine
 from fd.control.connect import connect
 from fd.control.events import BlocksReleased, Claimed, Final, Tokens
 from fd.control.sampling import SamplingParams
@@ -28,6 +29,7 @@ from fd.engine.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from fd.engine.core.sequence import PLACEHOLDER
 from fd.engine.journal.journal_reader import load_journal_from_redis
 from fd.engine.journal.replay import replay
+from fd.engine.node.node_config import EngineConfig
 from fd.engine.runner.llm import LLM
 from fd.engine.runner.runners import InProcessRunner
 from fd.engine.runner.sampler import Sampler
@@ -69,12 +71,12 @@ async def api_and_engine(redis_server, keys, tiny_model_dir, tiny_runner, tiny_t
     eng = await start_engine(
         lambda: connect(url),
         keys,
-        EngineOptions(model_dir=str(tiny_model_dir), engine_id="e0"),
+        EngineConfig(model_dir=str(tiny_model_dir), engine_id="e0"),
         runner=tiny_runner,
         tokenizer=tiny_tokenizer,
     )
     api = await start_api(
-        lambda: connect(url), keys, ApiOptions(model_dir=str(tiny_model_dir)), tokenizer=tiny_tokenizer
+        lambda: connect(url), keys, ApiConfig(model_dir=str(tiny_model_dir)), tokenizer=tiny_tokenizer
     )
     yield api, eng
     await api.stop()
@@ -197,7 +199,7 @@ async def test_a_hand_written_id_past_the_vocabulary_ends_its_request(
     eng = await start_engine(
         lambda: connect(url),
         keys,
-        EngineOptions(model_dir=str(tiny_model_dir), engine_id="e0"),
+        EngineConfig(model_dir=str(tiny_model_dir), engine_id="e0"),
         runner=tiny_runner,
         tokenizer=tiny_tokenizer,
     )
@@ -225,7 +227,7 @@ async def test_ids_typed_as_1e9_are_dead_letters(
     eng = await start_engine(
         lambda: connect(url),
         keys,
-        EngineOptions(model_dir=str(tiny_model_dir), engine_id="e0"),
+        EngineConfig(model_dir=str(tiny_model_dir), engine_id="e0"),
         runner=tiny_runner,
         tokenizer=tiny_tokenizer,
     )
@@ -278,7 +280,7 @@ async def test_a_step_that_fails_in_the_sampler_ends_only_that_request(
     eng = await start_engine(
         lambda: connect(url),
         keys,
-        EngineOptions(model_dir=str(tiny_model_dir), engine_id="e0"),
+        EngineConfig(model_dir=str(tiny_model_dir), engine_id="e0"),
         runner=VocabBlindRunner(tiny_runner),
         tokenizer=tiny_tokenizer,
     )
@@ -340,7 +342,7 @@ async def test_an_injected_step_failure_ends_only_its_request(
     eng = await start_engine(
         lambda: connect(url),
         keys,
-        EngineOptions(model_dir=str(tiny_model_dir), engine_id="e0"),
+        EngineConfig(model_dir=str(tiny_model_dir), engine_id="e0"),
         runner=tiny_runner,
         tokenizer=tiny_tokenizer,
     )
@@ -406,7 +408,7 @@ async def test_a_runner_that_raises_fails_the_steps_requests_not_the_engine(
     eng = await start_engine(
         lambda: connect(url),
         keys,
-        EngineOptions(model_dir=str(tiny_model_dir), engine_id="e0"),
+        EngineConfig(model_dir=str(tiny_model_dir), engine_id="e0"),
         runner=BrokenRunner(tiny_runner),
         tokenizer=tiny_tokenizer,
     )
@@ -553,7 +555,7 @@ async def test_claimed_is_on_the_stream_before_the_request_runs(
     eng = await start_engine(
         lambda: connect(url),
         keys,
-        EngineOptions(model_dir=str(tiny_model_dir), engine_id="e0"),
+        EngineConfig(model_dir=str(tiny_model_dir), engine_id="e0"),
         runner=watcher,
         tokenizer=tiny_tokenizer,
     )

@@ -84,14 +84,15 @@ async def test_the_api_answers_409_for_an_id_taken_under_it(
 ):
     """An id whose story another request started after the API checked it (two clients racing
     on one X-Request-Id): a 409, and the other request's story untouched."""
-    from fd.compose import ApiOptions, start_api
+    from fd.api.config import ApiConfig
+    from fd.compose import start_api
 
     client = connect(redis_server.url)
     bus = Bus(client, keys)
     api = await start_api(
         lambda: connect(redis_server.url),
         keys,
-        ApiOptions(model_dir=str(tiny_model_dir)),
+        ApiConfig(model_dir=str(tiny_model_dir)),
         tokenizer=tiny_tokenizer,
     )
     try:

@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 import time
 
-from fd.compose import EngineOptions, start_engine
+from fd.compose import start_engine
 from fd.control.request_data import RequestData
 from fd.control.sampling import SamplingParams
 from fd.engine.core.outputs import ScheduledSeq, SchedulerOutput
+from fd.engine.node.node_config import EngineConfig
 from fd.engine.runner.timed_runner import TimedRunner
 
 
@@ -60,7 +61,7 @@ async def test_an_engine_runs_on_it(embedded_redis, keys, tiny_tokenizer):
     eng = await start_engine(
         embedded_redis.client,
         keys,
-        EngineOptions(model_dir="unused", engine_id="timed0"),
+        EngineConfig(model_dir="unused", engine_id="timed0"),
         runner=runner,
         tokenizer=tiny_tokenizer,
     )

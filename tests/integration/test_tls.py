@@ -14,8 +14,10 @@ import httpx
 import openai
 import pytest
 
-from fd.compose import ApiOptions, EngineOptions, join_in_process, start_api, start_engine
+from fd.api.config import ApiConfig
+from fd.compose import join_in_process, start_api, start_engine
 from fd.control.metrics import Metrics
+from fd.engine.node.node_config import EngineConfig
 
 
 @pytest.fixture(scope="module")
@@ -38,14 +40,14 @@ async def test_the_api_speaks_https_with_vllms_flags(embedded_redis, keys, tiny_
     eng = await start_engine(
         embedded_redis.client,
         keys,
-        EngineOptions(model_dir=str(tiny_model_dir), engine_id="e-tls"),
+        EngineConfig(model_dir=str(tiny_model_dir), engine_id="e-tls"),
         runner=tiny_runner,
         metrics=metrics,
     )
     api = await start_api(
         embedded_redis.client,
         keys,
-        ApiOptions(model_dir=str(tiny_model_dir), ssl_certfile=crt, ssl_keyfile=key),
+        ApiConfig(model_dir=str(tiny_model_dir), ssl_certfile=crt, ssl_keyfile=key),
         metrics=metrics,
     )
     join_in_process(api, eng)
@@ -78,13 +80,13 @@ async def test_the_api_speaks_https_with_vllms_flags(embedded_redis, keys, tiny_
 
 def test_client_certificates_as_vllms_ssl_cert_reqs(cert):
     crt, key = cert
-    ctx = ApiOptions(
+    ctx = ApiConfig(
         model_dir="", ssl_certfile=crt, ssl_keyfile=key, ssl_ca_certs=crt, ssl_cert_reqs=2
     ).ssl_context()
     assert ctx is not None and ctx.verify_mode == ssl.CERT_REQUIRED
-    assert ApiOptions(model_dir="").ssl_context() is None
+    assert ApiConfig(model_dir="").ssl_context() is None
     with pytest.raises(ValueError, match="need --ssl-certfile"):
-        ApiOptions(model_dir="", ssl_keyfile=key).ssl_context()
+        ApiConfig(model_dir="", ssl_keyfile=key).ssl_context()
 
 
 def test_a_missing_certificate_is_one_line_before_the_model_loads(tmp_path):

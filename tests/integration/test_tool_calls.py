@@ -260,7 +260,8 @@ def test_the_flags_go_together():
 async def test_the_real_model_sees_the_tools(redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer):
     """The tiny model's template offers tools Qwen's way; through the `openai` client the prompt
     is that rendering (usage), and greedy output equals the engine's own for it."""
-    from fd.compose import ApiOptions, start_api
+    from fd.api.config import ApiConfig
+    from fd.compose import start_api
     from fd.control.connect import connect
     from tests.kit.faults import Engines
 
@@ -271,7 +272,7 @@ async def test_the_real_model_sees_the_tools(redis_server, keys, tiny_model_dir,
         api = await start_api(
             lambda: connect(redis_server.url),
             keys,
-            ApiOptions(model_dir=str(tiny_model_dir), tool_parser="hermes"),
+            ApiConfig(model_dir=str(tiny_model_dir), tool_parser="hermes"),
             tokenizer=tiny_tokenizer,
         )
         messages = [

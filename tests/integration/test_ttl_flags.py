@@ -93,7 +93,8 @@ async def test_a_request_that_runs_longer_than_the_ttl_keeps_its_story(
 ):
     """The TTL counts from the accept and from the final; in between, the engine that runs a
     request renews its story and owner key, so a long run loses neither mid-way."""
-    from fd.compose import EngineOptions, start_engine
+    from fd.compose import start_engine
+    from fd.engine.node.node_config import EngineConfig
     from tests.kit.engine import GatedRunner, submit, types
     from tests.kit.faults import RunnerSlice
 
@@ -102,10 +103,9 @@ async def test_a_request_that_runs_longer_than_the_ttl_keeps_its_story(
     eng = await start_engine(
         lambda: connect(redis_server.url),
         keys,
-        EngineOptions(model_dir=str(tiny_model_dir), engine_id="long", request_ttl_s=ttl),
+        EngineConfig(model_dir=str(tiny_model_dir), engine_id="long", request_ttl_s=ttl, heartbeat_s=0.2),
         runner=GatedRunner(RunnerSlice(tiny_runner, 0, 64, delay=0.05)),
         tokenizer=tiny_tokenizer,
-        heartbeat_s=0.2,
     )
     try:
         await submit(bus, "long", list(range(10, 20)), max_tokens=80, ignore_eos=True)

@@ -52,7 +52,9 @@ class FakeTokenizer:
 @contextlib.asynccontextmanager
 async def api_client(bus, **cfg):
     mux = StreamMux(bus.redis, bus.keys, "api-test", block_ms=100)
-    app = make_app(ApiConfig("tiny", MAX_LEN, **cfg), bus, mux, FakeTokenizer(), Metrics())
+    app = make_app(
+        ApiConfig(model_dir="tiny", max_model_len=MAX_LEN, **cfg), bus, mux, FakeTokenizer(), Metrics()
+    )
     async with TestClient(TestServer(app)) as client:
         yield client
 
@@ -158,7 +160,9 @@ class FakeEngine:
 @contextlib.asynccontextmanager
 async def setup(bus, engine: FakeEngine | None = None, metrics: Metrics | None = None, **cfg):
     mux = StreamMux(bus.redis, bus.keys, "api-test", block_ms=100)
-    app = make_app(ApiConfig("tiny", 64, **cfg), bus, mux, FakeTokenizer(), metrics or Metrics())
+    app = make_app(
+        ApiConfig(model_dir="tiny", max_model_len=64, **cfg), bus, mux, FakeTokenizer(), metrics or Metrics()
+    )
     task = asyncio.create_task(engine.run()) if engine else None
     try:
         async with TestClient(TestServer(app)) as client:

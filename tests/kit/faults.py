@@ -17,10 +17,11 @@ import aiohttp
 import orjson
 import pytest
 
-from fd.compose import EngineOptions, start_engine
+from fd.compose import start_engine
 from fd.control.connect import connect
 from fd.engine.core.outputs import RunnerOutput, SchedulerOutput
 from fd.engine.core.sequence import PLACEHOLDER
+from fd.engine.node.node_config import EngineConfig, SchedulerSettings
 from fd.engine.runner.runners import InProcessRunner
 from tests.kit.engine import GatedRunner
 from tests.kit.redis import free_port, start_redis_server
@@ -89,15 +90,16 @@ class Engines:
         runner = RunnerSlice(self.runner, i * self.per, self.per, delay)
         if gated:
             runner = self.gates[engine_id] = GatedRunner(runner)
-        opts = EngineOptions(
+        cfg = EngineConfig(
             model_dir=str(self.model_dir),
             engine_id=engine_id,
-            max_num_seqs=kw.pop("max_num_seqs", 8),
-            max_num_batched_tokens=kw.pop("max_num_batched_tokens", 256),
+            scheduler=SchedulerSettings(
+                max_num_seqs=kw.pop("max_num_seqs", 8),
+                max_num_batched_tokens=kw.pop("max_num_batched_tokens", 256),
+            ),
+            **{**FAST_FAILOVER, **kw},
         )
-        eng = await start_engine(
-            self.factory, self.keys, opts, runner=runner, tokenizer=self.tokenizer, **{**FAST_FAILOVER, **kw}
-        )
+        eng = await start_engine(self.factory, self.keys, cfg, runner=runner, tokenizer=self.tokenizer)
         self.started.append(eng)
         return eng
 

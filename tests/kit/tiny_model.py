@@ -37,14 +37,16 @@ def tiny_runner(tiny_model_dir):
 async def served(embedded_redis, keys, tiny_model_dir, tiny_runner, tiny_tokenizer):
     """What `fd serve` runs, in this process: one engine and one API node on the embedded
     server, sharing one Metrics object. Yields (api, engine)."""
-    from fd.compose import ApiOptions, EngineOptions, join_in_process, start_api, start_engine
+    from fd.api.config import ApiConfig
+    from fd.compose import join_in_process, start_api, start_engine
     from fd.control.metrics import Metrics
+    from fd.engine.node.node_config import EngineConfig
 
     metrics = Metrics()
     eng = await start_engine(
         embedded_redis.client,
         keys,
-        EngineOptions(model_dir=str(tiny_model_dir), engine_id="e0"),
+        EngineConfig(model_dir=str(tiny_model_dir), engine_id="e0"),
         runner=tiny_runner,
         tokenizer=tiny_tokenizer,
         metrics=metrics,
@@ -52,7 +54,7 @@ async def served(embedded_redis, keys, tiny_model_dir, tiny_runner, tiny_tokeniz
     api = await start_api(
         embedded_redis.client,
         keys,
-        ApiOptions(model_dir=str(tiny_model_dir)),
+        ApiConfig(model_dir=str(tiny_model_dir)),
         metrics=metrics,
         tokenizer=tiny_tokenizer,
     )

@@ -56,9 +56,7 @@ from fd.control.events import (
     Request,
     UnloadLora,
 )
-from fd.control.tokenizer import served_context
 from fd.engine.core.adapters import Adapters
-from fd.engine.core.config import SchedulerConfig
 from fd.engine.core.scheduler import Scheduler
 from fd.engine.journal.journal import JournalRecorder, journaled
 from fd.engine.node import failover
@@ -110,18 +108,11 @@ class EngineNode:
         self.id = cfg.engine_id
         self.sched = journaled(
             Scheduler(
-                SchedulerConfig(
+                cfg.scheduler_config(
                     num_blocks=runner.num_blocks,
-                    block_size=cfg.block_size,
-                    max_num_seqs=cfg.max_num_seqs,
-                    max_num_batched_tokens=cfg.max_num_batched_tokens,
-                    max_model_len=served_context(cfg.max_model_len, runner.max_model_len),
-                    eos_token_ids=tuple(runner.eos_token_ids),
-                    max_num_waiting=cfg.max_num_waiting,
-                    vocab_size=int(runner.vocab_size or 0),
-                    max_steps_in_flight=2 if cfg.async_scheduling else 1,
-                    enable_prefix_caching=cfg.enable_prefix_caching,
-                    scheduling_policy=cfg.scheduling_policy,
+                    eos_token_ids=runner.eos_token_ids,
+                    vocab_size=runner.vocab_size,
+                    model_max_len=runner.max_model_len,
                 )
             ),
             self.id,

@@ -14,7 +14,7 @@ from fd.control.sampling import SamplingParams
 from fd.engine.core.config import SchedulerConfig, default
 from fd.engine.core.detokenizer import IncrementalDetokenizer
 from fd.engine.core.scheduler import Scheduler
-from fd.engine.node.node_config import EngineConfig
+from fd.engine.node.node_config import SchedulerSettings
 
 
 @dataclass
@@ -39,7 +39,7 @@ class LLM:
         max_num_seqs: int = default("max_num_seqs"),
         max_num_batched_tokens: int = default("max_num_batched_tokens"),
         async_scheduling: bool = False,
-        enable_prefix_caching: bool = EngineConfig.enable_prefix_caching,
+        enable_prefix_caching: bool = SchedulerSettings.enable_prefix_caching,
     ):
         self.runner = runner
         self.tokenizer = tokenizer
