@@ -49,6 +49,6 @@ async def test_a_capped_claim_leaves_the_rest_for_the_next_chance_not_the_poll(
         # and nothing more announced or queued: the next chance does not read again
         assert await node.admission.claim(block=False) == 0 and not node.admission.arrived
     finally:
-        node.core.driver.close(asyncio.get_running_loop())
+        node.driver.close(asyncio.get_running_loop())
         await node.bus.redis.aclose()
         await node.control_bus.redis.aclose()

@@ -20,6 +20,9 @@ from tests.kit.scheduler import make, req
 class Driver:
     """What the core hands the runner: steps, and requests to leave out of queued ones."""
 
+    def start(self, loop: object, reply: object) -> None:
+        pass
+
     def __init__(self) -> None:
         self.steps: list[SchedulerOutput] = []
         self.drops: list[tuple[int, list[str]]] = []
@@ -38,7 +41,7 @@ def core(depth: int = 2) -> tuple[EngineCore, Driver, Any, list[Event], list[str
     counted: list[str] = []
     c = EngineCore(
         sched,
-        driver,  # type: ignore[arg-type]  (the steps it would hand a runner)
+        driver,
         RequestTable(),
         lambda evs, *rest: events.extend(evs),
         counted.append,

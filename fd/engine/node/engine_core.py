@@ -26,16 +26,30 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
+from typing import Any, Protocol, TypeAlias
 
 from fd.control.events import BlocksReleased, Tokens
 from fd.control.request_data import RequestData
 from fd.engine.core.outputs import Aborted, RunnerOutput, SchedulerOutput
 from fd.engine.core.protocol import SchedulerLike
 from fd.engine.node.request_table import RequestTable
-from fd.engine.node.step_driver import StepDriver, StepFailed
+from fd.engine.node.step_driver import StepFailed
 from fd.engine.runner.runners import Skipped
 
 log = logging.getLogger("fd.engine.node.node")
+
+
+#: What the runner says of a step, in the order it says it.
+Reply: TypeAlias = RunnerOutput | Skipped | StepFailed
+
+
+class Driver(Protocol):
+    """How steps reach the runner: fd/engine/node/step_driver.py's for the engine node (a
+    worker process, or the step thread), fd/engine/runner/llm.py's for offline generation."""
+
+    def start(self, loop: Any, reply: Callable[[Reply], None]) -> None: ...
+    def submit(self, out: SchedulerOutput) -> None: ...
+    def drop(self, step: int, request_ids: list[str]) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +82,7 @@ class EngineCore:
     def __init__(
         self,
         sched: SchedulerLike,
-        driver: StepDriver,
+        driver: Driver,
         requests: RequestTable,
         emit: Callable[..., None],
         counted: Callable[[str], None],
@@ -85,7 +99,7 @@ class EngineCore:
         #: steps handed to the runner whose results are not folded in yet, oldest first, with
         #: when each started to count (the one behind the running one: when that one ended)
         self.flying: deque[tuple[SchedulerOutput, float]] = deque()
-        self._replies: deque[RunnerOutput | Skipped | StepFailed] = deque()
+        self._replies: deque[Reply] = deque()
         self._arrivals: dict[str, Arrival] = {}
         self._aborts: deque[AbortOrder] = deque()
         #: set by every inbox, and by whoever wants the loop to look again (stop, drain)
@@ -97,12 +111,12 @@ class EngineCore:
         self.prompt_tokens = 0
         self.generation_tokens = 0
 
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+    def start(self, loop: asyncio.AbstractEventLoop | None) -> None:
         self.driver.start(loop, self.reply)
 
     # ------------------------------------------------------------------ inboxes
 
-    def reply(self, reply: RunnerOutput | Skipped | StepFailed) -> None:
+    def reply(self, reply: Reply) -> None:
         """The runner's word on a step (fd.engine.node.step_driver), in the order it came."""
         self._replies.append(reply)
         self.wake.set()

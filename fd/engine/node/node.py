@@ -176,10 +176,11 @@ class EngineNode:
         )
         self._emit = self.emitter.emit
         counter = AbortCounter(metrics)
+        self.driver = StepDriver(runner, self.id, pool, self.lora.done)
         # The one owner of the scheduler: every step is decided in EngineCore.step.
         self.core = EngineCore(
             self.sched,
-            StepDriver(runner, self.id, pool, self.lora.done),
+            self.driver,
             self.requests,
             self._emit,
             counter.count,
@@ -280,7 +281,7 @@ class EngineNode:
         finally:
             self._stopping = True
             await asyncio.gather(*tasks, return_exceptions=True)
-            self.core.driver.close(loop)
+            self.driver.close(loop)
             await self.heartbeat.forget()
             log.info("engine stopped", extra={"engine": self.id})
 
