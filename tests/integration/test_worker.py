@@ -158,11 +158,11 @@ def test_the_pipe_form_of_a_step_round_trips_and_sends_sampling_once():
     import pickle
 
     from fd.engine.core.outputs import ScheduledSeq, SchedulerOutput
-    from fd.engine.runner.worker import _StepDecoder, _StepEncoder
+    from fd.engine.runner.worker_messages import StepDecoder, StepEncoder
 
     a = SamplingParams(temperature=0.0, max_tokens=5)
     b = SamplingParams(temperature=0.7, top_p=0.9, seed=3, max_tokens=9, stop=("x",))
-    enc, dec = _StepEncoder(), _StepDecoder()
+    enc, dec = StepEncoder(), StepDecoder()
 
     def step(n, *seqs):
         return SchedulerOutput(step=n, num_batched_tokens=sum(len(s.token_ids) for s in seqs), seqs=seqs)
@@ -176,12 +176,12 @@ def test_the_pipe_form_of_a_step_round_trips_and_sends_sampling_once():
         ScheduledSeq("r2", (-1,), 5, (1, 2), True, b, 3, (8, 9, 9, 4, 4, 7), 4),
     )
     m1, m2 = enc.encode(s1), enc.encode(s2)
-    assert len(m1[4]) == 2 and m2[4] == []  # the params went once
+    assert len(m1.new) == 2 and m2.new == []  # the params went once
     assert dec.decode(pickle.loads(pickle.dumps(m1))) == s1
     assert dec.decode(pickle.loads(pickle.dumps(m2))) == s2
     enc.MAX_PARAMS = 0  # force the reset: the worker forgets, the params are sent again
     m3 = enc.encode(s2)
-    assert m3[3] and len(m3[4]) == 2 and dec.decode(m3) == s2
+    assert m3.reset and len(m3.new) == 2 and dec.decode(m3) == s2
 
 
 def test_replies_are_read_without_waiting_skips_before_their_step(worker):

@@ -31,46 +31,27 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from dataclasses import replace
 from typing import Any
 
 from fd.control import endings
 from fd.control.events import Event, Preempted, Tokens
-from fd.control.guided import GuidedError, after_token
 from fd.control.request_data import RequestData
-from fd.engine.core.block_manager import BlockManager, block_hash
+from fd.engine.core import finish
+from fd.engine.core.admission import claimable, refusal
+from fd.engine.core.block_manager import BlockManager
 from fd.engine.core.config import SchedulerConfig
 from fd.engine.core.outputs import Aborted, RunnerOutput, ScheduledSeq, SchedulerOutput
-from fd.engine.core.sequence import PLACEHOLDER, Sequence, Status
-
-
-def _outside_vocabulary(data: RequestData, vocab_size: int) -> str | None:
-    """What is wrong with a request that names a token id the model does not have (in its
-    prompt, or in a sampling field that the sampler indexes the logits with), or None. The API
-    refuses such requests; a hand-written one is ended here, before any step could fail on it."""
-    sp = data.sampling
-    try:
-        after = after_token(sp.guided) if sp.guided else None
-    except GuidedError:
-        after = None  # (a malformed spec is the guided check's to refuse)
-    named = (
-        ("prompt", data.prompt_token_ids),
-        ("stop_token_ids", sp.stop_token_ids),
-        ("allowed_token_ids", sp.allowed_token_ids),
-        ("bad_words_ids", tuple(t for w in sp.bad_words_ids for t in w)),
-        ("logit_bias", tuple(t for t, _ in sp.logit_bias)),
-        ("guided", () if after is None else (after,)),
-    )
-    for name, ids in named:
-        if ids and max(ids) >= vocab_size:
-            return f"{name} token id {max(ids)} is outside the model's vocabulary of {vocab_size}"
-    return None
+from fd.engine.core.prefix_cache import PrefixCache
+from fd.engine.core.sequence import Sequence, Status
+from fd.engine.core.shares import share
+from fd.engine.core.snapshot import snapshot
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
         self.blocks = BlockManager(config.num_blocks, config.block_size)
+        self._prefix = PrefixCache(self.blocks, config.enable_prefix_caching)
         self._seqs: dict[str, Sequence] = {}  # every unfinished request, in arrival order
         self._waiting: deque[Sequence] = deque()
         self._by_priority = config.scheduling_policy == "priority"
@@ -130,48 +111,20 @@ class Scheduler:
         return bool(self._running or self._waiting)
 
     def can_admit(self) -> int:
-        """How many more requests to claim now.
-
-        Claiming is pull-based, so a request this engine cannot start soon is better left in
-        Redis for another engine. Bounded by free running slots, by a small waiting queue,
-        and by the blocks not already spoken for by the waiting requests' prompts (each new
-        request needs at least one block).
-        """
-        cfg = self.config
-        slots = cfg.max_num_seqs - len(self._running) - len(self._waiting)
-        queue = cfg.max_num_waiting - len(self._waiting)
-        committed = sum(self.blocks.blocks_for(s.num_tokens + 1) for s in self._waiting)
-        spare_blocks = self.blocks.num_free - committed
-        return max(0, min(slots, queue, spare_blocks))
+        """How many more requests to claim now (fd/engine/core/admission.py)."""
+        return claimable(self.config, self.blocks, len(self._running), self._waiting)
 
     def snapshot(self) -> dict[str, Any]:
         """JSON-able state, for debugging and ``fd replay --at STEP``."""
-        return {
-            "step": self.step,
-            "num_total_blocks": self.blocks.num_total,
-            "num_free_blocks": self.blocks.num_free,
-            "in_flight": list(self._in_flight_ids),
-            "steps_in_flight": [o.step for o in self._in_flight],
-            "running": [s.request_id for s in self._running],
-            "waiting": [s.request_id for s in self._waiting],
-            "requests": [
-                {
-                    "request_id": s.request_id,
-                    "status": s.status.value,
-                    "arrival": s.arrival,
-                    "num_prompt_tokens": s.num_prompt_tokens,
-                    "num_output_tokens": s.num_output_tokens,
-                    "num_computed_tokens": s.num_computed_tokens,
-                    "num_in_flight": s.num_in_flight,
-                    "num_pending": s.num_pending,
-                    "finishing": None if s.finishing is None else s.finishing[0],
-                    "num_preemptions": s.num_preemptions,
-                    "aborting": s.aborting,
-                    "block_table": list(self.blocks.table(s.request_id)),
-                }
-                for s in self._seqs.values()
-            ],
-        }
+        return snapshot(
+            self.step,
+            self.blocks,
+            self._in_flight,
+            self._in_flight_ids,
+            self._running,
+            self._waiting,
+            self._seqs.values(),
+        )
 
     # ------------------------------------------------------------------ arrivals
 
@@ -188,20 +141,7 @@ class Scheduler:
         events: list[Event] = []
         n = len(data.prompt_token_ids)
         total = n + len(generated)
-        error = None
-        if n == 0:
-            error = "empty prompt"
-        elif n + 1 > self.config.max_model_len:
-            error = (
-                f"prompt has {n} tokens; max_model_len {self.config.max_model_len} leaves no room to generate"
-            )
-        elif self.config.vocab_size and (outside := _outside_vocabulary(data, self.config.vocab_size)):
-            error = outside
-        elif self.blocks.blocks_for(n + 1) > self.blocks.num_total:
-            error = (
-                f"prompt has {n} tokens; the KV cache holds only "
-                f"{self.blocks.num_total * self.blocks.block_size}"
-            )
+        error = refusal(data, self.config, self.blocks)
         if error is not None:
             events.append(endings.error_final(request_id, endings.usage(n, len(generated)), error))
             return events
@@ -211,7 +151,7 @@ class Scheduler:
             seq.token_ids.extend(int(t) for t in generated)
             # Already done (the other engine died between its last token and its final), or
             # no longer fits the pool: finish now rather than recompute for nothing.
-            reason, stop_reason = self._finish_reason(seq, seq.token_ids[-1], None)
+            reason, stop_reason = finish.reason(seq, seq.token_ids[-1], None, self.config)
             if reason is None and self.blocks.blocks_for(total + 1) > self.blocks.num_total:
                 reason = "length"
             if reason is not None:
@@ -327,7 +267,7 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING or seq.done:
                 continue  # preempted earlier in this loop; or only waiting for a step in flight
-            if seq.num_pending and self._ends_on_pending(seq):
+            if seq.num_pending and finish.ends_on_pending(seq, self.config):
                 continue  # its pending token is its last: finished when that step is folded in
             want = min(seq.num_unscheduled, budget)
             if want == 0:
@@ -366,7 +306,7 @@ class Scheduler:
 
         while self._waiting and budget > 0 and len(self._running) < cfg.max_num_seqs and not self._stalled:
             seq = self._waiting[0]
-            hit = self._cached_prefix(seq)
+            hit = self._prefix.cached_prefix(seq)
             need = seq.num_unscheduled - len(hit) * self.blocks.block_size
             n = self._cap_chunk(min(need, budget))
             # Start a prompt only when the free blocks hold all of it, even if it runs in chunks:
@@ -457,14 +397,13 @@ class Scheduler:
                     self._release(seq, "error", None, events, step)
                 continue
             seq.num_computed_tokens += len(ss.token_ids)
-            if self.config.enable_prefix_caching:
-                self._register(seq)
+            self._prefix.register(seq)
             if not ss.sample:
                 continue
             token = int(result.sampled[rid])
             seq.token_ids.append(token)
             events.append(Tokens(request_id=rid, token_ids=(token,), step=step))
-            reason, stop_reason = self._finish_reason(seq, token, result.stopped.get(rid))
+            reason, stop_reason = finish.reason(seq, token, result.stopped.get(rid), self.config)
             if reason is not None:
                 if later:  # the next step computes one more token for it: drop that one
                     seq.finishing = (reason, stop_reason)
@@ -473,39 +412,6 @@ class Scheduler:
         return events
 
     # ------------------------------------------------------------------ internals
-
-    def _hashes(self, seq: Sequence, n: int) -> list[bytes]:
-        """The hashes of the request's first ``n`` full blocks (computed once each)."""
-        hs, bs = seq.block_hashes, self.blocks.block_size
-        # (a LoRA adapter's KV differs from the base model's: its chain starts from its name)
-        first = block_hash(b"lora\0" + seq.sampling.lora.encode(), ()) if seq.sampling.lora else b""
-        while len(hs) < n:
-            i = len(hs)
-            hs.append(block_hash(hs[-1] if hs else first, seq.token_ids[i * bs : (i + 1) * bs]))
-        return hs[:n]
-
-    def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """The cached blocks a request about to start can take instead of computing them: its
-        leading full blocks, short of its last token (which must be fed to sample the next).
-        None for a request scoring its prompt: every position's logits are wanted."""
-        if (
-            not self.config.enable_prefix_caching
-            or seq.num_computed_tokens
-            or seq.sampling.prompt_logprobs is not None
-        ):
-            return []
-        return self.blocks.lookup(self._hashes(seq, (seq.num_tokens - 1) // self.blocks.block_size))
-
-    def _register(self, seq: Sequence) -> None:
-        """Its blocks that finished steps have filled are cached: nothing writes them again,
-        and a later step can share them (this one is done: no step can be mid-way through
-        writing them)."""
-        full = seq.num_computed_tokens // self.blocks.block_size
-        if full <= seq.num_registered:
-            return
-        for i, h in enumerate(self._hashes(seq, full)[seq.num_registered :], seq.num_registered):
-            self.blocks.register(seq.request_id, i, h)
-        seq.num_registered = full
 
     def _cap_chunk(self, n: int) -> int:
         t = self.config.long_prefill_threshold
@@ -516,43 +422,11 @@ class Scheduler:
         held = self.blocks.num_held(seq.request_id) + self.blocks.num_free
         return held * self.blocks.block_size - seq.num_scheduled
 
-    def _ends_on_pending(self, seq: Sequence) -> bool:
-        """Its pending tokens reach ``max_tokens`` or the context: nothing to schedule after."""
-        return (
-            seq.num_output_tokens + seq.num_pending >= seq.sampling.max_tokens
-            or seq.num_tokens + seq.num_pending >= self.config.max_model_len
-        )
-
     def _scheduled_seq(self, seq: Sequence, n: int) -> ScheduledSeq:
-        start = seq.num_scheduled
-        token_ids = tuple(seq.token_ids[start : start + n])
-        if len(token_ids) < n:  # the pending token: only ever a decode of exactly that one
-            token_ids = (PLACEHOLDER,)
-        sample = start + n == seq.num_tokens + seq.num_pending
-        penalized = sample and seq.sampling.needs_history
-        # (the prompt only for the repetition penalty: the others count the output alone, and
-        # a long prompt would cross the worker's pipe again every step)
-        from_ = 0 if not penalized or seq.sampling.repetition_penalty != 1.0 else seq.num_prompt_tokens
-        ss = ScheduledSeq(
-            request_id=seq.request_id,
-            token_ids=token_ids,
-            start_pos=start,
-            block_table=self.blocks.table(seq.request_id),
-            sample=sample,
-            sampling=seq.sampling,
-            num_generated=seq.num_output_tokens + seq.num_pending,
-            history=tuple(seq.token_ids[from_:]) if penalized else (),
-            num_prompt_tokens=seq.num_prompt_tokens - from_ if penalized else 0,
-        )
-        if seq.sampling.prompt_logprobs is not None and start < seq.num_prompt_tokens:
-            end = start + n
-            ss = replace(
-                ss,
-                prompt_len=seq.num_prompt_tokens,
-                prompt_next=seq.token_ids[end] if end < seq.num_prompt_tokens else None,
-            )
+        """Its share of the step being made, which is in flight from now (:meth:`_leave`)."""
+        ss = share(seq, n, self.blocks.table(seq.request_id))
         seq.num_in_flight += n
-        if sample:
+        if ss.sample:
             seq.num_pending += 1
         return ss
 
@@ -602,18 +476,6 @@ class Scheduler:
         else:
             self._waiting.appendleft(seq)  # victims go latest-first, so the front stays FCFS
         events.append(Preempted(request_id=seq.request_id, count=count, step=step))
-
-    def _finish_reason(
-        self, seq: Sequence, token: int, stop_string: str | None
-    ) -> tuple[str | None, str | int | None]:
-        sp = seq.sampling
-        if sp.ends_on(token, self.config.eos_token_ids):
-            return "stop", token if token in sp.stop_token_ids else None
-        if stop_string is not None:
-            return "stop", stop_string
-        if seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.config.max_model_len:
-            return "length", None
-        return None, None
 
     def _release(
         self, seq: Sequence, reason: str, stop_reason: str | int | None, events: list[Event], step: int

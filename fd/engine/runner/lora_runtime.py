@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from fd.engine.core.adapters import Adapters
 from fd.engine.runner.runners import NO_LORA, Runner
@@ -57,35 +57,34 @@ class LoraLoader:
 
     def load(self, name: str, path: str) -> None:
         """Load an adapter in the runner, between steps; the outcome comes to :meth:`done`."""
-        self._runner("load", name, path)
+        runner = self.runner
+        if runner.pipelined:  # the worker process: down the pipe, after the steps sent
+            runner.load_lora(name, path)
+        elif runner.loads_lora:
+            self._on_step_thread(name, runner.load_lora, name, path)
+        else:
+            self.done(name, NO_LORA)
 
     def forget(self, name: str) -> None:
         """Forget an adapter in the runner, between steps."""
-        self._runner("unload", name)
-
-    def _runner(self, what: str, name: str, path: str = "") -> None:
         runner = self.runner
-        if runner.pipelined:  # the worker process: down the pipe, after the steps sent
-            runner.load_lora(name, path) if what == "load" else runner.unload_lora(name)
-            return
-        if not runner.loads_lora:
-            if what == "load":
-                self.done(name, NO_LORA)
-            return
-        loop = asyncio.get_running_loop()
-        if what == "load":
-            work = self.pool.submit(runner.load_lora, name, path)
-        else:
-            work = self.pool.submit(runner.unload_lora, name)
+        if runner.pipelined:
+            runner.unload_lora(name)
+        elif runner.loads_lora:
+            self._on_step_thread(name, runner.unload_lora, name)
 
-        def done(w) -> None:  # on the step thread
+    def _on_step_thread(self, name: str, work: Callable[..., None], *args: str) -> None:
+        """``work(*args)`` on the step thread, between steps; its outcome to :meth:`done`."""
+        loop = asyncio.get_running_loop()
+
+        def done(w: Future[None]) -> None:  # on the step thread
             e = w.exception()
             try:
                 loop.call_soon_threadsafe(self.done, name, None if e is None else f"{type(e).__name__}: {e}")
             except RuntimeError:
                 pass  # the loop is closed: the engine stopped
 
-        work.add_done_callback(done)
+        self.pool.submit(work, *args).add_done_callback(done)
 
     def done(self, name: str, error: str | None) -> None:
         """The runner's answer to a load of ``name``: ``error``, or None if it loaded."""

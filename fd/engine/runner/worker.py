@@ -6,6 +6,7 @@ the forward ran about 4x slower beside ``fd serve``'s loop than alone (bench/api
 worker process the forward has a core and a GIL of its own, and the node's step thread just
 waits on the pipe (which releases the GIL). A step's input and output are small values
 (:class:`SchedulerOutput`, :class:`RunnerOutput`), so the pipe costs tens of microseconds.
+What crosses it, both ways, is typed in fd/engine/runner/worker_messages.py.
 
 The worker exits when the pipe closes, so it never outlives its engine, even one killed with
 SIGKILL.
@@ -24,11 +25,27 @@ import traceback
 from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
-from fd.engine.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
+from fd.engine.core.outputs import RunnerOutput, SchedulerOutput
 from fd.engine.runner.runners import LoraDone, PipelinedRunner, Reply, Skipped
 from fd.engine.runner.step_cut import StepCut
+from fd.engine.runner.worker_messages import (
+    Drop,
+    Failed,
+    LoadLora,
+    Ready,
+    Step,
+    StepDecoder,
+    StepDone,
+    StepEncoder,
+    UnloadLora,
+    Warmed,
+    Warmup,
+)
+
+if TYPE_CHECKING:  # (imported in the worker only: the engine's process never loads Paddle)
+    from fd.engine.runner.model_runner import ModelRunner
 
 log = logging.getLogger("fd.worker")
 
@@ -38,130 +55,9 @@ class WorkerError(RuntimeError):
     carries its traceback. A step that fails is a result (``RunnerOutput.failed``), not this."""
 
 
-class Ready(NamedTuple):
-    """The worker's first reply: the model is loaded, and these are its limits."""
-
-    num_blocks: int
-    eos_token_ids: tuple[int, ...]
-    max_model_len: int
-    vocab_size: int
-    lora_names: tuple[str, ...]
-    cpus: list[int]
-
-
-class StepDone(NamedTuple):
-    """A step's result as it crosses the pipe: a plain tuple of :class:`RunnerOutput`'s
-    fields (a dataclass would pickle through copyreg), and the seconds the step took."""
-
-    step: int
-    sampled: dict[str, int]
-    stopped: dict[str, str]
-    ran: tuple[int, int] | None
-    logprobs: dict
-    prompt_logprobs: dict
-    embeddings: dict[str, bytes]
-    failed: dict[str, str]
-    busy_s: float
-
-    def output(self) -> RunnerOutput:
-        return RunnerOutput(
-            step=self.step,
-            sampled=self.sampled,
-            stopped=self.stopped,
-            ran=self.ran,
-            logprobs=self.logprobs,
-            prompt_logprobs=self.prompt_logprobs,
-            embeddings=self.embeddings,
-            failed=self.failed,
-        )
-
-
-class Warmed(NamedTuple):
-    """The warm-up is done."""
-
-
-class Failed(NamedTuple):
-    """The worker failed outside a step (to start, or a warm-up): its traceback."""
-
-    error: str
-
-
-class _StepEncoder:
-    """The pipe's form of a step: plain tuples, which pickle in C, instead of dataclasses,
-    which pickle through copyreg (7% of ``fd serve``'s loop at 8 streams went to pickling
-    steps); and each request's SamplingParams sent once, then named by a number. Bounded: past
-    ``MAX_PARAMS`` the worker is told to forget them all and they are sent again."""
-
-    MAX_PARAMS = 4096
-
-    def __init__(self) -> None:
-        self._keys: dict[int, tuple[int, Any]] = {}  # id(params) -> (number, params: kept alive)
-        self._next = 0
-
-    def encode(self, out: SchedulerOutput) -> tuple:
-        keys = self._keys
-        reset = len(keys) > self.MAX_PARAMS
-        if reset:
-            keys.clear()
-            self._next = 0
-        new = []
-        seqs = []
-        for ss in out.seqs:
-            sp = ss.sampling
-            known = keys.get(id(sp))
-            if known is None or known[1] is not sp:
-                known = keys[id(sp)] = (self._next, sp)
-                self._next += 1
-                new.append((known[0], sp))
-            seqs.append(
-                (
-                    ss.request_id,
-                    ss.token_ids,
-                    ss.start_pos,
-                    ss.block_table,
-                    ss.sample,
-                    known[0],
-                    ss.num_generated,
-                    ss.history,
-                    ss.num_prompt_tokens,
-                    ss.prompt_len,
-                    ss.prompt_next,
-                )
-            )
-        return ("step", out.step, out.num_batched_tokens, reset, new, seqs)
-
-
-class _StepDecoder:
-    def __init__(self) -> None:
-        self._params: dict[int, Any] = {}
-
-    def decode(self, msg: tuple) -> SchedulerOutput:
-        _, step, num_batched, reset, new, seqs = msg
-        params = self._params
-        if reset:
-            params.clear()
-        for key, sp in new:
-            params[key] = sp
-        return SchedulerOutput(
-            step=step,
-            num_batched_tokens=num_batched,
-            seqs=tuple(
-                ScheduledSeq(
-                    rid,
-                    toks,
-                    start,
-                    table,
-                    sample,
-                    params[key],
-                    gen,
-                    history,
-                    num_prompt,
-                    prompt_len,
-                    prompt_next,
-                )
-                for rid, toks, start, table, sample, key, gen, history, num_prompt, prompt_len, prompt_next in seqs
-            ),
-        )
+#: What the worker's loop takes from its inbox, in the order sent: a step (decoded), a
+#: warm-up, a LoRA load or unload; None once the pipe has closed.
+_Queued = SchedulerOutput | Warmup | LoadLora | UnloadLora | None
 
 
 class _Inbox:
@@ -178,14 +74,14 @@ class _Inbox:
 
     def __init__(self, conn) -> None:
         self._conn = conn
-        self._queue: deque = deque()  # received, not yet started; None: the pipe closed
+        self._queue: deque[_Queued] = deque()  # received, not yet started
         self._ready = threading.Condition()
         self._send = threading.Lock()
-        self._steps = _StepDecoder()  # (decoded as they arrive: the parameter table stays in order)
+        self._steps = StepDecoder()  # (decoded as they arrive: the parameter table stays in order)
         self.cut = StepCut(self.send)  # the running step's aborts
         threading.Thread(target=self._read, name="fd-worker-inbox", daemon=True).start()
 
-    def get(self) -> Any:
+    def get(self) -> _Queued:
         """The next message to act on (blocks); None once the pipe has closed."""
         with self._ready:
             while not self._queue:
@@ -208,15 +104,22 @@ class _Inbox:
                 msg = self._conn.recv()
             except (EOFError, OSError):
                 msg = None
-            if isinstance(msg, tuple) and msg and msg[0] == "drop":
-                self._drop(msg[1], frozenset(msg[2]))
-                continue
-            if isinstance(msg, tuple) and msg and msg[0] == "step":
-                msg = self._steps.decode(msg)
+            queued: _Queued
+            match msg:
+                case Drop(step, request_ids):  # (at once, not in turn: see the class)
+                    self._drop(step, frozenset(request_ids))
+                    continue
+                case Step():
+                    queued = self._steps.decode(msg)
+                case Warmup() | LoadLora() | UnloadLora() | None:
+                    queued = msg
+                case _:  # (nothing ProcessRunner sends: the engine raises WorkerError on it)
+                    self.send(Failed(f"the model worker got an unknown message: {msg!r}"))
+                    continue
             with self._ready:
-                self._queue.append(msg)
+                self._queue.append(queued)
                 self._ready.notify()
-            if msg is None:
+            if queued is None:
                 return
 
     def _drop(self, step: int, rids: frozenset[str]) -> None:
@@ -309,22 +212,15 @@ def _worker_main(
             return
         send = inbox.send
         try:
-            if msg == "warmup":
+            if isinstance(msg, Warmup):
                 runner.warmup()
                 gc.collect()
                 gc.freeze()  # (what the warm-up left for good: as the load's, above)
                 send(Warmed())
                 continue
-            if isinstance(msg, tuple) and msg[0] in ("lora_load", "lora_unload"):
+            if isinstance(msg, (LoadLora, UnloadLora)):
                 # (between steps, in the order sent: a step sent before an unload still has it)
-                try:
-                    if msg[0] == "lora_load":
-                        runner.load_lora(msg[1], msg[2])
-                    else:
-                        runner.unload_lora(msg[1])
-                    send(LoraDone(msg[1], None))
-                except Exception as e:  # noqa: BLE001 - said to the engine, which goes on
-                    send(LoraDone(msg[1], f"{type(e).__name__}: {e}"))
+                send(_lora(runner, msg))
                 continue
             t, wall = time.perf_counter(), time.time()
             try:
@@ -351,6 +247,19 @@ def _worker_main(
             )
         except Exception:  # noqa: BLE001
             send(Failed(traceback.format_exc()))
+
+
+def _lora(runner: ModelRunner, msg: LoadLora | UnloadLora) -> LoraDone:
+    """Load or unload an adapter; the LoraDone that says how it went (the worker goes on)."""
+    try:
+        match msg:
+            case LoadLora(name, path):
+                runner.load_lora(name, path)
+            case UnloadLora(name):
+                runner.unload_lora(name)
+        return LoraDone(msg.name, None)
+    except Exception as e:  # noqa: BLE001 - said to the engine, which goes on
+        return LoraDone(msg.name, f"{type(e).__name__}: {e}")
 
 
 class ProcessRunner(PipelinedRunner):
@@ -400,7 +309,7 @@ class ProcessRunner(PipelinedRunner):
         # Seconds the worker spent inside execute (the model step itself, without the pipe):
         # what bench/engine.py compares the engine loop's wall time with.
         self.busy_seconds = 0.0
-        self._steps = _StepEncoder()
+        self._steps = StepEncoder()
         # Called (from the thread collecting results) with (step, request ids) when the worker
         # starts a step without requests it was told to drop (:meth:`drop`), for a caller that
         # collects step by step.
@@ -416,17 +325,17 @@ class ProcessRunner(PipelinedRunner):
         """Leave these (aborting) requests out of any submitted step up to ``step`` that has
         not started yet. A step that leaves some out says so before it starts
         (:class:`Skipped`), so their blocks can go back without waiting for it."""
-        self._conn.send(("drop", step, tuple(request_ids)))
+        self._conn.send(Drop(step, tuple(request_ids)))
 
     def load_lora(self, name: str, path: str, wait: bool = False) -> str | None:
         """Load an adapter in the worker, between two steps. ``wait`` (no step in flight: at
         start) returns its error or None; otherwise the answer comes as a :class:`LoraDone`
         reply, after the steps sent before."""
-        self._conn.send(("lora_load", name, path))
+        self._conn.send(LoadLora(name, path))
         return self._lora_reply(name) if wait else None
 
     def unload_lora(self, name: str) -> None:
-        self._conn.send(("lora_unload", name))
+        self._conn.send(UnloadLora(name))
 
     def _lora_reply(self, name: str) -> str | None:
         while True:
@@ -500,7 +409,7 @@ class ProcessRunner(PipelinedRunner):
         return self.collect()
 
     def warmup(self) -> None:
-        self._conn.send("warmup")
+        self._conn.send(Warmup())
         self._next_done()
 
     def close(self) -> None:
