@@ -202,12 +202,11 @@ async def start_engine(
 
 
 def join_in_process(api: RunningApi, engine: RunningEngine) -> None:
-    """API and engine in one process (``fd serve``): the engine hears the API's aborts as
-    they are published, a few event-loop turns before its control read brings them (which it
-    still does: the stream is the record, and the second delivery is a no-op), ..."""
-    api.bus.local_control.append(engine.node.on_local_control)
-    # ... and of the requests it submits, so it claims when there is something to claim
-    # instead of asking P:requests every step.
+    """API and engine in one process (``fd serve``): the one in-process shortcut. The engine
+    is told when the API has put requests on ``P:requests``, so it claims when there is
+    something to claim instead of asking ``P:requests`` every step. It is a wake-up, not a
+    delivery: the requests still come through the engine's claim (XREADGROUP), and aborts
+    only through its read of ``P:control``, so each event reaches the engine once."""
     api.bus.local_requests.append(engine.node.on_local_arrival)
     engine.node.hears_local_arrivals()
 

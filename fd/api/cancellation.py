@@ -132,19 +132,10 @@ ABORT_RETRY_S = 60.0
 
 class Cancellation:
     """Wraps generating handlers; ``on_disconnect(request_ids)`` publishes the abort (of the
-    watch's ``abort_ids``, else its ``request_id``).
+    watch's ``abort_ids``, else its ``request_id``)."""
 
-    ``notice(request_ids)``, if given, runs at once, inside the cancelled handler, before the
-    publish gets its own task: ``fd serve`` uses it to tell the engine in this process, a loop
-    turn or two before the publish would."""
-
-    def __init__(
-        self,
-        on_disconnect: Callable[[tuple[str, ...]], Awaitable[None]],
-        notice: Callable[[tuple[str, ...]], None] | None = None,
-    ):
+    def __init__(self, on_disconnect: Callable[[tuple[str, ...]], Awaitable[None]]):
         self._on_disconnect = on_disconnect
-        self._notice = notice
         self._tasks: set[asyncio.Task] = set()
 
     def guard(self, handler: Handler) -> Handler:
@@ -180,11 +171,6 @@ class Cancellation:
             return
         watch.aborted = True
         ids = watch.abort_ids or (watch.request_id,)
-        if self._notice is not None:
-            try:
-                self._notice(ids)
-            except Exception:
-                log.exception("disconnect notice for %s failed", watch.request_id)
         # Published from its own task: this one is being cancelled and must re-raise now.
         task = asyncio.get_running_loop().create_task(
             self._publish(ids), name=f"disconnect-abort:{watch.request_id}"

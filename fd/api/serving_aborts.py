@@ -34,31 +34,16 @@ class ServingAborts:
 
     def __init__(self, ctx: ApiContext):
         self.ctx = ctx
-        self.cancellation = Cancellation(self._abort_on_disconnect, self._notice_disconnect)
-        self._noticed: dict[str, Abort] = {}  # disconnect aborts told in-process, not yet published
+        self.cancellation = Cancellation(self._abort_on_disconnect)
 
     async def on_cleanup(self, app: web.Application) -> None:
         await self.cancellation.drain()
 
-    def _notice_disconnect(self, request_ids: tuple[str, ...]) -> None:
-        """In the cancelled handler itself: in-process readers of ``P:control`` (``fd serve``'s
-        engine) hear of the abort now; the publish follows from its own task."""
-        bus = self.ctx.bus
-        if bus.local_control:
-            ev = Abort(request_ids=request_ids, source="disconnect", abort_id=new_abort_id())
-            bus.tell_local(bus.keys.control, ev)
-            self._noticed[request_ids[0]] = ev
-
     async def _abort_on_disconnect(self, request_ids: tuple[str, ...]) -> None:
         bus = self.ctx.bus
-        ev = self._noticed.pop(request_ids[0], None)
-        if ev is not None:
-            await bus.publish(bus.keys.control, ev, tell_local=False)
-        else:
-            await bus.publish(
-                bus.keys.control,
-                Abort(request_ids=request_ids, source="disconnect", abort_id=new_abort_id()),
-            )
+        await bus.publish(
+            bus.keys.control, Abort(request_ids=request_ids, source="disconnect", abort_id=new_abort_id())
+        )
         # fd_abort_requests_total is counted by the engine where the abort takes effect
         # (every engine reads every abort; exactly one owns the request).
         # their finals go unseen by this replica (a response of n choices: n requests)

@@ -142,11 +142,6 @@ class Bus(Ownership, EngineRegistry):
         #: The operations whose form depends on the server (fd/control/store.py): the client's
         #: own store where it brings one (the embedded server's), else redis-py's.
         self.store: Store = store_for(redis)
-        #: In-process readers of ``P:control`` (``fd serve``: the engine beside this API), told
-        #: of each control event this bus publishes as it is published, a few event-loop turns
-        #: before their XREAD would bring it. The event is still written: it is the record, and
-        #: every other reader's source. Readers must take it twice (once more from the stream).
-        self.local_control: list[Callable[[Event], None]] = []
         #: In-process claimers of ``P:requests``, called once a publish has put requests there
         #: (so ``fd serve``'s engine need not poll it every step).
         self.local_requests: list[Callable[[], None]] = []
@@ -168,15 +163,6 @@ class Bus(Ownership, EngineRegistry):
     def _append(self, stream: str, event: Event) -> Append:
         return Append(stream, event.encode(), self.maxlen(stream), event)
 
-    def tell_local(self, stream: str, event: Event) -> None:
-        """Tell the in-process readers of ``stream`` (``P:control`` only) of ``event`` now."""
-        if stream == self.keys.control:
-            for sink in self.local_control:
-                try:
-                    sink(event)
-                except Exception:  # a reader's bug must not cost the publish
-                    log.exception("in-process control reader failed")
-
     def _tell_arrivals(self) -> None:
         for sink in self.local_requests:
             try:
@@ -184,9 +170,7 @@ class Bus(Ownership, EngineRegistry):
             except Exception:
                 log.exception("in-process request claimer failed")
 
-    async def publish(self, stream: str, event: Event, *, tell_local: bool = True) -> bytes:
-        if tell_local and self.local_control:
-            self.tell_local(stream, event)
+    async def publish(self, stream: str, event: Event) -> bytes:
         (entry,) = await self.store.append_many([self._append(stream, event)])
         if self.local_requests and stream == self.keys.requests:
             self._tell_arrivals()
@@ -202,9 +186,6 @@ class Bus(Ownership, EngineRegistry):
         MAXLEN (which would drop unclaimed requests)."""
         if not items and not expire and not ack:
             return []
-        if self.local_control:
-            for stream, event in items:
-                self.tell_local(stream, event)
         entries = await self.store.append_many(
             [self._append(stream, event) for stream, event in items],
             expire,

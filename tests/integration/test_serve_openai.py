@@ -91,8 +91,6 @@ async def test_half_the_clients_hang_up(served):
     client = _client(api)
     model = api.cfg.model_name
     ids: dict[int, str] = {}
-    heard = []  # what the engine heard in-process, before its control read brought it again
-    api.bus.local_control.insert(0, lambda ev: heard.extend(ev.request_ids))
 
     async def one(i: int):
         s = await client.completions.create(
@@ -131,8 +129,7 @@ async def test_half_the_clients_hang_up(served):
             break
         await asyncio.sleep(0.01)
     assert eng.node.sched.num_free_blocks == eng.node.sched.num_total_blocks
-    assert sorted(heard) == sorted(ids[i] for i in range(0, 32, 2))
-    # each abort counted once, though the engine got each twice (in-process, then the stream)
+    # each abort counted once
     for _ in range(200):
         if len(await bus.redis.xrange(bus.keys.control)) >= 16:
             break

@@ -21,14 +21,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from fd.control.bus import Bus
 from fd.control.endings import timeout_error, tombstone_story
 from fd.control.entry_ids import entry_id_key
-from fd.control.events import Abort, AbortAll, Event
+from fd.control.events import AbortAll, Event
 from fd.control.fence import Refused
 from fd.control.keys import ABORT_WRITTEN, choice_ids, is_tombstone, owner_choices, pending_tombstone_source
 from fd.engine.node.engine_core import EngineCore
@@ -52,9 +51,6 @@ log = logging.getLogger("fd.engine.node.node")
 #: `POST /v1/abort_requests` with 1,000 unknown ids, 50 calls 20 ms apart, in `fd serve`:
 #: p99 24-37 ms with 32 a round trip, 3.8-5.3 ms with 8.
 TOMBSTONE_BATCH = 8
-#: Aborts told in-process kept until their echo from ``P:control`` comes (it comes within a
-#: read or two; one whose publish failed never does, and ages out)
-TOLD_KEPT = 10_000
 
 
 class AbortCounter:
@@ -96,36 +92,6 @@ class Aborts:
         self.count = counter.count
         self.tombstone_ttl_s = tombstone_ttl_s
         self.fenced = 0  # requests dropped because the fence refused their events
-        #: abort_id -> the ids an abort told in-process (``fd serve``) stopped here: its echo from
-        #: ``P:control`` acts on the others only, so each abort is handled once by this engine
-        self._told: OrderedDict[str, frozenset[str]] = OrderedDict()
-
-    def on_local(self, ev: Event) -> None:
-        """An abort published in this process (``fd serve``'s API): stage 1 for the requests
-        this engine runs, now rather than when the control read brings it. The same event comes
-        again from ``P:control`` (:meth:`echoed`), which then acts on the other ids only: unknown
-        ids (tombstones) are left to that read."""
-        if not isinstance(ev, Abort):
-            return
-        handled: list[str] = []
-        for rid in ev.request_ids:
-            if self.core.knows(rid) and not self.requests.silent(rid):
-                self.core.abort(rid, ev.source)
-                handled.append(rid)
-        if ev.abort_id and handled:
-            self._told[ev.abort_id] = frozenset(handled)
-            while len(self._told) > TOLD_KEPT:  # (an echo that never came: its publish failed)
-                self._told.popitem(last=False)
-
-    def echoed(self, ev: Abort) -> tuple[str, ...]:
-        """The ids of ``ev``, read from ``P:control``, that are still this engine's to handle:
-        all of them, but for an abort told in-process first (:meth:`on_local`), whose ids it
-        stopped then are not handled again (their requests may have ended since: a second
-        handling would race a tombstone against a finished request for nothing)."""
-        told = self._told.pop(ev.abort_id, None) if ev.abort_id else None
-        if told is None:
-            return ev.request_ids
-        return tuple(rid for rid in ev.request_ids if rid not in told)
 
     async def abort_all(self, ev: AbortAll, entry_id: bytes | None) -> None:
         """``abort_all``: every request this engine runs or is owning, and, unless the event

@@ -52,17 +52,15 @@ from fd.control.events import (
     Drain,
     Event,
     LoadLora,
-    Preempted,
-    Request,
     UnloadLora,
 )
 from fd.engine.core.adapters import Adapters
 from fd.engine.core.scheduler import Scheduler
 from fd.engine.journal.journal import JournalRecorder, journaled
-from fd.engine.node import failover
 from fd.engine.node.aborts import AbortCounter, Aborts
 from fd.engine.node.admission import Admission
 from fd.engine.node.control_reader import ControlReader
+from fd.engine.node.drain import Draining
 from fd.engine.node.emitter import Emitter
 from fd.engine.node.engine_core import EngineCore
 from fd.engine.node.failover import OrphanFinder
@@ -70,7 +68,7 @@ from fd.engine.node.heartbeat import Heartbeat
 from fd.engine.node.node_config import EngineConfig
 from fd.engine.node.publisher import Publisher
 from fd.engine.node.redis_link import RETRYABLE, RedisLink, Stopped
-from fd.engine.node.request_table import Live, RequestTable
+from fd.engine.node.request_table import RequestTable
 from fd.engine.node.step_driver import StepDriver
 from fd.engine.runner.lora_runtime import LoraLoader
 from fd.engine.runner.runners import Runner
@@ -133,10 +131,6 @@ class EngineNode:
         # The step loop, waiting for a reply, an arrival, an abort, blocks: look again.
         self._wake = asyncio.Event()
         self._stopping = False
-        self._draining = False
-        self._drain_deadline: float | None = None
-        #: what the drain hands back this step: each one's record and owner token
-        self._handing_back: dict[str, tuple[Live | None, str | None]] = {}
         # Every request this engine runs, its owner tokens, and aborts it remembers.
         self.requests = RequestTable()
         self.link = RedisLink(
@@ -145,6 +139,9 @@ class EngineNode:
         journal = self.sched if isinstance(self.sched, JournalRecorder) else None
         self.publisher = Publisher(
             bus, self.id, self.requests, self.link, lambda r, why: self.aborts.lose(r, why), journal
+        )
+        self._drain = Draining(
+            self.id, bus, self.link, self.sched, self.requests, self.publisher, cfg.drain_timeout_s
         )
         self.heartbeat = Heartbeat(
             self.id,
@@ -225,7 +222,6 @@ class EngineNode:
             cfg.retry_backoff_s,
         )
         self.stats_interval_s = stats_interval_s
-        self.handed_back = 0
         self._cursor: bytes | None = None
         self._started_ms = int(time.time() * 1000)
 
@@ -294,11 +290,18 @@ class EngineNode:
 
     def drain(self) -> None:
         """Stop claiming, finish or hand back what runs, then return from :meth:`run`."""
-        if not self._draining:
-            log.info("draining", extra={"engine": self.id})
-            self._draining = True
+        if self._drain.start():
             self.admission.wake_idle()
             self._wake.set()
+
+    @property
+    def _draining(self) -> bool:
+        return self._drain.active
+
+    @property
+    def handed_back(self) -> int:
+        """Requests a drain re-queued for another engine."""
+        return self._drain.handed_back
 
     @property
     def steps(self) -> int:
@@ -339,12 +342,6 @@ class EngineNode:
         self.admission.announced()
         self._wake.set()
 
-    def on_local_control(self, ev: Event) -> None:
-        """An abort published in this process (``fd serve``'s API), heard before the control
-        read brings it (fd.engine.node.aborts)."""
-        if not self._stopping:
-            self.aborts.on_local(ev)
-
     # ------------------------------------------------------------------ step loop
 
     async def _step_loop(self) -> None:
@@ -373,9 +370,9 @@ class EngineNode:
                 # the loop's sockets first, so the rest of this one is heard before the next
                 # step is decided and its requests are in no step the release waits on.
                 await asyncio.sleep(0)
-            stepped = core.step(ahead, self._drain_due if self._draining else None)
+            stepped = core.step(ahead, self._drain.due if self._draining else None)
             if stepped.handed_back:
-                await self._hand_back(stepped.handed_back)
+                await self._drain.hand_back(stepped.handed_back)
             await self._flush()
             if not core.flying and not core.has_work():
                 if closed:
@@ -393,57 +390,11 @@ class EngineNode:
             await core.wait(None if core.flying else 0.01)
         await self._flush()
 
-    # ------------------------------------------------------------------ drain
-
-    def _drain_due(self) -> list[str]:
-        """Between steps (nothing in flight): what to hand back now — what waits at once, and
-        everything once the drain timeout is up. Each one's record and owner token are kept
-        for :meth:`_hand_back` (the step that hands them back ends their records)."""
-        now = time.monotonic()
-        if self._drain_deadline is None:
-            self._drain_deadline = now + self.cfg.drain_timeout_s
-            rids = list(self.sched.snapshot()["waiting"])
-        elif now >= self._drain_deadline and self.sched.has_work():
-            snap = self.sched.snapshot()
-            rids = list(snap["running"]) + list(snap["waiting"])
-        else:
-            return []
-        requests = self.requests
-        self._handing_back = {
-            rid: (requests.get(rid), requests.tokens.get(rid)) for rid in rids if not requests.silent(rid)
-        }
-        return list(self._handing_back)
-
-    async def _hand_back(self, released: dict[str, int]) -> None:
-        """Requests the step handed back (``released``: the blocks each gave back): a
-        ``preempted handback=1`` note on each story, then each re-queued on ``P:requests``."""
-        back: list[tuple[str, bytes, Request, str]] = []
-        due, self._handing_back = self._handing_back, {}
-        for rid, count in released.items():
-            live, token = due[rid]
-            if live is None:
-                continue
-            self.publisher.put(
-                self.bus.keys.req(rid),
-                Preempted(
-                    request_id=rid,
-                    count=count,
-                    engine=self.id,
-                    step=self.sched.step,
-                    handback=True,
-                    ts=int(time.time() * 1000),
-                ),
-            )
-            if token is not None:
-                back.append((rid, live.entry, live.request, token))
-        await self._flush()  # the notes (and every token before them) first
-        self.handed_back += await failover.hand_back(self.bus, self.link, self.id, back)
+    # ------------------------------------------------------------------ control events
 
     async def _on_control(self, ev: Event, entry_id: bytes | None = None) -> None:
         if isinstance(ev, Abort):
-            rids = self.aborts.echoed(ev)
-            if rids:
-                await self.aborts.abort(rids, ev.source)
+            await self.aborts.abort(ev.request_ids, ev.source)
         elif isinstance(ev, AbortAll):
             if ev.engine in (None, "", self.id):
                 await self.aborts.abort_all(ev, entry_id)
