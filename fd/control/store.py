@@ -90,7 +90,8 @@ class Fenced:
 
     @property
     def ends(self) -> bool:
-        return bool(self.fields) and self.fields[-1].get("type") == "final"
+        """The batch has a final (nothing after it is written, as fd/control/fence.py's script)."""
+        return any(f.get("type") == "final" for f in self.fields)
 
 
 #: ``(stream, before, entry_id, event, fields)``: ``event`` was appended to ``stream`` as

@@ -258,6 +258,23 @@ async def test_a_final_that_gets_through_acks_its_entry_and_renews_its_keys(clie
     assert 0 < await client.ttl(k("parent-a")) <= 120
 
 
+async def test_a_batch_is_written_up_to_its_final_and_ends_the_story_there(client_store, k):
+    """Events after a final in one batch are not written, and the final renews and acks as the
+    batch's last one would."""
+    client, store = client_store
+    q = k("q")
+    await client.xgroup_create(q, "g", id="0", mkstream=True)
+    queued = await client.xadd(q, {"n": "a"})
+    await store.read_group(q, "g", "c1", 1, None)
+    await client.set(k("a") + ":owner", "e1#1")
+    await client.xadd(k("a") + ":req", {"type": "accepted"})
+    batch = _batch(k, "a", "e1#1", ["tokens", "final", "tokens"], Ack(q, "g", [queued]))
+    assert await store.fenced_append([batch]) == [None]
+    assert [f[b"type"] for _, f in await client.xrange(k("a") + ":req")] == [b"accepted", b"tokens", b"final"]
+    assert 0 < await client.ttl(k("a") + ":req") <= 120 and 0 < await client.ttl(k("a") + ":owner") <= 120
+    assert await client.xlen(q) == 0
+
+
 async def test_start_story_writes_once_and_knows_a_resend_from_another_request(client_store, k):
     client, store = client_store
     accepted = [{"type": "accepted", "request_id": "r", "n": "1"}]
