@@ -12,9 +12,14 @@ fakeredis's public clients:
   ``WATCH`` and blocking reads keep their per-connection state), and ``INFO``, which fakeredis
   does not have, is answered here (fd/control/embedded_info.py).
 
-Writes through either door are seen by readers on the other. The bus uses the same redis-py
-store on this server as on a real one (fd/control/store.py): nothing here reaches into
-fakeredis, so fakeredis can be upgraded.
+Writes through either door are seen by readers on the other. This module uses fakeredis's
+documented API only: ``FakeServer(version=...)``, ``FakeRedis``/``FakeAsyncRedis(server=...)``
+and their commands (``DBSIZE`` walks the keyspace, which drops keys past their TTL). The bus's
+store on the in-process client is another matter: :class:`~fd.control.embedded_store.EmbeddedStore`
+does a step's hot work on fakeredis's own objects, on the fakeredis releases it was verified on
+only (fd/control/embedded_store.py says what it touches and why); on any other release every
+operation goes through the commands, as on a real Redis, so fakeredis can be upgraded without
+breaking ``fd serve``, only slowing it (one log line says so).
 """
 
 from __future__ import annotations
@@ -30,8 +35,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from fd.control.connect import MAX_CONNECTIONS, POOL_WAIT_S
-from fd.control.embedded_info import InfoValue, ServerInfo, parse_info
-from fd.control.embedded_store import AppendListeners, EmbeddedStore, direct_works
+from fd.control.embedded_info import REDIS_VERSION, InfoValue, ServerInfo, parse_info
+from fd.control.embedded_store import AppendListeners, EmbeddedStore, direct_verified
 from fd.control.resp import ProtocolError, RequestReader, encode_reply
 
 log = logging.getLogger("fd.control.embedded")
@@ -128,7 +133,7 @@ class _Connection(socketserver.StreamRequestHandler):
             if protocol != self.protocol:
                 self.client.close()
                 self._connect(protocol)
-        version = ".".join(str(v) for v in (*self.server.fake_server.version, 0, 0)[:3])
+        version = ".".join(map(str, REDIS_VERSION))
         return encode_reply(
             {
                 b"server": b"redis",
@@ -182,13 +187,12 @@ class EmbeddedRedis:
         self.host = host
         self._requested_port = port
         self.port = port
-        # Redis 7 semantics: what the bus is tested against on a real server too.
-        self._server = fakeredis.FakeServer(version=(7, 0))
+        self._server = fakeredis.FakeServer(version=REDIS_VERSION[:2])
         self._door: _Door | None = None
         self._thread: threading.Thread | None = None
         self._expirer: threading.Thread | None = None
         self._stopped = threading.Event()
-        self._direct: bool | None = None  # fd/control/embedded_store.py's check, once
+        self._direct: bool | None = None  # fd/control/embedded_store.py's version check, once
         self._listeners = AppendListeners()  # (every in-process client's store tells the same)
 
     @property
@@ -260,7 +264,7 @@ class EmbeddedRedis:
         )
         client.server_info = door.info
         if self._direct is None:
-            self._direct = direct_works(self._server)
+            self._direct = direct_verified()
         client._store = EmbeddedStore(client, self._server, self._direct, self._listeners)
         return client
 

@@ -27,6 +27,10 @@ import fakeredis
 #: ``db<n>`` line's ``a=1,b=2`` as a dict of them.
 InfoValue: TypeAlias = int | float | str | dict[str, int | float | str]
 
+#: The Redis the embedded server behaves as (``fakeredis.FakeServer(version=...)``), as INFO and
+#: HELLO say it: what the bus is tested against on a real server too.
+REDIS_VERSION = (7, 0, 0)
+
 SECTIONS = ("server", "clients", "memory", "persistence", "replication", "cpu", "keyspace")
 
 
@@ -76,10 +80,9 @@ class ServerInfo:
         return "\r\n".join(parts).encode()
 
     def _server(self) -> list[tuple[str, object]]:
-        version = tuple(self.fake_server.version) + (0, 0, 0)
         uptime = int(time.time() - self.started)
         return [
-            ("redis_version", ".".join(str(v) for v in version[:3])),
+            ("redis_version", ".".join(map(str, REDIS_VERSION))),
             ("redis_mode", "standalone"),
             ("os", f"{platform.system()} {platform.release()} {platform.machine()}"),
             ("arch_bits", 64 if sys.maxsize > 2**32 else 32),

@@ -1,46 +1,55 @@
 """The embedded server's store: :class:`~fd.control.store.RedisStore`, with a step's hot work done
-on the server's own objects.
+on fakeredis's own objects, on the fakeredis releases that was verified on.
 
 Through fakeredis's client every command is packed, parsed, dispatched and converted in
 Python, ~100 µs apiece here, and the fence's script calls three of them per request per step
-from Lua: at 32 streams on the tiny model a step's flush took longer than the step
-(bench/README.md). So these skip the command layer:
+from Lua. On SmolLM2 (bench/README.md, 2026-12-07) ``fd serve`` with every operation through
+the commands gave 18% / 32% / 38% less output tok/s at 1 / 8 / 32 streams than with these
+(the one pair measured on a quiet machine; under other jobs' load the 32-stream figure still
+favoured these in every pair). So these skip the command layer:
 
 - :meth:`EmbeddedStore.fenced_append` does fd/control/fence.py's checks and appends under the
-  server's lock, with the server's stream objects' own methods (``XStream.next_id``, ``add``,
-  ``irange``); what a final renews and acknowledges follows, by :meth:`append_many`;
+  server's lock, with the server's stream objects' own methods; what a final renews and
+  acknowledges follows, by :meth:`append_many`;
 - :meth:`EmbeddedStore.read`, the API's XREAD of many stories, reads them the same way and
   waits for a write on the database's change callbacks, as fakeredis's blocking reads do;
 - :meth:`EmbeddedStore.read_group`, an engine's poll of ``P:requests``, answers "nothing
   new" from the stream's and the group's last ids, and reads through the commands otherwise;
 - :meth:`EmbeddedStore.append_many`, plain appends to streams that exist (the API's aborts on
   ``P:control``, a hang-up's among them) with the same methods, the renewals of a final
-  (``EXPIRE``) and its ``P:requests`` entry's ack (``StreamGroup.ack``, ``XStream.delete``:
-  through the commands, a wave of 32 finals' acks held the flush, and so the next step, for
-  10-20 ms of loop turns); a stream to create goes to the commands;
+  (``EXPIRE``) and its ``P:requests`` entry's ack (through the commands, a wave of 32 finals'
+  acks held the flush, and so the next step, for 10-20 ms of loop turns); a stream to create
+  goes to the commands;
 - :meth:`EmbeddedStore.ack_delete` the same way;
 - ``get``, ``exists`` and ``expire`` of keys that exist (an arrival's check of its id and of
-  a tombstone), on the database's items (``value``, ``expireat``, ``schedule_expiry``).
+  a tombstone), on the database's items.
 
-What these two append, they also tell the process's own readers (:meth:`EmbeddedStore.listen`,
+What these append, they also tell the process's own readers (:meth:`EmbeddedStore.listen`,
 :class:`AppendListeners`): ``fd serve``'s API takes its engine's events as the engine made
-them, with the entry that came before each, instead of reading them back and decoding them
-(at 32 streams on the tiny model that read and decode were a sixth of the serve loop's time,
-bench/README.md). A reader that is behind, or an entry appended any other way, is read.
+them, with the entry that came before each, instead of reading them back and decoding them.
+A reader that is behind, or an entry appended any other way, is read.
 
-Everything they touch is a public name (``FakeServer.lock``, ``.dbs``, ``.config``,
-``.connected``; a database's ``has_watch``, ``notify_watch``, ``wake_all``,
-``schedule_expiry`` and change callbacks, and its items' ``value`` and ``expireat``;
-``fakeredis.model``'s stream classes), nothing is patched, and where a key is
-absent or of another type, keyspace notifications are on, or the server's objects do not
-behave as this module expects (:func:`direct_works`, checked once per server against the
-commands: another fakeredis release), the operation goes to the commands, whose every reply
-and error is fakeredis's own.
+None of this is fakeredis's documented API (that is the ``FakeServer``, ``FakeRedis`` and
+``FakeAsyncRedis`` constructors and the Redis commands). What it touches: ``FakeServer``'s
+``lock``, ``dbs``, ``config`` and ``connected``; a database (``fakeredis._core.Database``)'s
+``time``, item lookup, ``has_watch``, ``notify_watch``, ``wake_all``, ``schedule_expiry`` and
+``add_change_callback``/``remove_change_callback``; its items' ``value`` and ``expireat``;
+``fakeredis.model``'s ``XStream`` (``next_id``, ``add``, ``irange``, ``trim``, ``delete``,
+``last_item_key``, ``last_id``, ``group_get``), its groups' ``ack``, ``consumers`` and
+``last_delivered_key``, ``StreamEntryKey`` (``parse_str``, ``encode``) and ``StreamRangeTest``
+(its constructor, ``decode``). Nothing is patched. So the direct path runs only on a fakeredis release it was verified on
+(:data:`VERIFIED_FAKEREDIS`: tests/integration/test_embedded_fast_path.py, every reply and the
+data left equal to the commands'; tests/unit/test_embedded_version.py fails on any other
+installed release, so an upgrade is looked at before it is listed); on any other, one log line
+and every operation goes through fakeredis's client, as :class:`RedisStore` on any server.
+Where a key is absent or of another type, or keyspace notifications are on, an operation goes
+to the commands too, whose every reply and error is fakeredis's own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
 import threading
 import time
@@ -295,83 +304,38 @@ class _Direct:
             return g is not None and consumer in g.consumers and g.last_delivered_key >= stream.last_id
 
 
-def direct_works(server: fakeredis.FakeServer) -> bool:
-    """Whether the direct operations give what the commands give on this fakeredis: a story
-    appended both ways and read back both ways, and a group read up to its end and then not,
-    on keys of this check's own."""
-    # (redis-py types replies as the union over protocols and decoding: read here as RESP2 bytes)
-    client: RedisClient = fakeredis.FakeRedis(server=server)
-    direct = _Direct(server)
-    owner, story = "fd-embedded-check:owner", "fd-embedded-check:story"
-    try:
-        client.set(owner, "e#1")
-        first = client.xadd(story, {"type": "accepted", "request_id": "r"})
-        batch = Fenced(owner, story, "e#1", [{"type": "tokens", "n": "1"}, {"type": "final", "n": "2"}], 0)
-        with server.lock:
-            ids = direct.fenced(batch, direct._limits())
-            again = direct.fenced(batch, direct._limits())
-        with server.lock:
-            after = direct.fenced(Fenced(owner, story, "e#1", [{"type": "tokens", "n": "3"}], 0), (100, 4096))
-        if isinstance(ids, Refused):  # (the check's own owner key: a refusal is a misbehaving server)
-            raise TypeError(f"the check's batch was refused ({ids.why})")
-        want = [(first, {b"type": b"accepted", b"request_id": b"r"})]
-        want += [
-            (i, f)
-            for i, f in zip(
-                ids or [], [{b"type": b"tokens", b"n": b"1"}, {b"type": b"final", b"n": b"2"}], strict=False
-            )
-        ]
-        read = direct.scan({story.encode(): b"0-0"}, None)
-        same = (
-            len(ids or []) == 2
-            and again == []
-            and after == Refused("final", "e#1")
-            and client.xrange(story) == want
-            and read == [[story.encode(), want]]
-        )
-        with server.lock:  # (MAXLEN ~ trims whole nodes only: none of these three entries)
-            appended = direct.append(Append(story, {"type": "note", "n": "4"}, maxlen=2), (100, 4096))
-            absent = direct.append(Append("fd-embedded-check:none", {"n": "5"}), (100, 4096))
-        same = same and bool(appended) and not absent and client.xlen(story) == 4
-        same = same and client.xrevrange(story, count=1)[0][1] == {b"type": b"note", b"n": b"4"}
-        with server.lock:
-            got, there = direct.value(owner), direct.exists(owner)
-            gone, renewed = direct.exists("fd-embedded-check:none"), direct.expire(owner, 100)
-        same = same and got == (True, b"e#1") and there and not gone and renewed
-        same = same and 0 < client.ttl(owner) <= 100 and client.get(owner) == b"e#1"
-        client.xgroup_create(story, "g", id="0")
-        client.xreadgroup("g", "c", {story: ">"})
-        idle = direct.nothing_new(story.encode(), b"g", b"c")
-        stranger = direct.nothing_new(story.encode(), b"g", b"x")  # (a consumer it does not know)
-        client.xadd(story, {"type": "tokens"})
-        same = same and idle and not stranger and not direct.nothing_new(story.encode(), b"g", b"c")
-        (_, ((last, _),)), *_ = client.xreadgroup("g", "c", {story: ">"})
-        pending = client.xpending(story, "g")["pending"]
-        with server.lock:
-            acked = direct.ack_delete(Ack(story, "g", [last]))
-            absent_acked = direct.ack_delete(Ack("fd-embedded-check:none", "g", [last]))
-        left = [i for i, _ in client.xrange(story)]
-        return (
-            same
-            and acked
-            and not absent_acked
-            and client.xpending(story, "g")["pending"] == pending - 1
-            and last not in left
-        )
-    except Exception as e:
-        log.warning("embedded store: direct path unusable on fakeredis %s: %s", fakeredis.__version__, e)
-        return False
-    finally:
-        client.delete(owner, story)
-        client.close()
+#: The fakeredis releases the direct path was verified on (see the module's docstring): a new one
+#: joins only once tests/integration/test_embedded_fast_path.py passes on it.
+VERIFIED_FAKEREDIS = frozenset({"2.41.0"})
+
+
+def fakeredis_version() -> str:
+    """The installed fakeredis's version, as its package metadata says."""
+    return importlib.metadata.version("fakeredis")
+
+
+def direct_verified(version: str | None = None) -> bool:
+    """Whether the direct path may run on fakeredis ``version`` (default: the installed one);
+    where not, says so in one log line."""
+    version = fakeredis_version() if version is None else version
+    if version in VERIFIED_FAKEREDIS:
+        return True
+    log.warning(
+        "embedded store: fakeredis %s is not a release its direct path was verified on (%s): "
+        "every operation goes through fakeredis's commands (slower)",
+        version,
+        ", ".join(sorted(VERIFIED_FAKEREDIS)),
+    )
+    return False
 
 
 class EmbeddedStore(RedisStore):
     """:class:`~fd.control.store.RedisStore` on the embedded server's in-process client, with
     :meth:`fenced_append`, :meth:`read`, an idle :meth:`read_group`, plain
     :meth:`append_many`, :meth:`ack_delete` and ``get``/``exists``/``expire`` done on the
-    server's objects (see the module's docstring) where :func:`direct_works`; the commands
-    otherwise. What it appends there it tells its :class:`AppendListeners`."""
+    server's objects (see the module's docstring) where ``direct`` (the caller's
+    :func:`direct_verified`); the commands otherwise. What it appends there it tells its
+    :class:`AppendListeners`."""
 
     def __init__(
         self,

@@ -12,7 +12,8 @@ Redis, a Redis Cluster (whose non-transactional pipeline splits per slot; where 
 across slots matters it spends a second round trip), and the embedded server
 (fd/control/embedded.py), whose in-process client is fakeredis's own ``FakeAsyncRedis`` on the
 same server object as its TCP door; that client brings a subclass of it
-(fd/control/embedded_store.py) which does a step's hot work on the server's objects.
+(fd/control/embedded_store.py) which does a step's hot work on fakeredis's objects, on the
+fakeredis releases that was verified on (the commands on any other).
 tests/integration/test_store_contract.py runs the same contract on all of them.
 
 Replies are redis-py's (bytes, ``decode_responses=False``): the bus decodes them.
@@ -90,7 +91,8 @@ class Fenced:
 
     @property
     def ends(self) -> bool:
-        return bool(self.fields) and self.fields[-1].get("type") == "final"
+        """The batch has a final (nothing after it is written, as fd/control/fence.py's script)."""
+        return any(f.get("type") == "final" for f in self.fields)
 
 
 #: ``(stream, before, entry_id, event, fields)``: ``event`` was appended to ``stream`` as

@@ -258,6 +258,23 @@ async def test_a_final_that_gets_through_acks_its_entry_and_renews_its_keys(clie
     assert 0 < await client.ttl(k("parent-a")) <= 120
 
 
+async def test_a_batch_is_written_up_to_its_final_and_ends_the_story_there(client_store, k):
+    """Events after a final in one batch are not written, and the final renews and acks as the
+    batch's last one would."""
+    client, store = client_store
+    q = k("q")
+    await client.xgroup_create(q, "g", id="0", mkstream=True)
+    queued = await client.xadd(q, {"n": "a"})
+    await store.read_group(q, "g", "c1", 1, None)
+    await client.set(k("a") + ":owner", "e1#1")
+    await client.xadd(k("a") + ":req", {"type": "accepted"})
+    batch = _batch(k, "a", "e1#1", ["tokens", "final", "tokens"], Ack(q, "g", [queued]))
+    assert await store.fenced_append([batch]) == [None]
+    assert [f[b"type"] for _, f in await client.xrange(k("a") + ":req")] == [b"accepted", b"tokens", b"final"]
+    assert 0 < await client.ttl(k("a") + ":req") <= 120 and 0 < await client.ttl(k("a") + ":owner") <= 120
+    assert await client.xlen(q) == 0
+
+
 async def test_start_story_writes_once_and_knows_a_resend_from_another_request(client_store, k):
     client, store = client_store
     accepted = [{"type": "accepted", "request_id": "r", "n": "1"}]
@@ -320,21 +337,22 @@ async def test_listen_tells_this_processs_appends_with_the_entry_before_each(cli
     assert len(told) == 3
 
 
-async def test_the_embedded_store_uses_the_commands_where_its_direct_path_does_not_hold(monkeypatch, k):
-    """On a fakeredis whose objects do not behave as the direct path expects, the embedded
-    store says so once and does everything with the commands: slower, still right."""
+async def test_the_embedded_store_uses_the_commands_on_a_fakeredis_its_direct_path_was_not_verified_on(
+    monkeypatch, caplog, k
+):
+    """On a fakeredis release outside ``VERIFIED_FAKEREDIS`` the embedded store says so in one
+    log line and does everything with the commands: slower, still right, and nothing told."""
     from fd.control import embedded_store
     from fd.control.embedded import EmbeddedRedis
 
-    def broken(self, batch, limits):
-        raise AttributeError("no such method in this fakeredis")
-
-    monkeypatch.setattr(embedded_store._Direct, "fenced", broken)
-    with EmbeddedRedis() as server:
-        client = server.client()
+    monkeypatch.setattr(embedded_store, "fakeredis_version", lambda: "99.0.0")
+    with caplog.at_level("WARNING", logger="fd.control.embedded"), EmbeddedRedis() as server:
+        clients = [server.client(), server.client()]
+        client = clients[0]
         try:
             store = store_for(client)
-            assert store._direct is None
+            assert store._direct is None and store_for(clients[1])._direct is None
+            assert store.listen(lambda *item: None) is None
             await client.set(k("a") + ":owner", "e1#1")
             await client.xadd(k("a") + ":req", {"type": "accepted"})
             assert await store.fenced_append([_batch(k, "a", "e1#1", ["tokens"])]) == [None]
@@ -342,4 +360,7 @@ async def test_the_embedded_store_uses_the_commands_where_its_direct_path_does_n
             got = await store.read({k("a") + ":req": b"0"}, 10, None)
             assert len(got[0][1]) == 2
         finally:
-            await client.aclose()
+            for c in clients:
+                await c.aclose()
+    said = [r.getMessage() for r in caplog.records if "not a release" in r.getMessage()]
+    assert len(said) == 1 and "fakeredis 99.0.0" in said[0]
