@@ -202,11 +202,14 @@ async def start_engine(
 
 
 def join_in_process(api: RunningApi, engine: RunningEngine) -> None:
-    """API and engine in one process (``fd serve``): the one in-process shortcut. The engine
-    is told when the API has put requests on ``P:requests``, so it claims when there is
-    something to claim instead of asking ``P:requests`` every step. It is a wake-up, not a
-    delivery: the requests still come through the engine's claim (XREADGROUP), and aborts
-    only through its read of ``P:control``, so each event reaches the engine once."""
+    """API and engine in one process (``fd serve``): the one in-process shortcut, wired here
+    alone. The engine is told when the API has put requests on ``P:requests``, so it claims
+    when there is something to claim instead of asking ``P:requests`` every step: a wake-up,
+    not a delivery (the requests still come through its claim, and aborts only through its
+    read of ``P:control``). And on the embedded server the API takes the events the engine
+    appends to request streams as the store tells them, instead of reading them back
+    (StreamMux.hear_in_process). Each event reaches each reader once."""
+    api.mux.hear_in_process()
     api.bus.local_requests.append(engine.node.on_local_arrival)
     engine.node.hears_local_arrivals()
 

@@ -538,6 +538,7 @@ class StreamMux:
         self.lost_look_s = lost_look_s
         self.lost = 0  # subscribed stories found gone
         self._unlisten: Callable[[], None] | None = None
+        self._in_process = False  # take this process's appends as told (hear_in_process)
         self._rings: set[asyncio.Task[None]] = set()  # doorbells on their way (subscribe)
         self._thread: int | None = None  # the event loop's, where the store's tellings count
 
@@ -579,7 +580,8 @@ class StreamMux:
             return
         self._started, self._stopping = True, False
         self._thread = threading.get_ident()
-        self._unlisten = self._bus.store.listen(self._told)
+        if self._in_process:
+            self._unlisten = self._bus.store.listen(self._told)
         for shard in self._shards:
             self._launch(shard)
 
@@ -618,6 +620,18 @@ class StreamMux:
                 log.warning("stream mux %s: could not delete doorbells: %s", self.reader_id, e)
         self._shards.clear()
         self._started = False
+
+    def hear_in_process(self) -> bool:
+        """Take the events this process's own writers append (``fd serve``'s engine) as they
+        append them, where the store can tell (the embedded server's: :meth:`Store.listen
+        <fd.control.store.Store.listen>`), instead of reading them back; True if it can. Part
+        of the one in-process shortcut, wired by :func:`fd.compose.join_in_process` alone.
+        Each event still reaches a subscription once: told, or read."""
+        self._in_process = True
+        if self._started and self._unlisten is None:
+            self._thread = threading.get_ident()
+            self._unlisten = self._bus.store.listen(self._told)
+        return self._unlisten is not None
 
     def _told(self, key: bytes, before: bytes, entry_id: bytes, ev: Event, fields: Mapping[str, str]) -> None:
         """An entry this process appended (:meth:`fd.control.store.Store.listen`), handed as it is

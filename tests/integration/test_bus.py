@@ -391,6 +391,7 @@ async def test_mux_takes_this_processs_appends_as_told_and_reads_the_rest(embedd
     bus = Bus(client, keys)
     mux = StreamMux(client, keys, "api-told", block_ms=5000)
     await mux.start()
+    assert mux.hear_in_process()  # (fd serve's composition wires it)
     try:
         await bus.publish(keys.req("r"), E.Accepted(request_id="r", prompt_tokens=3))
         sub = await mux.subscribe("r")
@@ -430,6 +431,7 @@ async def test_a_subscription_behind_reads_what_one_that_is_current_is_told(embe
     bus = Bus(client, keys)
     mux = StreamMux(client, keys, "api-behind", block_ms=5000)
     await mux.start()
+    assert mux.hear_in_process()
     try:
         await client.set(keys.owner("r"), "e1#1")
         owners = {"r": "e1#1"}

@@ -10,6 +10,7 @@ from fd.control.sampling import SamplingParams
 from fd.engine.node.node_config import EngineConfig
 from fd.engine.runner.llm import LLM
 from tests.kit.engine import story, submit, text_of, tokens_of, types
+from tests.kit.faults import engines, wait_for  # noqa: F401  (engines: a fixture)
 
 
 async def _start(redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer, **kw):
@@ -205,3 +206,26 @@ async def test_a_cancel_that_meets_a_wake_up_still_stops_the_engine(
     finally:
         eng.node.stop()
         await asyncio.gather(eng.task, return_exceptions=True)
+
+
+async def test_a_request_that_comes_while_steps_run_back_to_back_joins_within_a_few_steps(
+    real_bus, engines, tiny_tokenizer
+):
+    """With async scheduling the runner always holds a step, so the engine never drains its
+    pipeline while a long request decodes; a request that comes meanwhile must still be
+    claimed and start within a few steps, not wait for the long one to end."""
+    from fd.control.events import Claimed, Final, Tokens
+
+    a = await engines.start("A", delay=0.01)
+    await submit(real_bus, "long", tiny_tokenizer.encode("a long one"), max_tokens=300, ignore_eos=True)
+    await story(real_bus, "long", until=Tokens)
+    await wait_for(lambda: a.node.steps > 10, what="long decoding")
+    await submit(real_bus, "late", tiny_tokenizer.encode("late"), max_tokens=2, ignore_eos=True)
+    late = await story(real_bus, "late", until=Final)
+    first = next(e for e in late if isinstance(e, Tokens))
+    claimed = next(e for e in late if isinstance(e, Claimed))
+    long_so_far = [e for _, e in await real_bus.read_req("long")]
+    assert not any(isinstance(e, Final) for e in long_so_far)  # the long one still runs
+    # claimed and prefilled within a few steps of its arrival (the long one's step then)
+    at_claim = max(e.step for e in long_so_far if isinstance(e, Tokens) and e.ts <= claimed.ts)
+    assert first.step - at_claim <= 4, (first.step, at_claim)

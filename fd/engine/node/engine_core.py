@@ -145,6 +145,12 @@ class EngineCore:
     def aborts_pending(self) -> bool:
         return bool(self._aborts)
 
+    def room(self, ahead: int) -> bool:
+        """The next :meth:`step` decides a step: fewer than ``ahead`` will be in flight once
+        the results already in are folded."""
+        done = sum(1 for r in self._replies if isinstance(r, RunnerOutput))
+        return len(self.flying) - done < ahead
+
     async def wait(self, timeout: float | None) -> None:
         """Until an inbox has something (or ``timeout``)."""
         if timeout is None:

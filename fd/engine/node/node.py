@@ -358,7 +358,7 @@ class EngineNode:
             # behind it: the runner never waits for this loop. Not while draining or
             # stopping, which act between steps.
             ahead = 1 if closed else core.depth
-            room = len(core.flying) < ahead
+            room = core.room(ahead)
             if room and core.flying and not closed:
                 # The runner is busy: claim first, so requests that arrived during its step
                 # join the step decided now (as they would join the next step one at a time).
