@@ -229,3 +229,19 @@ async def test_a_request_that_comes_while_steps_run_back_to_back_joins_within_a_
     # claimed and prefilled within a few steps of its arrival (the long one's step then)
     at_claim = max(e.step for e in long_so_far if isinstance(e, Tokens) and e.ts <= claimed.ts)
     assert first.step - at_claim <= 4, (first.step, at_claim)
+
+
+async def test_a_stopped_engine_decides_no_more_steps(real_bus, engines, tiny_tokenizer):
+    """``stop`` is now: the steps in flight are folded in and published, and no new one is
+    decided; a request still running is left to a live peer (its heartbeat is gone), not run
+    to its end first."""
+    from fd.control.events import Final, Tokens
+
+    a = await engines.start("A", delay=0.01)
+    await submit(real_bus, "long", tiny_tokenizer.encode("a long one"), max_tokens=400, ignore_eos=True)
+    await story(real_bus, "long", until=Tokens)
+    a.node.stop()
+    await asyncio.wait_for(asyncio.shield(a.task), 10)
+    evs = [e for _, e in await real_bus.read_req("long")]
+    assert not any(isinstance(e, Final) for e in evs)  # (400 steps of 10 ms: not run out)
+    assert sum(len(e.token_ids) for e in evs if isinstance(e, Tokens)) < 100

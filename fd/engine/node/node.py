@@ -355,9 +355,10 @@ class EngineNode:
         while core.flying or not self._stopping:
             closed = self._draining or self._stopping
             # With async scheduling the next step is decided while the last one runs, queued
-            # behind it: the runner never waits for this loop. Not while draining or
-            # stopping, which act between steps.
-            ahead = 1 if closed else core.depth
+            # behind it: the runner never waits for this loop. Not while draining, which acts
+            # between steps; stopping decides none (what runs is taken over by live peers),
+            # and only folds in what is in flight.
+            ahead = 0 if self._stopping else 1 if self._draining else core.depth
             room = core.room(ahead)
             if room and core.flying and not closed:
                 # The runner is busy: claim first, so requests that arrived during its step
