@@ -1,8 +1,9 @@
 """Who handles an abort, and how it ends (DESIGN.md §4): every engine reads every abort, and
 exactly one of them acts on each request.
 
-- A request this engine's scheduler knows is aborted here, through the scheduler, which says
-  when its blocks can go (stage 1 now; 2 and 3 once no step in flight holds it).
+- A request this engine knows (its scheduler has it, or will at the next step) is aborted
+  here, through the engine core's inbox: at its next step the scheduler says when its blocks
+  can go (stage 1 then; 2 and 3 once no step in flight holds it).
 - Any other id races the claim with a tombstone (``SET P:owner:{id} aborted:<source> NX``).
   Winning means no engine ever prefills it; its story is written by whoever flips the tombstone
   first with its stream in place. Losing to an engine's token leaves it to that engine; to a

@@ -3,8 +3,9 @@ the scheduler's ``Tokens`` given their text, and each ending (``abort_requested`
 ``blocks_released``, ``final``) settling what the node kept for the request.
 
 Every event the node publishes on a request's story goes through :meth:`Emitter.emit`, from
-the step loop, the control loop and the runner's replies alike, so the bookkeeping that rides
-on an event happens exactly once, wherever the event was made:
+the engine core's step (the scheduler's events) and from admission and aborts (a claim, the
+story of a request no engine ran) alike, so the bookkeeping that rides on an event happens
+exactly once, wherever the event was made:
 
 - a request's held-back text (a possible stop-string prefix, an incomplete UTF-8 character)
   goes out before the end of its story, so nothing but the protocol's own events follows

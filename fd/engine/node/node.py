@@ -1,9 +1,12 @@
-"""The engine node: the I/O shell around the pure scheduler.
+"""The engine node: the I/O shell around the engine core and its pure scheduler.
 
 Everything that touches Redis, threads or the clock lives in the node and the objects it is
 built from (named on :class:`EngineNode`); every decision lives in
-:class:`fd.engine.core.scheduler.Scheduler`. One loop owns the scheduler, so control events (aborts)
-and step results are applied in one order, and that order is what the journal records.
+:class:`fd.engine.core.scheduler.Scheduler`, which one object owns and steps
+(:class:`fd.engine.node.engine_core.EngineCore`): control events (aborts), arrivals and step
+results wait in its inboxes and are applied at one point of each step, in one order, and that
+order is what the journal records. The node's loop (:meth:`EngineNode._step_loop`) does the I/O
+around each step.
 
 The model step runs on the runner (a worker process, or the step thread) while the loop keeps
 reading ``P:control``, claiming requests and publishing the previous step's events, so a step
@@ -79,8 +82,10 @@ log = logging.getLogger("fd.engine.node.node")
 class EngineNode:
     """One engine: the scheduler, and the objects around it that do its I/O — claiming and
     starting requests (:class:`~fd.engine.node.admission.Admission`), aborts
-    (:class:`~fd.engine.node.aborts.Aborts`), the runner's steps (:class:`~fd.engine.node.step_driver.
-    StepDriver`), events to the outbox (:class:`~fd.engine.node.emitter.Emitter`) and out to Redis
+    (:class:`~fd.engine.node.aborts.Aborts`), the engine core that decides each step
+    (:class:`~fd.engine.node.engine_core.EngineCore`) and its driver of the runner
+    (:class:`~fd.engine.node.step_driver.StepDriver`), a drain (:class:`~fd.engine.node.drain.
+    Draining`), events to the outbox (:class:`~fd.engine.node.emitter.Emitter`) and out to Redis
     (:class:`~fd.engine.node.publisher.Publisher`), the heartbeat (:class:`~fd.engine.node.heartbeat.
     Heartbeat`), the control stream's reader (:class:`~fd.engine.node.control_reader.ControlReader`). The node runs the loops that drive them, in one order."""
 

@@ -57,7 +57,6 @@ class Publisher:
         # the story went missing since (fd/control/fence.py's gap).
         self._last: dict[str, Mapping[str, str]] = {}
         self._lock = asyncio.Lock()
-        self._bg: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------------ queueing
 
@@ -77,14 +76,6 @@ class Publisher:
         """The request's final is queued: its owner token goes once it is out."""
         self._ended.append(rid)
 
-    @property
-    def caught_up(self) -> bool:
-        """Nothing waits to go out and no batch is on its way: all that was made is published
-        (or refused). A step's result folded in by the driver's callback starts the next step
-        only then: an engine that cannot publish (Redis away) stops stepping after the steps
-        in flight, as the step loop, waiting on its flush, does."""
-        return not (self._outbox or self._ack or self._lock.locked())
-
     def _note_last(self, items: list[tuple[str, Event]], refused: Mapping[str, Refused]) -> None:
         keys = self.bus.keys
         for stream, ev in items:
@@ -93,19 +84,6 @@ class Publisher:
                 self._last[rid] = ev.encode()
 
     # ------------------------------------------------------------------ flushing
-
-    def flush_soon(self) -> None:
-        """Publish what an abort just emitted from a task of its own, without waiting for the
-        step loop."""
-        task = asyncio.get_running_loop().create_task(self._flush_quietly())
-        self._bg.add(task)
-        task.add_done_callback(self._bg.discard)
-
-    async def _flush_quietly(self) -> None:
-        try:
-            await self.flush()
-        except Stopped:
-            pass
 
     async def flush(self) -> None:
         """Publish everything queued (and the journal's entry for the steps since the last
