@@ -43,13 +43,16 @@ from fd.control.engines import EngineRegistry
 from fd.control.entry_ids import entry_id_key
 from fd.control.events import (
     CONTROL_TYPES,
+    LIFECYCLE_TYPES,
     REQ_STREAM_TYPES,
     Accepted,
     ControlEvent,
     Event,
     JsonObject,
+    LifecycleEvent,
     RawFields,
     Request,
+    RequestAccepted,
 )
 from fd.control.fence import Refused
 from fd.control.keys import (
@@ -60,6 +63,7 @@ from fd.control.keys import (
     pending_tombstone_source,
     valid_request_id,
 )
+from fd.control.outage import REDIS_FAILURES
 from fd.control.ownership import Ownership
 from fd.control.store import Ack, Append, Fenced, RedisClient, Store, StreamEntry, store_for
 
@@ -109,6 +113,9 @@ REQUEST_TTL_S = 3600
 #: How long an abort's tombstone for a request no engine had (``--tombstone-ttl``) waits for
 #: that request: one that arrives later than this runs.
 TOMBSTONE_TTL_S = 600
+#: ``P:lifecycle``'s approximate cap: a watcher that falls further behind reads from the oldest
+#: entry left (about 10-20 MB of Redis memory at this cap).
+LIFECYCLE_MAXLEN = 100_000
 
 
 class Bus(Ownership, EngineRegistry):
@@ -128,6 +135,7 @@ class Bus(Ownership, EngineRegistry):
         requests_maxlen: int | None = None,
         control_maxlen: int = 10_000,
         journal_maxlen: int = 10_000,
+        lifecycle_maxlen: int = LIFECYCLE_MAXLEN,
     ):
         self.redis = redis
         self.keys = keys
@@ -135,6 +143,7 @@ class Bus(Ownership, EngineRegistry):
         self.requests_maxlen = requests_maxlen
         self.control_maxlen = control_maxlen
         self.journal_maxlen = journal_maxlen
+        self.lifecycle_maxlen = lifecycle_maxlen
         #: ``P:dead``'s writer: what this bus's readers cannot use goes there
         self.dead = DeadLetters(redis, keys.dead, dead_maxlen)
         self._journal_head = f"{keys.prefix}:journal:"
@@ -158,6 +167,8 @@ class Bus(Ownership, EngineRegistry):
             return self.dead.maxlen
         if stream.startswith(self._journal_head):
             return self.journal_maxlen
+        if stream == self.keys.lifecycle:
+            return self.lifecycle_maxlen
         return None
 
     def _append(self, stream: str, event: Event) -> Append:
@@ -292,7 +303,22 @@ class Bus(Ownership, EngineRegistry):
                     await self._start_story(rid, [accepted, *tombstone_story(rid, source)])
             return False
         await self._start_story(rid, [accepted], request)
+        await self._note_accepted(accepted)
         return True
+
+    async def _note_accepted(self, accepted: Accepted) -> None:
+        """``request_accepted`` on ``P:lifecycle``. The request is in already: a failed note
+        costs a watcher one milestone, never the request."""
+        ev = RequestAccepted(
+            request_id=accepted.request_id,
+            api=accepted.api,
+            endpoint=accepted.endpoint,
+            prompt_tokens=accepted.prompt_tokens,
+        )
+        try:
+            await self.store.append_many([self._append(self.keys.lifecycle, ev)])
+        except REDIS_FAILURES as e:
+            log.warning("could not note request_accepted of %s: %s", accepted.request_id, e)
 
     async def _start_story(self, rid: str, events: Sequence[Event], request: Request | None = None) -> None:
         """fd/control/story.py's start of ``rid``'s story with ``events``, then ``request`` on
@@ -465,6 +491,25 @@ class Bus(Ownership, EngineRegistry):
                 ev = await self.dead.decode_or_dead(self.keys.control, entry_id, fields, CONTROL_TYPES)
                 if ev is not None:
                     out.append((entry_id, ev))
+        return at, out
+
+    async def read_lifecycle(
+        self, cursor: bytes | str, block_ms: int | None, count: int = 1000
+    ) -> tuple[bytes, list[tuple[bytes, LifecycleEvent]]]:
+        """``P:lifecycle``'s events after ``cursor`` (``$``: only those to come), and the cursor
+        to read from next."""
+        at = _b(cursor)
+        if at == b"$":  # (XREAD's "$" is resolved once, here: the next read goes on from it)
+            last = await self.redis.xrevrange(self.keys.lifecycle, count=1)
+            at = _b(last[0][0]) if last else b"0-0"
+        resp = await self.redis.xread({self.keys.lifecycle: at}, count=count, block=block_ms)
+        out: list[tuple[bytes, LifecycleEvent]] = []
+        for _stream, entries in resp or ():
+            for entry_id, fields in entries:
+                at = _b(entry_id)
+                ev = await self.dead.decode_or_dead(self.keys.lifecycle, entry_id, fields, LIFECYCLE_TYPES)
+                if ev is not None:
+                    out.append((at, ev))
         return at, out
 
     # ------------------------------------------------------------------ one request

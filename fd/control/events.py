@@ -301,6 +301,78 @@ class Final(Event):
     stop_token: int | None = None
 
 
+# lifecycle stream P:lifecycle -------------------------------------------------------
+# For what watches fd from outside (a router, an autoscaler, a dashboard; DESIGN.md §8): each
+# request's milestones and each engine's load as they happen, on one capped stream, readable
+# with ``redis-cli XREAD``. No prompt, no text, no key: ids, engines, counts and reasons.
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestAccepted(Event):
+    """An API replica accepted the request (its story started)."""
+
+    TYPE: ClassVar[str] = "request_accepted"
+    request_id: str
+    api: str = ""
+    endpoint: str = ""
+    prompt_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestClaimed(Event):
+    """An engine owns the request and starts it (a takeover or a hand-back's: again)."""
+
+    TYPE: ClassVar[str] = "request_claimed"
+    request_id: str
+    engine: str = ""
+    attempt: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FirstToken(Event):
+    """The request's first output token is on its story."""
+
+    TYPE: ClassVar[str] = "first_token"
+    request_id: str
+    engine: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestFinished(Event):
+    """The request's ``final``: why it ended, and its token counts."""
+
+    TYPE: ClassVar[str] = "request_finished"
+    request_id: str
+    engine: str = ""
+    finish_reason: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineLoad(Event):
+    """An engine's load, written at each step it decides while it has work (and once when it
+    runs out): what a router weighs, fresher than a heartbeat."""
+
+    TYPE: ClassVar[str] = "engine_load"
+    engine: str = ""
+    step: int = 0
+    running: int = 0
+    waiting: int = 0
+    blocks_free: int = 0
+    blocks_total: int = 0
+    prefix_blocks: int = 0  # KV blocks the prefix cache holds that a new request could share
+
+
+LifecycleEvent: TypeAlias = RequestAccepted | RequestClaimed | FirstToken | RequestFinished | EngineLoad
+LIFECYCLE_TYPES: tuple[type[LifecycleEvent], ...] = (
+    RequestAccepted,
+    RequestClaimed,
+    FirstToken,
+    RequestFinished,
+    EngineLoad,
+)
+
 #: What ``P:control`` carries.
 ControlEvent: TypeAlias = Abort | AbortAll | Drain | LoadLora | UnloadLora
 
@@ -308,7 +380,7 @@ REQ_STREAM_TYPES = (Accepted, Claimed, Tokens, Preempted, AbortRequested, Draine
 CONTROL_TYPES: tuple[type[ControlEvent], ...] = (Abort, AbortAll, Drain, LoadLora, UnloadLora)
 
 _cls: type[AnyEvent]
-for _cls in (*CONTROL_TYPES, Request, *REQ_STREAM_TYPES):
+for _cls in (*CONTROL_TYPES, Request, *REQ_STREAM_TYPES, *LIFECYCLE_TYPES):
     _REGISTRY[_cls.TYPE] = _cls
 
 #: Every event :func:`decode` gives (the engine journal's too, defined further down).
@@ -327,6 +399,11 @@ AnyEvent = Union[
     Drained,
     BlocksReleased,
     Final,
+    RequestAccepted,
+    RequestClaimed,
+    FirstToken,
+    RequestFinished,
+    EngineLoad,
     "JournalStart",
     "JournalStep",
 ]

@@ -163,6 +163,12 @@ class Keys:
         long as the story."""
         return f"{self.prefix}:conv:{{{request_id}}}"
 
+    @property
+    def lifecycle(self) -> str:
+        """Capped stream of request milestones and engine loads (events.LIFECYCLE_TYPES), for
+        routers, autoscalers and dashboards: ``redis-cli XREAD BLOCK 0 STREAMS fd:lifecycle $``."""
+        return f"{self.prefix}:lifecycle"
+
     def journal(self, engine_id: str) -> str:
         return f"{self.prefix}:journal:{engine_id}"
 

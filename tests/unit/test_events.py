@@ -69,6 +69,15 @@ SAMPLES = [
         ts=TS,
     ),
     E.Final(request_id="r1", finish_reason="error", error="boom", ts=TS),
+    E.RequestAccepted(request_id="r1", api="api-1", endpoint="chat", prompt_tokens=12, ts=TS),
+    E.RequestClaimed(request_id="r1", engine="e1", attempt=2, ts=TS),
+    E.FirstToken(request_id="r1", engine="e1", ts=TS),
+    E.RequestFinished(
+        request_id="r1", engine="e1", finish_reason="length", prompt_tokens=12, completion_tokens=64, ts=TS
+    ),
+    E.EngineLoad(
+        engine="e1", step=812, running=8, waiting=2, blocks_free=100, blocks_total=512, prefix_blocks=40, ts=TS
+    ),
     E.JournalStart(engine="e1", config={"block_size": 16, "num_blocks": 64}, ts=TS),
     E.JournalStep(
         engine="e1", step=9, seq=3, data={"calls": [["schedule", {}], ["update", {"r1": 5}]]}, ts=TS

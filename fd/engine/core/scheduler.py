@@ -91,6 +91,11 @@ class Scheduler:
         return self.blocks.num_total
 
     @property
+    def num_cached_blocks(self) -> int:
+        """KV blocks the prefix cache holds (in use or free): prefixes a new request can share."""
+        return self.blocks.num_cached
+
+    @property
     def num_draining(self) -> int:
         """Aborted requests whose blocks wait for the runner to finish a step holding them."""
         return len(self._aborting)

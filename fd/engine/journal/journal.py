@@ -248,6 +248,10 @@ class JournalRecorder:
         return self.scheduler.num_cache_hits
 
     @property
+    def num_cached_blocks(self) -> int:
+        return self.scheduler.num_cached_blocks
+
+    @property
     def num_draining(self) -> int:
         return self.scheduler.num_draining
 

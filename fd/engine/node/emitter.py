@@ -30,7 +30,10 @@ from fd.control.events import (
     Drained,
     Event,
     Final,
+    FirstToken,
     Preempted,
+    RequestClaimed,
+    RequestFinished,
     Tokens,
 )
 from fd.control.keys import Keys
@@ -164,6 +167,8 @@ class Emitter:
             else:
                 ev = replace(ev, ts=ts)
             put(story(rid), ev)
+            if isinstance(ev, (Claimed, Final)):
+                self._note(ev)
         if released and self.released is not None:
             self.released()
 
@@ -188,6 +193,10 @@ class Emitter:
         pos = None
         if live is not None:
             pos = live.emitted
+            if not pos and ev.token_ids:
+                self.publisher.put(
+                    self.keys.lifecycle, FirstToken(request_id=rid, engine=self.engine_id, ts=ts)
+                )
             live.emitted += len(ev.token_ids)
         self.publisher.put(
             self.keys.req(rid),
@@ -203,6 +212,24 @@ class Emitter:
                 pos=pos,
             ),
         )
+
+    def _note(self, ev: Claimed | Final) -> None:
+        """A request's milestone on ``P:lifecycle``, in the same batch as its story's event."""
+        if isinstance(ev, Claimed):
+            note: Event = RequestClaimed(
+                request_id=ev.request_id, engine=ev.engine, attempt=ev.attempt, ts=ev.ts
+            )
+        else:
+            usage = ev.usage
+            note = RequestFinished(
+                request_id=ev.request_id,
+                engine=ev.engine,
+                finish_reason=ev.finish_reason,
+                prompt_tokens=int(usage.get("prompt_tokens") or 0),
+                completion_tokens=int(usage.get("completion_tokens") or 0),
+                ts=ev.ts,
+            )
+        self.publisher.put(self.keys.lifecycle, note)
 
     def _ended(self, rid: str, live: Live | None) -> None:
         """A final: the request's record goes, its token once the final is out, and an adapter

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fd.control.bus import Bus
+from fd.control.events import EngineLoad
 from fd.control.fence import Refused
 from fd.control.logs import StatsLine
 from fd.control.outage import is_outage, reason
@@ -115,6 +116,20 @@ class Heartbeat:
                 cache_hits=sched.num_cache_hits,
                 engine=self.engine_id,
             )
+
+    def load(self) -> EngineLoad:
+        """This engine's load now, for ``P:lifecycle``."""
+        sched = self.sched
+        return EngineLoad(
+            engine=self.engine_id,
+            step=sched.step,
+            running=sched.num_running,
+            waiting=sched.num_waiting,
+            blocks_free=sched.num_free_blocks,
+            blocks_total=sched.num_total_blocks,
+            prefix_blocks=sched.num_cached_blocks,
+            ts=int(time.time() * 1000),
+        )
 
     def publish_gauges(self) -> None:
         if self.metrics is not None:

@@ -214,6 +214,7 @@ class EngineNode:
             closed=lambda: self._draining or self._stopping,
         )
         self._task: asyncio.Task | None = None
+        self._noted_busy = False  # the last load noted on P:lifecycle was a busy one
         self._orphans = OrphanFinder(bus, self.id, cfg.failover_idle_ms)
         self.control = ControlReader(
             self.id,
@@ -379,6 +380,11 @@ class EngineNode:
             stepped = core.step(ahead, self._drain.due if self._draining else None)
             if stepped.handed_back:
                 await self._drain.hand_back(stepped.handed_back)
+            busy = core.has_work() or bool(core.flying)
+            if stepped.decided or self._noted_busy and not busy:
+                # (each step while busy, and once as the work runs out; with the step's events)
+                self.publisher.put(self.bus.keys.lifecycle, self.heartbeat.load())
+                self._noted_busy = busy
             await self._flush()
             if not core.flying and not core.has_work():
                 if closed:
