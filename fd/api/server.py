@@ -32,6 +32,7 @@ from fd.api.serving_aborts import ServingAborts
 from fd.api.serving_admin import ServingAdmin
 from fd.api.serving_embeddings import ServingEmbeddings
 from fd.api.serving_generate import ServingGenerate
+from fd.api.serving_lifecycle import ServingLifecycle
 from fd.api.serving_responses import ServingResponses
 from fd.api.streaming import Streams
 from fd.api.tenancy import Tenancy
@@ -464,6 +465,7 @@ def make_app(
     responses = ServingResponses(ctx, streams, generate, aborts)
     embeddings = ServingEmbeddings(ctx)
     admin = ServingAdmin(ctx)
+    lifecycle = ServingLifecycle(ctx)
     middlewares = [_errors, _auth(Tenancy.of(cfg.api_key, cfg.admin_key))]
     if cfg.cors is not None:
         middlewares.insert(0, _preflight(cfg.cors))
@@ -502,6 +504,7 @@ def make_app(
     app.router.add_get("/metrics", admin.metrics_endpoint)
     app.router.add_post("/v1/abort_requests", aborts.abort_requests)
     app.router.add_get("/v1/requests/{id:[^/]+}/stream", generate.stream_request)
+    app.router.add_get("/v1/lifecycle", lifecycle.lifecycle)  # (admin key only: every tenant's)
     app.router.add_post("/v1/requests/{id:[^/]+}/cancel", aborts.cancel_request)
     app.router.add_get("/v1/responses/{id:[^/]+}", responses.get_response)
     app.router.add_post("/v1/responses/{id:[^/]+}/cancel", responses.cancel_response)

@@ -160,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="engines, blocks, stream lengths, dead letters")
     add_redis_args(st)
     st.add_argument("--json", action="store_true")
+    st.add_argument(
+        "--watch", action="store_true", help="then follow the lifecycle stream (P:lifecycle) until Ctrl-C"
+    )
 
     tr = sub.add_parser(
         "trace", help="a request's events as a timeline (a response of n choices: each choice's too)"

@@ -4,14 +4,26 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import secrets
+import signal
 import sys
-from typing import Any
+import time
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any, TextIO
 
 import orjson
 
 from fd.cli.local_serve import LocalServe
 from fd.control.keys import GROUP_ENGINES, Keys
+
+if TYPE_CHECKING:
+    from fd.control.bus import Bus
+    from fd.control.events import LifecycleEvent
+
+#: BLOCK of ``fd status --watch``'s reads (within the socket timeout, which is at least 2 s)
+WATCH_BLOCK_MS = 1000
 
 
 def _lora_status(heartbeat: dict) -> str:
@@ -86,7 +98,8 @@ async def cmd_status(args: argparse.Namespace) -> int:
         pending = int(info["pending"])
     except Exception:
         pass
-    await r.aclose()
+    if not args.watch:
+        await r.aclose()
     obj = {"engines": engines, "streams": lens, "requests_pending": pending}
     lines = [f"engines alive: {len(engines)}"]
     for eid, h in sorted(engines.items()):
@@ -96,8 +109,96 @@ async def cmd_status(args: argparse.Namespace) -> int:
         )
     lines += [f"{k}: {v} entries" for k, v in lens.items()]
     lines.append(f"requests claimed but not finished: {pending}")
-    _print_json_or(args, obj, "\n".join(lines))
+    if args.watch and args.json:  # one JSON object a line, the status's first
+        sys.stdout.write(orjson.dumps(obj).decode() + "\n")
+    else:
+        _print_json_or(args, obj, "\n".join(lines))
+    if args.watch:
+        sys.stdout.flush()
+        try:
+            await until_interrupted(watch_lifecycle(bus, args.json, sys.stdout))
+        finally:
+            await r.aclose()
     return 0
+
+
+def _clock(ts_ms: int) -> str:
+    """An event's ``ts`` as local wall-clock time, to the millisecond."""
+    return time.strftime("%H:%M:%S", time.localtime(ts_ms // 1000)) + f".{ts_ms % 1000:03d}"
+
+
+def lifecycle_line(ev: LifecycleEvent) -> str:
+    """One ``P:lifecycle`` event as ``fd status --watch`` prints it."""
+    from fd.control.events import EngineLoad, FirstToken, RequestAccepted, RequestClaimed, RequestFinished
+
+    head = f"{_clock(ev.ts)} {ev.TYPE}"
+    if isinstance(ev, EngineLoad):
+        return (
+            f"{head} {ev.engine or '?'} step {ev.step} running {ev.running} waiting {ev.waiting} "
+            f"blocks {ev.blocks_free}/{ev.blocks_total} prefix {ev.prefix_blocks}"
+        )
+    if isinstance(ev, RequestAccepted):
+        return f"{head} {ev.request_id} via {ev.api or '?'} ({ev.endpoint or '?'}, {ev.prompt_tokens} prompt tokens)"
+    if isinstance(ev, RequestClaimed):
+        attempt = f" (attempt {ev.attempt})" if ev.attempt is not None else ""
+        return f"{head} {ev.request_id} by {ev.engine or '?'}{attempt}"
+    if isinstance(ev, FirstToken):
+        return f"{head} {ev.request_id} on {ev.engine or '?'}"
+    if isinstance(ev, RequestFinished):
+        return (
+            f"{head} {ev.request_id} on {ev.engine or '?'}: {ev.finish_reason or '?'}, "
+            f"{ev.prompt_tokens}+{ev.completion_tokens} tokens"
+        )
+    # (a type this release does not format: its fields as they are)
+    return head + "".join(f" {k}={v}" for k, v in ev.encode().items() if k not in ("type", "v", "ts"))
+
+
+async def watch_lifecycle(bus: Bus, as_json: bool, out: TextIO) -> None:
+    """``P:lifecycle`` from now on, one line an event (``as_json``: the entry id and the event's
+    fields as one JSON object), until cancelled. It says on stderr once it is reading, so that
+    what is written after that line is seen."""
+    to_json = None
+    if as_json:  # (fd.api is loaded only for this: the SSE route's JSON, field for field)
+        from fd.api.serving_lifecycle import lifecycle_json
+
+        to_json = lifecycle_json
+    cursor, batch = await bus.read_lifecycle("$", None)  # ("$" resolved now, not at the first event)
+    print(f"watching {bus.keys.lifecycle} (Ctrl-C to stop)", file=sys.stderr, flush=True)
+    while True:
+        for eid, ev in batch:
+            if to_json is not None:
+                out.write(orjson.dumps({"id": eid.decode(), **to_json(ev)}).decode() + "\n")
+            else:
+                out.write(lifecycle_line(ev) + "\n")
+        if batch:
+            out.flush()
+        cursor, batch = await bus.read_lifecycle(cursor, WATCH_BLOCK_MS)
+
+
+async def until_interrupted(work: Awaitable[None]) -> None:
+    """``work`` until it ends, or until Ctrl-C (SIGINT) or SIGTERM, which end it quietly: a
+    watch that is stopped has done what it was for. (asyncio.Runner's own Ctrl-C would end the
+    command as interrupted, exit 130.) Its error, if it fails, is raised."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    caught = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # (not the main thread)
+            loop.add_signal_handler(sig, stop.set)
+            caught.append(sig)
+    task = asyncio.ensure_future(work)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait((task, stopped), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for sig in caught:
+            loop.remove_signal_handler(sig)
+        # (a blocking read cancelled here closes its connection: the process is leaving)
+        for t in (task, stopped):
+            t.cancel()
+        await asyncio.gather(task, stopped, return_exceptions=True)
+    if task.done() and not task.cancelled():
+        task.result()
 
 
 async def cmd_trace(args: argparse.Namespace) -> int:

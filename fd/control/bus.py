@@ -37,7 +37,8 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ResponseError, WatchError
 
 from fd.control import story as story_start
-from fd.control.dead_letters import DeadLetters
+from fd.control.bad_event import BadEvent
+from fd.control.dead_letters import DeadLetters, check_event
 from fd.control.endings import tombstone_story
 from fd.control.engines import EngineRegistry
 from fd.control.entry_ids import entry_id_key
@@ -53,6 +54,7 @@ from fd.control.events import (
     RawFields,
     Request,
     RequestAccepted,
+    decode,
 )
 from fd.control.fence import Refused
 from fd.control.keys import (
@@ -507,9 +509,13 @@ class Bus(Ownership, EngineRegistry):
         for _stream, entries in resp or ():
             for entry_id, fields in entries:
                 at = _b(entry_id)
-                ev = await self.dead.decode_or_dead(self.keys.lifecycle, entry_id, fields, LIFECYCLE_TYPES)
-                if ev is not None:
-                    out.append((at, ev))
+                # A type or field this release does not know is a later writer's (the stream is
+                # versioned, and has many readers): skipped, not a dead letter from each reader.
+                try:
+                    ev = check_event(self.keys.lifecycle, decode(fields, entry_id), LIFECYCLE_TYPES)
+                except BadEvent:
+                    continue
+                out.append((at, ev))
         return at, out
 
     # ------------------------------------------------------------------ one request

@@ -302,7 +302,7 @@ class Final(Event):
 
 
 # lifecycle stream P:lifecycle -------------------------------------------------------
-# For what watches fd from outside (a router, an autoscaler, a dashboard; DESIGN.md §8): each
+# For what watches fd from outside (a router, an autoscaler, a dashboard; DESIGN.md §2): each
 # request's milestones and each engine's load as they happen, on one capped stream, readable
 # with ``redis-cli XREAD``. No prompt, no text, no key: ids, engines, counts and reasons.
 

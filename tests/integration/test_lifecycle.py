@@ -56,3 +56,19 @@ async def test_a_request_leaves_its_milestones_and_the_engine_its_load(served):
     fields = [f for _, entries in raw for _, f in entries]
     assert fields and not any(PROMPT.encode() in v or b"turtle" in v for f in fields for v in f.values())
     assert bus.maxlen(bus.keys.lifecycle) == LIFECYCLE_MAXLEN
+
+
+async def test_a_reader_skips_what_a_later_release_writes(real_bus, keys):
+    """The stream is versioned and has many readers: an entry of a type this release does not
+    know, or of a newer schema version, is skipped, not dead-lettered by every reader; a field
+    it does not know is ignored."""
+    r = real_bus.redis
+    await r.xadd(keys.lifecycle, {"type": "engine_moved", "v": "1", "engine": "e1", "ts": "5"})
+    await r.xadd(
+        keys.lifecycle, {"type": "first_token", "v": "2", "request_id": "r0", "engine": "e1", "ts": "6"}
+    )
+    extra = {"type": "first_token", "v": "1", "request_id": "r1", "engine": "e1", "ts": "7", "new_field": "x"}
+    await r.xadd(keys.lifecycle, extra)
+    _, got = await real_bus.read_lifecycle("0", None)
+    assert [e for _, e in got] == [FirstToken(request_id="r1", engine="e1", ts=7)]
+    assert await r.xlen(keys.dead) == 0

@@ -76,7 +76,14 @@ SAMPLES = [
         request_id="r1", engine="e1", finish_reason="length", prompt_tokens=12, completion_tokens=64, ts=TS
     ),
     E.EngineLoad(
-        engine="e1", step=812, running=8, waiting=2, blocks_free=100, blocks_total=512, prefix_blocks=40, ts=TS
+        engine="e1",
+        step=812,
+        running=8,
+        waiting=2,
+        blocks_free=100,
+        blocks_total=512,
+        prefix_blocks=40,
+        ts=TS,
     ),
     E.JournalStart(engine="e1", config={"block_size": 16, "num_blocks": 64}, ts=TS),
     E.JournalStep(
