@@ -28,9 +28,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeAlias
 
-from fd.control.events import BlocksReleased, Tokens
+from fd.control.events import BlocksReleased, Event, Tokens
 from fd.control.request_data import RequestData
-from fd.engine.core.outputs import Aborted, RunnerOutput, SchedulerOutput
+from fd.engine.core.outputs import RunnerOutput, SchedulerOutput
 from fd.engine.core.protocol import SchedulerLike
 from fd.engine.node.request_table import RequestTable
 from fd.engine.node.step_driver import StepFailed
@@ -190,7 +190,8 @@ class EngineCore:
             a = self._arrivals.pop(rid)
             self.emit(self.sched.add(rid, a.data, a.generated))
         # 3. Aborts; one of a request still arriving waits for it.
-        aborted = Aborted()
+        events: list[Event] = []
+        drop: list[str] = []
         for _ in range(len(self._aborts)):
             order = self._aborts.popleft()
             if order.request_id in self._arrivals:
@@ -199,7 +200,8 @@ class EngineCore:
             got = self.sched.abort(order.request_id, order.source, order.error)
             if got.events and order.counted:
                 self.counted(order.source)
-            aborted += got
+            events += got.events
+            drop += got.drop
         for rid in drain() if drain is not None and not self.flying else ():
             if not self.sched.knows(rid):
                 continue  # (it ended: an abort just applied)
@@ -208,12 +210,12 @@ class EngineCore:
                 live.silent = True  # its next owner writes its story
             got = self.sched.abort(rid, "engine")
             stepped.handed_back[rid] = sum(e.count for e in got.events if isinstance(e, BlocksReleased))
-            aborted += got
-        self.emit(aborted.events)
-        if aborted.drop:
+            events += got.events
+        self.emit(events)
+        if drop:
             # A step queued behind the running one may not have started: the runner leaves
             # these out of it, and their blocks come back after the running step instead.
-            self.driver.drop(self.sched.step, list(aborted.drop))
+            self.driver.drop(self.sched.step, drop)
         # 4. The next step, behind those in flight.
         if len(self.flying) < ahead:
             out = self.sched.schedule()
