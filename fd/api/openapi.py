@@ -153,6 +153,7 @@ def build(
             "/v1/responses/{id}/input_items": openapi_responses.input_items(),
             "/v1/responses/{id}/cancel": openapi_responses.cancel(own),
             "/v1/requests/{id}/cancel": openapi_control.request_cancel(own),
+            "/v1/lifecycle": openapi_control.lifecycle(admin),
             **(openapi_control.lora_paths(admin) if runtime_lora else {}),
             "/health": {
                 "get": {

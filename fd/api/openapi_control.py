@@ -91,6 +91,35 @@ def request_stream() -> dict[str, Any]:
     }
 
 
+def lifecycle(security: list[dict[str, list]]) -> dict[str, Any]:
+    """``GET /v1/lifecycle`` (DESIGN.md §2, ``P:lifecycle``)"""
+    return {
+        "get": {
+            "summary": "The lifecycle stream as server-sent events: request milestones, engine loads",
+            "security": security,
+            "parameters": [
+                {"name": "Last-Event-ID", "in": "header", "required": False, "schema": {"type": "string"}},
+                {
+                    "name": "since",
+                    "in": "query",
+                    "required": False,
+                    "description": "an entry id to go on after (0: from the oldest kept; default: only new)",
+                    "schema": {"type": "string"},
+                },
+            ],
+            "responses": {
+                "200": {
+                    "description": "SSE stream: id = entry id, event = type, data = the entry's fields",
+                    "content": {"text/event-stream": {"schema": {"type": "string"}}},
+                },
+                "400": ERRORS["400"],
+                "401": ERRORS["401"],
+                "503": err("Redis is not answering"),
+            },
+        }
+    }
+
+
 def request_cancel(security: list[dict[str, list]]) -> dict[str, Any]:
     """``POST /v1/requests/{id}/cancel``"""
     return {

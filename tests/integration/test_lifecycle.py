@@ -72,3 +72,12 @@ async def test_a_reader_skips_what_a_later_release_writes(real_bus, keys):
     _, got = await real_bus.read_lifecycle("0", None)
     assert [e for _, e in got] == [FirstToken(request_id="r1", engine="e1", ts=7)]
     assert await r.xlen(keys.dead) == 0
+
+
+async def test_the_spec_names_the_lifecycle_route_as_the_admins(served):
+    api, _ = served
+    async with aiohttp.ClientSession() as s, s.get(f"{api.url}/openapi.json") as r:
+        doc = await r.json()
+    route = doc["paths"]["/v1/lifecycle"]["get"]
+    assert route["security"] == [{"adminKey": []}]
+    assert "text/event-stream" in route["responses"]["200"]["content"]
