@@ -20,7 +20,7 @@ from fd.api.context import CALLER, ApiContext
 from fd.api.errors import ApiError, bad_request, server_error, unauthorized, unavailable
 from fd.api.streaming import KEEPALIVE_S
 from fd.control.entry_ids import entry_id_key
-from fd.control.events import LifecycleEvent
+from fd.control.events import LifecycleEvent, json_fields
 from fd.control.outage import REDIS_FAILURES, is_outage, reason
 
 log = logging.getLogger("fd.api")
@@ -30,23 +30,6 @@ log = logging.getLogger("fd.api")
 BLOCK_MS = 1000
 #: The largest entry id part Redis takes (an unsigned 64-bit number).
 _MAX_PART = (1 << 64) - 1
-
-
-def lifecycle_json(ev: LifecycleEvent) -> dict[str, Any]:
-    """The event's fields as :meth:`~fd.control.events.Event.encode` writes them, each number a
-    JSON number: what ``XREAD`` shows, typed."""
-    out: dict[str, Any] = {}
-    for name, text in ev.encode().items():
-        value = getattr(ev, name, None) if name != "type" else None
-        if type(value) is bool:
-            out[name] = value
-        elif type(value) is int:
-            out[name] = int(text)  # (the text, not the value: an unset ts is encoded as now)
-        elif type(value) is float:
-            out[name] = float(text)
-        else:
-            out[name] = text
-    return out
 
 
 def _cursor(request: web.Request) -> str:
@@ -100,9 +83,7 @@ class ServingLifecycle:
         try:
             while True:
                 if batch:
-                    await resp.write(
-                        b"".join(sse.frame(lifecycle_json(ev), eid, ev.TYPE) for eid, ev in batch)
-                    )
+                    await resp.write(b"".join(sse.frame(json_fields(ev), eid, ev.TYPE) for eid, ev in batch))
                     said = loop.time()
                 elif loop.time() - said >= KEEPALIVE_S:
                     await resp.write(sse.comment("keep-alive"))

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any, TextIO
 import orjson
 
 from fd.cli.local_serve import LocalServe
+from fd.control.events import LifecycleEvent, json_fields
 from fd.control.keys import GROUP_ENGINES, Keys
 
 if TYPE_CHECKING:
     from fd.control.bus import Bus
-    from fd.control.events import LifecycleEvent
 
 #: BLOCK of ``fd status --watch``'s reads (within the socket timeout, which is at least 2 s)
 WATCH_BLOCK_MS = 1000
@@ -157,11 +157,7 @@ async def watch_lifecycle(bus: Bus, as_json: bool, out: TextIO) -> None:
     """``P:lifecycle`` from now on, one line an event (``as_json``: the entry id and the event's
     fields as one JSON object), until cancelled. It says on stderr once it is reading, so that
     what is written after that line is seen."""
-    to_json = None
-    if as_json:  # (fd.api is loaded only for this: the SSE route's JSON, field for field)
-        from fd.api.serving_lifecycle import lifecycle_json
-
-        to_json = lifecycle_json
+    to_json = json_fields if as_json else None  # (the SSE route's JSON, field for field)
     cursor, batch = await bus.read_lifecycle("$", None)  # ("$" resolved now, not at the first event)
     print(f"watching {bus.keys.lifecycle} (Ctrl-C to stop)", file=sys.stderr, flush=True)
     while True:

@@ -412,6 +412,23 @@ AnyEvent = Union[
 # --------------------------------------------------------------------------- codec
 
 
+def json_fields(ev: Event) -> dict[str, Any]:
+    """The event's fields as :meth:`Event.encode` writes them, each number a JSON number: what
+    ``XREAD`` shows, typed (``GET /v1/lifecycle``'s data, ``fd status --watch --json``)."""
+    out: dict[str, Any] = {}
+    for name, text in ev.encode().items():
+        value = getattr(ev, name, None) if name != "type" else None
+        if type(value) is bool:
+            out[name] = value
+        elif type(value) is int:
+            out[name] = int(text)  # (the text, not the value: an unset ts is encoded as now)
+        elif type(value) is float:
+            out[name] = float(text)
+        else:
+            out[name] = text
+    return out
+
+
 def _encode_value(value: Any) -> str:
     if isinstance(value, bool):
         return "1" if value else "0"

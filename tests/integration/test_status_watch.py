@@ -10,9 +10,15 @@ import sys
 
 import pytest
 
-from fd.api.serving_lifecycle import lifecycle_json
 from fd.cli.operator import lifecycle_line
-from fd.control.events import EngineLoad, FirstToken, RequestAccepted, RequestClaimed, RequestFinished
+from fd.control.events import (
+    EngineLoad,
+    FirstToken,
+    RequestAccepted,
+    RequestClaimed,
+    RequestFinished,
+    json_fields,
+)
 
 TS = 1_700_000_000_123
 EVENTS = [
@@ -60,7 +66,7 @@ async def test_fd_status_watch_prints_each_event_until_ctrl_c(real_bus, redis_se
         lines = [await readline(proc.stdout) for _ in EVENTS]
         if as_json:
             got = [json.loads(line) for line in lines]
-            assert got == [{"id": i, **lifecycle_json(ev)} for i, ev in zip(ids, EVENTS, strict=True)]
+            assert got == [{"id": i, **json_fields(ev)} for i, ev in zip(ids, EVENTS, strict=True)]
             assert got[2]["blocks_free"] == 30  # (a number, not its text)
         else:
             assert lines == [lifecycle_line(ev) for ev in EVENTS]
