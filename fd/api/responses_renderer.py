@@ -92,32 +92,22 @@ class ResponsesRenderer:
         n = len(self.items)
         if kind == "message":
             self._open = {"id": f"msg_{self.rid}_{n}", "type": "message", "role": "assistant", "text": []}
-            out += [
-                self._event(
-                    "response.output_item.added", output_index=n, item=self._item(self._open, "in_progress")
-                ),
-                self._event(
-                    "response.content_part.added",
-                    item_id=self._open["id"],
-                    output_index=n,
-                    content_index=0,
-                    part=_part("output_text", ""),
-                ),
-            ]
+            part = "output_text"
         else:
             self._open = {"id": f"rs_{self.rid}_{n}", "type": "reasoning", "text": []}
-            out += [
-                self._event(
-                    "response.output_item.added", output_index=n, item=self._item(self._open, "in_progress")
-                ),
-                self._event(
-                    "response.content_part.added",
-                    item_id=self._open["id"],
-                    output_index=n,
-                    content_index=0,
-                    part=_part("reasoning_text", ""),
-                ),
-            ]
+            part = "reasoning_text"
+        out += [
+            self._event(
+                "response.output_item.added", output_index=n, item=self._item(self._open, "in_progress")
+            ),
+            self._event(
+                "response.content_part.added",
+                item_id=self._open["id"],
+                output_index=n,
+                content_index=0,
+                part=_part(part, ""),
+            ),
+        ]
         return out
 
     def _item(self, it: dict, status: str) -> dict:
