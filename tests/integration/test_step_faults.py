@@ -36,6 +36,18 @@ from fd.engine.runner.sampler import Sampler
 from tests.kit.engine import story, submit, submit_together, tokens_of, types
 from tests.kit.faults import all_blocks_free, engines, kill, wait_for  # noqa: F401
 
+
+async def _engine(url, keys, model_dir, runner, tokenizer):
+    """An engine ``e0`` on the Redis at ``url``, computing with ``runner``."""
+    return await start_engine(
+        lambda: connect(url),
+        keys,
+        EngineConfig(model_dir=str(model_dir), engine_id="e0"),
+        runner=runner,
+        tokenizer=tokenizer,
+    )
+
+
 VOCAB = 512  # the tiny model's
 PROMPT = [5, 17, 33, 9, 41, 12, 7, 19]
 FAR = 10**9
@@ -68,13 +80,7 @@ async def _assert_serves(bus, eng, runner, tokenizer, rid: str = "after") -> Non
 async def api_and_engine(redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer):
     """``fd api`` and ``fd engine`` as separate nodes on one real Redis."""
     url = redis_server.url
-    eng = await start_engine(
-        lambda: connect(url),
-        keys,
-        EngineConfig(model_dir=str(tiny_model_dir), engine_id="e0"),
-        runner=tiny_runner,
-        tokenizer=tiny_tokenizer,
-    )
+    eng = await _engine(url, keys, tiny_model_dir, tiny_runner, tiny_tokenizer)
     api = await start_api(
         lambda: connect(url), keys, ApiConfig(model_dir=str(tiny_model_dir)), tokenizer=tiny_tokenizer
     )
@@ -196,13 +202,7 @@ async def test_a_hand_written_id_past_the_vocabulary_ends_its_request(
 ):
     data, field = HAND_WRITTEN[name]
     url = redis_server.url
-    eng = await start_engine(
-        lambda: connect(url),
-        keys,
-        EngineConfig(model_dir=str(tiny_model_dir), engine_id="e0"),
-        runner=tiny_runner,
-        tokenizer=tiny_tokenizer,
-    )
+    eng = await _engine(url, keys, tiny_model_dir, tiny_runner, tiny_tokenizer)
     try:
         await real_bus.redis.execute_command(
             "XADD", keys.requests, "*", *_xadd_fields("poison", orjson.dumps(data).decode())
@@ -224,13 +224,7 @@ async def test_ids_typed_as_1e9_are_dead_letters(
     """JSON's ``1e9`` is a number with an exponent, not an integer: such a request does not
     decode, and goes to ``P:dead`` with a reason naming the field."""
     url = redis_server.url
-    eng = await start_engine(
-        lambda: connect(url),
-        keys,
-        EngineConfig(model_dir=str(tiny_model_dir), engine_id="e0"),
-        runner=tiny_runner,
-        tokenizer=tiny_tokenizer,
-    )
+    eng = await _engine(url, keys, tiny_model_dir, tiny_runner, tiny_tokenizer)
     texts = {
         "allowed_token_ids": '{"prompt_token_ids":[5],"sampling":{"max_tokens":2,"allowed_token_ids":[1e9]}}',
         "bad_words_ids": '{"prompt_token_ids":[5],"sampling":{"max_tokens":2,"bad_words_ids":[[1e9]]}}',
@@ -277,13 +271,7 @@ async def test_a_step_that_fails_in_the_sampler_ends_only_that_request(
         rid: _reference(tiny_runner, tiny_tokenizer, p, 8) for rid, p in (("a", PROMPT), ("b", PROMPT[:5]))
     }
     url = redis_server.url
-    eng = await start_engine(
-        lambda: connect(url),
-        keys,
-        EngineConfig(model_dir=str(tiny_model_dir), engine_id="e0"),
-        runner=VocabBlindRunner(tiny_runner),
-        tokenizer=tiny_tokenizer,
-    )
+    eng = await _engine(url, keys, tiny_model_dir, VocabBlindRunner(tiny_runner), tiny_tokenizer)
     try:
         await submit_together(
             real_bus,
@@ -339,13 +327,7 @@ async def test_an_injected_step_failure_ends_only_its_request(
     }
     request.getfixturevalue("failing_sampler")  # (after the references: they use the real one)
     url = redis_server.url
-    eng = await start_engine(
-        lambda: connect(url),
-        keys,
-        EngineConfig(model_dir=str(tiny_model_dir), engine_id="e0"),
-        runner=tiny_runner,
-        tokenizer=tiny_tokenizer,
-    )
+    eng = await _engine(url, keys, tiny_model_dir, tiny_runner, tiny_tokenizer)
     try:
         await submit_together(
             real_bus,
@@ -405,13 +387,7 @@ async def test_a_runner_that_raises_fails_the_steps_requests_not_the_engine(
     real_bus, redis_server, keys, tiny_model_dir, tiny_runner, tiny_tokenizer
 ):
     url = redis_server.url
-    eng = await start_engine(
-        lambda: connect(url),
-        keys,
-        EngineConfig(model_dir=str(tiny_model_dir), engine_id="e0"),
-        runner=BrokenRunner(tiny_runner),
-        tokenizer=tiny_tokenizer,
-    )
+    eng = await _engine(url, keys, tiny_model_dir, BrokenRunner(tiny_runner), tiny_tokenizer)
     try:
         await submit(real_bus, "boom", PROMPT, max_tokens=4)
         evs = await story(real_bus, "boom", timeout=10)
@@ -552,13 +528,7 @@ async def test_claimed_is_on_the_stream_before_the_request_runs(
     ``claimed`` is not on its stream yet."""
     url = redis_server.url
     watcher = ClaimWatcher(tiny_runner, url, keys)
-    eng = await start_engine(
-        lambda: connect(url),
-        keys,
-        EngineConfig(model_dir=str(tiny_model_dir), engine_id="e0"),
-        runner=watcher,
-        tokenizer=tiny_tokenizer,
-    )
+    eng = await _engine(url, keys, tiny_model_dir, watcher, tiny_tokenizer)
     publish = eng.node.bus.publish_many
 
     async def slow_publish(*args, **kw):
