@@ -343,25 +343,35 @@ async def test_earlier_calls_and_their_outputs_reach_the_template(openai_client,
     assert r.usage.input_tokens == len(ids)
 
 
-async def test_a_named_tool_choice_answers_with_the_call(openai_client):
-    api, oa = openai_client
-    tool = {
+def _pick_tool(choices: list[int]) -> dict:
+    """A function tool whose one argument ``n`` is one of ``choices``."""
+    return {
         "type": "function",
         "name": "pick",
         "parameters": {
             "type": "object",
-            "properties": {"n": {"enum": [1, 2, 3]}},
+            "properties": {"n": {"enum": choices}},
             "required": ["n"],
             "additionalProperties": False,
         },
     }
-    r = await oa.responses.create(
+
+
+async def _pick(api, oa, tool: dict, text: str):
+    """A response that must call ``tool`` (a named tool choice)."""
+    return await oa.responses.create(
         model=api.cfg.model_name,
-        input="Pick one",
+        input=text,
         max_output_tokens=30,
         tools=[tool],
         tool_choice={"type": "function", "name": "pick"},
     )
+
+
+async def test_a_named_tool_choice_answers_with_the_call(openai_client):
+    api, oa = openai_client
+    tool = _pick_tool([1, 2, 3])
+    r = await _pick(api, oa, tool, "Pick one")
     (call,) = r.output
     assert (
         call.type == "function_call" and call.name == "pick" and json.loads(call.arguments)["n"] in (1, 2, 3)
@@ -487,23 +497,8 @@ async def test_a_conversation_goes_on_from_a_stored_response(openai_client, tiny
 
 async def test_a_call_and_its_output_go_on_from_a_stored_response(openai_client, tiny_tokenizer):
     api, oa = openai_client
-    tool = {
-        "type": "function",
-        "name": "pick",
-        "parameters": {
-            "type": "object",
-            "properties": {"n": {"enum": [1, 2]}},
-            "required": ["n"],
-            "additionalProperties": False,
-        },
-    }
-    r1 = await oa.responses.create(
-        model=api.cfg.model_name,
-        input="Pick",
-        max_output_tokens=30,
-        tools=[tool],
-        tool_choice={"type": "function", "name": "pick"},
-    )
+    tool = _pick_tool([1, 2])
+    r1 = await _pick(api, oa, tool, "Pick")
     (call,) = r1.output
     r2 = await oa.responses.create(
         model=api.cfg.model_name,
