@@ -20,6 +20,16 @@ from tests.kit.redis import free_port
 
 PY = sys.executable
 
+#: A streamed request long enough to be running when a test cuts something under it.
+LONG = {
+    "model": "tiny-llama",
+    "prompt": "Hi",
+    "max_tokens": 1500,
+    "temperature": 0,
+    "stream": True,
+    "ignore_eos": True,
+}
+
 
 def _fd(*args: str, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([PY, "-m", "fd", *args], capture_output=True, text=True, timeout=120, **kw)
@@ -193,15 +203,7 @@ async def test_fd_serve_embedded_as_a_new_user(tmp_path):
         )
         assert ping.stdout.strip() == "PONG"
         async with aiohttp.ClientSession() as http:
-            long = {
-                "model": "tiny-llama",
-                "prompt": "Hi",
-                "max_tokens": 1500,
-                "temperature": 0,
-                "stream": True,
-                "ignore_eos": True,
-            }
-            task = asyncio.create_task(_stream_until_final(http, base, long, "embedded-1"))
+            task = asyncio.create_task(_stream_until_final(http, base, LONG, "embedded-1"))
             await asyncio.sleep(0.5)
             subprocess.run(
                 [
@@ -306,15 +308,7 @@ async def test_fd_serve_whose_model_worker_dies_says_so_and_exits(tmp_path):
         workers = _children(serve.pid, b"spawn_main")
         assert workers, "no model worker process found"
         async with aiohttp.ClientSession() as http:
-            long = {
-                "model": "tiny-llama",
-                "prompt": "Hi",
-                "max_tokens": 1500,
-                "temperature": 0,
-                "stream": True,
-                "ignore_eos": True,
-            }
-            task = asyncio.create_task(_stream_until_final(http, base, long, "orphaned-1"))
+            task = asyncio.create_task(_stream_until_final(http, base, LONG, "orphaned-1"))
             await asyncio.sleep(0.5)
             for w in workers:
                 os.kill(w, signal.SIGKILL)
