@@ -19,6 +19,7 @@ from typing import Any
 
 from fd.api.config import ApiConfig
 from fd.api.listen import HeldPort
+from fd.api.placement import Placement
 from fd.api.reasoning import PARSERS as REASONING_PARSERS
 from fd.control.bus import Bus
 from fd.control.keys import Keys
@@ -64,6 +65,7 @@ class RunningApi:
     port: int
     cfg: ApiConfig  # as start_api filled it in
     tls: bool = False
+    placement: Placement | None = None  # its reads of the engines' cards run while it serves
 
     @property
     def url(self) -> str:
@@ -80,6 +82,8 @@ class RunningApi:
                 await site.stop()
             await runner.server.shutdown(grace_s)
         await runner.cleanup()
+        if self.placement is not None:
+            await self.placement.close()
         await self.mux.stop()
         await self.bus.redis.aclose()
         await self.mux.redis.aclose()
@@ -301,6 +305,11 @@ async def start_api(
     await mux.start()
     bus = Bus(redis_factory(), keys, req_ttl_s=cfg.request_ttl_s)
     bus.on_dead_letter = mux.on_dead_letter = metrics.dead_letters_total.inc
+    placement: Placement | None = None
+    if cfg.placement == "prefix":
+        placement = Placement(bus, on_choice=metrics.note_placement)
+        bus.placer = placement
+        placement.task = asyncio.get_running_loop().create_task(placement.run(), name="placement")
     app = make_app(
         cfg,
         bus,
@@ -328,4 +337,4 @@ async def start_api(
     )
     await site.start()
     port = runner.addresses[0][1]
-    return RunningApi(runner, mux, bus, cfg.host, port, cfg, tls=tls is not None)
+    return RunningApi(runner, mux, bus, cfg.host, port, cfg, tls=tls is not None, placement=placement)

@@ -218,6 +218,16 @@ class ApiConfig:
         },
     )
     # --- the node on the control plane
+    placement: str = field(
+        default="prefix",
+        metadata={
+            "flag": "--placement",
+            "choices": ("prefix", "blind"),
+            "help": "prefix: a request waits for the engine holding most of its prompt's KV "
+            "cache, weighted by load (another takes it after that engine's --steal-after-ms); "
+            "blind: for whichever engine claims first. Default %(default)s",
+        },
+    )
     api_id: str | None = None  # None: a new one (new_api_id), as the node starts
     request_ttl_s: int = REQUEST_TTL_S  # a story (from its accept) and conversation are kept this long
 

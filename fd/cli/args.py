@@ -56,7 +56,19 @@ def add_engine_args(p: argparse.ArgumentParser, worker_cpus: str = "none") -> No
     add_field_flags(p, SchedulerSettings, "max_num_seqs", "max_num_batched_tokens")
     add_max_model_len(p)
     add_field_flags(p, EngineConfig, "executor")
-    p.add_argument("--step-ms", type=float, default=20.0, help="with --executor timed")
+    p.add_argument("--step-ms", type=float, default=20.0, help="with --executor timed: a step's fixed time")
+    p.add_argument(
+        "--step-per-token-ms",
+        type=float,
+        default=0.0,
+        help="with --executor timed: a step's time per token it computes (prompt and decode)",
+    )
+    p.add_argument(
+        "--step-per-row-ms",
+        type=float,
+        default=0.0,
+        help="with --executor timed: a step's time per request it samples a token for",
+    )
     add_field_flags(p, EngineConfig, "worker_cpus", worker_cpus=worker_cpus)
     p.add_argument(
         "--batch-invariant",
@@ -70,7 +82,7 @@ def add_engine_args(p: argparse.ArgumentParser, worker_cpus: str = "none") -> No
     add_field_flags(p, SchedulerSettings, "enable_prefix_caching")
     add_scheduling_policy(p)
     add_field_flags(p, SchedulerSettings, "async_scheduling")
-    add_field_flags(p, EngineConfig, "drain_timeout_s")
+    add_field_flags(p, EngineConfig, "drain_timeout_s", "steal_after_ms")
     add_ttl_args(p)
     add_field_flags(p, EngineConfig, "log_stats_interval_s", "disable_log_stats")
 
@@ -241,6 +253,7 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
     add_field_flags(p, ApiConfig, "header_timeout_s")
     add_field_flags(p, ApiConfig, "disable_uvicorn_access_log", "disable_access_log_for_endpoints")
     add_field_flags(p, ApiConfig, "log_requests", "max_log_len")
+    add_field_flags(p, ApiConfig, "placement")
     add_field_flags(
         p, ApiConfig, "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs", "ssl_ciphers"
     )

@@ -76,7 +76,13 @@ def _runner(args: argparse.Namespace, model_dir: Path):
     from fd.engine.runner.timed_runner import TimedRunner
 
     tok = Tokenizer.from_dir(str(model_dir))
-    return TimedRunner.for_tokenizer(tok, step_ms=args.step_ms, num_blocks=args.num_blocks or 4096)
+    return TimedRunner.for_tokenizer(
+        tok,
+        step_ms=args.step_ms,
+        num_blocks=args.num_blocks or 4096,
+        per_token_ms=args.step_per_token_ms,
+        per_row_ms=args.step_per_row_ms,
+    )
 
 
 def _api_config(args: argparse.Namespace, model_dir: Path):

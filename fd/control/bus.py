@@ -65,6 +65,7 @@ from fd.control.keys import (
     pending_tombstone_source,
     valid_request_id,
 )
+from fd.control.lanes import Lanes, Placer
 from fd.control.outage import REDIS_FAILURES
 from fd.control.ownership import Ownership
 from fd.control.store import Ack, Append, Fenced, RedisClient, Store, StreamEntry, store_for
@@ -74,6 +75,17 @@ log = logging.getLogger("fd.control.bus")
 
 def _b(x: bytes | str) -> bytes:
     return x if isinstance(x, bytes) else x.encode()
+
+
+def _accepted_ms(entry_id: bytes | str, queued: bytes | str | None) -> int:
+    """When a ``P:requests`` entry's request was accepted: its lane entry's millisecond where
+    it came from a lane (``queued``), else its own."""
+    if queued:
+        try:
+            return entry_id_key(queued)[0]
+        except ValueError:
+            pass  # (hand-typed: the entry's own time)
+    return entry_id_key(entry_id)[0]
 
 
 def is_cluster(redis: RedisClient) -> bool:
@@ -120,7 +132,7 @@ TOMBSTONE_TTL_S = 600
 LIFECYCLE_MAXLEN = 100_000
 
 
-class Bus(Ownership, EngineRegistry):
+class Bus(Ownership, EngineRegistry, Lanes):
     """Typed access to fd's streams and keys for one Redis client and one key prefix.
 
     Its owner-key methods are :class:`~fd.control.ownership.Ownership`'s and its engine-registry
@@ -156,6 +168,9 @@ class Bus(Ownership, EngineRegistry):
         #: In-process claimers of ``P:requests``, called once a publish has put requests there
         #: (so ``fd serve``'s engine need not poll it every step).
         self.local_requests: list[Callable[[], None]] = []
+        #: An API's placement (fd/api/placement.py): the engine whose lane a request it
+        #: submits waits on; None (or its None): ``P:requests``.
+        self.placer: Placer | None = None
 
     # ------------------------------------------------------------------ publishing
 
@@ -292,6 +307,9 @@ class Bus(Ownership, EngineRegistry):
         stream also gets the TTL now, so the story of a request no engine ever finishes does
         not stay in Redis forever; the final event renews it.
 
+        Where :attr:`placer` names an engine, the request waits on that engine's lane
+        (fd/control/lanes.py) instead of on ``P:requests``, after its story started.
+
         Returns False, writing no request, when an abort for this id already won (a tombstone):
         its story is the abort's, from ``accepted`` to ``final``, and nothing may follow a final.
         """
@@ -304,11 +322,12 @@ class Bus(Ownership, EngineRegistry):
                 with contextlib.suppress(story_start.IdTaken):  # (written by whoever flipped it)
                     await self._start_story(rid, [accepted, *tombstone_story(rid, source)])
             return False
-        await self._start_story(rid, [accepted], request)
-        await self._note_accepted(accepted)
+        lane = self.placer.choose(request) if self.placer is not None else None
+        await self._start_story(rid, [accepted], request, lane)
+        await self._note_accepted(accepted, lane)
         return True
 
-    async def _note_accepted(self, accepted: Accepted) -> None:
+    async def _note_accepted(self, accepted: Accepted, lane: str | None) -> None:
         """``request_accepted`` on ``P:lifecycle``. The request is in already: a failed note
         costs a watcher one milestone, never the request."""
         ev = RequestAccepted(
@@ -316,21 +335,26 @@ class Bus(Ownership, EngineRegistry):
             api=accepted.api,
             endpoint=accepted.endpoint,
             prompt_tokens=accepted.prompt_tokens,
+            lane=lane,
         )
         try:
             await self.store.append_many([self._append(self.keys.lifecycle, ev)])
         except REDIS_FAILURES as e:
             log.warning("could not note request_accepted of %s: %s", accepted.request_id, e)
 
-    async def _start_story(self, rid: str, events: Sequence[Event], request: Request | None = None) -> None:
+    async def _start_story(
+        self, rid: str, events: Sequence[Event], request: Request | None = None, lane: str | None = None
+    ) -> None:
         """fd/control/story.py's start of ``rid``'s story with ``events``, then ``request`` on
-        ``P:requests``: in one script on a single Redis, the request after the story otherwise
-        (a cluster's other slot)."""
+        ``P:requests`` or on ``lane``'s lane (registered): in one script on a single Redis,
+        the request after the story otherwise (a cluster's other slot)."""
+        stream = self.keys.requests if lane is None else self.keys.lane(lane)
         got, queued = await self.store.start_story(
             self.keys.req(rid),
             [ev.encode() for ev in events],
             self.req_ttl_s,
-            self._append(self.keys.requests, request) if request is not None else None,
+            self._append(stream, request) if request is not None else None,
+            (self.keys.lanes, lane) if lane is not None else None,
         )
         if got == story_start.TAKEN:
             raise story_start.IdTaken(rid)
@@ -342,7 +366,11 @@ class Bus(Ownership, EngineRegistry):
         elif got == story_start.WRITTEN or self.cluster:
             # (on a cluster the story's script ran alone, resent or not: the request is still
             # to write; elsewhere a start found done was done with its request)
-            await self.publish(self.keys.requests, request)
+            if lane is not None:
+                await self.place(lane, request)
+                self._tell_arrivals()
+            else:
+                await self.publish(self.keys.requests, request)
 
     async def submit_choices(self, accepted: Accepted, choices: Sequence[tuple[Request, Accepted]]) -> bool:
         """Accept a response of n > 1 choices: its id is marked ``choices=<n>`` in
@@ -453,26 +481,32 @@ class Bus(Ownership, EngineRegistry):
                 break
         return out
 
-    async def queued_until(self, until: bytes | str, page: int = 1000) -> list[tuple[bytes, str]]:
-        """``(entry id, request id)`` of every entry on ``P:requests`` added in or before the
-        millisecond of entry id ``until`` (another stream's: an ``abort_all``'s on
-        ``P:control``). Entries leave ``P:requests`` at their request's final, so these are the
+    async def queued_until(self, until: bytes | str, page: int = 1000) -> list[tuple[bytes | None, str]]:
+        """``(entry id, request id)`` of every entry on ``P:requests`` and on the lanes (entry
+        None) accepted in or before the millisecond of entry id ``until`` (another stream's:
+        an ``abort_all``'s on ``P:control``). Entries leave ``P:requests`` at their request's final, so these are the
         requests accepted by then that have not finished: unclaimed, claimed but not yet owned,
         or running. Entries without a valid request id are left to the claimers, which
         dead-letter them."""
-        end = b"%d" % entry_id_key(until)[0]  # (XRANGE's end `<ms>` takes every seq of that ms)
-        out: list[tuple[bytes, str]] = []
+        ms = entry_id_key(until)[0]
+        out: list[tuple[bytes | None, str]] = []
         start = b"-"
         while True:
-            entries = await self.redis.xrange(self.keys.requests, min=start, max=end, count=page)
+            # (a request taken from a lane after ``until`` has a newer entry: its ``queued``
+            # says when it was accepted, so the whole stream is looked at)
+            entries = await self.redis.xrange(self.keys.requests, min=start, max="+", count=page)
             for entry_id, fields in entries:
                 raw = fields.get(b"request_id", fields.get("request_id"))
                 rid = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
-                if isinstance(rid, str) and valid_request_id(rid):
+                accepted_ms = _accepted_ms(entry_id, fields.get(b"queued", fields.get("queued")))
+                if isinstance(rid, str) and valid_request_id(rid) and accepted_ms <= ms:
                     out.append((_b(entry_id), rid))
             if len(entries) < page:
-                return out
+                break
             start = b"(" + _b(entries[-1][0])
+        # Those still waiting on a lane have no P:requests entry yet.
+        out += [(None, rid) for rid in await self.lane_queue(ms) if valid_request_id(rid)]
+        return out
 
     # ------------------------------------------------------------------ control (broadcast)
 

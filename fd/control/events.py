@@ -149,6 +149,9 @@ class Request(Event):
     # Set when a draining engine hands the request back: it may already have tokens on its
     # stream, so the engine that claims it reads them and continues (see fd.engine.node.failover).
     resume: bool | None = None
+    # Set when an engine takes the request from a lane (fd/control/lanes.py) onto P:requests:
+    # its lane entry's id, when it was accepted (an abort_all counts it from then).
+    queued: str | None = None
 
 
 # per-request stream P:req:<id> -------------------------------------------------
@@ -316,6 +319,8 @@ class RequestAccepted(Event):
     api: str = ""
     endpoint: str = ""
     prompt_tokens: int = 0
+    # the engine placement chose (its lane, fd/control/lanes.py); absent: P:requests, any engine
+    lane: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -186,6 +186,25 @@ class Keys:
         writes answers reads and pings)."""
         return f"{self.prefix}:health:{api_id}"
 
+    def lane(self, engine_id: str) -> str:
+        """Stream of requests placed for one engine (fd/control/lanes.py), waiting for it to
+        take them or for another to steal them. Hash-tagged with ``P:requests``'s name, so a
+        lane, the registry and ``P:requests`` share a Redis Cluster slot and one script moves
+        a request from a lane onto ``P:requests``."""
+        if "{" in engine_id or "}" in engine_id:
+            raise ValueError(f"invalid engine id {engine_id!r}: no braces")
+        return f"{self.prefix}:lane:{engine_id}:{{{self.requests}}}"
+
+    @property
+    def lanes(self) -> str:
+        """Set of the engines that have a lane (placement's registry; the slot of ``P:requests``)."""
+        return f"{self.prefix}:lanes:{{{self.requests}}}"
+
+    def card(self, engine_id: str) -> str:
+        """Hash, EXPIRE: an engine's placement card, what the API places by (its load and the
+        blocks its prefix cache holds)."""
+        return f"{self.prefix}:card:{engine_id}"
+
     def engine_pattern(self) -> str:
         return f"{self.prefix}:engine:*"
 

@@ -243,10 +243,25 @@ class Metrics:
         self.dead_letters_total = _counter(
             r, "fd_dead_letters_total", "Events that did not decode and went to P:dead."
         )
+        self.placements_total = _counter(
+            r,
+            "fd_placements_total",
+            "Requests placed by this API: on an engine holding part of the prompt (hit), on "
+            "one holding none (miss), or on P:requests for any engine (none).",
+            ["result"],
+        )
+        self.placement_seconds = _histogram(
+            r, "fd_placement_seconds", "Time to choose a request's engine (placement).", _LATENCY_BUCKETS
+        )
         # vLLM's names for the same measurements (fd/control/vllm_metrics.py), after fd's own
         self.vllm = VllmMetrics()
         #: Set by an engine that shares this object and keeps the engine gauges current itself.
         self.engine_in_process = False
+
+    def note_placement(self, result: str, seconds: float) -> None:
+        """One request placed (fd/api/placement.py): ``hit``, ``miss`` or ``none``."""
+        self.placements_total.labels(result=result).inc()
+        self.placement_seconds.observe(seconds)
 
     def set_engine_gauges(
         self,

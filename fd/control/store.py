@@ -127,10 +127,16 @@ class Store(Protocol):
         (nothing of it written)."""
 
     async def start_story(
-        self, story: str, fields: Sequence[Mapping[str, str]], ttl_s: int, request: Append | None = None
+        self,
+        story: str,
+        fields: Sequence[Mapping[str, str]],
+        ttl_s: int,
+        request: Append | None = None,
+        enroll: tuple[str, str] | None = None,
     ) -> tuple[int, bool]:
         """fd/control/story.py's start: ``(TAKEN | WRITTEN | DONE, whether request was appended
-        with it)``. Where the server cannot take both keys in one script (a cluster) the
+        with it)``, and with the request ``enroll``'s ``(set, member)`` added (a lane to the
+        registry). Where the server cannot take these keys in one script (a cluster) the
         request is left to the caller."""
 
     async def read(
@@ -331,19 +337,30 @@ class RedisStore:
         raise ResponseError("the fence's script could not be loaded")
 
     async def start_story(
-        self, story: str, fields: Sequence[Mapping[str, str]], ttl_s: int, request: Append | None = None
+        self,
+        story: str,
+        fields: Sequence[Mapping[str, str]],
+        ttl_s: int,
+        request: Append | None = None,
+        enroll: tuple[str, str] | None = None,
     ) -> tuple[int, bool]:
         req = request if not self.cluster else None  # (a cluster's script takes the story alone)
         if self._start_script is None:
             self._start_script = self.redis.register_script(story_start.SCRIPT)
+        keys = [story]
+        if req is not None:
+            keys.append(req.stream)
+            if enroll is not None:
+                keys.append(enroll[0])
         got = int(
             await self._start_script(
-                keys=[story, req.stream] if req is not None else [story],
+                keys=keys,
                 args=story_start.script_args(
                     ttl_s,
                     list(fields),
                     dict(req.fields) if req is not None else None,
                     req.maxlen if req is not None else None,
+                    enroll[1] if req is not None and enroll is not None else None,
                 ),
             )
         )

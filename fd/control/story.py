@@ -24,10 +24,11 @@ from collections.abc import Mapping, Sequence
 
 from fd.control.fence import ScriptArgs, append_fields
 
-#: KEYS: the story, then (a single Redis only) ``P:requests``.
-#: ARGV: ttl (seconds; 0: none), ``P:requests``' MAXLEN (0: none), the number of story events,
-#: then per event its number of field strings and the strings (name, value, ...), then (with
-#: the second key) the request's, the same way.
+#: KEYS: the story, then (a single Redis only) ``P:requests`` or the lane the request is
+#: placed on, then (with a lane) the lanes' registry (fd/control/lanes.py).
+#: ARGV: ttl (seconds; 0: none), the request stream's MAXLEN (0: none), the number of story
+#: events, then per event its number of field strings and the strings (name, value, ...), then
+#: (with the second key) the request's, the same way, then (with the third) the lane's engine.
 #: Reply: 1 written, 2 already written by this start, 0 the id's story is another's.
 SCRIPT = """
 local function same(f, at)
@@ -57,6 +58,7 @@ if KEYS[2] then
   else
     redis.call('XADD', KEYS[2], '*', unpack(ARGV, at + 1, at + n))
   end
+  if KEYS[3] then redis.call('SADD', KEYS[3], ARGV[at + n + 1]) end
 end
 return 1
 """
@@ -69,13 +71,17 @@ def script_args(
     story: Sequence[Mapping[str, str]],
     request: Mapping[str, str] | None = None,
     maxlen: int | None = None,
+    member: str | None = None,
 ) -> ScriptArgs:
-    """ARGV of :data:`SCRIPT`: the story's encoded events, in order, and the request's."""
+    """ARGV of :data:`SCRIPT`: the story's encoded events, in order, the request's, and the
+    registry's new ``member`` (a lane's engine)."""
     args: ScriptArgs = [str(ttl_s), str(maxlen or 0), str(len(story))]
     for fields in story:
         append_fields(args, fields)
     if request is not None:
         append_fields(args, request)
+    if member is not None:
+        args.append(member)
     return args
 
 

@@ -365,12 +365,11 @@ async def test_chaos_with_outside_faults(tmp_path, keys, tiny_model_dir, tiny_ru
         spec = dict(delay=0.005, max_num_seqs=SEATS, max_attempts=ATTEMPTS)
         a = await engines.start("A", **spec)
         b = await engines.start("B", **spec)
+        # (blind: the faults need requests running on P, which placement would keep on A and
+        # B, whose caches hold the shared prefix; tests/integration/test_placement.py has it)
+        api_cfg = ApiConfig(model_dir=str(tiny_model_dir), placement="blind")
         for _ in range(2):
-            apis.append(
-                await start_api(
-                    factory, keys, ApiConfig(model_dir=str(tiny_model_dir)), tokenizer=tiny_tokenizer
-                )
-            )
+            apis.append(await start_api(factory, keys, api_cfg, tokenizer=tiny_tokenizer))
         await wait_for(lambda: _heartbeat(bus, "P"), 120, "engine P up")
 
         log: dict = {}

@@ -72,7 +72,7 @@ def test_check_detects_a_corrupted_pool():
 
 
 def test_cached_blocks_are_shared_read_only_and_evicted_only_for_new_contents():
-    from fd.engine.core.block_manager import block_hash
+    from fd.control.prefix import block_hash
 
     bm = BlockManager(num_blocks=4, block_size=2)
     h0 = block_hash(b"", [1, 2])

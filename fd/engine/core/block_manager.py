@@ -8,7 +8,7 @@ same KV memory to two requests).
 
 Prefix caching (vLLM's automatic prefix caching): a block that a finished step has filled
 with a known run of tokens is registered under a hash of those tokens and of every token
-before them (:func:`block_hash`), so a request whose prompt begins the same way takes the
+before them (:func:`fd.control.prefix.block_hash`), so a request whose prompt begins the same way takes the
 block into its own table instead of computing it again. Such a block is never written again
 (its holders write only after it), so holders share it read-only; it stays in the cache while
 it is free, and is only evicted when the free list hands it out for new contents. Free blocks
@@ -19,8 +19,6 @@ longer than its end. A cached free block counts as free: the pool's accounting i
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -31,14 +29,6 @@ class NoFreeBlocks(RuntimeError):
 
 class DoubleFree(RuntimeError):
     """A table (or block) was given back that is not held."""
-
-
-def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
-    """The identity of a block's contents: its tokens and (through ``parent``, the hash of the
-    block before it, ``b""`` for the first) every token before them. A 128-bit digest, so two
-    different prefixes do not meet by accident (Python's ``hash`` is 64 bits and can be made
-    to collide)."""
-    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
 
 
 class BlockManager:
@@ -66,6 +56,10 @@ class BlockManager:
     @property
     def num_cached(self) -> int:
         return len(self._cached)
+
+    def cached_hashes(self) -> list[bytes]:
+        """The hashes of the blocks the cache holds (what a placement card publishes)."""
+        return list(self._cached)
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens."""

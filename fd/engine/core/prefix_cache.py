@@ -10,7 +10,8 @@ cache (``Sequence.num_registered``).
 
 from __future__ import annotations
 
-from fd.engine.core.block_manager import BlockManager, block_hash
+from fd.control.prefix import block_hash, chain_root
+from fd.engine.core.block_manager import BlockManager
 from fd.engine.core.sequence import Sequence
 
 
@@ -22,8 +23,7 @@ class PrefixCache:
     def hashes(self, seq: Sequence, n: int) -> list[bytes]:
         """The hashes of the request's first ``n`` full blocks (computed once each)."""
         hs, bs = seq.block_hashes, self.blocks.block_size
-        # (a LoRA adapter's KV differs from the base model's: its chain starts from its name)
-        first = block_hash(b"lora\0" + seq.sampling.lora.encode(), ()) if seq.sampling.lora else b""
+        first = chain_root(seq.sampling.lora)
         while len(hs) < n:
             i = len(hs)
             hs.append(block_hash(hs[-1] if hs else first, seq.token_ids[i * bs : (i + 1) * bs]))

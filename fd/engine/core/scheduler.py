@@ -95,6 +95,10 @@ class Scheduler:
         """KV blocks the prefix cache holds (in use or free): prefixes a new request can share."""
         return self.blocks.num_cached
 
+    def cached_block_hashes(self) -> list[bytes]:
+        """The hashes of the blocks the prefix cache holds, for the placement card."""
+        return self.blocks.cached_hashes()
+
     @property
     def num_draining(self) -> int:
         """Aborted requests whose blocks wait for the runner to finish a step holding them."""

@@ -251,6 +251,9 @@ class JournalRecorder:
     def num_cached_blocks(self) -> int:
         return self.scheduler.num_cached_blocks
 
+    def cached_block_hashes(self) -> list[bytes]:
+        return self.scheduler.cached_block_hashes()
+
     @property
     def num_draining(self) -> int:
         return self.scheduler.num_draining

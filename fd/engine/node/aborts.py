@@ -118,7 +118,8 @@ class Aborts:
             queued = await self.link.retry("abort_all", lambda: self.bus.queued_until(entry_id))
             for entry, rid in queued:
                 rids[rid] = None
-                entries[rid] = entry
+                if entry is not None:
+                    entries[rid] = entry
         await self.abort(tuple(rids), ev.source, entries)
 
     async def abort(

@@ -33,6 +33,7 @@ from fd.engine.node import failover
 from fd.engine.node.aborts import LOST, LOST_OUTPUT, Aborts
 from fd.engine.node.engine_core import EngineCore
 from fd.engine.node.failover import History
+from fd.engine.node.lanes import LaneClaims
 from fd.engine.node.node_config import EngineConfig
 from fd.engine.node.publisher import Publisher
 from fd.engine.node.redis_link import RETRYABLE, RedisLink
@@ -66,6 +67,7 @@ class Admission:
         adapters: Adapters,
         tokenizer: Any,
         closed: Callable[[], bool],
+        lanes: LaneClaims,
     ) -> None:
         self.cfg = cfg
         self.engine_id = cfg.engine_id
@@ -79,6 +81,7 @@ class Admission:
         self.adapters = adapters
         self.tokenizer = tokenizer
         self.closed = closed  # draining or stopping: nothing new is claimed
+        self.lanes = lanes  # where to claim from (placement's lanes, or P:requests)
         self.arrivals_told = False  # an API in this process says when it submits (fd serve)
         self.arrived = False
         self._idle: asyncio.Future | None = None  # the step loop waits for an arrival on it
@@ -113,7 +116,8 @@ class Admission:
     # ------------------------------------------------------------------ claiming
 
     async def claim(self, block: bool) -> int:
-        """Take as many requests from ``P:requests`` as the scheduler can admit now."""
+        """Take as many requests as the scheduler can admit now: from ``P:requests``, and from
+        placement's lanes (fd/engine/node/lanes.py)."""
         if self.closed():
             return 0
         n = self.core.can_admit()
@@ -128,7 +132,7 @@ class Admission:
             self._last_claim = now
         self.arrived = False
         try:
-            got = await self.bus.claim_requests(self.engine_id, n, self.cfg.claim_block_ms if block else None)
+            got = await self.lanes.claim(n, self.cfg.claim_block_ms if block else None)
             self.link.ok()
         except RETRYABLE as e:
             # Entries the lost reply may have carried stay pending here with no owner: the

@@ -68,6 +68,7 @@ from fd.engine.node.emitter import Emitter
 from fd.engine.node.engine_core import EngineCore
 from fd.engine.node.failover import OrphanFinder
 from fd.engine.node.heartbeat import Heartbeat
+from fd.engine.node.lanes import CardWriter, LaneClaims
 from fd.engine.node.node_config import EngineConfig
 from fd.engine.node.publisher import Publisher
 from fd.engine.node.redis_link import RETRYABLE, RedisLink, Stopped
@@ -212,9 +213,13 @@ class EngineNode:
             self.adapters,
             tokenizer,
             closed=lambda: self._draining or self._stopping,
+            lanes=LaneClaims(bus, self.id, cfg.steal_after_ms),
         )
+        lanes = self.admission.lanes
+        self.card = CardWriter(bus, self.id, self.sched, cfg.heartbeat_ttl_s, alone=lambda: not lanes.peers)
         self._task: asyncio.Task | None = None
         self._noted_busy = False  # the last load noted on P:lifecycle was a busy one
+        self._leaving: asyncio.Task | None = None  # a drain's release of its lane
         self._orphans = OrphanFinder(bus, self.id, cfg.failover_idle_ms)
         self.control = ControlReader(
             self.id,
@@ -261,6 +266,10 @@ class EngineNode:
                 name=f"heartbeat-{self.id}",
             ),
             asyncio.create_task(self._failover_loop(), name=f"failover-{self.id}"),
+            asyncio.create_task(
+                self.card.run(self._sleep_while_running, lambda: self._stopping or self._draining),
+                name=f"card-{self.id}",
+            ),
         ]
         if self.stats_interval_s > 0:
             stats = self.heartbeat.log_throughput(
@@ -284,6 +293,7 @@ class EngineNode:
             self._stopping = True
             await asyncio.gather(*tasks, return_exceptions=True)
             self.driver.close(loop)
+            await self.card.leave()
             await self.heartbeat.forget()
             log.info("engine stopped", extra={"engine": self.id})
 
@@ -299,6 +309,9 @@ class EngineNode:
         if self._drain.start():
             self.admission.wake_idle()
             self._wake.set()
+            # (no new placements for it; what waits on its lane goes to the others)
+            task = asyncio.get_running_loop().create_task(self.card.leave())
+            self._leaving = task
 
     @property
     def _draining(self) -> bool:

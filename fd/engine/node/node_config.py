@@ -235,6 +235,15 @@ class EngineConfig:
             "help": "seconds without a new token before a request ends with an error (0: off)",
         },
     )
+    steal_after_ms: int = field(
+        default=250,
+        metadata={
+            "flag": "--steal-after-ms",
+            "metavar": "MS",
+            "help": "a request placed for another engine (prefix-aware placement) is taken by "
+            "this one, when it can start it, after waiting this long; default %(default)s",
+        },
+    )
     failover_interval_s: float = 1.0  # how often to look for requests of dead engines
     failover_idle_ms: int = 1000  # pending entries younger than this are not even looked at
     retry_backoff_s: float = 0.05  # first wait after a Redis error, doubling ...

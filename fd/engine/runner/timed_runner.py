@@ -48,8 +48,11 @@ def _text_token_ids(tokenizer: Any, eos: Sequence[int]) -> list[int]:
 class TimedRunner(InProcessRunner):
     """An :class:`~fd.engine.runner.runners.InProcessRunner` with a timed wait instead of a forward.
 
-    A step takes ``step_ms + per_token_ms * tokens in the batch`` (at least; ``time.sleep``
-    may oversleep, never undersleep), measured from the start of ``execute``.
+    A step takes ``step_ms + per_token_ms * tokens it computes + per_row_ms * requests it
+    samples for`` (at least; ``time.sleep`` may oversleep, never undersleep), measured from
+    the start of ``execute``. The tokens a step computes leave out a prompt's cached prefix,
+    so a prefix-cache hit saves here what it saves on a model whose cost this fits
+    (bench/placement.py fits the three to SmolLM2-135M on this machine).
     """
 
     def __init__(
@@ -61,17 +64,19 @@ class TimedRunner(InProcessRunner):
         max_model_len: int = 2048,
         vocab_size: int = 512,
         per_token_ms: float = 0.0,
+        per_row_ms: float = 0.0,
         token_ids: Sequence[int] | None = None,
         tokenizer: Any = None,
     ):
-        if step_ms < 0 or per_token_ms < 0:
-            raise ValueError("step_ms and per_token_ms must be >= 0")
+        if step_ms < 0 or per_token_ms < 0 or per_row_ms < 0:
+            raise ValueError("step_ms, per_token_ms and per_row_ms must be >= 0")
         self.num_blocks = int(num_blocks)
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_model_len = int(max_model_len)
         self.vocab_size = int(vocab_size)
         self.step_ms = float(step_ms)
         self.per_token_ms = float(per_token_ms)
+        self.per_row_ms = float(per_row_ms)
         if token_ids is None and tokenizer is not None:
             token_ids = _text_token_ids(tokenizer, self.eos_token_ids)
         if token_ids is None:
@@ -87,7 +92,13 @@ class TimedRunner(InProcessRunner):
 
     @classmethod
     def for_tokenizer(
-        cls, tokenizer: Any, *, step_ms: float, num_blocks: int | None = None, per_token_ms: float = 0.0
+        cls,
+        tokenizer: Any,
+        *,
+        step_ms: float,
+        num_blocks: int | None = None,
+        per_token_ms: float = 0.0,
+        per_row_ms: float = 0.0,
     ) -> TimedRunner:
         """The runner ``fd engine --executor timed`` uses: the model's limits and EOS from its
         tokenizer, text-only tokens."""
@@ -98,6 +109,7 @@ class TimedRunner(InProcessRunner):
             max_model_len=tokenizer.max_model_len,
             vocab_size=tokenizer.vocab_size,
             per_token_ms=per_token_ms,
+            per_row_ms=per_row_ms,
             tokenizer=tokenizer,
         )
 
@@ -115,7 +127,8 @@ class TimedRunner(InProcessRunner):
             return RunnerOutput(step=out.step, sampled={})
         sampled = {s.request_id: self._sample(s) for s in out.seqs if s.sample}
         ntok = out.num_batched_tokens or sum(len(s.token_ids) for s in out.seqs)
-        deadline = t0 + (self.step_ms + self.per_token_ms * ntok) / 1000.0
+        rows = len(sampled)
+        deadline = t0 + (self.step_ms + self.per_token_ms * ntok + self.per_row_ms * rows) / 1000.0
         while (left := deadline - time.perf_counter()) > 0:
             time.sleep(left)
         self.steps += 1
