@@ -357,8 +357,10 @@ def choose_timing(n: int, w: Workload, blocks: int, reps: int = 2000) -> tuple[f
 
 
 def fit_cost(model: str) -> tuple[Cost, list[list]]:
-    """Least squares of ``step + per_token x tokens + per_row x rows`` over timed steps of the
-    real model (fd's LLM on this machine): prefills of 64..1024 tokens and decodes of 1..32 rows."""
+    """Least squares (of the relative error) of ``step + per_token x tokens + per_row x rows``
+    over timed runs of the real model (fd's LLM on this machine): prefills of 64..1024 tokens
+    and decode steps of 1..32 rows. A prefill's attention grows with its square, which this
+    line cannot follow: it is fitted where the workload's prefills are."""
     import numpy as np
 
     from fd.control.sampling import SamplingParams
@@ -385,9 +387,9 @@ def fit_cost(model: str) -> tuple[Cost, list[list]]:
         short = min(timed(prompts, 1) for _ in range(2))
         long = min(timed(prompts, 17) for _ in range(2))
         rows.append((r, r, (long - short) / 16))  # one decode step of r rows
-    x = np.array([[1.0, t, r] for t, r, _ in rows])
-    y = np.array([ms for _, _, ms in rows])
-    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    # least squares of the relative error: a 20 ms decode step counts as much as a 1 s prefill
+    x = np.array([[1.0 / ms, t / ms, r / ms] for t, r, ms in rows])
+    coef, *_ = np.linalg.lstsq(x, np.ones(len(rows)), rcond=None)
     step, per_tok, per_row = (max(float(c), 0.0) for c in coef)
     cost = Cost(step, per_tok, per_row)
     table = [[t, r, ms, step + per_tok * t + per_row * r] for t, r, ms in rows]
@@ -406,10 +408,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--real", action="store_true", help="also N=2 with the real model")
     p.add_argument("--tenants", type=int, default=8)
     p.add_argument("--system-len", type=int, default=1024)
-    p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--user-len", type=int, default=48)
-    p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--blocks", type=int, default=640, help="KV blocks of 16 tokens per engine")
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--user-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--blocks", type=int, default=1024, help="KV blocks of 16 tokens per engine")
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--steal-after-ms", type=int, default=250)
     p.add_argument("--quick", action="store_true", help="N=2,4 only, 2 turns")
@@ -544,7 +546,7 @@ async def run(a) -> int:
         nd=2,
     )
     out["rows"], out["goals"] = rows, goals
-    print(f"wrote {write_json(a.output_json, out)}")
+    write_json(a.output_json, out)
     return 0
 
 

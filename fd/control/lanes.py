@@ -211,10 +211,15 @@ class Lanes:
         got = [(_b(eid), _fields(raw)) for eid, raw in entries]
         return await self.decode_requests(got), _b(last)
 
-    async def release_lane(self, engine: str, page: int = 1000) -> None:
+    async def release_lane(self, engine: str) -> None:
         """``engine`` leaves placement (a drain, a stop): its card goes, so no API places for
         it again, and what waits on its lane moves onto ``P:requests`` for any engine."""
         await self.redis.delete(self.keys.card(engine))
+        await self.drop_lane(engine)
+
+    async def drop_lane(self, engine: str, page: int = 1000) -> None:
+        """What waits on ``engine``'s lane moves onto ``P:requests`` for any engine, and the
+        emptied lane leaves the registry (a dead engine's, a leaving one's)."""
         if self._take_script is None:
             self._take_script = self.redis.register_script(TAKE)
         keys = [self.keys.requests, self.keys.lane(engine), self.keys.lanes]

@@ -181,3 +181,21 @@ async def test_failover_of_a_request_taken_from_a_lane(real_bus, engines):
     evs = await story(real_bus, "r", timeout=30)
     assert engine_of(evs) == ["A", "B"] and len(tokens_of(evs)) == 40
     await all_blocks_free(b.node)
+
+
+async def test_the_empty_lane_of_a_dead_engine_leaves_the_registry(real_bus, engines, monkeypatch):
+    from fd.engine.node import lanes
+
+    monkeypatch.setattr(lanes, "PRUNE_S", 0.2)
+    a = await engines.start("A")
+    b = await engines.start("B")
+    await acquainted(a, b)
+    await kill(a)
+    # (a kill in this process still lets A leave; one that could not, as SIGKILL, is this)
+    await real_bus.redis.sadd(real_bus.keys.lanes, "A")
+
+    async def dropped() -> bool:
+        return await real_bus.redis.smembers(real_bus.keys.lanes) == {b"B"}
+
+    await wait_for(dropped, what="A's lane dropped")
+    assert b.node.admission.lanes.stolen == 0

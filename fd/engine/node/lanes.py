@@ -37,6 +37,8 @@ Claimed = list[tuple[bytes, Request]]
 #: How often an engine with no lane in use (alone, as in ``fd serve``) looks for one (one
 #: round trip): a second engine's first requests on its lane wait at most this long.
 ALONE_POLL_S = 0.1
+#: How often the empty lanes of dead engines are looked for (and dropped from the registry).
+PRUNE_S = 5.0
 
 
 class LaneClaims:
@@ -56,6 +58,7 @@ class LaneClaims:
         self._now_ms = 0  # the server's clock at the last look
         self._after = b"$"  # where an idle wait for new P:requests entries starts
         self.stolen = 0  # requests taken from another engine's lane
+        self._pruned = time.monotonic()
 
     @property
     def peers(self) -> bool:
@@ -85,6 +88,8 @@ class LaneClaims:
         got, self._after = await self.bus.take(self.engine_id, n, self.engine_id)
         if len(got) < n and looked:
             got += await self._steal(n - len(got))
+        if looked:
+            await self._prune()
         if not got and block_ms:
             self._after = await self.bus.wait_for_work(self.engine_id, self._after, block_ms)
             self._polled = -1e9  # (look again at once: something came, or time passed)
@@ -117,6 +122,20 @@ class LaneClaims:
                 )
             got += taken
         return got
+
+    async def _prune(self) -> None:
+        """Every ``PRUNE_S``: the empty lanes of dead engines leave the registry (a non-empty
+        one is stolen from, and dropped once emptied)."""
+        now = time.monotonic()
+        if now - self._pruned < PRUNE_S:
+            return
+        self._pruned = now
+        idle = [e for e, head in self._heads.items() if e != self.engine_id and head is None]
+        alive = await self.bus.engines_alive(idle) if idle else {}
+        for e in idle:
+            if not alive.get(e, False):
+                await self.bus.drop_lane(e)
+                self._heads.pop(e, None)
 
 
 class CardWriter:
