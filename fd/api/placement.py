@@ -5,9 +5,7 @@ and the short ids of the blocks its prefix cache holds. A new request's prompt i
 way the engines key their caches (fd/control/prefix.py), and each engine is scored by the
 prefill it would still have to do times the batch it would join (LMetric's score, arXiv
 2603.15202: ``uncached prompt tokens x (running + waiting + 1)``), counting the requests this
-API placed on it since it last read the cards and the requests waiting on its lane. An
-engine's blocks are those of its card and those of the prompts this API placed there in the
-last ``COMING_S`` (computed by its next prefill, before a card can say so). An engine
+API placed on it since it last read the cards and the requests waiting on its lane. An engine
 with a running slot free comes before one without (which could only queue the request: an
 engine pulls only what it can start); among those, the lowest score wins; ties go by a hash of
 the request id, so cold requests spread. No tuning: a cache hit wins while its engine has room
@@ -27,7 +25,6 @@ import asyncio
 import logging
 import time
 import zlib
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -42,17 +39,13 @@ log = logging.getLogger("fd.api.placement")
 #: How often the cards are read while fewer than two engines have one (nothing to choose
 #: between): a second engine is placed on within this long of its first card.
 ALONE_REFRESH_S = 0.5
-#: How long the prefix of a request placed on an engine counts as held there before its card
-#: says so (its prefill, then the card's next write; stale, it costs a miss).
-COMING_S = 5.0
 
 
 @dataclass
 class Choice:
     engine: str
-    cached_tokens: int  # of the prompt, on that engine's card (or placed there just now)
+    cached_tokens: int  # of the prompt, on that engine's card
     score: int
-    chain: list[int]  # the prompt's blocks' short ids at that engine's block size
 
 
 @dataclass
@@ -67,24 +60,12 @@ class Placement:
     # and the seconds the choice took
     on_choice: Callable[[str, float], None] | None = None
     task: asyncio.Task | None = None  # run(), while the API serves
-    # The blocks of the prompts this API placed in the last COMING_S, per engine (short id ->
-    # until when): that engine computes them in its next prefill, before its card can say so,
-    # so a burst of requests sharing a prefix goes where the first of them went.
-    coming: dict[str, dict[int, float]] = field(default_factory=dict)
-    _coming: deque[tuple[float, str, list[int]]] = field(default_factory=deque)
     _stopped: bool = False
 
     async def refresh(self) -> None:
         self.cards = {c.engine: c for c in await self.bus.read_cards()}
         self.placed.clear()  # (the lanes' lengths count them now)
-        self.read_at = now = time.monotonic()
-        q = self._coming
-        while q and q[0][0] <= now:
-            until, e, ids = q.popleft()
-            pending = self.coming.get(e, {})
-            for h in ids:
-                if pending.get(h) == until:
-                    del pending[h]
+        self.read_at = time.monotonic()
 
     async def run(self) -> None:
         """Read the cards every ``refresh_s`` (every ``ALONE_REFRESH_S`` while fewer than two
@@ -111,13 +92,7 @@ class Placement:
         t0 = time.perf_counter()
         choice = self._choose(request)
         if choice is not None:
-            e = choice.engine
-            self.placed[e] = self.placed.get(e, 0) + 1
-            until = time.monotonic() + COMING_S
-            pending = self.coming.setdefault(e, {})
-            for h in choice.chain:
-                pending[h] = until
-            self._coming.append((until, e, choice.chain))
+            self.placed[choice.engine] = self.placed.get(choice.engine, 0) + 1
         if self.on_choice is not None:
             result = "none" if choice is None else "hit" if choice.cached_tokens else "miss"
             self.on_choice(result, time.perf_counter() - t0)
@@ -138,7 +113,7 @@ class Placement:
             if bs not in chains:
                 # (the last prompt token is always computed: blocks short of it can be shared)
                 chains[bs] = [short(h) for h in chain(ids, bs, lora, limit=max(len(ids) - 1, 0) // bs)]
-            cached = held(chains[bs], card.blocks, self.coming.get(e, {})) * bs
+            cached = held(chains[bs], card.blocks) * bs
             load = card.load + self.placed.get(e, 0)
             score = max(len(ids) - cached, 1) * (load + 1)
             # An engine with no slot free could only queue it (it pulls what it can start):
@@ -146,5 +121,5 @@ class Placement:
             full = load // max(card.max_seqs, 1)
             key = (full, score, load, zlib.crc32(f"{request.request_id}/{e}".encode()))
             if best is None or key < best:
-                best, pick = key, Choice(e, cached, score, chains[bs])
+                best, pick = key, Choice(e, cached, score)
         return pick

@@ -24,7 +24,7 @@ from fd.api.responses_renderer import ResponsesRenderer
 from fd.api.streaming import Streams, Timing, events, merged
 from fd.api.tenancy import story
 from fd.api.validation import Body
-from fd.control.bus import entry_id_key
+from fd.control.entry_ids import entry_id_key
 from fd.control.events import Accepted, Claimed, Final, Preempted, Request, RequestData, Tokens
 from fd.control.keys import choice_ids
 

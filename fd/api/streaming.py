@@ -20,7 +20,7 @@ from fd.api.choices import Choices, choices_cursor
 from fd.api.context import ApiContext, new_abort_id
 from fd.api.errors import story_lost, unavailable
 from fd.api.responses_renderer import ResponsesRenderer
-from fd.control.bus import entry_id_key
+from fd.control.entry_ids import entry_id_key
 from fd.control.events import Accepted, Claimed, Final, Preempted, Tokens
 from fd.control.metrics import Metrics
 from fd.control.mux import StoryLost

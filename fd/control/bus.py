@@ -41,7 +41,6 @@ from fd.control.bad_event import BadEvent
 from fd.control.dead_letters import DeadLetters, check_event
 from fd.control.endings import tombstone_story
 from fd.control.engines import EngineRegistry
-from fd.control.entry_ids import entry_id_key
 from fd.control.events import (
     CONTROL_TYPES,
     LIFECYCLE_TYPES,
@@ -63,7 +62,6 @@ from fd.control.keys import (
     choices_owner,
     is_tombstone,
     pending_tombstone_source,
-    valid_request_id,
 )
 from fd.control.lanes import Lanes, Placer
 from fd.control.outage import REDIS_FAILURES
@@ -75,17 +73,6 @@ log = logging.getLogger("fd.control.bus")
 
 def _b(x: bytes | str) -> bytes:
     return x if isinstance(x, bytes) else x.encode()
-
-
-def _accepted_ms(entry_id: bytes | str, queued: bytes | str | None) -> int:
-    """When a ``P:requests`` entry's request was accepted: its lane entry's millisecond where
-    it came from a lane (``queued``), else its own."""
-    if queued:
-        try:
-            return entry_id_key(queued)[0]
-        except ValueError:
-            pass  # (hand-typed: the entry's own time)
-    return entry_id_key(entry_id)[0]
 
 
 def is_cluster(redis: RedisClient) -> bool:
@@ -479,33 +466,6 @@ class Bus(Ownership, EngineRegistry, Lanes):
             out += await self.decode_requests(entries)
             if _b(cursor) == b"0-0":
                 break
-        return out
-
-    async def queued_until(self, until: bytes | str, page: int = 1000) -> list[tuple[bytes | None, str]]:
-        """``(entry id, request id)`` of every entry on ``P:requests`` and on the lanes (entry
-        None) accepted in or before the millisecond of entry id ``until`` (another stream's:
-        an ``abort_all``'s on ``P:control``). Entries leave ``P:requests`` at their request's final, so these are the
-        requests accepted by then that have not finished: unclaimed, claimed but not yet owned,
-        or running. Entries without a valid request id are left to the claimers, which
-        dead-letter them."""
-        ms = entry_id_key(until)[0]
-        out: list[tuple[bytes | None, str]] = []
-        start = b"-"
-        while True:
-            # (a request taken from a lane after ``until`` has a newer entry: its ``queued``
-            # says when it was accepted, so the whole stream is looked at)
-            entries = await self.redis.xrange(self.keys.requests, min=start, max="+", count=page)
-            for entry_id, fields in entries:
-                raw = fields.get(b"request_id", fields.get("request_id"))
-                rid = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
-                accepted_ms = _accepted_ms(entry_id, fields.get(b"queued", fields.get("queued")))
-                if isinstance(rid, str) and valid_request_id(rid) and accepted_ms <= ms:
-                    out.append((_b(entry_id), rid))
-            if len(entries) < page:
-                break
-            start = b"(" + _b(entries[-1][0])
-        # Those still waiting on a lane have no P:requests entry yet.
-        out += [(None, rid) for rid in await self.lane_queue(ms) if valid_request_id(rid)]
         return out
 
     # ------------------------------------------------------------------ control (broadcast)

@@ -31,8 +31,9 @@ from typing import Any, Protocol
 from redis.exceptions import ResponseError
 
 from fd.control import prefix
+from fd.control.entry_ids import entry_id_key
 from fd.control.events import Request
-from fd.control.keys import GROUP_ENGINES, Keys
+from fd.control.keys import GROUP_ENGINES, Keys, valid_request_id
 from fd.control.store import StreamEntry
 
 #: KEYS: lane, registry. ARGV: engine, then the request's fields. Registers the lane before the
@@ -164,6 +165,17 @@ class Card:
             return None
 
 
+def _accepted_ms(entry_id: bytes | str, queued: bytes | str | None) -> int:
+    """When a ``P:requests`` entry's request was accepted: its lane entry's millisecond where
+    it came from a lane (``queued``), else its own."""
+    if queued:
+        try:
+            return entry_id_key(queued)[0]
+        except ValueError:
+            pass  # (hand-typed: the entry's own time)
+    return entry_id_key(entry_id)[0]
+
+
 class Lanes:
     """Placement's reads and writes, part of :class:`fd.control.bus.Bus`, whose client and keys
     they use."""
@@ -245,6 +257,33 @@ class Lanes:
         *heads, sec, usec = await self._heads_script(keys=[self.keys.lane(e) for e in engines])
         now_ms = int(sec) * 1000 + int(usec) // 1000
         return {e: (_b(h) if h else None) for e, h in zip(engines, heads, strict=True)}, now_ms
+
+    async def queued_until(self, until: bytes | str, page: int = 1000) -> list[tuple[bytes | None, str]]:
+        """``(entry id, request id)`` of every entry on ``P:requests`` and on the lanes (entry
+        None) accepted in or before the millisecond of entry id ``until`` (another stream's:
+        an ``abort_all``'s on ``P:control``). Entries leave ``P:requests`` at their request's final, so these are the
+        requests accepted by then that have not finished: unclaimed, claimed but not yet owned,
+        or running. Entries without a valid request id are left to the claimers, which
+        dead-letter them."""
+        ms = entry_id_key(until)[0]
+        out: list[tuple[bytes | None, str]] = []
+        start = b"-"
+        while True:
+            # (a request taken from a lane after ``until`` has a newer entry: its ``queued``
+            # says when it was accepted, so the whole stream is looked at)
+            entries = await self.redis.xrange(self.keys.requests, min=start, max="+", count=page)
+            for entry_id, fields in entries:
+                raw = fields.get(b"request_id", fields.get("request_id"))
+                rid = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+                accepted_ms = _accepted_ms(entry_id, fields.get(b"queued", fields.get("queued")))
+                if isinstance(rid, str) and valid_request_id(rid) and accepted_ms <= ms:
+                    out.append((_b(entry_id), rid))
+            if len(entries) < page:
+                break
+            start = b"(" + _b(entries[-1][0])
+        # Those still waiting on a lane have no P:requests entry yet.
+        out += [(None, rid) for rid in await self.lane_queue(ms) if valid_request_id(rid)]
+        return out
 
     async def lane_queue(self, until_ms: int) -> list[str]:
         """The request ids of every lane entry added in or before millisecond ``until_ms``."""

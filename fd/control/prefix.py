@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 
 def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -61,11 +61,11 @@ def unpack(blob: bytes) -> frozenset[int]:
     return frozenset(array("Q", blob[:usable]))
 
 
-def held(chain_ids: Sequence[int], ids: Container[int], more: Container[int] = ()) -> int:
-    """How many leading blocks of a chain (short ids) ``ids`` (or ``more``) holds."""
+def held(chain_ids: Sequence[int], ids: frozenset[int]) -> int:
+    """How many leading blocks of a chain (short ids) ``ids`` holds."""
     n = 0
     for h in chain_ids:
-        if h not in ids and h not in more:
+        if h not in ids:
             break
         n += 1
     return n

@@ -26,6 +26,10 @@ def test_each_update_shows_in_the_next_render():
     assert b"fd_num_requests_running 0.0" in m.render()
     m.dead_letters_total.inc()
     assert b"fd_dead_letters_total 1.0" in m.render()
+    m.note_placement("hit", 0.0002)
+    m.note_placement("none", 0.0001)
+    text = m.render()
+    assert b'fd_placements_total{result="hit"} 1.0' in text and b"fd_placement_seconds_count 2.0" in text
 
 
 def test_the_text_is_prometheus_clients_for_the_same_updates():

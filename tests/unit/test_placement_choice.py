@@ -78,13 +78,3 @@ def test_a_lora_prompt_meets_only_its_adapters_blocks():
     )
     choice = p._choose(lora)
     assert choice is not None and choice.cached_tokens == 0
-
-
-def test_a_burst_sharing_a_prefix_follows_the_first_before_any_card_says_so():
-    p = placement(card("A"), card("B"), card("C"), card("D"))
-    first = p.choose(req("b0", [*SYSTEM, 1]))
-    rest = [p.choose(req(f"b{i}", [*SYSTEM, i + 1])) for i in range(1, 4)]
-    assert rest == [first] * 3  # where the first one's prefill will have put the prefix
-    # a prompt with another start is not drawn there
-    other = [p.choose(req(f"o{i}", [7, 7, 7, *range(40), i])) for i in range(3)]
-    assert first not in other
