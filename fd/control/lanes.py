@@ -145,11 +145,12 @@ class Card:
 
     @classmethod
     def of(cls, engine: str, raw: Mapping[bytes, bytes], lane: int = 0) -> Card | None:
-        """A card read back; None for one absent, of a newer format, or malformed."""
+        """A card read back; None for one absent, of a newer format, or malformed (a count
+        below zero, a block size or seat count below one: placement would divide by them)."""
         try:
             if int(raw[b"v"]) != CARD_VERSION:
                 return None
-            return cls(
+            card = cls(
                 engine=engine,
                 block_size=int(raw[b"block_size"]),
                 running=int(raw[b"running"]),
@@ -163,6 +164,10 @@ class Card:
             )
         except (KeyError, ValueError):
             return None
+        counts = (card.running, card.waiting, card.blocks_free, card.blocks_total, card.lane)
+        if card.block_size < 1 or card.max_seqs < 1 or min(counts) < 0:
+            return None
+        return card
 
 
 def _accepted_ms(entry_id: bytes | str, queued: bytes | str | None) -> int:

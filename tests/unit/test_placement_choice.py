@@ -78,3 +78,18 @@ def test_a_lora_prompt_meets_only_its_adapters_blocks():
     )
     choice = p._choose(lora)
     assert choice is not None and choice.cached_tokens == 0
+
+
+def test_a_malformed_card_is_no_card():
+    good = card("A").fields()
+    raw = {k.encode(): str(v).encode() if not isinstance(v, bytes) else v for k, v in good.items()}
+    assert Card.of("A", raw) is not None
+    for field, bad in [
+        ("block_size", b"0"),
+        ("max_seqs", b"0"),
+        ("running", b"-1"),
+        ("v", b"2"),
+        ("seq", b"x"),
+    ]:
+        assert Card.of("A", {**raw, field.encode(): bad}) is None, field
+    assert Card.of("A", {k: v for k, v in raw.items() if k != b"running"}) is None
