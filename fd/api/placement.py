@@ -55,7 +55,7 @@ class Placement:
     stale_s: float = 1.0
     cards: dict[str, Card] = field(default_factory=dict)
     read_at: float = -1e9
-    placed: dict[str, int] = field(default_factory=dict)  # since each card's last change
+    placed: dict[str, int] = field(default_factory=dict)  # per engine, since the cards were last read
     # metrics: "hit" (an engine holding part of the prompt), "miss" or "none" (P:requests),
     # and the seconds the choice took
     on_choice: Callable[[str, float], None] | None = None
