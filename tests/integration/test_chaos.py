@@ -831,7 +831,7 @@ async def test_chaos_of_redis_itself(tmp_path, keys, tiny_model_dir, tiny_runner
                 for rid, prompt, max_tokens in seg:
                     tasks.append(
                         asyncio.create_task(
-                            asyncio.wait_for(client(n, rid, prompt, max_tokens), 120), name=rid
+                            asyncio.wait_for(client(n, rid, prompt, max_tokens), 60), name=rid
                         )
                     )
                     n += 1
@@ -852,7 +852,24 @@ async def test_chaos_of_redis_itself(tmp_path, keys, tiny_model_dir, tiny_runner
         finally:
             watchdog.cancel()
         hung = {t.get_name(): r for t, r in zip(tasks, results) if isinstance(r, BaseException)}
-        assert not hung, {rid: (repr(r), log.get(rid)) for rid, r in hung.items()}
+        if hung:  # where each hung request stands: its story, its owner, each engine's view
+            where = {}
+            for rid in hung:
+                evs = [e for _, e in await bus.read_req(rid)]
+                where[rid] = {
+                    "story": [
+                        (e.TYPE, getattr(e, "engine", None), len(getattr(e, "token_ids", ()))) for e in evs
+                    ],
+                    "owner": await bus.redis.get(keys.owner(rid)),
+                    "known_by": [eng.node.id for eng in alive if eng.node.sched.knows(rid)],
+                    "at": round(log[rid]["t0"] - t_start, 2) if rid in log else None,
+                }
+            where["faults"] = {
+                n: (round(w0 - t_start, 2), round(w1 - t_start, 2)) for n, (w0, w1) in windows.items()
+            }
+            where["heartbeats"] = {e: await _heartbeat(bus, e) for e in ("A", "B")}
+            print(f"\n=== hung clients: {where}")
+            assert not hung, ({rid: (repr(r), log.get(rid)) for rid, r in hung.items()}, where)
         elapsed = time.monotonic() - t_start
 
         def overlaps(rid: str, *names: str) -> bool:
