@@ -86,7 +86,7 @@ class EngineCore:
         requests: RequestTable,
         emit: Callable[..., None],
         counted: Callable[[str], None],
-        folded: Callable[[], None],
+        moved: Callable[[], None],
         wake: asyncio.Event,
     ) -> None:
         self.sched = sched
@@ -94,7 +94,9 @@ class EngineCore:
         self.requests = requests
         self.emit = emit  # events out (fd.engine.node.emitter.Emitter.emit)
         self.counted = counted  # an abort took effect here: fd_abort_requests_total{source}
-        self.folded = folded  # a step was folded in: the engine's gauges move
+        # The scheduler's counts changed (a step folded in, or one decided, which takes blocks):
+        # the engine's gauges follow, so /metrics shows the blocks the scheduler holds now.
+        self.moved = moved
         self.depth = sched.config.max_steps_in_flight
         #: steps handed to the runner whose results are not folded in yet, oldest first, with
         #: when each started to count (the one behind the running one: when that one ended)
@@ -174,6 +176,7 @@ class EngineCore:
         blocks come back at once)."""
         self.wake.clear()  # (what comes in from here on wakes the next wait)
         stepped = Stepped()
+        moved = bool(self._replies)
         # 1. The runner's replies, in order: a Skipped note comes before its step's result.
         while self._replies:
             reply = self._replies.popleft()
@@ -224,6 +227,9 @@ class EngineCore:
                 self.flying.append((out, time.perf_counter()))
                 self.driver.submit(out)
                 stepped.decided = True
+                moved = True
+        if moved:
+            self.moved()
         return stepped
 
     # ------------------------------------------------------------------ folding a result in
@@ -281,4 +287,3 @@ class EngineCore:
             if type(ev) is Tokens and (live := requests.get(ev.request_id)) is not None:
                 live.progress = mono
         self.emit(evs, deltas, result.logprobs, result.embeddings)
-        self.folded()
