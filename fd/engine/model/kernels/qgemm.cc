@@ -1,0 +1,196 @@
+// Quantized GEMMs for the CPU: Y[M, N] = X[M, K] @ W[K, N], W held in fewer bytes.
+//
+// A decode step reads every weight once and does little else with it, so its time is the
+// weights' bytes over the memory bandwidth. These kernels read W in the layout they compute
+// in, prepared once at load:
+//
+// - q8: GGUF's Q8_0 idea (blocks of 32 weights along K, one scale each) with the activations
+//   quantized the same way at each call (as llama.cpp does), and the products summed in int32
+//   by AVX512-VNNI (vpdpbusd). 1.125 bytes a weight (32 int8 + an fp16 scale + an int16 sum).
+// - bf16: the weights in bfloat16, products in float by AVX512-BF16 (vdpbf16ps). 2 bytes.
+//
+// Layout, both: N in tiles of 16 columns (one zmm of results). For q8, within a tile each block
+// of 32 rows of W is 8 groups of 64 bytes, a group being 4 consecutive k of each of the 16
+// columns (what one vpdpbusd multiplies by a broadcast 4 bytes of X). For bf16, pairs of k of
+// the 16 columns (one vdpbf16ps). Every tile is independent: the threads split the tiles.
+//
+// vpdpbusd multiplies unsigned by signed bytes: X's quantized values go in with 128 added, and
+// 128 times each block's weight sum (kept beside its scale) comes off again.
+
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+static inline uint16_t f32_to_f16(float f) { return _cvtss_sh(f, 0); }
+
+// --- q8 ---------------------------------------------------------------------------------
+
+// Bytes the packed form of a [K, N] weight takes: quants, fp16 scales, int16 sums.
+extern "C" int64_t q8_packed_bytes(int K, int N) {
+  int64_t blocks = (int64_t)(K / 32) * N;
+  return blocks * 32 + blocks * 2 + blocks * 2;
+}
+
+// W row-major [K, N], K % 32 == 0, N % 16 == 0. out: q8_packed_bytes(K, N) bytes.
+extern "C" void q8_pack(const float* W, int K, int N, uint8_t* out) {
+  const int KB = K / 32, T = N / 16;
+  int8_t* q = (int8_t*)out;
+  uint16_t* d = (uint16_t*)(out + (int64_t)KB * N * 32);
+  int16_t* s = (int16_t*)(out + (int64_t)KB * N * 34);
+#pragma omp parallel for
+  for (int t = 0; t < T; t++) {
+    for (int b = 0; b < KB; b++) {
+      for (int c = 0; c < 16; c++) {
+        const int n = t * 16 + c;
+        float amax = 0.f;
+        for (int k = 0; k < 32; k++) amax = std::max(amax, std::fabs(W[(int64_t)(b * 32 + k) * N + n]));
+        // the scale is stored in fp16: quantize with the value stored, so the two agree
+        const uint16_t dh = f32_to_f16(amax / 127.f);
+        const float dv = _cvtsh_ss(dh);
+        const float id = dv > 0.f ? 1.f / dv : 0.f;
+        int sum = 0;
+        for (int k = 0; k < 32; k++) {
+          int v = (int)std::nearbyint(W[(int64_t)(b * 32 + k) * N + n] * id);
+          v = std::min(127, std::max(-127, v));
+          sum += v;
+          const int g = k / 4, j = k % 4;
+          q[(((int64_t)t * KB + b) * 8 + g) * 64 + c * 4 + j] = (int8_t)v;
+        }
+        d[((int64_t)t * KB + b) * 16 + c] = dh;
+        s[((int64_t)t * KB + b) * 16 + c] = (int16_t)sum;
+      }
+    }
+  }
+}
+
+// X row-major [M, K] -> xq [M, K] (value + 128) and dx [M, K/32] (each block's scale).
+static void q8_quantize_rows(const float* X, int M, int K, uint8_t* xq, float* dx) {
+  const int KB = K / 32;
+  for (int m = 0; m < M; m++) {
+    for (int b = 0; b < KB; b++) {
+      const float* x = X + (int64_t)m * K + b * 32;
+      __m512 a0 = _mm512_abs_ps(_mm512_loadu_ps(x)), a1 = _mm512_abs_ps(_mm512_loadu_ps(x + 16));
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+      const float d = amax / 127.f;
+      const float id = d > 0.f ? 1.f / d : 0.f;
+      dx[m * KB + b] = d;
+      const __m512 vid = _mm512_set1_ps(id);
+      for (int h = 0; h < 2; h++) {
+        __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + h * 16), vid));  // round to nearest even
+        v = _mm512_add_epi32(v, _mm512_set1_epi32(128));
+        _mm_storeu_si128((__m128i*)(xq + (int64_t)m * K + b * 32 + h * 16), _mm512_cvtusepi32_epi8(v));
+      }
+    }
+  }
+}
+
+template <int R>
+static inline void q8_tile_rows(const uint8_t* packed, int K, int N, int t, const uint8_t* xq, const float* dx,
+                                int m0, float* Y) {
+  const int KB = K / 32;
+  const int8_t* q = (const int8_t*)packed;
+  const uint16_t* d = (const uint16_t*)(packed + (int64_t)KB * N * 32);
+  const int16_t* s = (const int16_t*)(packed + (int64_t)KB * N * 34);
+  __m512 acc[R];
+  for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+  for (int b = 0; b < KB; b++) {
+    const int8_t* qb = q + ((int64_t)t * KB + b) * 512;
+    __m512i w[8];
+    for (int g = 0; g < 8; g++) w[g] = _mm512_loadu_si512((const void*)(qb + g * 64));
+    const int64_t sb = ((int64_t)t * KB + b) * 16;
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(d + sb)));
+    const __m512i off =
+        _mm512_slli_epi32(_mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i*)(s + sb))), 7);
+    for (int r = 0; r < R; r++) {
+      const uint8_t* xr = xq + (int64_t)(m0 + r) * K + b * 32;
+      __m512i i = _mm512_setzero_si512();
+      for (int g = 0; g < 8; g++) {
+        int32_t x4;
+        memcpy(&x4, xr + g * 4, 4);
+        i = _mm512_dpbusd_epi32(i, _mm512_set1_epi32(x4), w[g]);
+      }
+      i = _mm512_sub_epi32(i, off);
+      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(dx[(m0 + r) * KB + b]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), scale, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; r++) _mm512_storeu_ps(Y + (int64_t)(m0 + r) * N + t * 16, acc[r]);
+}
+
+// Y [M, N] = X [M, K] @ W, W packed by q8_pack. work: M * (K + K / 32 * 4) bytes of scratch.
+extern "C" void q8_gemm(const float* X, int M, int K, const uint8_t* packed, int N, float* Y, uint8_t* work) {
+  uint8_t* xq = work;
+  float* dx = (float*)(work + (int64_t)M * K);
+  q8_quantize_rows(X, M, K, xq, dx);
+  const int T = N / 16;
+#pragma omp parallel for schedule(static)
+  for (int t = 0; t < T; t++) {
+    int m = 0;
+    for (; m + 4 <= M; m += 4) q8_tile_rows<4>(packed, K, N, t, xq, dx, m, Y);
+    for (; m < M; m++) q8_tile_rows<1>(packed, K, N, t, xq, dx, m, Y);
+  }
+}
+
+// --- bf16 -------------------------------------------------------------------------------
+
+extern "C" int64_t bf16_packed_bytes(int K, int N) { return (int64_t)K * N * 2; }
+
+static inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  u += 0x7fff + ((u >> 16) & 1);  // round to nearest even
+  return (uint16_t)(u >> 16);
+}
+
+// W row-major [K, N], K % 2 == 0, N % 16 == 0.
+extern "C" void bf16_pack(const float* W, int K, int N, uint8_t* out) {
+  uint16_t* o = (uint16_t*)out;
+  const int T = N / 16, KP = K / 2;
+#pragma omp parallel for
+  for (int t = 0; t < T; t++)
+    for (int p = 0; p < KP; p++)
+      for (int c = 0; c < 16; c++)
+        for (int j = 0; j < 2; j++)
+          o[(((int64_t)t * KP + p) * 16 + c) * 2 + j] = f32_to_bf16(W[(int64_t)(p * 2 + j) * N + t * 16 + c]);
+}
+
+template <int R>
+static inline void bf16_tile_rows(const uint16_t* w, int K, int N, int t, const uint32_t* xb, int m0, float* Y) {
+  const int KP = K / 2;
+  __m512 acc[R];
+  for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+  const uint16_t* wt = w + (int64_t)t * KP * 32;
+  for (int p = 0; p < KP; p++) {
+    const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void*)(wt + p * 32));
+    for (int r = 0; r < R; r++)
+      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(xb[(int64_t)(m0 + r) * KP + p]), wv);
+  }
+  for (int r = 0; r < R; r++) _mm512_storeu_ps(Y + (int64_t)(m0 + r) * N + t * 16, acc[r]);
+}
+
+// Y [M, N] = X [M, K] @ W, W packed by bf16_pack. work: M * K * 2 bytes of scratch.
+extern "C" void bf16_gemm(const float* X, int M, int K, const uint8_t* packed, int N, float* Y, uint8_t* work) {
+  uint16_t* xb = (uint16_t*)work;
+  for (int64_t i = 0; i < (int64_t)M * K; i += 32) {
+    if (i + 32 <= (int64_t)M * K) {
+      __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(X + i + 16), _mm512_loadu_ps(X + i));
+      _mm512_storeu_si512((void*)(xb + i), (__m512i)v);
+    } else {
+      for (int64_t j = i; j < (int64_t)M * K; j++) xb[j] = f32_to_bf16(X[j]);
+    }
+  }
+  const int T = N / 16;
+#pragma omp parallel for schedule(static)
+  for (int t = 0; t < T; t++) {
+    int m = 0;
+    for (; m + 4 <= M; m += 4) bf16_tile_rows<4>((const uint16_t*)packed, K, N, t, (const uint32_t*)xb, m, Y);
+    for (; m < M; m++) bf16_tile_rows<1>((const uint16_t*)packed, K, N, t, (const uint32_t*)xb, m, Y);
+  }
+}
+
+extern "C" void set_threads(int n) { omp_set_num_threads(n); }
