@@ -23,6 +23,7 @@ Two things shape the code more than the math does:
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -32,10 +33,14 @@ import paddle
 import paddle.incubate.nn.functional as IF
 import paddle.nn.functional as F
 
-from fd.engine.model import packed_gemm, paged_attention
+from fd.engine.model import packed_gemm, paged_attention, qgemm
 from fd.engine.model.checkpoint_layout import expert_names
 from fd.engine.model.config import ModelConfig, rope_inv_freq
 
+log = logging.getLogger("fd.engine")
+
+#: what the dense layers' and the head's weights may be held and computed in
+WEIGHT_FORMATS = ("float32", "int8", "bfloat16")
 ROW_ALIGN = 8  # the CPU GEMM rounds rows outside full 8-row tiles differently
 KEY_ALIGN = 16  # key lengths padded to a multiple of this for the same reason
 MASKED = -1e30  # finite, so fully padded query rows stay NaN-free
@@ -134,10 +139,17 @@ class Llama:
         device: str = "cpu",
         batch_invariant: bool = False,
         gemms: str = "eager",
+        weight_format: str = "float32",
     ):
         """``gemms``: ``eager`` (every GEMM a Paddle matmul), ``packed`` (on a CPU with MKL, the
         dense layers' and the head's over weights packed once: fd/engine/model/packed_gemm.py),
-        or ``auto`` (whichever of the two is faster here, timed at load)."""
+        or ``auto`` (whichever of the two is faster here, timed at load).
+
+        ``weight_format``: what the dense layers' and the head's weights are held and computed
+        in: ``float32``, or on a CPU with the kernels' instructions ``int8`` (blocks of 32 with
+        a scale, activations quantized the same way) or ``bfloat16``
+        (fd/engine/model/qgemm.py). Where the kernels cannot run, the model says why in one
+        line and keeps float32; :attr:`weight_format` is what it runs."""
         self.cfg = cfg
         self.device = device
         # Opt-in (vLLM's VLLM_BATCH_INVARIANT): batch 1 then runs its GEMMs on 8 rows, which on
@@ -160,9 +172,32 @@ class Llama:
         def t(a: np.ndarray) -> paddle.Tensor:
             return paddle.to_tensor(np.ascontiguousarray(a, dtype=np.float32), place=self.place)
 
+        if weight_format not in WEIGHT_FORMATS:
+            raise ValueError(
+                f"weight_format must be one of {', '.join(WEIGHT_FORMATS)}, not {weight_format!r}"
+            )
+        self.weight_format = self._runnable(weight_format)
+        threads = len(os.sched_getaffinity(0))
+        kept: list[str] = []  # weights the kernels do not take, kept in float32
+
+        def dense(layer: dict, name: str, a: np.ndarray, what: str) -> None:
+            """``layer[name]``, a dense layer's [in, out] weight: a tensor, or in a weight format
+            ``layer[name + "_q"]`` (no float32 copy: one copy of each weight, in the format it is
+            computed in)."""
+            fmt = self.weight_format
+            if fmt != "float32" and qgemm.fits(fmt, *a.shape):
+                layer[name], layer[name + "_q"] = None, qgemm.QuantLinear(a, fmt, threads)
+                return
+            if fmt != "float32":
+                kept.append(f"{what} ({a.shape[0]}x{a.shape[1]})")
+            layer[name] = t(a)
+
         self.embed = t(weights["model.embed_tokens.weight"])
         head = weights["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
-        self.lm_head = t(head.T)  # [H, V], contiguous: no transposed GEMM (see module doc)
+        top: dict = {}
+        dense(top, "lm_head", head.T, "the head")  # [H, V], contiguous: no transposed GEMM (see module doc)
+        self.lm_head: paddle.Tensor | None = top["lm_head"]
+        self.lm_head_q: qgemm.QuantLinear | None = top.get("lm_head_q")
         self.norm = t(weights["model.norm.weight"])
         self.layers = []
         for n in range(cfg.num_hidden_layers):
@@ -187,7 +222,6 @@ class Llama:
             self.layers.append(
                 dict(
                     in_norm=t(weights[p + "input_layernorm.weight"]),
-                    qkv=t(qkv),
                     qkv_b=qkv_b,
                     # Qwen3: one [heads, head_dim] weight for the q heads' norm and the k heads'
                     qk_norm=t(
@@ -200,7 +234,6 @@ class Llama:
                     )
                     if cfg.qk_norm
                     else None,
-                    o=t(weights[p + "self_attn.o_proj.weight"].T),
                     o_b=t(weights[p + "self_attn.o_proj.bias"]) if cfg.o_bias else None,
                     post_norm=t(weights[p + "post_attention_layernorm.weight"]),
                 )
@@ -226,15 +259,13 @@ class Llama:
                         t(weights[s + "_gate.weight"].T),
                     )
             else:
-                self.layers[-1].update(
-                    gate_up=t(
-                        np.concatenate(
-                            [weights[p + "mlp.gate_proj.weight"].T, weights[p + "mlp.up_proj.weight"].T],
-                            axis=1,
-                        )
-                    ),
-                    down=t(weights[p + "mlp.down_proj.weight"].T),
+                gate_up = np.concatenate(
+                    [weights[p + "mlp.gate_proj.weight"].T, weights[p + "mlp.up_proj.weight"].T], axis=1
                 )
+                dense(self.layers[-1], "gate_up", gate_up, f"layer {n}'s gate|up")
+                dense(self.layers[-1], "down", weights[p + "mlp.down_proj.weight"].T, f"layer {n}'s down")
+            dense(self.layers[-1], "qkv", qkv, f"layer {n}'s q|k|v")
+            dense(self.layers[-1], "o", weights[p + "self_attn.o_proj.weight"].T, f"layer {n}'s o")
         inv_freq = rope_inv_freq(cfg)
         ang = (
             np.arange(cfg.max_position_embeddings, dtype=np.float64)[:, None]
@@ -255,7 +286,9 @@ class Llama:
         self._packed_step = False
         if gemms not in ("eager", "packed", "auto"):
             raise ValueError(f"gemms must be eager, packed or auto, not {gemms!r}")
-        if gemms != "eager":
+        if kept:
+            log.warning("weights kept in float32 (%s): %s", self.weight_format, ", ".join(kept))
+        if gemms != "eager" and self.weight_format == "float32":
             self._pack_weights(keep_if_slower=gemms == "packed")
         # LoRA adapters (add_lora): per slot, per layer, fused projection -> (A [in, R], B [R, out])
         self.loras: dict[int, list[dict[str, tuple[paddle.Tensor, paddle.Tensor]]]] = {}
@@ -269,6 +302,16 @@ class Llama:
         self.num_blocks_total = 0
         self.block_size = 0
         self.trash_slot = 0
+
+    def _runnable(self, fmt: str) -> str:
+        """``fmt`` if its kernels run here, else float32 (and one line saying why)."""
+        if fmt == "float32":
+            return fmt
+        why = "not on a CPU" if self.device != "cpu" else qgemm.unavailable(fmt)
+        if why is None:
+            return fmt
+        log.warning("weights in float32, not %s: its kernels cannot run here (%s)", fmt, why)
+        return "float32"
 
     def _pack_weights(self, keep_if_slower: bool) -> None:
         """Packs the dense layers' and the head's weights, then times the routes (packed or,
@@ -329,7 +372,11 @@ class Llama:
         return self._plan.max_threads
 
     def _mm(self, x: paddle.Tensor, layer: dict, name: str) -> paddle.Tensor:
-        """``x @ layer[name]``: over the packed weight where there is one, else eager."""
+        """``x @ layer[name]``: over the quantized or packed weight where there is one, else
+        eager."""
+        q = layer.get(name + "_q")
+        if q is not None:
+            return q(x)
         if self._packed_step:
             packed = layer.get(name + "_packed")
             if packed is not None:
@@ -564,6 +611,8 @@ class Llama:
     @paddle.no_grad()
     def head(self, h: paddle.Tensor) -> paddle.Tensor:
         """Logits [rows, vocab] of final hidden states [rows, hidden]."""
+        if self.lm_head_q is not None:
+            return self.lm_head_q(h)
         if self._packed_step and self.lm_head_packed is not None:
             return self.lm_head_packed(h)
         return paddle.matmul(h, self.lm_head)
@@ -665,4 +714,4 @@ class Llama:
             h = self._layers(self.tensor(ids), self.tensor(pos), full)
         finally:
             self._active = ()
-        return paddle.matmul(h, self.lm_head).numpy()[:n]
+        return self.head(h).numpy()[:n]

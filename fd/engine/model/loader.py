@@ -134,11 +134,17 @@ def load_model(
     progress: bool = True,
     batch_invariant: bool = False,
     gemms: str = "eager",
+    weight_format: str = "float32",
 ) -> Llama:
     model_dir = os.fspath(model_dir)
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"model directory {model_dir} does not exist")
     cfg = ModelConfig.from_dir(model_dir)
     return Llama(
-        cfg, load_weights(model_dir, cfg, progress), device, batch_invariant=batch_invariant, gemms=gemms
+        cfg,
+        load_weights(model_dir, cfg, progress),
+        device,
+        batch_invariant=batch_invariant,
+        gemms=gemms,
+        weight_format=weight_format,
     )

@@ -87,8 +87,11 @@ class ModelRunner(InProcessRunner):
         lora_modules: dict[str, str] | None = None,
         max_lora_rank: int | None = None,
         gemms: str | None = None,
+        weight_format: str = "float32",
     ):
-        """``gemms``: the model's GEMMs (fd/engine/model/llama.py); None: the device's default."""
+        """``gemms``: the model's GEMMs (fd/engine/model/llama.py); None: the device's default.
+        ``weight_format``: what its dense weights are held and computed in (``float32``,
+        ``int8``, ``bfloat16``: fd/engine/model/qgemm.py)."""
         pin_thresholds()  # step buffers on the heap, not fresh mmaps (fd/engine/runner/malloc.py)
         paddle.set_device(device)
         self.device = device
@@ -98,6 +101,7 @@ class ModelRunner(InProcessRunner):
             progress=progress,
             batch_invariant=batch_invariant,
             gemms=gemms or _gemms(device, batch_invariant),
+            weight_format=weight_format,
         )
         self.block_size = block_size
         if num_blocks is None:
@@ -106,11 +110,18 @@ class ModelRunner(InProcessRunner):
         self.num_blocks = int(num_blocks)
         self.model.allocate_kv_cache(self.num_blocks, block_size)
         plan = self.model.gemm_plan
-        log.info(
-            "model GEMMs: %s",
-            plan if plan.max_threads else f"{self.model.gemms} on Paddle's threads",
-            extra={"gemms": self.model.gemms, "gemm_threads": self.model.gemm_threads},
-        )
+        if self.model.weight_format != "float32":
+            log.info(
+                "model GEMMs: %s weights (fd/engine/model/qgemm.py)",
+                self.model.weight_format,
+                extra={"weight_format": self.model.weight_format},
+            )
+        else:
+            log.info(
+                "model GEMMs: %s",
+                plan if plan.max_threads else f"{self.model.gemms} on Paddle's threads",
+                extra={"gemms": self.model.gemms, "gemm_threads": self.model.gemm_threads},
+            )
         self.eos_token_ids = _eos_token_ids(model_dir)
         self.max_model_len = self.model.cfg.max_position_embeddings
         self.vocab_size = self.model.cfg.vocab_size

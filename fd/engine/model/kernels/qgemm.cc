@@ -14,11 +14,14 @@
 // columns (what one vpdpbusd multiplies by a broadcast 4 bytes of X). For bf16, pairs of k of
 // the 16 columns (one vdpbf16ps). Every tile is independent: the threads split the tiles.
 //
+// The file is compiled twice (fd/engine/model/qgemm.py), once for each format with the flags of
+// its ISA, each part guarded by that ISA's macro: neither library holds an instruction that the
+// CPU check before loading it did not allow. (No AVX2 path yet: such a CPU keeps float32.)
+//
 // vpdpbusd multiplies unsigned by signed bytes: X's quantized values go in with 128 added, and
 // 128 times each block's weight sum (kept beside its scale) comes off again.
 
 #include <immintrin.h>
-#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -26,9 +29,18 @@
 #include <cmath>
 #include <vector>
 
-static inline uint16_t f32_to_f16(float f) { return _cvtss_sh(f, 0); }
+// Each calling thread's scratch for X in the kernels' form, grown as needed (the engine calls
+// from one step thread; the buffer lives as long as it does).
+static uint8_t* scratch(size_t bytes) {
+  static thread_local std::vector<uint8_t> buf;
+  if (buf.size() < bytes) buf.resize(bytes);
+  return buf.data();
+}
 
+#ifdef __AVX512VNNI__
 // --- q8 ---------------------------------------------------------------------------------
+
+static inline uint16_t f32_to_f16(float f) { return _cvtss_sh(f, 0); }
 
 // Bytes the packed form of a [K, N] weight takes: quants, fp16 scales, int16 sums.
 extern "C" int64_t q8_packed_bytes(int K, int N) {
@@ -37,12 +49,12 @@ extern "C" int64_t q8_packed_bytes(int K, int N) {
 }
 
 // W row-major [K, N], K % 32 == 0, N % 16 == 0. out: q8_packed_bytes(K, N) bytes.
-extern "C" void q8_pack(const float* W, int K, int N, uint8_t* out) {
+extern "C" void q8_pack(const float* W, int K, int N, uint8_t* out, int nt) {
   const int KB = K / 32, T = N / 16;
   int8_t* q = (int8_t*)out;
   uint16_t* d = (uint16_t*)(out + (int64_t)KB * N * 32);
   int16_t* s = (int16_t*)(out + (int64_t)KB * N * 34);
-#pragma omp parallel for
+#pragma omp parallel for num_threads(nt)
   for (int t = 0; t < T; t++) {
     for (int b = 0; b < KB; b++) {
       for (int c = 0; c < 16; c++) {
@@ -69,8 +81,9 @@ extern "C" void q8_pack(const float* W, int K, int N, uint8_t* out) {
 }
 
 // X row-major [M, K] -> xq [M, K] (value + 128) and dx [M, K/32] (each block's scale).
-static void q8_quantize_rows(const float* X, int M, int K, uint8_t* xq, float* dx) {
+static void q8_quantize_rows(const float* X, int M, int K, uint8_t* xq, float* dx, int nt) {
   const int KB = K / 32;
+#pragma omp parallel for num_threads(nt) if (M >= 64)
   for (int m = 0; m < M; m++) {
     for (int b = 0; b < KB; b++) {
       const float* x = X + (int64_t)m * K + b * 32;
@@ -122,13 +135,13 @@ static inline void q8_tile_rows(const uint8_t* packed, int K, int N, int t, cons
   for (int r = 0; r < R; r++) _mm512_storeu_ps(Y + (int64_t)(m0 + r) * N + t * 16, acc[r]);
 }
 
-// Y [M, N] = X [M, K] @ W, W packed by q8_pack. work: M * (K + K / 32 * 4) bytes of scratch.
-extern "C" void q8_gemm(const float* X, int M, int K, const uint8_t* packed, int N, float* Y, uint8_t* work) {
-  uint8_t* xq = work;
-  float* dx = (float*)(work + (int64_t)M * K);
-  q8_quantize_rows(X, M, K, xq, dx);
+// Y [M, N] = X [M, K] @ W, W packed by q8_pack; on `nt` threads.
+extern "C" void q8_gemm(const float* X, int M, int K, const uint8_t* packed, int N, float* Y, int nt) {
+  uint8_t* xq = scratch((size_t)M * K + (size_t)M * (K / 32) * 4);
+  float* dx = (float*)(xq + (int64_t)M * K);
+  q8_quantize_rows(X, M, K, xq, dx, nt);
   const int T = N / 16;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(nt)
   for (int t = 0; t < T; t++) {
     int m = 0;
     for (; m + 4 <= M; m += 4) q8_tile_rows<4>(packed, K, N, t, xq, dx, m, Y);
@@ -136,6 +149,9 @@ extern "C" void q8_gemm(const float* X, int M, int K, const uint8_t* packed, int
   }
 }
 
+#endif  // __AVX512VNNI__
+
+#ifdef __AVX512BF16__
 // --- bf16 -------------------------------------------------------------------------------
 
 extern "C" int64_t bf16_packed_bytes(int K, int N) { return (int64_t)K * N * 2; }
@@ -148,10 +164,10 @@ static inline uint16_t f32_to_bf16(float f) {
 }
 
 // W row-major [K, N], K % 2 == 0, N % 16 == 0.
-extern "C" void bf16_pack(const float* W, int K, int N, uint8_t* out) {
+extern "C" void bf16_pack(const float* W, int K, int N, uint8_t* out, int nt) {
   uint16_t* o = (uint16_t*)out;
   const int T = N / 16, KP = K / 2;
-#pragma omp parallel for
+#pragma omp parallel for num_threads(nt)
   for (int t = 0; t < T; t++)
     for (int p = 0; p < KP; p++)
       for (int c = 0; c < 16; c++)
@@ -173,24 +189,22 @@ static inline void bf16_tile_rows(const uint16_t* w, int K, int N, int t, const 
   for (int r = 0; r < R; r++) _mm512_storeu_ps(Y + (int64_t)(m0 + r) * N + t * 16, acc[r]);
 }
 
-// Y [M, N] = X [M, K] @ W, W packed by bf16_pack. work: M * K * 2 bytes of scratch.
-extern "C" void bf16_gemm(const float* X, int M, int K, const uint8_t* packed, int N, float* Y, uint8_t* work) {
-  uint16_t* xb = (uint16_t*)work;
-  for (int64_t i = 0; i < (int64_t)M * K; i += 32) {
-    if (i + 32 <= (int64_t)M * K) {
-      __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(X + i + 16), _mm512_loadu_ps(X + i));
-      _mm512_storeu_si512((void*)(xb + i), (__m512i)v);
-    } else {
-      for (int64_t j = i; j < (int64_t)M * K; j++) xb[j] = f32_to_bf16(X[j]);
-    }
+// Y [M, N] = X [M, K] @ W, W packed by bf16_pack; on `nt` threads.
+extern "C" void bf16_gemm(const float* X, int M, int K, const uint8_t* packed, int N, float* Y, int nt) {
+  uint16_t* xb = (uint16_t*)scratch((size_t)M * K * 2);
+  const int64_t total = (int64_t)M * K;
+  int64_t i = 0;
+  for (; i + 32 <= total; i += 32) {
+    __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(X + i + 16), _mm512_loadu_ps(X + i));
+    _mm512_storeu_si512((void*)(xb + i), (__m512i)v);
   }
+  for (; i < total; i++) xb[i] = f32_to_bf16(X[i]);
   const int T = N / 16;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(nt)
   for (int t = 0; t < T; t++) {
     int m = 0;
     for (; m + 4 <= M; m += 4) bf16_tile_rows<4>((const uint16_t*)packed, K, N, t, (const uint32_t*)xb, m, Y);
     for (; m < M; m++) bf16_tile_rows<1>((const uint16_t*)packed, K, N, t, (const uint32_t*)xb, m, Y);
   }
 }
-
-extern "C" void set_threads(int n) { omp_set_num_threads(n); }
+#endif  // __AVX512BF16__

@@ -1,0 +1,183 @@
+"""Weights in fewer bytes on a CPU: the GEMM kernels of fd/engine/model/kernels/qgemm.cc.
+
+A decode step reads every weight once, so on a CPU its time is the weights' bytes over the
+memory bandwidth (bench/README.md, "Issue 47's first probe"). Two formats read fewer bytes than
+float32 and compute from them directly:
+
+- ``int8``: blocks of 32 weights along the input dimension, each with an fp16 scale (GGUF's
+  Q8_0), the activations quantized the same way at each call (as llama.cpp does) and the
+  products summed in int32 by AVX512-VNNI. 1.125 bytes a weight.
+- ``bfloat16``: the weights in bfloat16, the products in float32 by AVX512-BF16. 2 bytes.
+
+The kernels are compiled with the system's C++ compiler on first use, one library per format
+with its ISA's flags, and cached (``$FD_KERNEL_CACHE``, else ``~/.cache/fd/kernels``); they link
+Paddle's own OpenMP runtime, so the process keeps one pool of threads. They are reached by ctypes
+on tensors' own memory, like MKL's packed GEMMs (fd/engine/model/packed_gemm.py). A CPU
+without the format's instructions, a machine without a compiler, or a failed build gets
+:func:`unavailable`'s reason and keeps float32 (the model logs it in one line).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+from functools import cache, lru_cache
+from pathlib import Path
+
+import numpy as np
+import paddle
+
+log = logging.getLogger("fd.engine")
+
+SOURCE = Path(__file__).parent / "kernels" / "qgemm.cc"
+
+#: per format: the kernels' prefix in the library, the CPU flags (as /proc/cpuinfo names them)
+#: it needs, and the compiler flags of its build
+FORMATS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
+    "int8": (
+        "q8",
+        ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "f16c", "fma"),
+        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mf16c", "-mfma"),
+    ),
+    "bfloat16": (
+        "bf16",
+        ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "f16c", "fma"),
+        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mf16c", "-mfma"),
+    ),
+}
+#: the kernels' shape constraints: the input dimension in whole blocks, the output in whole tiles
+K_MULTIPLE = {"int8": 32, "bfloat16": 2}
+N_MULTIPLE = 16
+
+
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("FD_KERNEL_CACHE") or Path.home() / ".cache" / "fd" / "kernels")
+
+
+def _omp_dir() -> Path:
+    return Path(paddle.__file__).parent / "libs"
+
+
+def _build(fmt: str) -> Path:
+    """The format's library, compiled once per source, flags and Paddle install; the compile
+    goes to a temporary name first, so concurrent starts never load half a file."""
+    _, _, flags = FORMATS[fmt]
+    omp = _omp_dir()
+    cmd = ["g++", "-O3", "-fopenmp", "-fPIC", "-shared", *flags, str(SOURCE), "-o"]
+    link = [f"-L{omp}", "-liomp5", f"-Wl,-rpath,{omp}"]
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(cmd + link).encode()).hexdigest()[:16]
+    out = _cache_dir() / f"qgemm-{fmt}-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        # (-fopenmp compiles the pragmas; the link names Paddle's OpenMP runtime, not libgomp)
+        subprocess.run([*cmd, tmp, *link], check=True, capture_output=True, text=True, timeout=300)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+@cache
+def _library(fmt: str) -> ctypes.CDLL | str:
+    """The loaded library of ``fmt``, or why there is none."""
+    prefix, needs, _ = FORMATS[fmt]
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"{platform.machine()} CPU (the kernels are x86 AVX-512)"
+    missing = [f for f in needs if f not in cpu_flags()]
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}"
+    if not (_omp_dir() / "libiomp5.so").exists():
+        return "this Paddle build has no libiomp5 (a GPU or ARM wheel)"
+    try:
+        path = _build(fmt)
+    except FileNotFoundError:
+        return "no C++ compiler (g++) to build the kernels"
+    except subprocess.CalledProcessError as e:
+        return f"the kernels did not compile: {(e.stderr or '').strip()[-300:]}"
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"the kernels could not be built: {e}"
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        return f"the kernels did not load: {e}"
+    i, p, i64 = ctypes.c_int, ctypes.c_void_p, ctypes.c_int64
+    getattr(lib, f"{prefix}_packed_bytes").restype = i64
+    getattr(lib, f"{prefix}_packed_bytes").argtypes = [i, i]
+    getattr(lib, f"{prefix}_pack").restype = None
+    getattr(lib, f"{prefix}_pack").argtypes = [p, i, i, p, i]
+    getattr(lib, f"{prefix}_gemm").restype = None
+    getattr(lib, f"{prefix}_gemm").argtypes = [p, i, i, p, i, p, i]
+    return lib
+
+
+def unavailable(fmt: str) -> str | None:
+    """Why ``fmt``'s kernels cannot run here (None: they can). Builds them the first time."""
+    if fmt not in FORMATS:
+        return f"unknown format {fmt!r}"
+    got = _library(fmt)
+    return got if isinstance(got, str) else None
+
+
+def fits(fmt: str, k: int, n: int) -> bool:
+    """Whether a [k, n] weight has the shape the kernels take."""
+    return k % K_MULTIPLE[fmt] == 0 and n % N_MULTIPLE == 0
+
+
+class QuantLinear:
+    """``x @ w`` for float32 ``x`` [rows, k] on the CPU, ``w`` [k, n] held in ``fmt`` (packed
+    once; the float32 array is not kept), computed on ``threads`` threads."""
+
+    def __init__(self, w: np.ndarray, fmt: str, threads: int = 1):
+        lib = _library(fmt)
+        if isinstance(lib, str):
+            raise RuntimeError(f"{fmt} kernels unavailable: {lib}")
+        k, n = int(w.shape[0]), int(w.shape[1])
+        if not fits(fmt, k, n):
+            raise ValueError(f"a {k}x{n} weight does not fit the {fmt} kernels")
+        prefix = FORMATS[fmt][0]
+        self.fmt = fmt
+        self.shape = (k, n)
+        self.threads = max(1, threads)
+        self.nbytes = int(getattr(lib, f"{prefix}_packed_bytes")(k, n))
+        self._buf = np.empty(self.nbytes, dtype=np.uint8)
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        getattr(lib, f"{prefix}_pack")(w.ctypes.data, k, n, self._buf.ctypes.data, self.threads)
+        self._ptr = self._buf.ctypes.data
+        self._gemm = getattr(lib, f"{prefix}_gemm")
+
+    def __call__(self, x: paddle.Tensor) -> paddle.Tensor:
+        k, n = self.shape
+        shape = x.shape
+        # (the kernel reads rows x k floats at the pointer: a wrong shape or dtype is out of
+        # bounds. ``is``: a dtype's == costs ~1.4 us, identity ~0.1.)
+        if x.dtype is not paddle.float32 or len(shape) != 2 or shape[1] != k:
+            raise ValueError(f"a {self.fmt} {k}x{n} GEMM takes float32 [rows, {k}], got {x.dtype} {shape}")
+        if not x.is_contiguous():
+            x = x.contiguous()
+        m = int(shape[0])
+        out = paddle.empty([m, n], dtype=paddle.float32)
+        if m:
+            self._gemm(x.data_ptr(), m, k, self._ptr, n, out.data_ptr(), self.threads)
+        return out

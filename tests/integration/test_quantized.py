@@ -1,0 +1,163 @@
+"""Weights in fewer bytes (fd/engine/model/qgemm.py): the kernels against numpy, the model in each
+format against its own full recompute and against float32, and the fallback where the kernels
+cannot run. (In tests/integration: the kernels are compiled by a g++ subprocess on first use.)
+
+The kernels need AVX512-VNNI (int8) and AVX512-BF16 (bfloat16); on a CPU without them these
+tests fail rather than skip, naming what is missing: this project's CI machines have both."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import paddle
+import pytest
+
+from fd.engine.model import qgemm
+from fd.engine.model.loader import load_model
+from fd.engine.runner.model_runner import ModelRunner
+from tests.kit.model import BLOCK, Blocks, random_prompt, run_batched, tiny_dir  # noqa: F401  (tiny_dir: a fixture)
+
+FORMATS = ("int8", "bfloat16")
+
+
+def _f16(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16).astype(np.float32)
+
+
+def _int8_reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """What the int8 format computes, in numpy: W's blocks of 32 along K with an fp16 scale,
+    X's blocks quantized the same way (an fp32 scale), integer dots scaled back."""
+    k, n = w.shape
+    wb = w.reshape(k // 32, 32, n)
+    dw = _f16(np.abs(wb).max(axis=1) / np.float32(127))  # [KB, N]
+    with np.errstate(divide="ignore"):
+        iw = np.where(dw > 0, np.float32(1) / dw, np.float32(0))
+    wq = np.clip(np.rint(wb * iw[:, None, :]), -127, 127)
+    xb = x.reshape(x.shape[0], k // 32, 32)
+    dx = (np.abs(xb).max(axis=2) / np.float32(127)).astype(np.float32)  # [M, KB]
+    with np.errstate(divide="ignore"):
+        ix = np.where(dx > 0, np.float32(1) / dx, np.float32(0)).astype(np.float32)
+    xq = np.rint(xb * ix[:, :, None])
+    dots = np.einsum("mbk,bkn->mbn", xq.astype(np.float64), wq.astype(np.float64))  # exact integers
+    return np.einsum("mbn,mb,bn->mn", dots, dx.astype(np.float64), dw.astype(np.float64))
+
+
+def _bf16(x: np.ndarray) -> np.ndarray:
+    """float32 rounded to bfloat16 (nearest, ties to even), as float64."""
+    u = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16 << 16
+    return u.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_kernels_are_here(fmt):
+    assert qgemm.unavailable(fmt) is None, qgemm.unavailable(fmt)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (128, 512)])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 70])
+def test_a_kernel_computes_its_format_and_stays_within_its_error(fmt, shape, rows):
+    rng = np.random.default_rng(rows * 7 + shape[0])
+    w = (rng.standard_normal(shape) * 0.02).astype(np.float32)
+    w[:32, 0] = 0.0  # an all-zero block: scale 0, no division by it
+    x = rng.standard_normal((rows, shape[0])).astype(np.float32)
+    got = qgemm.QuantLinear(w, fmt, threads=2)(paddle.to_tensor(x)).numpy()
+    exact = x.astype(np.float64) @ w.astype(np.float64)
+    if fmt == "int8":
+        emulated = _int8_reference(x, w)
+        bound = 1.5e-2  # 8-bit weights and activations: ~0.4% each per value, ~0.8% a dot
+    else:
+        emulated = _bf16(x) @ _bf16(w)
+        bound = 5e-3  # bfloat16's 8-bit mantissa on both sides
+    # the format itself, to float32 rounding of the sums
+    np.testing.assert_allclose(got, emulated, rtol=2e-5, atol=2e-5 * float(np.abs(emulated).max()))
+    err = float(np.linalg.norm(got - exact) / np.linalg.norm(exact))
+    assert err < bound, (fmt, err)
+
+
+def test_a_weight_of_a_shape_the_kernels_do_not_take_is_refused():
+    with pytest.raises(ValueError, match="does not fit"):
+        qgemm.QuantLinear(np.zeros((40, 16), np.float32), "int8")
+    with pytest.raises(ValueError, match="float32"):
+        qgemm.QuantLinear(np.zeros((32, 16), np.float32), "int8")(paddle.zeros([2, 32], dtype="float64"))
+
+
+def _greedy_reference(model, prompt, steps):
+    ids, out = list(prompt), []
+    for _ in range(steps):
+        t = int(np.argmax(model.reference_logits(ids)[-1]))
+        out.append(t)
+        ids.append(t)
+    return out
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_quantized_model_holds_no_float32_copy_and_its_paged_batches_equal_its_recompute(tiny_dir, fmt):
+    """Every dense weight in the format (none left in float32), and the paged, chunked, batched
+    path gives the same greedy tokens as the model's own full recompute: the kernels compute
+    each row alone, so a row's result does not depend on its batch."""
+    runner = ModelRunner(tiny_dir, num_blocks=64, block_size=BLOCK, weight_format=fmt)
+    model = runner.model
+    assert model.weight_format == fmt
+    assert model.lm_head is None and model.lm_head_q is not None
+    for layer in model.layers:
+        for n in ("qkv", "o", "gate_up", "down"):
+            assert layer[n] is None and layer[n + "_q"].fmt == fmt
+    prompts = {f"r{i}": random_prompt(100 + i, 20 + 7 * i) for i in range(3)}
+    got, _ = run_batched(runner, prompts, 12, {"r2": 9}, Blocks(64, 1))
+    for r, p in prompts.items():
+        assert got[r] == _greedy_reference(model, p, 12), r
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_quantized_models_logits_stay_near_float32s(tiny_dir, fmt):
+    fp32 = load_model(tiny_dir, progress=False)
+    q = load_model(tiny_dir, progress=False, weight_format=fmt)
+    ids = random_prompt(7, 40)
+    a, b = fp32.reference_logits(ids), q.reference_logits(ids)
+    err = float(np.linalg.norm(b - a) / np.linalg.norm(a))
+    assert err < (0.05 if fmt == "int8" else 0.02), err
+
+
+#: the tiny model's greedy tokens in each format (recorded on AMD EPYC Zen 4; the kernels compute
+#: the same on any CPU that runs them: same instructions, same order). float32's are the
+#: reference the others are read against.
+RECORDED: dict[str, list[list[int]]] = {
+    "float32": [
+        [374, 153, 390, 52, 244, 115, 329, 153, 196, 234],
+        [139, 22, 94, 185, 64, 480, 44, 91, 175, 35],
+        [113, 464, 228, 428, 17, 305, 359, 396, 41, 510],
+    ],
+    "int8": [
+        [374, 153, 390, 52, 244, 115, 329, 153, 196, 234],
+        [139, 22, 94, 185, 64, 480, 44, 91, 175, 35],
+        [113, 283, 112, 144, 78, 257, 110, 233, 5, 121],  # (parts from float32 at its 2nd token)
+    ],
+    "bfloat16": [
+        [374, 153, 390, 52, 244, 115, 329, 153, 196, 234],
+        [139, 22, 94, 185, 64, 480, 44, 91, 175, 35],
+        [113, 464, 228, 428, 17, 305, 359, 396, 41, 510],
+    ],
+}
+
+
+@pytest.mark.parametrize("fmt", ("float32", *FORMATS))
+def test_a_formats_greedy_tokens_equal_its_recorded_ones(tiny_dir, fmt):
+    model = load_model(tiny_dir, progress=False, weight_format=fmt)
+    got = [_greedy_reference(model, random_prompt(s, 16), 10) for s in (1, 2, 3)]
+    assert got == RECORDED[fmt]
+
+
+def test_where_the_kernels_cannot_run_the_model_keeps_float32_and_says_why(tiny_dir, monkeypatch, caplog):
+    monkeypatch.setattr(qgemm, "_library", lambda fmt: "this CPU lacks avx512_vnni")
+    with caplog.at_level(logging.WARNING, logger="fd.engine"):
+        model = load_model(tiny_dir, progress=False, weight_format="int8")
+    assert model.weight_format == "float32" and model.lm_head is not None and model.lm_head_q is None
+    assert any(
+        "float32, not int8" in r.getMessage() and "avx512_vnni" in r.getMessage() for r in caplog.records
+    )
+    fp32 = load_model(tiny_dir, progress=False)
+    ids = random_prompt(3, 12)
+    np.testing.assert_array_equal(model.reference_logits(ids), fp32.reference_logits(ids))
