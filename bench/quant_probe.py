@@ -5,9 +5,9 @@ down, and the LM head: 134.5 M weights) at 1, 8, 32 and 256 rows, by route:
 
 - ``eager``: Paddle's ``matmul`` in float32 (MKL sgemm), what a model without packing runs;
 - ``packed``: MKL's packed sgemm (fd/engine/model/packed_gemm.py), what fd runs today;
-- ``bf16``: weights in bfloat16, AVX512-BF16 (fd/engine/model/kernels/qgemm.cc);
+- ``bf16``: weights in bfloat16, AVX512-BF16 (fd/engine/model/qgemm.py);
 - ``q8``: Q8_0-style blocks (32 int8 + an fp16 scale), activations quantized per block at each
-  call, AVX512-VNNI (the same file).
+  call, AVX512-VNNI (the same module's ``int8``).
 
 Each route's time is the median of ``--rounds`` whole steps (every GEMM once, in order), on
 ``--threads`` threads; ratios are against the faster float32 route. The kernels' results are
@@ -19,14 +19,11 @@ checked against numpy first (relative error printed). Prints a table, writes JSO
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -39,62 +36,12 @@ tune()  # (MKL's AVX2 path on AMD CPUs: before Paddle loads MKL, as fd's command
 import numpy as np  # noqa: E402
 import paddle  # noqa: E402
 
-from fd.engine.model import packed_gemm  # noqa: E402
-
-SRC = Path(__file__).resolve().parent.parent / "fd" / "engine" / "model" / "kernels" / "qgemm.cc"
+from fd.engine.model import packed_gemm, qgemm  # noqa: E402
 
 # SmolLM2-135M: hidden 576, MLP 1536, 9 query heads and 3 KV heads of 64, 30 layers, vocab 49152
 LAYER = [(576, 576 + 2 * 192), (576, 576), (576, 2 * 1536), (1536, 576)]
 LAYERS = 30
 HEAD = (576, 49152)
-
-
-def build() -> ctypes.CDLL:
-    libs = Path(paddle.__file__).parent / "libs"
-    out = Path(tempfile.gettempdir()) / "fd-qgemm-probe"
-    out.mkdir(exist_ok=True)
-    so = out / "libqgemm.so"
-    if not so.exists() or so.stat().st_mtime < SRC.stat().st_mtime:
-        obj = out / "qgemm.o"
-        subprocess.run(
-            ["g++", "-O3", "-march=native", "-fopenmp", "-fPIC", "-c", str(SRC), "-o", str(obj)], check=True
-        )
-        # linked to Paddle's OpenMP runtime, not libgomp: one pool of threads in the process
-        subprocess.run(
-            ["g++", "-shared", str(obj), "-o", str(so), f"-L{libs}", "-liomp5", f"-Wl,-rpath,{libs}"],
-            check=True,
-        )
-    lib = ctypes.CDLL(str(so))
-    i, p, i64 = ctypes.c_int, ctypes.c_void_p, ctypes.c_int64
-    for fmt in ("q8", "bf16"):
-        getattr(lib, f"{fmt}_packed_bytes").restype = i64
-        getattr(lib, f"{fmt}_packed_bytes").argtypes = [i, i]
-        getattr(lib, f"{fmt}_pack").restype = None
-        getattr(lib, f"{fmt}_pack").argtypes = [p, i, i, p]
-        getattr(lib, f"{fmt}_gemm").restype = None
-        getattr(lib, f"{fmt}_gemm").argtypes = [p, i, i, p, i, p, p]
-    lib.set_threads.argtypes = [i]
-    return lib
-
-
-class Quantized:
-    def __init__(self, lib: ctypes.CDLL, fmt: str, w: np.ndarray, max_rows: int):
-        self.k, self.n = w.shape
-        self.lib, self.fmt = lib, fmt
-        size = getattr(lib, f"{fmt}_packed_bytes")(self.k, self.n)
-        self.buf = np.empty(size, dtype=np.uint8)
-        getattr(lib, f"{fmt}_pack")(np.ascontiguousarray(w).ctypes.data, self.k, self.n, self.buf.ctypes.data)
-        self.work = np.empty(max_rows * self.k * 2 + max_rows * (self.k // 32) * 4, dtype=np.uint8)
-        self.gemm = getattr(lib, f"{fmt}_gemm")
-        self.bytes = size
-
-    def __call__(self, x: paddle.Tensor) -> paddle.Tensor:
-        m = int(x.shape[0])
-        out = paddle.empty([m, self.n], dtype=paddle.float32)
-        self.gemm(
-            x.data_ptr(), m, self.k, self.buf.ctypes.data, self.n, out.data_ptr(), self.work.ctypes.data
-        )
-        return out
 
 
 def cpu_name() -> str:
@@ -118,23 +65,20 @@ def main() -> None:
     args = ap.parse_args()
     rows_list = [int(r) for r in args.rows.split(",")]
     paddle.set_device("cpu")
-    lib = build()
-    lib.set_threads(args.threads)
     packed_gemm.use_threads(args.threads)
     rng = np.random.default_rng(0)
     shapes = LAYER * LAYERS + [HEAD]
     weights = [(rng.standard_normal(s) * 0.02).astype(np.float32) for s in shapes]
-    max_rows = max(rows_list)
     routes: dict[str, list] = {"eager": [paddle.to_tensor(w) for w in weights]}
     if packed_gemm.available():
         routes["packed"] = [packed_gemm.PackedLinear(w) for w in weights]
-    routes["bf16"] = [Quantized(lib, "bf16", w, max_rows) for w in weights]
-    routes["q8"] = [Quantized(lib, "q8", w, max_rows) for w in weights]
+    routes["bf16"] = [qgemm.QuantLinear(w, "bfloat16", args.threads) for w in weights]
+    routes["q8"] = [qgemm.QuantLinear(w, "int8", args.threads) for w in weights]
     nbytes = {
         "eager": sum(w.nbytes for w in weights),
         "packed": sum(w.nbytes for w in weights),
-        "bf16": sum(q.bytes for q in routes["bf16"]),
-        "q8": sum(q.bytes for q in routes["q8"]),
+        "bf16": sum(q.nbytes for q in routes["bf16"]),
+        "q8": sum(q.nbytes for q in routes["q8"]),
     }
 
     # correctness: each kernel against numpy on the first layer's and the head's shapes
@@ -155,7 +99,7 @@ def main() -> None:
                 paddle.matmul(xs[int(w.shape[0])], w)
         else:
             for w in ws:
-                w(xs[w.k if hasattr(w, "k") else w.shape[0]])
+                w(xs[w.shape[0]])
 
     for route in [r for r in routes if r not in args.routes.split(",")]:
         del routes[route]
