@@ -102,8 +102,21 @@ def _no_retries(client):
     return client
 
 
+def weight_format(cfg: EngineConfig) -> str:
+    """The weight format ``cfg``'s --quantization and --dtype come to for its model (its note,
+    if any, logged)."""
+    from fd.engine.model.config import ModelConfig
+    from fd.engine.model.qgemm import choose_format
+
+    fmt, note = choose_format(cfg.quantization, cfg.dtype, ModelConfig.from_dir(cfg.model_dir).gguf_types)
+    if note:
+        logging.getLogger("fd.engine").info("weights: %s", note)
+    return fmt
+
+
 def make_runner(cfg: EngineConfig, progress: bool = True):
     kw = dict(
+        weight_format=weight_format(cfg),
         device=cfg.device,
         num_blocks=cfg.num_blocks,
         block_size=cfg.block_size,

@@ -52,7 +52,18 @@ def add_engine_args(p: argparse.ArgumentParser, worker_cpus: str = "none") -> No
     )
     from fd.engine.node.node_config import EngineConfig, SchedulerSettings
 
-    add_field_flags(p, EngineConfig, "device", "engine_id", "block_size", "seed", "num_blocks", "kv_cache_mb")
+    add_field_flags(
+        p,
+        EngineConfig,
+        "device",
+        "engine_id",
+        "block_size",
+        "seed",
+        "num_blocks",
+        "kv_cache_mb",
+        "quantization",
+        "dtype",
+    )
     add_field_flags(p, SchedulerSettings, "max_num_seqs", "max_num_batched_tokens")
     add_max_model_len(p)
     add_field_flags(p, EngineConfig, "executor")

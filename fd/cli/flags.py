@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from fd.cli.vllm_table import human_int, human_int_or_auto
+from fd.cli.vllm_table import dtype, human_int, human_int_or_auto
 
 
 def seconds(text: str) -> int:
@@ -63,6 +63,7 @@ NAMED_TYPES: dict[str, Callable[[str], Any]] = {
     "endpoint_list": endpoint_list,
     "human_int": human_int,
     "human_int_or_auto": human_int_or_auto,
+    "dtype": dtype,
 }
 
 

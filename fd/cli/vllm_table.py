@@ -44,9 +44,8 @@ DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 
 
 def dtype(text: str) -> str:
-    """vLLM's ``--dtype``. fd computes in float32 whatever the checkpoint's dtype (a bf16 or fp16
-    one is widened as it loads), so a half precision is taken with a note at start: the
-    answers are the float32 run's, at most as far from vLLM's bfloat16 run as float32 is."""
+    """vLLM's ``--dtype``: one of :data:`DTYPES` (what each comes to: fd/engine/model/qgemm.py's
+    ``choose_format``)."""
     if text not in DTYPES:
         raise argparse.ArgumentTypeError(f"{text}: not one of {', '.join(DTYPES)}")
     return text
@@ -205,15 +204,9 @@ TABLE: tuple[VllmFlag, ...] = tuple(
             ),
             float,
         ),
-        VllmFlag(
-            ("--dtype",),
-            "value",
-            Rule(
-                IGNORE,
-                "fd computes in float32 (a bf16 or fp16 checkpoint is widened as it loads)",
-                ok=("auto", "float", "float32"),
-            ),
-            dtype,
+        *_fd(
+            "fd's flag: the weights' precision (bfloat16 on a CPU with AVX512-BF16; half computes in bfloat16)",
+            "--dtype s",
         ),
         *_flags(
             refuse(_ONE_DEVICE, ok=(1,)), "--tensor-parallel-size/-tp i", "--pipeline-parallel-size/-pp i"
@@ -282,11 +275,15 @@ TABLE: tuple[VllmFlag, ...] = tuple(
             "--config s",
         ),
         # --- refused: ignoring them would change the outputs, or they cannot work here
-        *_flags(
-            refuse("fd runs float32 weights; give the unquantized model (or a .gguf)", ok=(None, "gguf")),
+        *_fd(
+            "",
             "--quantization/-q s",
+            rule=refuse(
+                "fd serves int8 weights (from any checkpoint), a .gguf's own (gguf) or float32 (none)",
+                ok=(None, "none", "int8", "gguf"),
+            ),
         ),
-        *_flags(refuse("fd runs unquantized weights"), "--quantization-config j"),
+        *_flags(refuse("fd quantizes by --quantization alone"), "--quantization-config j"),
         *_flags(refuse("fd's KV cache is the model's dtype", ok=("auto",)), "--kv-cache-dtype s"),
         *_flags(refuse(_ONE_DEVICE, ok=(1,)), "--decode-context-parallel-size/-dcp i"),
         *_flags(refuse(_ONE_DEVICE, ok=(1,)), "--prefill-context-parallel-size/-pcp i"),

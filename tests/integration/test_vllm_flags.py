@@ -186,8 +186,8 @@ def test_a_refused_flag_exits_fd_serve_before_it_starts_anything():
         timeout=60,
     )
     assert r.returncode == 1 and r.stderr.strip().splitlines() == [
-        "error: --quantization gptq is not supported: fd runs float32 weights; give the "
-        "unquantized model (or a .gguf)"
+        "error: --quantization gptq is not supported: fd serves int8 weights (from any "
+        "checkpoint), a .gguf's own (gguf) or float32 (none)"
     ]
     r = subprocess.run(
         [sys.executable, "-m", "fd", "serve", "--dtype", "int3"],
@@ -225,8 +225,14 @@ PUBLISHED = [
         # vLLM examples/online_serving/chart-helm/values.yaml, image.command
         "vllm serve /data/ --served-model-name opt-125m --enforce-eager --dtype bfloat16 --block-size 16 "
         "--host 0.0.0.0 --port 8000",
-        {"model": "/data/", "served_model_name": ["opt-125m"], "block_size": 16, "host": "0.0.0.0"},
-        ["--enforce-eager", "--dtype"],
+        {
+            "model": "/data/",
+            "served_model_name": ["opt-125m"],
+            "block_size": 16,
+            "host": "0.0.0.0",
+            "dtype": "bfloat16",
+        },
+        ["--enforce-eager"],
     ),
 ]
 
@@ -240,12 +246,33 @@ def test_published_vllm_serve_lines_parse_to_fds_config(line, want, noted):
     assert [n.split(" ")[0] for n in notes] == noted
 
 
-def test_a_half_precision_dtype_is_taken_with_a_note():
-    """vLLM's chart's command has --dtype bfloat16: fd computes in float32, and says so."""
-    args = build_parser().parse_args(["serve", "--dtype", "bfloat16"])
-    (note,) = vllm_compat(args)
-    assert note.startswith("--dtype bfloat16") and "float32" in note
-    assert vllm_compat(build_parser().parse_args(["serve", "--dtype", "float32"])) == []
+def test_dtype_and_quantization_are_fds_own_and_come_to_a_weight_format():
+    """vLLM's chart's command has --dtype bfloat16: fd takes it (bfloat16 weights where the CPU
+    has AVX512-BF16); --quantization int8|gguf|none too, and each comes to a weight format
+    against the checkpoint (a .gguf's own quantization unless asked otherwise)."""
+    from fd.engine.model.qgemm import choose_format
+
+    for argv, want in (
+        (["--dtype", "bfloat16"], (None, "bfloat16")),
+        (["--dtype", "float32"], (None, "float32")),
+        (["-q", "int8"], ("int8", "auto")),
+        (["--quantization", "gguf", "--dtype", "auto"], ("gguf", "auto")),
+        ([], (None, "auto")),
+    ):
+        args = build_parser().parse_args(["serve", *argv])
+        assert vllm_compat(args) == [] and (args.quantization, args.dtype) == want, argv
+    q4 = ("Q4_1", "Q8_0")
+    assert choose_format(None, "auto", ()) == ("float32", None)
+    fmt, note = choose_format(None, "auto", q4)
+    assert fmt == "int8" and "Q4_1" in note and "Q8_0" not in note
+    assert choose_format(None, "auto", ("Q8_0",)) == ("int8", None)
+    assert choose_format("none", "auto", q4) == ("float32", None)
+    assert choose_format(None, "float32", q4) == ("float32", None)
+    assert choose_format(None, "bfloat16", ()) == ("bfloat16", None)
+    assert choose_format(None, "half", ())[0] == "bfloat16"
+    assert choose_format("int8", "bfloat16", ()) == ("int8", None)
+    with pytest.raises(ValueError, match="give a .gguf"):
+        choose_format("gguf", "auto", ())
 
 
 def test_a_config_file_is_read_as_vllm_reads_it(tmp_path):

@@ -80,6 +80,9 @@ class ModelConfig:
     # Qwen2-MoE: beside the experts, a shared expert every token goes through, scaled by a
     # sigmoid gate (0: none)
     shared_expert_intermediate_size: int = 0
+    # A checkpoint converted from a GGUF (fd/engine/model/gguf.py): the quantization types of
+    # its dense weights as the file held them (Q4_1, Q8_0, ...); () for any other checkpoint.
+    gguf_types: tuple[str, ...] = ()
 
     @property
     def q_size(self) -> int:
@@ -155,6 +158,7 @@ class ModelConfig:
                 rope_scaling=scaling,
                 torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
                 sliding_window=window or None,
+                gguf_types=tuple(str(t) for t in (d.get("fd_gguf") or {}).get("weight_types", ())),
                 **moe,
             )
         except KeyError as e:

@@ -154,6 +154,13 @@ class GGUFCheckpoint:
     def _get(self, key: str, default: Any = None) -> Any:
         return self.meta.get(f"{self.arch}.{key}", default)
 
+    def weight_types(self) -> list[str]:
+        """The quantization types of the dense layers' and the head's weights (``Q4_1``, ...)."""
+        dense = ("attn_q.", "attn_k.", "attn_v.", "attn_output.", "ffn_gate.", "ffn_up.", "ffn_down.")
+        names = [n for n in self._tensors if n.startswith("blk.") and any(d in n for d in dense)]
+        names.append("output.weight" if "output.weight" in self._tensors else "token_embd.weight")
+        return sorted({self._tensors[n].tensor_type.name for n in names if n.endswith(".weight")})
+
     # ------------------------------------------------------------------ what HF's files say
 
     def config(self) -> dict[str, Any]:
@@ -207,6 +214,9 @@ class GGUFCheckpoint:
             "bos_token_id": self.vocab.ids["bos"],
             "eos_token_id": eos[0] if len(eos) == 1 else eos,
             "torch_dtype": "float32",
+            # (fd's own key: what the file's dense weights were, for --quantization gguf and
+            # --dtype auto, fd/engine/model/qgemm.py; other readers, vLLM's too, ignore it)
+            "fd_gguf": {"weight_types": self.weight_types()},
         }
         if self.arch == "qwen2":
             cfg["use_sliding_window"] = False

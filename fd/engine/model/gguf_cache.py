@@ -20,7 +20,7 @@ from pathlib import Path
 from fd.engine.model.gguf import GGUFCheckpoint, model_name
 
 #: Bumped whenever a conversion would come out different, so old cached ones are not reused.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # (2: config.json names the GGUF's weight types, "fd_gguf")
 
 
 def cached_path(gguf_file: str | os.PathLike, cache_dir: str | os.PathLike) -> Path:

@@ -151,6 +151,30 @@ class EngineConfig:
             "help": "the sampler's seed for requests that give none (vLLM's; default %(default)s)",
         },
     )
+    # vLLM's --quantization and --dtype: what the model's dense weights are held and computed
+    # in (fd/engine/model/qgemm.py's choose_format: a GGUF in its own quantization unless asked
+    # otherwise, any other checkpoint in float32)
+    quantization: str | None = field(
+        default=None,
+        metadata={
+            "flag": "--quantization",
+            "aliases": ("-q",),
+            "metavar": "none|int8|gguf",
+            "help": "the weights in fewer bytes, on a CPU with AVX-512 (vLLM's): int8 (blocks of "
+            "32 with a scale, from any checkpoint), gguf (a .gguf's own quantization), none "
+            "(float32); default: a .gguf's own, else what --dtype says",
+        },
+    )
+    dtype: str = field(
+        default="auto",
+        metadata={
+            "flag": "--dtype",
+            "type": "dtype",
+            "help": "the weights' precision where --quantization does not set it (vLLM's): "
+            "bfloat16 (on a CPU with AVX512-BF16), float32, or auto (a .gguf's own quantization, "
+            "else float32)",
+        },
+    )
     # vLLM's VLLM_BATCH_INVARIANT: a request's logits the same in any batch (fd/engine/model/llama.py),
     # at the price of batch 1 costing what batch 8 does
     batch_invariant: bool = False
