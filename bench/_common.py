@@ -134,6 +134,30 @@ def children_peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
 
 
+def tree_rss_mb(pid: int) -> tuple[float, float]:
+    """(VmRSS, sum of each process's VmHWM) in MiB of ``pid`` and every process below it (a
+    server and its model workers), from /proc."""
+    parents: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+                parents[int(d.name)] = int(stat[stat.rindex(")") + 2 :].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    tree, grew = {pid}, True
+    while grew:
+        more = {c for c, p in parents.items() if p in tree} - tree
+        grew = bool(more)
+        tree |= more
+    cur = peak = 0.0
+    for p in tree:
+        c, h = proc_rss_mb(p)
+        cur += 0.0 if c != c else c
+        peak += 0.0 if h != h else h
+    return cur, peak
+
+
 def proc_rss_mb(pid: int) -> tuple[float, float]:
     """(VmRSS, VmHWM) of a live process in MiB, from /proc."""
     cur = peak = float("nan")

@@ -48,6 +48,7 @@ from bench._common import (  # noqa: E402
     print_table,
     start_serve,
     stream_completion,
+    tree_rss_mb,
     wait_idle,
     write_json,
 )
@@ -59,7 +60,7 @@ MS = 1000.0
 
 
 def engine_steps(
-    model: str, batches: list[int], prompt_len: int, steps: int, batch_invariant: bool
+    model: str, batches: list[int], prompt_len: int, steps: int, batch_invariant: bool, weight_format: str
 ) -> list[dict]:
     import numpy as np
 
@@ -69,7 +70,11 @@ def engine_steps(
 
     nb = -(-(prompt_len + steps + 1) // 16)
     runner = ModelRunner(
-        model, num_blocks=max(batches) * nb + 1, block_size=16, batch_invariant=batch_invariant
+        model,
+        num_blocks=max(batches) * nb + 1,
+        block_size=16,
+        batch_invariant=batch_invariant,
+        weight_format=weight_format,
     )
     forward = runner.model.forward
     spent = [0.0]
@@ -241,6 +246,11 @@ def main() -> None:
     )
     ap.add_argument("--batch-invariant", action="store_true", help="fd with --batch-invariant")
     ap.add_argument("--serve-extra", default="", help="more fd serve flags (one string)")
+    ap.add_argument(
+        "--weight-format",
+        default="float32",
+        help="the engine alone's weights: float32, int8, bfloat16 (fd serve's: --serve-extra '-q int8')",
+    )
     ap.add_argument("--peer-url", default=None, help="another OpenAI-compatible server (e.g. vLLM)")
     ap.add_argument("--peer-model", default=None, help="the model name requests to the peer carry")
     ap.add_argument(
@@ -262,7 +272,9 @@ def main() -> None:
         vocab = int(json.load(f)["vocab_size"])
     out = {"model": args.model, "args": vars(args)}
     if not args.skip_engine:
-        rows = engine_steps(args.model, args.streams, args.prompt_len, args.steps, args.batch_invariant)
+        rows = engine_steps(
+            args.model, args.streams, args.prompt_len, args.steps, args.batch_invariant, args.weight_format
+        )
         out["engine"] = rows
         print_table(
             "engine alone (decode steps)",
@@ -277,7 +289,9 @@ def main() -> None:
         extra = [*args.serve_extra.split(), *(["--batch-invariant"] if args.batch_invariant else [])]
         srv = start_serve(args.model, extra=extra, timeout=600)
         try:
-            servers.append(("fd", asyncio.run(serve_run(srv.base, args, FD_GAUGES, None, "fd", vocab))))
+            res = asyncio.run(serve_run(srv.base, args, FD_GAUGES, None, "fd", vocab))
+            res["rss_mb"], res["rss_peak_mb"] = tree_rss_mb(srv.proc.pid)
+            servers.append(("fd", res))
         finally:
             srv.stop()
     if args.peer_url:
@@ -293,6 +307,8 @@ def main() -> None:
     for name, res in servers:
         out[name] = res
         rel = {r["streams"]: r for r in res["release"]}
+        if "rss_mb" in res:
+            print(f"{name}: RSS of the process tree {res['rss_mb']:.0f} MiB (peaks {res['rss_peak_mb']:.0f})")
         print_table(
             f"{name}: streams",
             [
