@@ -64,7 +64,7 @@ def add_engine_args(p: argparse.ArgumentParser, worker_cpus: str = "none") -> No
         "quantization",
         "dtype",
     )
-    add_field_flags(p, SchedulerSettings, "max_num_seqs", "max_num_batched_tokens")
+    add_field_flags(p, SchedulerSettings, "max_num_seqs", "max_num_batched_tokens", "prefill_per_decode")
     add_max_model_len(p)
     add_field_flags(p, EngineConfig, "executor")
     p.add_argument("--step-ms", type=float, default=20.0, help="with --executor timed: a step's fixed time")

@@ -236,6 +236,40 @@ def test_long_prefill_threshold_caps_a_chunk():
     assert [(s.request_id, len(s.token_ids)) for s in out.seqs] == [("a", 5), ("b", 3)]
 
 
+def test_prefill_beside_decodes_is_capped_per_decode_and_a_wave_goes_in_slices():
+    """With ``prefill_per_decode`` 3 (block size 4): beside one decode a step prefills a block's
+    worth (4), beside two 6, beside none the whole budget; the sliced prompts come out whole."""
+    sched, runner = make(prefill_per_decode=3)
+    sched.add("a", req(4, max_tokens=12))
+    out, evs = step(sched, runner)  # no decodes yet: the whole prompt
+    assert [(s.request_id, len(s.token_ids)) for s in out.seqs] == [("a", 4)]
+    prompts = {"b": req(10, start=40), "c": req(9, start=60)}
+    for rid, r in prompts.items():
+        sched.add(rid, r)
+    shapes = []
+    for _ in range(4):
+        out, e = step(sched, runner)
+        evs += e
+        shapes.append([(s.request_id, len(s.token_ids)) for s in out.seqs])
+    assert shapes == [
+        [("a", 1), ("b", 4)],  # one decode: a block's worth (3 < 4)
+        [("a", 1), ("b", 4)],
+        [("a", 1), ("b", 2), ("c", 2)],  # b's last 2 and c's first 2
+        [("a", 1), ("b", 1), ("c", 6)],  # two decodes: 6
+    ]
+    evs += run_all(sched, runner)
+    assert tokens_of(evs, "a") == reference(req(4).prompt_token_ids, 12)
+    for rid, r in prompts.items():
+        assert tokens_of(evs, rid) == reference(r.prompt_token_ids, 4), rid
+    off, _ = make()
+    off.add("a", req(4, max_tokens=12))
+    step(off, runner)
+    off.add("b", req(40, start=40))
+    assert [len(s.token_ids) for s in off.schedule().seqs] == [1, 40]  # (0: only the budget)
+    with pytest.raises(ValueError, match="prefill_per_decode"):
+        SchedulerConfig(num_blocks=4, prefill_per_decode=-1)
+
+
 def test_without_chunked_prefill_a_prompt_waits_for_a_step_it_fits_whole():
     sched, runner = make(enable_chunked_prefill=False, max_num_batched_tokens=16, max_model_len=16)
     sched.add("a", req(10))

@@ -30,6 +30,14 @@ class SchedulerConfig:
     # long prompt cannot take the whole budget from others arriving with it; 0 turns it off.
     # Only with chunked prefill: otherwise a prompt runs whole.
     long_prefill_threshold: int = 0
+    # Prompt tokens a step computes beside its decodes, at most this many per decode (and at
+    # least a KV block's worth; 0: only max_num_batched_tokens). Every running stream waits for
+    # the whole step, so a step that also prefills a wave of new prompts is a gap in each of
+    # them. A decode step's time grows with its decodes, so a cap in proportion to them keeps a
+    # mixed step within a small multiple of the decode step it holds up, at 8 streams as at 32.
+    # A step with no decodes takes the whole budget. Only with chunked prefill (otherwise a
+    # prompt runs whole).
+    prefill_per_decode: int = 0
     # can_admit() keeps at most this many claimed-but-not-started requests: anything beyond
     # would sit here instead of in Redis, where another engine could have taken it.
     max_num_waiting: int = 16
@@ -71,6 +79,8 @@ class SchedulerConfig:
             raise ValueError("SchedulerConfig.scheduling_policy must be fcfs or priority")
         if self.long_prefill_threshold < 0:
             raise ValueError("SchedulerConfig.long_prefill_threshold must be >= 0")
+        if not isinstance(self.prefill_per_decode, int) or self.prefill_per_decode < 0:
+            raise ValueError("SchedulerConfig.prefill_per_decode must be an integer >= 0")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 "without chunked prefill max_num_batched_tokens must be >= max_model_len, "

@@ -271,9 +271,18 @@ class Scheduler:
         prefilling: list[Sequence] = []
         for s in self._running:
             (decoding if s.is_decoding else prefilling).append(s)
+        # Prompt tokens this step may still compute: the whole budget, or beside decodes the
+        # cap (SchedulerConfig.prefill_per_decode), counted once the decodes are in.
+        prefill_left = budget
+        decodes_in = False
         for seq in decoding + prefilling:
             if budget == 0:
                 break
+            if not seq.is_decoding and not decodes_in:
+                decodes_in = True
+                prefill_left = self._prefill_room(batch, budget)
+                if prefill_left == 0:
+                    break
             if seq.status is not Status.RUNNING or seq.done:
                 continue  # preempted earlier in this loop; or only waiting for a step in flight
             if seq.num_pending and finish.ends_on_pending(seq, self.config):
@@ -283,7 +292,7 @@ class Scheduler:
                 continue
             decode = seq.is_decoding
             if not decode:
-                want = self._cap_chunk(want)
+                want = self._cap_chunk(min(want, prefill_left))
             while True:
                 n = want
                 if not decode:
@@ -312,12 +321,22 @@ class Scheduler:
             batch.append((seq, n))
             scheduled[seq.request_id] = None
             budget -= n
+            if not decode:
+                prefill_left -= n
 
-        while self._waiting and budget > 0 and len(self._running) < cfg.max_num_seqs and not self._stalled:
+        if not decodes_in:
+            prefill_left = self._prefill_room(batch, budget)
+        while (
+            self._waiting
+            and budget > 0
+            and prefill_left > 0
+            and len(self._running) < cfg.max_num_seqs
+            and not self._stalled
+        ):
             seq = self._waiting[0]
             hit = self._prefix.cached_prefix(seq)
             need = seq.num_unscheduled - len(hit) * self.blocks.block_size
-            n = self._cap_chunk(min(need, budget))
+            n = self._cap_chunk(min(need, budget, prefill_left))
             # Start a prompt only when the free blocks hold all of it, even if it runs in chunks:
             # one started on the last few blocks would be preempted again as soon as a decode
             # needs one (and a request preempted in this very step would take its own blocks
@@ -342,6 +361,7 @@ class Scheduler:
             batch.append((seq, n))
             scheduled[seq.request_id] = None
             budget -= n
+            prefill_left -= n
 
         seqs = tuple(self._scheduled_seq(seq, n) for seq, n in batch)
         out = SchedulerOutput(
@@ -421,6 +441,15 @@ class Scheduler:
         return events
 
     # ------------------------------------------------------------------ internals
+
+    def _prefill_room(self, batch: list[tuple[Sequence, int]], budget: int) -> int:
+        """The prompt tokens a step whose decodes are ``batch`` may compute: the budget left,
+        capped at ``prefill_per_decode`` tokens per decode (a KV block's worth at least) when it
+        has any decode (and chunked prefill, without which a prompt cannot be sliced)."""
+        per = self.config.prefill_per_decode
+        if per and batch and self.config.enable_chunked_prefill:
+            return min(budget, max(self.config.block_size, per * len(batch)))
+        return budget
 
     def _cap_chunk(self, n: int) -> int:
         t = self.config.long_prefill_threshold
