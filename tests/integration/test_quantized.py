@@ -16,7 +16,7 @@ import pytest
 from fd.engine.model import qgemm
 from fd.engine.model.loader import load_model
 from fd.engine.runner.model_runner import ModelRunner
-from tests.kit.model import BLOCK, Blocks, random_prompt, run_batched, tiny_dir  # noqa: F401  (tiny_dir: a fixture)
+from tests.kit.model import BLOCK, Blocks, greedy_reference, random_prompt, run_batched, tiny_dir  # noqa: F401  (tiny_dir: a fixture)
 
 FORMATS = ("int8", "bfloat16")
 
@@ -84,15 +84,6 @@ def test_a_weight_of_a_shape_the_kernels_do_not_take_is_refused():
         qgemm.QuantLinear(np.zeros((32, 16), np.float32), "int8")(paddle.zeros([2, 32], dtype="float64"))
 
 
-def _greedy_reference(model, prompt, steps):
-    ids, out = list(prompt), []
-    for _ in range(steps):
-        t = int(np.argmax(model.reference_logits(ids)[-1]))
-        out.append(t)
-        ids.append(t)
-    return out
-
-
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_quantized_model_holds_no_float32_copy_and_its_paged_batches_equal_its_recompute(tiny_dir, fmt):
     """Every dense weight in the format (none left in float32), and the paged, chunked, batched
@@ -108,7 +99,7 @@ def test_a_quantized_model_holds_no_float32_copy_and_its_paged_batches_equal_its
     prompts = {f"r{i}": random_prompt(100 + i, 20 + 7 * i) for i in range(3)}
     got, _ = run_batched(runner, prompts, 12, {"r2": 9}, Blocks(64, 1))
     for r, p in prompts.items():
-        assert got[r] == _greedy_reference(model, p, 12), r
+        assert got[r] == greedy_reference(model, p, 12), r
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -146,7 +137,7 @@ RECORDED: dict[str, list[list[int]]] = {
 @pytest.mark.parametrize("fmt", ("float32", *FORMATS))
 def test_a_formats_greedy_tokens_equal_its_recorded_ones(tiny_dir, fmt):
     model = load_model(tiny_dir, progress=False, weight_format=fmt)
-    got = [_greedy_reference(model, random_prompt(s, 16), 10) for s in (1, 2, 3)]
+    got = [greedy_reference(model, random_prompt(s, 16), 10) for s in (1, 2, 3)]
     assert got == RECORDED[fmt]
 
 

@@ -20,6 +20,16 @@ def tiny_dir(tmp_path_factory):
     return make_tiny_model(str(tmp_path_factory.mktemp("tiny") / "tiny"))
 
 
+def greedy_reference(model, prompt, steps: int) -> list[int]:
+    """``steps`` greedy tokens after ``prompt`` by the model's full recompute (no cache)."""
+    ids, out = list(prompt), []
+    for _ in range(steps):
+        t = int(np.argmax(model.reference_logits(ids)[-1]))
+        out.append(t)
+        ids.append(t)
+    return out
+
+
 def random_prompt(seed: int, n: int) -> list[int]:
     return np.random.default_rng(seed).integers(4, 512, size=n).tolist()
 

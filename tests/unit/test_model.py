@@ -17,7 +17,7 @@ from fd.engine.core.outputs import ScheduledSeq, SchedulerOutput
 from fd.engine.model.config import ModelConfig, UnsupportedModel
 from fd.engine.model.loader import WeightError, load_model
 from fd.engine.runner.model_runner import ModelRunner
-from tests.kit.model import BLOCK, GREEDY, Blocks, random_prompt, run_batched, tiny_dir  # noqa: F401  (tiny_dir: a fixture)
+from tests.kit.model import BLOCK, GREEDY, Blocks, greedy_reference, random_prompt, run_batched, tiny_dir  # noqa: F401  (tiny_dir: a fixture)
 
 
 @pytest.fixture(scope="module")
@@ -37,15 +37,6 @@ def _edit_config(d, **changes):
     cfg = json.loads((d / "config.json").read_text())
     cfg.update(changes)
     (d / "config.json").write_text(json.dumps(cfg))
-
-
-def _greedy_reference(model, prompt, steps):
-    ids, out = list(prompt), []
-    for _ in range(steps):
-        t = int(np.argmax(model.reference_logits(ids)[-1]))
-        out.append(t)
-        ids.append(t)
-    return out
 
 
 def _assert_same_tokens(got, want, got_logits, want_logits, what):
@@ -77,7 +68,7 @@ def test_load_and_reference_is_deterministic(tiny_dir):
 
 
 def test_greedy_output_varies(runner):
-    out = _greedy_reference(runner.model, random_prompt(1, 5), 16)
+    out = greedy_reference(runner.model, random_prompt(1, 5), 16)
     assert len(set(out)) > 8
 
 
@@ -228,7 +219,7 @@ def test_qwen2_with_biases_and_untied_head(tiny_dir, tmp_path, runner):
     prompts = {f"q{i}": random_prompt(200 + i, n) for i, n in enumerate([4, 19, 33])}
     gen, logits = run_batched(qwen, prompts, 6, {"q2": 10}, Blocks(64, seed=2))
     for r, p in prompts.items():
-        assert gen[r] == _greedy_reference(qwen.model, p, 6), r
+        assert gen[r] == greedy_reference(qwen.model, p, 6), r
     p = prompts["q1"]
     assert not np.allclose(qwen.model.reference_logits(p), runner.model.reference_logits(p), atol=1e-2)
     # missing biases are named
@@ -480,7 +471,7 @@ def test_mixture_of_experts_matches_numpy_forward_and_its_paged_path(tiny_dir, t
             atol=1e-4,
             err_msg=r,
         )
-        assert batched[r] == _greedy_reference(moe.model, p, 6), r
+        assert batched[r] == greedy_reference(moe.model, p, 6), r
     # an expert missing is named
     del w[
         "model.layers.0."
@@ -556,7 +547,7 @@ def test_packed_gemms_agree_with_the_eager_ones(tiny_dir, runner):
     for k in range(5):
         step = ScheduledSeq("f", (got[-1],), 200 + k, blocks, True, GREEDY, k + 1)
         got.append(fast.execute(SchedulerOutput(step=2 + k, seqs=(step,))).sampled["f"])
-    assert got == _greedy_reference(runner.model, p, 6)
+    assert got == greedy_reference(runner.model, p, 6)
 
 
 def test_a_gemm_plan_serves_each_row_count_by_its_bucket():
@@ -621,7 +612,7 @@ def test_qwen3_matches_numpy_forward_and_its_paged_path(tiny_dir, tmp_path):
     prompts = {f"q{i}": random_prompt(300 + i, n) for i, n in enumerate([5, 21, 34])}
     gen, _ = run_batched(qwen, prompts, 6, {"q2": 10}, Blocks(64, seed=3))
     for r, p in prompts.items():
-        assert gen[r] == _greedy_reference(qwen.model, p, 6), r
+        assert gen[r] == greedy_reference(qwen.model, p, 6), r
     # the norms matter (a Qwen3 read as a Llama would answer differently), and are named when missing
     del w["model.layers.1.self_attn.k_norm.weight"]
     save_file(w, str(d / "model.safetensors"))
@@ -690,7 +681,7 @@ def test_a_llama3_scaled_model_matches_numpy_forward_and_its_paged_path(tiny_dir
     prompts = {f"l{i}": random_prompt(400 + i, n) for i, n in enumerate([6, 23, 37])}
     gen, _ = run_batched(runner, prompts, 6, {"l2": 10}, Blocks(64, seed=4))
     for r, p in prompts.items():
-        assert gen[r] == _greedy_reference(runner.model, p, 6), r
+        assert gen[r] == greedy_reference(runner.model, p, 6), r
 
 
 def test_mistral_is_llama_with_a_sliding_window(tiny_dir, tmp_path, runner):
@@ -720,7 +711,7 @@ def test_mistral_is_llama_with_a_sliding_window(tiny_dir, tmp_path, runner):
     prompts = {f"w{i}": random_prompt(500 + i, n) for i, n in enumerate([4, 11, 30])}
     gen, _ = run_batched(windowed, prompts, 8, {"w2": 7}, Blocks(64, seed=5))
     for r, q in prompts.items():
-        assert gen[r] == _greedy_reference(windowed.model, q, 8), r
+        assert gen[r] == greedy_reference(windowed.model, q, 8), r
     for bad in (0, "4096", True):
         _edit_config(d, sliding_window=bad)
         with pytest.raises(UnsupportedModel, match="sliding_window"):

@@ -207,6 +207,22 @@ def _fastest_at(pairs, routes, threads, rows: int, rounds: int) -> tuple[str, in
     return more if best[more] < 0.9 * best[one] else one
 
 
+def gemm_operands(x: paddle.Tensor, k: int, n: int, what: str) -> tuple[paddle.Tensor, int, paddle.Tensor]:
+    """For a GEMM by pointer over a prepared [k, n] weight (this module's, and
+    fd/engine/model/qgemm.py's): ``x`` checked to be float32 [rows, k] and made contiguous, its
+    rows, and a fresh float32 [rows, n] output. (The kernel reads rows x k floats at the
+    pointer: a wrong shape or dtype would be out of bounds. The place is not checked: only a
+    CPU model prepares its weights, and this runs 121 times a SmolLM2 step. ``is``: a dtype's
+    == costs ~1.4 us, identity ~0.1.)"""
+    shape = x.shape
+    if x.dtype is not paddle.float32 or len(shape) != 2 or shape[1] != k:
+        raise ValueError(f"a {what} {k}x{n} GEMM takes float32 [rows, {k}], got {x.dtype} {shape}")
+    if not x.is_contiguous():
+        x = x.contiguous()
+    m = int(shape[0])
+    return x, m, paddle.empty([m, n], dtype=paddle.float32)
+
+
 class PackedLinear:
     """``x @ w`` for float32 ``x`` [rows, in] on the CPU and a fixed ``w`` [in, out], packed
     once, computed with as many MKL threads as :func:`use_threads` set for the calling thread.
@@ -230,16 +246,7 @@ class PackedLinear:
 
     def __call__(self, x: paddle.Tensor) -> paddle.Tensor:
         k, n = self.shape
-        shape = x.shape
-        # (MKL reads rows x k floats at the pointer: a wrong shape or dtype is out of bounds.
-        # The place is not checked: only a CPU model packs its weights, and these checks run
-        # 121 times a SmolLM2 step. ``is``: a dtype's == costs ~1.4 us, identity ~0.1.)
-        if x.dtype is not paddle.float32 or len(shape) != 2 or shape[1] != k:
-            raise ValueError(f"a packed {k}x{n} GEMM takes float32 [rows, {k}], got {x.dtype} {shape}")
-        if not x.is_contiguous():
-            x = x.contiguous()
-        m = int(shape[0])
-        out = paddle.empty([m, n], dtype=paddle.float32)
+        x, m, out = gemm_operands(x, k, n, "packed")
         if m:
             self._lib.cblas_sgemm_compute(
                 _ROW_MAJOR, _NO_TRANS, _PACKED, m, n, k, x.data_ptr(), k, self._buf, n, 0.0, out.data_ptr(), n

@@ -32,6 +32,8 @@ from pathlib import Path
 import numpy as np
 import paddle
 
+from fd.engine.model.packed_gemm import gemm_operands
+
 log = logging.getLogger("fd.engine")
 
 SOURCE = Path(__file__).parent / "kernels" / "qgemm.cc"
@@ -169,15 +171,7 @@ class QuantLinear:
 
     def __call__(self, x: paddle.Tensor) -> paddle.Tensor:
         k, n = self.shape
-        shape = x.shape
-        # (the kernel reads rows x k floats at the pointer: a wrong shape or dtype is out of
-        # bounds. ``is``: a dtype's == costs ~1.4 us, identity ~0.1.)
-        if x.dtype is not paddle.float32 or len(shape) != 2 or shape[1] != k:
-            raise ValueError(f"a {self.fmt} {k}x{n} GEMM takes float32 [rows, {k}], got {x.dtype} {shape}")
-        if not x.is_contiguous():
-            x = x.contiguous()
-        m = int(shape[0])
-        out = paddle.empty([m, n], dtype=paddle.float32)
+        x, m, out = gemm_operands(x, k, n, self.fmt)
         if m:
             self._gemm(x.data_ptr(), m, k, self._ptr, n, out.data_ptr(), self.threads)
         return out
