@@ -290,6 +290,8 @@ class Llama:
             log.warning("weights kept in float32 (%s): %s", self.weight_format, ", ".join(kept))
         if gemms != "eager" and self.weight_format == "float32":
             self._pack_weights(keep_if_slower=gemms == "packed")
+        elif self.weight_format != "float32":
+            self._thread_quantized(threads)
         # LoRA adapters (add_lora): per slot, per layer, fused projection -> (A [in, R], B [R, out])
         self.loras: dict[int, list[dict[str, tuple[paddle.Tensor, paddle.Tensor]]]] = {}
         self._active: tuple[tuple[list, paddle.Tensor], ...] = ()  # this forward's (layers, rows)
@@ -312,6 +314,22 @@ class Llama:
             return fmt
         log.warning("weights in float32, not %s: its kernels cannot run here (%s)", fmt, why)
         return "float32"
+
+    def _thread_quantized(self, threads: int) -> None:
+        """The threads of the quantized GEMMs and of what MKL still computes beside them
+        (attention's products, LoRA, experts): one per CPU the process may run on, or one where
+        the weights fit in the caches (packed_gemm.THREADS_MIN_BYTES: a second thread would
+        only spin). The plan says so, so that the worker is given the CPUs to match
+        (fd/engine/runner/worker.py): Paddle leaves MKL at one thread, and a worker that looks
+        single-threaded is pinned to one CPU, where two kernel threads take turns."""
+        qs = [layer[n] for layer in self.layers for n in layer if n.endswith("_q")]
+        qs += [self.lm_head_q] if self.lm_head_q is not None else []
+        if sum(q.nbytes for q in qs) < packed_gemm.THREADS_MIN_BYTES:
+            threads = 1
+        for q in qs:
+            q.threads = threads
+        if packed_gemm.available():
+            self._plan = packed_gemm.GemmPlan.always("eager", threads)
 
     def _pack_weights(self, keep_if_slower: bool) -> None:
         """Packs the dense layers' and the head's weights, then times the routes (packed or,
