@@ -106,7 +106,7 @@ def weight_format(cfg: EngineConfig) -> str:
     """The weight format ``cfg``'s --quantization and --dtype come to for its model (its note,
     if any, logged)."""
     from fd.engine.model.config import ModelConfig
-    from fd.engine.model.qgemm import choose_format
+    from fd.engine.model.formats import choose_format
 
     fmt, note = choose_format(cfg.quantization, cfg.dtype, ModelConfig.from_dir(cfg.model_dir).gguf_types)
     if note:

@@ -250,7 +250,7 @@ def test_dtype_and_quantization_are_fds_own_and_come_to_a_weight_format():
     """vLLM's chart's command has --dtype bfloat16: fd takes it (bfloat16 weights where the CPU
     has AVX512-BF16); --quantization int8|gguf|none too, and each comes to a weight format
     against the checkpoint (a .gguf's own quantization unless asked otherwise)."""
-    from fd.engine.model.qgemm import choose_format
+    from fd.engine.model.formats import choose_format
 
     for argv, want in (
         (["--dtype", "bfloat16"], (None, "bfloat16")),

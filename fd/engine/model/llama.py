@@ -36,11 +36,10 @@ import paddle.nn.functional as F
 from fd.engine.model import packed_gemm, paged_attention, qgemm
 from fd.engine.model.checkpoint_layout import expert_names
 from fd.engine.model.config import ModelConfig, rope_inv_freq
+from fd.engine.model.formats import WEIGHT_FORMATS
 
 log = logging.getLogger("fd.engine")
 
-#: what the dense layers' and the head's weights may be held and computed in
-WEIGHT_FORMATS = ("float32", "int8", "bfloat16")
 ROW_ALIGN = 8  # the CPU GEMM rounds rows outside full 8-row tiles differently
 KEY_ALIGN = 16  # key lengths padded to a multiple of this for the same reason
 MASKED = -1e30  # finite, so fully padded query rows stay NaN-free

@@ -175,39 +175,3 @@ class QuantLinear:
         if m:
             self._gemm(x.data_ptr(), m, k, self._ptr, n, out.data_ptr(), self.threads)
         return out
-
-
-#: vLLM's ``--quantization`` values fd serves (None: not given)
-QUANTIZATIONS = ("none", "int8", "gguf")
-#: GGUF types whose values the int8 format holds exactly (8-bit blocks of 32, or wider)
-_EXACT_IN_INT8 = frozenset({"Q8_0", "F32", "F16", "BF16"})
-
-
-def choose_format(
-    quantization: str | None, dtype: str, gguf_types: tuple[str, ...]
-) -> tuple[str, str | None]:
-    """vLLM's ``--quantization`` and ``--dtype`` against the checkpoint (``gguf_types``: a
-    converted GGUF's weight types, () for any other): the weight format
-    (fd/engine/model/llama.py's ``WEIGHT_FORMATS``), and a note where it is not literally what
-    was asked. ``--quantization`` not given and ``--dtype auto`` serve a GGUF in its own
-    quantization and any other checkpoint in float32; ``none`` is float32 whatever the file."""
-    if quantization not in (None, *QUANTIZATIONS):
-        raise ValueError(f"--quantization {quantization}: not one of {', '.join(QUANTIZATIONS)}")
-    if quantization == "int8":
-        return "int8", None
-    if quantization == "gguf" or quantization is None and dtype == "auto" and gguf_types:
-        if not gguf_types:
-            raise ValueError("--quantization gguf serves a GGUF's own weights: give a .gguf model")
-        coarser = sorted(set(gguf_types) - _EXACT_IN_INT8)
-        note = (
-            f"the GGUF's {', '.join(coarser)} blocks are computed as 8-bit blocks (int8), which hold "
-            "their values to within 1/254 of each block's largest"
-            if coarser
-            else None
-        )
-        return "int8", note
-    if dtype == "bfloat16":
-        return "bfloat16", None
-    if dtype in ("half", "float16"):
-        return "bfloat16", f"--dtype {dtype}: a CPU computes half precision in bfloat16"
-    return "float32", None

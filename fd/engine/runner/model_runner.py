@@ -31,7 +31,7 @@ from fd.engine.core.sequence import PLACEHOLDER
 from fd.engine.model.llama import ForwardBatch, Llama
 from fd.engine.model.loader import load_model
 from fd.engine.runner.batch import build_batch
-from fd.engine.runner.malloc import pin_thresholds
+from fd.engine.runner.malloc import pin_thresholds, release_free
 from fd.engine.runner.runners import InProcessRunner
 from fd.engine.runner.sampler import Sampler, token_logprobs
 from fd.engine.runner.step_cut import StepCut
@@ -103,6 +103,7 @@ class ModelRunner(InProcessRunner):
             gemms=gemms or _gemms(device, batch_invariant),
             weight_format=weight_format,
         )
+        release_free()  # (what the load freed: fd/engine/runner/malloc.py)
         self.block_size = block_size
         if num_blocks is None:
             budget = kv_cache_bytes or DEFAULT_KV_CACHE_BYTES["cpu" if device == "cpu" else "gpu"]
