@@ -54,8 +54,8 @@ class SchedulerSettings:
     )
     # Prompt tokens a step computes beside its decodes, per decode (SchedulerConfig): a wave of
     # new prompts goes in slices, so a running stream's next token waits for about its own
-    # decode step and a slice, not a whole wave's prefill. 4: on SmolLM2-135M on two CPUs it cut
-    # the inter-token p99 at 32 streams 615 -> 247 ms and the TTFT p50 1.7 -> 0.65 s (bench/README.md).
+    # decode step and a slice, not a whole wave's prefill; 4 trades a little throughput for
+    # much less inter-token p99 and TTFT under arriving prompts (bench/README.md has the figures).
     prefill_per_decode: int = field(
         default=4,
         metadata={
