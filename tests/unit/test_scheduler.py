@@ -261,6 +261,17 @@ def test_prefill_beside_decodes_is_capped_per_decode_and_a_wave_goes_in_slices()
     assert tokens_of(evs, "a") == reference(req(4).prompt_token_ids, 12)
     for rid, r in prompts.items():
         assert tokens_of(evs, rid) == reference(r.prompt_token_ids, 4), rid
+    # two prompts mid-prefill and the cap spent on the first: the second waits, nobody is
+    # preempted for it
+    two, _ = make(prefill_per_decode=3, long_prefill_threshold=4)
+    two.add("a", req(4, max_tokens=12))
+    two.add("b", req(12, start=40))
+    two.add("c", req(12, start=60))
+    out, _ = step(two, runner)  # no decodes: a whole, b and c a chunk each
+    assert [(s.request_id, len(s.token_ids)) for s in out.seqs] == [("a", 4), ("b", 4), ("c", 4)]
+    out, e = step(two, runner)  # one decode: 4 prompt tokens, all b's
+    assert [(s.request_id, len(s.token_ids)) for s in out.seqs] == [("a", 1), ("b", 4)]
+    assert "Preempted" not in kinds(e)
     off, _ = make()
     off.add("a", req(4, max_tokens=12))
     step(off, runner)

@@ -281,8 +281,6 @@ class Scheduler:
             if not seq.is_decoding and not decodes_in:
                 decodes_in = True
                 prefill_left = self._prefill_room(batch, budget)
-                if prefill_left == 0:
-                    break
             if seq.status is not Status.RUNNING or seq.done:
                 continue  # preempted earlier in this loop; or only waiting for a step in flight
             if seq.num_pending and finish.ends_on_pending(seq, self.config):
@@ -293,6 +291,8 @@ class Scheduler:
             decode = seq.is_decoding
             if not decode:
                 want = self._cap_chunk(min(want, prefill_left))
+                if want == 0:
+                    break  # (the cap is spent; the rest are prefills too, and must not preempt)
             while True:
                 n = want
                 if not decode:
