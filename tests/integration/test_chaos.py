@@ -831,7 +831,7 @@ async def test_chaos_of_redis_itself(tmp_path, keys, tiny_model_dir, tiny_runner
                 for rid, prompt, max_tokens in seg:
                     tasks.append(
                         asyncio.create_task(
-                            asyncio.wait_for(client(n, rid, prompt, max_tokens), 60), name=rid
+                            asyncio.wait_for(client(n, rid, prompt, max_tokens), 120), name=rid
                         )
                     )
                     n += 1
