@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.crc import key_slot
 
 from fd.control.bad_event import BadEvent
@@ -174,9 +175,38 @@ class _Shard:
         if not keys:
             return
         pipe = mux.redis.pipeline(transaction=False)
+        sentinel = mux.check_role and isinstance(
+            getattr(mux.redis, "connection_pool", None), SentinelConnectionPool
+        )
+        if sentinel:
+            pipe.execute_command("ROLE")
         for key in keys:
             pipe.type(key)
-        types = await pipe.execute()
+        types = await pipe.execute(raise_on_error=False)
+        for t in types[1 if sentinel else 0 :]:
+            if isinstance(t, Exception):
+                raise t  # (an outage, as a read's: the shard's loop rides it out)
+        if sentinel:
+            role = types.pop(0)
+            if isinstance(role, Exception):  # (ROLE refused, by an ACL say: no more asking)
+                mux.check_role = False
+                log.warning(
+                    "stream mux %s: ROLE refused (%s); not checking the server's role", mux.reader_id, role
+                )
+            elif _b(role[0]) != b"master":
+                # A Sentinel failover demoted the server these connections were made to; reads
+                # there still answer, from its own past, so nothing would move this reader
+                # to the new primary and its clients would wait for ever (a story begun on the
+                # new primary looks gone from here). Reconnect: new connections ask the
+                # sentinels where the primary is.
+                log.warning(
+                    "stream mux %s: reading from a %s, not the primary; reconnecting",
+                    mux.reader_id,
+                    _b(role[0]).decode(),
+                )
+                await mux.redis.connection_pool.disconnect()
+                self.missing.clear()
+                return
         for key in [k for k in self.missing if k not in self.subs]:
             del self.missing[key]
         for key, key_type in zip(keys, types, strict=False):
@@ -322,6 +352,8 @@ class StreamMux:
         #: How often each shard looks for stories that disappeared (one pipelined TYPE of its
         #: keys): a client's stream whose story went ends within twice this plus ``block_ms``.
         self.lost_look_s = lost_look_s
+        # Under Sentinel, each look asks the server its role (see _Shard._look_for_lost)
+        self.check_role = True
         self.lost = 0  # subscribed stories found gone
         self._unlisten: Callable[[], None] | None = None
         self._in_process = False  # take this process's appends as told (hear_in_process)
