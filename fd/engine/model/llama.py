@@ -175,7 +175,7 @@ class Llama:
             raise ValueError(
                 f"weight_format must be one of {', '.join(WEIGHT_FORMATS)}, not {weight_format!r}"
             )
-        self.weight_format = self._runnable(weight_format)
+        self.weight_format = qgemm.runnable(weight_format, device == "cpu")
         threads = len(os.sched_getaffinity(0))
         kept: list[str] = []  # weights the kernels do not take, kept in float32
 
@@ -303,16 +303,6 @@ class Llama:
         self.num_blocks_total = 0
         self.block_size = 0
         self.trash_slot = 0
-
-    def _runnable(self, fmt: str) -> str:
-        """``fmt`` if its kernels run here, else float32 (and one line saying why)."""
-        if fmt == "float32":
-            return fmt
-        why = "not on a CPU" if self.device != "cpu" else qgemm.unavailable(fmt)
-        if why is None:
-            return fmt
-        log.warning("weights in float32, not %s: its kernels cannot run here (%s)", fmt, why)
-        return "float32"
 
     def _thread_quantized(self, threads: int) -> None:
         """The threads of the quantized GEMMs and of what MKL still computes beside them

@@ -142,6 +142,17 @@ def unavailable(fmt: str) -> str | None:
     return got if isinstance(got, str) else None
 
 
+def runnable(fmt: str, on_cpu: bool) -> str:
+    """``fmt`` if its kernels run here, else float32 (and one line saying why)."""
+    if fmt == "float32":
+        return fmt
+    why = "not on a CPU" if not on_cpu else unavailable(fmt)
+    if why is None:
+        return fmt
+    log.warning("weights in float32, not %s: its kernels cannot run here (%s)", fmt, why)
+    return "float32"
+
+
 def fits(fmt: str, k: int, n: int) -> bool:
     """Whether a [k, n] weight has the shape the kernels take."""
     return k % K_MULTIPLE[fmt] == 0 and n % N_MULTIPLE == 0
