@@ -1,6 +1,6 @@
 """The tiny model's directory for a module, random prompts, and a driver of the paged runner
 that batches requests the way the scheduler does (tests/unit/test_model.py and
-test_paged_attention.py hold the model to full recompute with it)."""
+test_cpu_attention.py hold the model to full recompute with it)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 One forward runs a flattened mixed batch: prefill chunks and decode tokens side by side. Each
 token's K/V is written to its cache slot (``block * block_size + offset``); attention gathers a
 sequence's context back by its block table, causal within the chunk and full over the past
-(a large group of decodes on a CPU reads it in place instead: fd/engine/model/paged_attention.py).
+(on a CPU, where fd's kernels build, RoPE, the cache writes and the decodes' attention are two
+C++ calls a layer that read the cache in place: fd/engine/model/cpu_attention.py).
 
 Two things shape the code more than the math does:
 
@@ -33,7 +34,7 @@ import paddle
 import paddle.incubate.nn.functional as IF
 import paddle.nn.functional as F
 
-from fd.engine.model import packed_gemm, paged_attention, qgemm
+from fd.engine.model import cpu_attention, packed_gemm, qgemm
 from fd.engine.model.checkpoint_layout import expert_names
 from fd.engine.model.config import ModelConfig, rope_inv_freq
 from fd.engine.model.formats import WEIGHT_FORMATS
@@ -110,8 +111,11 @@ class AttnGroup:
     ctx_blocks: paddle.Tensor  # [S*L/block_size] each sequence's KV blocks, padded with any block
     mask: paddle.Tensor  # [S, 1, Qmax, 1, L] additive: 0 or MASKED
     # [S, L/block_size] the same blocks on the host, for a decode group (Qmax 1) whose
-    # attention may read them in place (fd/engine/model/paged_attention.py); None otherwise
+    # attention reads them in place (fd/engine/model/cpu_attention.py); None otherwise
     tables: np.ndarray | None = None
+    # a decode group's token rows and context lengths (position + 1) on the host, int64 [S]
+    rows: np.ndarray | None = None
+    lens: np.ndarray | None = None
 
 
 @dataclass(slots=True)
@@ -275,9 +279,14 @@ class Llama:
         self._scale = scale
         self._swiglu = cpu_swiglu if device == "cpu" else F.swiglu
         self._rms_norm = fused_rms_norm if fused_rms_norm_runs(device) else composed_rms_norm
-        # Large decode groups' attention over the cache in place of the gather (its choice by
-        # shape would make a sequence's logits depend on the batch: not when batch-invariant)
-        self.paged_decode = device == "cpu" and not batch_invariant and paged_attention.available()
+        # Attention in two C++ calls a layer where they run (not when batch-invariant: a decode's
+        # output would come from another route than a chunk's; nor with Qwen3's per-head q/k
+        # norms, which come between the projection and RoPE)
+        self._attention_threads = threads
+        self.attention_kernels = (
+            device == "cpu" and not batch_invariant and not cfg.qk_norm and cpu_attention.runs(nh, nkv, hd)
+        )
+        self.cpu_attention: cpu_attention.LayerShape | None = None  # allocate_kv_cache's
         self.lm_head_packed = None
         # The GEMMs' route and MKL threads by a step's rows (0 threads: Paddle's own setting,
         # as on a GPU); ``_packed_step``: this step's route
@@ -471,6 +480,10 @@ class Llama:
         self.v_rows = [v.reshape([kvh * (num_blocks + 1), block_size * hd]) for v in self.v_blocks]
         self.k_slots = [k.reshape([kvh * self.num_slots, hd]) for k in self.k_blocks]
         self.v_slots = [v.reshape([kvh * self.num_slots, hd]) for v in self.v_blocks]
+        if self.attention_kernels:
+            self.cpu_attention = cpu_attention.LayerShape(
+                c.num_attention_heads, kvh, hd, block_size, self.num_slots, self._attention_threads
+            )
 
     def pad_rows(self, n: int) -> int:
         a = self.row_align
@@ -490,6 +503,15 @@ class Llama:
 
     # ------------------------------------------------------------------ forward
 
+    def _projection(self, layer: dict, h: paddle.Tensor, i: int) -> paddle.Tensor:
+        """The q|k|v projection [n, (nh + 2 kvh) * hd], LoRA and bias included."""
+        a = self._mm(h, layer, "qkv")
+        if self._active:
+            a = self._lora(a, h, i, "qkv")
+        if layer["qkv_b"] is not None:
+            a = paddle.add(a, layer["qkv_b"])
+        return a
+
     def _qkv(self, layer: dict, h: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor, i: int = 0):
         """Projections with RoPE applied (q already scaled by 1/sqrt(head_dim)).
 
@@ -499,11 +521,7 @@ class Llama:
         """
         c = self.cfg
         n = h.shape[0]
-        a = self._mm(h, layer, "qkv")
-        if self._active:
-            a = self._lora(a, h, i, "qkv")
-        if layer["qkv_b"] is not None:
-            a = paddle.add(a, layer["qkv_b"])
+        a = self._projection(layer, h, i)
         heads = c.num_attention_heads + c.num_key_value_heads
         qk, v = paddle.split(a, [heads * c.head_dim, c.kv_size], axis=-1)
         qk = qk.reshape([n, heads, c.head_dim])
@@ -588,9 +606,10 @@ class Llama:
             out = paddle.add(out, paddle.multiply(F.sigmoid(paddle.matmul(h, gate)), y))
         return out
 
-    def _layers(self, ids: paddle.Tensor, positions: paddle.Tensor, attention) -> paddle.Tensor:
-        """The decoder stack; ``attention(i, q, k, v)`` supplies the context. Returns the final
-        normed hidden states [Tp, H]."""
+    def _layers(self, ids: paddle.Tensor, positions: paddle.Tensor, attention, fused=None) -> paddle.Tensor:
+        """The decoder stack; ``attention(i, q, k, v)`` supplies the context, or where given
+        ``fused(i, qkv)`` all of a layer's attention from its projection (RoPE included).
+        Returns the final normed hidden states [Tp, H]."""
         eps = self.cfg.rms_norm_eps
         # This step's GEMMs by its rows (MKL's threads are per thread: the one running it)
         gemms = self._plan.choice(int(ids.shape[0]))
@@ -598,16 +617,25 @@ class Llama:
         if gemms.threads:
             packed_gemm.use_threads(gemms.threads)
         x = paddle.index_select(self.embed, ids)
-        cos, sin = paddle.split(paddle.index_select(self.rope, positions), 2, axis=1)  # [T, 1, hd]
-        # Broadcast over the heads once a step, not in each layer's RoPE (a broadcasting
-        # multiply costs several times a same-shape one: 0.3 ms each for a 528-token prefill).
-        heads = [cos.shape[0], self.cfg.num_attention_heads + self.cfg.num_key_value_heads, self.cfg.head_dim]
-        cos, sin = paddle.expand(cos, heads), paddle.expand(sin, heads)
+        if fused is None:
+            cos, sin = paddle.split(paddle.index_select(self.rope, positions), 2, axis=1)  # [T, 1, hd]
+            # Broadcast over the heads once a step, not in each layer's RoPE (a broadcasting
+            # multiply costs several times a same-shape one: 0.3 ms each for a 528-token prefill).
+            heads = [
+                cos.shape[0],
+                self.cfg.num_attention_heads + self.cfg.num_key_value_heads,
+                self.cfg.head_dim,
+            ]
+            cos, sin = paddle.expand(cos, heads), paddle.expand(sin, heads)
         residual = None
         for i, layer in enumerate(self.layers):
             h, residual = self._rms_norm(x, layer["in_norm"], eps, residual)
-            q, k, v = self._qkv(layer, h, cos, sin, i)
-            x, residual = self._mlp_block(layer, attention(i, q, k, v), residual, i)
+            if fused is not None:
+                o = fused(i, self._projection(layer, h, i))
+            else:
+                q, k, v = self._qkv(layer, h, cos, sin, i)
+                o = attention(i, q, k, v)
+            x, residual = self._mlp_block(layer, o, residual, i)
         return self._rms_norm(x, self.norm, eps, residual)[0]
 
     @paddle.no_grad()
@@ -632,37 +660,46 @@ class Llama:
 
         c = self.cfg
         kvh, hd = c.num_key_value_heads, c.head_dim
+        kernels = self.cpu_attention
+        # a decode group's attention by the kernels reads the cache in place: no mask, no gather
+        in_place = [kernels is not None and g.lens is not None for g in b.groups]
         # the mask broadcast over heads once per step, not once per layer (a broadcasting add
         # costs ~6x a same-shape one)
         masks = [
-            paddle.expand(
+            None
+            if skip
+            else paddle.expand(
                 g.mask.reshape([1, g.num_seqs, g.max_q, 1, g.num_keys]),
                 [kvh, g.num_seqs, g.max_q, self.group, g.num_keys],
             )
-            for g in b.groups
+            for g, skip in zip(b.groups, in_place, strict=True)
         ]
-        # each token's row of each KV head in the head-major cache (allocate_kv_cache), token
-        # by token: [n, kvh] as k and v come out of the projection, so they scatter as they are
-        heads_of_slots = paddle.arange(0, kvh * self.num_slots, self.num_slots, dtype="int64").unsqueeze(0)
-        rows = paddle.add(b.slot_mapping.unsqueeze(1), heads_of_slots).reshape([-1])
         n = b.slot_mapping.shape[0]
         # each group's context as rows of the cache seen as [kvh * blocks, block_size * hd]:
         # one gather of whole rows (axis 0) copies it faster than index_select on axis 1
         heads = paddle.arange(0, kvh * self.num_blocks_total, self.num_blocks_total, dtype="int64").unsqueeze(
             1
         )
-        decoders = [
-            paged_attention.PagedDecode(g.tables, kvh, self.group, hd, self.block_size, self.num_blocks_total)
-            if self.paged_decode
-            and g.tables is not None
-            and paged_attention.worth_it(g.num_seqs, g.num_keys, kvh, hd)
-            else None
-            for g in b.groups
-        ]
         ctx_rows = [
-            None if d is not None else paddle.add(g.ctx_blocks.unsqueeze(0), heads).reshape([-1])
-            for g, d in zip(b.groups, decoders, strict=False)
+            None if skip else paddle.add(g.ctx_blocks.unsqueeze(0), heads).reshape([-1])
+            for g, skip in zip(b.groups, in_place, strict=True)
         ]
+
+        def gathered(i: int, grp: AttnGroup, mask, ctx, q) -> paddle.Tensor:
+            qg = q if grp.q_index is None else paddle.index_select(q, grp.q_index)
+            s, L = grp.num_seqs, grp.num_keys
+            kg = paddle.gather(self.k_rows[i], ctx).reshape([kvh, s, L, hd])
+            vg = paddle.gather(self.v_rows[i], ctx).reshape([kvh, s, L, hd])
+            return self._attend(qg, kg, vg, mask, s, grp.max_q)
+
+        def joined(outs: list[paddle.Tensor]) -> paddle.Tensor:
+            o = outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
+            return o if b.out_index is None else paddle.index_select(o, b.out_index)
+
+        # each token's row of each KV head in the head-major cache (allocate_kv_cache), token
+        # by token: [n, kvh] as k and v come out of the projection, so they scatter as they are
+        heads_of_slots = paddle.arange(0, kvh * self.num_slots, self.num_slots, dtype="int64").unsqueeze(0)
+        rows = paddle.add(b.slot_mapping.unsqueeze(1), heads_of_slots).reshape([-1])
 
         def paged(i: int, q, k, v):
             nonlocal rows
@@ -670,22 +707,37 @@ class Llama:
                 rows = paddle.add(slots.unsqueeze(1), heads_of_slots).reshape([-1])
             paddle.scatter_(self.k_slots[i], rows, k.reshape([n * kvh, hd]), overwrite=True)
             paddle.scatter_(self.v_slots[i], rows, v.reshape([n * kvh, hd]), overwrite=True)
+            return joined([gathered(i, *a, q) for a in zip(b.groups, masks, ctx_rows, strict=True)])
+
+        slot_mapping = b.slot_mapping
+        q_rot = None if kernels is None else paddle.empty([n, c.q_size], dtype=paddle.float32)
+
+        def fused(i: int, qkv: paddle.Tensor) -> paddle.Tensor:
+            nonlocal slot_mapping
+            assert kernels is not None and q_rot is not None
+            if b.new_slots is not None and (slots := b.new_slots()) is not None:
+                slot_mapping = slots
+            k_cache, v_cache = self.k_blocks[i], self.v_blocks[i]
+            cpu_attention.rope_store(
+                kernels, qkv, b.positions, slot_mapping, self.rope, k_cache, v_cache, q_rot
+            )
             outs = []
-            for grp, mask, ctx, decode in zip(b.groups, masks, ctx_rows, decoders, strict=False):
-                s, L = grp.num_seqs, grp.num_keys
-                qg = q if grp.q_index is None else paddle.index_select(q, grp.q_index)
-                if decode is not None:
-                    outs.append(decode(qg, self.k_blocks[i], self.v_blocks[i], mask))
-                    continue
-                kg = paddle.gather(self.k_rows[i], ctx).reshape([kvh, s, L, hd])
-                vg = paddle.gather(self.v_rows[i], ctx).reshape([kvh, s, L, hd])
-                outs.append(self._attend(qg, kg, vg, mask, s, grp.max_q))
-            o = outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
-            return o if b.out_index is None else paddle.index_select(o, b.out_index)
+            for grp, mask, ctx in zip(b.groups, masks, ctx_rows, strict=True):
+                if grp.lens is not None:
+                    assert grp.rows is not None and grp.tables is not None
+                    window = c.sliding_window
+                    outs.append(
+                        cpu_attention.decode(
+                            kernels, q_rot, grp.rows, grp.tables, grp.lens, window, k_cache, v_cache
+                        )
+                    )
+                else:
+                    outs.append(gathered(i, grp, mask, ctx, q_rot.reshape([n, c.num_attention_heads, hd])))
+            return joined(outs)
 
         self._active = tuple((self.loras[slot], rows) for slot, rows in b.lora)
         try:
-            h = self._layers(b.input_ids, b.positions, paged)
+            h = self._layers(b.input_ids, b.positions, paged, fused if kernels is not None else None)
         finally:
             self._active = ()
         return paddle.index_select(h, b.logits_index)

@@ -20,23 +20,16 @@ without the format's instructions, a machine without a compiler, or a failed bui
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import subprocess
-import tempfile
-from functools import cache, lru_cache
-from pathlib import Path
+from functools import cache
 
 import numpy as np
 import paddle
 
+from fd.engine.model import native
 from fd.engine.model.packed_gemm import gemm_operands
 
 log = logging.getLogger("fd.engine")
-
-SOURCE = Path(__file__).parent / "kernels" / "qgemm.cc"
 
 #: per format: the kernels' prefix in the library, the CPU flags (as /proc/cpuinfo names them)
 #: it needs, and the compiler flags of its build
@@ -57,73 +50,13 @@ K_MULTIPLE = {"int8": 32, "bfloat16": 2}
 N_MULTIPLE = 16
 
 
-@lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("FD_KERNEL_CACHE") or Path.home() / ".cache" / "fd" / "kernels")
-
-
-def _omp_dir() -> Path:
-    return Path(paddle.__file__).parent / "libs"
-
-
-def _build(fmt: str) -> Path:
-    """The format's library, compiled once per source, flags and Paddle install; the compile
-    goes to a temporary name first, so concurrent starts never load half a file."""
-    _, _, flags = FORMATS[fmt]
-    omp = _omp_dir()
-    cmd = ["g++", "-O3", "-fopenmp", "-fPIC", "-shared", *flags, str(SOURCE), "-o"]
-    link = [f"-L{omp}", "-liomp5", f"-Wl,-rpath,{omp}"]
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(cmd + link).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"qgemm-{fmt}-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        # (-fopenmp compiles the pragmas; the link names Paddle's OpenMP runtime, not libgomp)
-        subprocess.run([*cmd, tmp, *link], check=True, capture_output=True, text=True, timeout=300)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
-
-
 @cache
 def _library(fmt: str) -> ctypes.CDLL | str:
     """The loaded library of ``fmt``, or why there is none."""
-    prefix, needs, _ = FORMATS[fmt]
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return f"{platform.machine()} CPU (the kernels are x86 AVX-512)"
-    missing = [f for f in needs if f not in cpu_flags()]
-    if missing:
-        return f"this CPU lacks {', '.join(missing)}"
-    if not (_omp_dir() / "libiomp5.so").exists():
-        return "this Paddle build has no libiomp5 (a GPU or ARM wheel)"
-    try:
-        path = _build(fmt)
-    except FileNotFoundError:
-        return "no C++ compiler (g++) to build the kernels"
-    except subprocess.CalledProcessError as e:
-        return f"the kernels did not compile: {(e.stderr or '').strip()[-300:]}"
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"the kernels could not be built: {e}"
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as e:
-        return f"the kernels did not load: {e}"
+    prefix, needs, flags = FORMATS[fmt]
+    lib = native.library(f"qgemm-{fmt}", "qgemm.cc", needs, flags)
+    if isinstance(lib, str):
+        return lib
     i, p, i64 = ctypes.c_int, ctypes.c_void_p, ctypes.c_int64
     getattr(lib, f"{prefix}_packed_bytes").restype = i64
     getattr(lib, f"{prefix}_packed_bytes").argtypes = [i, i]

@@ -105,7 +105,7 @@ def build_batch(
             ints.append(q_index)
         ints.append(tables.reshape(-1))
         masks.append(attention_mask(qpos, L, model.cfg.sliding_window).reshape(-1))
-        shapes.append((S, qmax, L, not same, tables if qmax == 1 else None))
+        shapes.append((S, qmax, L, not same, (tables, q_index, qpos[:, 0] + 1) if qmax == 1 else None))
         offset += S * qmax
     identity = identity and offset == tp
     if not identity:
@@ -133,7 +133,7 @@ def build_batch(
     mt = iter(model.upload(masks, np.float32))
     input_ids, positions, slot_mapping = next(it), next(it), next(it)
     groups = []
-    for S, qmax, L, has_q, host_tables in shapes:
+    for S, qmax, L, has_q, host in shapes:
         q_index = next(it) if has_q else None
         groups.append(
             AttnGroup(
@@ -143,7 +143,9 @@ def build_batch(
                 q_index=q_index,
                 ctx_blocks=next(it),
                 mask=next(mt).reshape([S, 1, qmax, 1, L]),
-                tables=host_tables,
+                tables=None if host is None else host[0],
+                rows=None if host is None else host[1],
+                lens=None if host is None else host[2],
             )
         )
     out_idx = None if identity else next(it)
