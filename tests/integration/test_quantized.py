@@ -77,6 +77,26 @@ def test_a_kernel_computes_its_format_and_stays_within_its_error(fmt, shape, row
     assert err < bound, (fmt, err)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_the_down_projection_takes_swiglu_of_gate_and_up_as_they_lie(fmt, rows):
+    """``swiglu(x)``: silu(gate) * up of x = [gate | up] fed to the GEMM, the same as the
+    activation computed first (float32 rounding of the exponential apart)."""
+    rng = np.random.default_rng(rows)
+    k, n = 1536, 576
+    lin = qgemm.QuantLinear((rng.standard_normal((k, n)) * 0.02).astype(np.float32), fmt, threads=2)
+    x = (rng.standard_normal((rows, 2 * k)) * 3).astype(np.float32)
+    x[0, :4] = [-100.0, 100.0, -1e30, 0.0]  # (silu's tails: e^x out of range either way)
+    gate, up = x[:, :k].astype(np.float64), x[:, k:].astype(np.float64)
+    act = (gate / (1 + np.exp(-np.clip(gate, -700, 700))) * up).astype(np.float32)
+    want = lin(paddle.to_tensor(act)).numpy()
+    got = lin.swiglu(paddle.to_tensor(x)).numpy()
+    assert np.isfinite(got).all()
+    # (an activation one float32 rounding off may round to the next 8-bit step: a step's worth)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * float(np.abs(want).max()))
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
+
+
 def test_a_weight_of_a_shape_the_kernels_do_not_take_is_refused():
     with pytest.raises(ValueError, match="does not fit"):
         qgemm.QuantLinear(np.zeros((40, 16), np.float32), "int8")

@@ -53,7 +53,7 @@ def test_decode_equals_softmax_attention_over_each_sequences_own_blocks(kvh, g, 
     q = rng.standard_normal((s + 3, kvh * g, hd)).astype(np.float32)
     rows = rng.permutation(s + 3)[:s].astype(np.int64)  # (queries at any rows of q)
     shape = cpu_attention.LayerShape(kvh * g, kvh, hd, bs, blocks * bs, threads=2)
-    got = cpu_attention.decode(
+    got = cpu_attention.attend(
         shape,
         paddle.to_tensor(q.reshape(s + 3, -1)),
         rows,
@@ -112,6 +112,9 @@ def test_the_model_through_the_kernels_gives_the_general_paths_logits(tiny_dir):
     assert runner.model.cpu_attention is not None
     prompts = {f"r{i}": random_prompt(i, 20 + 7 * i) for i in range(12)}
     chunks = {f"r{i}": 16 for i in range(0, 12, 3)}  # (prefills chunked beside the decodes)
+    # a chunk past MAX_CHUNK: the general path, beside the kernels' queries in the same step
+    prompts["long"] = random_prompt(99, 2 * cpu_attention.MAX_CHUNK + 40)
+    chunks["long"] = cpu_attention.MAX_CHUNK + 20
     got, got_logits = run_batched(runner, prompts, 6, chunks, Blocks(400, seed=5))
     runner.model.cpu_attention = None
     want, want_logits = run_batched(runner, prompts, 6, chunks, Blocks(400, seed=5))
@@ -136,9 +139,9 @@ def test_a_sequences_output_does_not_depend_on_the_batch_around_it():
     rows = np.arange(s, dtype=np.int64)
     two = cpu_attention.LayerShape(kvh * g, kvh, hd, bs, blocks * bs, threads=2)
     one = cpu_attention.LayerShape(kvh * g, kvh, hd, bs, blocks * bs, threads=1)
-    batch = cpu_attention.decode(two, q, rows, tables, lengths, None, k_cache, v_cache).numpy()
+    batch = cpu_attention.attend(two, q, rows, tables, lengths, None, k_cache, v_cache).numpy()
     for i in (0, 17, 39):
-        alone = cpu_attention.decode(
+        alone = cpu_attention.attend(
             one, q, rows[i : i + 1], tables[i : i + 1], lengths[i : i + 1], None, k_cache, v_cache
         )
         np.testing.assert_array_equal(alone.numpy()[0], batch[i])

@@ -3,11 +3,13 @@
 
 - :func:`rope_store`: RoPE on every row's q and k, its k and v into the cache at its slot, the
   rotated q into a buffer the step reuses in every layer.
-- :func:`decode`: the single-token sequences' attention, each read in place from its blocks.
+- :func:`attend`: each query's attention over its own sequence's keys, read in place from its
+  blocks: a decode's one query, or each token of a prefill chunk up to :data:`MAX_CHUNK` tokens
+  (a longer chunk's stays with the general path, gathers and two GEMMs, reading the rotated q
+  and the cache this wrote).
 
-A prefill chunk's attention stays with the general path (gather and two GEMMs), reading the
-rotated q and the cache this wrote. Every decode sequence is computed alone, in an order fixed
-by its own context, so its output does not depend on the batch around it.
+Every query is computed alone, in an order fixed by its own context, so its output does not
+depend on the batch around it.
 
 Built with AVX2 and FMA flags (fd/engine/model/native.py); elsewhere (or with a head size
 not a multiple of 8) the model keeps the general path, which computes the same
@@ -26,6 +28,11 @@ import paddle
 from fd.engine.model import native
 
 log = logging.getLogger("fd.engine")
+
+#: prefill chunks up to this many tokens a sequence run as that many single queries, each over
+#: its own prefix (a longer chunk's GEMMs read each key once for all its queries: the model's
+#: general path)
+MAX_CHUNK = 128
 
 NEEDS = ("avx2", "fma")
 FLAGS = ("-mavx2", "-mfma")
@@ -123,7 +130,7 @@ def rope_store(
     )
 
 
-def decode(
+def attend(
     shape: LayerShape,
     q: paddle.Tensor,
     rows: np.ndarray,
@@ -133,10 +140,11 @@ def decode(
     k_cache: paddle.Tensor,
     v_cache: paddle.Tensor,
 ) -> paddle.Tensor:
-    """[S, heads * head_dim]: sequence ``s``'s query at row ``rows[s]`` of ``q`` against its first
-    ``lens[s]`` keys (the last ``window`` of them, with a sliding window), its blocks
-    ``tables[s]``. The host arrays are int64 and contiguous; the caller's bounds (the rows of q,
-    the blocks of the cache) are the model's own (fd/engine/runner/batch.py)."""
+    """[Q, heads * head_dim]: query ``i`` (row ``rows[i]`` of ``q``) against the first ``lens[i]``
+    keys of its sequence (the last ``window`` of them, with a sliding window), whose blocks are
+    ``tables[i]``: a decode's one query, or each of a prefill chunk's over its own prefix. The
+    host arrays are int64; the caller's bounds (the rows of q, the blocks of the cache) are the
+    model's own (fd/engine/runner/batch.py)."""
     s = shape
     n = len(rows)
     if tables.dtype != np.int64 or rows.dtype != np.int64 or lens.dtype != np.int64 or tables.shape[0] != n:

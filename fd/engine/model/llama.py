@@ -110,10 +110,10 @@ class AttnGroup:
     q_index: paddle.Tensor | None  # [S*Qmax] token rows, or None when the rows are already laid out
     ctx_blocks: paddle.Tensor  # [S*L/block_size] each sequence's KV blocks, padded with any block
     mask: paddle.Tensor  # [S, 1, Qmax, 1, L] additive: 0 or MASKED
-    # [S, L/block_size] the same blocks on the host, for a decode group (Qmax 1) whose
-    # attention reads them in place (fd/engine/model/cpu_attention.py); None otherwise
+    # Each query row's context on the host, for attention that reads it in place
+    # (fd/engine/model/cpu_attention.py), int64: [S*Qmax, L/block_size] its sequence's blocks,
+    # [S*Qmax] its token row and its context length (position + 1; a padding row: 1)
     tables: np.ndarray | None = None
-    # a decode group's token rows and context lengths (position + 1) on the host, int64 [S]
     rows: np.ndarray | None = None
     lens: np.ndarray | None = None
 
@@ -567,6 +567,9 @@ class Llama:
         if "moe" in layer:
             return self._moe(layer["moe"], h), residual
         if not self._active:
+            down = layer.get("down_q")
+            if down is not None and down.shape[0] % 16 == 0:  # (SwiGLU inside the down GEMM)
+                return down.swiglu(self._mm(h, layer, "gate_up")), residual
             return self._mm(self._swiglu(self._mm(h, layer, "gate_up")), layer, "down"), residual
         g = self._swiglu(self._lora(self._mm(h, layer, "gate_up"), h, i, "gate_up"))
         return self._lora(self._mm(g, layer, "down"), g, i, "down"), residual
@@ -661,8 +664,12 @@ class Llama:
         c = self.cfg
         kvh, hd = c.num_key_value_heads, c.head_dim
         kernels = self.cpu_attention
-        # a decode group's attention by the kernels reads the cache in place: no mask, no gather
-        in_place = [kernels is not None and g.lens is not None for g in b.groups]
+        # attention by the kernels reads the cache in place: no mask, no gather (a long chunk's
+        # gathers and GEMMs read each key once for all its queries: those stay)
+        in_place = [
+            kernels is not None and g.lens is not None and g.max_q <= cpu_attention.MAX_CHUNK
+            for g in b.groups
+        ]
         # the mask broadcast over heads once per step, not once per layer (a broadcasting add
         # costs ~6x a same-shape one)
         masks = [
@@ -722,12 +729,12 @@ class Llama:
                 kernels, qkv, b.positions, slot_mapping, self.rope, k_cache, v_cache, q_rot
             )
             outs = []
-            for grp, mask, ctx in zip(b.groups, masks, ctx_rows, strict=True):
-                if grp.lens is not None:
-                    assert grp.rows is not None and grp.tables is not None
+            for grp, mask, ctx, own in zip(b.groups, masks, ctx_rows, in_place, strict=True):
+                if own:
+                    assert grp.rows is not None and grp.tables is not None and grp.lens is not None
                     window = c.sliding_window
                     outs.append(
-                        cpu_attention.decode(
+                        cpu_attention.attend(
                             kernels, q_rot, grp.rows, grp.tables, grp.lens, window, k_cache, v_cache
                         )
                     )

@@ -62,8 +62,9 @@ def _library(fmt: str) -> ctypes.CDLL | str:
     getattr(lib, f"{prefix}_packed_bytes").argtypes = [i, i]
     getattr(lib, f"{prefix}_pack").restype = None
     getattr(lib, f"{prefix}_pack").argtypes = [p, i, i, p, i]
-    getattr(lib, f"{prefix}_gemm").restype = None
-    getattr(lib, f"{prefix}_gemm").argtypes = [p, i, i, p, i, p, i]
+    for fn in ("gemm", "gemm_swiglu"):
+        getattr(lib, f"{prefix}_{fn}").restype = None
+        getattr(lib, f"{prefix}_{fn}").argtypes = [p, i, i, p, i, p, i]
     return lib
 
 
@@ -112,10 +113,22 @@ class QuantLinear:
         getattr(lib, f"{prefix}_pack")(w.ctypes.data, k, n, self._buf.ctypes.data, self.threads)
         self._ptr = self._buf.ctypes.data
         self._gemm = getattr(lib, f"{prefix}_gemm")
+        self._gemm_swiglu = getattr(lib, f"{prefix}_gemm_swiglu")
 
     def __call__(self, x: paddle.Tensor) -> paddle.Tensor:
         k, n = self.shape
         x, m, out = gemm_operands(x, k, n, self.fmt)
         if m:
             self._gemm(x.data_ptr(), m, k, self._ptr, n, out.data_ptr(), self.threads)
+        return out
+
+    def swiglu(self, x: paddle.Tensor) -> paddle.Tensor:
+        """``(silu(gate) * up) @ w`` of ``x`` = [gate | up], [rows, 2k]: an MLP's down projection
+        taking the gate|up projection's output as it lies (no activation op between them)."""
+        k, n = self.shape
+        if k % 16:
+            raise ValueError(f"SwiGLU by the kernels takes an input of a multiple of 16, not {k}")
+        x, m, out = gemm_operands(x, 2 * k, n, self.fmt)
+        if m:
+            self._gemm_swiglu(x.data_ptr(), m, k, self._ptr, n, out.data_ptr(), self.threads)
         return out

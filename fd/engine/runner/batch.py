@@ -105,7 +105,10 @@ def build_batch(
             ints.append(q_index)
         ints.append(tables.reshape(-1))
         masks.append(attention_mask(qpos, L, model.cfg.sliding_window).reshape(-1))
-        shapes.append((S, qmax, L, not same, (tables, q_index, qpos[:, 0] + 1) if qmax == 1 else None))
+        # every query row's own context on the host, as the attention kernels read it in place
+        # (fd/engine/model/cpu_attention.py): its table, its row of q, its length (padding: 1)
+        host = (np.repeat(tables, qmax, axis=0), q_index, np.maximum(qpos.reshape(-1) + 1, 1))
+        shapes.append((S, qmax, L, not same, host))
         offset += S * qmax
     identity = identity and offset == tp
     if not identity:
@@ -143,9 +146,9 @@ def build_batch(
                 q_index=q_index,
                 ctx_blocks=next(it),
                 mask=next(mt).reshape([S, 1, qmax, 1, L]),
-                tables=None if host is None else host[0],
-                rows=None if host is None else host[1],
-                lens=None if host is None else host[2],
+                tables=host[0],
+                rows=host[1],
+                lens=host[2],
             )
         )
     out_idx = None if identity else next(it)

@@ -8,10 +8,10 @@
 //
 // - attn_rope_store: for every row, RoPE on q and k, k and v into the cache at the row's slot,
 //   q (rotated) into q_out, in one pass over the projection's output.
-// - attn_decode: for each single-token sequence, each KV head's g query heads against the
-//   sequence's context read in place from its blocks: scores, softmax, the weighted sum of V.
-//   One task per (sequence, KV head); a task reads only its own sequence, in a fixed order, so
-//   a sequence's output does not depend on the rest of the batch or on the threads.
+// - attn_decode: for each query (a decode's, or a prefill chunk token's), each KV head's g query
+//   heads against its sequence's first keys, read in place from its blocks: scores, softmax, the
+//   weighted sum of V. One task per (query, KV head); a task reads only its own sequence, in a
+//   fixed order, so a query's output does not depend on the rest of the batch or on the threads.
 //
 // The cache is fd's head-major layout (fd/engine/model/llama.py, allocate_kv_cache): row
 // ``h * num_slots + slot`` holds KV head h of a slot, a slot being ``block * block_size + i``.
@@ -95,9 +95,9 @@ extern "C" void attn_rope_store(const float* qkv, int64_t rows, int64_t stride, 
   }
 }
 
-// q [*, nh * hd] (row q_rows[s] is sequence s's query); tables [S, nb] its blocks; lens [S] its
-// context length (its query's position + 1, its own key included); window > 0: only the last
-// ``window`` keys. out [S, nh * hd]. hd % 8 == 0.
+// q [*, nh * hd] (row q_rows[s] is query s); tables [S, nb] its sequence's blocks; lens [S] its
+// context length (its position + 1, its own key included); window > 0: only the last ``window``
+// keys. out [S, nh * hd]. hd % 8 == 0.
 extern "C" void attn_decode(const float* q, const int64_t* q_rows, int64_t S, int nh, int kvh, int hd,
                             const float* kc, const float* vc, int64_t num_slots, int block_size,
                             const int64_t* tables, int64_t nb, const int64_t* lens, int64_t window, float* out,

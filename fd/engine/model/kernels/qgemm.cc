@@ -37,6 +37,41 @@ static uint8_t* scratch(size_t bytes) {
   return buf.data();
 }
 
+// e^x, 16 at a time: 2^n * p(r), |r| <= ln2 / 2, to ~2 ulp (scalef takes n out of range to
+// inf or 0, as e^x goes).
+static inline __m512 exp16(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// SwiGLU, silu(gate) * up, of X2 [M, 2K] (gate | up: the gate|up GEMM's output as it lies) into
+// this thread's buffer [M, K], K % 16 == 0: the down GEMMs take their input from it, so the MLP's
+// activation is no separate op.
+static const float* swiglu_rows(const float* X2, int M, int K) {
+  static thread_local std::vector<float> buf;
+  if (buf.size() < (size_t)M * K) buf.resize((size_t)M * K);
+  for (int m = 0; m < M; m++) {
+    const float* g = X2 + (int64_t)m * 2 * K;
+    float* y = buf.data() + (int64_t)m * K;
+    for (int k = 0; k < K; k += 16) {
+      const __m512 gv = _mm512_loadu_ps(g + k);
+      const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+      _mm512_storeu_ps(y + k, _mm512_mul_ps(silu, _mm512_loadu_ps(g + K + k)));
+    }
+  }
+  return buf.data();
+}
+
 #ifdef __AVX512VNNI__
 // --- q8 ---------------------------------------------------------------------------------
 
@@ -149,6 +184,11 @@ extern "C" void q8_gemm(const float* X, int M, int K, const uint8_t* packed, int
   }
 }
 
+// Y [M, N] = swiglu(X2) @ W: X2 [M, 2K] the MLP's gate | up (swiglu_rows).
+extern "C" void q8_gemm_swiglu(const float* X2, int M, int K, const uint8_t* packed, int N, float* Y, int nt) {
+  q8_gemm(swiglu_rows(X2, M, K), M, K, packed, N, Y, nt);
+}
+
 #endif  // __AVX512VNNI__
 
 #ifdef __AVX512BF16__
@@ -206,5 +246,10 @@ extern "C" void bf16_gemm(const float* X, int M, int K, const uint8_t* packed, i
     for (; m + 4 <= M; m += 4) bf16_tile_rows<4>((const uint16_t*)packed, K, N, t, (const uint32_t*)xb, m, Y);
     for (; m < M; m++) bf16_tile_rows<1>((const uint16_t*)packed, K, N, t, (const uint32_t*)xb, m, Y);
   }
+}
+
+// Y [M, N] = swiglu(X2) @ W: X2 [M, 2K] the MLP's gate | up (swiglu_rows).
+extern "C" void bf16_gemm_swiglu(const float* X2, int M, int K, const uint8_t* packed, int N, float* Y, int nt) {
+  bf16_gemm(swiglu_rows(X2, M, K), M, K, packed, N, Y, nt);
 }
 #endif  // __AVX512BF16__
