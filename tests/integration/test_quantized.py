@@ -97,6 +97,78 @@ def test_the_down_projection_takes_swiglu_of_gate_and_up_as_they_lie(fmt, rows):
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
 
 
+def _q4_blocks(w: np.ndarray) -> np.ndarray:
+    """``w`` [K, N] as GGUF's Q4_1 holds it (what fd's GGUF reader dequantizes): per block of 32
+    along K, ``d * q + m`` with q in 0..15, d and m fp16."""
+    k, n = w.shape
+    b = w.reshape(k // 32, 32, n)
+    lo, hi = b.min(axis=1), b.max(axis=1)
+    d, m = _f16((hi - lo) / 15), _f16(lo)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.clip(np.rint(np.where(d[:, None] > 0, (b - m[:, None]) / d[:, None], 0)), 0, 15)
+    return (d[:, None] * q + m[:, None]).reshape(k, n).astype(np.float32)
+
+
+@pytest.mark.parametrize("shape", [(576, 960), (1536, 576)])
+@pytest.mark.parametrize("rows", [1, 4, 9, 70])
+def test_int4_computes_a_ggufs_own_blocks_with_8_bit_activations(shape, rows):
+    rng = np.random.default_rng(rows + shape[1])
+    w = _q4_blocks((rng.standard_normal(shape) * 0.02).astype(np.float32))
+    w[:32, 0] = 0.25  # (a constant block: step 0)
+    x = rng.standard_normal((rows, shape[0])).astype(np.float32)
+    got = qgemm.QuantLinear(w, "int4", threads=2)(paddle.to_tensor(x)).numpy()
+    # the weights exactly, the activations as int8 quantizes them (scale per block of 32)
+    k = shape[0]
+    xb = x.reshape(rows, k // 32, 32)
+    dx = xb.__abs__().max(axis=2) / np.float32(127)
+    with np.errstate(divide="ignore"):
+        xq = np.rint(xb * np.where(dx > 0, np.float32(1) / dx, 0)[:, :, None])
+    emulated = (xq * dx[:, :, None]).reshape(rows, k).astype(np.float64) @ w.astype(np.float64)
+    np.testing.assert_allclose(got, emulated, rtol=2e-5, atol=2e-5 * float(np.abs(emulated).max()))
+    exact = x.astype(np.float64) @ w.astype(np.float64)
+    assert np.linalg.norm(got - exact) / np.linalg.norm(exact) < 1e-2  # (the activations' 8 bits)
+
+
+def test_int4_takes_only_weights_that_are_4_bit_blocks(tiny_dir, tmp_path, caplog):  # noqa: F811
+    """A weight off a 16-step grid is refused (NotExact); a model asked for int4 holds those in
+    int8 and says which, and the rest in int4, whose tokens equal its own full recompute."""
+    rng = np.random.default_rng(5)
+    with pytest.raises(qgemm.NotExact):
+        qgemm.QuantLinear(rng.standard_normal((64, 32)).astype(np.float32), "int4")
+    from safetensors.numpy import load_file, save_file
+
+    d = tmp_path / "q4"
+    import shutil
+
+    shutil.copytree(tiny_dir, d)
+    weights = load_file(str(d / "model.safetensors"))
+    dense = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    for name, a in weights.items():
+        if any(p in name for p in dense):  # [out, in]: blocks along in, as GGUF's
+            weights[name] = _q4_blocks(a.T.copy()).T.copy()
+    save_file(weights, str(d / "model.safetensors"), metadata={"format": "pt"})
+    with caplog.at_level(logging.INFO, logger="fd.engine"):
+        runner = ModelRunner(str(d), num_blocks=64, block_size=BLOCK, weight_format="int4")
+    model = runner.model
+    assert model.weight_format == "int4"
+    for layer in model.layers:
+        assert {layer[n + "_q"].fmt for n in ("o", "gate_up", "down")} == {"int4"}
+        # (q|k|v: q carries the softmax scale, 1/sqrt(32) here, which takes its steps off fp16;
+        # SmolLM2's 1/8 keeps them on it)
+        assert layer["qkv_q"].fmt == "int8"
+    assert model.lm_head_q is not None and model.lm_head_q.fmt == "int8"  # (the head: random floats)
+    said = [r.getMessage() for r in caplog.records if "held in int8" in r.getMessage()]
+    assert said == ["weights not in 4-bit blocks, held in int8: the head, layer 0's q|k|v, layer 1's q|k|v"]
+    prompts = {f"r{i}": random_prompt(200 + i, 20 + 7 * i) for i in range(3)}
+    got, _ = run_batched(runner, prompts, 10, {"r2": 9}, Blocks(64, 1))
+    for r, p in prompts.items():
+        assert got[r] == greedy_reference(model, p, 10), r
+    fp32 = load_model(str(d), progress=False)
+    ids = random_prompt(7, 40)
+    a, b = fp32.reference_logits(ids), model.reference_logits(ids)
+    assert np.linalg.norm(b - a) / np.linalg.norm(a) < 0.05
+
+
 def test_a_weight_of_a_shape_the_kernels_do_not_take_is_refused():
     with pytest.raises(ValueError, match="does not fit"):
         qgemm.QuantLinear(np.zeros((40, 16), np.float32), "int8")

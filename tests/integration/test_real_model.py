@@ -48,7 +48,8 @@ async def test_fd_serve_with_no_model_answers_the_official_client(
 ):
     """A new user's `fd serve`: the default model (converted once into the cache, which the
     session fixture has filled: the same cache `fd serve` looks in), named for itself, in its
-    own quantization (int8 blocks), answers a chat as fd's engine does in that format.
+    own quantization (its Q4_1 blocks as they are, int4), answers a chat as fd's engine does in
+    that format.
 
     Not transformers' exact tokens: those are float32's (test_engine_greedy_ids_equal_transformers),
     and this chat's first token is a near tie there (its two likeliest 0.08 apart in logits), which
@@ -75,7 +76,7 @@ async def test_fd_serve_with_no_model_answers_the_official_client(
     assert code == 0, out
     answer = r.choices[0].message.content
     engine = LLM(
-        ModelRunner(str(smollm2_dir), num_blocks=64, block_size=16, weight_format="int8"), smollm2_tokenizer
+        ModelRunner(str(smollm2_dir), num_blocks=64, block_size=16, weight_format="int4"), smollm2_tokenizer
     )
     want = engine.generate(
         [smollm2_reference["chat"]["prompt_ids"]], SamplingParams(temperature=0.0, max_tokens=24)
@@ -83,7 +84,7 @@ async def test_fd_serve_with_no_model_answers_the_official_client(
     assert answer == want[0].text
     assert r.choices[0].finish_reason == want[0].finish_reason
     assert "fd serving SmolLM2-135M-Instruct" in out
-    assert "int8 weights" in out
+    assert "int4 weights" in out
 
 
 def test_no_model_and_no_default_package_says_how_to_get_one(monkeypatch):

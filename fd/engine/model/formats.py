@@ -6,13 +6,15 @@ loop, the API) decide without loading Paddle."""
 from __future__ import annotations
 
 #: what the dense layers' and the head's weights may be held and computed in
-WEIGHT_FORMATS = ("float32", "int8", "bfloat16")
+WEIGHT_FORMATS = ("float32", "int8", "int4", "bfloat16")
 
 
 #: vLLM's ``--quantization`` values fd serves (None: not given)
 QUANTIZATIONS = ("none", "int8", "gguf")
 #: GGUF types whose values the int8 format holds exactly (8-bit blocks of 32, or wider)
 _EXACT_IN_INT8 = frozenset({"Q8_0", "F32", "F16", "BF16"})
+#: GGUF types the int4 format holds exactly: ``d * q + m`` blocks of 32 (Q4_K's sub-blocks are)
+_EXACT_IN_INT4 = frozenset({"Q4_1", "Q4_K"})
 
 
 def choose_format(
@@ -30,14 +32,16 @@ def choose_format(
     if quantization == "gguf" or quantization is None and dtype == "auto" and gguf_types:
         if not gguf_types:
             raise ValueError("--quantization gguf serves a GGUF's own weights: give a .gguf model")
-        coarser = sorted(set(gguf_types) - _EXACT_IN_INT8)
+        four = set(gguf_types) & _EXACT_IN_INT4
+        coarser = sorted(set(gguf_types) - _EXACT_IN_INT8 - four)
         note = (
             f"the GGUF's {', '.join(coarser)} blocks are computed as 8-bit blocks (int8), which hold "
             "their values to within 1/254 of each block's largest"
             if coarser
             else None
         )
-        return "int8", note
+        # (int4 holds each weight that is 4-bit blocks as they are, and the rest in int8)
+        return ("int4" if four else "int8"), note
     if dtype == "bfloat16":
         return "bfloat16", None
     if dtype in ("half", "float16"):

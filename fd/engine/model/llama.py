@@ -78,6 +78,11 @@ def fused_rms_norm(
     return IF.fused_rms_norm(x, w, None, eps, 1, residual=residual)
 
 
+def _names(what: list[str]) -> str:
+    """A list of weights, said in one line (layer by layer it would be 30 names)."""
+    return ", ".join(what) if len(what) <= 4 else f"{', '.join(what[:3])} and {len(what) - 3} more"
+
+
 def pad_keys(n: int) -> int:
     return max(KEY_ALIGN, -(-n // KEY_ALIGN) * KEY_ALIGN)
 
@@ -182,6 +187,7 @@ class Llama:
         self.weight_format = qgemm.runnable(weight_format, device == "cpu")
         threads = len(os.sched_getaffinity(0))
         kept: list[str] = []  # weights the kernels do not take, kept in float32
+        eight: list[str] = []  # int4: weights not in 4-bit blocks, held in int8
 
         def dense(layer: dict, name: str, a: np.ndarray, what: str) -> None:
             """``layer[name]``, a dense layer's [in, out] weight: a tensor, or in a weight format
@@ -189,7 +195,11 @@ class Llama:
             computed in)."""
             fmt = self.weight_format
             if fmt != "float32" and qgemm.fits(fmt, *a.shape):
-                layer[name], layer[name + "_q"] = None, qgemm.QuantLinear(a, fmt, threads)
+                try:
+                    layer[name], layer[name + "_q"] = None, qgemm.QuantLinear(a, fmt, threads)
+                except qgemm.NotExact:  # (int4: a weight the checkpoint holds in more bits)
+                    layer[name], layer[name + "_q"] = None, qgemm.QuantLinear(a, "int8", threads)
+                    eight.append(what)
                 return
             if fmt != "float32":
                 kept.append(f"{what} ({a.shape[0]}x{a.shape[1]})")
@@ -296,6 +306,8 @@ class Llama:
             raise ValueError(f"gemms must be eager, packed or auto, not {gemms!r}")
         if kept:
             log.warning("weights kept in float32 (%s): %s", self.weight_format, ", ".join(kept))
+        if eight:
+            log.info("weights not in 4-bit blocks, held in int8: %s", _names(eight))
         if gemms != "eager" and self.weight_format == "float32":
             self._pack_weights(keep_if_slower=gemms == "packed")
         elif self.weight_format != "float32":

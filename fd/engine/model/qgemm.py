@@ -1,12 +1,16 @@
 """Weights in fewer bytes on a CPU: the GEMM kernels of fd/engine/model/kernels/qgemm.cc.
 
 A decode step reads every weight once, so on a CPU its time is the weights' bytes over the
-memory bandwidth (bench/README.md, "Issue 47's first probe"). Two formats read fewer bytes than
-float32 and compute from them directly:
+memory bandwidth (bench/README.md, "Issue 47's first probe"). Three formats read fewer bytes
+than float32 and compute from them directly:
 
 - ``int8``: blocks of 32 weights along the input dimension, each with an fp16 scale (GGUF's
   Q8_0), the activations quantized the same way at each call (as llama.cpp does) and the
   products summed in int32 by AVX512-VNNI. 1.125 bytes a weight.
+- ``int4``: a GGUF's own 4-bit blocks (Q4_1, and Q4_K's 32-weight sub-blocks): ``d * q + m``
+  per block of 32, q in 0..15, d and m fp16, packed only where the weight is exactly that
+  (:class:`NotExact` otherwise: the model then holds it in int8); activations as for int8.
+  0.625 bytes a weight, the file's own.
 - ``bfloat16``: the weights in bfloat16, the products in float32 by AVX512-BF16. 2 bytes.
 
 The kernels are compiled with the system's C++ compiler on first use, one library per format
@@ -39,6 +43,11 @@ FORMATS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
         ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "f16c", "fma"),
         ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mf16c", "-mfma"),
     ),
+    "int4": (
+        "q4",
+        ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "f16c", "fma"),
+        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mf16c", "-mfma"),
+    ),
     "bfloat16": (
         "bf16",
         ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "f16c", "fma"),
@@ -46,7 +55,16 @@ FORMATS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
     ),
 }
 #: the kernels' shape constraints: the input dimension in whole blocks, the output in whole tiles
-K_MULTIPLE = {"int8": 32, "bfloat16": 2}
+K_MULTIPLE = {"int8": 32, "int4": 32, "bfloat16": 2}
+#: int4 packs a weight only where its blocks are 4-bit already: no value further than this share
+#: of its block's step from the grid (float rounding of a dequantized GGUF is ~1e-6)
+INT4_EXACT = 1e-3
+
+
+class NotExact(ValueError):
+    """A weight that is not 4-bit blocks (its values are not on a 16-step grid per block of 32)."""
+
+
 N_MULTIPLE = 16
 
 
@@ -60,7 +78,7 @@ def _library(fmt: str) -> ctypes.CDLL | str:
     i, p, i64 = ctypes.c_int, ctypes.c_void_p, ctypes.c_int64
     getattr(lib, f"{prefix}_packed_bytes").restype = i64
     getattr(lib, f"{prefix}_packed_bytes").argtypes = [i, i]
-    getattr(lib, f"{prefix}_pack").restype = None
+    getattr(lib, f"{prefix}_pack").restype = ctypes.c_float if fmt == "int4" else None
     getattr(lib, f"{prefix}_pack").argtypes = [p, i, i, p, i]
     for fn in ("gemm", "gemm_swiglu"):
         getattr(lib, f"{prefix}_{fn}").restype = None
@@ -110,7 +128,9 @@ class QuantLinear:
         self.nbytes = int(getattr(lib, f"{prefix}_packed_bytes")(k, n))
         self._buf = np.empty(self.nbytes, dtype=np.uint8)
         w = np.ascontiguousarray(w, dtype=np.float32)
-        getattr(lib, f"{prefix}_pack")(w.ctypes.data, k, n, self._buf.ctypes.data, self.threads)
+        err = getattr(lib, f"{prefix}_pack")(w.ctypes.data, k, n, self._buf.ctypes.data, self.threads)
+        if fmt == "int4" and not err <= INT4_EXACT:
+            raise NotExact(f"a {k}x{n} weight is not 4-bit blocks (off the grid by {err:.3g} of a step)")
         self._ptr = self._buf.ctypes.data
         self._gemm = getattr(lib, f"{prefix}_gemm")
         self._gemm_swiglu = getattr(lib, f"{prefix}_gemm_swiglu")

@@ -184,6 +184,138 @@ extern "C" void q8_gemm(const float* X, int M, int K, const uint8_t* packed, int
   }
 }
 
+// --- q4 ---------------------------------------------------------------------------------
+// GGUF's Q4_1 (and Q4_K's 32-weight sub-blocks): w = d * q + m, q in 0..15, d and m fp16 per
+// block of 32 along K: 0.625 bytes a weight, the file's own. Packed only where that is exact
+// (q4_pack's error; a weight quantized otherwise stays 8-bit, fd/engine/model/qgemm.py).
+// Within a tile's block, 4 loads of 64 bytes: load j's low nibbles are group 2j (4 k of the 16
+// columns, vpdpbusd's layout), its high nibbles group 2j + 1. vpdpbusd multiplies the unsigned
+// q by X quantized to signed bytes (no offset), and m comes back in as m * dx * sum(xq).
+
+extern "C" int64_t q4_packed_bytes(int K, int N) {
+  int64_t blocks = (int64_t)(K / 32) * N;
+  return blocks * 16 + blocks * 4;
+}
+
+// W row-major [K, N], K % 32 == 0, N % 16 == 0; returns the largest |d * q + m - w| over the
+// weights, as a share of its block's d (0 where exact but for float rounding).
+extern "C" float q4_pack(const float* W, int K, int N, uint8_t* out, int nt) {
+  const int KB = K / 32, T = N / 16;
+  uint8_t* q = out;
+  uint16_t* dm = (uint16_t*)(out + (int64_t)KB * N * 16);
+  float worst = 0.f;
+#pragma omp parallel for num_threads(nt) reduction(max : worst)
+  for (int t = 0; t < T; t++) {
+    for (int b = 0; b < KB; b++) {
+      uint8_t* qb = q + ((int64_t)t * KB + b) * 256;
+      uint16_t* d16 = dm + ((int64_t)t * KB + b) * 32;
+      memset(qb, 0, 256);
+      for (int c = 0; c < 16; c++) {
+        const int64_t n = t * 16 + c;
+        float lo = INFINITY, hi = -INFINITY;
+        for (int k = 0; k < 32; k++) {
+          const float w = W[(int64_t)(b * 32 + k) * N + n];
+          lo = std::min(lo, w);
+          hi = std::max(hi, w);
+        }
+        d16[c] = f32_to_f16((hi - lo) / 15.f);
+        d16[16 + c] = f32_to_f16(lo);
+        const float d = _cvtsh_ss(d16[c]), m = _cvtsh_ss(d16[16 + c]);
+        const float id = d > 0.f ? 1.f / d : 0.f;
+        for (int k = 0; k < 32; k++) {
+          const float w = W[(int64_t)(b * 32 + k) * N + n];
+          const int v = std::min(15, std::max(0, (int)std::nearbyint((w - m) * id)));
+          const float err = std::fabs(d * v + m - w) / (d > 0.f ? d : 1.f);
+          worst = std::max(worst, err);
+          const int g = k / 4, j = g / 2;  // group g's values: load j's low or high nibbles
+          qb[j * 64 + c * 4 + k % 4] |= (uint8_t)(v << ((g % 2) * 4));
+        }
+      }
+    }
+  }
+  return worst;
+}
+
+// X row-major [M, K] -> xq [M, K] signed bytes, dx [M, K/32] each block's scale, and sx [M, K/32]
+// each block's scale times its sum of xq (what m multiplies).
+static void q4_quantize_rows(const float* X, int M, int K, int8_t* xq, float* dx, float* sx, int nt) {
+  const int KB = K / 32;
+#pragma omp parallel for num_threads(nt) if (M >= 64)
+  for (int m = 0; m < M; m++) {
+    for (int b = 0; b < KB; b++) {
+      const float* x = X + (int64_t)m * K + b * 32;
+      __m512 a0 = _mm512_abs_ps(_mm512_loadu_ps(x)), a1 = _mm512_abs_ps(_mm512_loadu_ps(x + 16));
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+      const float d = amax / 127.f;
+      const float id = d > 0.f ? 1.f / d : 0.f;
+      const __m512 vid = _mm512_set1_ps(id);
+      int sum = 0;
+      for (int h = 0; h < 2; h++) {
+        const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + h * 16), vid));
+        sum += _mm512_reduce_add_epi32(v);
+        _mm_storeu_si128((__m128i*)(xq + (int64_t)m * K + b * 32 + h * 16), _mm512_cvtsepi32_epi8(v));
+      }
+      dx[m * KB + b] = d;
+      sx[m * KB + b] = d * (float)sum;
+    }
+  }
+}
+
+template <int R>
+static inline void q4_tile_rows(const uint8_t* packed, int K, int N, int t, const int8_t* xq, const float* dx,
+                                const float* sx, int m0, float* Y) {
+  const int KB = K / 32;
+  const uint16_t* dm = (const uint16_t*)(packed + (int64_t)KB * N * 16);
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
+  for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+  for (int b = 0; b < KB; b++) {
+    const uint8_t* qb = packed + ((int64_t)t * KB + b) * 256;
+    __m512i w[8];
+    for (int j = 0; j < 4; j++) {
+      const __m512i v = _mm512_loadu_si512((const void*)(qb + j * 64));
+      w[2 * j] = _mm512_and_si512(v, low);
+      w[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    }
+    const uint16_t* db = dm + ((int64_t)t * KB + b) * 32;
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)db));
+    const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(db + 16)));
+    for (int r = 0; r < R; r++) {
+      const int8_t* xr = xq + (int64_t)(m0 + r) * K + b * 32;
+      __m512i i = _mm512_setzero_si512();
+      for (int g = 0; g < 8; g++) {
+        int32_t x4;
+        memcpy(&x4, xr + g * 4, 4);
+        i = _mm512_dpbusd_epi32(i, w[g], _mm512_set1_epi32(x4));
+      }
+      const int64_t rb = (int64_t)(m0 + r) * KB + b;
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(dw, _mm512_set1_ps(dx[rb])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[rb]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; r++) _mm512_storeu_ps(Y + (int64_t)(m0 + r) * N + t * 16, acc[r]);
+}
+
+// Y [M, N] = X [M, K] @ W, W packed by q4_pack; on `nt` threads.
+extern "C" void q4_gemm(const float* X, int M, int K, const uint8_t* packed, int N, float* Y, int nt) {
+  const int KB = K / 32;
+  int8_t* xq = (int8_t*)scratch((size_t)M * K + (size_t)M * KB * 8);
+  float* dx = (float*)(xq + (int64_t)M * K);
+  float* sx = dx + (int64_t)M * KB;
+  q4_quantize_rows(X, M, K, xq, dx, sx, nt);
+  const int T = N / 16;
+#pragma omp parallel for schedule(static) num_threads(nt)
+  for (int t = 0; t < T; t++) {
+    int m = 0;
+    for (; m + 4 <= M; m += 4) q4_tile_rows<4>(packed, K, N, t, xq, dx, sx, m, Y);
+    for (; m < M; m++) q4_tile_rows<1>(packed, K, N, t, xq, dx, sx, m, Y);
+  }
+}
+
+extern "C" void q4_gemm_swiglu(const float* X2, int M, int K, const uint8_t* packed, int N, float* Y, int nt) {
+  q4_gemm(swiglu_rows(X2, M, K), M, K, packed, N, Y, nt);
+}
+
 // Y [M, N] = swiglu(X2) @ W: X2 [M, 2K] the MLP's gate | up (swiglu_rows).
 extern "C" void q8_gemm_swiglu(const float* X2, int M, int K, const uint8_t* packed, int N, float* Y, int nt) {
   q8_gemm(swiglu_rows(X2, M, K), M, K, packed, N, Y, nt);
