@@ -54,10 +54,11 @@ class SchedulerSettings:
     )
     # Prompt tokens a step computes beside its decodes, per decode (SchedulerConfig): a wave of
     # new prompts goes in slices, so a running stream's next token waits for about its own
-    # decode step and a slice, not a whole wave's prefill; 4 trades a little throughput for
-    # much less inter-token p99 and TTFT under arriving prompts (bench/README.md has the figures).
+    # decode step and a slice, not a whole wave's prefill; 2 keeps a mixed step within about
+    # twice a decode step, and gave the most throughput and the lowest TTFT of 1, 2 and 4 under
+    # arriving prompts at 32 streams (bench/README.md has the figures).
     prefill_per_decode: int = field(
-        default=4,
+        default=2,
         metadata={
             "flag": "--prefill-per-decode",
             "help": "prompt tokens a step computes beside running decodes, per decode (at least a "
