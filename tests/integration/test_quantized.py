@@ -55,15 +55,20 @@ def test_the_kernels_are_here(fmt):
     assert qgemm.unavailable(fmt) is None, qgemm.unavailable(fmt)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+#: each format's builds: AVX-512 here, and the integer formats' AVX2 one (which this CPU runs
+#: too), so both are held to the same numpy emulation
+BUILDS = [(f, b) for f in FORMATS for b in qgemm.FORMATS[f][1]]
+
+
+@pytest.mark.parametrize("fmt,build", BUILDS)
 @pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (128, 512)])
 @pytest.mark.parametrize("rows", [1, 3, 4, 9, 70])
-def test_a_kernel_computes_its_format_and_stays_within_its_error(fmt, shape, rows):
+def test_a_kernel_computes_its_format_and_stays_within_its_error(fmt, build, shape, rows):
     rng = np.random.default_rng(rows * 7 + shape[0])
     w = (rng.standard_normal(shape) * 0.02).astype(np.float32)
     w[:32, 0] = 0.0  # an all-zero block: scale 0, no division by it
     x = rng.standard_normal((rows, shape[0])).astype(np.float32)
-    got = qgemm.QuantLinear(w, fmt, threads=2)(paddle.to_tensor(x)).numpy()
+    got = qgemm.QuantLinear(w, fmt, threads=2, build=build)(paddle.to_tensor(x)).numpy()
     exact = x.astype(np.float64) @ w.astype(np.float64)
     if fmt == "int8":
         emulated = _int8_reference(x, w)
@@ -77,14 +82,16 @@ def test_a_kernel_computes_its_format_and_stays_within_its_error(fmt, shape, row
     assert err < bound, (fmt, err)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt,build", BUILDS)
 @pytest.mark.parametrize("rows", [1, 5, 33])
-def test_the_down_projection_takes_swiglu_of_gate_and_up_as_they_lie(fmt, rows):
+def test_the_down_projection_takes_swiglu_of_gate_and_up_as_they_lie(fmt, build, rows):
     """``swiglu(x)``: silu(gate) * up of x = [gate | up] fed to the GEMM, the same as the
     activation computed first (float32 rounding of the exponential apart)."""
     rng = np.random.default_rng(rows)
     k, n = 1536, 576
-    lin = qgemm.QuantLinear((rng.standard_normal((k, n)) * 0.02).astype(np.float32), fmt, threads=2)
+    lin = qgemm.QuantLinear(
+        (rng.standard_normal((k, n)) * 0.02).astype(np.float32), fmt, threads=2, build=build
+    )
     x = (rng.standard_normal((rows, 2 * k)) * 3).astype(np.float32)
     x[0, :4] = [-100.0, 100.0, -1e30, 0.0]  # (silu's tails: e^x out of range either way)
     gate, up = x[:, :k].astype(np.float64), x[:, k:].astype(np.float64)
@@ -109,14 +116,15 @@ def _q4_blocks(w: np.ndarray) -> np.ndarray:
     return (d[:, None] * q + m[:, None]).reshape(k, n).astype(np.float32)
 
 
+@pytest.mark.parametrize("build", list(qgemm.FORMATS["int4"][1]))
 @pytest.mark.parametrize("shape", [(576, 960), (1536, 576)])
 @pytest.mark.parametrize("rows", [1, 4, 9, 70])
-def test_int4_computes_a_ggufs_own_blocks_with_8_bit_activations(shape, rows):
+def test_int4_computes_a_ggufs_own_blocks_with_8_bit_activations(build, shape, rows):
     rng = np.random.default_rng(rows + shape[1])
     w = _q4_blocks((rng.standard_normal(shape) * 0.02).astype(np.float32))
     w[:32, 0] = 0.25  # (a constant block: step 0)
     x = rng.standard_normal((rows, shape[0])).astype(np.float32)
-    got = qgemm.QuantLinear(w, "int4", threads=2)(paddle.to_tensor(x)).numpy()
+    got = qgemm.QuantLinear(w, "int4", threads=2, build=build)(paddle.to_tensor(x)).numpy()
     # the weights exactly, the activations as int8 quantizes them (scale per block of 32)
     k = shape[0]
     xb = x.reshape(rows, k // 32, 32)
@@ -231,6 +239,23 @@ def test_a_formats_greedy_tokens_equal_its_recorded_ones(tiny_dir, fmt):
     model = load_model(tiny_dir, progress=False, weight_format=fmt)
     got = [greedy_reference(model, random_prompt(s, 16), 10) for s in (1, 2, 3)]
     assert got == RECORDED[fmt]
+
+
+def test_a_cpu_with_avx2_alone_runs_the_integer_formats_avx2_kernels_to_the_same_logits(
+    tiny_dir, monkeypatch
+):  # noqa: F811
+    """What an AVX2 CPU (no AVX512-VNNI) gets: the same formats by its own build, whose integer
+    sums are the same, so its logits are the AVX-512 build's."""
+    vnni = load_model(tiny_dir, progress=False, weight_format="int8")
+    monkeypatch.setattr(qgemm, "isa", lambda fmt: "avx2" if fmt != "bfloat16" else None)
+    qgemm._library.cache_clear()
+    try:
+        avx2 = load_model(tiny_dir, progress=False, weight_format="int8")
+        assert avx2.weight_format == "int8"
+        ids = random_prompt(11, 30)
+        np.testing.assert_allclose(avx2.reference_logits(ids), vnni.reference_logits(ids), rtol=0, atol=1e-5)
+    finally:
+        qgemm._library.cache_clear()
 
 
 def test_where_the_kernels_cannot_run_the_model_keeps_float32_and_says_why(tiny_dir, monkeypatch, caplog):

@@ -13,8 +13,9 @@ than float32 and compute from them directly:
   0.625 bytes a weight, the file's own.
 - ``bfloat16``: the weights in bfloat16, the products in float32 by AVX512-BF16. 2 bytes.
 
-The kernels are compiled with the system's C++ compiler on first use, one library per format
-with its ISA's flags, and cached (``$FD_KERNEL_CACHE``, else ``~/.cache/fd/kernels``); they link
+The kernels are compiled with the system's C++ compiler on first use (fd/engine/model/native.py),
+one library per format and ISA with that ISA's flags (the integer formats on AVX512-VNNI, else
+on AVX2: :func:`isa`), and cached (``$FD_KERNEL_CACHE``, else ``~/.cache/fd/kernels``); they link
 Paddle's own OpenMP runtime, so the process keeps one pool of threads. They are reached by ctypes
 on tensors' own memory, like MKL's packed GEMMs (fd/engine/model/packed_gemm.py). A CPU
 without the format's instructions, a machine without a compiler, or a failed build gets
@@ -35,24 +36,22 @@ from fd.engine.model.packed_gemm import gemm_operands
 
 log = logging.getLogger("fd.engine")
 
-#: per format: the kernels' prefix in the library, the CPU flags (as /proc/cpuinfo names them)
-#: it needs, and the compiler flags of its build
-FORMATS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
-    "int8": (
-        "q8",
-        ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "f16c", "fma"),
-        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mf16c", "-mfma"),
-    ),
-    "int4": (
-        "q4",
-        ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "f16c", "fma"),
-        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mf16c", "-mfma"),
-    ),
-    "bfloat16": (
-        "bf16",
-        ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "f16c", "fma"),
-        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mf16c", "-mfma"),
-    ),
+_VNNI = (
+    ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "f16c", "fma"),
+    ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mf16c", "-mfma"),
+)
+#: the integer formats' second build, for x86 CPUs without AVX512-VNNI (the same packed layouts)
+_AVX2 = (("avx2", "fma", "f16c"), ("-DFD_AVX2", "-mavx2", "-mfma", "-mf16c"))
+_BF16 = (
+    ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "f16c", "fma"),
+    ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mf16c", "-mfma"),
+)
+#: per format: the kernels' prefix in the library, and its builds by ISA, the first a CPU has
+#: the flags of (as /proc/cpuinfo names them) taken: (CPU flags it needs, compiler flags)
+FORMATS: dict[str, tuple[str, dict[str, tuple[tuple[str, ...], tuple[str, ...]]]]] = {
+    "int8": ("q8", {"avx512_vnni": _VNNI, "avx2": _AVX2}),
+    "int4": ("q4", {"avx512_vnni": _VNNI, "avx2": _AVX2}),
+    "bfloat16": ("bf16", {"avx512_bf16": _BF16}),
 }
 #: the kernels' shape constraints: the input dimension in whole blocks, the output in whole tiles
 K_MULTIPLE = {"int8": 32, "int4": 32, "bfloat16": 2}
@@ -68,11 +67,20 @@ class NotExact(ValueError):
 N_MULTIPLE = 16
 
 
+def isa(fmt: str) -> str | None:
+    """The build of ``fmt``'s kernels this CPU runs (None: none of them)."""
+    have = native.cpu_flags()
+    return next((name for name, (needs, _) in FORMATS[fmt][1].items() if set(needs) <= have), None)
+
+
 @cache
-def _library(fmt: str) -> ctypes.CDLL | str:
-    """The loaded library of ``fmt``, or why there is none."""
-    prefix, needs, flags = FORMATS[fmt]
-    lib = native.library(f"qgemm-{fmt}", "qgemm.cc", needs, flags)
+def _library(fmt: str, build: str | None = None) -> ctypes.CDLL | str:
+    """The loaded library of ``fmt`` (in ``build``, else the first this CPU runs), or why there
+    is none."""
+    prefix, builds = FORMATS[fmt]
+    build = build or isa(fmt) or next(iter(builds))
+    needs, flags = builds[build]
+    lib = native.library(f"qgemm-{fmt}-{build}", "qgemm.cc", needs, flags)
     if isinstance(lib, str):
         return lib
     i, p, i64 = ctypes.c_int, ctypes.c_void_p, ctypes.c_int64
@@ -114,8 +122,8 @@ class QuantLinear:
     """``x @ w`` for float32 ``x`` [rows, k] on the CPU, ``w`` [k, n] held in ``fmt`` (packed
     once; the float32 array is not kept), computed on ``threads`` threads."""
 
-    def __init__(self, w: np.ndarray, fmt: str, threads: int = 1):
-        lib = _library(fmt)
+    def __init__(self, w: np.ndarray, fmt: str, threads: int = 1, build: str | None = None):
+        lib = _library(fmt, build)
         if isinstance(lib, str):
             raise RuntimeError(f"{fmt} kernels unavailable: {lib}")
         k, n = int(w.shape[0]), int(w.shape[1])

@@ -28,6 +28,7 @@ import paddle
 
 from fd.engine.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from fd.engine.core.sequence import PLACEHOLDER
+from fd.engine.model import qgemm
 from fd.engine.model.llama import ForwardBatch, Llama
 from fd.engine.model.loader import load_model
 from fd.engine.runner.batch import build_batch
@@ -113,8 +114,9 @@ class ModelRunner(InProcessRunner):
         plan = self.model.gemm_plan
         if self.model.weight_format != "float32":
             log.info(
-                "model GEMMs: %s weights (fd/engine/model/qgemm.py)",
+                "model GEMMs: %s weights, %s kernels (fd/engine/model/qgemm.py)",
                 self.model.weight_format,
+                qgemm.isa(self.model.weight_format),
                 extra={"weight_format": self.model.weight_format},
             )
         else:

@@ -14,9 +14,10 @@
 // columns (what one vpdpbusd multiplies by a broadcast 4 bytes of X). For bf16, pairs of k of
 // the 16 columns (one vdpbf16ps). Every tile is independent: the threads split the tiles.
 //
-// The file is compiled twice (fd/engine/model/qgemm.py), once for each format with the flags of
-// its ISA, each part guarded by that ISA's macro: neither library holds an instruction that the
-// CPU check before loading it did not allow. (No AVX2 path yet: such a CPU keeps float32.)
+// The file is compiled once per format and ISA (fd/engine/model/qgemm.py) with that ISA's flags,
+// each part guarded by its macro: no library holds an instruction that the CPU check before
+// loading it did not allow. The integer formats have a second build for AVX2 CPUs without VNNI
+// (-DFD_AVX2: the same packed layouts, vpmaddubsw for vpdpbusd); bf16 needs AVX512-BF16.
 //
 // vpdpbusd multiplies unsigned by signed bytes: X's quantized values go in with 128 added, and
 // 128 times each block's weight sum (kept beside its scale) comes off again.
@@ -37,6 +38,7 @@ static uint8_t* scratch(size_t bytes) {
   return buf.data();
 }
 
+#ifdef __AVX512F__
 // e^x, 16 at a time: 2^n * p(r), |r| <= ln2 / 2, to ~2 ulp (scalef takes n out of range to
 // inf or 0, as e^x goes).
 static inline __m512 exp16(__m512 x) {
@@ -72,7 +74,44 @@ static const float* swiglu_rows(const float* X2, int M, int K) {
   return buf.data();
 }
 
-#ifdef __AVX512VNNI__
+#else
+// e^x, 8 at a time, as exp16 (AVX2: 2^n built in the exponent bits; x clamped to e^x's range).
+static inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+static const float* swiglu_rows(const float* X2, int M, int K) {
+  static thread_local std::vector<float> buf;
+  if (buf.size() < (size_t)M * K) buf.resize((size_t)M * K);
+  for (int m = 0; m < M; m++) {
+    const float* g = X2 + (int64_t)m * 2 * K;
+    float* y = buf.data() + (int64_t)m * K;
+    for (int k = 0; k < K; k += 8) {
+      const __m256 gv = _mm256_loadu_ps(g + k);
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+      const __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+      _mm256_storeu_ps(y + k, _mm256_mul_ps(silu, _mm256_loadu_ps(g + K + k)));
+    }
+  }
+  return buf.data();
+}
+
+#endif
+
+#if defined(__AVX512VNNI__) || defined(FD_AVX2)
 // --- q8 ---------------------------------------------------------------------------------
 
 static inline uint16_t f32_to_f16(float f) { return _cvtss_sh(f, 0); }
@@ -115,6 +154,7 @@ extern "C" void q8_pack(const float* W, int K, int N, uint8_t* out, int nt) {
   }
 }
 
+#ifdef __AVX512VNNI__
 // X row-major [M, K] -> xq [M, K] (value + 128) and dx [M, K/32] (each block's scale).
 static void q8_quantize_rows(const float* X, int M, int K, uint8_t* xq, float* dx, int nt) {
   const int KB = K / 32;
@@ -169,6 +209,194 @@ static inline void q8_tile_rows(const uint8_t* packed, int K, int N, int t, cons
   }
   for (int r = 0; r < R; r++) _mm512_storeu_ps(Y + (int64_t)(m0 + r) * N + t * 16, acc[r]);
 }
+
+// X row-major [M, K] -> xq [M, K] signed bytes, dx [M, K/32] each block's scale, and sx [M, K/32]
+// each block's scale times its sum of xq (what m multiplies).
+static void q4_quantize_rows(const float* X, int M, int K, int8_t* xq, float* dx, float* sx, int nt) {
+  const int KB = K / 32;
+#pragma omp parallel for num_threads(nt) if (M >= 64)
+  for (int m = 0; m < M; m++) {
+    for (int b = 0; b < KB; b++) {
+      const float* x = X + (int64_t)m * K + b * 32;
+      __m512 a0 = _mm512_abs_ps(_mm512_loadu_ps(x)), a1 = _mm512_abs_ps(_mm512_loadu_ps(x + 16));
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+      const float d = amax / 127.f;
+      const float id = d > 0.f ? 1.f / d : 0.f;
+      const __m512 vid = _mm512_set1_ps(id);
+      int sum = 0;
+      for (int h = 0; h < 2; h++) {
+        const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + h * 16), vid));
+        sum += _mm512_reduce_add_epi32(v);
+        _mm_storeu_si128((__m128i*)(xq + (int64_t)m * K + b * 32 + h * 16), _mm512_cvtsepi32_epi8(v));
+      }
+      dx[m * KB + b] = d;
+      sx[m * KB + b] = d * (float)sum;
+    }
+  }
+}
+
+template <int R>
+static inline void q4_tile_rows(const uint8_t* packed, int K, int N, int t, const int8_t* xq, const float* dx,
+                                const float* sx, int m0, float* Y) {
+  const int KB = K / 32;
+  const uint16_t* dm = (const uint16_t*)(packed + (int64_t)KB * N * 16);
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
+  for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+  for (int b = 0; b < KB; b++) {
+    const uint8_t* qb = packed + ((int64_t)t * KB + b) * 256;
+    __m512i w[8];
+    for (int j = 0; j < 4; j++) {
+      const __m512i v = _mm512_loadu_si512((const void*)(qb + j * 64));
+      w[2 * j] = _mm512_and_si512(v, low);
+      w[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    }
+    const uint16_t* db = dm + ((int64_t)t * KB + b) * 32;
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)db));
+    const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(db + 16)));
+    for (int r = 0; r < R; r++) {
+      const int8_t* xr = xq + (int64_t)(m0 + r) * K + b * 32;
+      __m512i i = _mm512_setzero_si512();
+      for (int g = 0; g < 8; g++) {
+        int32_t x4;
+        memcpy(&x4, xr + g * 4, 4);
+        i = _mm512_dpbusd_epi32(i, w[g], _mm512_set1_epi32(x4));
+      }
+      const int64_t rb = (int64_t)(m0 + r) * KB + b;
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(dw, _mm512_set1_ps(dx[rb])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[rb]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; r++) _mm512_storeu_ps(Y + (int64_t)(m0 + r) * N + t * 16, acc[r]);
+}
+
+#else
+// --- AVX2 (no VNNI): vpmaddubsw multiplies unsigned by signed bytes into int16 pairs, vpmaddwd
+// sums the pairs' pairs into int32. q8 takes X signed (no offset) and each weight's sign onto X's
+// byte (|w| by sign(x, w): a pair is at most 2 * 127 * 127, inside int16); q4's q is unsigned
+// already (2 * 15 * 127). The packed layouts are the AVX-512 ones: a group's 64 bytes are two
+// halves of 8 columns, each one ymm.
+
+static inline void quantize_block8(const float* x, int8_t* out, float* d_out, int* sum_out) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v[4], a = _mm256_setzero_ps();
+  for (int h = 0; h < 4; h++) {
+    v[h] = _mm256_loadu_ps(x + h * 8);
+    a = _mm256_max_ps(a, _mm256_andnot_ps(sign, v[h]));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float d = _mm_cvtss_f32(m4) / 127.f;
+  const __m256 id = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
+  __m256i q[4];
+  for (int h = 0; h < 4; h++) q[h] = _mm256_cvtps_epi32(_mm256_mul_ps(v[h], id));  // nearest even
+  const __m256i s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+  // 32 int32 -> 32 int8 in order (the packs interleave 128-bit lanes; the permute undoes it)
+  const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  _mm256_storeu_si256((__m256i*)out, _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  *d_out = d;
+  *sum_out = _mm_cvtsi128_si32(s4);
+}
+
+static void q8_quantize_rows(const float* X, int M, int K, uint8_t* xq, float* dx, int nt) {
+  const int KB = K / 32;
+#pragma omp parallel for num_threads(nt) if (M >= 64)
+  for (int m = 0; m < M; m++)
+    for (int b = 0; b < KB; b++) {
+      int sum;
+      quantize_block8(X + (int64_t)m * K + b * 32, (int8_t*)xq + (int64_t)m * K + b * 32, dx + m * KB + b, &sum);
+    }
+}
+
+static inline __m256i dot4(__m256i w, int32_t x4) {  // int32 lanes: w's 4 bytes a column . x4 (q8)
+  const __m256i xb = _mm256_set1_epi32(x4);
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xb, w)),
+                           _mm256_set1_epi16(1));
+}
+
+template <int R>
+static inline void q8_tile_rows(const uint8_t* packed, int K, int N, int t, const uint8_t* xq, const float* dx,
+                                int m0, float* Y) {
+  const int KB = K / 32;
+  const int8_t* q = (const int8_t*)packed;
+  const uint16_t* d = (const uint16_t*)(packed + (int64_t)KB * N * 32);
+  for (int h = 0; h < 2; h++) {
+    __m256 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < KB; b++) {
+      const int8_t* qb = q + ((int64_t)t * KB + b) * 512 + h * 32;
+      __m256i w[8];
+      for (int g = 0; g < 8; g++) w[g] = _mm256_loadu_si256((const __m256i*)(qb + g * 64));
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(d + ((int64_t)t * KB + b) * 16 + h * 8)));
+      for (int r = 0; r < R; r++) {
+        const int8_t* xr = (const int8_t*)xq + (int64_t)(m0 + r) * K + b * 32;
+        __m256i i = _mm256_setzero_si256();
+        for (int g = 0; g < 8; g++) {
+          int32_t x4;
+          memcpy(&x4, xr + g * 4, 4);
+          i = _mm256_add_epi32(i, dot4(w[g], x4));
+        }
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(dw, _mm256_set1_ps(dx[(m0 + r) * KB + b])), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(Y + (int64_t)(m0 + r) * N + t * 16 + h * 8, acc[r]);
+  }
+}
+
+static void q4_quantize_rows(const float* X, int M, int K, int8_t* xq, float* dx, float* sx, int nt) {
+  const int KB = K / 32;
+#pragma omp parallel for num_threads(nt) if (M >= 64)
+  for (int m = 0; m < M; m++)
+    for (int b = 0; b < KB; b++) {
+      int sum;
+      const int64_t rb = (int64_t)m * KB + b;
+      quantize_block8(X + (int64_t)m * K + b * 32, xq + (int64_t)m * K + b * 32, dx + rb, &sum);
+      sx[rb] = dx[rb] * (float)sum;
+    }
+}
+
+template <int R>
+static inline void q4_tile_rows(const uint8_t* packed, int K, int N, int t, const int8_t* xq, const float* dx,
+                                const float* sx, int m0, float* Y) {
+  const int KB = K / 32;
+  const uint16_t* dm = (const uint16_t*)(packed + (int64_t)KB * N * 16);
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2; h++) {
+    __m256 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < KB; b++) {
+      const uint8_t* qb = packed + ((int64_t)t * KB + b) * 256 + h * 32;
+      __m256i w[8];
+      for (int j = 0; j < 4; j++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(qb + j * 64));
+        w[2 * j] = _mm256_and_si256(v, low);
+        w[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      }
+      const uint16_t* db = dm + ((int64_t)t * KB + b) * 32 + h * 8;
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)db));
+      const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(db + 16)));
+      for (int r = 0; r < R; r++) {
+        const int8_t* xr = xq + (int64_t)(m0 + r) * K + b * 32;
+        __m256i i = _mm256_setzero_si256();
+        for (int g = 0; g < 8; g++) {
+          int32_t x4;
+          memcpy(&x4, xr + g * 4, 4);
+          i = _mm256_add_epi32(i, _mm256_madd_epi16(_mm256_maddubs_epi16(w[g], _mm256_set1_epi32(x4)), ones));
+        }
+        const int64_t rb = (int64_t)(m0 + r) * KB + b;
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(dw, _mm256_set1_ps(dx[rb])), acc[r]);
+        acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sx[rb]), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(Y + (int64_t)(m0 + r) * N + t * 16 + h * 8, acc[r]);
+  }
+}
+
+#endif
 
 // Y [M, N] = X [M, K] @ W, W packed by q8_pack; on `nt` threads.
 extern "C" void q8_gemm(const float* X, int M, int K, const uint8_t* packed, int N, float* Y, int nt) {
@@ -236,66 +464,6 @@ extern "C" float q4_pack(const float* W, int K, int N, uint8_t* out, int nt) {
   return worst;
 }
 
-// X row-major [M, K] -> xq [M, K] signed bytes, dx [M, K/32] each block's scale, and sx [M, K/32]
-// each block's scale times its sum of xq (what m multiplies).
-static void q4_quantize_rows(const float* X, int M, int K, int8_t* xq, float* dx, float* sx, int nt) {
-  const int KB = K / 32;
-#pragma omp parallel for num_threads(nt) if (M >= 64)
-  for (int m = 0; m < M; m++) {
-    for (int b = 0; b < KB; b++) {
-      const float* x = X + (int64_t)m * K + b * 32;
-      __m512 a0 = _mm512_abs_ps(_mm512_loadu_ps(x)), a1 = _mm512_abs_ps(_mm512_loadu_ps(x + 16));
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
-      const float d = amax / 127.f;
-      const float id = d > 0.f ? 1.f / d : 0.f;
-      const __m512 vid = _mm512_set1_ps(id);
-      int sum = 0;
-      for (int h = 0; h < 2; h++) {
-        const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + h * 16), vid));
-        sum += _mm512_reduce_add_epi32(v);
-        _mm_storeu_si128((__m128i*)(xq + (int64_t)m * K + b * 32 + h * 16), _mm512_cvtsepi32_epi8(v));
-      }
-      dx[m * KB + b] = d;
-      sx[m * KB + b] = d * (float)sum;
-    }
-  }
-}
-
-template <int R>
-static inline void q4_tile_rows(const uint8_t* packed, int K, int N, int t, const int8_t* xq, const float* dx,
-                                const float* sx, int m0, float* Y) {
-  const int KB = K / 32;
-  const uint16_t* dm = (const uint16_t*)(packed + (int64_t)KB * N * 16);
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  __m512 acc[R];
-  for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-  for (int b = 0; b < KB; b++) {
-    const uint8_t* qb = packed + ((int64_t)t * KB + b) * 256;
-    __m512i w[8];
-    for (int j = 0; j < 4; j++) {
-      const __m512i v = _mm512_loadu_si512((const void*)(qb + j * 64));
-      w[2 * j] = _mm512_and_si512(v, low);
-      w[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-    }
-    const uint16_t* db = dm + ((int64_t)t * KB + b) * 32;
-    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)db));
-    const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(db + 16)));
-    for (int r = 0; r < R; r++) {
-      const int8_t* xr = xq + (int64_t)(m0 + r) * K + b * 32;
-      __m512i i = _mm512_setzero_si512();
-      for (int g = 0; g < 8; g++) {
-        int32_t x4;
-        memcpy(&x4, xr + g * 4, 4);
-        i = _mm512_dpbusd_epi32(i, w[g], _mm512_set1_epi32(x4));
-      }
-      const int64_t rb = (int64_t)(m0 + r) * KB + b;
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(dw, _mm512_set1_ps(dx[rb])), acc[r]);
-      acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[rb]), acc[r]);
-    }
-  }
-  for (int r = 0; r < R; r++) _mm512_storeu_ps(Y + (int64_t)(m0 + r) * N + t * 16, acc[r]);
-}
-
 // Y [M, N] = X [M, K] @ W, W packed by q4_pack; on `nt` threads.
 extern "C" void q4_gemm(const float* X, int M, int K, const uint8_t* packed, int N, float* Y, int nt) {
   const int KB = K / 32;
@@ -321,7 +489,7 @@ extern "C" void q8_gemm_swiglu(const float* X2, int M, int K, const uint8_t* pac
   q8_gemm(swiglu_rows(X2, M, K), M, K, packed, N, Y, nt);
 }
 
-#endif  // __AVX512VNNI__
+#endif  // __AVX512VNNI__ || FD_AVX2
 
 #ifdef __AVX512BF16__
 // --- bf16 -------------------------------------------------------------------------------
