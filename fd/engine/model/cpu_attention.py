@@ -139,8 +139,9 @@ def attend(
     window: int | None,
     k_cache: paddle.Tensor,
     v_cache: paddle.Tensor,
+    out: paddle.Tensor | None = None,
 ) -> paddle.Tensor:
-    """[Q, heads * head_dim]: query ``i`` (row ``rows[i]`` of ``q``) against the first ``lens[i]``
+    """[Q, heads * head_dim] (into ``out`` if given, of that shape): query ``i`` (row ``rows[i]`` of ``q``) against the first ``lens[i]``
     keys of its sequence (the last ``window`` of them, with a sliding window), whose blocks are
     ``tables[i]``: a decode's one query, or each of a prefill chunk's over its own prefix. The
     host arrays are int64; the caller's bounds (the rows of q, the blocks of the cache) are the
@@ -150,7 +151,10 @@ def attend(
     if tables.dtype != np.int64 or rows.dtype != np.int64 or lens.dtype != np.int64 or tables.shape[0] != n:
         raise ValueError("rows, tables and lens: int64, one a sequence")
     tables = np.ascontiguousarray(tables)
-    out = paddle.empty([n, s.heads * s.head_dim], dtype=paddle.float32)
+    if out is None:
+        out = paddle.empty([n, s.heads * s.head_dim], dtype=paddle.float32)
+    elif list(out.shape) != [n, s.heads * s.head_dim]:
+        raise ValueError(f"attention out {out.shape}: not [{n}, {s.heads * s.head_dim}]")
     s._lib.attn_decode(
         _ptr(q, paddle.float32),
         rows.ctypes.data,
@@ -166,7 +170,7 @@ def attend(
         int(tables.shape[1]),
         lens.ctypes.data,
         window or 0,
-        out.data_ptr(),
+        _ptr(out, paddle.float32),
         s.threads,
     )
     return out

@@ -195,11 +195,13 @@ class Llama:
             computed in)."""
             fmt = self.weight_format
             if fmt != "float32" and qgemm.fits(fmt, *a.shape):
+                reuse = name != "lm_head"  # (a layer's output is consumed within its layer)
                 try:
-                    layer[name], layer[name + "_q"] = None, qgemm.QuantLinear(a, fmt, threads)
+                    q = qgemm.QuantLinear(a, fmt, threads, reuse=reuse)
                 except qgemm.NotExact:  # (int4: a weight the checkpoint holds in more bits)
-                    layer[name], layer[name + "_q"] = None, qgemm.QuantLinear(a, "int8", threads)
+                    q = qgemm.QuantLinear(a, "int8", threads, reuse=reuse)
                     eight.append(what)
+                layer[name], layer[name + "_q"] = None, q
                 return
             if fmt != "float32":
                 kept.append(f"{what} ({a.shape[0]}x{a.shape[1]})")
@@ -729,7 +731,14 @@ class Llama:
             return joined([gathered(i, *a, q) for a in zip(b.groups, masks, ctx_rows, strict=True)])
 
         slot_mapping = b.slot_mapping
+        # the kernels' outputs, written again by every layer (each is consumed within its layer)
         q_rot = None if kernels is None else paddle.empty([n, c.q_size], dtype=paddle.float32)
+        attn_out = [
+            paddle.empty([len(g.rows), c.q_size], dtype=paddle.float32)
+            if own and g.rows is not None
+            else None
+            for g, own in zip(b.groups, in_place, strict=True)
+        ]
 
         def fused(i: int, qkv: paddle.Tensor) -> paddle.Tensor:
             nonlocal slot_mapping
@@ -741,13 +750,13 @@ class Llama:
                 kernels, qkv, b.positions, slot_mapping, self.rope, k_cache, v_cache, q_rot
             )
             outs = []
-            for grp, mask, ctx, own in zip(b.groups, masks, ctx_rows, in_place, strict=True):
+            for grp, mask, ctx, own, into in zip(b.groups, masks, ctx_rows, in_place, attn_out, strict=True):
                 if own:
                     assert grp.rows is not None and grp.tables is not None and grp.lens is not None
                     window = c.sliding_window
                     outs.append(
                         cpu_attention.attend(
-                            kernels, q_rot, grp.rows, grp.tables, grp.lens, window, k_cache, v_cache
+                            kernels, q_rot, grp.rows, grp.tables, grp.lens, window, k_cache, v_cache, into
                         )
                     )
                 else:

@@ -207,10 +207,13 @@ def _fastest_at(pairs, routes, threads, rows: int, rounds: int) -> tuple[str, in
     return more if best[more] < 0.9 * best[one] else one
 
 
-def gemm_operands(x: paddle.Tensor, k: int, n: int, what: str) -> tuple[paddle.Tensor, int, paddle.Tensor]:
+def gemm_operands(
+    x: paddle.Tensor, k: int, n: int, what: str, out: paddle.Tensor | None = None
+) -> tuple[paddle.Tensor, int, paddle.Tensor]:
     """For a GEMM by pointer over a prepared [k, n] weight (this module's, and
     fd/engine/model/qgemm.py's): ``x`` checked to be float32 [rows, k] and made contiguous, its
-    rows, and a fresh float32 [rows, n] output. (The kernel reads rows x k floats at the
+    rows, and a float32 [rows, n] output (``out`` if given: the caller's, of that shape; else
+    a fresh one). (The kernel reads rows x k floats at the
     pointer: a wrong shape or dtype would be out of bounds. The place is not checked: only a
     CPU model prepares its weights, and this runs 121 times a SmolLM2 step. ``is``: a dtype's
     == costs ~1.4 us, identity ~0.1.)"""
@@ -220,7 +223,7 @@ def gemm_operands(x: paddle.Tensor, k: int, n: int, what: str) -> tuple[paddle.T
     if not x.is_contiguous():
         x = x.contiguous()
     m = int(shape[0])
-    return x, m, paddle.empty([m, n], dtype=paddle.float32)
+    return x, m, paddle.empty([m, n], dtype=paddle.float32) if out is None else out
 
 
 class PackedLinear:

@@ -118,11 +118,22 @@ def fits(fmt: str, k: int, n: int) -> bool:
     return k % K_MULTIPLE[fmt] == 0 and n % N_MULTIPLE == 0
 
 
+#: rows up to which a layer writes its output into the tensor it wrote the last call with as
+#: many rows (a decode step's sizes; allocating a tensor costs ~8 µs, and a step calls 150)
+REUSE_ROWS = 64
+
+
 class QuantLinear:
     """``x @ w`` for float32 ``x`` [rows, k] on the CPU, ``w`` [k, n] held in ``fmt`` (packed
-    once; the float32 array is not kept), computed on ``threads`` threads."""
+    once; the float32 array is not kept), computed on ``threads`` threads.
 
-    def __init__(self, w: np.ndarray, fmt: str, threads: int = 1, build: str | None = None):
+    With ``reuse`` an output of up to :data:`REUSE_ROWS` rows is good until the layer's next
+    call with as many rows: the model consumes each within its layer of a step (the head, whose
+    logits outlive it, does not reuse)."""
+
+    def __init__(
+        self, w: np.ndarray, fmt: str, threads: int = 1, build: str | None = None, reuse: bool = False
+    ):
         lib = _library(fmt, build)
         if isinstance(lib, str):
             raise RuntimeError(f"{fmt} kernels unavailable: {lib}")
@@ -142,10 +153,19 @@ class QuantLinear:
         self._ptr = self._buf.ctypes.data
         self._gemm = getattr(lib, f"{prefix}_gemm")
         self._gemm_swiglu = getattr(lib, f"{prefix}_gemm_swiglu")
+        self.reuse = reuse
+        self._outs: dict[int, paddle.Tensor] = {}  # by rows, with reuse
+
+    def _out(self, x: paddle.Tensor, k: int) -> tuple[paddle.Tensor, int, paddle.Tensor]:
+        rows = int(x.shape[0]) if len(x.shape) == 2 else 0
+        x, m, out = gemm_operands(x, k, self.shape[1], self.fmt, self._outs.get(rows) if self.reuse else None)
+        if self.reuse and m <= REUSE_ROWS:
+            self._outs[m] = out
+        return x, m, out
 
     def __call__(self, x: paddle.Tensor) -> paddle.Tensor:
         k, n = self.shape
-        x, m, out = gemm_operands(x, k, n, self.fmt)
+        x, m, out = self._out(x, k)
         if m:
             self._gemm(x.data_ptr(), m, k, self._ptr, n, out.data_ptr(), self.threads)
         return out
@@ -156,7 +176,7 @@ class QuantLinear:
         k, n = self.shape
         if k % 16:
             raise ValueError(f"SwiGLU by the kernels takes an input of a multiple of 16, not {k}")
-        x, m, out = gemm_operands(x, 2 * k, n, self.fmt)
+        x, m, out = self._out(x, 2 * k)
         if m:
             self._gemm_swiglu(x.data_ptr(), m, k, self._ptr, n, out.data_ptr(), self.threads)
         return out
