@@ -177,6 +177,29 @@ def test_int4_takes_only_weights_that_are_4_bit_blocks(tiny_dir, tmp_path, caplo
     assert np.linalg.norm(b - a) / np.linalg.norm(a) < 0.05
 
 
+@pytest.mark.parametrize("fmt,build", BUILDS)
+@pytest.mark.parametrize("rows", [1, 6])
+def test_a_gemm_takes_its_rms_norm_and_the_residual_add_on_the_way_in(fmt, build, rows):
+    """``normed(x, r, w, eps)``: the residual sum x + r exactly, and the GEMM of its RMSNorm, as
+    the model's norm op and the GEMM give them apart (float32 rounding of the norm apart)."""
+    from fd.engine.model.llama import composed_rms_norm
+
+    rng = np.random.default_rng(rows + len(build))
+    k, n = 576, 960
+    lin = qgemm.QuantLinear(
+        (rng.standard_normal((k, n)) * 0.02).astype(np.float32), fmt, threads=2, build=build
+    )
+    x, r = (paddle.to_tensor((rng.standard_normal((rows, k)) * 2).astype(np.float32)) for _ in range(2))
+    w = paddle.to_tensor((1 + rng.standard_normal(k) * 0.1).astype(np.float32))
+    for residual in (r, None):
+        y, s = lin.normed(x, residual, w, 1e-5)
+        h, want_s = composed_rms_norm(x, w, 1e-5, residual)
+        np.testing.assert_array_equal(s.numpy(), want_s.numpy())
+        want = lin(h).numpy()
+        np.testing.assert_allclose(y.numpy(), want, rtol=0, atol=2e-2 * float(np.abs(want).max()))
+        assert np.linalg.norm(y.numpy() - want) / np.linalg.norm(want) < 2e-3
+
+
 def test_a_layer_that_reuses_writes_its_next_output_of_as_many_rows_into_the_same_tensor():
     rng = np.random.default_rng(4)
     w = (rng.standard_normal((64, 32)) * 0.1).astype(np.float32)

@@ -577,13 +577,15 @@ class Llama:
             x = self._lora(x, attn, i, "o")
         if layer["o_b"] is not None:
             x = paddle.add(x, layer["o_b"])
+        gate_up, down = layer.get("gate_up_q"), layer.get("down_q")
+        if not self._active and gate_up is not None and down is not None and down.shape[0] % 16 == 0:
+            # (the norm inside the gate|up GEMM, SwiGLU inside the down GEMM)
+            g, residual = gate_up.normed(x, residual, layer["post_norm"], eps)
+            return down.swiglu(g), residual
         h, residual = self._rms_norm(x, layer["post_norm"], eps, residual)
         if "moe" in layer:
             return self._moe(layer["moe"], h), residual
         if not self._active:
-            down = layer.get("down_q")
-            if down is not None and down.shape[0] % 16 == 0:  # (SwiGLU inside the down GEMM)
-                return down.swiglu(self._mm(h, layer, "gate_up")), residual
             return self._mm(self._swiglu(self._mm(h, layer, "gate_up")), layer, "down"), residual
         g = self._swiglu(self._lora(self._mm(h, layer, "gate_up"), h, i, "gate_up"))
         return self._lora(self._mm(g, layer, "down"), g, i, "down"), residual
@@ -646,6 +648,12 @@ class Llama:
             cos, sin = paddle.expand(cos, heads), paddle.expand(sin, heads)
         residual = None
         for i, layer in enumerate(self.layers):
+            qkv = layer.get("qkv_q")
+            if fused is not None and qkv is not None and not self._active and layer["qkv_b"] is None:
+                # (the norm inside the q|k|v GEMM: the kernels' whole path from x to attention)
+                a, residual = qkv.normed(x, residual, layer["in_norm"], eps)
+                x, residual = self._mlp_block(layer, fused(i, a), residual, i)
+                continue
             h, residual = self._rms_norm(x, layer["in_norm"], eps, residual)
             if fused is not None:
                 o = fused(i, self._projection(layer, h, i))

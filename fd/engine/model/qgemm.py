@@ -91,6 +91,8 @@ def _library(fmt: str, build: str | None = None) -> ctypes.CDLL | str:
     for fn in ("gemm", "gemm_swiglu"):
         getattr(lib, f"{prefix}_{fn}").restype = None
         getattr(lib, f"{prefix}_{fn}").argtypes = [p, i, i, p, i, p, i]
+    getattr(lib, f"{prefix}_gemm_norm").restype = None
+    getattr(lib, f"{prefix}_gemm_norm").argtypes = [p, p, p, ctypes.c_float, i, i, p, i, p, p, i]
     return lib
 
 
@@ -153,8 +155,10 @@ class QuantLinear:
         self._ptr = self._buf.ctypes.data
         self._gemm = getattr(lib, f"{prefix}_gemm")
         self._gemm_swiglu = getattr(lib, f"{prefix}_gemm_swiglu")
+        self._gemm_norm = getattr(lib, f"{prefix}_gemm_norm")
         self.reuse = reuse
         self._outs: dict[int, paddle.Tensor] = {}  # by rows, with reuse
+        self._sums: dict[int, paddle.Tensor] = {}  # normed's residual sums, the same way
 
     def _out(self, x: paddle.Tensor, k: int) -> tuple[paddle.Tensor, int, paddle.Tensor]:
         rows = int(x.shape[0]) if len(x.shape) == 2 else 0
@@ -180,3 +184,38 @@ class QuantLinear:
         if m:
             self._gemm_swiglu(x.data_ptr(), m, k, self._ptr, n, out.data_ptr(), self.threads)
         return out
+
+    def normed(
+        self, x: paddle.Tensor, residual: paddle.Tensor | None, w: paddle.Tensor, eps: float
+    ) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """``(rms_norm(x + residual) * w @ self, x + residual)``: a layer's or an MLP's first GEMM
+        taking its RMSNorm (and the residual add before it) on the way in, as
+        fd/engine/model/llama.py's ``fused_rms_norm`` and this GEMM compute them apart."""
+        k, n = self.shape
+        x, m, out = self._out(x, k)
+        if residual is not None and (list(residual.shape) != [m, k] or residual.dtype is not paddle.float32):
+            raise ValueError(f"a residual [{m}, {k}] float32, not {residual.dtype} {residual.shape}")
+        if list(w.shape) != [k] or w.dtype is not paddle.float32:
+            raise ValueError(f"norm weights [{k}] float32, not {w.dtype} {w.shape}")
+        if residual is not None and not residual.is_contiguous():
+            residual = residual.contiguous()
+        sums = self._sums.get(m) if self.reuse else None
+        if sums is None:
+            sums = paddle.empty([m, k], dtype=paddle.float32)
+            if self.reuse and m <= REUSE_ROWS:
+                self._sums[m] = sums
+        if m:
+            self._gemm_norm(
+                x.data_ptr(),
+                None if residual is None else residual.data_ptr(),
+                w.data_ptr(),
+                eps,
+                m,
+                k,
+                self._ptr,
+                n,
+                out.data_ptr(),
+                sums.data_ptr(),
+                self.threads,
+            )
+        return out, sums

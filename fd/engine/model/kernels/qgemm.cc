@@ -111,6 +111,39 @@ static const float* swiglu_rows(const float* X2, int M, int K) {
 
 #endif
 
+// RMSNorm of X's rows after the residual add, as the model's layers begin and its MLPs do:
+// S = X + R into S (R null: S = X, the first layer's), and S * rsqrt(mean(S^2) + eps) * w into
+// this thread's buffer [M, K], which the GEMM after it takes as its input: the norm is no
+// separate op. Plain loops the compiler vectorizes for either ISA.
+static const float* norm_rows(const float* X, const float* R, const float* w, float eps, int M, int K, float* S) {
+  static thread_local std::vector<float> buf;
+  if (buf.size() < (size_t)M * K) buf.resize((size_t)M * K);
+  for (int m = 0; m < M; m++) {
+    const float* x = X + (int64_t)m * K;
+    const float* r = R ? R + (int64_t)m * K : nullptr;
+    float* s = S + (int64_t)m * K;
+    float ss = 0.f;
+    if (r) {
+#pragma omp simd reduction(+ : ss)
+      for (int k = 0; k < K; k++) {
+        s[k] = x[k] + r[k];
+        ss += s[k] * s[k];
+      }
+    } else {
+#pragma omp simd reduction(+ : ss)
+      for (int k = 0; k < K; k++) {
+        s[k] = x[k];
+        ss += s[k] * s[k];
+      }
+    }
+    const float inv = 1.0f / std::sqrt(ss / (float)K + eps);
+    float* y = buf.data() + (int64_t)m * K;
+#pragma omp simd
+    for (int k = 0; k < K; k++) y[k] = s[k] * inv * w[k];
+  }
+  return buf.data();
+}
+
 #if defined(__AVX512VNNI__) || defined(FD_AVX2)
 // --- q8 ---------------------------------------------------------------------------------
 
@@ -489,6 +522,17 @@ extern "C" void q8_gemm_swiglu(const float* X2, int M, int K, const uint8_t* pac
   q8_gemm(swiglu_rows(X2, M, K), M, K, packed, N, Y, nt);
 }
 
+// Y [M, N] = rmsnorm(X + R) * w @ W, X + R into S (norm_rows).
+extern "C" void q8_gemm_norm(const float* X, const float* R, const float* w, float eps, int M, int K,
+                             const uint8_t* packed, int N, float* Y, float* S, int nt) {
+  q8_gemm(norm_rows(X, R, w, eps, M, K, S), M, K, packed, N, Y, nt);
+}
+
+extern "C" void q4_gemm_norm(const float* X, const float* R, const float* w, float eps, int M, int K,
+                             const uint8_t* packed, int N, float* Y, float* S, int nt) {
+  q4_gemm(norm_rows(X, R, w, eps, M, K, S), M, K, packed, N, Y, nt);
+}
+
 #endif  // __AVX512VNNI__ || FD_AVX2
 
 #ifdef __AVX512BF16__
@@ -551,5 +595,10 @@ extern "C" void bf16_gemm(const float* X, int M, int K, const uint8_t* packed, i
 // Y [M, N] = swiglu(X2) @ W: X2 [M, 2K] the MLP's gate | up (swiglu_rows).
 extern "C" void bf16_gemm_swiglu(const float* X2, int M, int K, const uint8_t* packed, int N, float* Y, int nt) {
   bf16_gemm(swiglu_rows(X2, M, K), M, K, packed, N, Y, nt);
+}
+
+extern "C" void bf16_gemm_norm(const float* X, const float* R, const float* w, float eps, int M, int K,
+                               const uint8_t* packed, int N, float* Y, float* S, int nt) {
+  bf16_gemm(norm_rows(X, R, w, eps, M, K, S), M, K, packed, N, Y, nt);
 }
 #endif  // __AVX512BF16__
