@@ -116,12 +116,25 @@ def _q4_blocks(w: np.ndarray) -> np.ndarray:
     return (d[:, None] * q + m[:, None]).reshape(k, n).astype(np.float32)
 
 
+def _q4_0_blocks(w: np.ndarray) -> np.ndarray:
+    """``w`` [K, N] as GGUF's Q4_0 holds it: per block of 32, ``d * (q - 8)``, q in 0..15, d fp16
+    from the value of the largest magnitude (as -8 d)."""
+    k, n = w.shape
+    b = w.reshape(k // 32, 32, n)
+    big = np.take_along_axis(b, np.abs(b).argmax(axis=1)[:, None, :], axis=1)[:, 0]
+    d = _f16(big / -8)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.clip(np.rint(np.where(d[:, None] != 0, b / d[:, None], 0)) + 8, 0, 15)
+    return (d[:, None] * (q - 8)).reshape(k, n).astype(np.float32)
+
+
 @pytest.mark.parametrize("build", list(qgemm.FORMATS["int4"][1]))
 @pytest.mark.parametrize("shape", [(576, 960), (1536, 576)])
 @pytest.mark.parametrize("rows", [1, 4, 9, 70])
-def test_int4_computes_a_ggufs_own_blocks_with_8_bit_activations(build, shape, rows):
+@pytest.mark.parametrize("blocks", [_q4_blocks, _q4_0_blocks])
+def test_int4_computes_a_ggufs_own_blocks_with_8_bit_activations(build, shape, rows, blocks):
     rng = np.random.default_rng(rows + shape[1])
-    w = _q4_blocks((rng.standard_normal(shape) * 0.02).astype(np.float32))
+    w = blocks((rng.standard_normal(shape) * 0.02).astype(np.float32))
     w[:32, 0] = 0.25  # (a constant block: step 0)
     x = rng.standard_normal((rows, shape[0])).astype(np.float32)
     got = qgemm.QuantLinear(w, "int4", threads=2, build=build)(paddle.to_tensor(x)).numpy()

@@ -446,8 +446,8 @@ extern "C" void q8_gemm(const float* X, int M, int K, const uint8_t* packed, int
 }
 
 // --- q4 ---------------------------------------------------------------------------------
-// GGUF's Q4_1 (and Q4_K's 32-weight sub-blocks): w = d * q + m, q in 0..15, d and m fp16 per
-// block of 32 along K: 0.625 bytes a weight, the file's own. Packed only where that is exact
+// GGUF's Q4_1, Q4_0 (d * (q - 8): m = -8 d, d negative where the largest magnitude is above zero)
+// and Q4_K's 32-weight sub-blocks: w = d * q + m, q in 0..15, d and m fp16 per block of 32 along K: 0.625 bytes a weight, the file's own. Packed only where that is exact
 // (q4_pack's error; a weight quantized otherwise stays 8-bit, fd/engine/model/qgemm.py).
 // Within a tile's block, 4 loads of 64 bytes: load j's low nibbles are group 2j (4 k of the 16
 // columns, vpdpbusd's layout), its high nibbles group 2j + 1. vpdpbusd multiplies the unsigned
@@ -479,15 +479,30 @@ extern "C" float q4_pack(const float* W, int K, int N, uint8_t* out, int nt) {
           lo = std::min(lo, w);
           hi = std::max(hi, w);
         }
-        d16[c] = f32_to_f16((hi - lo) / 15.f);
-        d16[16 + c] = f32_to_f16(lo);
-        const float d = _cvtsh_ss(d16[c]), m = _cvtsh_ss(d16[16 + c]);
-        const float id = d > 0.f ? 1.f / d : 0.f;
+        // The block's grid, the one its values lie on: Q4_1's (its 0 and 15 are the block's min
+        // and max), else Q4_0's, d (q - 8) with the largest magnitude at q = 0, -8 d: below zero,
+        // or above it with d negative (m = -8 d either way, exact in fp16).
+        const float amax = std::max(-lo, hi);
+        float best = INFINITY, d = 0.f, m = 0.f;
+        for (int c2 = 0; c2 < 3; c2++) {
+          const float dc = _cvtsh_ss(f32_to_f16(c2 == 0 ? (hi - lo) / 15.f : (c2 == 1 ? amax : -amax) / 8.f));
+          const float mc = c2 == 0 ? _cvtsh_ss(f32_to_f16(lo)) : -8.f * dc;
+          const float idc = dc != 0.f ? 1.f / dc : 0.f;
+          float e = 0.f;
+          for (int k = 0; k < 32; k++) {
+            const float w = W[(int64_t)(b * 32 + k) * N + n];
+            const int v = std::min(15, std::max(0, (int)std::nearbyint((w - mc) * idc)));
+            e = std::max(e, std::fabs(dc * v + mc - w) / (dc != 0.f ? std::fabs(dc) : 1.f));
+          }
+          if (e < best) best = e, d = dc, m = mc;
+        }
+        d16[c] = f32_to_f16(d);
+        d16[16 + c] = f32_to_f16(m);
+        const float id = d != 0.f ? 1.f / d : 0.f;
+        worst = std::max(worst, best);
         for (int k = 0; k < 32; k++) {
           const float w = W[(int64_t)(b * 32 + k) * N + n];
           const int v = std::min(15, std::max(0, (int)std::nearbyint((w - m) * id)));
-          const float err = std::fabs(d * v + m - w) / (d > 0.f ? d : 1.f);
-          worst = std::max(worst, err);
           const int g = k / 4, j = g / 2;  // group g's values: load j's low or high nibbles
           qb[j * 64 + c * 4 + k % 4] |= (uint8_t)(v << ((g % 2) * 4));
         }
