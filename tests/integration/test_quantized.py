@@ -213,7 +213,7 @@ def test_a_gemm_takes_its_rms_norm_and_the_residual_add_on_the_way_in(fmt, build
         assert np.linalg.norm(y.numpy() - want) / np.linalg.norm(want) < 2e-3
 
 
-def test_a_layer_that_reuses_writes_its_next_output_of_as_many_rows_into_the_same_tensor():
+def test_a_layer_that_reuses_writes_its_next_output_of_as_many_rows_into_the_last_ones_tensor():
     rng = np.random.default_rng(4)
     w = (rng.standard_normal((64, 32)) * 0.1).astype(np.float32)
     x1, x2 = (paddle.to_tensor(rng.standard_normal((3, 64)).astype(np.float32)) for _ in range(2))
@@ -226,6 +226,7 @@ def test_a_layer_that_reuses_writes_its_next_output_of_as_many_rows_into_the_sam
     assert b.data_ptr() == a.data_ptr()  # (the same memory: the first output is overwritten)
     np.testing.assert_array_equal(b.numpy(), fresh(x2).numpy())
     assert reusing(x1[:2]).data_ptr() != a.data_ptr()  # (other rows: another tensor)
+    assert reusing(x1[:2]).data_ptr() == reusing(x2[:2]).data_ptr()  # (which the next takes)
     for layer, rows in ((fresh, 3), (reusing, qgemm.REUSE_ROWS + 1)):  # (outputs that stay)
         big = [paddle.to_tensor(rng.standard_normal((rows, 64)).astype(np.float32)) for _ in range(2)]
         y = layer(big[0])

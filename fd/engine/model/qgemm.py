@@ -120,8 +120,8 @@ def fits(fmt: str, k: int, n: int) -> bool:
     return k % K_MULTIPLE[fmt] == 0 and n % N_MULTIPLE == 0
 
 
-#: rows up to which a layer writes its output into the tensor it wrote the last call with as
-#: many rows (a decode step's sizes; allocating a tensor costs ~8 µs, and a step calls 150)
+#: rows up to which a layer writes its output into the tensor of its last call, where that had
+#: as many rows (a decode step's sizes; allocating a tensor costs ~8 µs, and a step calls 150)
 REUSE_ROWS = 64
 
 
@@ -130,8 +130,8 @@ class QuantLinear:
     once; the float32 array is not kept), computed on ``threads`` threads.
 
     With ``reuse`` an output of up to :data:`REUSE_ROWS` rows is good until the layer's next
-    call with as many rows: the model consumes each within its layer of a step (the head, whose
-    logits outlive it, does not reuse)."""
+    call: the model consumes each within its layer of a step (the head, whose logits outlive
+    it, does not reuse)."""
 
     def __init__(
         self, w: np.ndarray, fmt: str, threads: int = 1, build: str | None = None, reuse: bool = False
@@ -157,14 +157,22 @@ class QuantLinear:
         self._gemm_swiglu = getattr(lib, f"{prefix}_gemm_swiglu")
         self._gemm_norm = getattr(lib, f"{prefix}_gemm_norm")
         self.reuse = reuse
-        self._outs: dict[int, paddle.Tensor] = {}  # by rows, with reuse
-        self._sums: dict[int, paddle.Tensor] = {}  # normed's residual sums, the same way
+        # with reuse: the last output, and normed's last residual sum (one each: a step's batch
+        # size holds for many steps, and one per size would keep 64 of each a layer)
+        self._last: paddle.Tensor | None = None
+        self._last_sum: paddle.Tensor | None = None
+
+    @staticmethod
+    def _same(t: paddle.Tensor | None, rows: int) -> paddle.Tensor | None:
+        return t if t is not None and int(t.shape[0]) == rows else None
 
     def _out(self, x: paddle.Tensor, k: int) -> tuple[paddle.Tensor, int, paddle.Tensor]:
         rows = int(x.shape[0]) if len(x.shape) == 2 else 0
-        x, m, out = gemm_operands(x, k, self.shape[1], self.fmt, self._outs.get(rows) if self.reuse else None)
+        x, m, out = gemm_operands(
+            x, k, self.shape[1], self.fmt, self._same(self._last, rows) if self.reuse else None
+        )
         if self.reuse and m <= REUSE_ROWS:
-            self._outs[m] = out
+            self._last = out
         return x, m, out
 
     def __call__(self, x: paddle.Tensor) -> paddle.Tensor:
@@ -199,11 +207,11 @@ class QuantLinear:
             raise ValueError(f"norm weights [{k}] float32, not {w.dtype} {w.shape}")
         if residual is not None and not residual.is_contiguous():
             residual = residual.contiguous()
-        sums = self._sums.get(m) if self.reuse else None
+        sums = self._same(self._last_sum, m) if self.reuse else None
         if sums is None:
             sums = paddle.empty([m, k], dtype=paddle.float32)
             if self.reuse and m <= REUSE_ROWS:
-                self._sums[m] = sums
+                self._last_sum = sums
         if m:
             self._gemm_norm(
                 x.data_ptr(),
