@@ -49,7 +49,9 @@ def _build(name: str, source: Path, flags: tuple[str, ...]) -> Path:
     omp = _omp_dir()
     cmd = ["g++", "-O3", "-fopenmp", "-fPIC", "-shared", *flags, str(source), "-o"]
     link = [f"-L{omp}", "-liomp5", f"-Wl,-rpath,{omp}"]
-    key = hashlib.sha256(source.read_bytes() + " ".join(cmd + link).encode()).hexdigest()[:16]
+    # (every file of the folder: a source includes its headers)
+    sources = b"".join(f.read_bytes() for f in sorted(KERNELS.iterdir()) if f.suffix in (".cc", ".h"))
+    key = hashlib.sha256(sources + " ".join(cmd + link).encode()).hexdigest()[:16]
     out = _cache_dir() / f"{name}-{key}.so"
     if out.exists():
         return out

@@ -31,23 +31,7 @@
 #include <cmath>
 #include <vector>
 
-// e^x for x <= 0, 8 at a time (a softmax's shifted scores), to ~2 ulp: 2^n * p(r), |r| <= ln2/2.
-static inline __m256 exp_neg8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
+#include "exp.h"
 
 static inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -149,7 +133,7 @@ extern "C" void attn_decode(const float* q, const int64_t* q_rows, int64_t S, in
       const __m256 mv = _mm256_set1_ps(m);
       __m256 sum = _mm256_setzero_ps();
       for (int64_t t = 0; t < Lp; t += 8) {
-        const __m256 e = exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(si + t), mv));
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(si + t), mv));
         _mm256_storeu_ps(si + t, e);
         sum = _mm256_add_ps(sum, e);
       }

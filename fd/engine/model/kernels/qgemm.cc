@@ -30,6 +30,8 @@
 #include <cmath>
 #include <vector>
 
+#include "exp.h"
+
 // Each calling thread's scratch for X in the kernels' form, grown as needed (the engine calls
 // from one step thread; the buffer lives as long as it does).
 static uint8_t* scratch(size_t bytes) {
@@ -39,23 +41,6 @@ static uint8_t* scratch(size_t bytes) {
 }
 
 #ifdef __AVX512F__
-// e^x, 16 at a time: 2^n * p(r), |r| <= ln2 / 2, to ~2 ulp (scalef takes n out of range to
-// inf or 0, as e^x goes).
-static inline __m512 exp16(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
-
 // SwiGLU, silu(gate) * up, of X2 [M, 2K] (gate | up: the gate|up GEMM's output as it lies) into
 // this thread's buffer [M, K], K % 16 == 0: the down GEMMs take their input from it, so the MLP's
 // activation is no separate op.
@@ -75,24 +60,6 @@ static const float* swiglu_rows(const float* X2, int M, int K) {
 }
 
 #else
-// e^x, 8 at a time, as exp16 (AVX2: 2^n built in the exponent bits; x clamped to e^x's range).
-static inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
 static const float* swiglu_rows(const float* X2, int M, int K) {
   static thread_local std::vector<float> buf;
   if (buf.size() < (size_t)M * K) buf.resize((size_t)M * K);
@@ -188,27 +155,27 @@ extern "C" void q8_pack(const float* W, int K, int N, uint8_t* out, int nt) {
 }
 
 #ifdef __AVX512VNNI__
-// X row-major [M, K] -> xq [M, K] (value + 128) and dx [M, K/32] (each block's scale).
-static void q8_quantize_rows(const float* X, int M, int K, uint8_t* xq, float* dx, int nt) {
-  const int KB = K / 32;
-#pragma omp parallel for num_threads(nt) if (M >= 64)
-  for (int m = 0; m < M; m++) {
-    for (int b = 0; b < KB; b++) {
-      const float* x = X + (int64_t)m * K + b * 32;
-      __m512 a0 = _mm512_abs_ps(_mm512_loadu_ps(x)), a1 = _mm512_abs_ps(_mm512_loadu_ps(x + 16));
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
-      const float d = amax / 127.f;
-      const float id = d > 0.f ? 1.f / d : 0.f;
-      dx[m * KB + b] = d;
-      const __m512 vid = _mm512_set1_ps(id);
-      for (int h = 0; h < 2; h++) {
-        __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + h * 16), vid));  // round to nearest even
-        v = _mm512_add_epi32(v, _mm512_set1_epi32(128));
-        _mm_storeu_si128((__m128i*)(xq + (int64_t)m * K + b * 32 + h * 16), _mm512_cvtusepi32_epi8(v));
-      }
-    }
+// One block of 32 of X quantized: its scale, and its values (+ 128 where `offset`: q8's unsigned
+// operand) into `out`; returns the values' sum (q4's m term).
+static inline int quantize_block(const float* x, uint8_t* out, float* d_out, bool offset) {
+  const __m512 a = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x)), _mm512_abs_ps(_mm512_loadu_ps(x + 16)));
+  const float d = _mm512_reduce_max_ps(a) / 127.f;
+  const __m512 vid = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
+  int sum = 0;
+  for (int h = 0; h < 2; h++) {
+    __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + h * 16), vid));  // nearest even
+    sum += _mm512_reduce_add_epi32(v);
+    if (offset)
+      _mm_storeu_si128((__m128i*)(out + h * 16), _mm512_cvtusepi32_epi8(_mm512_add_epi32(v, _mm512_set1_epi32(128))));
+    else
+      _mm_storeu_si128((__m128i*)(out + h * 16), _mm512_cvtsepi32_epi8(v));
   }
+  *d_out = d;
+  return sum;
 }
+
+// vpdpbusd takes X unsigned: + 128 (and 128 times the weights' sum off again)
+static constexpr bool Q8_OFFSET = true;
 
 template <int R>
 static inline void q8_tile_rows(const uint8_t* packed, int K, int N, int t, const uint8_t* xq, const float* dx,
@@ -241,31 +208,6 @@ static inline void q8_tile_rows(const uint8_t* packed, int K, int N, int t, cons
     }
   }
   for (int r = 0; r < R; r++) _mm512_storeu_ps(Y + (int64_t)(m0 + r) * N + t * 16, acc[r]);
-}
-
-// X row-major [M, K] -> xq [M, K] signed bytes, dx [M, K/32] each block's scale, and sx [M, K/32]
-// each block's scale times its sum of xq (what m multiplies).
-static void q4_quantize_rows(const float* X, int M, int K, int8_t* xq, float* dx, float* sx, int nt) {
-  const int KB = K / 32;
-#pragma omp parallel for num_threads(nt) if (M >= 64)
-  for (int m = 0; m < M; m++) {
-    for (int b = 0; b < KB; b++) {
-      const float* x = X + (int64_t)m * K + b * 32;
-      __m512 a0 = _mm512_abs_ps(_mm512_loadu_ps(x)), a1 = _mm512_abs_ps(_mm512_loadu_ps(x + 16));
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
-      const float d = amax / 127.f;
-      const float id = d > 0.f ? 1.f / d : 0.f;
-      const __m512 vid = _mm512_set1_ps(id);
-      int sum = 0;
-      for (int h = 0; h < 2; h++) {
-        const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + h * 16), vid));
-        sum += _mm512_reduce_add_epi32(v);
-        _mm_storeu_si128((__m128i*)(xq + (int64_t)m * K + b * 32 + h * 16), _mm512_cvtsepi32_epi8(v));
-      }
-      dx[m * KB + b] = d;
-      sx[m * KB + b] = d * (float)sum;
-    }
-  }
 }
 
 template <int R>
@@ -310,7 +252,7 @@ static inline void q4_tile_rows(const uint8_t* packed, int K, int N, int t, cons
 // already (2 * 15 * 127). The packed layouts are the AVX-512 ones: a group's 64 bytes are two
 // halves of 8 columns, each one ymm.
 
-static inline void quantize_block8(const float* x, int8_t* out, float* d_out, int* sum_out) {
+static inline int quantize_block(const float* x, uint8_t* out, float* d_out, bool offset) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 v[4], a = _mm256_setzero_ps();
   for (int h = 0; h < 4; h++) {
@@ -328,22 +270,18 @@ static inline void quantize_block8(const float* x, int8_t* out, float* d_out, in
   __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
   s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
   s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
-  // 32 int32 -> 32 int8 in order (the packs interleave 128-bit lanes; the permute undoes it)
-  const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  if (offset)
+    for (int h = 0; h < 4; h++) q[h] = _mm256_add_epi32(q[h], _mm256_set1_epi32(128));
+  // 32 int32 -> 32 bytes in order (the packs interleave 128-bit lanes; the permute undoes it)
+  const __m256i w0 = _mm256_packs_epi32(q[0], q[1]), w1 = _mm256_packs_epi32(q[2], q[3]);
+  const __m256i p = offset ? _mm256_packus_epi16(w0, w1) : _mm256_packs_epi16(w0, w1);
   _mm256_storeu_si256((__m256i*)out, _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
   *d_out = d;
-  *sum_out = _mm_cvtsi128_si32(s4);
+  return _mm_cvtsi128_si32(s4);
 }
 
-static void q8_quantize_rows(const float* X, int M, int K, uint8_t* xq, float* dx, int nt) {
-  const int KB = K / 32;
-#pragma omp parallel for num_threads(nt) if (M >= 64)
-  for (int m = 0; m < M; m++)
-    for (int b = 0; b < KB; b++) {
-      int sum;
-      quantize_block8(X + (int64_t)m * K + b * 32, (int8_t*)xq + (int64_t)m * K + b * 32, dx + m * KB + b, &sum);
-    }
-}
+// AVX2's q8 takes X signed (the weights' signs go onto X's bytes: dot4)
+static constexpr bool Q8_OFFSET = false;
 
 static inline __m256i dot4(__m256i w, int32_t x4) {  // int32 lanes: w's 4 bytes a column . x4 (q8)
   const __m256i xb = _mm256_set1_epi32(x4);
@@ -378,18 +316,6 @@ static inline void q8_tile_rows(const uint8_t* packed, int K, int N, int t, cons
     }
     for (int r = 0; r < R; r++) _mm256_storeu_ps(Y + (int64_t)(m0 + r) * N + t * 16 + h * 8, acc[r]);
   }
-}
-
-static void q4_quantize_rows(const float* X, int M, int K, int8_t* xq, float* dx, float* sx, int nt) {
-  const int KB = K / 32;
-#pragma omp parallel for num_threads(nt) if (M >= 64)
-  for (int m = 0; m < M; m++)
-    for (int b = 0; b < KB; b++) {
-      int sum;
-      const int64_t rb = (int64_t)m * KB + b;
-      quantize_block8(X + (int64_t)m * K + b * 32, xq + (int64_t)m * K + b * 32, dx + rb, &sum);
-      sx[rb] = dx[rb] * (float)sum;
-    }
 }
 
 template <int R>
@@ -430,6 +356,28 @@ static inline void q4_tile_rows(const uint8_t* packed, int K, int N, int t, cons
 }
 
 #endif
+
+// X row-major [M, K] -> xq [M, K] (+ 128 where Q8_OFFSET) and dx [M, K/32] (each block's scale).
+static void q8_quantize_rows(const float* X, int M, int K, uint8_t* xq, float* dx, int nt) {
+  const int KB = K / 32;
+#pragma omp parallel for num_threads(nt) if (M >= 64)
+  for (int m = 0; m < M; m++)
+    for (int b = 0; b < KB; b++)
+      quantize_block(X + (int64_t)m * K + b * 32, xq + (int64_t)m * K + b * 32, dx + m * KB + b, Q8_OFFSET);
+}
+
+// X row-major [M, K] -> xq [M, K] signed bytes, dx [M, K/32] each block's scale, and sx [M, K/32]
+// each block's scale times its sum of xq (what m multiplies).
+static void q4_quantize_rows(const float* X, int M, int K, int8_t* xq, float* dx, float* sx, int nt) {
+  const int KB = K / 32;
+#pragma omp parallel for num_threads(nt) if (M >= 64)
+  for (int m = 0; m < M; m++)
+    for (int b = 0; b < KB; b++) {
+      const int64_t rb = (int64_t)m * KB + b;
+      const int sum = quantize_block(X + (int64_t)m * K + b * 32, (uint8_t*)xq + (int64_t)m * K + b * 32, dx + rb, false);
+      sx[rb] = dx[rb] * (float)sum;
+    }
+}
 
 // Y [M, N] = X [M, K] @ W, W packed by q8_pack; on `nt` threads.
 extern "C" void q8_gemm(const float* X, int M, int K, const uint8_t* packed, int N, float* Y, int nt) {
