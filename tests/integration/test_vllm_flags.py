@@ -266,7 +266,8 @@ def test_dtype_and_quantization_are_fds_own_and_come_to_a_weight_format():
     assert choose_format(None, "auto", q4) == ("int4", None)  # (the Q8_0 head: int8, exactly)
     fmt, note = choose_format(None, "auto", ("Q6_K", "Q8_0"))
     assert fmt == "int8" and "Q6_K" in note and "Q8_0" not in note
-    assert choose_format("gguf", "auto", ("Q4_K", "Q6_K")) == ("int4", note)  # (its Q6_K: int8)
+    assert choose_format("gguf", "auto", ("Q4_1", "Q6_K")) == ("int4", note)  # (its Q6_K: int8)
+    assert choose_format("gguf", "auto", ("Q4_K", "Q6_K"))[0] == "int8"  # (Q4_K's scales: not fp16)
     assert choose_format(None, "auto", ("Q8_0",)) == ("int8", None)
     assert choose_format(None, "auto", ("Q4_0", "Q6_K")) == ("int4", note)
     assert choose_format("none", "auto", q4) == ("float32", None)

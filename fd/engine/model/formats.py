@@ -13,9 +13,9 @@ WEIGHT_FORMATS = ("float32", "int8", "int4", "bfloat16")
 QUANTIZATIONS = ("none", "int8", "gguf")
 #: GGUF types whose values the int8 format holds exactly (8-bit blocks of 32, or wider)
 _EXACT_IN_INT8 = frozenset({"Q8_0", "F32", "F16", "BF16"})
-#: GGUF types the int4 format holds exactly: ``d * q + m`` blocks of 32 (Q4_0's are, m = -8 d;
-#: Q4_K's sub-blocks are)
-_EXACT_IN_INT4 = frozenset({"Q4_0", "Q4_1", "Q4_K"})
+#: GGUF types the int4 format holds exactly: ``d * q + m`` blocks of 32 with fp16 d and m (Q4_0's
+#: are, m = -8 d; Q4_K's sub-blocks have scales of fp16 times 6 bits, which fp16 does not hold)
+_EXACT_IN_INT4 = frozenset({"Q4_0", "Q4_1"})
 
 
 def choose_format(

@@ -7,7 +7,7 @@ than float32 and compute from them directly:
 - ``int8``: blocks of 32 weights along the input dimension, each with an fp16 scale (GGUF's
   Q8_0), the activations quantized the same way at each call (as llama.cpp does) and the
   products summed in int32 by AVX512-VNNI. 1.125 bytes a weight.
-- ``int4``: a GGUF's own 4-bit blocks (Q4_0, Q4_1, and Q4_K's 32-weight sub-blocks): ``d * q + m``
+- ``int4``: a GGUF's own 4-bit blocks (Q4_0, Q4_1): ``d * q + m``
   per block of 32, q in 0..15, d and m fp16, packed only where the weight is exactly that
   (:class:`NotExact` otherwise: the model then holds it in int8); activations as for int8.
   0.625 bytes a weight, the file's own.

@@ -394,8 +394,10 @@ extern "C" void q8_gemm(const float* X, int M, int K, const uint8_t* packed, int
 }
 
 // --- q4 ---------------------------------------------------------------------------------
-// GGUF's Q4_1, Q4_0 (d * (q - 8): m = -8 d, d negative where the largest magnitude is above zero)
-// and Q4_K's 32-weight sub-blocks: w = d * q + m, q in 0..15, d and m fp16 per block of 32 along K: 0.625 bytes a weight, the file's own. Packed only where that is exact
+// GGUF's Q4_1 and Q4_0 (d * (q - 8): m = -8 d, d negative where the largest magnitude is above
+// zero): w = d * q + m, q in 0..15, d and m fp16 per block of 32 along K: 0.625 bytes a weight,
+// the file's own. (Q4_K's sub-blocks are d * q + m too, but their scales, fp16 times 6 bits, are
+// not fp16: int8 holds those.) Packed only where that is exact
 // (q4_pack's error; a weight quantized otherwise stays 8-bit, fd/engine/model/qgemm.py).
 // Within a tile's block, 4 loads of 64 bytes: load j's low nibbles are group 2j (4 k of the 16
 // columns, vpdpbusd's layout), its high nibbles group 2j + 1. vpdpbusd multiplies the unsigned
