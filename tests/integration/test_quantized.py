@@ -316,6 +316,17 @@ def test_a_cpu_with_avx2_alone_runs_the_integer_formats_avx2_kernels_to_the_same
         qgemm._library.cache_clear()
 
 
+def test_int8_on_a_gpu_is_paddles_weight_only_gemm_where_one_runs_and_agrees():
+    """The GPU route itself is untested here (no GPU): what is tested is that it is refused, with
+    the reason, where it cannot run, so the model keeps float32 rather than failing."""
+    from fd.engine.model import weight_only
+
+    assert "CPU" in (weight_only.unavailable("cpu") or "")
+    if not paddle.is_compiled_with_cuda():
+        assert weight_only.unavailable("gpu") == "this Paddle build has no CUDA"
+        assert weight_only.unavailable("gpu:1") == "this Paddle build has no CUDA"
+
+
 def test_where_the_kernels_cannot_run_the_model_keeps_float32_and_says_why(tiny_dir, monkeypatch, caplog):
     monkeypatch.setattr(qgemm, "_library", lambda fmt: "this CPU lacks avx512_vnni")
     with caplog.at_level(logging.WARNING, logger="fd.engine"):

@@ -34,7 +34,7 @@ import paddle
 import paddle.incubate.nn.functional as IF
 import paddle.nn.functional as F
 
-from fd.engine.model import cpu_attention, packed_gemm, qgemm
+from fd.engine.model import cpu_attention, packed_gemm, qgemm, weight_only
 from fd.engine.model.checkpoint_layout import expert_names
 from fd.engine.model.config import ModelConfig, rope_inv_freq
 from fd.engine.model.formats import WEIGHT_FORMATS
@@ -184,7 +184,16 @@ class Llama:
             raise ValueError(
                 f"weight_format must be one of {', '.join(WEIGHT_FORMATS)}, not {weight_format!r}"
             )
-        self.weight_format = qgemm.runnable(weight_format, device == "cpu")
+        # int8 on a GPU: Paddle's weight-only GEMMs, where a test product on the device agrees
+        # (fd/engine/model/weight_only.py; untested here: no GPU); else fd's CPU kernels
+        self.gpu_weight_only = (
+            device != "cpu" and weight_format == "int8" and weight_only.unavailable(device) is None
+        )
+        if device != "cpu" and weight_format == "int8" and not self.gpu_weight_only:
+            log.warning("weights in float32, not int8: %s", weight_only.unavailable(device))
+        self.weight_format = (
+            "int8" if self.gpu_weight_only else qgemm.runnable(weight_format, device == "cpu")
+        )
         threads = len(os.sched_getaffinity(0))
         kept: list[str] = []  # weights the kernels do not take, kept in float32
         eight: list[str] = []  # int4: weights not in 4-bit blocks, held in int8
@@ -194,6 +203,9 @@ class Llama:
             ``layer[name + "_q"]`` (no float32 copy: one copy of each weight, in the format it is
             computed in)."""
             fmt = self.weight_format
+            if self.gpu_weight_only:
+                layer[name], layer[name + "_wo"] = None, weight_only.WeightOnlyLinear(a, self.place)
+                return
             if fmt != "float32" and qgemm.fits(fmt, *a.shape):
                 reuse = name != "lm_head"  # (a layer's output is consumed within its layer)
                 try:
@@ -213,6 +225,7 @@ class Llama:
         dense(top, "lm_head", head.T, "the head")  # [H, V], contiguous: no transposed GEMM (see module doc)
         self.lm_head: paddle.Tensor | None = top["lm_head"]
         self.lm_head_q: qgemm.QuantLinear | None = top.get("lm_head_q")
+        self.lm_head_wo: weight_only.WeightOnlyLinear | None = top.get("lm_head_wo")
         self.norm = t(weights["model.norm.weight"])
         self.layers = []
         for n in range(cfg.num_hidden_layers):
@@ -312,7 +325,7 @@ class Llama:
             log.info("weights not in 4-bit blocks, held in int8: %s", _names(eight))
         if gemms != "eager" and self.weight_format == "float32":
             self._pack_weights(keep_if_slower=gemms == "packed")
-        elif self.weight_format != "float32":
+        elif self.weight_format != "float32" and not self.gpu_weight_only:
             self._thread_quantized(threads)
         # LoRA adapters (add_lora): per slot, per layer, fused projection -> (A [in, R], B [R, out])
         self.loras: dict[int, list[dict[str, tuple[paddle.Tensor, paddle.Tensor]]]] = {}
@@ -407,6 +420,9 @@ class Llama:
         q = layer.get(name + "_q")
         if q is not None:
             return q(x)
+        wo = layer.get(name + "_wo")
+        if wo is not None:
+            return wo(x)
         if self._packed_step:
             packed = layer.get(name + "_packed")
             if packed is not None:
@@ -673,6 +689,8 @@ class Llama:
         """Logits [rows, vocab] of final hidden states [rows, hidden]."""
         if self.lm_head_q is not None:
             return self.lm_head_q(h)
+        if self.lm_head_wo is not None:
+            return self.lm_head_wo(h)
         if self._packed_step and self.lm_head_packed is not None:
             return self.lm_head_packed(h)
         return paddle.matmul(h, self.lm_head)

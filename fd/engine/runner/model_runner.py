@@ -116,7 +116,7 @@ class ModelRunner(InProcessRunner):
             log.info(
                 "model GEMMs: %s weights, %s kernels (fd/engine/model/qgemm.py)",
                 self.model.weight_format,
-                qgemm.isa(self.model.weight_format),
+                "Paddle's weight-only" if self.model.gpu_weight_only else qgemm.isa(self.model.weight_format),
                 extra={"weight_format": self.model.weight_format},
             )
         else:
