@@ -1,10 +1,18 @@
 """Which tensors a Llama-family checkpoint holds, by their HF names and shapes, and how fd
 fuses them (q|k|v and gate|up into one matrix each): what the loader checks a checkpoint
-against and builds the model's weights by (fd/engine/model/loader.py)."""
+against (fd/engine/model/loader.py) and the model builds its layers from (:func:`layer_arrays`,
+fd/engine/model/llama.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+import numpy as np
+
 from fd.engine.model.config import ModelConfig
+
+#: a layer's tensors besides its matrices (None where the architecture has none)
+LAYER_VECTORS = ("in_norm", "post_norm", "qkv_b", "qk_norm", "o_b")
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -115,3 +123,71 @@ def expert_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
             }
         )
     return shapes
+
+
+def layer_arrays(cfg: ModelConfig, weights: Mapping[str, np.ndarray], n: int, scale: np.float32) -> dict:
+    """Layer ``n``'s tensors as the model computes with them, from the checkpoint's HF names:
+    the matrices [in, out] (contiguous products need no transposed GEMM), q|k|v and gate|up fused,
+    the softmax ``scale`` folded into q's projection or, with Qwen3's q_norm (which undoes any
+    scale of its input), into that norm's weight; :data:`LAYER_VECTORS` (None where absent); and
+    a sparse layer's ``moe``: its router, experts' (gate|up, down) and any shared expert's
+    (gate|up, down, gate) in place of ``gate_up`` and ``down``."""
+    p = f"model.layers.{n}."
+    nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    q_scale = 1 if cfg.qk_norm else scale
+    out: dict = {
+        "in_norm": weights[p + "input_layernorm.weight"],
+        "post_norm": weights[p + "post_attention_layernorm.weight"],
+        "qkv": np.concatenate(
+            [
+                weights[p + "self_attn.q_proj.weight"].T * q_scale,
+                weights[p + "self_attn.k_proj.weight"].T,
+                weights[p + "self_attn.v_proj.weight"].T,
+            ],
+            axis=1,
+        ),
+        "qkv_b": np.concatenate(
+            [
+                weights[p + "self_attn.q_proj.bias"] * q_scale,
+                weights[p + "self_attn.k_proj.bias"],
+                weights[p + "self_attn.v_proj.bias"],
+            ]
+        )
+        if cfg.qkv_bias
+        else None,
+        # Qwen3: one [heads, head_dim] weight for the q heads' norm and the k heads'
+        "qk_norm": np.concatenate(
+            [
+                np.tile(weights[p + "self_attn.q_norm.weight"] * scale, (nh, 1)),
+                np.tile(weights[p + "self_attn.k_norm.weight"], (nkv, 1)),
+            ]
+        )
+        if cfg.qk_norm
+        else None,
+        "o": weights[p + "self_attn.o_proj.weight"].T,
+        "o_b": weights[p + "self_attn.o_proj.bias"] if cfg.o_bias else None,
+    }
+    if n in cfg.sparse_layers:
+        router, experts = expert_names(cfg, n)
+        moe: dict = {
+            "router": weights[router].T,
+            "experts": [
+                (np.concatenate([weights[g].T, weights[u].T], axis=1), weights[d].T) for g, u, d in experts
+            ],
+        }
+        if cfg.shared_expert_intermediate_size:
+            s = p + "mlp.shared_expert"
+            moe["shared"] = (
+                np.concatenate(
+                    [weights[s + ".gate_proj.weight"].T, weights[s + ".up_proj.weight"].T], axis=1
+                ),
+                weights[s + ".down_proj.weight"].T,
+                weights[s + "_gate.weight"].T,
+            )
+        out["moe"] = moe
+    else:
+        out["gate_up"] = np.concatenate(
+            [weights[p + "mlp.gate_proj.weight"].T, weights[p + "mlp.up_proj.weight"].T], axis=1
+        )
+        out["down"] = weights[p + "mlp.down_proj.weight"].T
+    return out

@@ -174,3 +174,39 @@ def attend(
         s.threads,
     )
     return out
+
+
+class StepAttention:
+    """One step's attention by the kernels, layer after layer: the rotated q and each in-place
+    group's output are allocated once a step and written again by every layer (each is consumed
+    within its layer). ``groups``: per attention group of the step, its queries' host rows,
+    tables and lengths where the kernels attend for it, None where the model's general path
+    does (a chunk past :data:`MAX_CHUNK`)."""
+
+    def __init__(
+        self,
+        shape: LayerShape,
+        positions: paddle.Tensor,
+        slots: paddle.Tensor,
+        rope: paddle.Tensor,
+        groups: list[tuple[np.ndarray, np.ndarray, np.ndarray] | None],
+        window: int | None,
+    ):
+        self.shape, self.positions, self.slots, self.rope, self.window = shape, positions, slots, rope, window
+        self.groups = groups
+        width = shape.heads * shape.head_dim
+        self.q_rot = paddle.empty([int(positions.shape[0]), width], dtype=paddle.float32)
+        self._outs = [
+            None if g is None else paddle.empty([len(g[0]), width], dtype=paddle.float32) for g in groups
+        ]
+
+    def layer(
+        self, qkv: paddle.Tensor, k_cache: paddle.Tensor, v_cache: paddle.Tensor
+    ) -> list[paddle.Tensor | None]:
+        """RoPE and this layer's KV writes for every row, then each in-place group's output
+        (None for the others, which read :attr:`q_rot` and the cache this wrote)."""
+        rope_store(self.shape, qkv, self.positions, self.slots, self.rope, k_cache, v_cache, self.q_rot)
+        return [
+            None if g is None else attend(self.shape, self.q_rot, *g, self.window, k_cache, v_cache, out)
+            for g, out in zip(self.groups, self._outs, strict=True)
+        ]

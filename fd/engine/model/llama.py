@@ -35,7 +35,7 @@ import paddle.incubate.nn.functional as IF
 import paddle.nn.functional as F
 
 from fd.engine.model import cpu_attention, packed_gemm, qgemm, weight_only
-from fd.engine.model.checkpoint_layout import expert_names
+from fd.engine.model.checkpoint_layout import LAYER_VECTORS, layer_arrays
 from fd.engine.model.config import ModelConfig, rope_inv_freq
 from fd.engine.model.formats import WEIGHT_FORMATS
 
@@ -229,71 +229,21 @@ class Llama:
         self.norm = t(weights["model.norm.weight"])
         self.layers = []
         for n in range(cfg.num_hidden_layers):
-            p = f"model.layers.{n}."
-            # The softmax scale folded into q: its projection, or with Qwen3's q_norm (which
-            # undoes any scale of its input) that norm's weight.
-            wq = weights[p + "self_attn.q_proj.weight"].T * (1 if cfg.qk_norm else scale)
-            wk = weights[p + "self_attn.k_proj.weight"].T
-            wv = weights[p + "self_attn.v_proj.weight"].T
-            qkv = np.concatenate([wq, wk, wv], axis=1)
-            qkv_b = None
-            if cfg.qkv_bias:
-                qkv_b = t(
-                    np.concatenate(
-                        [
-                            weights[p + "self_attn.q_proj.bias"] * (1 if cfg.qk_norm else scale),
-                            weights[p + "self_attn.k_proj.bias"],
-                            weights[p + "self_attn.v_proj.bias"],
-                        ]
-                    )
+            arrays = layer_arrays(cfg, weights, n, scale)
+            layer: dict = {k: None if arrays[k] is None else t(arrays[k]) for k in LAYER_VECTORS}
+            moe = arrays.get("moe")
+            if moe is not None:
+                layer["moe"] = dict(
+                    router=t(moe["router"]), experts=[(t(g), t(d)) for g, d in moe["experts"]]
                 )
-            self.layers.append(
-                dict(
-                    in_norm=t(weights[p + "input_layernorm.weight"]),
-                    qkv_b=qkv_b,
-                    # Qwen3: one [heads, head_dim] weight for the q heads' norm and the k heads'
-                    qk_norm=t(
-                        np.concatenate(
-                            [
-                                np.tile(weights[p + "self_attn.q_norm.weight"] * scale, (nh, 1)),
-                                np.tile(weights[p + "self_attn.k_norm.weight"], (nkv, 1)),
-                            ]
-                        )
-                    )
-                    if cfg.qk_norm
-                    else None,
-                    o_b=t(weights[p + "self_attn.o_proj.bias"]) if cfg.o_bias else None,
-                    post_norm=t(weights[p + "post_attention_layernorm.weight"]),
-                )
-            )
-            if n in cfg.sparse_layers:
-                router, experts = expert_names(cfg, n)
-                self.layers[-1]["moe"] = dict(
-                    router=t(weights[router].T),
-                    experts=[
-                        (t(np.concatenate([weights[g].T, weights[u].T], axis=1)), t(weights[d].T))
-                        for g, u, d in experts
-                    ],
-                )
-                if cfg.shared_expert_intermediate_size:
-                    s = p + "mlp.shared_expert"
-                    self.layers[-1]["moe"]["shared"] = (
-                        t(
-                            np.concatenate(
-                                [weights[s + ".gate_proj.weight"].T, weights[s + ".up_proj.weight"].T], axis=1
-                            )
-                        ),
-                        t(weights[s + ".down_proj.weight"].T),
-                        t(weights[s + "_gate.weight"].T),
-                    )
+                if "shared" in moe:
+                    layer["moe"]["shared"] = tuple(t(x) for x in moe["shared"])
             else:
-                gate_up = np.concatenate(
-                    [weights[p + "mlp.gate_proj.weight"].T, weights[p + "mlp.up_proj.weight"].T], axis=1
-                )
-                dense(self.layers[-1], "gate_up", gate_up, f"layer {n}'s gate|up")
-                dense(self.layers[-1], "down", weights[p + "mlp.down_proj.weight"].T, f"layer {n}'s down")
-            dense(self.layers[-1], "qkv", qkv, f"layer {n}'s q|k|v")
-            dense(self.layers[-1], "o", weights[p + "self_attn.o_proj.weight"].T, f"layer {n}'s o")
+                dense(layer, "gate_up", arrays["gate_up"], f"layer {n}'s gate|up")
+                dense(layer, "down", arrays["down"], f"layer {n}'s down")
+            dense(layer, "qkv", arrays["qkv"], f"layer {n}'s q|k|v")
+            dense(layer, "o", arrays["o"], f"layer {n}'s o")
+            self.layers.append(layer)
         inv_freq = rope_inv_freq(cfg)
         ang = (
             np.arange(cfg.max_position_embeddings, dtype=np.float64)[:, None]
@@ -724,8 +674,12 @@ class Llama:
         n = b.slot_mapping.shape[0]
         # each group's context as rows of the cache seen as [kvh * blocks, block_size * hd]:
         # one gather of whole rows (axis 0) copies it faster than index_select on axis 1
-        heads = paddle.arange(0, kvh * self.num_blocks_total, self.num_blocks_total, dtype="int64").unsqueeze(
-            1
+        heads = (
+            None
+            if all(in_place)
+            else paddle.arange(
+                0, kvh * self.num_blocks_total, self.num_blocks_total, dtype="int64"
+            ).unsqueeze(1)
         )
         ctx_rows = [
             None if skip else paddle.add(g.ctx_blocks.unsqueeze(0), heads).reshape([-1])
@@ -745,8 +699,13 @@ class Llama:
 
         # each token's row of each KV head in the head-major cache (allocate_kv_cache), token
         # by token: [n, kvh] as k and v come out of the projection, so they scatter as they are
-        heads_of_slots = paddle.arange(0, kvh * self.num_slots, self.num_slots, dtype="int64").unsqueeze(0)
-        rows = paddle.add(b.slot_mapping.unsqueeze(1), heads_of_slots).reshape([-1])
+        # (the general path's: the kernels write the cache by slot)
+        heads_of_slots = rows = None
+        if kernels is None:
+            heads_of_slots = paddle.arange(0, kvh * self.num_slots, self.num_slots, dtype="int64").unsqueeze(
+                0
+            )
+            rows = paddle.add(b.slot_mapping.unsqueeze(1), heads_of_slots).reshape([-1])
 
         def paged(i: int, q, k, v):
             nonlocal rows
@@ -756,42 +715,38 @@ class Llama:
             paddle.scatter_(self.v_slots[i], rows, v.reshape([n * kvh, hd]), overwrite=True)
             return joined([gathered(i, *a, q) for a in zip(b.groups, masks, ctx_rows, strict=True)])
 
-        slot_mapping = b.slot_mapping
-        # the kernels' outputs, written again by every layer (each is consumed within its layer)
-        q_rot = None if kernels is None else paddle.empty([n, c.q_size], dtype=paddle.float32)
-        attn_out = [
-            paddle.empty([len(g.rows), c.q_size], dtype=paddle.float32)
-            if own and g.rows is not None
-            else None
-            for g, own in zip(b.groups, in_place, strict=True)
-        ]
+        step = (
+            None
+            if kernels is None
+            else cpu_attention.StepAttention(
+                kernels,
+                b.positions,
+                b.slot_mapping,
+                self.rope,
+                [
+                    (g.rows, g.tables, g.lens) if own else None
+                    for g, own in zip(b.groups, in_place, strict=True)
+                ],
+                c.sliding_window,
+            )
+        )
 
         def fused(i: int, qkv: paddle.Tensor) -> paddle.Tensor:
-            nonlocal slot_mapping
-            assert kernels is not None and q_rot is not None
+            assert step is not None
             if b.new_slots is not None and (slots := b.new_slots()) is not None:
-                slot_mapping = slots
-            k_cache, v_cache = self.k_blocks[i], self.v_blocks[i]
-            cpu_attention.rope_store(
-                kernels, qkv, b.positions, slot_mapping, self.rope, k_cache, v_cache, q_rot
+                step.slots = slots
+            outs = step.layer(qkv, self.k_blocks[i], self.v_blocks[i])
+            q = step.q_rot.reshape([n, c.num_attention_heads, hd])
+            return joined(
+                [
+                    out if out is not None else gathered(i, grp, mask, ctx, q)
+                    for out, grp, mask, ctx in zip(outs, b.groups, masks, ctx_rows, strict=True)
+                ]
             )
-            outs = []
-            for grp, mask, ctx, own, into in zip(b.groups, masks, ctx_rows, in_place, attn_out, strict=True):
-                if own:
-                    assert grp.rows is not None and grp.tables is not None and grp.lens is not None
-                    window = c.sliding_window
-                    outs.append(
-                        cpu_attention.attend(
-                            kernels, q_rot, grp.rows, grp.tables, grp.lens, window, k_cache, v_cache, into
-                        )
-                    )
-                else:
-                    outs.append(gathered(i, grp, mask, ctx, q_rot.reshape([n, c.num_attention_heads, hd])))
-            return joined(outs)
 
         self._active = tuple((self.loras[slot], rows) for slot, rows in b.lora)
         try:
-            h = self._layers(b.input_ids, b.positions, paged, fused if kernels is not None else None)
+            h = self._layers(b.input_ids, b.positions, paged, fused if step is not None else None)
         finally:
             self._active = ()
         return paddle.index_select(h, b.logits_index)
