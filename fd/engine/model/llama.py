@@ -37,7 +37,7 @@ import paddle.nn.functional as F
 from fd.engine.model import cpu_attention, packed_gemm, qgemm, weight_only
 from fd.engine.model.checkpoint_layout import LAYER_VECTORS, layer_arrays
 from fd.engine.model.config import ModelConfig, rope_inv_freq
-from fd.engine.model.formats import WEIGHT_FORMATS
+from fd.engine.model.dense import DenseWeights, pack_weights, thread_quantized
 
 log = logging.getLogger("fd.engine")
 
@@ -76,11 +76,6 @@ def fused_rms_norm(
     if residual is None:
         return IF.fused_rms_norm(x, w, None, eps, 1)[0], x
     return IF.fused_rms_norm(x, w, None, eps, 1, residual=residual)
-
-
-def _names(what: list[str]) -> str:
-    """A list of weights, said in one line (layer by layer it would be 30 names)."""
-    return ", ".join(what) if len(what) <= 4 else f"{', '.join(what[:3])} and {len(what) - 3} more"
 
 
 def pad_keys(n: int) -> int:
@@ -180,44 +175,10 @@ class Llama:
         def t(a: np.ndarray) -> paddle.Tensor:
             return paddle.to_tensor(np.ascontiguousarray(a, dtype=np.float32), place=self.place)
 
-        if weight_format not in WEIGHT_FORMATS:
-            raise ValueError(
-                f"weight_format must be one of {', '.join(WEIGHT_FORMATS)}, not {weight_format!r}"
-            )
-        # int8 on a GPU: Paddle's weight-only GEMMs, where a test product on the device agrees
-        # (fd/engine/model/weight_only.py; untested here: no GPU); else fd's CPU kernels
-        self.gpu_weight_only = (
-            device != "cpu" and weight_format == "int8" and weight_only.unavailable(device) is None
-        )
-        if device != "cpu" and weight_format == "int8" and not self.gpu_weight_only:
-            log.warning("weights in float32, not int8: %s", weight_only.unavailable(device))
-        self.weight_format = (
-            "int8" if self.gpu_weight_only else qgemm.runnable(weight_format, device == "cpu")
-        )
         threads = len(os.sched_getaffinity(0))
-        kept: list[str] = []  # weights the kernels do not take, kept in float32
-        eight: list[str] = []  # int4: weights not in 4-bit blocks, held in int8
-
-        def dense(layer: dict, name: str, a: np.ndarray, what: str) -> None:
-            """``layer[name]``, a dense layer's [in, out] weight: a tensor, or in a weight format
-            ``layer[name + "_q"]`` (no float32 copy: one copy of each weight, in the format it is
-            computed in)."""
-            fmt = self.weight_format
-            if self.gpu_weight_only:
-                layer[name], layer[name + "_wo"] = None, weight_only.WeightOnlyLinear(a, self.place)
-                return
-            if fmt != "float32" and qgemm.fits(fmt, *a.shape):
-                reuse = name != "lm_head"  # (a layer's output is consumed within its layer)
-                try:
-                    q = qgemm.QuantLinear(a, fmt, threads, reuse=reuse)
-                except qgemm.NotExact:  # (int4: a weight the checkpoint holds in more bits)
-                    q = qgemm.QuantLinear(a, "int8", threads, reuse=reuse)
-                    eight.append(what)
-                layer[name], layer[name + "_q"] = None, q
-                return
-            if fmt != "float32":
-                kept.append(f"{what} ({a.shape[0]}x{a.shape[1]})")
-            layer[name] = t(a)
+        held = DenseWeights(weight_format, device, self.place, threads)
+        self.weight_format, self.gpu_weight_only = held.fmt, held.gpu_weight_only
+        dense = held.put
 
         self.embed = t(weights["model.embed_tokens.weight"])
         head = weights["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
@@ -269,14 +230,13 @@ class Llama:
         self._packed_step = False
         if gemms not in ("eager", "packed", "auto"):
             raise ValueError(f"gemms must be eager, packed or auto, not {gemms!r}")
-        if kept:
-            log.warning("weights kept in float32 (%s): %s", self.weight_format, ", ".join(kept))
-        if eight:
-            log.info("weights not in 4-bit blocks, held in int8: %s", _names(eight))
+        held.say()
         if gemms != "eager" and self.weight_format == "float32":
-            self._pack_weights(keep_if_slower=gemms == "packed")
+            self._plan, self.lm_head_packed = pack_weights(self.layers, self.lm_head, gemms == "packed")
         elif self.weight_format != "float32" and not self.gpu_weight_only:
-            self._thread_quantized(threads)
+            threads = thread_quantized(self.layers, self.lm_head_q, threads)
+            if packed_gemm.available():
+                self._plan = packed_gemm.GemmPlan.always("eager", threads)
         # LoRA adapters (add_lora): per slot, per layer, fused projection -> (A [in, R], B [R, out])
         self.loras: dict[int, list[dict[str, tuple[paddle.Tensor, paddle.Tensor]]]] = {}
         self._active: tuple[tuple[list, paddle.Tensor], ...] = ()  # this forward's (layers, rows)
@@ -289,64 +249,6 @@ class Llama:
         self.num_blocks_total = 0
         self.block_size = 0
         self.trash_slot = 0
-
-    def _thread_quantized(self, threads: int) -> None:
-        """The threads of the quantized GEMMs and of what MKL still computes beside them
-        (attention's products, LoRA, experts): one per CPU the process may run on, or one where
-        the weights fit in the caches (packed_gemm.THREADS_MIN_BYTES: a second thread would
-        only spin). The plan says so, so that the worker is given the CPUs to match
-        (fd/engine/runner/worker.py): Paddle leaves MKL at one thread, and a worker that looks
-        single-threaded is pinned to one CPU, where two kernel threads take turns."""
-        qs = [layer[n] for layer in self.layers for n in layer if n.endswith("_q")]
-        qs += [self.lm_head_q] if self.lm_head_q is not None else []
-        if sum(q.nbytes for q in qs) < packed_gemm.THREADS_MIN_BYTES:
-            threads = 1
-        for q in qs:
-            q.threads = threads
-        if packed_gemm.available():
-            self._plan = packed_gemm.GemmPlan.always("eager", threads)
-
-    def _pack_weights(self, keep_if_slower: bool) -> None:
-        """Packs the dense layers' and the head's weights, then times the routes (packed or,
-        unless ``keep_if_slower``, eager) and MKL threads (one, or one per CPU this process may
-        run on, the worker's --worker-cpus, where the weights are beyond the caches:
-        packed_gemm.THREADS_MIN_BYTES) at a few row counts and keeps, for each, the one
-        that runs a step's GEMMs fastest (packed_gemm.GemmPlan). The timing streams every third
-        layer's weights and the head's: as far beyond the caches as all of them (SmolLM2:
-        ~250 MB), in under half the time."""
-        cpus = len(os.sched_getaffinity(0))
-        weights = sum(
-            int(np.prod(layer[n].shape))
-            for layer in self.layers
-            if "moe" not in layer
-            for n in ("qkv", "o", "gate_up", "down")
-        )
-        if (weights + int(np.prod(self.lm_head.shape))) * 4 < packed_gemm.THREADS_MIN_BYTES:
-            cpus = 1  # (the caches hold them: see THREADS_MIN_BYTES)
-        # MKL lays a packed weight out for the threads set when it packs: packed on one thread,
-        # a product on two ran no faster than on one below 64 rows (bench/README.md, "a GEMM
-        # plan by rows")
-        packed_gemm.use_threads(cpus)
-        pairs = []
-        for i, layer in enumerate(self.layers):
-            if "moe" not in layer:
-                for n in ("qkv", "o", "gate_up", "down"):
-                    layer[n + "_packed"] = packed_gemm.PackedLinear(layer[n].numpy())
-                    if i % 3 == 0:
-                        pairs.append((layer[n], layer[n + "_packed"]))
-        self.lm_head_packed = packed_gemm.PackedLinear(self.lm_head.numpy())
-        pairs.append((self.lm_head, self.lm_head_packed))
-        self._plan = packed_gemm.fastest_gemms(
-            pairs,
-            ("packed",) if keep_if_slower else ("packed", "eager"),
-            tuple(sorted({1, cpus})),
-        )
-        if "packed" in self._plan.routes:
-            return
-        for layer in self.layers:  # (their memory back: as large as the weights)
-            for n in ("qkv", "o", "gate_up", "down"):
-                layer.pop(n + "_packed", None)
-        self.lm_head_packed = None
 
     @property
     def gemms(self) -> str:
