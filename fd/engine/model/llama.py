@@ -638,10 +638,11 @@ class Llama:
             if b.new_slots is not None and (slots := b.new_slots()) is not None:
                 step.slots = slots
             outs = step.layer(qkv, self.k_blocks[i], self.v_blocks[i])
-            q = step.q_rot.reshape([n, c.num_attention_heads, hd])
             return joined(
                 [
-                    out if out is not None else gathered(i, grp, mask, ctx, q)
+                    out
+                    if out is not None
+                    else gathered(i, grp, mask, ctx, step.q_rot.reshape([n, c.num_attention_heads, hd]))
                     for out, grp, mask, ctx in zip(outs, b.groups, masks, ctx_rows, strict=True)
                 ]
             )
