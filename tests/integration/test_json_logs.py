@@ -69,8 +69,11 @@ def _env(tmp_path) -> dict:
     return env
 
 
-async def _stream(http, url: str, body: dict, rid: str, hang_up_after_s: float | None = None) -> int:
-    """A streamed completion; with ``hang_up_after_s``, the connection is dropped then."""
+async def _stream(
+    http, url: str, body: dict, rid: str, hang_up_after_s: float | None = None, hang_up_after_chunks: int = 0
+) -> int:
+    """A streamed completion; with ``hang_up_after_s``, the connection is dropped then, or after
+    ``hang_up_after_chunks`` chunks if those come first (a fast model must not finish first)."""
     headers = {"Authorization": f"Bearer {KEY}", "X-Request-Id": rid}
     t0 = time.monotonic()
     chunks = 0
@@ -78,7 +81,9 @@ async def _stream(http, url: str, body: dict, rid: str, hang_up_after_s: float |
         assert r.status == 200
         async for _ in r.content:
             chunks += 1
-            if hang_up_after_s is not None and time.monotonic() - t0 > hang_up_after_s:
+            if hang_up_after_s is not None and (
+                time.monotonic() - t0 > hang_up_after_s or chunks == hang_up_after_chunks
+            ):
                 r.close()  # (the client hangs up mid-stream)
                 break
     return chunks
@@ -113,7 +118,9 @@ async def test_a_json_start_writes_only_json_lines(tmp_path):
             streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
             assert await _stream(http, url, streamed, "jl-stream") > 0
             long = {**body, "max_tokens": 1500, "ignore_eos": True, "stream": True}
-            await _stream(http, url, long, "jl-hangup", hang_up_after_s=1.2)
+            # (after a stats tick, 0.5 s, and well before the end: the tiny model streams its
+            # 1,500 tokens in ~1.3 s on this project's 2-CPU machines, as ~1,360 chunks)
+            await _stream(http, url, long, "jl-hangup", hang_up_after_s=0.7, hang_up_after_chunks=700)
         await asyncio.sleep(0.3)  # (the hang-up's access line is written as its handler ends)
     finally:
         code, out, err = _stop(serve)
