@@ -77,14 +77,18 @@ async def test_decoding_in_flight_abort_waits_for_the_step(real_bus, engines):
     # short of the tokens asserted below), then hold one in flight
     await wait_for(lambda: gated.steps_done >= 4, timeout=30, what="4 steps of dec")
     gated.close()
-    await gated.wait_entered(lambda out: any(s.request_id == "dec" for s in out.seqs))
-    # and the step behind it decided (async scheduling), as it is once the loop has had its
-    # turn (and so every earlier step folded in: a third cannot be in flight)
+    held = await gated.wait_entered(lambda out: any(s.request_id == "dec" for s in out.seqs))
+    # and the step behind it decided (async scheduling), as it is once the loop has folded in
+    # the step before the held one: the oldest in flight is the held one. (Two in flight alone
+    # is not enough: the step before can have ended, its result not yet folded in, and the
+    # abort would then land behind that fold-in with one step, not two, left to discard.)
     in_flight = eng.node.sched.config.max_steps_in_flight
-    await wait_for(
-        lambda: len(eng.node.sched.snapshot()["steps_in_flight"]) == in_flight,
-        what=f"{in_flight} steps in flight",
-    )
+
+    def held_and_behind() -> bool:
+        steps = eng.node.sched.snapshot()["steps_in_flight"]
+        return len(steps) == in_flight and steps[0] == held.step
+
+    await wait_for(held_and_behind, what=f"{in_flight} steps in flight, the held one first")
     await _abort(real_bus, "dec")
     evs = await story(real_bus, "dec", until=AbortRequested)
     # the step is still running: nothing may be released yet
