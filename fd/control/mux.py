@@ -87,6 +87,8 @@ class _Shard:
         self.reading: dict[bytes | str, bytes] | None = None  # the ids the read in progress reads after
         self.next_look = 0.0  # when to look for stories that disappeared (loop time)
         self.missing: dict[bytes, int] = {}  # looks in a row that found a story gone
+        #: looks in a row that found a story without the last entry a subscription read
+        self.rewound: dict[tuple[bytes, bytes], int] = {}
 
     def add(self, sub: Subscription) -> bool:
         """Add; True when the reader is blocked on a key list without it and must be woken."""
@@ -163,12 +165,19 @@ class _Shard:
                 await asyncio.sleep(0.1)
 
     async def _look_for_lost(self) -> None:
-        """End the subscriptions whose story is gone (:class:`StoryLost`). A blocking read of a
-        key that does not exist just waits, so without this look a client whose story went
-        with an emptied Redis would wait for ever. Only a story known to have been written
-        counts (:attr:`Subscription.armed`): one subscribed before its request was submitted
-        may not exist yet. A story is lost when two looks in a row find it gone; one of
-        another type at once."""
+        """End the subscriptions whose story is gone (:class:`StoryLost`), or lacks the last
+        entry they read (:class:`StoryRewound`). A blocking read of a key that does not exist
+        just waits, so without this look a client whose story went with an emptied Redis would
+        wait for ever. Only a story known to have been written counts
+        (:attr:`Subscription.armed`): one subscribed before its request was submitted may not
+        exist yet. A story is lost when two looks in a row find it gone; one of another type
+        at once.
+
+        The entry check is for a failover's split: a reader that read entries the old primary
+        took after the promotion (lost with it) reads the new primary's story after the last
+        of them, and what the new primary's writers appended meanwhile has lower ids: the
+        read would wait for ever, with the story's final in place. Two looks in a row, as
+        for a gone story."""
         mux = self.mux
         self.next_look = asyncio.get_running_loop().time() + mux.lost_look_s
         keys = list(self.subs)
@@ -182,7 +191,16 @@ class _Shard:
             pipe.execute_command("ROLE")
         for key in keys:
             pipe.type(key)
+        # the last entry each subscription read, where it read one (from this server, or
+        # another before a failover)
+        read = [
+            (key, last) for key in keys for last in {s.last_id for s in self.subs[key] if s._last > _NOTHING}
+        ]
+        for key, last in read:
+            pipe.xrange(key, last, last, count=1)
         types = await pipe.execute(raise_on_error=False)
+        found = types[len(types) - len(read) :]
+        del types[len(types) - len(read) :]
         for t in types[1 if sentinel else 0 :]:
             if isinstance(t, Exception):
                 raise t  # (an outage, as a read's: the shard's loop rides it out)
@@ -209,6 +227,8 @@ class _Shard:
                 return
         for key in [k for k in self.missing if k not in self.subs]:
             del self.missing[key]
+        stream_keys = {key for key, t in zip(keys, types, strict=False) if _b(t) == b"stream"}
+        self._look_for_rewound(read, found, stream_keys)
         for key, key_type in zip(keys, types, strict=False):
             key_type = _b(key_type)
             if key_type == b"stream":
@@ -234,6 +254,44 @@ class _Shard:
             mux.lost += 1
             for sub in subs:
                 sub._end(StoryLost(sub.request_id))
+
+    def _look_for_rewound(
+        self, read: list[tuple[bytes, bytes]], found: list[Any], stream_keys: set[bytes]
+    ) -> None:
+        """End the subscriptions of a story in place whose last read entry is not in it
+        (``found``: XRANGE's answer for each of ``read``) at two looks in a row."""
+        for (key, _), got in zip(read, found, strict=True):
+            if isinstance(got, Exception) and key in stream_keys:
+                raise got  # (an outage; on a key of another type, the type's look ends it)
+        rewound = {
+            (key, last)
+            for (key, last), got in zip(read, found, strict=True)
+            if key in stream_keys and not got
+        }
+        for k in [k for k in self.rewound if k not in rewound]:
+            del self.rewound[k]
+        mux = self.mux
+        for key, last in rewound:
+            self.rewound[(key, last)] = self.rewound.get((key, last), 0) + 1
+            if self.rewound[(key, last)] < 2:
+                continue
+            del self.rewound[(key, last)]
+            subs = self.subs.get(key, [])
+            gone = [s for s in subs if s.last_id == last]
+            log.warning(
+                "stream mux %s: story %s lacks entry %s, read before (a failover lost it); ending its stream",
+                mux.reader_id,
+                key,
+                last,
+            )
+            for sub in gone:
+                subs.remove(sub)
+                mux.lost += 1
+                sub._end(StoryRewound(sub.request_id))
+            if not subs:
+                self.subs.pop(key, None)
+                if mux._where.get(key) is self:
+                    del mux._where[key]
 
     async def _retire(self) -> None:
         """Cluster only: stop reading a slot with nothing left to watch. Synchronously

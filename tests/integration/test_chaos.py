@@ -855,10 +855,16 @@ async def test_chaos_of_redis_itself(tmp_path, keys, tiny_model_dir, tiny_runner
         if hung:  # where each hung request stands: its story, its owner, each engine's view
             where = {}
             for rid in hung:
-                evs = [e for _, e in await bus.read_req(rid)]
+                evs = await bus.read_req(rid)
                 where[rid] = {
                     "story": [
-                        (e.TYPE, getattr(e, "engine", None), len(getattr(e, "token_ids", ()))) for e in evs
+                        (
+                            eid,
+                            e.TYPE,
+                            getattr(e, "engine", None) or getattr(e, "source", None),
+                            len(getattr(e, "token_ids", ())),
+                        )
+                        for eid, e in evs
                     ],
                     "owner": await bus.redis.get(keys.owner(rid)),
                     "known_by": [eng.node.id for eng in alive if eng.node.sched.knows(rid)],

@@ -322,3 +322,45 @@ async def test_a_reader_sent_an_end_the_story_lost_skips_its_repetition_or_ends(
                 await asyncio.wait_for(anext(sub), 5)
     finally:
         await mux.stop()
+
+
+async def test_a_reader_ahead_of_a_story_that_lost_what_it_read_ends_with_an_error(bus, keys):
+    """A failover's split: the reader read entries the old primary took after the promotion;
+    on the new primary the story lacks them and went on to its final under lower ids. A read
+    after the last entry the reader saw would wait for ever: the reader's look finds that
+    entry missing and ends the stream with ``StoryRewound``. A reader whose last entry is in
+    place reads on through the same looks."""
+    from fd.control.events import encode
+
+    mux = StreamMux(bus.redis, keys, "split-test", block_ms=100, lost_look_s=0.05)
+    await mux.start()
+    try:
+        split = await mux.subscribe("split", b"0")
+        ok = await mux.subscribe("ok", b"0")
+        for rid in ("split", "ok"):
+            await submit(bus, rid, [1, 2, 3])
+            await bus.publish(keys.req(rid), Claimed(request_id=rid, engine="A"))
+        for sub in (split, ok):
+            assert [(await asyncio.wait_for(anext(sub), 5))[1].TYPE for _ in range(2)] == [
+                "accepted",
+                "claimed",
+            ]
+        # the new primary's story: the accepted (replicated before the split), then what its
+        # writer appended meanwhile, all under ids below the claimed the reader read
+        accepted = (await bus.redis.xrange(keys.req("split"), count=1))[0][1]
+        await bus.redis.delete(keys.req("split"))
+        await bus.redis.xadd(keys.req("split"), accepted, id="1-1")
+        tail = [
+            Claimed(request_id="split", engine="B"),
+            Tokens(request_id="split", token_ids=(4,), text="d", step=1, pos=0),
+            Final(request_id="split", finish_reason="length", engine="B"),
+        ]
+        for i, ev in enumerate(tail, start=2):
+            await bus.redis.xadd(keys.req("split"), encode(ev), id=f"1-{i}")
+        with pytest.raises(StoryRewound, match="split"):
+            await asyncio.wait_for(anext(split), 5)
+        await asyncio.sleep(0.3)  # several looks
+        await bus.publish(keys.req("ok"), Final(request_id="ok", finish_reason="length", engine="A"))
+        assert [ev.TYPE async for _, ev in ok] == ["final"]
+    finally:
+        await mux.stop()
