@@ -338,3 +338,100 @@ def test_where_the_kernels_cannot_run_the_model_keeps_float32_and_says_why(tiny_
     fp32 = load_model(tiny_dir, progress=False)
     ids = random_prompt(3, 12)
     np.testing.assert_array_equal(model.reference_logits(ids), fp32.reference_logits(ids))
+
+
+def _counting_kernel_layers(model) -> list[int]:
+    """Count the steps fd/engine/model/kernel_layers.py takes."""
+    taken: list[int] = []
+    run = model.kernel_layers.run
+
+    def counted(x0, *args):
+        taken.append(int(x0.shape[0]))
+        return run(x0, *args)
+
+    model.kernel_layers.run = counted
+    return taken
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_layers_as_the_kernels_calls_alone_give_the_per_call_paths_bits(tiny_dir, fmt):
+    """fd/engine/model/kernel_layers.py: every layer as its six kernel calls, laid out once per
+    step size, gives the per-call path's greedy tokens and logits bit for bit: decodes of
+    several sizes, and short prefill chunks beside them (a step it does not take, of two
+    attention groups, goes the per-call way)."""
+    runner = ModelRunner(tiny_dir, num_blocks=400, block_size=BLOCK, weight_format=fmt)
+    model = runner.model
+    assert model.kernel_layers is not None
+    taken = _counting_kernel_layers(model)
+    prompts = {f"r{i}": random_prompt(200 + i, 20 + 7 * i) for i in range(9)}
+    chunks = {"r0": 9, "r4": 16}
+    got, got_logits = run_batched(runner, prompts, 8, chunks, Blocks(400, seed=3))
+    # (sizes as the requests end: a size laid out again after others)
+    prompts.update({f"s{i}": random_prompt(300 + i, 12) for i in range(3)})
+    more, more_logits = run_batched(
+        runner, {k: prompts[k] for k in ("s0", "s1", "s2")}, 4, {}, Blocks(400, 4)
+    )
+    assert len(set(taken)) >= 2, taken
+    model.kernel_layers = None
+    want, want_logits = run_batched(
+        runner, {k: v for k, v in prompts.items() if k.startswith("r")}, 8, chunks, Blocks(400, seed=3)
+    )
+    want_more, want_more_logits = run_batched(
+        runner, {k: prompts[k] for k in ("s0", "s1", "s2")}, 4, {}, Blocks(400, 4)
+    )
+    assert got == want and more == want_more
+    for got_l, want_l in ((got_logits, want_logits), (more_logits, want_more_logits)):
+        for r in got_l:
+            np.testing.assert_array_equal(np.stack(got_l[r]), np.stack(want_l[r]), err_msg=r)
+
+
+def test_an_abort_cut_between_the_kernel_layers_writes_none_of_its_kv_after(tiny_dir):
+    """fd/engine/runner/step_cut.py through fd/engine/model/kernel_layers.py: a request cut as
+    the first layer runs keeps that layer's KV only, and the other request of the batch gets
+    the token it gets uncut."""
+    from fd.control.sampling import SamplingParams
+    from fd.engine.core.outputs import ScheduledSeq, SchedulerOutput
+    from fd.engine.runner.step_cut import StepCut
+
+    runner = ModelRunner(tiny_dir, num_blocks=64, block_size=BLOCK, weight_format="int8")
+    model = runner.model
+    taken = _counting_kernel_layers(model)
+    greedy = SamplingParams(temperature=0.0, max_tokens=4)
+
+    def step(n: int) -> SchedulerOutput:
+        a = ScheduledSeq("a", (7,), 20, (10, 11), True, greedy, 1)
+        b = ScheduledSeq("b", (9,), 20, (20, 21), True, greedy, 1)
+        return SchedulerOutput(step=n, seqs=(a, b), num_batched_tokens=2)
+
+    def k_at(block: int, pos: int) -> np.ndarray:  # each layer's K of one slot, every KV head
+        slot = block * BLOCK + pos
+        kvh = model.cfg.num_key_value_heads
+        return np.stack(
+            [np.stack([k.numpy()[h * model.num_slots + slot] for h in range(kvh)]) for k in model.k_slots]
+        )
+
+    alone = runner.execute(step(1))
+    for k in (*model.k_blocks, *model.v_blocks):
+        k[:, 11] = 0.0
+    sent: list = []
+    cut = StepCut(sent.append)
+    out = step(2)
+    cut.begin(out)
+    take, calls = cut.take, []
+
+    def take_at_second_layer():  # the abort lands while the first layer runs
+        calls.append(1)
+        if len(calls) == 2:
+            cut.ask(out.step, frozenset({"a"}))
+        return take()
+
+    cut.take = take_at_second_layer
+    res = runner.execute(out, cut)
+    cut.end()
+    assert taken == [2, 2]
+    assert [tuple(s) for s in sent] == [(2, ["a"])]
+    assert set(res.sampled) == {"b"} and res.sampled["b"] == alone.sampled["b"]
+    ka = k_at(11, 20 - BLOCK)
+    assert np.abs(ka[0]).min() > 0  # the first layer wrote a's key
+    assert not ka[1:].any()  # no later layer did
+    assert np.abs(k_at(21, 20 - BLOCK)).min() > 0  # b's, every layer

@@ -26,18 +26,18 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 
 import numpy as np
 import paddle
 import paddle.incubate.nn.functional as IF
 import paddle.nn.functional as F
 
-from fd.engine.model import cpu_attention, packed_gemm, qgemm, weight_only
+from fd.engine.model import cpu_attention, kernel_layers, packed_gemm, qgemm, weight_only
 from fd.engine.model.checkpoint_layout import LAYER_VECTORS, layer_arrays
 from fd.engine.model.config import ModelConfig, rope_inv_freq
 from fd.engine.model.dense import DenseWeights, pack_weights, thread_quantized
+from fd.engine.model.forward_batch import AttnGroup, ForwardBatch
 
 log = logging.getLogger("fd.engine")
 
@@ -98,40 +98,6 @@ def key_blocks(context_len: int, block_size: int) -> int:
     while (n * block_size) % KEY_ALIGN:
         n += 1
     return n
-
-
-@dataclass(slots=True)
-class AttnGroup:
-    """Sequences whose attention runs as one padded batch: [S, Qmax] queries x [S, L] keys."""
-
-    num_seqs: int
-    max_q: int
-    num_keys: int  # L = blocks per sequence * block_size
-    q_index: paddle.Tensor | None  # [S*Qmax] token rows, or None when the rows are already laid out
-    ctx_blocks: paddle.Tensor  # [S*L/block_size] each sequence's KV blocks, padded with any block
-    mask: paddle.Tensor  # [S, 1, Qmax, 1, L] additive: 0 or MASKED
-    # Each query row's context on the host, for attention that reads it in place
-    # (fd/engine/model/cpu_attention.py), int64: [S*Qmax, L/block_size] its sequence's blocks,
-    # [S*Qmax] its token row and its context length (position + 1; a padding row: 1)
-    tables: np.ndarray | None = None
-    rows: np.ndarray | None = None
-    lens: np.ndarray | None = None
-
-
-@dataclass(slots=True)
-class ForwardBatch:
-    input_ids: paddle.Tensor  # [Tp], Tp = pad_rows(T)
-    positions: paddle.Tensor  # [Tp]
-    slot_mapping: paddle.Tensor  # [Tp]; padding rows write the trash slot
-    groups: list[AttnGroup]
-    out_index: paddle.Tensor | None  # [Tp] rows of the concatenated group outputs, or None
-    logits_index: paddle.Tensor  # [Np] rows to compute logits for, Np a multiple of ROW_ALIGN
-    # LoRA adapters of the batch: (slot, the token rows of its requests); empty: the base only
-    lora: tuple[tuple[int, paddle.Tensor], ...] = ()
-    # Asked before each layer writes its KV: a new slot mapping when the step is to stop
-    # writing some requests' blocks (their rows then write the trash slot), else None
-    # (fd/engine/runner/step_cut.py: an abort that lands while the step runs)
-    new_slots: Callable[[], paddle.Tensor | None] | None = None
 
 
 class Llama:
@@ -223,6 +189,7 @@ class Llama:
             device == "cpu" and not batch_invariant and not cfg.qk_norm and cpu_attention.runs(nh, nkv, hd)
         )
         self.cpu_attention: cpu_attention.LayerShape | None = None  # allocate_kv_cache's
+        self.kernel_layers: kernel_layers.KernelLayers | None = None  # and where the kernels take every layer
         self.lm_head_packed = None
         # The GEMMs' route and MKL threads by a step's rows (0 threads: Paddle's own setting,
         # as on a GPU); ``_packed_step``: this step's route
@@ -366,6 +333,11 @@ class Llama:
             self.cpu_attention = cpu_attention.LayerShape(
                 c.num_attention_heads, kvh, hd, block_size, self.num_slots, self._attention_threads
             )
+            if kernel_layers.takes(self.layers):
+                self.kernel_layers = kernel_layers.KernelLayers(
+                    self.layers, self.cpu_attention, self.rope, self.k_blocks, self.v_blocks,
+                    c.rms_norm_eps, c.sliding_window,
+                )  # fmt: skip
 
     def pad_rows(self, n: int) -> int:
         a = self.row_align
@@ -553,6 +525,8 @@ class Llama:
         :meth:`forward` without the head, for a caller that takes the logits of many rows a
         slice at a time (a prompt's scores)."""
 
+        if (h := self._kernel_layers(b)) is not None:
+            return paddle.index_select(h, b.logits_index)
         c = self.cfg
         kvh, hd = c.num_key_value_heads, c.head_dim
         kernels = self.cpu_attention
@@ -653,6 +627,28 @@ class Llama:
         finally:
             self._active = ()
         return paddle.index_select(h, b.logits_index)
+
+    def _kernel_layers(self, b: ForwardBatch) -> paddle.Tensor | None:
+        """The final normed hidden states by :attr:`kernel_layers`, where it takes the step:
+        one query a row, every row's attention in place (fd/engine/model/kernel_layers.py)."""
+        g = b.groups[0] if len(b.groups) == 1 else None
+        rows = int(b.input_ids.shape[0])
+        if (
+            self.kernel_layers is None
+            or g is None
+            or b.lora
+            or b.out_index is not None
+            or g.lens is None
+            or g.max_q > cpu_attention.MAX_CHUNK
+            or rows > kernel_layers.MAX_ROWS
+            or len(g.lens) != rows
+        ):
+            return None
+        x0 = paddle.index_select(self.embed, b.input_ids)
+        x, residual = self.kernel_layers.run(
+            x0, b.positions, b.slot_mapping, g.rows, g.tables, g.lens, b.new_slots
+        )
+        return self._rms_norm(x, self.norm, self.cfg.rms_norm_eps, residual)[0]
 
     @paddle.no_grad()
     def reference_logits(self, token_ids, lora: int | None = None) -> np.ndarray:

@@ -1,5 +1,5 @@
 """A step's batch as the model takes it: the scheduler's seqs flattened into one
-:class:`~fd.engine.model.llama.ForwardBatch` (prefill chunks and decode tokens together), its
+:class:`~fd.engine.model.forward_batch.ForwardBatch` (prefill chunks and decode tokens together), its
 rows split into at most two attention groups, single-token ones (decode) and chunks, so a long
 prefill does not pad every decode row to its length.
 """
@@ -12,7 +12,8 @@ import numpy as np
 
 from fd.engine.core.outputs import ScheduledSeq
 from fd.engine.core.sequence import PLACEHOLDER
-from fd.engine.model.llama import AttnGroup, ForwardBatch, Llama, attention_mask, key_blocks
+from fd.engine.model.forward_batch import AttnGroup, ForwardBatch
+from fd.engine.model.llama import Llama, attention_mask, key_blocks
 
 
 def build_batch(

@@ -29,7 +29,8 @@ import paddle
 from fd.engine.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from fd.engine.core.sequence import PLACEHOLDER
 from fd.engine.model import qgemm
-from fd.engine.model.llama import ForwardBatch, Llama
+from fd.engine.model.forward_batch import ForwardBatch
+from fd.engine.model.llama import Llama
 from fd.engine.model.loader import load_model
 from fd.engine.runner.batch import build_batch
 from fd.engine.runner.malloc import pin_thresholds, release_free
