@@ -112,6 +112,15 @@ def test_shape_mismatch_and_missing_tensor_are_named(tiny_dir, tmp_path):
         load_model(str(d), progress=False)
 
 
+def test_a_checkpoint_cut_short_is_refused_by_name(tiny_dir, tmp_path):
+    """A partial download: the header promises more bytes than the file has."""
+    d = _copy(tiny_dir, tmp_path, "cut")
+    path = d / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-1000])
+    with pytest.raises(WeightError, match=r"model\.safetensors ends inside a tensor"):
+        load_model(str(d), progress=False)
+
+
 def _save_bf16(tensors: dict[str, np.ndarray], path):
     """A bf16 safetensors file written by hand (numpy has no bfloat16)."""
     header, blobs, off = {}, [], 0

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fd.engine.model.config import ModelConfig
-from fd.engine.model.loader import WeightError, _tensor, read_safetensors_header
+from fd.engine.model.loader import WeightError, read_safetensors_header, read_tensor
 
 #: The projections an adapter may change, and their (input, output) sizes.
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -76,7 +76,6 @@ def load_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int | None = 
     if not os.path.exists(file):
         raise FileNotFoundError(f"LoRA adapter {name!r}: no adapter_model.safetensors in {path}")
     header, base = read_safetensors_header(file)
-    mm = np.memmap(file, dtype=np.uint8, mode="r")
     layers: list[dict[str, list]] = [{} for _ in range(cfg.num_hidden_layers)]
     for key, info in header.items():
         m = _KEY.match(key.replace(".default.", "."))
@@ -99,7 +98,7 @@ def load_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int | None = 
             raise WeightError(
                 f"LoRA adapter {name!r}: tensor {key} has shape {info['shape']}, expected {list(want)}"
             )
-        layers[layer].setdefault(module, [None, None])["AB".index(which)] = _tensor(mm, base, info)
+        layers[layer].setdefault(module, [None, None])["AB".index(which)] = read_tensor(file, base, info)
     out: list[dict[str, tuple[np.ndarray, np.ndarray]]] = []
     for n, mods in enumerate(layers):
         for module, (a, b) in mods.items():
