@@ -43,6 +43,30 @@ def test_engine_greedy_ids_equal_transformers(smollm2_runner, smollm2_tokenizer,
     assert got.text == smollm2_tokenizer.decode(want) == "The capital of France is Paris."
 
 
+#: fd serve's default mode (the GGUF's Q4_1 layers as int4, its Q8_0 head as int8): the first
+#: three completions' greedy tokens, recorded on AMD EPYC Zen 4 (the kernels' sums are the same
+#: on any CPU that runs them). float32's are transformers' (above); int4 parts from them at the
+#: first's 6th token and the second's 14th, where 8-bit activations decide close logits.
+INT4_RECORDED = [
+    [7042, 30, 198, 198, 504, 1797, 1918, 553, 253, 2155, 282, 4723, 216, 35, 33, 33],
+    [472, 585, 304, 1758, 216, 32, 42, 448, 1003, 216, 33, 472, 1003, 2822, 24, 38572],
+    [665, 436, 253, 9357, 1573, 267, 19341, 3365, 3906, 103, 266, 30, 3906, 103, 266, 436],
+]
+
+
+def test_the_default_modes_greedy_tokens_equal_its_recorded_ones(
+    smollm2_dir, smollm2_tokenizer, smollm2_reference
+):
+    llm = LLM(
+        ModelRunner(str(smollm2_dir), num_blocks=64, block_size=16, weight_format="int4"), smollm2_tokenizer
+    )
+    got = [
+        list(llm.generate([case["prompt_ids"]], SamplingParams(temperature=0.0, max_tokens=16))[0].token_ids)
+        for case in smollm2_reference["completions"][:3]
+    ]
+    assert got == INT4_RECORDED
+
+
 async def test_fd_serve_with_no_model_answers_the_official_client(
     smollm2_dir, smollm2_tokenizer, smollm2_reference
 ):

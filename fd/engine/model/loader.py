@@ -101,6 +101,7 @@ class Checkpoint(Mapping[str, np.ndarray]):
     ):
         self._where, self._parts, self._want = where, parts, want
         self._last: tuple[str, np.ndarray] | None = None
+        self._told: set[str] = set()  # the tensors read so far, for the progress
         # (a bar on a terminal, JSON progress records with --log-format json, else nothing):
         # one step a tensor read
         self._ticks = (
@@ -116,8 +117,12 @@ class Checkpoint(Mapping[str, np.ndarray]):
         if self._last is None or self._last[0] != fused:
             path, info, base = self._where[fused]
             self._last = (fused, read_tensor(path, base, info))
-        if self._ticks is not None:
+        if self._ticks is not None and name not in self._told:
+            self._told.add(name)
             next(self._ticks, None)
+            if len(self._told) == len(self._want):
+                for _ in self._ticks:  # (the bar's end: the last record, the bar closed)
+                    pass
         return self._last[1][start:end] if name in self._parts else self._last[1]
 
     def __iter__(self) -> Iterator[str]:
