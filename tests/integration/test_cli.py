@@ -61,6 +61,10 @@ async def test_split_deployment_operator_commands(redis_server, keys, tmp_path):
     r = _fd("make-tiny-model", str(model))
     assert r.returncode == 0, r.stderr
     assert (model / "config.json").exists() and (model / "tokenizer.json").exists()
+    # Room for a request that outlasts `fd abort`'s own start (~0.8 s of imports): the tiny
+    # model streams its 2,048 positions in about 1.5 s.
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 16384}))
     url, prefix, port = redis_server.url, keys.prefix, free_port()
     common = ("--redis-url", url, "--prefix", prefix)
     engine = spawn_fd(
@@ -97,7 +101,7 @@ async def test_split_deployment_operator_commands(redis_server, keys, tmp_path):
             long = {
                 "model": "tiny",
                 "prompt": "Go on",
-                "max_tokens": 1500,
+                "max_tokens": 12000,
                 "temperature": 0,
                 "stream": True,
                 "ignore_eos": True,

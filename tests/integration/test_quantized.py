@@ -16,7 +16,15 @@ import pytest
 from fd.engine.model import qgemm
 from fd.engine.model.loader import load_model
 from fd.engine.runner.model_runner import ModelRunner
-from tests.kit.model import BLOCK, Blocks, greedy_reference, random_prompt, run_batched, tiny_dir  # noqa: F401  (tiny_dir: a fixture)
+from tests.kit.model import (  # noqa: F401  (tiny_dir: a fixture)
+    BLOCK,
+    Blocks,
+    cut_at_the_second_layer,
+    greedy_reference,
+    random_prompt,
+    run_batched,
+    tiny_dir,
+)
 
 FORMATS = ("int8", "bfloat16")
 
@@ -417,15 +425,7 @@ def test_an_abort_cut_between_the_kernel_layers_writes_none_of_its_kv_after(tiny
     cut = StepCut(sent.append)
     out = step(2)
     cut.begin(out)
-    take, calls = cut.take, []
-
-    def take_at_second_layer():  # the abort lands while the first layer runs
-        calls.append(1)
-        if len(calls) == 2:
-            cut.ask(out.step, frozenset({"a"}))
-        return take()
-
-    cut.take = take_at_second_layer
+    cut_at_the_second_layer(cut, out.step, frozenset({"a"}))
     res = runner.execute(out, cut)
     cut.end()
     assert taken == [2, 2]

@@ -1,6 +1,7 @@
-"""The tiny model's directory for a module, random prompts, and a driver of the paged runner
+"""The tiny model's directory for a module, random prompts, a driver of the paged runner
 that batches requests the way the scheduler does (tests/unit/test_model.py and
-test_cpu_attention.py hold the model to full recompute with it)."""
+test_cpu_attention.py hold the model to full recompute with it), and an abort that lands
+between a step's layers."""
 
 from __future__ import annotations
 
@@ -82,3 +83,17 @@ def run_batched(runner, prompts: dict[str, list[int]], steps: int, chunk: dict[s
     for t in tables.values():
         blocks.release(t)
     return gen, logits
+
+
+def cut_at_the_second_layer(cut, step: int, request_ids: frozenset[str]) -> None:
+    """An abort of ``request_ids`` that lands in ``cut`` (fd/engine/runner/step_cut.py) while
+    step ``step``'s first layer runs: the model asks before each layer's KV writes."""
+    take, calls = cut.take, []
+
+    def take_at_second_layer():
+        calls.append(1)
+        if len(calls) == 2:
+            cut.ask(step, request_ids)
+        return take()
+
+    cut.take = take_at_second_layer

@@ -9,6 +9,7 @@ import numpy as np
 from fd.control.sampling import SamplingParams
 from fd.engine.core.outputs import ScheduledSeq, SchedulerOutput
 from fd.engine.runner.step_cut import StepCut
+from tests.kit.model import cut_at_the_second_layer
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
 BS = 16
@@ -48,15 +49,7 @@ def test_a_request_cut_at_the_second_layer_keeps_only_the_first_layers_kv(tiny_r
     cut = StepCut(sent.append)
     out = _step(2)
     cut.begin(out)
-    take, calls = cut.take, []
-
-    def take_at_second_layer():  # the abort lands while the first layer runs
-        calls.append(1)
-        if len(calls) == 2:
-            cut.ask(out.step, frozenset({"a", "nobody"}))
-        return take()
-
-    cut.take = take_at_second_layer
+    cut_at_the_second_layer(cut, out.step, frozenset({"a", "nobody"}))
     res = runner.execute(out, cut)
     cut.end()
     assert [tuple(s) for s in sent] == [(2, ["a"])]  # said once, for this step, of "a" only
