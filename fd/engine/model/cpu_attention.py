@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Callable
 from functools import cache
+from typing import Any
 
 import numpy as np
 import paddle
@@ -91,6 +93,44 @@ class LayerShape:
             raise RuntimeError(f"attention kernels unavailable: {lib}")
         self._lib = lib
 
+    # The kernels' calls by address, argument order as attention.cc takes them (the functions
+    # below, and fd/engine/model/kernel_layers.py's calls laid out once per step size).
+
+    def rope_store_call(
+        self,
+        qkv: int,
+        rows: int,
+        rope: int,
+        positions: int,
+        slots: int,
+        k_cache: int,
+        v_cache: int,
+        q_out: int,
+    ) -> tuple[Callable[..., None], tuple[Any, ...]]:
+        width = (self.heads + 2 * self.kv_heads) * self.head_dim
+        return self._lib.attn_rope_store, (
+            (qkv, rows, width, self.heads, self.kv_heads, self.head_dim, rope, positions, slots)
+            + (k_cache, v_cache, self.num_slots, q_out, self.threads)
+        )
+
+    def attend_call(
+        self,
+        q: int,
+        q_rows: int,
+        n: int,
+        k_cache: int,
+        v_cache: int,
+        tables: int,
+        table_width: int,
+        lens: int,
+        window: int,
+        out: int,
+    ) -> tuple[Callable[..., None], tuple[Any, ...]]:
+        return self._lib.attn_decode, (
+            (q, q_rows, n, self.heads, self.kv_heads, self.head_dim, k_cache, v_cache, self.num_slots)
+            + (self.block_size, tables, table_width, lens, window, out, self.threads)
+        )
+
 
 def rope_store(
     shape: LayerShape,
@@ -112,22 +152,17 @@ def rope_store(
         raise ValueError(f"q|k|v {qkv.shape}, q out {q_out.shape}: not this model's")
     if int(positions.shape[0]) != rows or int(slots.shape[0]) != rows:
         raise ValueError("one position and one slot a row")
-    s._lib.attn_rope_store(
+    fn, args = s.rope_store_call(
         _ptr(qkv, paddle.float32),
         rows,
-        width,
-        s.heads,
-        s.kv_heads,
-        s.head_dim,
         _ptr(rope, paddle.float32),
         _ptr(positions, paddle.int64),
         _ptr(slots, paddle.int64),
         _ptr(k_cache, paddle.float32),
         _ptr(v_cache, paddle.float32),
-        s.num_slots,
         _ptr(q_out, paddle.float32),
-        s.threads,
     )
+    fn(*args)
 
 
 def attend(
@@ -155,24 +190,19 @@ def attend(
         out = paddle.empty([n, s.heads * s.head_dim], dtype=paddle.float32)
     elif list(out.shape) != [n, s.heads * s.head_dim]:
         raise ValueError(f"attention out {out.shape}: not [{n}, {s.heads * s.head_dim}]")
-    s._lib.attn_decode(
+    fn, args = s.attend_call(
         _ptr(q, paddle.float32),
         rows.ctypes.data,
         n,
-        s.heads,
-        s.kv_heads,
-        s.head_dim,
         _ptr(k_cache, paddle.float32),
         _ptr(v_cache, paddle.float32),
-        s.num_slots,
-        s.block_size,
         tables.ctypes.data,
         int(tables.shape[1]),
         lens.ctypes.data,
         window or 0,
         _ptr(out, paddle.float32),
-        s.threads,
     )
+    fn(*args)
     return out
 
 

@@ -77,39 +77,33 @@ class _Layout:
         eps = owner.eps
         p = lambda t: t.data_ptr()  # noqa: E731
         a, b = (p(t) for t in self.sums)
+        positions, slots, q_rows = self.positions.ctypes.data, self.slots.ctypes.data, self.q_rows.ctypes.data
+        tables, lens = self.tables.ctypes.data, self.lens.ctypes.data
         self.layers: list[list[_Call]] = []
         for i, layer in enumerate(owner.layers):
             qkv, o, gate_up, down = (layer[n] for n in ("qkv_q", "o_q", "gate_up_q", "down_q"))
             k_cache, v_cache = p(owner.k_blocks[i]), p(owner.v_blocks[i])
             calls: list[_Call] = [
                 # (layer 0's input and residual are the step's embeddings: :meth:`run` fills them)
-                (
-                    qkv._gemm_norm,
-                    (p(self.down), b, p(layer["in_norm"]), eps, rows, hidden, qkv._ptr, width)
-                    + (p(self.qkv), a, qkv.threads),
+                qkv.normed_call(p(self.down), b, p(layer["in_norm"]), eps, rows, p(self.qkv), a),
+                s.rope_store_call(
+                    p(self.qkv), rows, p(owner.rope), positions, slots, k_cache, v_cache, p(self.q_rot)
                 ),
-                (
-                    s._lib.attn_rope_store,
-                    (p(self.qkv), rows, width, s.heads, s.kv_heads, s.head_dim, p(owner.rope))
-                    + (self.positions.ctypes.data, self.slots.ctypes.data, k_cache, v_cache)
-                    + (s.num_slots, p(self.q_rot), s.threads),
+                s.attend_call(
+                    p(self.q_rot),
+                    q_rows,
+                    rows,
+                    k_cache,
+                    v_cache,
+                    tables,
+                    table_width,
+                    lens,
+                    owner.window,
+                    p(self.attn),
                 ),
-                (
-                    s._lib.attn_decode,
-                    (p(self.q_rot), self.q_rows.ctypes.data, rows, s.heads, s.kv_heads, s.head_dim)
-                    + (k_cache, v_cache, s.num_slots, s.block_size, self.tables.ctypes.data)
-                    + (table_width, self.lens.ctypes.data, owner.window, p(self.attn), s.threads),
-                ),
-                (o._gemm, (p(self.attn), rows, heads, o._ptr, hidden, p(self.o), o.threads)),
-                (
-                    gate_up._gemm_norm,
-                    (p(self.o), a, p(layer["post_norm"]), eps, rows, hidden, gate_up._ptr, inter)
-                    + (p(self.gate_up), b, gate_up.threads),
-                ),
-                (
-                    down._gemm_swiglu,
-                    (p(self.gate_up), rows, inter // 2, down._ptr, hidden, p(self.down), down.threads),
-                ),
+                o.gemm_call(p(self.attn), rows, p(self.o)),
+                gate_up.normed_call(p(self.o), a, p(layer["post_norm"]), eps, rows, p(self.gate_up), b),
+                down.swiglu_call(p(self.gate_up), rows, p(self.down)),
             ]
             self.layers.append(calls)
 

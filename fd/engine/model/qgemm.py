@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Callable
 from functools import cache
+from typing import Any
 
 import numpy as np
 import paddle
@@ -175,11 +177,28 @@ class QuantLinear:
             self._last = out
         return x, m, out
 
-    def __call__(self, x: paddle.Tensor) -> paddle.Tensor:
+    # The kernels' calls by address, argument order as qgemm.cc takes them (the methods below,
+    # and fd/engine/model/kernel_layers.py's calls laid out once per step size).
+
+    def gemm_call(self, x: int, m: int, out: int) -> tuple[Callable[..., None], tuple[Any, ...]]:
         k, n = self.shape
-        x, m, out = self._out(x, k)
+        return self._gemm, (x, m, k, self._ptr, n, out, self.threads)
+
+    def swiglu_call(self, x: int, m: int, out: int) -> tuple[Callable[..., None], tuple[Any, ...]]:
+        k, n = self.shape
+        return self._gemm_swiglu, (x, m, k, self._ptr, n, out, self.threads)
+
+    def normed_call(
+        self, x: int, residual: int | None, w: int, eps: float, m: int, out: int, sums: int
+    ) -> tuple[Callable[..., None], tuple[Any, ...]]:
+        k, n = self.shape
+        return self._gemm_norm, (x, residual, w, eps, m, k, self._ptr, n, out, sums, self.threads)
+
+    def __call__(self, x: paddle.Tensor) -> paddle.Tensor:
+        x, m, out = self._out(x, self.shape[0])
         if m:
-            self._gemm(x.data_ptr(), m, k, self._ptr, n, out.data_ptr(), self.threads)
+            fn, args = self.gemm_call(x.data_ptr(), m, out.data_ptr())
+            fn(*args)
         return out
 
     def swiglu(self, x: paddle.Tensor) -> paddle.Tensor:
@@ -190,7 +209,8 @@ class QuantLinear:
             raise ValueError(f"SwiGLU by the kernels takes an input of a multiple of 16, not {k}")
         x, m, out = self._out(x, 2 * k)
         if m:
-            self._gemm_swiglu(x.data_ptr(), m, k, self._ptr, n, out.data_ptr(), self.threads)
+            fn, args = self.swiglu_call(x.data_ptr(), m, out.data_ptr())
+            fn(*args)
         return out
 
     def normed(
@@ -213,17 +233,14 @@ class QuantLinear:
             if self.reuse and m <= REUSE_ROWS:
                 self._last_sum = sums
         if m:
-            self._gemm_norm(
+            fn, args = self.normed_call(
                 x.data_ptr(),
                 None if residual is None else residual.data_ptr(),
                 w.data_ptr(),
                 eps,
                 m,
-                k,
-                self._ptr,
-                n,
                 out.data_ptr(),
                 sums.data_ptr(),
-                self.threads,
             )
+            fn(*args)
         return out, sums
