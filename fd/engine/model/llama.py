@@ -33,7 +33,7 @@ import paddle
 import paddle.incubate.nn.functional as IF
 import paddle.nn.functional as F
 
-from fd.engine.model import cpu_attention, kernel_layers, packed_gemm, qgemm, weight_only
+from fd.engine.model import cpu_attention, kernel_layers, native, packed_gemm, qgemm, weight_only
 from fd.engine.model.checkpoint_layout import LAYER_VECTORS, layer_arrays
 from fd.engine.model.config import ModelConfig, rope_inv_freq
 from fd.engine.model.dense import DenseWeights, pack_weights, thread_quantized
@@ -56,7 +56,7 @@ def cpu_swiglu(x: paddle.Tensor) -> paddle.Tensor:
 def fused_rms_norm_runs(device: str) -> bool:
     """Whether Paddle's fused RMSNorm can run here. Its CPU kernel is written in AVX-512 and
     is not guarded: on a CPU without it (AMD before Zen 4, many laptops) it dies of SIGILL."""
-    return device != "cpu" or paddle.base.core.supports_avx512f()
+    return device != "cpu" or native.has_avx512f()
 
 
 def composed_rms_norm(

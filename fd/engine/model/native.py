@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import subprocess
@@ -21,18 +22,41 @@ from pathlib import Path
 import paddle
 
 KERNELS = Path(__file__).parent / "kernels"
+log = logging.getLogger("fd.engine")
+
+
+#: the ceilings ``$FD_MAX_CPU_ISA`` takes, each with the flag prefixes it hides
+MAX_CPU_ISA = {"avx2": ("avx512", "amx"), "avx512": ("amx",)}
 
 
 @lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str]:
+    """The CPU's flags as /proc/cpuinfo names them, under ``$FD_MAX_CPU_ISA``'s ceiling.
+
+    ``FD_MAX_CPU_ISA=avx2`` has fd choose as on a CPU without AVX-512 (its kernels' AVX2 builds,
+    the composed RMSNorm, no bfloat16 weights) on one that has it, as oneDNN's
+    ``ONEDNN_MAX_CPU_ISA`` does for oneDNN's: the way to see here what such a CPU gets."""
+    flags: frozenset[str] = frozenset()
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
+                    flags = frozenset(line.split(":", 1)[1].split())
+                    break
     except OSError:
         pass
-    return frozenset()
+    ceiling = os.environ.get("FD_MAX_CPU_ISA", "").strip().lower()
+    if not ceiling:
+        return flags
+    if ceiling not in MAX_CPU_ISA:
+        log.warning("FD_MAX_CPU_ISA=%s ignored: it takes %s", ceiling, " or ".join(MAX_CPU_ISA))
+        return flags
+    return frozenset(f for f in flags if not f.startswith(MAX_CPU_ISA[ceiling]))
+
+
+def has_avx512f() -> bool:
+    """Whether AVX-512 code may run here: the CPU has it, and ``$FD_MAX_CPU_ISA`` allows it."""
+    return "avx512f" in cpu_flags() and bool(paddle.base.core.supports_avx512f())
 
 
 def _cache_dir() -> Path:
@@ -68,7 +92,6 @@ def _build(name: str, source: Path, flags: tuple[str, ...]) -> Path:
     return out
 
 
-@cache
 def library(name: str, source: str, needs: tuple[str, ...], flags: tuple[str, ...]) -> ctypes.CDLL | str:
     """Library ``name`` built from ``kernels/<source>`` with ``flags`` on a CPU that has every
     flag of ``needs`` (as /proc/cpuinfo names them), or why there is none."""
@@ -77,6 +100,11 @@ def library(name: str, source: str, needs: tuple[str, ...], flags: tuple[str, ..
     missing = [f for f in needs if f not in cpu_flags()]
     if missing:
         return f"this CPU lacks {', '.join(missing)}"
+    return _loaded(name, source, flags)
+
+
+@cache
+def _loaded(name: str, source: str, flags: tuple[str, ...]) -> ctypes.CDLL | str:
     if not (_omp_dir() / "libiomp5.so").exists():
         return "this Paddle build has no libiomp5 (a GPU or ARM wheel)"
     try:
