@@ -62,10 +62,7 @@ class DenseWeights:
         layer[name] = paddle.to_tensor(np.ascontiguousarray(a, dtype=np.float32), place=self.place)
 
     def say(self) -> None:
-        """The format and the kernels' build that compute the weights (an AVX2 machine's is not
-        an AVX-512 one's speed), and one line each for the weights not held in that format."""
-        if self.fmt != "float32" and not self.gpu_weight_only:
-            log.info("weights in %s on the %s build of the kernels", self.fmt, qgemm.isa(self.fmt))
+        """One line each for the weights not held in the format asked."""
         if self._kept:
             log.warning("weights kept in float32 (%s): %s", self.fmt, ", ".join(self._kept))
         if self._eight:
