@@ -55,8 +55,10 @@ def cpu_flags() -> frozenset[str]:
 
 
 def has_avx512f() -> bool:
-    """Whether AVX-512 code may run here: the CPU has it, and ``$FD_MAX_CPU_ISA`` allows it."""
-    return "avx512f" in cpu_flags() and bool(paddle.base.core.supports_avx512f())
+    """Whether AVX-512 code may run here: the CPU has it (Paddle's probe; /proc/cpuinfo where
+    there is one), and ``$FD_MAX_CPU_ISA`` allows it."""
+    flags = cpu_flags()
+    return bool(paddle.base.core.supports_avx512f()) and (not flags or "avx512f" in flags)
 
 
 def _cache_dir() -> Path:
