@@ -340,12 +340,15 @@ static inline void q4_tile_rows(const uint8_t* packed, int K, int N, int t, cons
       const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(db + 16)));
       for (int r = 0; r < R; r++) {
         const int8_t* xr = xq + (int64_t)(m0 + r) * K + b * 32;
-        __m256i i = _mm256_setzero_si256();
+        // a pair of q * x is at most 2 * 15 * 127 = 3,810 and the block's eight groups' sum
+        // 30,480: the sums stay in int16, and one vpmaddwd a block widens them
+        __m256i p = _mm256_setzero_si256();
         for (int g = 0; g < 8; g++) {
           int32_t x4;
           memcpy(&x4, xr + g * 4, 4);
-          i = _mm256_add_epi32(i, _mm256_madd_epi16(_mm256_maddubs_epi16(w[g], _mm256_set1_epi32(x4)), ones));
+          p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[g], _mm256_set1_epi32(x4)));
         }
+        const __m256i i = _mm256_madd_epi16(p, ones);
         const int64_t rb = (int64_t)(m0 + r) * KB + b;
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(dw, _mm256_set1_ps(dx[rb])), acc[r]);
         acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sx[rb]), acc[r]);
