@@ -8,6 +8,8 @@ tests fail rather than skip, naming what is missing: this project's CI machines 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import paddle
@@ -307,44 +309,43 @@ def test_a_formats_greedy_tokens_equal_its_recorded_ones(tiny_dir, fmt):
     assert got == RECORDED[fmt]
 
 
-@pytest.fixture
-def avx2_ceiling(monkeypatch):
-    """``FD_MAX_CPU_ISA=avx2``: fd's choices made as on a CPU without AVX-512."""
+@contextmanager
+def isa_ceiling(value: str) -> Iterator[None]:
+    """``FD_MAX_CPU_ISA=value`` for the block; the caches that read it cleared on both sides."""
 
     def clear() -> None:
         native.cpu_flags.cache_clear()
         qgemm._library.cache_clear()
 
-    monkeypatch.setenv("FD_MAX_CPU_ISA", "avx2")
-    clear()
-    yield
-    monkeypatch.delenv("FD_MAX_CPU_ISA")
-    clear()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FD_MAX_CPU_ISA", value)
+        clear()
+        try:
+            yield
+        finally:
+            mp.undo()
+            clear()
 
 
 @pytest.mark.parametrize("fmt", ("int8", "int4"))
-def test_a_cpu_with_avx2_alone_runs_the_integer_formats_avx2_kernels_to_the_same_logits(
-    tiny_dir, fmt, request, monkeypatch
-):  # noqa: F811
+def test_a_cpu_with_avx2_alone_runs_the_integer_formats_avx2_kernels_to_the_same_logits(tiny_dir, fmt):  # noqa: F811
     """What an AVX2 CPU (no AVX-512) gets: the same formats by their own build, whose integer
     sums are the same, so its logits are the AVX-512 build's on the same (composed) RMSNorm.
     (Against the fused norm they differ by up to ~0.2: its last-bit differences move some
     activations across an 8-bit rounding step.)"""
-    monkeypatch.setattr(paddle.base.core, "supports_avx512f", lambda: False)
-    vnni = load_model(tiny_dir, progress=False, weight_format=fmt)
-    monkeypatch.undo()
-    request.getfixturevalue("avx2_ceiling")
-    assert qgemm.isa(fmt) == "avx2" and not llama.fused_rms_norm_runs("cpu")
-    avx2 = load_model(tiny_dir, progress=False, weight_format=fmt)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(paddle.base.core, "supports_avx512f", lambda: False)
+        vnni = load_model(tiny_dir, progress=False, weight_format=fmt)
+    with isa_ceiling("avx2"):
+        assert qgemm.isa(fmt) == "avx2" and not llama.fused_rms_norm_runs("cpu")
+        avx2 = load_model(tiny_dir, progress=False, weight_format=fmt)
     assert avx2.weight_format == fmt and avx2._rms_norm is llama.composed_rms_norm
     ids = random_prompt(11, 30)
     np.testing.assert_allclose(avx2.reference_logits(ids), vnni.reference_logits(ids), rtol=0, atol=1e-5)
 
 
-def test_bfloat16_weights_on_a_cpu_without_avx512_bf16_are_float32_and_one_line_says_why(
-    tiny_dir, avx2_ceiling, caplog
-):  # noqa: F811
-    with caplog.at_level(logging.WARNING, logger="fd.engine"):
+def test_bfloat16_weights_on_a_cpu_without_avx512_bf16_are_float32_and_one_line_says_why(tiny_dir, caplog):  # noqa: F811
+    with isa_ceiling("avx2"), caplog.at_level(logging.WARNING, logger="fd.engine"):
         model = load_model(tiny_dir, progress=False, weight_format="bfloat16")
     assert model.weight_format == "float32"
     said = [r.getMessage() for r in caplog.records if "bfloat16" in r.getMessage()]
@@ -354,19 +355,13 @@ def test_bfloat16_weights_on_a_cpu_without_avx512_bf16_are_float32_and_one_line_
     ]
 
 
-def test_an_unknown_isa_ceiling_is_named_and_ignored(monkeypatch, caplog):
-    monkeypatch.setenv("FD_MAX_CPU_ISA", "sse9")
-    native.cpu_flags.cache_clear()
-    try:
-        with caplog.at_level(logging.WARNING, logger="fd.engine"):
-            flags = native.cpu_flags()
-        assert "avx2" in flags
-        assert [r.getMessage() for r in caplog.records] == [
-            "FD_MAX_CPU_ISA=sse9 ignored: it takes avx2 or avx512"
-        ]
-    finally:
-        monkeypatch.delenv("FD_MAX_CPU_ISA")
-        native.cpu_flags.cache_clear()
+def test_an_unknown_isa_ceiling_is_named_and_ignored(caplog):
+    with isa_ceiling("sse9"), caplog.at_level(logging.WARNING, logger="fd.engine"):
+        flags = native.cpu_flags()
+    assert "avx2" in flags
+    assert [r.getMessage() for r in caplog.records] == [
+        "FD_MAX_CPU_ISA=sse9 ignored: it takes avx2 or avx512"
+    ]
 
 
 def test_int8_on_a_gpu_is_paddles_weight_only_gemm_where_one_runs_and_agrees():
